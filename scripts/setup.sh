@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs what guestmem needs to build and test on a fresh Debian machine of this project's kind:
+# libclang (userfaultfd-sys generates its bindings at build time), binutils (the guest payload is
+# assembled at build time) and the Rust components the checks use. Safe to run again.
+set -euo pipefail
+need=()
+command -v as >/dev/null 2>&1 || need+=(binutils)
+command -v ld >/dev/null 2>&1 || need+=(binutils)
+ls /usr/lib/llvm-*/lib/libclang.so >/dev/null 2>&1 || need+=(libclang-dev)
+command -v ip >/dev/null 2>&1 || need+=(iproute2)
+if [ ${#need[@]} -gt 0 ]; then
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+if ! command -v cargo >/dev/null 2>&1; then
+  echo "setup: cargo is missing; install Rust (rustup) first" >&2
+  exit 1
+fi
+rustup component add rustfmt clippy >/dev/null 2>&1 || true
