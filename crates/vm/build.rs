@@ -1,1 +1,77 @@
-fn main() {}
+//! Assembles the guest payload (payload/payload.S) with GNU binutils into a flat image, and
+//! generates the control-block layout once for both sides: `control.inc` for the assembly and
+//! `control.rs` for the host.
+use std::path::PathBuf;
+use std::process::Command;
+
+/// The one definition of the control block and the payload's constants: (name, value).
+const CONTROL: &[(&str, u64)] = &[
+    // Host -> guest
+    ("CTL_WORKLOAD", 0x00),
+    ("CTL_RANGE_GPA", 0x08),
+    ("CTL_RANGE_PAGES", 0x10),
+    ("CTL_SEED", 0x18),
+    ("CTL_TSC_PER_PAGE", 0x20),
+    ("CTL_PASSES", 0x28),
+    ("CTL_GEN_LIMIT", 0x30),
+    ("CTL_STOP", 0x38),
+    // Guest -> host
+    ("CTL_STATE", 0x80),
+    ("CTL_PAGES_DONE", 0x88),
+    ("CTL_GENERATION", 0x90),
+    ("CTL_DIGEST", 0x98),
+    ("CTL_TSC_START", 0xa0),
+    ("CTL_TSC_END", 0xa8),
+    // Values
+    ("WORKLOAD_WRITE", 1),
+    ("WORKLOAD_VERIFY", 2),
+    ("STATE_IDLE", 0),
+    ("STATE_RUNNING", 1),
+    ("STATE_DONE", 2),
+    ("STATE_BAD_WORKLOAD", 3),
+    // An address in the unbacked hole below the sys region: a write there is an MMIO exit.
+    ("DONE_GPA", 0x1000),
+];
+
+fn run(cmd: &mut Command) {
+    let status = cmd
+        .status()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e} (install binutils: scripts/setup.sh)"));
+    assert!(status.success(), "{cmd:?} failed with {status}");
+}
+
+fn main() {
+    let out = PathBuf::from(std::env::var("OUT_DIR").unwrap());
+    println!("cargo::rerun-if-changed=payload/payload.S");
+    println!("cargo::rerun-if-changed=build.rs");
+
+    let inc: String = CONTROL
+        .iter()
+        .map(|(n, v)| format!("        .set {n}, {v:#x}\n"))
+        .collect();
+    std::fs::write(out.join("control.inc"), inc).unwrap();
+    let rs: String = CONTROL
+        .iter()
+        .map(|(n, v)| format!("pub const {n}: u64 = {v:#x};\n"))
+        .collect();
+    std::fs::write(out.join("control.rs"), rs).unwrap();
+
+    let obj = out.join("payload.o");
+    let elf = out.join("payload.elf");
+    let bin = out.join("payload.bin");
+    run(Command::new("as")
+        .args(["--64", "-I"])
+        .arg(&out)
+        .arg("-o")
+        .arg(&obj)
+        .arg("payload/payload.S"));
+    // The image is linked at the guest address it is loaded at (layout::PAYLOAD_GPA).
+    run(Command::new("ld")
+        .args(["-m", "elf_x86_64", "-static", "-nostdlib", "-Ttext=0x100000", "-e", "_start", "-o"])
+        .arg(&elf)
+        .arg(&obj));
+    run(Command::new("objcopy")
+        .args(["-O", "binary", "-j", ".text"])
+        .arg(&elf)
+        .arg(&bin));
+}

@@ -1,1 +1,16 @@
+//! Guest memory for KVM VMMs: regions of host memory placed at guest physical addresses, on one
+//! of several backends (anonymous, memfd, hugetlbfs, guest_memfd), registered as KVM memslots.
+//!
+//! Host-side access never creates Rust references into guest memory: the guest (and other host
+//! threads) may change it at any time, so reads and writes copy through raw pointers.
 
+mod error;
+mod guest_memory;
+mod region;
+
+pub use error::{Error, Result};
+pub use guest_memory::{digest_bytes, GuestMemory, DIGEST_SEED};
+pub use region::{hugetlbfs_mount, Backend, Region, RegionSpec, HUGE_PAGE_SIZE};
+
+/// The base page size of guest memory (x86-64).
+pub const PAGE_SIZE: u64 = 4096;

@@ -1,1 +1,15 @@
+//! A KVM VM that runs guestmem's guest payload on N vCPU threads over guest memory of any
+//! backend. The payload runs in 64-bit mode at CPL3 (see `payload/payload.S` for its entry
+//! state and workloads); the host sets it up without firmware: identity page tables, segment
+//! registers and CPUID, then one control block per vCPU.
 
+mod error;
+pub mod layout;
+pub mod payload;
+mod vcpu;
+mod vm;
+mod workload;
+
+pub use error::{Error, Result};
+pub use vm::{RunningVm, Vm, VmConfig};
+pub use workload::{RunReport, VcpuReport, VcpuWork, Workload};

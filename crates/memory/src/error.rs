@@ -1,0 +1,59 @@
+use std::io;
+
+use crate::{Backend, RegionSpec};
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Everything that can go wrong with guest memory. Every variant names the region.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("region '{region}': size is zero")]
+    ZeroSize { region: String },
+    #[error("region '{region}': {what} {value:#x} is not a multiple of the {backend} backend's page size ({page_size:#x})")]
+    Misaligned {
+        region: String,
+        what: &'static str,
+        value: u64,
+        backend: Backend,
+        page_size: u64,
+    },
+    #[error("region '{region}': guest range {gpa:#x}+{size:#x} overflows the guest address space")]
+    OutOfRange { region: String, gpa: u64, size: u64 },
+    #[error("region '{region}' [{gpa:#x}..{end:#x}) overlaps region '{other}' [{other_gpa:#x}..{other_end:#x})")]
+    Overlap {
+        region: String,
+        gpa: u64,
+        end: u64,
+        other: String,
+        other_gpa: u64,
+        other_end: u64,
+    },
+    #[error("region '{region}': the {backend} backend is not available: {reason}")]
+    BackendUnavailable {
+        region: String,
+        backend: Backend,
+        reason: String,
+    },
+    #[error("region '{region}': {op} failed: {source}")]
+    Os {
+        region: String,
+        op: &'static str,
+        source: io::Error,
+    },
+    #[error("region name {0:?} cannot be used (it contains a NUL byte)")]
+    BadName(String),
+    #[error("region names must be unique: '{0}' is used twice")]
+    DuplicateName(String),
+    #[error("guest range {gpa:#x}+{len:#x} is not inside one region")]
+    NotMapped { gpa: u64, len: u64 },
+}
+
+impl Error {
+    pub(crate) fn os(spec: &RegionSpec, op: &'static str, source: io::Error) -> Error {
+        Error::Os {
+            region: spec.name.clone(),
+            op,
+            source,
+        }
+    }
+}

@@ -1,0 +1,253 @@
+//! A VM's guest memory: its regions, checked against each other, and registered as memslots.
+
+use std::io;
+use std::os::fd::AsRawFd;
+
+use guestmem_sys::uapi::{
+    kvm_userspace_memory_region2, KVM_CAP_USER_MEMORY2, KVM_MEM_GUEST_MEMFD,
+    KVM_SET_USER_MEMORY_REGION2,
+};
+use kvm_ioctls::VmFd;
+use vmm_sys_util::ioctl::ioctl_with_ref;
+
+use crate::{Backend, Error, Region, RegionSpec, Result};
+
+/// Starting value of [`digest_bytes`] (the FNV-1a 64-bit offset basis).
+pub const DIGEST_SEED: u64 = 0xcbf2_9ce4_8422_2325;
+const DIGEST_PRIME: u64 = 0x0000_0100_0000_01b3;
+
+/// The digest the guest payload's `verify` workload computes: FNV-1a over little-endian 64-bit
+/// words (`h = (h ^ word) * 0x100000001b3`), starting from `h`. `bytes.len()` must be a
+/// multiple of 8.
+pub fn digest_bytes(mut h: u64, bytes: &[u8]) -> u64 {
+    for word in bytes.chunks_exact(8) {
+        let w = u64::from_le_bytes(word.try_into().expect("8-byte chunk"));
+        h = (h ^ w).wrapping_mul(DIGEST_PRIME);
+    }
+    h
+}
+
+/// The regions of one VM. Regions never overlap and their names are unique.
+#[derive(Debug, Default)]
+pub struct GuestMemory {
+    regions: Vec<Region>,
+}
+
+impl GuestMemory {
+    /// Checks the specs against each other, then creates every region (guest_memfd regions on
+    /// `vm`). Nothing is created when any spec is wrong.
+    pub fn new(specs: &[RegionSpec], vm: Option<&VmFd>) -> Result<GuestMemory> {
+        check_layout(specs)?;
+        let regions = specs
+            .iter()
+            .map(|spec| Region::create(spec.clone(), vm))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(GuestMemory { regions })
+    }
+
+    pub fn regions(&self) -> &[Region] {
+        &self.regions
+    }
+
+    pub fn region(&self, name: &str) -> Option<&Region> {
+        self.regions.iter().find(|r| r.name() == name)
+    }
+
+    /// Total guest memory in bytes.
+    pub fn size(&self) -> u64 {
+        self.regions.iter().map(|r| r.size()).sum()
+    }
+
+    /// The end of the highest region.
+    pub fn end(&self) -> u64 {
+        self.regions.iter().map(|r| r.spec().end()).max().unwrap_or(0)
+    }
+
+    /// The region holding all of `[gpa, gpa + len)`.
+    pub fn find(&self, gpa: u64, len: u64) -> Result<(&Region, *mut u8)> {
+        self.regions
+            .iter()
+            .find_map(|r| r.host_range(gpa, len).map(|p| (r, p)))
+            .ok_or(Error::NotMapped { gpa, len })
+    }
+
+    /// Copies guest memory at `gpa` into `buf`.
+    pub fn read(&self, gpa: u64, buf: &mut [u8]) -> Result<()> {
+        let (_, src) = self.find(gpa, buf.len() as u64)?;
+        // SAFETY: `find` checked that `buf.len()` bytes at `src` lie inside a live mapping; `buf`
+        // is a distinct host buffer, so the ranges do not overlap.
+        unsafe { std::ptr::copy_nonoverlapping(src, buf.as_mut_ptr(), buf.len()) };
+        Ok(())
+    }
+
+    /// Copies `data` into guest memory at `gpa`.
+    pub fn write(&self, gpa: u64, data: &[u8]) -> Result<()> {
+        let (_, dst) = self.find(gpa, data.len() as u64)?;
+        // SAFETY: as in `read`, with the roles swapped.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
+        Ok(())
+    }
+
+    /// Reads one little-endian u64 at `gpa` (volatile: the guest may be writing it).
+    pub fn read_u64(&self, gpa: u64) -> Result<u64> {
+        let (_, p) = self.find(gpa, 8)?;
+        // SAFETY: 8 bytes at `p` are inside a live mapping; read_unaligned copes with any gpa.
+        Ok(unsafe { std::ptr::read_volatile(p as *const [u8; 8]) }).map(u64::from_le_bytes)
+    }
+
+    /// Writes one little-endian u64 at `gpa` (volatile: the guest may be reading it).
+    pub fn write_u64(&self, gpa: u64, value: u64) -> Result<()> {
+        let (_, p) = self.find(gpa, 8)?;
+        // SAFETY: 8 bytes at `p` are inside a live mapping.
+        unsafe { std::ptr::write_volatile(p as *mut [u8; 8], value.to_le_bytes()) };
+        Ok(())
+    }
+
+    /// The [`digest_bytes`] of `[gpa, gpa + len)`, computed the way the guest's `verify` does.
+    pub fn digest(&self, gpa: u64, len: u64) -> Result<u64> {
+        const CHUNK: usize = 1 << 20;
+        let mut buf = vec![0u8; CHUNK];
+        let mut h = DIGEST_SEED;
+        let mut done = 0u64;
+        while done < len {
+            let n = CHUNK.min((len - done) as usize);
+            self.read(gpa + done, &mut buf[..n])?;
+            h = digest_bytes(h, &buf[..n]);
+            done += n as u64;
+        }
+        Ok(h)
+    }
+
+    /// Registers every region as a KVM memslot, slot `i` for region `i`, with
+    /// `KVM_SET_USER_MEMORY_REGION2` (guest_memfd regions with `KVM_MEM_GUEST_MEMFD`).
+    pub fn register(&self, vm: &VmFd) -> Result<()> {
+        let has_region2 = vm.check_extension_raw(KVM_CAP_USER_MEMORY2.into()) > 0;
+        for (slot, region) in self.regions.iter().enumerate() {
+            let spec = region.spec();
+            let mut mr = kvm_userspace_memory_region2 {
+                slot: slot as u32,
+                flags: 0,
+                guest_phys_addr: spec.gpa,
+                memory_size: spec.size,
+                userspace_addr: region.host_addr() as u64,
+                ..Default::default()
+            };
+            if region.backend() == Backend::GuestMemfd {
+                mr.flags |= KVM_MEM_GUEST_MEMFD;
+                mr.guest_memfd = region.fd().expect("guest_memfd region has an fd").as_raw_fd() as u32;
+                mr.guest_memfd_offset = 0;
+            }
+            let ret = if has_region2 {
+                // SAFETY: `mr` is a fully initialised kvm_userspace_memory_region2 describing a
+                // mapping that `self` keeps alive for as long as the VM uses it.
+                match unsafe { ioctl_with_ref(vm, KVM_SET_USER_MEMORY_REGION2(), &mr) } {
+                    0 => Ok(()),
+                    _ => Err(io::Error::last_os_error()),
+                }
+            } else if region.backend() == Backend::GuestMemfd {
+                return Err(Error::BackendUnavailable {
+                    region: spec.name.clone(),
+                    backend: spec.backend,
+                    reason: "the kernel lacks KVM_CAP_USER_MEMORY2".into(),
+                });
+            } else {
+                let legacy = kvm_bindings::kvm_userspace_memory_region {
+                    slot: mr.slot,
+                    flags: mr.flags,
+                    guest_phys_addr: mr.guest_phys_addr,
+                    memory_size: mr.memory_size,
+                    userspace_addr: mr.userspace_addr,
+                };
+                // SAFETY: as above, for the original ioctl.
+                unsafe { vm.set_user_memory_region(legacy) }
+                    .map_err(|e| io::Error::from_raw_os_error(e.errno()))
+            };
+            ret.map_err(|source| Error::Os {
+                region: spec.name.clone(),
+                op: "KVM_SET_USER_MEMORY_REGION2",
+                source,
+            })?;
+        }
+        Ok(())
+    }
+}
+
+/// Refuses duplicate names, bad sizes/alignments and overlaps, naming the regions involved.
+fn check_layout(specs: &[RegionSpec]) -> Result<()> {
+    for (i, spec) in specs.iter().enumerate() {
+        spec.validate()?;
+        for other in &specs[..i] {
+            if other.name == spec.name {
+                return Err(Error::DuplicateName(spec.name.clone()));
+            }
+            if spec.gpa < other.end() && other.gpa < spec.end() {
+                return Err(Error::Overlap {
+                    region: spec.name.clone(),
+                    gpa: spec.gpa,
+                    end: spec.end(),
+                    other: other.name.clone(),
+                    other_gpa: other.gpa,
+                    other_end: other.end(),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(name: &str, gpa: u64, size: u64, backend: Backend) -> RegionSpec {
+        RegionSpec::new(name, gpa, size, backend)
+    }
+
+    #[test]
+    fn layout_errors_name_the_region() {
+        let e = check_layout(&[spec("a", 0, 0, Backend::Anon)]).unwrap_err();
+        assert_eq!(e.to_string(), "region 'a': size is zero");
+        let e = check_layout(&[spec("b", 0, 4097, Backend::Anon)]).unwrap_err();
+        assert!(e.to_string().contains("region 'b': size 0x1001"), "{e}");
+        let e = check_layout(&[spec("h", 0, 4096, Backend::Hugetlbfs)]).unwrap_err();
+        assert!(e.to_string().contains("region 'h'") && e.to_string().contains("0x200000"), "{e}");
+        let e = check_layout(&[spec("g", 0x1000_0800, 4096, Backend::Memfd)]).unwrap_err();
+        assert!(e.to_string().contains("guest address"), "{e}");
+        let e = check_layout(&[
+            spec("lo", 0, 0x2000, Backend::Anon),
+            spec("hi", 0x1000, 0x2000, Backend::Anon),
+        ])
+        .unwrap_err();
+        assert!(matches!(e, Error::Overlap { ref region, ref other, .. } if region == "hi" && other == "lo"));
+        let e = check_layout(&[
+            spec("x", 0, 0x1000, Backend::Anon),
+            spec("x", 0x1000, 0x1000, Backend::Anon),
+        ])
+        .unwrap_err();
+        assert!(matches!(e, Error::DuplicateName(ref n) if n == "x"));
+        check_layout(&[
+            spec("lo", 0, 0x2000, Backend::Anon),
+            spec("hi", 0x4000, 0x2000, Backend::Anon),
+        ])
+        .unwrap();
+    }
+
+    #[test]
+    fn digest_is_fnv1a_over_words() {
+        assert_eq!(digest_bytes(DIGEST_SEED, &[]), DIGEST_SEED);
+        let one = digest_bytes(DIGEST_SEED, &1u64.to_le_bytes());
+        assert_eq!(one, (DIGEST_SEED ^ 1).wrapping_mul(DIGEST_PRIME));
+        assert_ne!(digest_bytes(DIGEST_SEED, &[0; 16]), digest_bytes(DIGEST_SEED, &[0; 8]));
+    }
+
+    #[test]
+    fn host_reads_what_it_wrote() {
+        let mem = GuestMemory::new(&[spec("r", 0x10000, 0x4000, Backend::Memfd)], None).unwrap();
+        mem.write(0x10ff8, &[1, 2, 3, 4, 5, 6, 7, 8, 9]).unwrap();
+        let mut back = [0u8; 9];
+        mem.read(0x10ff8, &mut back).unwrap();
+        assert_eq!(back, [1, 2, 3, 4, 5, 6, 7, 8, 9]);
+        assert_eq!(mem.read_u64(0x10ff8).unwrap(), u64::from_le_bytes([1, 2, 3, 4, 5, 6, 7, 8]));
+        assert!(matches!(mem.read(0x13ffc, &mut [0; 8]), Err(Error::NotMapped { .. })));
+    }
+}

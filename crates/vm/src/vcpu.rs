@@ -1,0 +1,135 @@
+//! vCPU setup (CPUID, long mode at CPL3) and the vCPU thread's run loop.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use kvm_bindings::{kvm_segment, CpuId, KVM_MAX_CPUID_ENTRIES};
+use kvm_ioctls::{Kvm, VcpuExit, VcpuFd};
+use vmm_sys_util::signal::{register_signal_handler, SIGRTMIN};
+
+use crate::layout;
+use crate::payload::DONE_GPA;
+use crate::{Error, Result};
+
+/// The signal that kicks a vCPU thread out of `KVM_RUN` (its handler does nothing; the point is
+/// the `EINTR`).
+pub(crate) fn kick_signal() -> libc::c_int {
+    SIGRTMIN()
+}
+
+extern "C" fn on_kick(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
+
+/// Installs the kick handler once per process.
+pub(crate) fn install_kick_handler() -> Result<()> {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    let mut result = Ok(());
+    ONCE.call_once(|| {
+        result = register_signal_handler(kick_signal(), on_kick).map_err(|e| Error::Thread {
+            vcpu: 0,
+            reason: format!("cannot install the vCPU kick signal handler: {e}"),
+        });
+    });
+    result
+}
+
+pub(crate) fn supported_cpuid(kvm: &Kvm) -> Result<CpuId> {
+    kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+        .map_err(Error::ioctl("KVM_GET_SUPPORTED_CPUID"))
+}
+
+/// Gives vCPU `id` the host-supported CPUID (with its own APIC id); without it KVM refuses
+/// EFER.LME/LMA.
+pub(crate) fn set_cpuid(vcpu: &VcpuFd, id: usize, base: &CpuId) -> Result<()> {
+    let mut cpuid = base.clone();
+    for e in cpuid.as_mut_slice() {
+        match e.function {
+            1 => e.ebx = (e.ebx & 0x00ff_ffff) | ((id as u32 & 0xff) << 24),
+            0xb | 0x1f => e.edx = id as u32,
+            _ => {}
+        }
+    }
+    vcpu.set_cpuid2(&cpuid).map_err(Error::ioctl("KVM_SET_CPUID2"))
+}
+
+/// Puts vCPU `id` at the payload's entry in 64-bit mode at CPL3 (see payload.S for the state).
+pub(crate) fn set_entry_state(vcpu: &VcpuFd, id: usize) -> Result<()> {
+    let mut sregs = vcpu.get_sregs().map_err(Error::ioctl("KVM_GET_SREGS"))?;
+    let code = kvm_segment {
+        base: 0,
+        limit: 0xffff_ffff,
+        selector: 0x0b, // GDT index 1, RPL 3
+        type_: 11,      // execute/read, accessed
+        present: 1,
+        dpl: 3,
+        db: 0,
+        s: 1,
+        l: 1,
+        g: 1,
+        ..Default::default()
+    };
+    let data = kvm_segment {
+        selector: 0x13, // GDT index 2, RPL 3
+        type_: 3,       // read/write, accessed
+        db: 1,
+        l: 0,
+        ..code
+    };
+    sregs.cs = code;
+    sregs.ds = data;
+    sregs.es = data;
+    sregs.fs = data;
+    sregs.gs = data;
+    sregs.ss = data;
+    sregs.cr3 = layout::PML4_GPA;
+    sregs.cr0 = 0x8005_0033; // PG | AM | WP | NE | ET | MP | PE
+    sregs.cr4 = 0x620; // OSXMMEXCPT | OSFXSR | PAE
+    sregs.efer = 0x500; // LMA | LME
+    vcpu.set_sregs(&sregs).map_err(Error::ioctl("KVM_SET_SREGS"))?;
+
+    let regs = kvm_bindings::kvm_regs {
+        rip: layout::PAYLOAD_GPA,
+        rdi: layout::control_gpa(id),
+        rsp: layout::stack_top(id),
+        rflags: 0x2, // reserved bit 1; interrupts off
+        ..Default::default()
+    };
+    vcpu.set_regs(&regs).map_err(Error::ioctl("KVM_SET_REGS"))
+}
+
+/// How a vCPU thread's run ended.
+#[derive(Debug)]
+pub(crate) enum Outcome {
+    /// The payload wrote DONE_GPA.
+    Done,
+    /// The host asked the vCPU to leave KVM_RUN (kick); the vCPU can be run again.
+    Kicked { rip: u64 },
+    /// Any other exit or error.
+    Failed(Error),
+}
+
+/// Runs `vcpu` until the payload signals done, `kicked` is set, or something unexpected happens.
+pub(crate) fn run_loop(id: usize, vcpu: &mut VcpuFd, kicked: &Arc<AtomicBool>) -> Outcome {
+    loop {
+        if kicked.load(Ordering::Acquire) {
+            return Outcome::Kicked { rip: rip(vcpu) };
+        }
+        let exit = match vcpu.run() {
+            Ok(VcpuExit::MmioWrite(addr, _)) if addr == DONE_GPA => return Outcome::Done,
+            Ok(exit) => format!("{exit:?}"),
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
+                vcpu.set_kvm_immediate_exit(0);
+                continue;
+            }
+            Err(e) => format!("KVM_RUN error: {e}"),
+        };
+        return Outcome::Failed(Error::UnexpectedExit {
+            vcpu: id,
+            exit,
+            rip: rip(vcpu),
+        });
+    }
+}
+
+fn rip(vcpu: &VcpuFd) -> u64 {
+    vcpu.get_regs().map(|r| r.rip).unwrap_or(u64::MAX)
+}

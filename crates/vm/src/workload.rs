@@ -1,0 +1,86 @@
+//! What each vCPU runs, and what it reports.
+
+use serde::Serialize;
+
+/// A guest workload over one vCPU's range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Workload {
+    /// Write every page of the range once (the shape of the kernel's demand_paging_test).
+    Touch,
+    /// Keep rewriting every page of the range, pass after pass, until stopped (or `passes`
+    /// passes), at full speed or throttled to `pages_per_s` (the shape of dirty_log_perf_test).
+    Dirty {
+        pages_per_s: Option<u64>,
+        passes: Option<u64>,
+    },
+    /// Read every page and report a digest (see `guestmem_memory::digest_bytes`).
+    Verify,
+}
+
+impl Workload {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Workload::Touch => "touch",
+            Workload::Dirty { .. } => "dirty",
+            Workload::Verify => "verify",
+        }
+    }
+}
+
+/// One vCPU's assignment: a workload over `[gpa, gpa + size)`, with a seed for the values it
+/// writes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct VcpuWork {
+    pub workload: Workload,
+    pub gpa: u64,
+    pub size: u64,
+    pub seed: u64,
+}
+
+impl VcpuWork {
+    /// Splits `[gpa, gpa + size)` into `vcpus` equal page-aligned ranges, one per vCPU, each with
+    /// seed `seed + i`.
+    pub fn split(workload: Workload, gpa: u64, size: u64, vcpus: usize, seed: u64) -> Vec<VcpuWork> {
+        let pages = size / guestmem_memory::PAGE_SIZE;
+        let per = pages / vcpus as u64;
+        (0..vcpus)
+            .map(|i| VcpuWork {
+                workload,
+                gpa: gpa + i as u64 * per * guestmem_memory::PAGE_SIZE,
+                size: per * guestmem_memory::PAGE_SIZE,
+                seed: seed + i as u64,
+            })
+            .collect()
+    }
+
+    pub fn pages(&self) -> u64 {
+        self.size / guestmem_memory::PAGE_SIZE
+    }
+}
+
+/// What one vCPU did, read from its control block.
+#[derive(Debug, Clone, Serialize)]
+pub struct VcpuReport {
+    pub vcpu: usize,
+    pub workload: &'static str,
+    /// Page operations (writes or page reads) since the vCPU started.
+    pub pages: u64,
+    /// Completed passes over the range (`write` workloads).
+    pub generation: u64,
+    /// The `verify` digest (0 for other workloads).
+    pub digest: u64,
+    /// Guest time between the payload's start and end, from its TSC stamps.
+    pub guest_seconds: f64,
+    pub pages_per_s: f64,
+}
+
+/// What a run did, in total.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunReport {
+    pub vcpus: Vec<VcpuReport>,
+    pub wall_seconds: f64,
+    pub total_pages: u64,
+    /// Sum of the vCPUs' own rates.
+    pub total_pages_per_s: f64,
+}
