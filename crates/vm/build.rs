@@ -67,7 +67,16 @@ fn main() {
         .arg("payload/payload.S"));
     // The image is linked at the guest address it is loaded at (layout::PAYLOAD_GPA).
     run(Command::new("ld")
-        .args(["-m", "elf_x86_64", "-static", "-nostdlib", "-Ttext=0x100000", "-e", "_start", "-o"])
+        .args([
+            "-m",
+            "elf_x86_64",
+            "-static",
+            "-nostdlib",
+            "-Ttext=0x100000",
+            "-e",
+            "_start",
+            "-o",
+        ])
         .arg(&elf)
         .arg(&obj));
     run(Command::new("objcopy")

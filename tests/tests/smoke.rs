@@ -1,6 +1,6 @@
-use std::time::Duration;
 use guestmem_memory::Backend;
 use guestmem_vm::*;
+use std::time::Duration;
 
 #[test]
 fn smoke() {
@@ -12,6 +12,9 @@ fn smoke() {
     let r = vm.run(&work, Duration::from_secs(5)).unwrap();
     println!("{r:#?}");
     for (i, w) in work.iter().enumerate() {
-        assert_eq!(r.vcpus[i].digest, vm.memory().digest(w.gpa, w.size).unwrap());
+        assert_eq!(
+            r.vcpus[i].digest,
+            vm.memory().digest(w.gpa, w.size).unwrap()
+        );
     }
 }

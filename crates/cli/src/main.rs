@@ -1,1 +1,54 @@
-fn main() {}
+//! `guestmem`: the command-line face of the guestmem engine.
+
+mod bench;
+mod probe;
+mod run;
+mod units;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "guestmem", version, about = "Guest memory engine for KVM VMMs")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Show what the running kernel offers for guest memory (asked, never assumed).
+    Probe(probe::Args),
+    /// Run a VM executing a guest workload and print what the guest did.
+    Run(run::Args),
+    /// Benchmarks that reproduce the seeds' tables.
+    #[command(subcommand)]
+    Bench(bench::Bench),
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Probe(args) => probe::main(args),
+        Command::Run(args) => run::main(args),
+        Command::Bench(bench) => bench::main(bench),
+    };
+    if let Err(e) = result {
+        eprintln!("guestmem: error: {e}");
+        let mut source = e.source();
+        while let Some(s) = source {
+            eprintln!("  caused by: {s}");
+            source = s.source();
+        }
+        std::process::exit(1);
+    }
+}
+
+/// Errors of any command: each names what went wrong.
+pub type Result<T> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;

@@ -60,7 +60,11 @@ impl GuestMemory {
 
     /// The end of the highest region.
     pub fn end(&self) -> u64 {
-        self.regions.iter().map(|r| r.spec().end()).max().unwrap_or(0)
+        self.regions
+            .iter()
+            .map(|r| r.spec().end())
+            .max()
+            .unwrap_or(0)
     }
 
     /// The region holding all of `[gpa, gpa + len)`.
@@ -91,8 +95,10 @@ impl GuestMemory {
     /// Reads one little-endian u64 at `gpa` (volatile: the guest may be writing it).
     pub fn read_u64(&self, gpa: u64) -> Result<u64> {
         let (_, p) = self.find(gpa, 8)?;
-        // SAFETY: 8 bytes at `p` are inside a live mapping; read_unaligned copes with any gpa.
-        Ok(unsafe { std::ptr::read_volatile(p as *const [u8; 8]) }).map(u64::from_le_bytes)
+        // SAFETY: 8 bytes at `p` are inside a live mapping; a [u8; 8] read needs no alignment.
+        Ok(u64::from_le_bytes(unsafe {
+            std::ptr::read_volatile(p as *const [u8; 8])
+        }))
     }
 
     /// Writes one little-endian u64 at `gpa` (volatile: the guest may be reading it).
@@ -134,7 +140,10 @@ impl GuestMemory {
             };
             if region.backend() == Backend::GuestMemfd {
                 mr.flags |= KVM_MEM_GUEST_MEMFD;
-                mr.guest_memfd = region.fd().expect("guest_memfd region has an fd").as_raw_fd() as u32;
+                mr.guest_memfd = region
+                    .fd()
+                    .expect("guest_memfd region has an fd")
+                    .as_raw_fd() as u32;
                 mr.guest_memfd_offset = 0;
             }
             let ret = if has_region2 {
@@ -210,7 +219,10 @@ mod tests {
         let e = check_layout(&[spec("b", 0, 4097, Backend::Anon)]).unwrap_err();
         assert!(e.to_string().contains("region 'b': size 0x1001"), "{e}");
         let e = check_layout(&[spec("h", 0, 4096, Backend::Hugetlbfs)]).unwrap_err();
-        assert!(e.to_string().contains("region 'h'") && e.to_string().contains("0x200000"), "{e}");
+        assert!(
+            e.to_string().contains("region 'h'") && e.to_string().contains("0x200000"),
+            "{e}"
+        );
         let e = check_layout(&[spec("g", 0x1000_0800, 4096, Backend::Memfd)]).unwrap_err();
         assert!(e.to_string().contains("guest address"), "{e}");
         let e = check_layout(&[
@@ -218,7 +230,9 @@ mod tests {
             spec("hi", 0x1000, 0x2000, Backend::Anon),
         ])
         .unwrap_err();
-        assert!(matches!(e, Error::Overlap { ref region, ref other, .. } if region == "hi" && other == "lo"));
+        assert!(
+            matches!(e, Error::Overlap { ref region, ref other, .. } if region == "hi" && other == "lo")
+        );
         let e = check_layout(&[
             spec("x", 0, 0x1000, Backend::Anon),
             spec("x", 0x1000, 0x1000, Backend::Anon),
@@ -237,7 +251,10 @@ mod tests {
         assert_eq!(digest_bytes(DIGEST_SEED, &[]), DIGEST_SEED);
         let one = digest_bytes(DIGEST_SEED, &1u64.to_le_bytes());
         assert_eq!(one, (DIGEST_SEED ^ 1).wrapping_mul(DIGEST_PRIME));
-        assert_ne!(digest_bytes(DIGEST_SEED, &[0; 16]), digest_bytes(DIGEST_SEED, &[0; 8]));
+        assert_ne!(
+            digest_bytes(DIGEST_SEED, &[0; 16]),
+            digest_bytes(DIGEST_SEED, &[0; 8])
+        );
     }
 
     #[test]
@@ -247,7 +264,13 @@ mod tests {
         let mut back = [0u8; 9];
         mem.read(0x10ff8, &mut back).unwrap();
         assert_eq!(back, [1, 2, 3, 4, 5, 6, 7, 8, 9]);
-        assert_eq!(mem.read_u64(0x10ff8).unwrap(), u64::from_le_bytes([1, 2, 3, 4, 5, 6, 7, 8]));
-        assert!(matches!(mem.read(0x13ffc, &mut [0; 8]), Err(Error::NotMapped { .. })));
+        assert_eq!(
+            mem.read_u64(0x10ff8).unwrap(),
+            u64::from_le_bytes([1, 2, 3, 4, 5, 6, 7, 8])
+        );
+        assert!(matches!(
+            mem.read(0x13ffc, &mut [0; 8]),
+            Err(Error::NotMapped { .. })
+        ));
     }
 }

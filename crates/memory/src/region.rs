@@ -84,7 +84,10 @@ impl std::str::FromStr for Backend {
             .find(|b| b.name() == s)
             .ok_or_else(|| {
                 let names: Vec<_> = Backend::ALL.iter().map(|b| b.name()).collect();
-                format!("unknown backend '{s}' (expected one of: {})", names.join(", "))
+                format!(
+                    "unknown backend '{s}' (expected one of: {})",
+                    names.join(", ")
+                )
             })
     }
 }
@@ -121,7 +124,7 @@ impl RegionSpec {
                 region: self.name.clone(),
             });
         }
-        if self.size % page != 0 {
+        if !self.size.is_multiple_of(page) {
             return Err(Error::Misaligned {
                 region: self.name.clone(),
                 what: "size",
@@ -130,7 +133,7 @@ impl RegionSpec {
                 page_size: page,
             });
         }
-        if self.gpa % page != 0 {
+        if !self.gpa.is_multiple_of(page) {
             return Err(Error::Misaligned {
                 region: self.name.clone(),
                 what: "guest address",
@@ -255,7 +258,12 @@ impl Region {
 impl Drop for Region {
     fn drop(&mut self) {
         // SAFETY: `host`/`size` are exactly the mapping created in `create`, unmapped once here.
-        unsafe { libc::munmap(self.host.as_ptr() as *mut libc::c_void, self.spec.size as usize) };
+        unsafe {
+            libc::munmap(
+                self.host.as_ptr() as *mut libc::c_void,
+                self.spec.size as usize,
+            )
+        };
     }
 }
 
@@ -351,12 +359,12 @@ fn guest_memfd(spec: &RegionSpec, vm: Option<&VmFd>) -> Result<OwnedFd> {
     };
     let vm = vm.ok_or_else(|| unavailable("a guest_memfd needs a VM to belong to".into()))?;
     if vm.check_extension_raw(KVM_CAP_GUEST_MEMFD.into()) <= 0 {
-        return Err(unavailable(
-            "the kernel lacks KVM_CAP_GUEST_MEMFD".into(),
-        ));
+        return Err(unavailable("the kernel lacks KVM_CAP_GUEST_MEMFD".into()));
     }
     let wanted = GUEST_MEMFD_FLAG_MMAP | GUEST_MEMFD_FLAG_INIT_SHARED;
-    let offered = vm.check_extension_raw(KVM_CAP_GUEST_MEMFD_FLAGS.into()).max(0) as u64;
+    let offered = vm
+        .check_extension_raw(KVM_CAP_GUEST_MEMFD_FLAGS.into())
+        .max(0) as u64;
     if offered & wanted != wanted {
         return Err(unavailable(format!(
             "the kernel's guest_memfd flags are {offered:#x}; host-mapped guest_memfd needs \
@@ -368,9 +376,13 @@ fn guest_memfd(spec: &RegionSpec, vm: Option<&VmFd>) -> Result<OwnedFd> {
         flags: wanted,
         ..Default::default()
     };
-    let fd = vm
-        .create_guest_memfd(gmem)
-        .map_err(|e| Error::os(spec, "KVM_CREATE_GUEST_MEMFD", io::Error::from_raw_os_error(e.errno())))?;
+    let fd = vm.create_guest_memfd(gmem).map_err(|e| {
+        Error::os(
+            spec,
+            "KVM_CREATE_GUEST_MEMFD",
+            io::Error::from_raw_os_error(e.errno()),
+        )
+    })?;
     // SAFETY: KVM_CREATE_GUEST_MEMFD returned a new fd that nobody else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }

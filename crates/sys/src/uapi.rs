@@ -5,15 +5,15 @@
 //! versions, so code must confirm them by trying (see `probe`).
 #![allow(non_upper_case_globals)]
 
-use vmm_sys_util::{ioctl_io_nr, ioctl_iowr_nr};
+use vmm_sys_util::{ioctl_io_nr, ioctl_iow_nr, ioctl_iowr_nr};
 
 pub use kvm_bindings::{
     kvm_clear_dirty_log, kvm_create_guest_memfd, kvm_dirty_gfn, kvm_userspace_memory_region2,
     KVM_CAP_DIRTY_LOG_RING, KVM_CAP_DIRTY_LOG_RING_ACQ_REL, KVM_CAP_GUEST_MEMFD,
     KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2, KVM_CAP_NR_MEMSLOTS, KVM_CAP_PRE_FAULT_MEMORY,
-    KVM_CAP_USER_MEMORY2, KVM_DIRTY_LOG_INITIALLY_SET, KVM_DIRTY_LOG_PAGE_OFFSET,
-    KVM_EXIT_DIRTY_RING_FULL, KVM_EXIT_MEMORY_FAULT, KVM_MEM_GUEST_MEMFD,
-    KVM_MEM_LOG_DIRTY_PAGES, KVM_MEM_READONLY,
+    KVM_CAP_USER_MEMORY2, KVM_DIRTY_LOG_INITIALLY_SET, KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE,
+    KVM_DIRTY_LOG_PAGE_OFFSET, KVM_EXIT_DIRTY_RING_FULL, KVM_EXIT_MEMORY_FAULT,
+    KVM_MEM_GUEST_MEMFD, KVM_MEM_LOG_DIRTY_PAGES, KVM_MEM_READONLY,
 };
 
 /// `KVMIO`, the ioctl type byte of every KVM ioctl.
@@ -40,7 +40,13 @@ pub const KVM_DIRTY_GFN_F_DIRTY: u32 = 1 << 0;
 /// `KVM_DIRTY_GFN_F_RESET`: userspace has collected the entry; the kernel may reuse it.
 pub const KVM_DIRTY_GFN_F_RESET: u32 = 1 << 1;
 
-ioctl_iowr_nr!(KVM_SET_USER_MEMORY_REGION2, KVMIO, 0x49, kvm_userspace_memory_region2);
+// `_IOW`, not `_IOWR`: the kernel only reads the struct (a wrong direction gives ENOTTY).
+ioctl_iow_nr!(
+    KVM_SET_USER_MEMORY_REGION2,
+    KVMIO,
+    0x49,
+    kvm_userspace_memory_region2
+);
 ioctl_iowr_nr!(KVM_CLEAR_DIRTY_LOG, KVMIO, 0xc0, kvm_clear_dirty_log);
 ioctl_io_nr!(KVM_RESET_DIRTY_RINGS, KVMIO, 0xc7);
 
@@ -54,3 +60,58 @@ pub const MPOL_MF_STRICT: u32 = 1 << 0;
 pub const MPOL_MF_MOVE: u32 = 1 << 1;
 /// `MPOL_F_ADDR` flag of `get_mempolicy`: report the policy of the mapping at `addr`.
 pub const MPOL_F_ADDR: u64 = 1 << 1;
+
+/// `UFFDIO`, the ioctl type byte of every userfaultfd ioctl (`include/uapi/linux/userfaultfd.h`).
+pub const UFFDIO: u32 = 0xAA;
+/// `UFFD_API`: the only userfaultfd API version; `uffdio_api.api` must hold it.
+pub const UFFD_API: u64 = 0xAA;
+/// `UFFD_USER_MODE_ONLY`: a userfaultfd flag (with `O_CLOEXEC`/`O_NONBLOCK`) to handle user faults only.
+pub const UFFD_USER_MODE_ONLY: i32 = 1;
+
+/// `struct uffdio_api` (`include/uapi/linux/userfaultfd.h`): the argument of `UFFDIO_API`.
+/// libc and the `userfaultfd` crate's public API do not carry it.
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy)]
+pub struct uffdio_api {
+    /// In: `UFFD_API`.
+    pub api: u64,
+    /// In: the features userspace asks for; out: every feature the kernel offers.
+    pub features: u64,
+    /// Out: a bitmask of `1 << _UFFDIO_*` for the ioctls the fd accepts.
+    pub ioctls: u64,
+}
+
+ioctl_iowr_nr!(UFFDIO_API, UFFDIO, 0x3F, uffdio_api);
+// `USERFAULTFD_IOC_NEW` is `_IO(0xAA, 0x00)` on `/dev/userfaultfd` (Linux 6.1+).
+ioctl_io_nr!(USERFAULTFD_IOC_NEW, UFFDIO, 0x00);
+
+/// `UFFD_FEATURE_*` bits of `uffdio_api.features`.
+pub const UFFD_FEATURE_PAGEFAULT_FLAG_WP: u64 = 1 << 0;
+pub const UFFD_FEATURE_EVENT_FORK: u64 = 1 << 1;
+pub const UFFD_FEATURE_EVENT_REMAP: u64 = 1 << 2;
+pub const UFFD_FEATURE_EVENT_REMOVE: u64 = 1 << 3;
+pub const UFFD_FEATURE_MISSING_HUGETLBFS: u64 = 1 << 4;
+pub const UFFD_FEATURE_MISSING_SHMEM: u64 = 1 << 5;
+pub const UFFD_FEATURE_EVENT_UNMAP: u64 = 1 << 6;
+pub const UFFD_FEATURE_SIGBUS: u64 = 1 << 7;
+pub const UFFD_FEATURE_THREAD_ID: u64 = 1 << 8;
+pub const UFFD_FEATURE_MINOR_HUGETLBFS: u64 = 1 << 9;
+pub const UFFD_FEATURE_MINOR_SHMEM: u64 = 1 << 10;
+pub const UFFD_FEATURE_EXACT_ADDRESS: u64 = 1 << 11;
+pub const UFFD_FEATURE_WP_HUGETLBFS_SHMEM: u64 = 1 << 12;
+pub const UFFD_FEATURE_WP_UNPOPULATED: u64 = 1 << 13;
+pub const UFFD_FEATURE_POISON: u64 = 1 << 14;
+pub const UFFD_FEATURE_WP_ASYNC: u64 = 1 << 15;
+pub const UFFD_FEATURE_MOVE: u64 = 1 << 16;
+
+/// `_UFFDIO_*` ioctl numbers; `uffdio_api.ioctls` / `uffdio_register.ioctls` set `1 << _UFFDIO_X`.
+pub const _UFFDIO_REGISTER: u32 = 0x00;
+pub const _UFFDIO_UNREGISTER: u32 = 0x01;
+pub const _UFFDIO_WAKE: u32 = 0x02;
+pub const _UFFDIO_COPY: u32 = 0x03;
+pub const _UFFDIO_ZEROPAGE: u32 = 0x04;
+pub const _UFFDIO_MOVE: u32 = 0x05;
+pub const _UFFDIO_WRITEPROTECT: u32 = 0x06;
+pub const _UFFDIO_CONTINUE: u32 = 0x07;
+pub const _UFFDIO_POISON: u32 = 0x08;
+pub const _UFFDIO_API: u32 = 0x3F;

@@ -23,7 +23,9 @@ pub enum Error {
         rip: u64,
         pages: u64,
     },
-    #[error("vCPU {vcpu}: the payload did not recognise its workload (control block state {state})")]
+    #[error(
+        "vCPU {vcpu}: the payload did not recognise its workload (control block state {state})"
+    )]
     BadWorkload { vcpu: usize, state: u64 },
     #[error("vCPU {vcpu} thread: {reason}")]
     Thread { vcpu: usize, reason: String },

@@ -48,7 +48,8 @@ pub(crate) fn set_cpuid(vcpu: &VcpuFd, id: usize, base: &CpuId) -> Result<()> {
             _ => {}
         }
     }
-    vcpu.set_cpuid2(&cpuid).map_err(Error::ioctl("KVM_SET_CPUID2"))
+    vcpu.set_cpuid2(&cpuid)
+        .map_err(Error::ioctl("KVM_SET_CPUID2"))
 }
 
 /// Puts vCPU `id` at the payload's entry in 64-bit mode at CPL3 (see payload.S for the state).
@@ -84,7 +85,8 @@ pub(crate) fn set_entry_state(vcpu: &VcpuFd, id: usize) -> Result<()> {
     sregs.cr0 = 0x8005_0033; // PG | AM | WP | NE | ET | MP | PE
     sregs.cr4 = 0x620; // OSXMMEXCPT | OSFXSR | PAE
     sregs.efer = 0x500; // LMA | LME
-    vcpu.set_sregs(&sregs).map_err(Error::ioctl("KVM_SET_SREGS"))?;
+    vcpu.set_sregs(&sregs)
+        .map_err(Error::ioctl("KVM_SET_SREGS"))?;
 
     let regs = kvm_bindings::kvm_regs {
         rip: layout::PAYLOAD_GPA,

@@ -53,9 +53,17 @@ impl Vm {
         let kvm = Kvm::new().map_err(Error::Kvm)?;
         let fd = kvm.create_vm().map_err(Error::ioctl("KVM_CREATE_VM"))?;
 
-        let mut specs = vec![RegionSpec::new("sys", layout::SYS_GPA, layout::SYS_SIZE, Backend::Anon)];
+        let mut specs = vec![RegionSpec::new(
+            "sys",
+            layout::SYS_GPA,
+            layout::SYS_SIZE,
+            Backend::Anon,
+        )];
         specs.extend(config.regions.iter().cloned());
-        if let Some(r) = specs.iter().find(|r| r.gpa.saturating_add(r.size) > layout::MAX_GUEST_ADDR) {
+        if let Some(r) = specs
+            .iter()
+            .find(|r| r.gpa.saturating_add(r.size) > layout::MAX_GUEST_ADDR)
+        {
             return Err(Error::Config(format!(
                 "region '{}' ends above {:#x}, the highest guest address the payload maps",
                 r.name,
@@ -71,11 +79,15 @@ impl Vm {
         let cpuid = vcpu::supported_cpuid(&kvm)?;
         let mut vcpus = Vec::with_capacity(config.vcpus);
         for id in 0..config.vcpus {
-            let v = fd.create_vcpu(id as u64).map_err(Error::ioctl("KVM_CREATE_VCPU"))?;
+            let v = fd
+                .create_vcpu(id as u64)
+                .map_err(Error::ioctl("KVM_CREATE_VCPU"))?;
             vcpu::set_cpuid(&v, id, &cpuid)?;
             vcpus.push(v);
         }
-        let tsc_khz = vcpus[0].get_tsc_khz().map_err(Error::ioctl("KVM_GET_TSC_KHZ"))? as u64;
+        let tsc_khz = vcpus[0]
+            .get_tsc_khz()
+            .map_err(Error::ioctl("KVM_GET_TSC_KHZ"))? as u64;
         Ok(Vm {
             _kvm: kvm,
             fd,
@@ -149,7 +161,7 @@ impl Vm {
     }
 
     fn write_control(&self, id: usize, w: &VcpuWork) -> Result<()> {
-        if w.size % PAGE_SIZE != 0 || w.gpa % PAGE_SIZE != 0 {
+        if !w.size.is_multiple_of(PAGE_SIZE) || !w.gpa.is_multiple_of(PAGE_SIZE) {
             return Err(Error::Config(format!(
                 "vCPU {id}: workload range {:#x}+{:#x} is not page-aligned",
                 w.gpa, w.size
@@ -166,7 +178,10 @@ impl Vm {
         let ctl = layout::control_gpa(id);
         let (code, passes, tsc_per_page) = match w.workload {
             Workload::Touch => (WORKLOAD_WRITE, 1, 0),
-            Workload::Dirty { pages_per_s, passes } => (
+            Workload::Dirty {
+                pages_per_s,
+                passes,
+            } => (
                 WORKLOAD_WRITE,
                 passes.unwrap_or(0),
                 pages_per_s.map_or(0, |r| (self.tsc_khz * 1000) / r.max(1)),
@@ -213,21 +228,32 @@ impl RunningVm<'_> {
     /// Pages done and passes completed, per vCPU, as the guest reports them.
     pub fn progress(&self) -> Vec<(u64, u64)> {
         (0..self.work.len())
-            .map(|id| (self.vm.control(id, CTL_PAGES_DONE), self.vm.control(id, CTL_GENERATION)))
+            .map(|id| {
+                (
+                    self.vm.control(id, CTL_PAGES_DONE),
+                    self.vm.control(id, CTL_GENERATION),
+                )
+            })
             .collect()
     }
 
     /// Lets the `dirty` workload start passes only while its generation is below `limit`.
     pub fn set_generation_limit(&self, limit: u64) {
         for id in 0..self.work.len() {
-            let _ = self.vm.memory.write_u64(layout::control_gpa(id) + CTL_GEN_LIMIT, limit);
+            let _ = self
+                .vm
+                .memory
+                .write_u64(layout::control_gpa(id) + CTL_GEN_LIMIT, limit);
         }
     }
 
     /// Asks the payload to finish (it stops writing at the next page and signals done).
     pub fn stop(&self) {
         for id in 0..self.work.len() {
-            let _ = self.vm.memory.write_u64(layout::control_gpa(id) + CTL_STOP, 1);
+            let _ = self
+                .vm
+                .memory
+                .write_u64(layout::control_gpa(id) + CTL_STOP, 1);
         }
     }
 
@@ -267,12 +293,20 @@ impl RunningVm<'_> {
         }
         let wall = self.started.elapsed().as_secs_f64();
         let outcomes = self.join_all();
-        if let Some(Error::Stalled { vcpu, secs, pages, .. }) = failure {
+        if let Some(Error::Stalled {
+            vcpu, secs, pages, ..
+        }) = failure
+        {
             let rip = match outcomes[vcpu] {
                 Outcome::Kicked { rip } => rip,
                 _ => u64::MAX,
             };
-            return Err(Error::Stalled { vcpu, secs, rip, pages });
+            return Err(Error::Stalled {
+                vcpu,
+                secs,
+                rip,
+                pages,
+            });
         }
         for outcome in outcomes {
             if let Outcome::Failed(e) = outcome {
@@ -328,7 +362,11 @@ impl RunningVm<'_> {
                 generation: self.vm.control(id, CTL_GENERATION),
                 digest: self.vm.control(id, CTL_DIGEST),
                 guest_seconds,
-                pages_per_s: if guest_seconds > 0.0 { pages as f64 / guest_seconds } else { 0.0 },
+                pages_per_s: if guest_seconds > 0.0 {
+                    pages as f64 / guest_seconds
+                } else {
+                    0.0
+                },
             });
         }
         Ok(RunReport {
@@ -350,7 +388,10 @@ impl Drop for RunningVm<'_> {
 
 fn load_payload(memory: &GuestMemory) -> Result<()> {
     if IMAGE.len() as u64 > layout::PAYLOAD_MAX {
-        return Err(Error::Config(format!("payload image is {} bytes, more than its slot", IMAGE.len())));
+        return Err(Error::Config(format!(
+            "payload image is {} bytes, more than its slot",
+            IMAGE.len()
+        )));
     }
     Ok(memory.write(layout::PAYLOAD_GPA, IMAGE)?)
 }

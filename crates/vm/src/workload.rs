@@ -41,7 +41,13 @@ pub struct VcpuWork {
 impl VcpuWork {
     /// Splits `[gpa, gpa + size)` into `vcpus` equal page-aligned ranges, one per vCPU, each with
     /// seed `seed + i`.
-    pub fn split(workload: Workload, gpa: u64, size: u64, vcpus: usize, seed: u64) -> Vec<VcpuWork> {
+    pub fn split(
+        workload: Workload,
+        gpa: u64,
+        size: u64,
+        vcpus: usize,
+        seed: u64,
+    ) -> Vec<VcpuWork> {
         let pages = size / guestmem_memory::PAGE_SIZE;
         let per = pages / vcpus as u64;
         (0..vcpus)

@@ -1,0 +1,165 @@
+//! `guestmem run`: one VM, one workload, and what the guest did.
+
+use std::time::{Duration, Instant};
+
+use guestmem_memory::Backend;
+use guestmem_vm::{layout, RunReport, VcpuWork, Vm, VmConfig, Workload};
+use serde::Serialize;
+
+use crate::units::parse_size;
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum WorkloadArg {
+    Touch,
+    Dirty,
+    Verify,
+}
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Guest memory size (one region at 1 GiB), e.g. 512M, 1G.
+    #[arg(long, default_value = "1G", value_parser = parse_size)]
+    memory: u64,
+    /// Number of vCPUs; each works on its own equal share of guest memory.
+    #[arg(long, default_value_t = 2)]
+    vcpus: usize,
+    /// Memory backend: anon, memfd, memfd-hugetlb, hugetlb, gmem.
+    #[arg(long, default_value = "anon")]
+    backend: Backend,
+    /// Guest workload.
+    #[arg(long, value_enum, default_value = "touch")]
+    workload: WorkloadArg,
+    /// Seed of the values the guest writes.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// `dirty`: pages per second per vCPU (default: full speed).
+    #[arg(long)]
+    rate: Option<u64>,
+    /// `dirty`: how long to keep dirtying, in seconds.
+    #[arg(long, default_value_t = 2.0)]
+    duration: f64,
+    /// A vCPU that makes no progress for this many seconds ends the run with an error.
+    #[arg(long, default_value_t = 30.0)]
+    stall_timeout: f64,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Serialize)]
+struct Output {
+    memory_bytes: u64,
+    backend: Backend,
+    workload: &'static str,
+    setup_ms: f64,
+    #[serde(flatten)]
+    report: RunReport,
+    /// `verify`: whether every vCPU's guest digest equals the host's digest of the same range.
+    digests_match_host: Option<bool>,
+}
+
+pub fn main(args: Args) -> crate::Result<()> {
+    if args.vcpus == 0 {
+        return Err("--vcpus must be at least 1".into());
+    }
+    if args.rate == Some(0) {
+        return Err("--rate must be at least 1 page/s".into());
+    }
+    if !(args.duration.is_finite() && args.duration > 0.0) {
+        return Err("--duration must be a positive number of seconds".into());
+    }
+    let t0 = Instant::now();
+    let mut vm = Vm::new(&VmConfig::simple(args.vcpus, args.memory, args.backend))?;
+    let setup_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let workload = match args.workload {
+        WorkloadArg::Touch => Workload::Touch,
+        WorkloadArg::Dirty => Workload::Dirty {
+            pages_per_s: args.rate,
+            passes: None,
+        },
+        WorkloadArg::Verify => Workload::Verify,
+    };
+    let work = VcpuWork::split(
+        workload,
+        layout::RAM_GPA,
+        args.memory,
+        args.vcpus,
+        args.seed,
+    );
+    if work[0].size == 0 {
+        return Err(format!(
+            "--memory {} is too small to give each of {} vCPUs a page",
+            args.memory, args.vcpus
+        )
+        .into());
+    }
+    let stall = Duration::from_secs_f64(args.stall_timeout);
+    let report = {
+        let running = vm.start(&work)?;
+        if let Workload::Dirty { .. } = workload {
+            std::thread::sleep(Duration::from_secs_f64(args.duration));
+            running.stop();
+        }
+        running.wait(stall)?
+    };
+    let digests_match_host = match workload {
+        Workload::Verify => Some(
+            work.iter()
+                .zip(&report.vcpus)
+                .map(|(w, v)| vm.memory().digest(w.gpa, w.size).map(|d| d == v.digest))
+                .collect::<Result<Vec<_>, _>>()?
+                .into_iter()
+                .all(|m| m),
+        ),
+        _ => None,
+    };
+    let out = Output {
+        memory_bytes: args.memory,
+        backend: args.backend,
+        workload: workload.name(),
+        setup_ms,
+        report,
+        digests_match_host,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        print_table(&out);
+    }
+    if out.digests_match_host == Some(false) {
+        return Err("the guest's verify digest differs from the host's".into());
+    }
+    Ok(())
+}
+
+fn print_table(out: &Output) {
+    println!(
+        "VM: {} MiB on {}, {} vCPUs, workload {} (setup {:.1} ms)",
+        out.memory_bytes >> 20,
+        out.backend,
+        out.report.vcpus.len(),
+        out.workload,
+        out.setup_ms
+    );
+    println!(
+        "{:>5} {:>12} {:>6} {:>10} {:>14}",
+        "vCPU", "pages", "passes", "guest s", "pages/s"
+    );
+    for v in &out.report.vcpus {
+        println!(
+            "{:>5} {:>12} {:>6} {:>10.3} {:>14.0}",
+            v.vcpu, v.pages, v.generation, v.guest_seconds, v.pages_per_s
+        );
+    }
+    println!(
+        "{:>5} {:>12} {:>6} {:>10} {:>14.0}",
+        "total", out.report.total_pages, "", "", out.report.total_pages_per_s
+    );
+    println!("wall time: {:.3} s", out.report.wall_seconds);
+    if let Some(m) = out.digests_match_host {
+        println!(
+            "verify digests match the host's: {}",
+            if m { "yes" } else { "NO" }
+        );
+    }
+}
