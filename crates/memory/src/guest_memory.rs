@@ -84,9 +84,12 @@ impl GuestMemory {
         Ok(())
     }
 
-    /// Copies `data` into guest memory at `gpa`.
+    /// Copies `data` into guest memory at `gpa`, marking the pages VMM-dirty.
     pub fn write(&self, gpa: u64, data: &[u8]) -> Result<()> {
-        let (_, dst) = self.find(gpa, data.len() as u64)?;
+        let (region, dst) = self.find(gpa, data.len() as u64)?;
+        region
+            .vmm_dirty()
+            .mark(gpa - region.gpa(), data.len() as u64);
         // SAFETY: as in `read`, with the roles swapped.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
         Ok(())
@@ -101,9 +104,11 @@ impl GuestMemory {
         }))
     }
 
-    /// Writes one little-endian u64 at `gpa` (volatile: the guest may be reading it).
+    /// Writes one little-endian u64 at `gpa` (volatile: the guest may be reading it), marking
+    /// the page VMM-dirty.
     pub fn write_u64(&self, gpa: u64, value: u64) -> Result<()> {
-        let (_, p) = self.find(gpa, 8)?;
+        let (region, p) = self.find(gpa, 8)?;
+        region.vmm_dirty().mark(gpa - region.gpa(), 8);
         // SAFETY: 8 bytes at `p` are inside a live mapping.
         unsafe { std::ptr::write_volatile(p as *mut [u8; 8], value.to_le_bytes()) };
         Ok(())

@@ -4,10 +4,12 @@
 //! Host-side access never creates Rust references into guest memory: the guest (and other host
 //! threads) may change it at any time, so reads and writes copy through raw pointers.
 
+mod dirty_marks;
 mod error;
 mod guest_memory;
 mod region;
 
+pub use dirty_marks::DirtyMarks;
 pub use error::{Error, Result};
 pub use guest_memory::{digest_bytes, GuestMemory, DIGEST_SEED};
 pub use region::{hugetlbfs_mount, Backend, Region, RegionSpec, HUGE_PAGE_SIZE};

@@ -13,7 +13,7 @@ use guestmem_sys::uapi::{
 use kvm_ioctls::VmFd;
 use serde::{Deserialize, Serialize};
 
-use crate::{Error, Result, PAGE_SIZE};
+use crate::{DirtyMarks, Error, Result, PAGE_SIZE};
 
 /// Size of a huge page on the hugetlb backends (x86-64 PMD).
 pub const HUGE_PAGE_SIZE: u64 = 2 << 20;
@@ -159,6 +159,7 @@ pub struct Region {
     spec: RegionSpec,
     host: NonNull<u8>,
     fd: Option<OwnedFd>,
+    vmm_dirty: DirtyMarks,
 }
 
 // SAFETY: `Region` owns its mapping and fd; the raw pointer is only an address of memory that
@@ -215,7 +216,13 @@ impl Region {
         }
         let host = NonNull::new(addr as *mut u8).expect("mmap returned a non-null mapping");
         tracing::debug!(region = %spec.name, backend = %spec.backend, gpa = spec.gpa, size = spec.size, "region mapped");
-        Ok(Region { spec, host, fd })
+        let vmm_dirty = DirtyMarks::new(spec.size);
+        Ok(Region {
+            spec,
+            host,
+            fd,
+            vmm_dirty,
+        })
     }
 
     pub fn spec(&self) -> &RegionSpec {
@@ -240,6 +247,10 @@ impl Region {
     /// The backing fd (memfd, hugetlbfs file or guest_memfd); `None` for anonymous memory.
     pub fn fd(&self) -> Option<&OwnedFd> {
         self.fd.as_ref()
+    }
+    /// Pages the VMM wrote into this region (see [`DirtyMarks`]).
+    pub fn vmm_dirty(&self) -> &DirtyMarks {
+        &self.vmm_dirty
     }
     pub fn contains(&self, gpa: u64) -> bool {
         gpa >= self.spec.gpa && gpa < self.spec.end()
