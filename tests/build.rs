@@ -1,7 +1,7 @@
-//! Decides, on the machine that builds the tests, whether the kernel devices they need are there.
-//! Tests that need them carry `#[cfg_attr(not(kvm), ignore = "...")]` (likewise `uffd`), so on a
-//! machine without `/dev/kvm` they are counted as ignored (skipped) by the test runner, never as
-//! passed, and this script says so loudly.
+// Decides, on the machine that builds the tests, whether the kernel devices they need are there.
+// Tests that need them carry `#[cfg_attr(not(kvm), ignore = "...")]` (likewise `uffd`), so on a
+// machine without `/dev/kvm` they are counted as ignored (skipped) by the test runner, never as
+// passed, and this script says so loudly.
 use std::fs::OpenOptions;
 
 fn usable(path: &str) -> bool {

@@ -1,0 +1,133 @@
+//! The `guestmem` command as a user runs it.
+
+use std::process::{Command, Output};
+
+fn guestmem(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_guestmem"))
+        .args(args)
+        .output()
+        .expect("run guestmem")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn run_gmem_touch_prints_rates() {
+    let o = guestmem(&[
+        "run",
+        "--memory",
+        "1G",
+        "--vcpus",
+        "2",
+        "--backend",
+        "gmem",
+        "--workload",
+        "touch",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        out.contains("1024 MiB on gmem, 2 vCPUs, workload touch"),
+        "{out}"
+    );
+    assert!(
+        out.contains("pages/s") && out.contains("wall time"),
+        "{out}"
+    );
+    let total = out
+        .lines()
+        .find(|l| l.starts_with("total"))
+        .expect("total line");
+    assert_eq!(total.split_whitespace().nth(1), Some("262144"), "{out}");
+}
+
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn run_verify_json_reports_matching_digests() {
+    let o = guestmem(&[
+        "run",
+        "--memory",
+        "64M",
+        "--vcpus",
+        "2",
+        "--backend",
+        "memfd",
+        "--workload",
+        "verify",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(v["digests_match_host"], true);
+    assert_eq!(v["total_pages"], 16384);
+    assert!(v["total_pages_per_s"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn probe_json_reports_this_kernels_guest_memory_features() {
+    let o = guestmem(&["probe", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    let kvm = &v["kvm"]["Ok"];
+    assert_eq!(
+        kvm["guest_memfd_flags"]["Ok"]["names"],
+        serde_json::json!(["MMAP", "INIT_SHARED"])
+    );
+    assert_eq!(v["guest_memfd_write"]["Ok"]["present"], false);
+    assert_eq!(v["kvm_userfault"]["Ok"]["present"], false);
+    assert!(kvm["dirty_log_ring_max_bytes"]["Ok"].as_u64().unwrap() > 0);
+    assert!(
+        kvm["manual_dirty_log_protect2"]["Ok"]["raw"]
+            .as_u64()
+            .unwrap()
+            & 3
+            == 3
+    );
+}
+
+#[test]
+fn bad_arguments_are_named() {
+    let o = guestmem(&["run", "--backend", "floppy"]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("unknown backend 'floppy'"),
+        "{}",
+        stderr(&o)
+    );
+    let o = guestmem(&["run", "--memory", "12X"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("'12X' is not a size"), "{}", stderr(&o));
+}
+
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn bad_vm_sizes_are_named() {
+    let o = guestmem(&["run", "--memory", "0"]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("region 'ram': size is zero"),
+        "{}",
+        stderr(&o)
+    );
+    let o = guestmem(&["run", "--memory", "3M", "--backend", "hugetlb"]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("not a multiple of the hugetlb backend's page size"),
+        "{}",
+        stderr(&o)
+    );
+    let o = guestmem(&["run", "--vcpus", "0"]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("--vcpus must be at least 1"),
+        "{}",
+        stderr(&o)
+    );
+}
