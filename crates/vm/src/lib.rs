@@ -6,10 +6,12 @@
 mod error;
 pub mod layout;
 pub mod payload;
+mod state;
 mod vcpu;
 mod vm;
 mod workload;
 
 pub use error::{Error, Result};
+pub use state::{VcpuState, VmState};
 pub use vm::{RunningVm, Vm, VmConfig};
 pub use workload::{RunReport, VcpuReport, VcpuWork, Workload};

@@ -12,6 +12,7 @@ use guestmem_memory::{Backend, GuestMemory, RegionSpec, PAGE_SIZE};
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 
 use crate::payload::*;
+use crate::state::{self, VmState};
 use crate::vcpu::{self, Outcome};
 use crate::{layout, Error, Result, RunReport, VcpuReport, VcpuWork, Workload};
 
@@ -39,6 +40,10 @@ pub struct Vm {
     memory: Arc<GuestMemory>,
     vcpus: Vec<VcpuFd>,
     tsc_khz: u64,
+    /// The MSRs saved with the vCPU state.
+    msr_indices: Vec<u32>,
+    /// What each vCPU was last given to do (kept across pause and resume).
+    work: Vec<VcpuWork>,
 }
 
 impl Vm {
@@ -52,6 +57,7 @@ impl Vm {
         }
         let kvm = Kvm::new().map_err(Error::Kvm)?;
         let fd = kvm.create_vm().map_err(Error::ioctl("KVM_CREATE_VM"))?;
+        state::check_xsave_size(&fd)?;
 
         let mut specs = vec![RegionSpec::new(
             "sys",
@@ -88,12 +94,15 @@ impl Vm {
         let tsc_khz = vcpus[0]
             .get_tsc_khz()
             .map_err(Error::ioctl("KVM_GET_TSC_KHZ"))? as u64;
+        let msr_indices = state::restorable_msrs(&kvm, &vcpus[0])?;
         Ok(Vm {
             _kvm: kvm,
             fd,
             memory: Arc::new(memory),
             vcpus,
             tsc_khz,
+            msr_indices,
+            work: Vec::new(),
         })
     }
 
@@ -123,6 +132,60 @@ impl Vm {
             self.write_control(id, w)?;
             vcpu::set_entry_state(&self.vcpus[id], id)?;
         }
+        self.work = work.to_vec();
+        self.spawn_vcpus()
+    }
+
+    /// Lets the vCPUs go on from where they are (after a pause, or after `restore_state`).
+    pub fn resume(&mut self) -> Result<RunningVm<'_>> {
+        if self.work.len() != self.vcpus.len() {
+            return Err(Error::Config(
+                "nothing to resume: the vCPUs were never started nor restored".into(),
+            ));
+        }
+        self.spawn_vcpus()
+    }
+
+    /// The state of every vCPU and of the VM, for a VM that is not running.
+    pub fn save_state(&self) -> Result<VmState> {
+        let vcpus = self
+            .vcpus
+            .iter()
+            .map(|v| state::save_vcpu(v, &self.msr_indices))
+            .collect::<Result<Vec<_>>>()?;
+        let clock = self.fd.get_clock().map_err(Error::ioctl("KVM_GET_CLOCK"))?;
+        Ok(VmState {
+            vcpus,
+            clock,
+            work: self.work.clone(),
+        })
+    }
+
+    /// Puts a saved state into this VM's vCPUs (built with the same configuration); the guest
+    /// goes on from there at the next [`Vm::resume`]. Memory is restored separately.
+    pub fn restore_state(&mut self, saved: &VmState) -> Result<()> {
+        if saved.vcpus.len() != self.vcpus.len() || saved.work.len() != self.vcpus.len() {
+            return Err(Error::Config(format!(
+                "the saved state has {} vCPUs, this VM {}",
+                saved.vcpus.len(),
+                self.vcpus.len()
+            )));
+        }
+        for (vcpu, s) in self.vcpus.iter().zip(&saved.vcpus) {
+            state::restore_vcpu(vcpu, s)?;
+        }
+        let clock = kvm_bindings::kvm_clock_data {
+            clock: saved.clock.clock,
+            ..Default::default()
+        };
+        self.fd
+            .set_clock(&clock)
+            .map_err(Error::ioctl("KVM_SET_CLOCK"))?;
+        self.work = saved.work.clone();
+        Ok(())
+    }
+
+    fn spawn_vcpus(&mut self) -> Result<RunningVm<'_>> {
         let (done_tx, done_rx) = mpsc::channel();
         let kicked = Arc::new(AtomicBool::new(false));
         let threads = self
@@ -146,8 +209,8 @@ impl Vm {
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(RunningVm {
+            work: self.work.clone(),
             vm: self,
-            work: work.to_vec(),
             threads,
             done_rx,
             kicked,
@@ -314,6 +377,17 @@ impl RunningVm<'_> {
             }
         }
         self.report(wall)
+    }
+
+    /// Stops every vCPU where it is (out of KVM_RUN, state intact) and gives them back to the
+    /// VM, to be saved or resumed. Fails if a vCPU had already failed.
+    pub fn pause(mut self) -> Result<()> {
+        for outcome in self.join_all() {
+            if let Outcome::Failed(e) = outcome {
+                return Err(e);
+            }
+        }
+        Ok(())
     }
 
     /// Kicks every vCPU out of KVM_RUN, joins the threads and gives the vCPUs back to the VM.

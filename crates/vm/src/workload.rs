@@ -1,9 +1,9 @@
 //! What each vCPU runs, and what it reports.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// A guest workload over one vCPU's range.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Workload {
     /// Write every page of the range once (the shape of the kernel's demand_paging_test).
@@ -30,7 +30,7 @@ impl Workload {
 
 /// One vCPU's assignment: a workload over `[gpa, gpa + size)`, with a seed for the values it
 /// writes.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VcpuWork {
     pub workload: Workload,
     pub gpa: u64,

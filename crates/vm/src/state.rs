@@ -1,0 +1,166 @@
+//! The complete vCPU and VM state KVM exposes for this VM kind, saved from a paused VM and put
+//! back into a new one (snapshot restore, migration). Memory is not part of it: it travels
+//! separately, region by region.
+
+use kvm_bindings::{
+    kvm_clock_data, kvm_cpuid_entry2, kvm_debugregs, kvm_mp_state, kvm_msr_entry, kvm_regs,
+    kvm_sregs, kvm_vcpu_events, kvm_xcrs, kvm_xsave, CpuId, Msrs,
+};
+use kvm_ioctls::{Cap, Kvm, VcpuFd, VmFd};
+use serde::{Deserialize, Serialize};
+
+use crate::{Error, Result, VcpuWork};
+
+/// Everything KVM holds for one vCPU. There is no in-kernel irqchip in guestmem's VMs, so no
+/// LAPIC state; the TSC travels as an MSR, its frequency alongside.
+#[derive(Serialize, Deserialize)]
+pub struct VcpuState {
+    pub cpuid: Vec<kvm_cpuid_entry2>,
+    pub msrs: Vec<kvm_msr_entry>,
+    pub regs: kvm_regs,
+    pub sregs: kvm_sregs,
+    pub xsave: kvm_xsave,
+    pub xcrs: kvm_xcrs,
+    pub debugregs: kvm_debugregs,
+    pub vcpu_events: kvm_vcpu_events,
+    pub mp_state: kvm_mp_state,
+    pub tsc_khz: u32,
+}
+
+/// A paused VM's state: its vCPUs, its kvmclock, and the workloads its vCPUs were given.
+#[derive(Serialize, Deserialize)]
+pub struct VmState {
+    pub vcpus: Vec<VcpuState>,
+    pub clock: kvm_clock_data,
+    pub work: Vec<VcpuWork>,
+}
+
+/// The MSRs worth saving: those of `KVM_GET_MSR_INDEX_LIST` that this vCPU can read and then
+/// write back (KVM_GET_MSRS / KVM_SET_MSRS stop at the first entry they refuse, so refused
+/// ones are dropped one by one). Asked once per VM, on a vCPU that has not run yet.
+pub(crate) fn restorable_msrs(kvm: &Kvm, vcpu: &VcpuFd) -> Result<Vec<u32>> {
+    let list = kvm
+        .get_msr_index_list()
+        .map_err(Error::ioctl("KVM_GET_MSR_INDEX_LIST"))?;
+    let mut wanted: Vec<kvm_msr_entry> = list
+        .as_slice()
+        .iter()
+        .map(|&index| kvm_msr_entry {
+            index,
+            ..Default::default()
+        })
+        .collect();
+    let mut restorable = Vec::with_capacity(wanted.len());
+    while !wanted.is_empty() {
+        let mut msrs = Msrs::from_entries(&wanted)
+            .map_err(|e| Error::Config(format!("too many MSRs: {e:?}")))?;
+        let read = vcpu
+            .get_msrs(&mut msrs)
+            .map_err(Error::ioctl("KVM_GET_MSRS"))?;
+        let read_back = Msrs::from_entries(&msrs.as_slice()[..read])
+            .map_err(|e| Error::Config(format!("too many MSRs: {e:?}")))?;
+        let written = vcpu
+            .set_msrs(&read_back)
+            .map_err(Error::ioctl("KVM_SET_MSRS"))?;
+        restorable.extend(msrs.as_slice()[..written].iter().map(|e| e.index));
+        // Entry `written` is refused (by GET or SET): skip it and go on with the rest.
+        wanted.drain(..(written + 1).min(wanted.len()));
+    }
+    Ok(restorable)
+}
+
+/// Refuses hosts whose XSAVE area does not fit `kvm_xsave` (4 KiB; e.g. AMX), which would need
+/// KVM_GET_XSAVE2.
+pub(crate) fn check_xsave_size(vm: &VmFd) -> Result<()> {
+    let size = vm.check_extension_int(Cap::Xsave2);
+    if size as usize > std::mem::size_of::<kvm_xsave>() {
+        return Err(Error::Config(format!(
+            "this host's XSAVE area is {size} bytes; saving it needs KVM_GET_XSAVE2, which \
+             guestmem does not use yet"
+        )));
+    }
+    Ok(())
+}
+
+pub(crate) fn save_vcpu(vcpu: &VcpuFd, msr_indices: &[u32]) -> Result<VcpuState> {
+    let cpuid = vcpu
+        .get_cpuid2(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
+        .map_err(Error::ioctl("KVM_GET_CPUID2"))?;
+    let entries: Vec<_> = msr_indices
+        .iter()
+        .map(|&index| kvm_msr_entry {
+            index,
+            ..Default::default()
+        })
+        .collect();
+    let mut msrs =
+        Msrs::from_entries(&entries).map_err(|e| Error::Config(format!("too many MSRs: {e:?}")))?;
+    let n = vcpu
+        .get_msrs(&mut msrs)
+        .map_err(Error::ioctl("KVM_GET_MSRS"))?;
+    if n != entries.len() {
+        return Err(Error::Config(format!(
+            "KVM_GET_MSRS read {n} of {} MSRs (stopped at {:#x})",
+            entries.len(),
+            entries[n].index
+        )));
+    }
+    Ok(VcpuState {
+        cpuid: cpuid.as_slice().to_vec(),
+        msrs: msrs.as_slice().to_vec(),
+        regs: vcpu.get_regs().map_err(Error::ioctl("KVM_GET_REGS"))?,
+        sregs: vcpu.get_sregs().map_err(Error::ioctl("KVM_GET_SREGS"))?,
+        xsave: vcpu.get_xsave().map_err(Error::ioctl("KVM_GET_XSAVE"))?,
+        xcrs: vcpu.get_xcrs().map_err(Error::ioctl("KVM_GET_XCRS"))?,
+        debugregs: vcpu
+            .get_debug_regs()
+            .map_err(Error::ioctl("KVM_GET_DEBUGREGS"))?,
+        vcpu_events: vcpu
+            .get_vcpu_events()
+            .map_err(Error::ioctl("KVM_GET_VCPU_EVENTS"))?,
+        mp_state: vcpu
+            .get_mp_state()
+            .map_err(Error::ioctl("KVM_GET_MP_STATE"))?,
+        tsc_khz: vcpu
+            .get_tsc_khz()
+            .map_err(Error::ioctl("KVM_GET_TSC_KHZ"))?,
+    })
+}
+
+/// Puts `state` into `vcpu`, in the order KVM needs (CPUID first, MSRs after the special
+/// registers, events last).
+pub(crate) fn restore_vcpu(vcpu: &VcpuFd, state: &VcpuState) -> Result<()> {
+    let cpuid = CpuId::from_entries(&state.cpuid)
+        .map_err(|e| Error::Config(format!("saved CPUID does not fit: {e:?}")))?;
+    vcpu.set_cpuid2(&cpuid)
+        .map_err(Error::ioctl("KVM_SET_CPUID2"))?;
+    if vcpu.get_tsc_khz().ok() != Some(state.tsc_khz) {
+        vcpu.set_tsc_khz(state.tsc_khz)
+            .map_err(Error::ioctl("KVM_SET_TSC_KHZ"))?;
+    }
+    vcpu.set_mp_state(state.mp_state)
+        .map_err(Error::ioctl("KVM_SET_MP_STATE"))?;
+    vcpu.set_regs(&state.regs)
+        .map_err(Error::ioctl("KVM_SET_REGS"))?;
+    vcpu.set_sregs(&state.sregs)
+        .map_err(Error::ioctl("KVM_SET_SREGS"))?;
+    // SAFETY: `check_xsave_size` refused, when the VM was built, any host whose XSAVE area is
+    // larger than `kvm_xsave`, so the kernel reads only within `state.xsave`.
+    unsafe { vcpu.set_xsave(&state.xsave) }.map_err(Error::ioctl("KVM_SET_XSAVE"))?;
+    vcpu.set_xcrs(&state.xcrs)
+        .map_err(Error::ioctl("KVM_SET_XCRS"))?;
+    vcpu.set_debug_regs(&state.debugregs)
+        .map_err(Error::ioctl("KVM_SET_DEBUGREGS"))?;
+    let msrs = Msrs::from_entries(&state.msrs)
+        .map_err(|e| Error::Config(format!("saved MSRs do not fit: {e:?}")))?;
+    let n = vcpu.set_msrs(&msrs).map_err(Error::ioctl("KVM_SET_MSRS"))?;
+    if n != state.msrs.len() {
+        return Err(Error::Config(format!(
+            "KVM_SET_MSRS took {n} of {} saved MSRs (refused {:#x})",
+            state.msrs.len(),
+            state.msrs[n].index
+        )));
+    }
+    vcpu.set_vcpu_events(&state.vcpu_events)
+        .map_err(Error::ioctl("KVM_SET_VCPU_EVENTS"))
+}
