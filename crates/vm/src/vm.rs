@@ -17,7 +17,7 @@ use crate::vcpu::{self, Outcome};
 use crate::{layout, Error, Result, RunReport, VcpuReport, VcpuWork, Workload};
 
 /// What VM to build: vCPU count and guest RAM regions (placed anywhere above the sys region).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct VmConfig {
     pub vcpus: usize,
     pub regions: Vec<RegionSpec>,
@@ -35,6 +35,7 @@ impl VmConfig {
 
 /// A KVM VM with its guest memory and vCPUs, ready to run payload workloads.
 pub struct Vm {
+    config: VmConfig,
     _kvm: Kvm,
     fd: VmFd,
     memory: Arc<GuestMemory>,
@@ -96,6 +97,7 @@ impl Vm {
             .map_err(Error::ioctl("KVM_GET_TSC_KHZ"))? as u64;
         let msr_indices = state::restorable_msrs(&kvm, &vcpus[0])?;
         Ok(Vm {
+            config: config.clone(),
             _kvm: kvm,
             fd,
             memory: Arc::new(memory),
@@ -104,6 +106,11 @@ impl Vm {
             msr_indices,
             work: Vec::new(),
         })
+    }
+
+    /// What this VM was built from (its guest RAM regions; the sys region is implied).
+    pub fn config(&self) -> &VmConfig {
+        &self.config
     }
 
     pub fn fd(&self) -> &VmFd {

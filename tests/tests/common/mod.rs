@@ -1,11 +1,15 @@
 //! What the end-to-end tests share: huge page pools and a hugetlbfs mount for the hugetlb
 //! backends (we run as root on the test machines; both are put back or left as the system
-//! default location), and deterministic test data.
+//! default location), deterministic test data, and checks of the `dirty` workload's pages.
 #![allow(dead_code)]
 
+use std::cmp::Ordering;
 use std::sync::Mutex;
+use std::time::Duration;
 
-use guestmem_memory::{Backend, HUGE_PAGE_SIZE};
+use guestmem_memory::{Backend, HUGE_PAGE_SIZE, PAGE_SIZE};
+use guestmem_vm::payload::{page_value, CTL_PAGES_DONE};
+use guestmem_vm::{layout, RunningVm, VcpuWork, Vm, Workload};
 
 const NR_HUGEPAGES: &str = "/proc/sys/vm/nr_hugepages";
 
@@ -79,4 +83,73 @@ pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
     }
     out.truncate(len);
     out
+}
+
+/// A `dirty` workload over `size` bytes at RAM_GPA, split over `vcpus`, running until stopped.
+pub fn dirty_work(vcpus: usize, size: u64) -> Vec<VcpuWork> {
+    let dirty = Workload::Dirty {
+        pages_per_s: None,
+        passes: None,
+    };
+    VcpuWork::split(dirty, layout::RAM_GPA, size, vcpus, 9)
+}
+
+/// Waits until every vCPU has completed `generation` passes.
+pub fn wait_for_generation(running: &RunningVm<'_>, generation: u64) {
+    while running.progress().iter().any(|&(_, g)| g < generation) {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// Pages done per vCPU, read from the control blocks of a VM that is not running.
+pub fn pages_done(vm: &Vm) -> Vec<u64> {
+    (0..vm.vcpu_count())
+        .map(|i| {
+            vm.memory()
+                .read_u64(layout::control_gpa(i) + CTL_PAGES_DONE)
+                .unwrap()
+        })
+        .collect()
+}
+
+/// Every page holds the value of the `dirty` pass the guest's own counters say it is in. The
+/// page at the cursor may hold either value: the guest counts a page just after writing it, and
+/// a pause can fall between the two.
+pub fn assert_pages_consistent(vm: &Vm, work: &[VcpuWork], pages_done: &[u64]) {
+    for (w, &done) in work.iter().zip(pages_done) {
+        let n = w.pages();
+        let (generation, cursor) = (done / n, done % n);
+        assert!(generation >= 1, "at least one whole pass");
+        for p in 0..n {
+            let gpa = w.gpa + p * PAGE_SIZE;
+            let value = vm.memory().read_u64(gpa).unwrap();
+            let new = page_value(w.seed, gpa, generation);
+            let old = page_value(w.seed, gpa, generation - 1);
+            match p.cmp(&cursor) {
+                Ordering::Less => assert_eq!(value, new, "page {gpa:#x}"),
+                Ordering::Equal => assert!(value == new || value == old, "page {gpa:#x}"),
+                Ordering::Greater => assert_eq!(value, old, "page {gpa:#x}"),
+            }
+        }
+    }
+}
+
+/// Resumes `vm` (paused or restored, its pages done per vCPU being `before`), lets every vCPU
+/// get two passes past the furthest one, stops it, and checks that every vCPU went on counting
+/// from where it was and that every page agrees with the counters.
+pub fn resume_and_check_continuation(vm: &mut Vm, work: &[VcpuWork], before: &[u64]) {
+    let running = vm.resume().unwrap();
+    let target = before
+        .iter()
+        .map(|p| p / work[0].pages() + 2)
+        .max()
+        .unwrap();
+    wait_for_generation(&running, target);
+    running.stop();
+    let report = running.wait(Duration::from_secs(30)).unwrap();
+    let after: Vec<u64> = report.vcpus.iter().map(|v| v.pages).collect();
+    for (i, (b, a)) in before.iter().zip(&after).enumerate() {
+        assert!(a > b, "vCPU {i} went on counting: {b} -> {a}");
+    }
+    assert_pages_consistent(vm, work, &after);
 }

@@ -1,0 +1,55 @@
+//! Moving a guestmem VM through time and space: snapshots and restore (live migration comes on
+//! top of the same pieces).
+
+pub mod snapshot;
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{path}: {op} failed: {source}")]
+    Io {
+        path: PathBuf,
+        op: &'static str,
+        #[source]
+        source: io::Error,
+    },
+    #[error("{path}: not valid JSON of the expected shape: {source}")]
+    Json {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("{path}: not a guestmem snapshot (format {found})")]
+    NotASnapshot { path: PathBuf, found: String },
+    #[error("{path}: snapshot version {found}; this guestmem reads version {supported}")]
+    Version {
+        path: PathBuf,
+        found: u64,
+        supported: u32,
+    },
+    #[error("{path}: truncated: {found} bytes, the manifest says {expected}")]
+    Truncated {
+        path: PathBuf,
+        expected: u64,
+        found: u64,
+    },
+    #[error("corrupt snapshot: {0}")]
+    Corrupt(String),
+    #[error("cannot restore here: {0}")]
+    Layout(String),
+    #[error(transparent)]
+    Vm(#[from] guestmem_vm::Error),
+    #[error(transparent)]
+    Memory(#[from] guestmem_memory::Error),
+}
+
+impl Error {
+    pub(crate) fn io(path: &Path, op: &'static str) -> impl FnOnce(io::Error) -> Error {
+        let path = path.to_path_buf();
+        move |source| Error::Io { path, op, source }
+    }
+}

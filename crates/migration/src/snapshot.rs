@@ -1,0 +1,418 @@
+//! Snapshots: a paused VM written to a directory, and VMs restored from one.
+//!
+//! A snapshot directory holds three files:
+//! - `manifest.json`: format name and version, the VM configuration, the memory layout (each
+//!   region's place in the memory file) with a CRC-32 and a zero flag per 2 MiB chunk, a digest
+//!   per region, and the state file's CRC-32;
+//! - `state.json`: the complete vCPU and VM state ([`VmState`]);
+//! - `memory`: every region's bytes at its offset, zero pages left as holes (a sparse file).
+//!
+//! Everything is checked before any vCPU runs: format, version, checksums, sizes, and whether
+//! this host can build the layout.
+
+use std::fs::File;
+use std::io::{self, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use guestmem_memory::{Backend, GuestMemory, Region, RegionSpec, PAGE_SIZE};
+use guestmem_vm::{Vm, VmConfig, VmState};
+use serde::{Deserialize, Serialize};
+
+use crate::{Error, Result};
+
+/// The `format` field of every guestmem snapshot manifest.
+pub const FORMAT: &str = "guestmem-snapshot";
+/// The manifest version this code writes and reads.
+pub const VERSION: u32 = 1;
+/// The unit of checksums and of zero detection in the manifest.
+pub const CHUNK_BYTES: u64 = 2 << 20;
+
+const MANIFEST: &str = "manifest.json";
+const STATE: &str = "state.json";
+const MEMORY: &str = "memory";
+
+/// What `manifest.json` holds.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format: String,
+    pub version: u32,
+    pub config: VmConfig,
+    /// Every region of guest memory (the sys region included), in memory order.
+    pub regions: Vec<RegionImage>,
+    pub chunk_bytes: u64,
+    pub state_bytes: u64,
+    pub state_crc32: u32,
+    /// Length of the memory file.
+    pub memory_file_bytes: u64,
+}
+
+/// One region in the memory file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RegionImage {
+    pub spec: RegionSpec,
+    pub file_offset: u64,
+    /// `guestmem_memory::GuestMemory::digest` of the whole region at snapshot time.
+    pub digest: u64,
+    /// One entry per [`CHUNK_BYTES`] of the region (the last may be shorter).
+    pub chunks: Vec<Chunk>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Chunk {
+    /// CRC-32 of the chunk's bytes (zero pages included).
+    pub crc32: u32,
+    /// The chunk is all zeros: nothing of it is in the memory file.
+    pub zero: bool,
+}
+
+/// How much a snapshot wrote.
+#[derive(Debug, Clone, Serialize)]
+pub struct WriteReport {
+    pub memory_bytes: u64,
+    /// Bytes of memory actually stored (non-zero pages).
+    pub data_bytes: u64,
+    pub zero_chunks: u64,
+    pub chunks: u64,
+}
+
+/// Writes a snapshot of `vm`, which is not running (a [`guestmem_vm::RunningVm`] borrows it
+/// mutably, so holding `&Vm` proves it is paused or stopped), into `dir` (created if needed;
+/// an existing snapshot there is replaced).
+pub fn write(vm: &Vm, dir: &Path) -> Result<WriteReport> {
+    std::fs::create_dir_all(dir).map_err(Error::io(dir, "create directory"))?;
+    let state = vm.save_state()?;
+    let state_json = serde_json::to_vec(&state).map_err(|e| Error::Json {
+        path: dir.join(STATE),
+        source: e,
+    })?;
+    write_file(&dir.join(STATE), &state_json)?;
+
+    let memory_path = dir.join(MEMORY);
+    let file = File::create(&memory_path).map_err(Error::io(&memory_path, "create"))?;
+    let mut report = WriteReport {
+        memory_bytes: 0,
+        data_bytes: 0,
+        zero_chunks: 0,
+        chunks: 0,
+    };
+    let mut regions = Vec::new();
+    let mut file_offset = 0;
+    let mut buf = vec![0u8; CHUNK_BYTES as usize];
+    for region in vm.memory().regions() {
+        let mut chunks = Vec::new();
+        for offset in (0..region.size()).step_by(CHUNK_BYTES as usize) {
+            let len = CHUNK_BYTES.min(region.size() - offset) as usize;
+            let bytes = &mut buf[..len];
+            vm.memory().read(region.gpa() + offset, bytes)?;
+            let mut zero = true;
+            for (run_start, run) in nonzero_page_runs(bytes) {
+                zero = false;
+                file.write_all_at(run, file_offset + offset + run_start as u64)
+                    .map_err(Error::io(&memory_path, "write"))?;
+                report.data_bytes += run.len() as u64;
+            }
+            report.zero_chunks += zero as u64;
+            chunks.push(Chunk {
+                crc32: crc32fast::hash(bytes),
+                zero,
+            });
+        }
+        report.chunks += chunks.len() as u64;
+        report.memory_bytes += region.size();
+        regions.push(RegionImage {
+            spec: region.spec().clone(),
+            file_offset,
+            digest: vm.memory().digest(region.gpa(), region.size())?,
+            chunks,
+        });
+        file_offset += region.size().next_multiple_of(CHUNK_BYTES);
+    }
+    file.set_len(file_offset)
+        .map_err(Error::io(&memory_path, "set length"))?;
+    file.sync_all().map_err(Error::io(&memory_path, "sync"))?;
+
+    let manifest = Manifest {
+        format: FORMAT.into(),
+        version: VERSION,
+        config: vm.config().clone(),
+        regions,
+        chunk_bytes: CHUNK_BYTES,
+        state_bytes: state_json.len() as u64,
+        state_crc32: crc32fast::hash(&state_json),
+        memory_file_bytes: file_offset,
+    };
+    let json = serde_json::to_vec_pretty(&manifest).map_err(|e| Error::Json {
+        path: dir.join(MANIFEST),
+        source: e,
+    })?;
+    // The manifest goes last, and whole: a snapshot without one is no snapshot.
+    let tmp = dir.join(format!("{MANIFEST}.tmp"));
+    write_file(&tmp, &json)?;
+    std::fs::rename(&tmp, dir.join(MANIFEST)).map_err(Error::io(dir, "rename manifest"))?;
+    Ok(report)
+}
+
+/// A snapshot whose manifest and state have been read and checked.
+pub struct Snapshot {
+    dir: PathBuf,
+    manifest: Manifest,
+    state: VmState,
+    memory: File,
+}
+
+impl Snapshot {
+    /// Reads and checks `dir`: format, version, state checksum, memory file length.
+    pub fn open(dir: &Path) -> Result<Snapshot> {
+        let manifest_path = dir.join(MANIFEST);
+        let bytes = std::fs::read(&manifest_path).map_err(Error::io(&manifest_path, "read"))?;
+        // Look at the format and version first, so that another version's layout is reported
+        // as such rather than as a parse error.
+        let head: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| Error::Json {
+            path: manifest_path.clone(),
+            source: e,
+        })?;
+        if head.get("format").and_then(|f| f.as_str()) != Some(FORMAT) {
+            return Err(Error::NotASnapshot {
+                path: manifest_path,
+                found: head
+                    .get("format")
+                    .map(|f| f.to_string())
+                    .unwrap_or_else(|| "none".into()),
+            });
+        }
+        let version = head.get("version").and_then(|v| v.as_u64()).unwrap_or(0);
+        if version != u64::from(VERSION) {
+            return Err(Error::Version {
+                path: manifest_path,
+                found: version,
+                supported: VERSION,
+            });
+        }
+        let manifest: Manifest = serde_json::from_value(head).map_err(|e| Error::Json {
+            path: manifest_path.clone(),
+            source: e,
+        })?;
+        if manifest.chunk_bytes != CHUNK_BYTES {
+            return Err(Error::Corrupt(format!(
+                "{}: chunk size {} is not {CHUNK_BYTES}",
+                manifest_path.display(),
+                manifest.chunk_bytes
+            )));
+        }
+
+        let state_path = dir.join(STATE);
+        let state_json = std::fs::read(&state_path).map_err(Error::io(&state_path, "read"))?;
+        if state_json.len() as u64 != manifest.state_bytes {
+            return Err(Error::Truncated {
+                path: state_path,
+                expected: manifest.state_bytes,
+                found: state_json.len() as u64,
+            });
+        }
+        let crc = crc32fast::hash(&state_json);
+        if crc != manifest.state_crc32 {
+            return Err(Error::Corrupt(format!(
+                "{}: checksum {crc:#010x}, the manifest says {:#010x}",
+                state_path.display(),
+                manifest.state_crc32
+            )));
+        }
+        let state: VmState = serde_json::from_slice(&state_json).map_err(|e| Error::Json {
+            path: state_path,
+            source: e,
+        })?;
+
+        let memory_path = dir.join(MEMORY);
+        let memory = File::open(&memory_path).map_err(Error::io(&memory_path, "open"))?;
+        let len = memory
+            .metadata()
+            .map_err(Error::io(&memory_path, "stat"))?
+            .len();
+        if len != manifest.memory_file_bytes {
+            return Err(Error::Truncated {
+                path: memory_path,
+                expected: manifest.memory_file_bytes,
+                found: len,
+            });
+        }
+        Ok(Snapshot {
+            dir: dir.to_path_buf(),
+            manifest,
+            state,
+            memory,
+        })
+    }
+
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    pub fn state(&self) -> &VmState {
+        &self.state
+    }
+
+    /// Reads chunk `index` of region image `image` into `buf` and checks its CRC-32.
+    pub fn read_chunk(&self, image: &RegionImage, index: usize, buf: &mut [u8]) -> Result<()> {
+        let offset = index as u64 * CHUNK_BYTES;
+        let len = CHUNK_BYTES.min(image.spec.size - offset) as usize;
+        let buf = &mut buf[..len];
+        self.memory
+            .read_exact_at(buf, image.file_offset + offset)
+            .map_err(Error::io(&self.dir.join(MEMORY), "read"))?;
+        let crc = crc32fast::hash(buf);
+        if crc != image.chunks[index].crc32 {
+            return Err(Error::Corrupt(format!(
+                "region '{}' chunk at offset {offset:#x}: checksum {crc:#010x}, the manifest \
+                 says {:#010x}",
+                image.spec.name, image.chunks[index].crc32
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// How to bring a snapshot's memory back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RestoreMode {
+    /// Copy every non-zero page into fresh memory, then run.
+    Full,
+    /// Map the memory file privately (copy-on-write) over anonymous regions; other backends
+    /// are copied as in `Full`.
+    Map,
+}
+
+/// Builds a VM from `snapshot` with its memory and vCPU state; the caller resumes it. Every
+/// check happens before this returns, so a refused snapshot never runs a vCPU.
+pub fn restore(snapshot: &Snapshot, mode: RestoreMode) -> Result<Vm> {
+    let manifest = &snapshot.manifest;
+    let mut vm = Vm::new(&manifest.config)?;
+    check_layout(vm.memory(), &manifest.regions)?;
+    let mut buf = vec![0u8; CHUNK_BYTES as usize];
+    for (region, image) in vm.memory().regions().iter().zip(&manifest.regions) {
+        if mode == RestoreMode::Map && region.backend() == Backend::Anon {
+            verify_chunks(snapshot, image, &mut buf)?;
+            map_private(region, &snapshot.memory, image.file_offset)
+                .map_err(Error::io(&snapshot.dir.join(MEMORY), "mmap"))?;
+        } else {
+            copy_chunks(snapshot, vm.memory(), region, image, &mut buf)?;
+        }
+    }
+    vm.restore_state(&snapshot.state)?;
+    Ok(vm)
+}
+
+fn check_layout(memory: &GuestMemory, images: &[RegionImage]) -> Result<()> {
+    let built: Vec<&RegionSpec> = memory.regions().iter().map(Region::spec).collect();
+    let saved: Vec<&RegionSpec> = images.iter().map(|i| &i.spec).collect();
+    if built != saved {
+        return Err(Error::Layout(format!(
+            "the snapshot's regions {saved:?} differ from those its configuration builds here \
+             {built:?}"
+        )));
+    }
+    Ok(())
+}
+
+fn verify_chunks(snapshot: &Snapshot, image: &RegionImage, buf: &mut [u8]) -> Result<()> {
+    for (i, chunk) in image.chunks.iter().enumerate() {
+        if !chunk.zero {
+            snapshot.read_chunk(image, i, buf)?;
+        }
+    }
+    Ok(())
+}
+
+fn copy_chunks(
+    snapshot: &Snapshot,
+    memory: &GuestMemory,
+    region: &Region,
+    image: &RegionImage,
+    buf: &mut [u8],
+) -> Result<()> {
+    for (i, chunk) in image.chunks.iter().enumerate() {
+        if chunk.zero {
+            continue;
+        }
+        snapshot.read_chunk(image, i, buf)?;
+        let offset = i as u64 * CHUNK_BYTES;
+        let len = CHUNK_BYTES.min(image.spec.size - offset) as usize;
+        for (start, run) in nonzero_page_runs(&buf[..len]) {
+            memory.write(region.gpa() + offset + start as u64, run)?;
+        }
+    }
+    Ok(())
+}
+
+/// Replaces an anonymous region's mapping, in place, by a private (copy-on-write) mapping of
+/// the memory file. The memslot keeps its host address, so KVM follows the new mapping.
+fn map_private(region: &Region, file: &File, file_offset: u64) -> io::Result<()> {
+    // SAFETY: the range is exactly the region's own anonymous mapping, which the region owns
+    // and which no vCPU has used yet (the VM was built but never run); MAP_FIXED replaces it
+    // atomically with a mapping of the same length and protection, which the region unmaps on
+    // drop as before. The file is at least `file_offset + size` long (checked on open).
+    let addr = unsafe {
+        libc::mmap(
+            region.host_addr() as *mut libc::c_void,
+            region.size() as usize,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_FIXED,
+            file.as_raw_fd(),
+            file_offset as libc::off_t,
+        )
+    };
+    if addr == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// The runs of consecutive non-zero pages in `bytes`, as (offset, bytes).
+fn nonzero_page_runs(bytes: &[u8]) -> impl Iterator<Item = (usize, &[u8])> {
+    let page = PAGE_SIZE as usize;
+    let pages = bytes.len().div_ceil(page);
+    let is_zero = move |p: usize| {
+        bytes[p * page..((p + 1) * page).min(bytes.len())]
+            .iter()
+            .all(|&b| b == 0)
+    };
+    let mut p = 0;
+    std::iter::from_fn(move || {
+        while p < pages && is_zero(p) {
+            p += 1;
+        }
+        if p == pages {
+            return None;
+        }
+        let start = p;
+        while p < pages && !is_zero(p) {
+            p += 1;
+        }
+        let end = (p * page).min(bytes.len());
+        Some((start * page, &bytes[start * page..end]))
+    })
+}
+
+fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut f = File::create(path).map_err(Error::io(path, "create"))?;
+    f.write_all(bytes).map_err(Error::io(path, "write"))?;
+    f.sync_all().map_err(Error::io(path, "sync"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::nonzero_page_runs;
+
+    #[test]
+    fn runs_skip_zero_pages() {
+        let mut b = vec![0u8; 5 * 4096];
+        b[4096] = 1;
+        b[2 * 4096 + 17] = 2;
+        b[4 * 4096 + 4095] = 3;
+        let runs: Vec<(usize, usize)> = nonzero_page_runs(&b).map(|(o, r)| (o, r.len())).collect();
+        assert_eq!(runs, vec![(4096, 2 * 4096), (4 * 4096, 4096)]);
+        assert_eq!(nonzero_page_runs(&[0u8; 8192]).count(), 0);
+    }
+}

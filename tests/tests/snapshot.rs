@@ -1,0 +1,218 @@
+//! Snapshot a running VM, restore it, and watch the guest carry on.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::{
+    assert_pages_consistent, dirty_work, pages_done, resume_and_check_continuation,
+    wait_for_generation,
+};
+use guestmem_memory::{Backend, RegionSpec};
+use guestmem_migration::snapshot::{self, RestoreMode, Snapshot};
+use guestmem_vm::{layout, Vm, VmConfig};
+
+const SIZE: u64 = 8 << 20;
+
+/// A fresh directory under the system temp dir, removed on drop.
+struct TempDir(PathBuf);
+impl TempDir {
+    fn new(name: &str) -> TempDir {
+        let dir = std::env::temp_dir().join(format!("guestmem-test-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        TempDir(dir)
+    }
+}
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Runs a 2-vCPU `dirty` VM for two passes, pauses it, snapshots it into `dir`, and returns the
+/// pages done per vCPU at the snapshot.
+fn snapshot_running_vm(config: &VmConfig, dir: &Path) -> Vec<u64> {
+    let mut vm = Vm::new(config).unwrap();
+    let running = vm.start(&dirty_work(2, SIZE)).unwrap();
+    wait_for_generation(&running, 2);
+    running.pause().unwrap();
+    let report = snapshot::write(&vm, dir).unwrap();
+    assert_eq!(report.memory_bytes, vm.memory().size());
+    pages_done(&vm)
+}
+
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn restored_guest_continues_on_every_backend_and_mode() {
+    for backend in [Backend::Anon, Backend::Memfd, Backend::GuestMemfd] {
+        for mode in [RestoreMode::Full, RestoreMode::Map] {
+            let dir = TempDir::new(&format!("{backend}-{mode:?}"));
+            let config = VmConfig::simple(2, SIZE, backend);
+            let at_snapshot = snapshot_running_vm(&config, &dir.0);
+
+            let snap = Snapshot::open(&dir.0).unwrap();
+            let mut vm = snapshot::restore(&snap, mode).unwrap();
+            // Memory is back as it was: every region's digest equals the one taken at snapshot.
+            for (region, image) in vm.memory().regions().iter().zip(&snap.manifest().regions) {
+                let digest = vm.memory().digest(region.gpa(), region.size()).unwrap();
+                assert_eq!(
+                    digest,
+                    image.digest,
+                    "{backend} {mode:?}: region '{}'",
+                    region.name()
+                );
+            }
+            assert_eq!(pages_done(&vm), at_snapshot);
+            let work = dirty_work(2, SIZE);
+            assert_pages_consistent(&vm, &work, &at_snapshot);
+            resume_and_check_continuation(&mut vm, &work, &at_snapshot);
+        }
+    }
+}
+
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn zero_pages_are_holes_in_the_memory_file() {
+    let dir = TempDir::new("sparse");
+    // 64 MiB of guest memory of which the guest dirties only the first 8 MiB.
+    let config = VmConfig::simple(2, 64 << 20, Backend::Anon);
+    let mut vm = Vm::new(&config).unwrap();
+    let running = vm.start(&dirty_work(2, SIZE)).unwrap();
+    wait_for_generation(&running, 1);
+    running.pause().unwrap();
+    let report = snapshot::write(&vm, &dir.0).unwrap();
+    assert!(
+        report.data_bytes < 10 << 20,
+        "{} bytes of data",
+        report.data_bytes
+    );
+    assert!(
+        report.zero_chunks >= 27,
+        "{} zero chunks",
+        report.zero_chunks
+    );
+    let meta = std::fs::metadata(dir.0.join("memory")).unwrap();
+    use std::os::unix::fs::MetadataExt;
+    assert!(meta.len() > 64 << 20, "file spans all memory");
+    assert!(
+        meta.blocks() * 512 < 12 << 20,
+        "only {} bytes allocated",
+        meta.blocks() * 512
+    );
+}
+
+fn edit_manifest(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let path = dir.join("manifest.json");
+    let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    edit(&mut m);
+    std::fs::write(&path, serde_json::to_vec(&m).unwrap()).unwrap();
+}
+
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn bad_snapshots_are_refused_before_anything_runs() {
+    let good = TempDir::new("good");
+    snapshot_running_vm(&VmConfig::simple(2, SIZE, Backend::Memfd), &good.0);
+    let copy = |name: &str| {
+        let dir = TempDir::new(name);
+        for f in ["manifest.json", "state.json", "memory"] {
+            std::fs::copy(good.0.join(f), dir.0.join(f)).unwrap();
+        }
+        dir
+    };
+    let restore_err = |dir: &Path| -> String {
+        match Snapshot::open(dir).and_then(|s| snapshot::restore(&s, RestoreMode::Full)) {
+            Ok(_) => panic!("{} was accepted", dir.display()),
+            Err(e) => e.to_string(),
+        }
+    };
+
+    let d = copy("version");
+    edit_manifest(&d.0, |m| m["version"] = 99.into());
+    let e = restore_err(&d.0);
+    assert!(
+        e.contains("snapshot version 99") && e.contains("reads version 1"),
+        "{e}"
+    );
+
+    let d = copy("format");
+    edit_manifest(&d.0, |m| m["format"] = "qcow2".into());
+    assert!(restore_err(&d.0).contains("not a guestmem snapshot"));
+
+    let d = copy("truncated");
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(d.0.join("memory"))
+        .unwrap();
+    f.set_len(SIZE / 2).unwrap();
+    let e = restore_err(&d.0);
+    assert!(e.contains("truncated") && e.contains("memory"), "{e}");
+
+    // One flipped byte in the guest's RAM region: the chunk's checksum catches it.
+    let d = copy("flipped");
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(d.0.join("manifest.json")).unwrap()).unwrap();
+    let ram = manifest["regions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["spec"]["name"] == "ram")
+        .unwrap();
+    let at = ram["file_offset"].as_u64().unwrap() + 3 * 4096 + 8;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(d.0.join("memory"))
+        .unwrap();
+    use std::os::unix::fs::FileExt;
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, at).unwrap();
+    f.write_all_at(&[b[0] ^ 0x40], at).unwrap();
+    let e = restore_err(&d.0);
+    assert!(
+        e.contains("corrupt snapshot") && e.contains("region 'ram' chunk at offset 0x0"),
+        "{e}"
+    );
+
+    let d = copy("state");
+    let mut state = std::fs::read(d.0.join("state.json")).unwrap();
+    let i = state.iter().position(|&c| c.is_ascii_digit()).unwrap();
+    state[i] = if state[i] == b'7' { b'8' } else { b'7' };
+    std::fs::write(d.0.join("state.json"), state).unwrap();
+    let e = restore_err(&d.0);
+    assert!(e.contains("state.json: checksum"), "{e}");
+
+    let d = copy("missing");
+    std::fs::remove_file(d.0.join("manifest.json")).unwrap();
+    let e = restore_err(&d.0);
+    assert!(e.contains("manifest.json: read failed"), "{e}");
+
+    // A layout this host cannot provide: more huge pages than the pool holds.
+    let d = copy("layout");
+    edit_manifest(&d.0, |m| {
+        m["config"]["regions"][0]["backend"] = "memfd-hugetlb".into();
+        m["config"]["regions"][0]["size"] = (64u64 << 30).into();
+    });
+    let e = restore_err(&d.0);
+    assert!(
+        e.contains("region 'ram'") && e.contains("not available"),
+        "{e}"
+    );
+
+    // A configuration whose regions differ from the saved memory layout.
+    let d = copy("regions");
+    edit_manifest(&d.0, |m| {
+        let moved = RegionSpec::new("ram", layout::RAM_GPA * 2, SIZE, Backend::Memfd);
+        m["config"]["regions"][0] = serde_json::to_value(moved).unwrap();
+    });
+    let e = restore_err(&d.0);
+    assert!(
+        e.contains("cannot restore here") && e.contains("differ"),
+        "{e}"
+    );
+
+    // The untouched snapshot still restores.
+    let snap = Snapshot::open(&good.0).unwrap();
+    assert!(snapshot::restore(&snap, RestoreMode::Full).is_ok());
+}
