@@ -3,6 +3,7 @@
 mod bench;
 mod probe;
 mod run;
+mod snapshot;
 mod units;
 
 use clap::{Parser, Subcommand};
@@ -20,6 +21,10 @@ enum Command {
     Probe(probe::Args),
     /// Run a VM executing a guest workload and print what the guest did.
     Run(run::Args),
+    /// Run a VM's `dirty` workload, pause it, and write a snapshot of it.
+    Snapshot(snapshot::SnapshotArgs),
+    /// Restore a snapshot and let the guest carry on.
+    Restore(snapshot::RestoreArgs),
     /// Benchmarks that reproduce the seeds' tables.
     #[command(subcommand)]
     Bench(bench::Bench),
@@ -37,6 +42,8 @@ fn main() {
     let result = match cli.command {
         Command::Probe(args) => probe::main(args),
         Command::Run(args) => run::main(args),
+        Command::Snapshot(args) => snapshot::snapshot(args),
+        Command::Restore(args) => snapshot::restore(args),
         Command::Bench(bench) => bench::main(bench),
     };
     if let Err(e) = result {

@@ -131,3 +131,42 @@ fn bad_vm_sizes_are_named() {
         stderr(&o)
     );
 }
+
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn snapshot_then_restore_continues_the_guest() {
+    let dir = std::env::temp_dir().join(format!("guestmem-cli-snap-{}", std::process::id()));
+    let d = dir.to_str().unwrap();
+    let o = guestmem(&[
+        "snapshot",
+        "--out",
+        d,
+        "--memory",
+        "64M",
+        "--backend",
+        "memfd",
+        "--after",
+        "0.3",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("snapshot of a 64 MiB memfd VM"),
+        "{}",
+        stdout(&o)
+    );
+    for mode in ["full", "map"] {
+        let o = guestmem(&["restore", d, "--mode", mode, "--run-for", "0.2", "--json"]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+        assert_eq!(v["memory_digests_match"], true);
+        assert_eq!(v["guest_continued"], true);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    let o = guestmem(&["restore", d]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("manifest.json: read failed"),
+        "{}",
+        stderr(&o)
+    );
+}

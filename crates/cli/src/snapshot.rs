@@ -1,0 +1,187 @@
+//! `guestmem snapshot` and `guestmem restore`: a running VM to a snapshot directory and back.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use guestmem_memory::Backend;
+use guestmem_migration::snapshot::{self, RestoreMode, Snapshot};
+use guestmem_vm::payload::CTL_PAGES_DONE;
+use guestmem_vm::{layout, VcpuWork, Vm, VmConfig, Workload};
+use serde::Serialize;
+
+use crate::units::parse_size;
+
+#[derive(clap::Args)]
+pub struct SnapshotArgs {
+    /// Directory to write the snapshot into (created; an existing snapshot there is replaced).
+    #[arg(long)]
+    out: PathBuf,
+    /// Guest memory size (one region at 1 GiB), e.g. 512M, 1G.
+    #[arg(long, default_value = "1G", value_parser = parse_size)]
+    memory: u64,
+    /// Number of vCPUs.
+    #[arg(long, default_value_t = 2)]
+    vcpus: usize,
+    /// Memory backend: anon, memfd, memfd-hugetlb, hugetlb, gmem.
+    #[arg(long, default_value = "anon")]
+    backend: Backend,
+    /// How long the guest runs its `dirty` workload before the snapshot, in seconds.
+    #[arg(long, default_value_t = 1.0)]
+    after: f64,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(clap::Args)]
+pub struct RestoreArgs {
+    /// The snapshot directory.
+    dir: PathBuf,
+    /// full: copy all memory in, then run; map: map the memory file copy-on-write (anon regions).
+    #[arg(long, value_enum, default_value = "full")]
+    mode: Mode,
+    /// How long to let the restored guest run, in seconds.
+    #[arg(long, default_value_t = 1.0)]
+    run_for: f64,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum Mode {
+    Full,
+    Map,
+}
+
+#[derive(Serialize)]
+struct SnapshotOutput {
+    dir: PathBuf,
+    #[serde(flatten)]
+    report: snapshot::WriteReport,
+    write_ms: f64,
+    pages_done_per_vcpu: Vec<u64>,
+}
+
+#[derive(Serialize)]
+struct RestoreOutput {
+    mode: &'static str,
+    /// From opening the snapshot to the vCPUs being ready to run.
+    restore_ms: f64,
+    memory_digests_match: bool,
+    pages_at_snapshot_per_vcpu: Vec<u64>,
+    pages_after_run_per_vcpu: Vec<u64>,
+    guest_continued: bool,
+}
+
+fn pages_done(vm: &Vm) -> crate::Result<Vec<u64>> {
+    (0..vm.vcpu_count())
+        .map(|i| {
+            Ok(vm
+                .memory()
+                .read_u64(layout::control_gpa(i) + CTL_PAGES_DONE)?)
+        })
+        .collect()
+}
+
+fn seconds(s: f64, flag: &str) -> crate::Result<Duration> {
+    Duration::try_from_secs_f64(s)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| format!("{flag} must be a positive number of seconds, not {s}").into())
+}
+
+pub fn snapshot(args: SnapshotArgs) -> crate::Result<()> {
+    let after = seconds(args.after, "--after")?;
+    let config = VmConfig::simple(args.vcpus, args.memory, args.backend);
+    let mut vm = Vm::new(&config)?;
+    let dirty = Workload::Dirty {
+        pages_per_s: None,
+        passes: None,
+    };
+    let work = VcpuWork::split(dirty, layout::RAM_GPA, args.memory, args.vcpus, 1);
+    let running = vm.start(&work)?;
+    std::thread::sleep(after);
+    running.pause()?;
+    let t = Instant::now();
+    let report = snapshot::write(&vm, &args.out)?;
+    let out = SnapshotOutput {
+        dir: args.out,
+        report,
+        write_ms: t.elapsed().as_secs_f64() * 1e3,
+        pages_done_per_vcpu: pages_done(&vm)?,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        println!(
+            "snapshot of a {} MiB {} VM written to {} in {:.1} ms: {} MiB of data, {} of {} chunks zero",
+            args.memory >> 20,
+            args.backend,
+            out.dir.display(),
+            out.write_ms,
+            out.report.data_bytes >> 20,
+            out.report.zero_chunks,
+            out.report.chunks
+        );
+        println!(
+            "guest pages written per vCPU at the snapshot: {:?}",
+            out.pages_done_per_vcpu
+        );
+    }
+    Ok(())
+}
+
+pub fn restore(args: RestoreArgs) -> crate::Result<()> {
+    let run_for = seconds(args.run_for, "--run-for")?;
+    let (mode, name) = match args.mode {
+        Mode::Full => (RestoreMode::Full, "full"),
+        Mode::Map => (RestoreMode::Map, "map"),
+    };
+    let t = Instant::now();
+    let snap = Snapshot::open(&args.dir)?;
+    let mut vm = snapshot::restore(&snap, mode)?;
+    let restore_ms = t.elapsed().as_secs_f64() * 1e3;
+    let mut memory_digests_match = true;
+    for (region, image) in vm.memory().regions().iter().zip(&snap.manifest().regions) {
+        memory_digests_match &= vm.memory().digest(region.gpa(), region.size())? == image.digest;
+    }
+    let before = pages_done(&vm)?;
+    let running = vm.resume()?;
+    std::thread::sleep(run_for);
+    running.stop();
+    let report = running.wait(Duration::from_secs(30))?;
+    let after: Vec<u64> = report.vcpus.iter().map(|v| v.pages).collect();
+    let out = RestoreOutput {
+        mode: name,
+        restore_ms,
+        memory_digests_match,
+        guest_continued: before.iter().zip(&after).all(|(b, a)| a > b),
+        pages_at_snapshot_per_vcpu: before,
+        pages_after_run_per_vcpu: after,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        println!("restored ({name}) in {:.1} ms", out.restore_ms);
+        println!(
+            "memory digests match the snapshot's: {}",
+            if out.memory_digests_match {
+                "yes"
+            } else {
+                "NO"
+            }
+        );
+        println!(
+            "guest pages written per vCPU: {:?} at the snapshot, {:?} after running {:.1} s",
+            out.pages_at_snapshot_per_vcpu, out.pages_after_run_per_vcpu, args.run_for
+        );
+    }
+    if !out.memory_digests_match {
+        return Err("restored memory differs from the snapshot".into());
+    }
+    if !out.guest_continued {
+        return Err("the restored guest did not go on running".into());
+    }
+    Ok(())
+}
