@@ -2,6 +2,7 @@
 //! top of the same pieces).
 
 pub mod snapshot;
+pub mod stream;
 
 use std::io;
 use std::path::{Path, PathBuf};

@@ -1,0 +1,388 @@
+//! The migration stream: frames that carry a VM from one guestmem to another.
+//!
+//! Every frame is `header | payload | crc32`:
+//! - header (12 bytes, little-endian): magic `b"GMf1"`, kind (u8), three reserved zero bytes,
+//!   payload length (u32, at most [`MAX_PAYLOAD`]);
+//! - payload: as the kind says (below);
+//! - CRC-32 (u32) of header and payload together.
+//!
+//! A decoder checks all of it — magic, kind, reserved bytes, length bound, checksum, and the
+//! payload's own shape — before anything is acted on, and never allocates more than
+//! [`MAX_PAYLOAD`] for a frame, so a malformed or hostile stream is an error, never a crash.
+
+use std::io::{self, Read, Write};
+
+use serde::{Deserialize, Serialize};
+
+/// The stream's magic and version: a peer speaking another version is refused by its first frame.
+pub const MAGIC: [u8; 4] = *b"GMf1";
+/// The largest payload a frame may carry: 2 MiB of pages plus their header.
+pub const MAX_PAYLOAD: u32 = (2 << 20) + 64;
+const HEADER: usize = 12;
+
+/// One frame of the stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Frame {
+    /// First frame each way: who speaks, and (from the source) the VM configuration as JSON.
+    Hello { config_json: Vec<u8> },
+    /// `pages.len() / 4096` guest pages starting at `gpa`.
+    Pages { gpa: u64, pages: Vec<u8> },
+    /// `count` guest pages starting at `gpa` are all zero (sent only where the destination may
+    /// hold older, non-zero contents).
+    Zero { gpa: u64, count: u64 },
+    /// The vCPU and VM state (JSON of `guestmem_vm::VmState`): the source's vCPUs are stopped.
+    State { state_json: Vec<u8> },
+    /// Destination to source (post-copy): send the page at `gpa` now.
+    Request { gpa: u64 },
+    /// No more pages will come for this phase (`round` counts pre-copy rounds from 1).
+    EndOfRound { round: u32 },
+    /// The destination runs the VM: the source may let go.
+    Complete,
+    /// The sender gives up, and says why.
+    Abort { reason: String },
+}
+
+const PAGE: usize = 4096;
+
+/// What can be wrong with a stream.
+#[derive(Debug, thiserror::Error)]
+pub enum StreamError {
+    #[error("the peer closed the stream")]
+    Closed,
+    #[error("I/O on the migration stream: {0}")]
+    Io(#[from] io::Error),
+    #[error(
+        "not a guestmem migration stream of this version (magic {0:02x?}, expected {MAGIC:02x?})"
+    )]
+    Magic([u8; 4]),
+    #[error("malformed frame: {0}")]
+    Malformed(String),
+    #[error("frame checksum {found:#010x} does not match its contents ({computed:#010x})")]
+    Checksum { found: u32, computed: u32 },
+}
+
+mod kind {
+    pub const HELLO: u8 = 1;
+    pub const PAGES: u8 = 2;
+    pub const ZERO: u8 = 3;
+    pub const STATE: u8 = 4;
+    pub const REQUEST: u8 = 5;
+    pub const END_OF_ROUND: u8 = 6;
+    pub const COMPLETE: u8 = 7;
+    pub const ABORT: u8 = 8;
+}
+
+impl Frame {
+    fn kind(&self) -> u8 {
+        match self {
+            Frame::Hello { .. } => kind::HELLO,
+            Frame::Pages { .. } => kind::PAGES,
+            Frame::Zero { .. } => kind::ZERO,
+            Frame::State { .. } => kind::STATE,
+            Frame::Request { .. } => kind::REQUEST,
+            Frame::EndOfRound { .. } => kind::END_OF_ROUND,
+            Frame::Complete => kind::COMPLETE,
+            Frame::Abort { .. } => kind::ABORT,
+        }
+    }
+
+    fn payload(&self) -> Vec<u8> {
+        match self {
+            Frame::Hello { config_json } => config_json.clone(),
+            Frame::Pages { gpa, pages } => [&gpa.to_le_bytes()[..], pages].concat(),
+            Frame::Zero { gpa, count } => [gpa.to_le_bytes(), count.to_le_bytes()].concat(),
+            Frame::State { state_json } => state_json.clone(),
+            Frame::Request { gpa } => gpa.to_le_bytes().to_vec(),
+            Frame::EndOfRound { round } => round.to_le_bytes().to_vec(),
+            Frame::Complete => Vec::new(),
+            Frame::Abort { reason } => reason.as_bytes().to_vec(),
+        }
+    }
+
+    /// Encodes the frame. Fails (without writing) if it would exceed [`MAX_PAYLOAD`] or carries
+    /// pages that are not whole.
+    pub fn encode(&self) -> Result<Vec<u8>, StreamError> {
+        if let Frame::Pages { pages, .. } = self {
+            if pages.is_empty() || pages.len() % PAGE != 0 {
+                return Err(StreamError::Malformed(format!(
+                    "a Pages frame carries whole pages, not {} bytes",
+                    pages.len()
+                )));
+            }
+        }
+        let payload = self.payload();
+        if payload.len() > MAX_PAYLOAD as usize {
+            return Err(StreamError::Malformed(format!(
+                "payload of {} bytes exceeds {MAX_PAYLOAD}",
+                payload.len()
+            )));
+        }
+        let mut out = Vec::with_capacity(HEADER + payload.len() + 4);
+        out.extend_from_slice(&MAGIC);
+        out.extend_from_slice(&[self.kind(), 0, 0, 0]);
+        out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+        out.extend_from_slice(&payload);
+        let crc = crc32fast::hash(&out);
+        out.extend_from_slice(&crc.to_le_bytes());
+        Ok(out)
+    }
+
+    pub fn write_to(&self, w: &mut impl Write) -> Result<(), StreamError> {
+        w.write_all(&self.encode()?)?;
+        Ok(())
+    }
+
+    /// Reads and checks one frame. A clean end of stream before a frame starts is
+    /// [`StreamError::Closed`]; one in the middle of a frame is an I/O error.
+    pub fn read_from(r: &mut impl Read) -> Result<Frame, StreamError> {
+        let mut header = [0u8; HEADER];
+        let mut got = 0;
+        while got < HEADER {
+            match r.read(&mut header[got..]) {
+                Ok(0) if got == 0 => return Err(StreamError::Closed),
+                Ok(0) => return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into()),
+                Ok(n) => got += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let magic: [u8; 4] = header[..4].try_into().expect("4 bytes");
+        if magic != MAGIC {
+            return Err(StreamError::Magic(magic));
+        }
+        if header[5..8] != [0, 0, 0] {
+            return Err(StreamError::Malformed(
+                "reserved header bytes are not zero".into(),
+            ));
+        }
+        let len = u32::from_le_bytes(header[8..12].try_into().expect("4 bytes"));
+        if len > MAX_PAYLOAD {
+            return Err(StreamError::Malformed(format!(
+                "payload length {len} exceeds {MAX_PAYLOAD}"
+            )));
+        }
+        let mut rest = vec![0u8; len as usize + 4];
+        r.read_exact(&mut rest)?;
+        let (payload, crc) = rest.split_at(len as usize);
+        let found = u32::from_le_bytes(crc.try_into().expect("4 bytes"));
+        let mut hasher = crc32fast::Hasher::new();
+        hasher.update(&header);
+        hasher.update(payload);
+        let computed = hasher.finalize();
+        if found != computed {
+            return Err(StreamError::Checksum { found, computed });
+        }
+        Frame::decode(header[4], payload)
+    }
+
+    fn decode(kind: u8, p: &[u8]) -> Result<Frame, StreamError> {
+        let malformed = |what: &str| StreamError::Malformed(format!("{what} ({} bytes)", p.len()));
+        let u64_at = |at: usize| u64::from_le_bytes(p[at..at + 8].try_into().expect("8 bytes"));
+        Ok(match kind {
+            kind::HELLO => Frame::Hello {
+                config_json: p.to_vec(),
+            },
+            kind::PAGES => {
+                if p.len() < 8 + PAGE || (p.len() - 8) % PAGE != 0 {
+                    return Err(malformed("a Pages frame must hold a gpa and whole pages"));
+                }
+                let gpa = u64_at(0);
+                if gpa % PAGE as u64 != 0 {
+                    return Err(StreamError::Malformed(format!(
+                        "Pages at unaligned gpa {gpa:#x}"
+                    )));
+                }
+                Frame::Pages {
+                    gpa,
+                    pages: p[8..].to_vec(),
+                }
+            }
+            kind::ZERO => {
+                if p.len() != 16 {
+                    return Err(malformed("a Zero frame holds a gpa and a count"));
+                }
+                let (gpa, count) = (u64_at(0), u64_at(8));
+                if gpa % PAGE as u64 != 0 || count == 0 {
+                    return Err(StreamError::Malformed(format!(
+                        "Zero frame {gpa:#x} x {count}"
+                    )));
+                }
+                Frame::Zero { gpa, count }
+            }
+            kind::STATE => Frame::State {
+                state_json: p.to_vec(),
+            },
+            kind::REQUEST => {
+                if p.len() != 8 {
+                    return Err(malformed("a Request frame holds a gpa"));
+                }
+                Frame::Request { gpa: u64_at(0) }
+            }
+            kind::END_OF_ROUND => {
+                if p.len() != 4 {
+                    return Err(malformed("an EndOfRound frame holds a round number"));
+                }
+                Frame::EndOfRound {
+                    round: u32::from_le_bytes(p.try_into().expect("4 bytes")),
+                }
+            }
+            kind::COMPLETE => {
+                if !p.is_empty() {
+                    return Err(malformed("a Complete frame is empty"));
+                }
+                Frame::Complete
+            }
+            kind::ABORT => Frame::Abort {
+                reason: String::from_utf8_lossy(p).into_owned(),
+            },
+            other => {
+                return Err(StreamError::Malformed(format!(
+                    "unknown frame kind {other}"
+                )))
+            }
+        })
+    }
+}
+
+/// What the source says about itself in its Hello (JSON).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Hello {
+    pub guestmem_version: String,
+    pub config: guestmem_vm::VmConfig,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn samples() -> Vec<Frame> {
+        vec![
+            Frame::Hello {
+                config_json: b"{}".to_vec(),
+            },
+            Frame::Pages {
+                gpa: 0x4000_0000,
+                pages: vec![7u8; 2 * PAGE],
+            },
+            Frame::Zero {
+                gpa: 0x1000,
+                count: 3,
+            },
+            Frame::State {
+                state_json: b"{\"vcpus\":[]}".to_vec(),
+            },
+            Frame::Request { gpa: 0x2000 },
+            Frame::EndOfRound { round: 4 },
+            Frame::Complete,
+            Frame::Abort {
+                reason: "source stopped".into(),
+            },
+        ]
+    }
+
+    #[test]
+    fn every_frame_round_trips() {
+        let mut bytes = Vec::new();
+        for f in samples() {
+            f.write_to(&mut bytes).unwrap();
+        }
+        let mut r = &bytes[..];
+        for f in samples() {
+            assert_eq!(Frame::read_from(&mut r).unwrap(), f);
+        }
+        assert!(matches!(Frame::read_from(&mut r), Err(StreamError::Closed)));
+    }
+
+    #[test]
+    fn damaged_frames_are_errors() {
+        let good = Frame::Pages {
+            gpa: 0x1000,
+            pages: vec![1u8; PAGE],
+        }
+        .encode()
+        .unwrap();
+        // Any single flipped bit is caught (by the magic, the header checks or the CRC).
+        for bit in (0..good.len() * 8).step_by(97) {
+            let mut bad = good.clone();
+            bad[bit / 8] ^= 1 << (bit % 8);
+            assert!(Frame::read_from(&mut &bad[..]).is_err(), "bit {bit}");
+        }
+        // Every truncation is an error, not a short frame.
+        for len in 1..good.len() {
+            assert!(Frame::read_from(&mut &good[..len]).is_err(), "length {len}");
+        }
+        let mut wrong_version = good.clone();
+        wrong_version[3] = b'9';
+        let e = Frame::read_from(&mut &wrong_version[..]).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("not a guestmem migration stream of this version"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn oversized_and_ill_shaped_frames_are_refused() {
+        // A header announcing 4 GiB is refused before anything is allocated.
+        let mut huge = MAGIC.to_vec();
+        huge.extend_from_slice(&[kind::PAGES, 0, 0, 0]);
+        huge.extend_from_slice(&u32::MAX.to_le_bytes());
+        let e = Frame::read_from(&mut &huge[..]).unwrap_err();
+        assert!(e.to_string().contains("exceeds"), "{e}");
+        // Well-checksummed frames of the wrong shape.
+        let forge = |kind: u8, payload: &[u8]| {
+            let mut f = MAGIC.to_vec();
+            f.extend_from_slice(&[kind, 0, 0, 0]);
+            f.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+            f.extend_from_slice(payload);
+            let crc = crc32fast::hash(&f);
+            f.extend_from_slice(&crc.to_le_bytes());
+            f
+        };
+        for (kind, payload) in [
+            (kind::PAGES, vec![0u8; 8 + 100]),
+            (
+                kind::PAGES,
+                [&0x1001u64.to_le_bytes()[..], &[0u8; PAGE]].concat(),
+            ),
+            (kind::ZERO, vec![0u8; 15]),
+            (
+                kind::ZERO,
+                [0u64.to_le_bytes(), 0u64.to_le_bytes()].concat(),
+            ),
+            (kind::REQUEST, vec![]),
+            (kind::END_OF_ROUND, vec![1]),
+            (kind::COMPLETE, vec![1]),
+            (99, vec![]),
+        ] {
+            let e = Frame::read_from(&mut &forge(kind, &payload)[..]).unwrap_err();
+            assert!(matches!(e, StreamError::Malformed(_)), "kind {kind}: {e}");
+        }
+        assert!(Frame::Pages {
+            gpa: 0,
+            pages: vec![0; 100]
+        }
+        .encode()
+        .is_err());
+    }
+
+    /// Random bytes never panic the decoder (the fuzz target in fuzz/ does this at scale).
+    #[test]
+    fn random_bytes_never_panic() {
+        let mut x = 0x1234_5678_9abc_def0u64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for _ in 0..2000 {
+            let len = (next() % 64) as usize;
+            let mut bytes: Vec<u8> = (0..len).map(|_| next() as u8).collect();
+            if next() % 2 == 0 && bytes.len() >= 4 {
+                bytes[..4].copy_from_slice(&MAGIC);
+            }
+            let _ = Frame::read_from(&mut &bytes[..]);
+        }
+    }
+}
