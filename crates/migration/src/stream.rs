@@ -103,7 +103,7 @@ impl Frame {
     /// pages that are not whole.
     pub fn encode(&self) -> Result<Vec<u8>, StreamError> {
         if let Frame::Pages { pages, .. } = self {
-            if pages.is_empty() || pages.len() % PAGE != 0 {
+            if pages.is_empty() || !pages.len().is_multiple_of(PAGE) {
                 return Err(StreamError::Malformed(format!(
                     "a Pages frame carries whole pages, not {} bytes",
                     pages.len()
@@ -183,11 +183,11 @@ impl Frame {
                 config_json: p.to_vec(),
             },
             kind::PAGES => {
-                if p.len() < 8 + PAGE || (p.len() - 8) % PAGE != 0 {
+                if p.len() < 8 + PAGE || !(p.len() - 8).is_multiple_of(PAGE) {
                     return Err(malformed("a Pages frame must hold a gpa and whole pages"));
                 }
                 let gpa = u64_at(0);
-                if gpa % PAGE as u64 != 0 {
+                if !gpa.is_multiple_of(PAGE as u64) {
                     return Err(StreamError::Malformed(format!(
                         "Pages at unaligned gpa {gpa:#x}"
                     )));
@@ -202,7 +202,7 @@ impl Frame {
                     return Err(malformed("a Zero frame holds a gpa and a count"));
                 }
                 let (gpa, count) = (u64_at(0), u64_at(8));
-                if gpa % PAGE as u64 != 0 || count == 0 {
+                if !gpa.is_multiple_of(PAGE as u64) || count == 0 {
                     return Err(StreamError::Malformed(format!(
                         "Zero frame {gpa:#x} x {count}"
                     )));
