@@ -15,6 +15,9 @@ const CONTROL: &[(&str, u64)] = &[
     ("CTL_PASSES", 0x28),
     ("CTL_GEN_LIMIT", 0x30),
     ("CTL_STOP", 0x38),
+    ("CTL_READ_PERCENT", 0x40),
+    ("CTL_WRITES", 0x48),
+    ("CTL_LOG_GPA", 0x50),
     // Guest -> host
     ("CTL_STATE", 0x80),
     ("CTL_PAGES_DONE", 0x88),
@@ -25,6 +28,7 @@ const CONTROL: &[(&str, u64)] = &[
     // Values
     ("WORKLOAD_WRITE", 1),
     ("WORKLOAD_VERIFY", 2),
+    ("WORKLOAD_RANDOM", 3),
     ("STATE_IDLE", 0),
     ("STATE_RUNNING", 1),
     ("STATE_DONE", 2),

@@ -97,6 +97,7 @@ fn two_regions_with_a_hole() {
     let mut vm = Vm::new(&VmConfig {
         vcpus: 2,
         regions: vec![lo.clone(), hi.clone()],
+        dirty_ring_bytes: None,
     })
     .unwrap();
     let touch = [
@@ -221,7 +222,11 @@ fn a_throttled_dirty_run_keeps_its_rate() {
 #[test]
 #[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
 fn bad_regions_are_refused_naming_the_region() {
-    let config = |regions: Vec<RegionSpec>| VmConfig { vcpus: 1, regions };
+    let config = |regions: Vec<RegionSpec>| VmConfig {
+        vcpus: 1,
+        regions,
+        dirty_ring_bytes: None,
+    };
     let err = |regions| {
         Vm::new(&config(regions))
             .err()

@@ -9,14 +9,19 @@ use crate::PAGE_SIZE;
 #[derive(Debug)]
 pub struct DirtyMarks {
     words: Vec<AtomicU64>,
+    /// Bit `i` of summary word `s`: word `64 * s + i` may have marks (so that taking the marks
+    /// of a huge, mostly clean region costs little).
+    summary: Vec<AtomicU64>,
     pages: u64,
 }
 
 impl DirtyMarks {
     pub fn new(bytes: u64) -> DirtyMarks {
         let pages = bytes.div_ceil(PAGE_SIZE);
+        let words = pages.div_ceil(64);
         DirtyMarks {
-            words: (0..pages.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
+            words: (0..words).map(|_| AtomicU64::new(0)).collect(),
+            summary: (0..words.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
             pages,
         }
     }
@@ -37,17 +42,34 @@ impl DirtyMarks {
             } else {
                 ((1u64 << n) - 1) << bit
             };
-            self.words[(page / 64) as usize].fetch_or(mask, Ordering::Release);
+            let word = page / 64;
+            self.words[word as usize].fetch_or(mask, Ordering::Release);
+            self.summary[(word / 64) as usize].fetch_or(1 << (word % 64), Ordering::Release);
             page += n;
         }
     }
 
     /// Takes the marks: returns the bitmap (bit `i` of word `w` = page `64 * w + i`) and clears it.
     pub fn take(&self) -> Vec<u64> {
-        self.words
-            .iter()
-            .map(|w| w.swap(0, Ordering::AcqRel))
-            .collect()
+        let mut bits = vec![0; self.words.len()];
+        self.take_each(|w, b| bits[w] = b);
+        bits
+    }
+
+    /// Takes the marks word by word: calls `f(w, bits)` for each non-zero word `w` (bit `i` =
+    /// page `64 * w + i`) and clears it. Costs in proportion to the marked words, not the region.
+    pub fn take_each(&self, mut f: impl FnMut(usize, u64)) {
+        for (s, summary) in self.summary.iter().enumerate() {
+            let mut group = summary.swap(0, Ordering::AcqRel);
+            while group != 0 {
+                let w = s * 64 + group.trailing_zeros() as usize;
+                group &= group - 1;
+                let bits = self.words[w].swap(0, Ordering::AcqRel);
+                if bits != 0 {
+                    f(w, bits);
+                }
+            }
+        }
     }
 
     /// Whether a page is marked, without clearing it.
@@ -78,5 +100,9 @@ mod tests {
         let expected: Vec<u64> = [0, 1].into_iter().chain(63..=132).collect();
         assert_eq!(pages, expected);
         assert!(m.take().iter().all(|&w| w == 0));
+        m.mark(199 * PAGE_SIZE, 1);
+        let mut seen = vec![];
+        m.take_each(|w, b| seen.push((w, b)));
+        assert_eq!(seen, [(3, 1 << 7)]);
     }
 }

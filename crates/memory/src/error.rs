@@ -44,6 +44,8 @@ pub enum Error {
     BadName(String),
     #[error("region names must be unique: '{0}' is used twice")]
     DuplicateName(String),
+    #[error("memslot {slot} does not exist (this guest memory has {slots} slots)")]
+    NoSuchSlot { slot: usize, slots: usize },
     #[error("guest range {gpa:#x}+{len:#x} is not inside one region")]
     NotMapped { gpa: u64, len: u64 },
 }

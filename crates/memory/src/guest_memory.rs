@@ -132,57 +132,64 @@ impl GuestMemory {
     /// Registers every region as a KVM memslot, slot `i` for region `i`, with
     /// `KVM_SET_USER_MEMORY_REGION2` (guest_memfd regions with `KVM_MEM_GUEST_MEMFD`).
     pub fn register(&self, vm: &VmFd) -> Result<()> {
+        (0..self.regions.len()).try_for_each(|slot| self.set_slot_flags(vm, slot, 0))
+    }
+
+    /// Re-issues region `slot`'s memslot (slot `i` = region `i`) with `flags` added to the flags
+    /// its backend needs, e.g. `KVM_MEM_LOG_DIRTY_PAGES` to start dirty logging, 0 to stop it.
+    pub fn set_slot_flags(&self, vm: &VmFd, slot: usize, flags: u32) -> Result<()> {
+        let region = self.regions.get(slot).ok_or(Error::NoSuchSlot {
+            slot,
+            slots: self.regions.len(),
+        })?;
         let has_region2 = vm.check_extension_raw(KVM_CAP_USER_MEMORY2.into()) > 0;
-        for (slot, region) in self.regions.iter().enumerate() {
-            let spec = region.spec();
-            let mut mr = kvm_userspace_memory_region2 {
-                slot: slot as u32,
-                flags: 0,
-                guest_phys_addr: spec.gpa,
-                memory_size: spec.size,
-                userspace_addr: region.host_addr() as u64,
-                ..Default::default()
-            };
-            if region.backend() == Backend::GuestMemfd {
-                mr.flags |= KVM_MEM_GUEST_MEMFD;
-                mr.guest_memfd = region
-                    .fd()
-                    .expect("guest_memfd region has an fd")
-                    .as_raw_fd() as u32;
-                mr.guest_memfd_offset = 0;
-            }
-            let ret = if has_region2 {
-                // SAFETY: `mr` is a fully initialised kvm_userspace_memory_region2 describing a
-                // mapping that `self` keeps alive for as long as the VM uses it.
-                match unsafe { ioctl_with_ref(vm, KVM_SET_USER_MEMORY_REGION2(), &mr) } {
-                    0 => Ok(()),
-                    _ => Err(io::Error::last_os_error()),
-                }
-            } else if region.backend() == Backend::GuestMemfd {
-                return Err(Error::BackendUnavailable {
-                    region: spec.name.clone(),
-                    backend: spec.backend,
-                    reason: "the kernel lacks KVM_CAP_USER_MEMORY2".into(),
-                });
-            } else {
-                let legacy = kvm_bindings::kvm_userspace_memory_region {
-                    slot: mr.slot,
-                    flags: mr.flags,
-                    guest_phys_addr: mr.guest_phys_addr,
-                    memory_size: mr.memory_size,
-                    userspace_addr: mr.userspace_addr,
-                };
-                // SAFETY: as above, for the original ioctl.
-                unsafe { vm.set_user_memory_region(legacy) }
-                    .map_err(|e| io::Error::from_raw_os_error(e.errno()))
-            };
-            ret.map_err(|source| Error::Os {
-                region: spec.name.clone(),
-                op: "KVM_SET_USER_MEMORY_REGION2",
-                source,
-            })?;
+        let spec = region.spec();
+        let mut mr = kvm_userspace_memory_region2 {
+            slot: slot as u32,
+            flags,
+            guest_phys_addr: spec.gpa,
+            memory_size: spec.size,
+            userspace_addr: region.host_addr() as u64,
+            ..Default::default()
+        };
+        if region.backend() == Backend::GuestMemfd {
+            mr.flags |= KVM_MEM_GUEST_MEMFD;
+            mr.guest_memfd = region
+                .fd()
+                .expect("guest_memfd region has an fd")
+                .as_raw_fd() as u32;
+            mr.guest_memfd_offset = 0;
         }
-        Ok(())
+        let ret = if has_region2 {
+            // SAFETY: `mr` is a fully initialised kvm_userspace_memory_region2 describing a
+            // mapping that `self` keeps alive for as long as the VM uses it.
+            match unsafe { ioctl_with_ref(vm, KVM_SET_USER_MEMORY_REGION2(), &mr) } {
+                0 => Ok(()),
+                _ => Err(io::Error::last_os_error()),
+            }
+        } else if region.backend() == Backend::GuestMemfd {
+            return Err(Error::BackendUnavailable {
+                region: spec.name.clone(),
+                backend: spec.backend,
+                reason: "the kernel lacks KVM_CAP_USER_MEMORY2".into(),
+            });
+        } else {
+            let legacy = kvm_bindings::kvm_userspace_memory_region {
+                slot: mr.slot,
+                flags: mr.flags,
+                guest_phys_addr: mr.guest_phys_addr,
+                memory_size: mr.memory_size,
+                userspace_addr: mr.userspace_addr,
+            };
+            // SAFETY: as above, for the original ioctl.
+            unsafe { vm.set_user_memory_region(legacy) }
+                .map_err(|e| io::Error::from_raw_os_error(e.errno()))
+        };
+        ret.map_err(|source| Error::Os {
+            region: spec.name.clone(),
+            op: "KVM_SET_USER_MEMORY_REGION2",
+            source,
+        })
     }
 }
 

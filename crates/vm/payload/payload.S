@@ -16,7 +16,13 @@
 #          range, write the u64 ((seed + gpa(p)) * GOLDEN) ^ g at the page's first byte.
 #          Optional throttle: page n is written no earlier than tsc_start + n * tsc_per_page.
 #          A pass starts only while generation < gen_limit (the host's gate).
+#          With read_percent > 0 (the `mixed` workload, dirty_log_perf_test's -w), page p is
+#          only read, not written, when ((p >> 12) * GOLDEN >> 32) * 100 >> 32 < read_percent:
+#          a fixed pseudo-random share of the pages, the same in every pass.
 #   VERIFY read every u64 of the range: h = (h ^ word) * FNV_PRIME from FNV_OFFSET; store h.
+#   RANDOM `writes` writes to pages picked by xorshift64 (x ^= x << 13; x ^= x >> 7;
+#          x ^= x << 17) from x = seed | 1: write n stores x at the first byte of page
+#          x % pages of the range and logs that page's gpa at log_gpa + 8 * n.
 
         .include "control.inc"
         .set GOLDEN,     0x9e3779b97f4a7c15
@@ -39,6 +45,8 @@ _start:
         je      write
         cmp     $WORKLOAD_VERIFY, %rax
         je      verify
+        cmp     $WORKLOAD_RANDOM, %rax
+        je      random
         movq    $STATE_BAD_WORKLOAD, CTL_STATE(%rbx)
         jmp     signal_done
 
@@ -87,10 +95,25 @@ write:
         mov     %rcx, %rdi
         shl     $12, %rdi
         add     %r8, %rdi                       # rdi = gpa of page rcx
+        mov     CTL_READ_PERCENT(%rbx), %rsi
+        test    %rsi, %rsi
+        jz      .Lwrite
+        mov     %rdi, %rax                      # rax = a page's fixed draw in [0, 100)
+        shr     $12, %rax
+        imul    %r15, %rax
+        shr     $32, %rax
+        imul    $100, %rax, %rax
+        shr     $32, %rax
+        cmp     %rsi, %rax
+        jae     .Lwrite
+        mov     (%rdi), %rax                    # a read page
+        jmp     .Lcounted
+.Lwrite:
         lea     (%r10,%rdi), %rax
         imul    %r15, %rax
         xor     %r11, %rax
         mov     %rax, (%rdi)
+.Lcounted:
         inc     %r12
         mov     %r12, CTL_PAGES_DONE(%rbx)
         inc     %rcx
@@ -122,6 +145,41 @@ verify:
         jnz     .Lvpage
 .Lvdone:
         mov     %rax, CTL_DIGEST(%rbx)
+
+random:
+        mov     CTL_RANGE_GPA(%rbx), %r8        # r8  = first page
+        mov     CTL_RANGE_PAGES(%rbx), %r9      # r9  = pages in range
+        mov     CTL_SEED(%rbx), %r10
+        or      $1, %r10                        # r10 = x
+        mov     CTL_WRITES(%rbx), %r11          # r11 = writes to do
+        mov     CTL_LOG_GPA(%rbx), %r13         # r13 = the log
+        xor     %r12, %r12                      # r12 = writes done
+        test    %r9, %r9
+        jz      finish
+.Lrnext:
+        cmp     %r11, %r12
+        jae     finish
+        cmpq    $0, CTL_STOP(%rbx)
+        jne     finish
+        mov     %r10, %rax
+        shl     $13, %rax
+        xor     %rax, %r10
+        mov     %r10, %rax
+        shr     $7, %rax
+        xor     %rax, %r10
+        mov     %r10, %rax
+        shl     $17, %rax
+        xor     %rax, %r10
+        mov     %r10, %rax
+        xor     %edx, %edx
+        div     %r9                             # rdx = x % pages
+        shl     $12, %rdx
+        add     %r8, %rdx
+        mov     %r10, (%rdx)
+        mov     %rdx, (%r13,%r12,8)
+        inc     %r12
+        mov     %r12, CTL_PAGES_DONE(%rbx)
+        jmp     .Lrnext
 
 finish:
         rdtsc

@@ -3,6 +3,7 @@
 //! state and workloads); the host sets it up without firmware: identity page tables, segment
 //! registers and CPUID, then one control block per vCPU.
 
+mod dirty_ring;
 mod error;
 pub mod layout;
 pub mod payload;
@@ -11,6 +12,7 @@ mod vcpu;
 mod vm;
 mod workload;
 
+pub use dirty_ring::DirtyRing;
 pub use error::{Error, Result};
 pub use state::{VcpuState, VmState};
 pub use vm::{RunningVm, Vm, VmConfig};

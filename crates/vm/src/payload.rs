@@ -12,3 +12,17 @@ const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
 pub fn page_value(seed: u64, gpa: u64, generation: u64) -> u64 {
     seed.wrapping_add(gpa).wrapping_mul(GOLDEN) ^ generation
 }
+
+/// The writes of the `random` workload, in order: (gpa of the page, u64 stored at its start).
+pub fn random_writes(seed: u64, range_gpa: u64, pages: u64, writes: u64) -> Vec<(u64, u64)> {
+    let mut x = seed | 1;
+    let writes = if pages == 0 { 0 } else { writes };
+    (0..writes)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (range_gpa + (x % pages) * 4096, x)
+        })
+        .collect()
+}

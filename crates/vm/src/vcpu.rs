@@ -1,6 +1,6 @@
 //! vCPU setup (CPUID, long mode at CPL3) and the vCPU thread's run loop.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use kvm_bindings::{kvm_segment, CpuId, KVM_MAX_CPUID_ENTRIES};
@@ -10,6 +10,7 @@ use vmm_sys_util::signal::{register_signal_handler, SIGRTMIN};
 use crate::layout;
 use crate::payload::DONE_GPA;
 use crate::{Error, Result};
+use guestmem_sys::uapi::KVM_EXIT_DIRTY_RING_FULL;
 
 /// The signal that kicks a vCPU thread out of `KVM_RUN` (its handler does nothing; the point is
 /// the `EINTR`).
@@ -110,13 +111,26 @@ pub(crate) enum Outcome {
 }
 
 /// Runs `vcpu` until the payload signals done, `kicked` is set, or something unexpected happens.
-pub(crate) fn run_loop(id: usize, vcpu: &mut VcpuFd, kicked: &Arc<AtomicBool>) -> Outcome {
+/// A full dirty ring (`KVM_EXIT_DIRTY_RING_FULL`, counted in `ring_full`) is waited out: the
+/// kernel stopped the vCPU before the ring overflowed and refuses to re-enter the guest until the
+/// harvester has collected the ring and issued `KVM_RESET_DIRTY_RINGS`, so no entry is lost.
+pub(crate) fn run_loop(
+    id: usize,
+    vcpu: &mut VcpuFd,
+    kicked: &Arc<AtomicBool>,
+    ring_full: &AtomicU64,
+) -> Outcome {
     loop {
         if kicked.load(Ordering::Acquire) {
             return Outcome::Kicked { rip: rip(vcpu) };
         }
         let exit = match vcpu.run() {
             Ok(VcpuExit::MmioWrite(addr, _)) if addr == DONE_GPA => return Outcome::Done,
+            Ok(VcpuExit::Unsupported(KVM_EXIT_DIRTY_RING_FULL)) => {
+                ring_full.fetch_add(1, Ordering::Relaxed);
+                std::thread::sleep(std::time::Duration::from_micros(50));
+                continue;
+            }
             Ok(exit) => format!("{exit:?}"),
             Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
                 vcpu.set_kvm_immediate_exit(0);

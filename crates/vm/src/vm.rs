@@ -2,7 +2,7 @@
 //! payload with a watchdog.
 
 use std::os::unix::thread::JoinHandleExt;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -14,13 +14,16 @@ use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use crate::payload::*;
 use crate::state::{self, VmState};
 use crate::vcpu::{self, Outcome};
-use crate::{layout, Error, Result, RunReport, VcpuReport, VcpuWork, Workload};
+use crate::{layout, DirtyRing, Error, Result, RunReport, VcpuReport, VcpuWork, Workload};
 
 /// What VM to build: vCPU count and guest RAM regions (placed anywhere above the sys region).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct VmConfig {
     pub vcpus: usize,
     pub regions: Vec<RegionSpec>,
+    /// Per-vCPU dirty ring size in bytes (a power of two), enabled before the vCPUs are created
+    /// (`KVM_CAP_DIRTY_LOG_RING_ACQ_REL` when offered, else `KVM_CAP_DIRTY_LOG_RING`); `None`: no ring.
+    pub dirty_ring_bytes: Option<u32>,
 }
 
 impl VmConfig {
@@ -29,6 +32,7 @@ impl VmConfig {
         VmConfig {
             vcpus,
             regions: vec![RegionSpec::new("ram", layout::RAM_GPA, size, backend)],
+            dirty_ring_bytes: None,
         }
     }
 }
@@ -45,6 +49,8 @@ pub struct Vm {
     msr_indices: Vec<u32>,
     /// What each vCPU was last given to do (kept across pause and resume).
     work: Vec<VcpuWork>,
+    dirty_rings: Arc<Vec<DirtyRing>>,
+    dirty_ring_full_exits: Arc<AtomicU64>,
 }
 
 impl Vm {
@@ -59,6 +65,9 @@ impl Vm {
         let kvm = Kvm::new().map_err(Error::Kvm)?;
         let fd = kvm.create_vm().map_err(Error::ioctl("KVM_CREATE_VM"))?;
         state::check_xsave_size(&fd)?;
+        if let Some(bytes) = config.dirty_ring_bytes {
+            enable_dirty_ring(&fd, bytes)?;
+        }
 
         let mut specs = vec![RegionSpec::new(
             "sys",
@@ -92,6 +101,14 @@ impl Vm {
             vcpu::set_cpuid(&v, id, &cpuid)?;
             vcpus.push(v);
         }
+        let dirty_rings = match config.dirty_ring_bytes {
+            Some(bytes) => vcpus
+                .iter()
+                .enumerate()
+                .map(|(id, v)| DirtyRing::map(v, id, bytes))
+                .collect::<Result<Vec<_>>>()?,
+            None => Vec::new(),
+        };
         let tsc_khz = vcpus[0]
             .get_tsc_khz()
             .map_err(Error::ioctl("KVM_GET_TSC_KHZ"))? as u64;
@@ -105,12 +122,23 @@ impl Vm {
             tsc_khz,
             msr_indices,
             work: Vec::new(),
+            dirty_rings: Arc::new(dirty_rings),
+            dirty_ring_full_exits: Arc::new(AtomicU64::new(0)),
         })
     }
 
     /// What this VM was built from (its guest RAM regions; the sys region is implied).
     pub fn config(&self) -> &VmConfig {
         &self.config
+    }
+
+    /// The vCPUs' dirty rings, vCPU `i` at index `i` (empty without `dirty_ring_bytes`).
+    pub fn dirty_rings(&self) -> &Arc<Vec<DirtyRing>> {
+        &self.dirty_rings
+    }
+    /// How many `KVM_EXIT_DIRTY_RING_FULL` exits the vCPUs have waited out so far.
+    pub fn dirty_ring_full_exits(&self) -> u64 {
+        self.dirty_ring_full_exits.load(Ordering::Relaxed)
     }
 
     pub fn fd(&self) -> &VmFd {
@@ -202,10 +230,11 @@ impl Vm {
             .map(|(id, mut v)| {
                 let done = done_tx.clone();
                 let kicked = kicked.clone();
+                let ring_full = self.dirty_ring_full_exits.clone();
                 std::thread::Builder::new()
                     .name(format!("vcpu{id}"))
                     .spawn(move || {
-                        let outcome = vcpu::run_loop(id, &mut v, &kicked);
+                        let outcome = vcpu::run_loop(id, &mut v, &kicked, &ring_full);
                         let _ = done.send(id);
                         (v, outcome)
                     })
@@ -245,7 +274,29 @@ impl Vm {
                 ))
             })?;
         }
+        if let Workload::Random { writes, log_gpa } = w.workload {
+            let log_end = log_gpa.saturating_add(writes.saturating_mul(8));
+            if self.memory.find(log_gpa, log_end - log_gpa).is_err()
+                || (log_gpa < w.gpa + w.size && w.gpa < log_end)
+            {
+                return Err(Error::Config(format!(
+                    "vCPU {id}: random workload log {log_gpa:#x}+{:#x} must lie inside one guest \
+                     region and outside the written range {:#x}+{:#x}",
+                    writes * 8,
+                    w.gpa,
+                    w.size
+                )));
+            }
+        }
+        if let Workload::Mixed { write_percent, .. } = w.workload {
+            if write_percent > 100 {
+                return Err(Error::Config(format!(
+                    "vCPU {id}: write percentage {write_percent} is above 100"
+                )));
+            }
+        }
         let ctl = layout::control_gpa(id);
+        let (mut read_percent, mut writes, mut log_gpa) = (0, 0, 0);
         let (code, passes, tsc_per_page) = match w.workload {
             Workload::Touch => (WORKLOAD_WRITE, 1, 0),
             Workload::Dirty {
@@ -257,6 +308,20 @@ impl Vm {
                 pages_per_s.map_or(0, |r| (self.tsc_khz * 1000) / r.max(1)),
             ),
             Workload::Verify => (WORKLOAD_VERIFY, 0, 0),
+            Workload::Mixed {
+                write_percent,
+                passes,
+            } => {
+                read_percent = 100 - write_percent;
+                (WORKLOAD_WRITE, passes.unwrap_or(0), 0)
+            }
+            Workload::Random {
+                writes: n,
+                log_gpa: log,
+            } => {
+                (writes, log_gpa) = (n, log);
+                (WORKLOAD_RANDOM, 0, 0)
+            }
         };
         self.memory.write(ctl, &[0u8; PAGE_SIZE as usize])?;
         for (field, value) in [
@@ -267,6 +332,9 @@ impl Vm {
             (CTL_TSC_PER_PAGE, tsc_per_page),
             (CTL_PASSES, passes),
             (CTL_GEN_LIMIT, u64::MAX),
+            (CTL_READ_PERCENT, read_percent),
+            (CTL_WRITES, writes),
+            (CTL_LOG_GPA, log_gpa),
         ] {
             self.memory.write_u64(ctl + field, value)?;
         }
@@ -465,6 +533,29 @@ impl Drop for RunningVm<'_> {
             self.join_all();
         }
     }
+}
+
+/// Enables a dirty ring of `bytes` per vCPU (acquire/release flavour when offered).
+fn enable_dirty_ring(fd: &VmFd, bytes: u32) -> Result<()> {
+    use guestmem_sys::uapi::{KVM_CAP_DIRTY_LOG_RING, KVM_CAP_DIRTY_LOG_RING_ACQ_REL};
+    let acq_rel = fd.check_extension_raw(KVM_CAP_DIRTY_LOG_RING_ACQ_REL.into()) > 0;
+    let cap = if acq_rel {
+        KVM_CAP_DIRTY_LOG_RING_ACQ_REL
+    } else {
+        KVM_CAP_DIRTY_LOG_RING
+    };
+    let max = fd.check_extension_raw(cap.into());
+    let mut enable = kvm_bindings::kvm_enable_cap {
+        cap,
+        ..Default::default()
+    };
+    enable.args[0] = bytes.into();
+    fd.enable_cap(&enable).map_err(|e| {
+        Error::Config(format!(
+            "dirty ring of {bytes} bytes per vCPU refused ({e}): it must be a power of two \
+             from 4096 to {max} bytes (0 = the kernel has no dirty ring)"
+        ))
+    })
 }
 
 fn load_payload(memory: &GuestMemory) -> Result<()> {

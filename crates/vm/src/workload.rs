@@ -16,6 +16,17 @@ pub enum Workload {
     },
     /// Read every page and report a digest (see `guestmem_memory::digest_bytes`).
     Verify,
+    /// Like `Dirty` at full speed, but only `write_percent` % of the pages (a fixed
+    /// pseudo-random share, see payload.S) are written each pass; the others are read (the `-w`
+    /// of the kernel's dirty_log_perf_test).
+    Mixed {
+        write_percent: u64,
+        passes: Option<u64>,
+    },
+    /// `writes` writes to pseudo-random pages of the range (see
+    /// [`crate::payload::random_writes`]), each logged as its page's gpa, 8 bytes per write, at
+    /// `log_gpa` (which must lie outside the range).
+    Random { writes: u64, log_gpa: u64 },
 }
 
 impl Workload {
@@ -24,6 +35,8 @@ impl Workload {
             Workload::Touch => "touch",
             Workload::Dirty { .. } => "dirty",
             Workload::Verify => "verify",
+            Workload::Mixed { .. } => "mixed",
+            Workload::Random { .. } => "random",
         }
     }
 }
