@@ -11,5 +11,5 @@ mod vm;
 mod workload;
 
 pub use error::{Error, Result};
-pub use vm::{RunningVm, Vm, VmConfig};
+pub use vm::{AbortHandle, RunningVm, Vm, VmConfig};
 pub use workload::{RunReport, VcpuReport, VcpuWork, Workload};
