@@ -17,7 +17,7 @@ pub enum Error {
     },
     #[error("region '{region}': invalid pager configuration: {reason}")]
     Config { region: String, reason: String },
-    #[error("region '{region}': {op} failed: {source}")]
+    #[error("region '{region}': {op} failed: {source:?}")]
     Uffd {
         region: String,
         op: &'static str,

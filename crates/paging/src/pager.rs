@@ -123,6 +123,8 @@ struct Shared {
     /// Readable once the threads must stop.
     stop: OwnedFd,
     faults: AtomicU64,
+    /// Handler threads busy with a batch of events right now (the background fetcher waits).
+    busy_handlers: AtomicU64,
     fault_chunks: AtomicU64,
     background_chunks: AtomicU64,
     discarded_chunks: AtomicU64,
@@ -298,6 +300,7 @@ impl Pager {
             // SAFETY: `stop` is the fresh eventfd from above.
             stop: unsafe { OwnedFd::from_raw_fd(stop) },
             faults: AtomicU64::new(0),
+            busy_handlers: AtomicU64::new(0),
             fault_chunks: AtomicU64::new(0),
             background_chunks: AtomicU64::new(0),
             discarded_chunks: AtomicU64::new(0),
@@ -488,6 +491,7 @@ impl Shared {
                         continue;
                     }
                 };
+                self.busy_handlers.fetch_add(1, Ordering::AcqRel);
                 for event in batch {
                     match event {
                         Event::Pagefault { kind, addr, .. } => {
@@ -499,6 +503,7 @@ impl Shared {
                         _ => {}
                     }
                 }
+                self.busy_handlers.fetch_sub(1, Ordering::AcqRel);
             }
         }
     }
@@ -551,7 +556,7 @@ impl Shared {
             ) {
                 Ok(_) => match self.install(chunk, shard, bounce) {
                     Ok(true) => {
-                        self.states[chunk].store(RESIDENT, Ordering::Release);
+                        self.set_state(chunk, RESIDENT);
                         let counter = if background {
                             &self.background_chunks
                         } else {
@@ -563,7 +568,7 @@ impl Shared {
                     }
                     Ok(false) => {
                         // The mapping was changing (EAGAIN): let the fault come again.
-                        self.states[chunk].store(ABSENT, Ordering::Release);
+                        self.set_state(chunk, ABSENT);
                         let (start, len) = self.byte_range(chunk..chunk + 1);
                         let _ = self.uffds[shard].wake(
                             (self.host + start as usize) as *mut libc::c_void,
@@ -572,17 +577,32 @@ impl Shared {
                         return false;
                     }
                     Err(e) => {
-                        self.states[chunk].store(FAILED, Ordering::Release);
+                        self.set_state(chunk, FAILED);
                         self.fail(e);
                         return false;
                     }
                 },
                 Err(FETCHING) if background => return false,
-                Err(FETCHING) => std::thread::yield_now(),
+                Err(FETCHING) => self.wait_for_change(chunk),
                 Err(RESIDENT) => return true,
                 Err(_) => return false, // FAILED: the VM is being stopped
             }
         }
+    }
+
+    /// Sleeps until `chunk` leaves FETCHING (another thread is installing it).
+    fn wait_for_change(&self, chunk: usize) {
+        let guard = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+        if self.states[chunk].load(Ordering::Acquire) == FETCHING {
+            let _ = self.changed.wait_timeout(guard, Duration::from_millis(1));
+        }
+    }
+
+    /// Sets `chunk`'s state and wakes the threads waiting for it.
+    fn set_state(&self, chunk: usize, state: u8) {
+        self.states[chunk].store(state, Ordering::Release);
+        let _guard = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+        self.changed.notify_all();
     }
 
     fn count_resident(&self) {
@@ -649,6 +669,15 @@ impl Shared {
                     std::slice::from_raw_parts_mut(
                         (self.alias + start as usize) as *mut u8,
                         len as usize,
+                    )
+                };
+                // Allocate the chunk's page-cache pages in one call rather than one fault each.
+                // SAFETY: advice on our own alias mapping; it changes no contents.
+                unsafe {
+                    libc::madvise(
+                        dst.as_mut_ptr().cast(),
+                        dst.len(),
+                        libc::MADV_POPULATE_WRITE,
                     )
                 };
                 self.fetch(start, dst)?;
@@ -788,11 +817,11 @@ impl Shared {
         }
     }
 
-    /// The background fetcher: at the lowest CPU priority, walks every shard's chunks in turn
-    /// (so that it runs ahead of each vCPU touching its own range) until all are resident.
+    /// The background fetcher: walks every shard's chunks in turn (so that it runs ahead of
+    /// each vCPU touching its own range) until all are resident. Faults come first: it steps
+    /// aside while a handler is busy. (It keeps the normal CPU priority: a lower one would
+    /// leave a fault waiting on a chunk it holds behind every other task on a busy host.)
     fn fetch_everything(&self) {
-        // SAFETY: setpriority on this thread only (a tid is a valid PRIO_PROCESS `who`).
-        unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 19) };
         let mut bounce = Vec::new();
         let rounds = self.shards.iter().map(|s| s.len()).max().unwrap_or(0);
         while !self.retired.load(Ordering::Acquire) && self.failure().is_none() {
@@ -803,6 +832,9 @@ impl Shared {
                 for (shard, chunks) in self.shards.iter().enumerate() {
                     let chunk = chunks.start + round;
                     if chunk < chunks.end {
+                        while self.busy_handlers.load(Ordering::Acquire) > 0 {
+                            std::thread::yield_now();
+                        }
                         self.make_resident(chunk, shard, &mut bounce, true);
                     }
                 }
