@@ -29,7 +29,11 @@ pub struct PagerConfig {
     /// Fault-around: bytes installed around a faulting page (a chunk), a power of two of at
     /// least the backend's page size. Sequential access then faults once per chunk.
     pub fault_around: u64,
-    /// Fetch the chunks nobody asked for yet in a low-priority thread, and retire the pager
+    /// Readahead: after a sequential fault (the chunk before it is resident), the handler also
+    /// installs up to this many following chunks of the shard, once the vCPU is woken and
+    /// while no other event is waiting.
+    pub readahead_chunks: usize,
+    /// Fetch the chunks nobody asked for yet in a background thread, and retire the pager
     /// (unregister its userfaultfds) once the whole region is resident.
     pub background: bool,
     /// Attempts per fetch before the pager gives up (at least 1).
@@ -47,6 +51,7 @@ impl Default for PagerConfig {
             uffds: 1,
             handlers: 1,
             fault_around: 2 << 20,
+            readahead_chunks: 4,
             background: true,
             fetch_attempts: 3,
             retry_delay: Duration::from_millis(10),
@@ -62,6 +67,8 @@ pub struct PagerStats {
     pub faults: u64,
     /// Chunks installed because a fault asked for them.
     pub fault_chunks: u64,
+    /// Chunks installed by readahead after sequential faults.
+    pub readahead_chunks: u64,
     /// Chunks installed by the background fetcher.
     pub background_chunks: u64,
     /// Chunks the VMM discarded before they were fetched (`UFFD_EVENT_REMOVE`): they read as
@@ -82,6 +89,14 @@ enum Mode {
     Continue,
 }
 
+/// Who installs a chunk (for the stats; only a fault waits for a chunk someone else holds).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum By {
+    Fault,
+    Readahead,
+    Background,
+}
+
 // Chunk states.
 const ABSENT: u8 = 0;
 const FETCHING: u8 = 1;
@@ -90,7 +105,7 @@ const FAILED: u8 = 3;
 
 /// Largest bounce buffer of `Mode::Copy` (bigger chunks are copied in pieces), which keeps
 /// the pager's own memory small.
-const BOUNCE_MAX: u64 = 256 << 10;
+const BOUNCE_MAX: u64 = 128 << 10;
 /// Events read per `read()` from a userfaultfd.
 const EVENT_BATCH: usize = 64;
 
@@ -126,6 +141,7 @@ struct Shared {
     /// Handler threads busy with a batch of events right now (the background fetcher waits).
     busy_handlers: AtomicU64,
     fault_chunks: AtomicU64,
+    readahead_chunks: AtomicU64,
     background_chunks: AtomicU64,
     discarded_chunks: AtomicU64,
     resident_chunks: AtomicU64,
@@ -133,6 +149,7 @@ struct Shared {
     failure: Mutex<Option<String>>,
     changed: Condvar,
     handlers: usize,
+    readahead: usize,
     background: bool,
 }
 
@@ -302,6 +319,7 @@ impl Pager {
             faults: AtomicU64::new(0),
             busy_handlers: AtomicU64::new(0),
             fault_chunks: AtomicU64::new(0),
+            readahead_chunks: AtomicU64::new(0),
             background_chunks: AtomicU64::new(0),
             discarded_chunks: AtomicU64::new(0),
             resident_chunks: AtomicU64::new(0),
@@ -309,6 +327,7 @@ impl Pager {
             failure: Mutex::new(None),
             changed: Condvar::new(),
             handlers: config.handlers,
+            readahead: config.readahead_chunks,
             background: config.background,
         });
 
@@ -358,6 +377,7 @@ impl Pager {
         PagerStats {
             faults: s.faults.load(Ordering::Relaxed),
             fault_chunks: s.fault_chunks.load(Ordering::Relaxed),
+            readahead_chunks: s.readahead_chunks.load(Ordering::Relaxed),
             background_chunks: s.background_chunks.load(Ordering::Relaxed),
             discarded_chunks: s.discarded_chunks.load(Ordering::Relaxed),
             resident_bytes: resident.min(s.size),
@@ -492,10 +512,13 @@ impl Shared {
                     }
                 };
                 self.busy_handlers.fetch_add(1, Ordering::AcqRel);
+                let mut sequential = None;
                 for event in batch {
                     match event {
                         Event::Pagefault { kind, addr, .. } => {
-                            self.on_fault(shard, addr as usize, kind, &mut bounce)
+                            sequential = self
+                                .on_fault(shard, addr as usize, kind, &mut bounce)
+                                .or(sequential);
                         }
                         Event::Remove { start, end } => {
                             self.on_remove(start as usize, end as usize)
@@ -503,20 +526,56 @@ impl Shared {
                         _ => {}
                     }
                 }
+                if let Some(chunk) = sequential {
+                    self.read_ahead(shard, chunk, &mut bounce);
+                }
                 self.busy_handlers.fetch_sub(1, Ordering::AcqRel);
             }
         }
     }
 
-    fn on_fault(&self, shard: usize, addr: usize, kind: FaultKind, bounce: &mut Vec<u8>) {
+    /// Resolves one fault; returns its chunk when the access looks sequential (the chunk
+    /// before it, in the same shard, is resident).
+    fn on_fault(
+        &self,
+        shard: usize,
+        addr: usize,
+        kind: FaultKind,
+        bounce: &mut Vec<u8>,
+    ) -> Option<usize> {
         self.faults.fetch_add(1, Ordering::Relaxed);
         let off = ((addr - self.host) as u64) & !(self.page - 1);
         let chunk = (off / self.chunk) as usize;
-        if self.make_resident(chunk, shard, bounce, false) {
+        if self.make_resident(chunk, shard, bounce, By::Fault) {
             // The chunk was installed earlier: either this event was queued before that, or
             // the VMM discarded the page since (it then reads as zero, or as the page cache).
             self.refill_page(shard, off, kind, bounce);
         }
+        let sequential = chunk > self.shards[shard].start
+            && self.states[chunk - 1].load(Ordering::Acquire) == RESIDENT;
+        sequential.then_some(chunk)
+    }
+
+    /// Installs the chunks after `chunk` in its shard until the readahead window ends, a chunk
+    /// is already there, or another event waits on the shard's userfaultfd (faults first).
+    fn read_ahead(&self, shard: usize, chunk: usize, bounce: &mut Vec<u8>) {
+        let end = (chunk + 1 + self.readahead).min(self.shards[shard].end);
+        for next in chunk + 1..end {
+            if self.states[next].load(Ordering::Acquire) != ABSENT || self.events_waiting(shard) {
+                return;
+            }
+            self.make_resident(next, shard, bounce, By::Readahead);
+        }
+    }
+
+    fn events_waiting(&self, shard: usize) -> bool {
+        let mut fd = libc::pollfd {
+            fd: self.uffds[shard].as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: polls one live pollfd without waiting.
+        unsafe { libc::poll(&mut fd, 1, 0) > 0 }
     }
 
     /// `UFFD_EVENT_REMOVE`: chunks wholly discarded before anyone fetched them read as zero
@@ -539,14 +598,9 @@ impl Shared {
         }
     }
 
-    /// Makes `chunk` resident unless it is already. Returns whether it is resident now.
-    fn make_resident(
-        &self,
-        chunk: usize,
-        shard: usize,
-        bounce: &mut Vec<u8>,
-        background: bool,
-    ) -> bool {
+    /// Makes `chunk` resident unless it is already; returns true when it already was. A fault
+    /// waits for a chunk another thread is installing; readahead and background skip it.
+    fn make_resident(&self, chunk: usize, shard: usize, bounce: &mut Vec<u8>, by: By) -> bool {
         loop {
             match self.states[chunk].compare_exchange(
                 ABSENT,
@@ -557,10 +611,10 @@ impl Shared {
                 Ok(_) => match self.install(chunk, shard, bounce) {
                     Ok(true) => {
                         self.set_state(chunk, RESIDENT);
-                        let counter = if background {
-                            &self.background_chunks
-                        } else {
-                            &self.fault_chunks
+                        let counter = match by {
+                            By::Fault => &self.fault_chunks,
+                            By::Readahead => &self.readahead_chunks,
+                            By::Background => &self.background_chunks,
                         };
                         counter.fetch_add(1, Ordering::Relaxed);
                         self.count_resident();
@@ -582,7 +636,7 @@ impl Shared {
                         return false;
                     }
                 },
-                Err(FETCHING) if background => return false,
+                Err(FETCHING) if by != By::Fault => return false,
                 Err(FETCHING) => self.wait_for_change(chunk),
                 Err(RESIDENT) => return true,
                 Err(_) => return false, // FAILED: the VM is being stopped
@@ -835,7 +889,7 @@ impl Shared {
                         while self.busy_handlers.load(Ordering::Acquire) > 0 {
                             std::thread::yield_now();
                         }
-                        self.make_resident(chunk, shard, &mut bounce, true);
+                        self.make_resident(chunk, shard, &mut bounce, By::Background);
                     }
                 }
                 if round % 64 == 0 && self.stopped() {
