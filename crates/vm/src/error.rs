@@ -27,6 +27,8 @@ pub enum Error {
         "vCPU {vcpu}: the payload did not recognise its workload (control block state {state})"
     )]
     BadWorkload { vcpu: usize, state: u64 },
+    #[error("the run was stopped: {0}")]
+    Aborted(String),
     #[error("vCPU {vcpu} thread: {reason}")]
     Thread { vcpu: usize, reason: String },
 }

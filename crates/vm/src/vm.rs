@@ -4,7 +4,7 @@
 use std::os::unix::thread::JoinHandleExt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -51,6 +51,24 @@ pub struct Vm {
     work: Vec<VcpuWork>,
     dirty_rings: Arc<Vec<DirtyRing>>,
     dirty_ring_full_exits: Arc<AtomicU64>,
+    abort: AbortHandle,
+}
+
+/// Lets another thread (e.g. a pager whose page source failed) end the VM's current or next
+/// [`RunningVm::wait`] with [`Error::Aborted`] and the reason it gives.
+#[derive(Debug, Clone, Default)]
+pub struct AbortHandle(Arc<Mutex<Option<String>>>);
+
+impl AbortHandle {
+    /// Stops the run; the first reason given is the one reported.
+    pub fn abort(&self, reason: impl Into<String>) {
+        let mut slot = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        slot.get_or_insert_with(|| reason.into());
+    }
+
+    fn take(&self) -> Option<String> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
 }
 
 impl Vm {
@@ -124,6 +142,7 @@ impl Vm {
             work: Vec::new(),
             dirty_rings: Arc::new(dirty_rings),
             dirty_ring_full_exits: Arc::new(AtomicU64::new(0)),
+            abort: AbortHandle::default(),
         })
     }
 
@@ -152,6 +171,10 @@ impl Vm {
     }
     pub fn tsc_khz(&self) -> u64 {
         self.tsc_khz
+    }
+    /// A handle that ends this VM's runs with an error (see [`AbortHandle`]).
+    pub fn abort_handle(&self) -> AbortHandle {
+        self.abort.clone()
     }
 
     /// Starts every vCPU at the payload's entry with its piece of `work` (one per vCPU).
@@ -413,6 +436,10 @@ impl RunningVm<'_> {
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
                 Err(mpsc::RecvTimeoutError::Disconnected) => break,
             }
+            if let Some(reason) = self.vm.abort.take() {
+                failure = Some(Error::Aborted(reason));
+                break;
+            }
             let now = self.progress();
             for id in (0..n).filter(|&id| !finished[id]) {
                 let gated = now[id].1 >= self.vm.control(id, CTL_GEN_LIMIT);
@@ -445,6 +472,9 @@ impl RunningVm<'_> {
                 rip,
                 pages,
             });
+        }
+        if let Some(e @ Error::Aborted(_)) = failure {
+            return Err(e);
         }
         for outcome in outcomes {
             if let Outcome::Failed(e) = outcome {

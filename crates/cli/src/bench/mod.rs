@@ -3,15 +3,16 @@
 
 use clap::Subcommand;
 
+mod demand_paging;
+
 #[derive(Subcommand)]
 pub enum Bench {
-    /// Placeholder until the first benchmark lands.
-    #[command(hide = true)]
-    None,
+    /// Demand paging rate with guestmem's pager vs the pre-populated baseline (seed 001).
+    DemandPaging(demand_paging::Args),
 }
 
 pub fn main(bench: Bench) -> crate::Result<()> {
     match bench {
-        Bench::None => Err("no benchmark selected".into()),
+        Bench::DemandPaging(args) => demand_paging::main(args),
     }
 }

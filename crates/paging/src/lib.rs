@@ -1,0 +1,21 @@
+//! Demand paging of guest memory: a [`Pager`] makes a region's pages appear on first access,
+//! with the bytes of a [`PageSource`] (zero-fill, a snapshot file, a remote peer). It is the
+//! engine under snapshot lazy restore and post-copy migration.
+//!
+//! - anon and hugetlb regions: userfaultfd `MISSING` faults, resolved with `UFFDIO_COPY`;
+//! - memfd regions: the page cache is filled through a second mapping of the fd, then mapped
+//!   into the guest's mapping with `UFFDIO_CONTINUE` (`MINOR` faults; `MISSING` ones for holes);
+//! - guest_memfd regions: refused; they need KVM Userfault (see [`Error::Unsupported`]).
+//!
+//! The region is cut into chunks (the fault-around size): a fault installs the whole chunk
+//! around the faulting page. Chunks are sharded by range over several userfaultfds, each
+//! served by handler threads that read events in batches; a background thread fetches the
+//! chunks nobody asked for yet, at low priority, and retires the pager once all are resident.
+
+mod error;
+mod pager;
+mod source;
+
+pub use error::{Error, Result};
+pub use pager::{Pager, PagerConfig, PagerStats};
+pub use source::{FileSource, PageSource, RemoteSource, ZeroSource};

@@ -1,0 +1,920 @@
+//! The pager: userfaultfds over a region, handler threads, and the background fetcher.
+
+use std::io;
+use std::ops::Range;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use guestmem_memory::{Backend, Region};
+use guestmem_sys::uapi::{
+    UFFD_FEATURE_EVENT_REMOVE, UFFD_FEATURE_MINOR_SHMEM, UFFD_FEATURE_MISSING_HUGETLBFS,
+    UFFD_FEATURE_MISSING_SHMEM,
+};
+use guestmem_vm::AbortHandle;
+use userfaultfd::{Event, EventBuffer, FaultKind, FeatureFlags, RegisterMode, Uffd, UffdBuilder};
+
+use crate::{Error, PageSource, Result};
+
+/// How a [`Pager`] works.
+#[derive(Debug, Clone)]
+pub struct PagerConfig {
+    /// Userfaultfds: the region is split into this many equal ranges (whole chunks), one per
+    /// userfaultfd. One per vCPU range removes the contention on one fd's wait queue.
+    pub uffds: usize,
+    /// Handler threads, spread over the userfaultfds (a thread may serve several).
+    pub handlers: usize,
+    /// Fault-around: bytes installed around a faulting page (a chunk), a power of two of at
+    /// least the backend's page size. Sequential access then faults once per chunk.
+    pub fault_around: u64,
+    /// Readahead: after a sequential fault (the chunk before it is resident), the handler also
+    /// installs up to this many following chunks of the shard, once the vCPU is woken and
+    /// while no other event is waiting.
+    pub readahead_chunks: usize,
+    /// Fetch the chunks nobody asked for yet in a background thread, and retire the pager
+    /// (unregister its userfaultfds) once the whole region is resident.
+    pub background: bool,
+    /// Attempts per fetch before the pager gives up (at least 1).
+    pub fetch_attempts: u32,
+    /// Pause between attempts.
+    pub retry_delay: Duration,
+    /// Told when a fetch fails for good, so that the VM stops with the error (naming the guest
+    /// address) instead of leaving a vCPU waiting for the page forever.
+    pub abort: Option<AbortHandle>,
+}
+
+impl Default for PagerConfig {
+    fn default() -> Self {
+        PagerConfig {
+            uffds: 1,
+            handlers: 1,
+            fault_around: 2 << 20,
+            readahead_chunks: 4,
+            background: true,
+            fetch_attempts: 3,
+            retry_delay: Duration::from_millis(10),
+            abort: None,
+        }
+    }
+}
+
+/// What a pager has done so far.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PagerStats {
+    /// Page-fault events read from the userfaultfds.
+    pub faults: u64,
+    /// Chunks installed because a fault asked for them.
+    pub fault_chunks: u64,
+    /// Chunks installed by readahead after sequential faults.
+    pub readahead_chunks: u64,
+    /// Chunks installed by the background fetcher.
+    pub background_chunks: u64,
+    /// Chunks the VMM discarded before they were fetched (`UFFD_EVENT_REMOVE`): they read as
+    /// zero and are never fetched.
+    pub discarded_chunks: u64,
+    /// Bytes of the region that are resident.
+    pub resident_bytes: u64,
+    /// Whether the pager has retired (everything resident, userfaultfds unregistered).
+    pub retired: bool,
+}
+
+/// How faults are resolved, by backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// `MISSING` faults, `UFFDIO_COPY` from a bounce buffer (anon, hugetlb).
+    Copy,
+    /// The page cache is filled through `alias`, then `UFFDIO_CONTINUE` maps it (memfd).
+    Continue,
+}
+
+/// Who installs a chunk (for the stats; only a fault waits for a chunk someone else holds).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum By {
+    Fault,
+    Readahead,
+    Background,
+}
+
+// Chunk states.
+const ABSENT: u8 = 0;
+const FETCHING: u8 = 1;
+const RESIDENT: u8 = 2;
+const FAILED: u8 = 3;
+
+/// Largest bounce buffer of `Mode::Copy` (bigger chunks are copied in pieces), which keeps
+/// the pager's own memory small.
+const BOUNCE_MAX: u64 = 128 << 10;
+/// Events read per `read()` from a userfaultfd.
+const EVENT_BATCH: usize = 64;
+
+/// Demand paging of one region from a [`PageSource`]. Start it after the region exists and
+/// before the guest (or anyone) touches it; dropping it stops its threads and unregisters.
+pub struct Pager {
+    shared: Arc<Shared>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+struct Shared {
+    region: String,
+    gpa: u64,
+    host: usize,
+    size: u64,
+    page: u64,
+    chunk: u64,
+    bounce: u64,
+    mode: Mode,
+    /// A second shared mapping of the memfd (`Mode::Continue`), not registered with uffd.
+    alias: usize,
+    uffds: Vec<Uffd>,
+    /// The chunks each userfaultfd covers.
+    shards: Vec<Range<usize>>,
+    states: Vec<AtomicU8>,
+    source: Arc<dyn PageSource>,
+    fetch_attempts: u32,
+    retry_delay: Duration,
+    abort: Option<AbortHandle>,
+    /// Readable once the threads must stop.
+    stop: OwnedFd,
+    faults: AtomicU64,
+    /// Handler threads busy with a batch of events right now (the background fetcher waits).
+    busy_handlers: AtomicU64,
+    fault_chunks: AtomicU64,
+    readahead_chunks: AtomicU64,
+    background_chunks: AtomicU64,
+    discarded_chunks: AtomicU64,
+    resident_chunks: AtomicU64,
+    retired: AtomicBool,
+    failure: Mutex<Option<String>>,
+    changed: Condvar,
+    handlers: usize,
+    readahead: usize,
+    background: bool,
+}
+
+// SAFETY: `host` and `alias` are addresses of mappings that outlive the pager's threads (the
+// region's, which the caller keeps alive, and the alias, unmapped in `Drop` after the threads
+// are joined); everything else is Sync already.
+unsafe impl Send for Shared {}
+// SAFETY: as above.
+unsafe impl Sync for Shared {}
+
+impl Pager {
+    /// Registers `region` with userfaultfd and starts serving its faults from `source`.
+    ///
+    /// `region` must stay mapped while the pager lives; the pager must be dropped before it.
+    pub fn start(
+        region: &Region,
+        source: Arc<dyn PageSource>,
+        config: &PagerConfig,
+    ) -> Result<Pager> {
+        let name = region.name().to_string();
+        let bad = |reason: String| Error::Config {
+            region: name.clone(),
+            reason,
+        };
+        let backend = region.backend();
+        let mode = match backend {
+            Backend::Anon | Backend::MemfdHugetlb | Backend::Hugetlbfs => Mode::Copy,
+            Backend::Memfd => Mode::Continue,
+            Backend::GuestMemfd => {
+                return Err(Error::Unsupported {
+                    region: name,
+                    backend,
+                    reason: "userfaultfd cannot register guest_memfd mappings; post-copy of \
+                             guest_memfd needs KVM Userfault (the KVM_MEM_USERFAULT memslot \
+                             flag, KVM_CAP_USERFAULT), which guestmem does not drive yet"
+                        .into(),
+                })
+            }
+        };
+        let page = backend.page_size();
+        let size = region.size();
+        let chunk = config.fault_around;
+        if !chunk.is_power_of_two() || chunk < page {
+            return Err(bad(format!(
+                "fault-around {chunk:#x} must be a power of two of at least the {backend} \
+                 backend's page size ({page:#x})"
+            )));
+        }
+        let chunks = size.div_ceil(chunk) as usize;
+        if config.uffds == 0 || config.uffds > chunks {
+            return Err(bad(format!(
+                "{} userfaultfds requested; 1 to {chunks} (one per {chunk:#x}-byte chunk) are \
+                 possible",
+                config.uffds
+            )));
+        }
+        if config.handlers == 0 {
+            return Err(bad(
+                "0 handler threads requested; at least 1 is needed".into()
+            ));
+        }
+        if config.fetch_attempts == 0 {
+            return Err(bad(
+                "0 fetch attempts requested; at least 1 is needed".into()
+            ));
+        }
+        if source.size() < size {
+            return Err(bad(format!(
+                "the page source holds {:#x} bytes, less than the region's {size:#x}",
+                source.size()
+            )));
+        }
+
+        let mut features = UFFD_FEATURE_EVENT_REMOVE;
+        features |= match backend {
+            Backend::Memfd => UFFD_FEATURE_MISSING_SHMEM | UFFD_FEATURE_MINOR_SHMEM,
+            Backend::MemfdHugetlb | Backend::Hugetlbfs => UFFD_FEATURE_MISSING_HUGETLBFS,
+            _ => 0,
+        };
+        let register_mode = match mode {
+            Mode::Copy => RegisterMode::MISSING,
+            Mode::Continue => RegisterMode::MISSING | RegisterMode::MINOR,
+        };
+        let uffd_err = |op, source| Error::Uffd {
+            region: name.clone(),
+            op,
+            source,
+        };
+        let host = region.host_addr() as usize;
+        let shards: Vec<Range<usize>> = (0..config.uffds)
+            .map(|i| i * chunks / config.uffds..(i + 1) * chunks / config.uffds)
+            .collect();
+        let mut uffds = Vec::with_capacity(shards.len());
+        for shard in &shards {
+            let uffd = UffdBuilder::new()
+                .close_on_exec(true)
+                .non_blocking(true)
+                .user_mode_only(false)
+                .require_features(FeatureFlags::from_bits_retain(features))
+                .create()
+                .map_err(|e| uffd_err("userfaultfd / UFFDIO_API", e))?;
+            let start = shard.start as u64 * chunk;
+            let end = (shard.end as u64 * chunk).min(size);
+            uffd.register_with_mode(
+                (host + start as usize) as *mut libc::c_void,
+                (end - start) as usize,
+                register_mode,
+            )
+            .map_err(|e| uffd_err("UFFDIO_REGISTER", e))?;
+            uffds.push(uffd);
+        }
+
+        let alias = match mode {
+            Mode::Copy => 0,
+            Mode::Continue => {
+                let fd = region.fd().expect("memfd regions have an fd").as_raw_fd();
+                // SAFETY: a fresh shared mapping of the region's own fd and size; it aliases
+                // the region's memory only through the page cache, which is what we want.
+                let addr = unsafe {
+                    libc::mmap(
+                        std::ptr::null_mut(),
+                        size as usize,
+                        libc::PROT_READ | libc::PROT_WRITE,
+                        libc::MAP_SHARED,
+                        fd,
+                        0,
+                    )
+                };
+                if addr == libc::MAP_FAILED {
+                    return Err(Error::Os {
+                        region: name,
+                        op: "mmap of the memfd's second mapping",
+                        source: io::Error::last_os_error(),
+                    });
+                }
+                addr as usize
+            }
+        };
+        // SAFETY: eventfd returns a new fd (checked below) that nobody else owns.
+        let stop = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+        if stop < 0 {
+            return Err(Error::Os {
+                region: name,
+                op: "eventfd",
+                source: io::Error::last_os_error(),
+            });
+        }
+        let shared = Arc::new(Shared {
+            region: name,
+            gpa: region.gpa(),
+            host,
+            size,
+            page,
+            chunk,
+            bounce: chunk.min(BOUNCE_MAX.max(page)),
+            mode,
+            alias,
+            uffds,
+            shards,
+            states: (0..chunks).map(|_| AtomicU8::new(ABSENT)).collect(),
+            source,
+            fetch_attempts: config.fetch_attempts,
+            retry_delay: config.retry_delay,
+            abort: config.abort.clone(),
+            // SAFETY: `stop` is the fresh eventfd from above.
+            stop: unsafe { OwnedFd::from_raw_fd(stop) },
+            faults: AtomicU64::new(0),
+            busy_handlers: AtomicU64::new(0),
+            fault_chunks: AtomicU64::new(0),
+            readahead_chunks: AtomicU64::new(0),
+            background_chunks: AtomicU64::new(0),
+            discarded_chunks: AtomicU64::new(0),
+            resident_chunks: AtomicU64::new(0),
+            retired: AtomicBool::new(false),
+            failure: Mutex::new(None),
+            changed: Condvar::new(),
+            handlers: config.handlers,
+            readahead: config.readahead_chunks,
+            background: config.background,
+        });
+
+        let mut pager = Pager {
+            shared: shared.clone(),
+            threads: Vec::new(),
+        };
+        let n_uffds = shared.uffds.len();
+        for t in 0..config.handlers {
+            // Thread t serves uffd t % n when there are more threads than uffds, else every
+            // handlers-th uffd starting at t.
+            let served: Vec<usize> = if config.handlers >= n_uffds {
+                vec![t % n_uffds]
+            } else {
+                (t..n_uffds).step_by(config.handlers).collect()
+            };
+            let shared = shared.clone();
+            pager.spawn(format!("uffd-handler{t}"), move || {
+                shared.serve_faults(&served)
+            })?;
+        }
+        if config.background {
+            let shared = shared.clone();
+            pager.spawn("uffd-background".into(), move || shared.fetch_everything())?;
+        }
+        tracing::debug!(region = %pager.shared.region, ?mode, uffds = n_uffds, handlers = config.handlers, chunk, "pager started");
+        Ok(pager)
+    }
+
+    fn spawn(&mut self, name: String, f: impl FnOnce() + Send + 'static) -> Result<()> {
+        let handle = std::thread::Builder::new()
+            .name(name)
+            .stack_size(256 << 10)
+            .spawn(f)
+            .map_err(|source| Error::Os {
+                region: self.shared.region.clone(),
+                op: "spawning a pager thread",
+                source,
+            })?;
+        self.threads.push(handle);
+        Ok(())
+    }
+
+    pub fn stats(&self) -> PagerStats {
+        let s = &self.shared;
+        let resident = s.resident_chunks.load(Ordering::Acquire) * s.chunk;
+        PagerStats {
+            faults: s.faults.load(Ordering::Relaxed),
+            fault_chunks: s.fault_chunks.load(Ordering::Relaxed),
+            readahead_chunks: s.readahead_chunks.load(Ordering::Relaxed),
+            background_chunks: s.background_chunks.load(Ordering::Relaxed),
+            discarded_chunks: s.discarded_chunks.load(Ordering::Relaxed),
+            resident_bytes: resident.min(s.size),
+            retired: s.retired.load(Ordering::Acquire),
+        }
+    }
+
+    /// The pager's own memory: chunk states, bounce buffers and event buffers (thread stacks
+    /// are 256 KiB of address space each, touched only a few pages deep).
+    pub fn memory_bytes(&self) -> u64 {
+        let s = &self.shared;
+        let threads = (s.handlers + usize::from(s.background)) as u64;
+        let bounce = if s.mode == Mode::Copy { s.bounce } else { 0 };
+        let event_buffers = s.handlers as u64 * EVENT_BATCH as u64 * 32;
+        s.states.len() as u64 + threads * bounce + event_buffers
+    }
+
+    /// Waits until the whole region is resident and the pager retired (`Ok(true)`), or
+    /// `timeout` passes (`Ok(false)`); a failed fetch is returned as its error.
+    pub fn wait_resident(&self, timeout: Duration) -> Result<bool> {
+        let s = &self.shared;
+        let deadline = Instant::now() + timeout;
+        let mut failure = s.failure.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(reason) = failure.as_ref() {
+                return Err(Error::Stopped {
+                    region: s.region.clone(),
+                    reason: reason.clone(),
+                });
+            }
+            if s.retired.load(Ordering::Acquire) {
+                return Ok(true);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Ok(false);
+            }
+            failure = s
+                .changed
+                .wait_timeout(failure, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    /// The error that stopped the pager, if a fetch failed for good.
+    pub fn failure(&self) -> Option<String> {
+        self.shared
+            .failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}
+
+impl Drop for Pager {
+    fn drop(&mut self) {
+        self.shared.signal_stop();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+        self.shared.unregister();
+        if self.shared.alias != 0 {
+            // SAFETY: the alias mapping made in `start`, of `size` bytes; no thread uses it
+            // any more (all joined).
+            unsafe {
+                libc::munmap(
+                    self.shared.alias as *mut libc::c_void,
+                    self.shared.size as usize,
+                )
+            };
+        }
+    }
+}
+
+impl Shared {
+    fn signal_stop(&self) {
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: writes 8 bytes from a live buffer to our eventfd.
+        unsafe { libc::write(self.stop.as_raw_fd(), one.as_ptr().cast(), 8) };
+    }
+
+    fn unregister(&self) {
+        for (uffd, shard) in self.uffds.iter().zip(&self.shards) {
+            let (start, len) = self.byte_range(shard.clone());
+            // Unregistering also wakes any thread still waiting on a fault in the range.
+            let _ = uffd.unregister(
+                (self.host + start as usize) as *mut libc::c_void,
+                len as usize,
+            );
+        }
+    }
+
+    /// Host offset and length of a range of chunks.
+    fn byte_range(&self, chunks: Range<usize>) -> (u64, u64) {
+        let start = chunks.start as u64 * self.chunk;
+        let end = (chunks.end as u64 * self.chunk).min(self.size);
+        (start, end - start)
+    }
+
+    /// A handler thread: reads events in batches from the `served` userfaultfds until stopped.
+    fn serve_faults(&self, served: &[usize]) {
+        let mut events = EventBuffer::new(EVENT_BATCH);
+        let mut bounce = Vec::new();
+        let mut fds: Vec<libc::pollfd> = std::iter::once(self.stop.as_raw_fd())
+            .chain(served.iter().map(|&i| self.uffds[i].as_raw_fd()))
+            .map(|fd| libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            })
+            .collect();
+        loop {
+            // SAFETY: `fds` is a live array of `fds.len()` pollfds.
+            let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, -1) };
+            if n < 0 {
+                continue; // EINTR
+            }
+            if fds[0].revents != 0 {
+                return;
+            }
+            for (k, &shard) in served.iter().enumerate() {
+                if fds[k + 1].revents == 0 {
+                    continue;
+                }
+                let uffd = &self.uffds[shard];
+                let batch: Vec<Event> = match uffd.read_events(&mut events) {
+                    Ok(iter) => iter.filter_map(|e| e.ok()).collect(),
+                    Err(e) => {
+                        tracing::warn!(region = %self.region, "reading userfaultfd events: {e}");
+                        continue;
+                    }
+                };
+                self.busy_handlers.fetch_add(1, Ordering::AcqRel);
+                let mut sequential = None;
+                for event in batch {
+                    match event {
+                        Event::Pagefault { kind, addr, .. } => {
+                            sequential = self
+                                .on_fault(shard, addr as usize, kind, &mut bounce)
+                                .or(sequential);
+                        }
+                        Event::Remove { start, end } => {
+                            self.on_remove(start as usize, end as usize)
+                        }
+                        _ => {}
+                    }
+                }
+                if let Some(chunk) = sequential {
+                    self.read_ahead(shard, chunk, &mut bounce);
+                }
+                self.busy_handlers.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+    }
+
+    /// Resolves one fault; returns its chunk when the access looks sequential (the chunk
+    /// before it, in the same shard, is resident).
+    fn on_fault(
+        &self,
+        shard: usize,
+        addr: usize,
+        kind: FaultKind,
+        bounce: &mut Vec<u8>,
+    ) -> Option<usize> {
+        self.faults.fetch_add(1, Ordering::Relaxed);
+        let off = ((addr - self.host) as u64) & !(self.page - 1);
+        let chunk = (off / self.chunk) as usize;
+        if self.make_resident(chunk, shard, bounce, By::Fault) {
+            // The chunk was installed earlier: either this event was queued before that, or
+            // the VMM discarded the page since (it then reads as zero, or as the page cache).
+            self.refill_page(shard, off, kind, bounce);
+        }
+        let sequential = chunk > self.shards[shard].start
+            && self.states[chunk - 1].load(Ordering::Acquire) == RESIDENT;
+        sequential.then_some(chunk)
+    }
+
+    /// Installs the chunks after `chunk` in its shard until the readahead window ends, a chunk
+    /// is already there, or another event waits on the shard's userfaultfd (faults first).
+    fn read_ahead(&self, shard: usize, chunk: usize, bounce: &mut Vec<u8>) {
+        let end = (chunk + 1 + self.readahead).min(self.shards[shard].end);
+        for next in chunk + 1..end {
+            if self.states[next].load(Ordering::Acquire) != ABSENT || self.events_waiting(shard) {
+                return;
+            }
+            self.make_resident(next, shard, bounce, By::Readahead);
+        }
+    }
+
+    fn events_waiting(&self, shard: usize) -> bool {
+        let mut fd = libc::pollfd {
+            fd: self.uffds[shard].as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: polls one live pollfd without waiting.
+        unsafe { libc::poll(&mut fd, 1, 0) > 0 }
+    }
+
+    /// `UFFD_EVENT_REMOVE`: chunks wholly discarded before anyone fetched them read as zero
+    /// from now on, so they are never fetched.
+    fn on_remove(&self, start: usize, end: usize) {
+        let lo = (start.max(self.host) - self.host) as u64;
+        let hi = (end
+            .min(self.host + self.size as usize)
+            .saturating_sub(self.host)) as u64;
+        let first = lo.div_ceil(self.chunk) as usize;
+        let last = (hi / self.chunk) as usize;
+        for c in first..last.max(first) {
+            if self.states[c]
+                .compare_exchange(ABSENT, RESIDENT, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            {
+                self.discarded_chunks.fetch_add(1, Ordering::Relaxed);
+                self.count_resident();
+            }
+        }
+    }
+
+    /// Makes `chunk` resident unless it is already; returns true when it already was. A fault
+    /// waits for a chunk another thread is installing; readahead and background skip it.
+    fn make_resident(&self, chunk: usize, shard: usize, bounce: &mut Vec<u8>, by: By) -> bool {
+        loop {
+            match self.states[chunk].compare_exchange(
+                ABSENT,
+                FETCHING,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => match self.install(chunk, shard, bounce) {
+                    Ok(true) => {
+                        self.set_state(chunk, RESIDENT);
+                        let counter = match by {
+                            By::Fault => &self.fault_chunks,
+                            By::Readahead => &self.readahead_chunks,
+                            By::Background => &self.background_chunks,
+                        };
+                        counter.fetch_add(1, Ordering::Relaxed);
+                        self.count_resident();
+                        return false;
+                    }
+                    Ok(false) => {
+                        // The mapping was changing (EAGAIN): let the fault come again.
+                        self.set_state(chunk, ABSENT);
+                        let (start, len) = self.byte_range(chunk..chunk + 1);
+                        let _ = self.uffds[shard].wake(
+                            (self.host + start as usize) as *mut libc::c_void,
+                            len as usize,
+                        );
+                        return false;
+                    }
+                    Err(e) => {
+                        self.set_state(chunk, FAILED);
+                        self.fail(e);
+                        return false;
+                    }
+                },
+                Err(FETCHING) if by != By::Fault => return false,
+                Err(FETCHING) => self.wait_for_change(chunk),
+                Err(RESIDENT) => return true,
+                Err(_) => return false, // FAILED: the VM is being stopped
+            }
+        }
+    }
+
+    /// Sleeps until `chunk` leaves FETCHING (another thread is installing it).
+    fn wait_for_change(&self, chunk: usize) {
+        let guard = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+        if self.states[chunk].load(Ordering::Acquire) == FETCHING {
+            let _ = self.changed.wait_timeout(guard, Duration::from_millis(1));
+        }
+    }
+
+    /// Sets `chunk`'s state and wakes the threads waiting for it.
+    fn set_state(&self, chunk: usize, state: u8) {
+        self.states[chunk].store(state, Ordering::Release);
+        let _guard = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+        self.changed.notify_all();
+    }
+
+    fn count_resident(&self) {
+        let n = self.resident_chunks.fetch_add(1, Ordering::AcqRel) + 1;
+        if n == self.states.len() as u64 && self.background {
+            self.retire();
+        }
+    }
+
+    /// Everything is resident: unregister, so the guest no longer goes through us at all.
+    fn retire(&self) {
+        if self.retired.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        self.unregister();
+        self.signal_stop();
+        let _guard = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+        self.changed.notify_all();
+        tracing::debug!(region = %self.region, "pager retired: region fully resident");
+    }
+
+    fn fail(&self, e: Error) {
+        let reason = e.to_string();
+        tracing::error!("{reason}");
+        if let Some(abort) = &self.abort {
+            abort.abort(reason.clone());
+        }
+        let mut failure = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+        failure.get_or_insert(reason);
+        self.changed.notify_all();
+    }
+
+    /// Fetches `chunk` from the source and maps it into the region. `Ok(false)`: the mapping
+    /// was changing under us (EAGAIN); try again later.
+    fn install(&self, chunk: usize, shard: usize, bounce: &mut Vec<u8>) -> Result<bool> {
+        let uffd = &self.uffds[shard];
+        let (start, len) = self.byte_range(chunk..chunk + 1);
+        match self.mode {
+            Mode::Copy => {
+                if bounce.len() < self.bounce as usize {
+                    bounce.resize(self.bounce as usize, 0);
+                }
+                let mut off = start;
+                while off < start + len {
+                    let n = self.bounce.min(start + len - off);
+                    self.fetch(off, &mut bounce[..n as usize])?;
+                    if !self.copy(uffd, bounce.as_ptr(), off, n)? {
+                        return Ok(false);
+                    }
+                    off += n;
+                }
+                uffd.wake(
+                    (self.host + start as usize) as *mut libc::c_void,
+                    len as usize,
+                )
+                .map_err(|e| self.uffd_error("UFFDIO_WAKE", e))?;
+                Ok(true)
+            }
+            Mode::Continue => {
+                // SAFETY: the chunk lies inside the alias mapping, and no one else writes it
+                // while we hold it in FETCHING (the guest's mapping of it is not populated yet,
+                // so the guest cannot reach these pages).
+                let dst = unsafe {
+                    std::slice::from_raw_parts_mut(
+                        (self.alias + start as usize) as *mut u8,
+                        len as usize,
+                    )
+                };
+                // Allocate the chunk's page-cache pages in one call rather than one fault each.
+                // SAFETY: advice on our own alias mapping; it changes no contents.
+                unsafe {
+                    libc::madvise(
+                        dst.as_mut_ptr().cast(),
+                        dst.len(),
+                        libc::MADV_POPULATE_WRITE,
+                    )
+                };
+                self.fetch(start, dst)?;
+                self.map_page_cache(uffd, start, len)
+            }
+        }
+    }
+
+    /// A page of an installed chunk faulted again (see `on_fault`).
+    fn refill_page(&self, shard: usize, off: u64, kind: FaultKind, bounce: &mut Vec<u8>) {
+        let uffd = &self.uffds[shard];
+        let result = match self.mode {
+            Mode::Copy => {
+                if bounce.len() < self.page as usize {
+                    bounce.resize(self.page as usize, 0);
+                }
+                bounce[..self.page as usize].fill(0);
+                self.copy(uffd, bounce.as_ptr(), off, self.page)
+            }
+            Mode::Continue => {
+                if kind == FaultKind::Missing {
+                    // A hole in the file (MADV_REMOVE): a read through the alias allocates a
+                    // zeroed page-cache page without overwriting anything.
+                    // SAFETY: `off` is inside the alias mapping.
+                    unsafe { std::ptr::read_volatile((self.alias + off as usize) as *const u8) };
+                }
+                self.map_page_cache(uffd, off, self.page)
+            }
+        };
+        let _ = uffd.wake(
+            (self.host + off as usize) as *mut libc::c_void,
+            self.page as usize,
+        );
+        if let Err(e) = result {
+            tracing::warn!(region = %self.region, "refilling a discarded page: {e}");
+        }
+    }
+
+    fn fetch(&self, off: u64, buf: &mut [u8]) -> Result<()> {
+        let mut last = None;
+        for attempt in 1..=self.fetch_attempts {
+            match self.source.fetch(off, buf) {
+                Ok(()) => return Ok(()),
+                Err(e) => {
+                    tracing::warn!(region = %self.region, gpa = self.gpa + off, attempt, "page source: {e}");
+                    last = Some(e);
+                    if attempt < self.fetch_attempts {
+                        std::thread::sleep(self.retry_delay);
+                    }
+                }
+            }
+        }
+        Err(Error::SourceFailed {
+            region: self.region.clone(),
+            gpa: self.gpa + off,
+            len: buf.len() as u64,
+            attempts: self.fetch_attempts,
+            source: last.expect("at least one attempt"),
+        })
+    }
+
+    /// `UFFDIO_COPY` of `len` bytes from `src` to region offset `off`, without waking.
+    /// Pages already present (`EEXIST`) are skipped; a partial copy (`EAGAIN`) continues with
+    /// the rest. `Ok(false)` when the mapping is changing (nothing could be copied).
+    fn copy(&self, uffd: &Uffd, src: *const u8, off: u64, len: u64) -> Result<bool> {
+        let mut done = 0u64;
+        let mut page_by_page = false;
+        while done < len {
+            let n = if page_by_page { self.page } else { len - done };
+            // SAFETY: `src + done` has `n` readable bytes (the caller's buffer of `len`), and
+            // the destination lies inside the registered region.
+            let r = unsafe {
+                uffd.copy(
+                    src.add(done as usize).cast(),
+                    (self.host + (off + done) as usize) as *mut libc::c_void,
+                    n as usize,
+                    false,
+                )
+            };
+            match r {
+                Ok(copied) => done += copied as u64,
+                Err(userfaultfd::Error::PartiallyCopied(copied)) if (copied as isize) > 0 => {
+                    done += copied as u64
+                }
+                Err(userfaultfd::Error::PartiallyCopied(_)) => return Ok(false),
+                Err(userfaultfd::Error::CopyFailed(errno)) if errno as i32 == libc::EEXIST => {
+                    if page_by_page {
+                        done += self.page;
+                    } else {
+                        page_by_page = true;
+                    }
+                }
+                Err(e) => return Err(self.uffd_error("UFFDIO_COPY", e)),
+            }
+        }
+        Ok(true)
+    }
+
+    /// `UFFDIO_CONTINUE` over region offset `[off, off + len)` (waking the faulting threads),
+    /// skipping pages already mapped.
+    fn map_page_cache(&self, uffd: &Uffd, off: u64, len: u64) -> Result<bool> {
+        let mut done = 0u64;
+        let mut page_by_page = false;
+        while done < len {
+            let n = if page_by_page { self.page } else { len - done };
+            let addr = (self.host + (off + done) as usize) as *mut libc::c_void;
+            match uffd.r#continue(addr, n as usize, true) {
+                Ok(mapped) if mapped > 0 => done += mapped,
+                Ok(_) => return Ok(false),
+                Err(userfaultfd::Error::SystemError(errno)) if errno as i32 == libc::EEXIST => {
+                    if page_by_page {
+                        done += self.page;
+                    } else {
+                        page_by_page = true;
+                    }
+                }
+                Err(userfaultfd::Error::SystemError(errno)) if errno as i32 == libc::EAGAIN => {
+                    return Ok(false)
+                }
+                Err(e) => return Err(self.uffd_error("UFFDIO_CONTINUE", e)),
+            }
+        }
+        if page_by_page {
+            let _ = uffd.wake(
+                (self.host + off as usize) as *mut libc::c_void,
+                len as usize,
+            );
+        }
+        Ok(true)
+    }
+
+    fn uffd_error(&self, op: &'static str, source: userfaultfd::Error) -> Error {
+        Error::Uffd {
+            region: self.region.clone(),
+            op,
+            source,
+        }
+    }
+
+    /// The background fetcher: walks every shard's chunks in turn (so that it runs ahead of
+    /// each vCPU touching its own range) until all are resident. Faults come first: it steps
+    /// aside while a handler is busy. (It keeps the normal CPU priority: a lower one would
+    /// leave a fault waiting on a chunk it holds behind every other task on a busy host.)
+    fn fetch_everything(&self) {
+        let mut bounce = Vec::new();
+        let rounds = self.shards.iter().map(|s| s.len()).max().unwrap_or(0);
+        while !self.retired.load(Ordering::Acquire) && self.failure().is_none() {
+            if self.stopped() {
+                return;
+            }
+            for round in 0..rounds {
+                for (shard, chunks) in self.shards.iter().enumerate() {
+                    let chunk = chunks.start + round;
+                    if chunk < chunks.end {
+                        while self.busy_handlers.load(Ordering::Acquire) > 0 {
+                            std::thread::yield_now();
+                        }
+                        self.make_resident(chunk, shard, &mut bounce, By::Background);
+                    }
+                }
+                if round % 64 == 0 && self.stopped() {
+                    return;
+                }
+            }
+            // Chunks still being fetched by a handler, or put back after EAGAIN.
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    fn failure(&self) -> Option<String> {
+        self.failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    fn stopped(&self) -> bool {
+        let mut fd = libc::pollfd {
+            fd: self.stop.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: polls one live pollfd without waiting.
+        unsafe { libc::poll(&mut fd, 1, 0) > 0 }
+    }
+}

@@ -1,0 +1,149 @@
+//! Where the pager gets a region's bytes from.
+
+use std::fs::File;
+use std::io::{self, Read, Write};
+use std::os::unix::fs::FileExt;
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// The bytes of one region, as the pager fetches them: offset 0 is the region's first byte.
+/// Sources are shared by the pager's threads, which fetch concurrently.
+pub trait PageSource: Send + Sync {
+    /// Fills `buf` with the bytes at `[offset, offset + buf.len())`.
+    fn fetch(&self, offset: u64, buf: &mut [u8]) -> io::Result<()>;
+    /// How many bytes the source holds; the pager refuses a larger region.
+    fn size(&self) -> u64;
+}
+
+/// Zero-filled memory of `size` bytes (a fresh VM, or pages known to be zero).
+#[derive(Debug, Clone, Copy)]
+pub struct ZeroSource {
+    pub size: u64,
+}
+
+impl PageSource for ZeroSource {
+    fn fetch(&self, _offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        buf.fill(0);
+        Ok(())
+    }
+    fn size(&self) -> u64 {
+        self.size
+    }
+}
+
+/// A local file holding the region's bytes at offset 0 (a snapshot's memory file).
+#[derive(Debug)]
+pub struct FileSource {
+    file: File,
+    size: u64,
+}
+
+impl FileSource {
+    pub fn open(path: &Path) -> io::Result<FileSource> {
+        FileSource::new(File::open(path)?)
+    }
+
+    pub fn new(file: File) -> io::Result<FileSource> {
+        let size = file.metadata()?.len();
+        Ok(FileSource { file, size })
+    }
+}
+
+impl PageSource for FileSource {
+    fn fetch(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        self.file.read_exact_at(buf, offset)
+    }
+    fn size(&self) -> u64 {
+        self.size
+    }
+}
+
+/// A peer that serves pages over stream connections, as the migration source does: each fetch
+/// sends a request (offset, length) and reads back a status and the bytes. The peer here is a
+/// thread per connection in this process, serving from another source after a per-fetch
+/// `delay` (simulated network latency); fetches on different connections overlap.
+pub struct RemoteSource {
+    connections: Vec<Mutex<UnixStream>>,
+    size: u64,
+}
+
+/// Request: offset u64, length u64. Response: status i64 (0, or -errno), then the bytes.
+const HEADER: usize = 16;
+
+impl RemoteSource {
+    /// Starts `connections` peer threads serving `inner`, each waiting `delay` before every
+    /// answer.
+    pub fn spawn(
+        inner: Arc<dyn PageSource>,
+        delay: Duration,
+        connections: usize,
+    ) -> io::Result<RemoteSource> {
+        let size = inner.size();
+        let mut ours = Vec::with_capacity(connections);
+        for i in 0..connections.max(1) {
+            let (local, peer) = UnixStream::pair()?;
+            let inner = inner.clone();
+            std::thread::Builder::new()
+                .name(format!("page-peer{i}"))
+                .spawn(move || serve(peer, &*inner, delay))?;
+            ours.push(Mutex::new(local));
+        }
+        Ok(RemoteSource {
+            connections: ours,
+            size,
+        })
+    }
+}
+
+/// The peer's loop: answers requests until the connection closes.
+fn serve(mut stream: UnixStream, source: &dyn PageSource, delay: Duration) {
+    let mut buf = Vec::new();
+    let mut req = [0u8; HEADER];
+    while stream.read_exact(&mut req).is_ok() {
+        let offset = u64::from_le_bytes(req[..8].try_into().expect("8 bytes"));
+        let len = u64::from_le_bytes(req[8..].try_into().expect("8 bytes")) as usize;
+        if !delay.is_zero() {
+            std::thread::sleep(delay);
+        }
+        buf.resize(len, 0);
+        let status: i64 = match source.fetch(offset, &mut buf) {
+            Ok(()) => 0,
+            Err(e) => -(e.raw_os_error().unwrap_or(libc::EIO) as i64),
+        };
+        let sent = stream.write_all(&status.to_le_bytes()).and_then(|()| {
+            if status == 0 {
+                stream.write_all(&buf)
+            } else {
+                Ok(())
+            }
+        });
+        if sent.is_err() {
+            return;
+        }
+    }
+}
+
+impl PageSource for RemoteSource {
+    fn fetch(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        // Spread fetches over the connections by 2 MiB block.
+        let i = (offset >> 21) as usize % self.connections.len();
+        let mut stream = self.connections[i]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let mut req = [0u8; HEADER];
+        req[..8].copy_from_slice(&offset.to_le_bytes());
+        req[8..].copy_from_slice(&(buf.len() as u64).to_le_bytes());
+        stream.write_all(&req)?;
+        let mut status = [0u8; 8];
+        stream.read_exact(&mut status)?;
+        match i64::from_le_bytes(status) {
+            0 => stream.read_exact(buf),
+            e => Err(io::Error::from_raw_os_error(-e as i32)),
+        }
+    }
+    fn size(&self) -> u64 {
+        self.size
+    }
+}
