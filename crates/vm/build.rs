@@ -35,6 +35,15 @@ const CONTROL: &[(&str, u64)] = &[
     ("STATE_BAD_WORKLOAD", 3),
     // An address in the unbacked hole below the sys region: a write there is an MMIO exit.
     ("DONE_GPA", 0x1000),
+    // Guest memory layout (crates/vm/src/layout.rs re-exports these): the PVH entry builds the
+    // same page tables and control block at the same places as the host does for KVM.
+    ("PAYLOAD_GPA", 0x10_0000),
+    ("PML4_GPA", 0x11_0000),
+    ("PDPT_GPA", 0x11_1000),
+    ("PD_GPA", 0x20_0000),
+    ("VCPU_BLOCKS_GPA", 0x40_0000),
+    ("VCPU_BLOCK_SIZE", 0x2000),
+    ("RAM_GPA", 0x4000_0000),
 ];
 
 fn run(cmd: &mut Command) {
@@ -69,20 +78,31 @@ fn main() {
         .arg("-o")
         .arg(&obj)
         .arg("payload/payload.S"));
-    // The image is linked at the guest address it is loaded at (layout::PAYLOAD_GPA).
+    // The image is linked at the guest address it is loaded at (PAYLOAD_GPA), the PVH note
+    // right behind the code, in one loadable segment.
+    let script = out.join("payload.ld");
+    std::fs::write(
+        &script,
+        "ENTRY(_start)\nSECTIONS\n{\n  . = 0x100000;\n  .text : { *(.text) }\n  \
+         .note.Xen : { *(.note.Xen) }\n  /DISCARD/ : { *(.note.gnu.property) *(.comment) }\n}\n",
+    )
+    .unwrap();
     run(Command::new("ld")
         .args([
             "-m",
             "elf_x86_64",
             "-static",
             "-nostdlib",
-            "-Ttext=0x100000",
-            "-e",
-            "_start",
-            "-o",
+            "-z",
+            "noexecstack",
+            "-T",
         ])
+        .arg(&script)
+        .arg("-o")
         .arg(&elf)
         .arg(&obj));
+    // The flat image (what guestmem loads) is .text alone; the ELF, with its PVH note, is what
+    // other VMMs boot (`qemu -kernel payload.elf`).
     run(Command::new("objcopy")
         .args(["-O", "binary", "-j", ".text"])
         .arg(&elf)

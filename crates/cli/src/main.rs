@@ -1,6 +1,7 @@
 //! `guestmem`: the command-line face of the guestmem engine.
 
 mod bench;
+mod payload;
 mod probe;
 mod run;
 mod snapshot;
@@ -25,6 +26,8 @@ enum Command {
     Snapshot(snapshot::SnapshotArgs),
     /// Restore a snapshot and let the guest carry on.
     Restore(snapshot::RestoreArgs),
+    /// Write the guest payload out (a PVH ELF) so that other VMMs run the same workload.
+    Payload(payload::Args),
     /// Benchmarks that reproduce the seeds' tables.
     #[command(subcommand)]
     Bench(bench::Bench),
@@ -44,6 +47,7 @@ fn main() {
         Command::Run(args) => run::main(args),
         Command::Snapshot(args) => snapshot::snapshot(args),
         Command::Restore(args) => snapshot::restore(args),
+        Command::Payload(args) => payload::main(args),
         Command::Bench(bench) => bench::main(bench),
     };
     if let Err(e) = result {

@@ -190,3 +190,126 @@ finish:
 signal_done:
         mov     %rbx, DONE_GPA
         jmp     signal_done
+
+# ---------------------------------------------------------------------------------------------
+# PVH entry, for other VMMs (e.g. `qemu-system-x86_64 -accel kvm -m 2G -kernel payload.elf`).
+# Entered in 32-bit protected mode, paging off, EBX = hvm_start_info. It builds the same
+# identity map and the same control block for vCPU 0 as guestmem's host does, enters long mode,
+# and drops to CPL3 at _start with the `dirty` workload (full speed, until stopped) over guest
+# RAM from RAM_GPA to the end of the e820 RAM entry that holds it (at most 3 GiB in all).
+
+        .set PVH_SEED, 1
+        .set MAX_PDS, 4                         # the identity map covers 4 GiB
+
+        .section .note.Xen, "a", @note
+        .balign 4
+        .long   4                               # name size ("Xen\0")
+        .long   4                               # descriptor size
+        .long   18                              # XEN_ELFNOTE_PHYS32_ENTRY
+        .asciz  "Xen"
+        .balign 4
+        .long   pvh_entry
+
+        .text
+        .code32
+pvh_entry:
+        cli
+        mov     %ebx, %esi                      # esi = hvm_start_info (kept)
+        movl    $(PDPT_GPA | 7), PML4_GPA
+        movl    $0, PML4_GPA + 4
+        mov     $PDPT_GPA, %edi
+        mov     $(PD_GPA | 7), %eax
+        mov     $MAX_PDS, %ecx
+1:      mov     %eax, (%edi)
+        movl    $0, 4(%edi)
+        add     $0x1000, %eax
+        add     $8, %edi
+        loop    1b
+        mov     $PD_GPA, %edi                   # 2 MiB leaves, present | rw | user | ps
+        mov     $0x87, %eax
+        xor     %edx, %edx
+        mov     $(MAX_PDS * 512), %ecx
+2:      mov     %eax, (%edi)
+        mov     %edx, 4(%edi)
+        add     $0x200000, %eax
+        adc     $0, %edx
+        add     $8, %edi
+        loop    2b
+        mov     %cr4, %eax
+        or      $0x620, %eax                    # PAE | OSFXSR | OSXMMEXCPT
+        mov     %eax, %cr4
+        mov     $PML4_GPA, %eax
+        mov     %eax, %cr3
+        mov     $0xc0000080, %ecx               # EFER.LME
+        rdmsr
+        or      $0x100, %eax
+        wrmsr
+        lgdt    pvh_gdt_descriptor
+        mov     %cr0, %eax
+        or      $0x80000001, %eax               # PG | PE
+        mov     %eax, %cr0
+        ljmp    $0x18, $pvh_long
+
+        .code64
+pvh_long:
+        mov     $0x20, %ax
+        mov     %ax, %ds
+        mov     %ax, %es
+        mov     %ax, %ss
+        # Find the e820 RAM entry holding RAM_GPA: memmap_paddr at +40, memmap_entries at +48;
+        # entries of 24 bytes {addr, size, type}.
+        mov     %esi, %esi
+        mov     40(%rsi), %r8
+        mov     48(%rsi), %ecx
+        xor     %r9, %r9                        # r9 = end of RAM from RAM_GPA (0: none)
+        mov     $RAM_GPA, %r10
+3:      test    %ecx, %ecx
+        jz      4f
+        cmpl    $1, 16(%r8)
+        jne     5f
+        mov     (%r8), %rax
+        cmp     %r10, %rax
+        ja      5f
+        add     8(%r8), %rax
+        cmp     %r10, %rax
+        jbe     5f
+        mov     %rax, %r9
+5:      add     $24, %r8
+        dec     %ecx
+        jmp     3b
+4:      mov     $(MAX_PDS << 30), %rax
+        cmp     %rax, %r9
+        cmova   %rax, %r9
+        sub     %r10, %r9                       # bytes of RAM from RAM_GPA
+        jbe     pvh_no_ram
+        shr     $12, %r9
+        mov     $VCPU_BLOCKS_GPA, %rdi          # vCPU 0's control block
+        mov     $(4096 / 8), %ecx
+        xor     %eax, %eax
+        rep stosq
+        mov     $VCPU_BLOCKS_GPA, %rdi
+        movq    $WORKLOAD_WRITE, CTL_WORKLOAD(%rdi)
+        mov     %r10, CTL_RANGE_GPA(%rdi)
+        mov     %r9, CTL_RANGE_PAGES(%rdi)
+        movq    $PVH_SEED, CTL_SEED(%rdi)
+        movq    $-1, CTL_GEN_LIMIT(%rdi)
+        pushq   $0x13                           # SS: user data
+        pushq   $(VCPU_BLOCKS_GPA + VCPU_BLOCK_SIZE)
+        pushq   $0x2                            # RFLAGS
+        pushq   $0x0b                           # CS: user code
+        pushq   $_start
+        iretq
+pvh_no_ram:
+        mov     $VCPU_BLOCKS_GPA, %rdi
+        movq    $STATE_BAD_WORKLOAD, CTL_STATE(%rdi)
+        jmp     .
+        .balign 8
+pvh_gdt:
+        .quad   0
+        .quad   0x00affa000000ffff              # 0x08: 64-bit code, DPL 3
+        .quad   0x00cff2000000ffff              # 0x10: data, DPL 3
+        .quad   0x00af9a000000ffff              # 0x18: 64-bit code, DPL 0
+        .quad   0x00cf92000000ffff              # 0x20: data, DPL 0
+pvh_gdt_descriptor:
+        .word   pvh_gdt_descriptor - pvh_gdt - 1
+        .long   pvh_gdt

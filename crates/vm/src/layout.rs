@@ -1,26 +1,29 @@
 //! Where things are in guest physical memory. The "sys" region (anonymous memory, created by the
 //! VM itself) holds the payload, the page tables and one control block plus stack per vCPU; guest
 //! RAM regions go anywhere above it. Everything is identity-mapped (GVA = GPA) with 2 MiB pages.
+//! The addresses the payload itself relies on are defined once, in build.rs's table.
+
+use crate::payload;
 
 /// The sys region: [SYS_GPA, SYS_GPA + SYS_SIZE). Starts at 1 MiB, clear of legacy PC areas, so
 /// that other VMMs can load the same image at the same address.
 pub const SYS_GPA: u64 = 0x10_0000;
 pub const SYS_SIZE: u64 = 0x70_0000;
 /// The payload image is loaded here; its entry point is its first byte.
-pub const PAYLOAD_GPA: u64 = 0x10_0000;
+pub const PAYLOAD_GPA: u64 = payload::PAYLOAD_GPA;
 pub const PAYLOAD_MAX: u64 = 0x1_0000;
 /// Page-table root (PML4) and the one PDPT (512 GiB of address space).
-pub const PML4_GPA: u64 = 0x11_0000;
-pub const PDPT_GPA: u64 = 0x11_1000;
+pub const PML4_GPA: u64 = payload::PML4_GPA;
+pub const PDPT_GPA: u64 = payload::PDPT_GPA;
 /// Page directories, one per GiB mapped: [PD_GPA, PD_GPA + 512 * 4 KiB).
-pub const PD_GPA: u64 = 0x20_0000;
+pub const PD_GPA: u64 = payload::PD_GPA;
 /// Per-vCPU blocks: a control page then a stack page.
-pub const VCPU_BLOCKS_GPA: u64 = 0x40_0000;
-pub const VCPU_BLOCK_SIZE: u64 = 0x2000;
+pub const VCPU_BLOCKS_GPA: u64 = payload::VCPU_BLOCKS_GPA;
+pub const VCPU_BLOCK_SIZE: u64 = payload::VCPU_BLOCK_SIZE;
 /// Highest guest address the identity map can cover.
 pub const MAX_GUEST_ADDR: u64 = 512 << 30;
 /// Where the CLI places guest RAM by default.
-pub const RAM_GPA: u64 = 1 << 30;
+pub const RAM_GPA: u64 = payload::RAM_GPA;
 
 pub const MAX_VCPUS: usize = ((SYS_GPA + SYS_SIZE - VCPU_BLOCKS_GPA) / VCPU_BLOCK_SIZE) as usize;
 

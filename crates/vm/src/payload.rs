@@ -6,6 +6,10 @@ include!(concat!(env!("OUT_DIR"), "/control.rs"));
 /// The flat payload image, linked at [`crate::layout::PAYLOAD_GPA`].
 pub const IMAGE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/payload.bin"));
 
+/// The same payload as an ELF with a PVH entry note, for VMMs that boot it with their own
+/// loader (`qemu-system-x86_64 -kernel`): see the PVH section of payload.S.
+pub const PVH_ELF: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/payload.elf"));
+
 const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
 
 /// The u64 the `write` workload stores at the start of page `gpa` in pass `generation`.
