@@ -3,6 +3,7 @@
 
 pub mod snapshot;
 pub mod stream;
+pub mod transport;
 
 use std::io;
 use std::path::{Path, PathBuf};
