@@ -44,6 +44,10 @@ pub enum Error {
     BadName(String),
     #[error("region names must be unique: '{0}' is used twice")]
     DuplicateName(String),
+    #[error("region '{region}': cannot populate: {reason}")]
+    Populate { region: String, reason: String },
+    #[error("region '{region}': NUMA policy: {reason}")]
+    Numa { region: String, reason: String },
     #[error("guest range {gpa:#x}+{len:#x} is not inside one region")]
     NotMapped { gpa: u64, len: u64 },
 }

@@ -13,7 +13,7 @@ use guestmem_sys::uapi::{
 use kvm_ioctls::VmFd;
 use serde::{Deserialize, Serialize};
 
-use crate::{DirtyMarks, Error, Result, PAGE_SIZE};
+use crate::{DirtyMarks, Error, NumaPolicy, Result, PAGE_SIZE};
 
 /// Size of a huge page on the hugetlb backends (x86-64 PMD).
 pub const HUGE_PAGE_SIZE: u64 = 2 << 20;
@@ -99,6 +99,9 @@ pub struct RegionSpec {
     pub gpa: u64,
     pub size: u64,
     pub backend: Backend,
+    /// Where on the host its pages go (applied before the first page is allocated).
+    #[serde(default)]
+    pub numa: NumaPolicy,
 }
 
 impl RegionSpec {
@@ -108,6 +111,7 @@ impl RegionSpec {
             gpa,
             size,
             backend,
+            numa: NumaPolicy::default(),
         }
     }
 
@@ -173,6 +177,7 @@ impl Region {
     /// Creates the backing memory and maps it. `vm` is needed for guest_memfd only.
     pub fn create(spec: RegionSpec, vm: Option<&VmFd>) -> Result<Region> {
         spec.validate()?;
+        spec.numa.check(&spec.name)?;
         let fd = match spec.backend {
             Backend::Anon => None,
             Backend::Memfd => Some(memfd(&spec, 0)?),
@@ -215,6 +220,11 @@ impl Region {
             return Err(Error::os(&spec, "mmap", io::Error::last_os_error()));
         }
         let host = NonNull::new(addr as *mut u8).expect("mmap returned a non-null mapping");
+        if let Err(e) = crate::numa::apply(&spec, host.as_ptr(), fd.as_ref()) {
+            // SAFETY: the mapping made just above, which nothing else refers to yet.
+            unsafe { libc::munmap(addr, spec.size as usize) };
+            return Err(e);
+        }
         tracing::debug!(region = %spec.name, backend = %spec.backend, gpa = spec.gpa, size = spec.size, "region mapped");
         let vmm_dirty = DirtyMarks::new(spec.size);
         Ok(Region {

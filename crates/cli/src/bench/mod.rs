@@ -3,15 +3,16 @@
 
 use clap::Subcommand;
 
+mod populate;
+
 #[derive(Subcommand)]
 pub enum Bench {
-    /// Placeholder until the first benchmark lands.
-    #[command(hide = true)]
-    None,
+    /// Seed 000: populating a region from an image, method by method, against mmap+memcpy.
+    Populate(populate::Args),
 }
 
 pub fn main(bench: Bench) -> crate::Result<()> {
     match bench {
-        Bench::None => Err("no benchmark selected".into()),
+        Bench::Populate(args) => populate::main(args),
     }
 }
