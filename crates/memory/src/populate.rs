@@ -48,7 +48,7 @@ impl<'a> Source<'a> {
 pub enum Method {
     /// `pwrite` on a guest_memfd created with write support (seed 000).
     GmemWrite,
-    /// `pwrite` on the region's memfd / hugetlbfs file.
+    /// `pwrite` on the region's memfd.
     Pwrite,
     /// `fallocate(KEEP_SIZE)` (fd backends), `MADV_POPULATE_WRITE`, then a copy through the
     /// mapping, split across threads.
@@ -71,9 +71,10 @@ impl Method {
     pub fn candidates(backend: Backend) -> &'static [Method] {
         match backend {
             Backend::GuestMemfd => &[Method::GmemWrite, Method::PopulateCopy, Method::Memcpy],
-            Backend::Anon => &[Method::PopulateCopy, Method::Memcpy],
-            Backend::Memfd | Backend::MemfdHugetlb | Backend::Hugetlbfs => {
-                &[Method::Pwrite, Method::PopulateCopy, Method::Memcpy]
+            Backend::Memfd => &[Method::Pwrite, Method::PopulateCopy, Method::Memcpy],
+            // hugetlbfs has no write().
+            Backend::Anon | Backend::MemfdHugetlb | Backend::Hugetlbfs => {
+                &[Method::PopulateCopy, Method::Memcpy]
             }
         }
     }
