@@ -226,7 +226,17 @@ fn each_bad_input_is_refused_with_nothing_written() {
         let mut tx = tx;
         tx.write_all(&[1u8; 4096]).unwrap(); // then EOF
     });
-    let cases: Vec<(&str, Backend, u64, u64, Source, Option<Method>, &str)> = vec![
+    // (what, backend, offset, len, source, method, expected message)
+    type Case<'a> = (
+        &'a str,
+        Backend,
+        u64,
+        u64,
+        Source<'a>,
+        Option<Method>,
+        &'a str,
+    );
+    let cases: Vec<Case> = vec![
         (
             "unaligned offset",
             Backend::GuestMemfd,
