@@ -1,6 +1,8 @@
 //! `guestmem`: the command-line face of the guestmem engine.
 
 mod bench;
+mod numa;
+mod populate;
 mod probe;
 mod run;
 mod units;
@@ -20,6 +22,10 @@ enum Command {
     Probe(probe::Args),
     /// Run a VM executing a guest workload and print what the guest did.
     Run(run::Args),
+    /// Fill a fresh region from an image file by the fastest method, and say which one.
+    Populate(populate::Args),
+    /// Place a region's pages by NUMA policy and show where they are, per host node.
+    Numa(numa::Args),
     /// Benchmarks that reproduce the seeds' tables.
     #[command(subcommand)]
     Bench(bench::Bench),
@@ -37,6 +43,8 @@ fn main() {
     let result = match cli.command {
         Command::Probe(args) => probe::main(args),
         Command::Run(args) => run::main(args),
+        Command::Populate(args) => populate::main(args),
+        Command::Numa(args) => numa::main(args),
         Command::Bench(bench) => bench::main(bench),
     };
     if let Err(e) = result {
