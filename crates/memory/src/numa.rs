@@ -335,28 +335,49 @@ impl Region {
     }
 }
 
-/// Where the region's mapped pages are: bytes per host node, asked page by page with
-/// `move_pages` (no node list: query only). Pages not mapped in this process are not counted.
+/// Where the region's pages are: bytes per host node. Pages that exist (`mincore`) are mapped
+/// for reading (`MADV_POPULATE_READ`, which allocates nothing new), then asked page by page with
+/// `move_pages` (no node list: query only). Pages never allocated are not counted.
 pub fn node_pages(region: &Region) -> Result<BTreeMap<u32, u64>> {
     const BATCH: usize = 16384;
-    let page = region.backend().page_size();
-    let count = (region.size() / page) as usize;
+    let page = region.backend().page_size() as usize;
+    let base = region.host_addr();
+    let count = region.size() as usize / page;
+    let os = |op, e| Error::os(region.spec(), op, e);
     let mut bytes = BTreeMap::new();
-    let mut addrs: Vec<*mut libc::c_void> = Vec::with_capacity(BATCH);
+    let mut incore = vec![0u8; BATCH * page / crate::PAGE_SIZE as usize];
     let mut status = vec![0 as libc::c_int; BATCH];
     for first in (0..count).step_by(BATCH) {
         let n = BATCH.min(count - first);
-        addrs.clear();
-        // SAFETY (of `add`): every offset is inside the region's mapping.
-        addrs.extend(
-            (first..first + n).map(|i| unsafe { region.host_addr().add(i * page as usize) }.cast()),
-        );
-        // SAFETY: `addrs` and `status` hold `n` entries each; a null node list only queries.
+        // SAFETY: the batch lies inside the region's mapping.
+        let start = unsafe { base.add(first * page) };
+        // SAFETY: `incore` has one byte per 4 KiB page of the batch.
+        if unsafe { libc::mincore(start.cast(), n * page, incore.as_mut_ptr()) } != 0 {
+            return Err(os("mincore", io::Error::last_os_error()));
+        }
+        let per = page / crate::PAGE_SIZE as usize;
+        let addrs: Vec<*mut libc::c_void> = (0..n)
+            .filter(|i| incore[i * per] & 1 != 0)
+            // SAFETY: inside the batch.
+            .map(|i| unsafe { start.add(i * page) }.cast())
+            .collect();
+        for &addr in &addrs {
+            // SAFETY: one page of the region's mapping that already exists: mapping it for
+            // reading changes no byte and allocates nothing.
+            if unsafe { libc::madvise(addr, page, libc::MADV_POPULATE_READ) } != 0 {
+                return Err(os(
+                    "madvise(MADV_POPULATE_READ)",
+                    io::Error::last_os_error(),
+                ));
+            }
+        }
+        // SAFETY: `addrs` and `status` hold at least `addrs.len()` entries; a null node list
+        // only queries.
         let ret = unsafe {
             libc::syscall(
                 libc::SYS_move_pages,
                 0,
-                n,
+                addrs.len(),
                 addrs.as_ptr(),
                 std::ptr::null::<libc::c_int>(),
                 status.as_mut_ptr(),
@@ -364,15 +385,11 @@ pub fn node_pages(region: &Region) -> Result<BTreeMap<u32, u64>> {
             )
         };
         if ret < 0 {
-            return Err(Error::os(
-                region.spec(),
-                "move_pages",
-                io::Error::last_os_error(),
-            ));
+            return Err(os("move_pages", io::Error::last_os_error()));
         }
-        for &s in &status[..n] {
+        for &s in &status[..addrs.len()] {
             if s >= 0 {
-                *bytes.entry(s as u32).or_insert(0) += page;
+                *bytes.entry(s as u32).or_insert(0) += page as u64;
             }
         }
     }

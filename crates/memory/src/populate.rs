@@ -3,8 +3,11 @@
 //!
 //! - guest_memfd with `write()` (seed 000): `pwrite` on the fd, no host page tables at all. Found
 //!   by trying it on the region's own fd (an errno means "not here", never a flag number).
-//! - everything else: allocate the pages without faulting (`fallocate(KEEP_SIZE)` on fd
-//!   backends), map them in one call (`MADV_POPULATE_WRITE`), then copy, split across threads.
+//! - memfd: `pwrite`, split across threads (the kernel copies into the page cache; no host page
+//!   tables are built).
+//! - guest_memfd without `write()`, anon, hugetlb: allocate the pages without faulting
+//!   (`fallocate(KEEP_SIZE)` on fd backends), map them in one call (`MADV_POPULATE_WRITE`), then
+//!   copy, split across threads.
 //!
 //! Pages of the source that are all zero are not copied: a fresh region already reads zero
 //! there. They are discarded instead (`fallocate(PUNCH_HOLE)`, `MADV_DONTNEED`: nearly free on
@@ -120,9 +123,11 @@ pub fn populate_with(
     let start = Instant::now();
     check_range(region, offset, len)?;
     let candidates = Method::candidates(region.backend());
+    // The fastest measured here (docs/benchmarks.md, seed 000).
     let mut method = method.unwrap_or(match region.backend() {
         Backend::GuestMemfd => Method::GmemWrite,
-        _ => Method::PopulateCopy,
+        Backend::Memfd => Method::Pwrite,
+        Backend::Anon | Backend::MemfdHugetlb | Backend::Hugetlbfs => Method::PopulateCopy,
     });
     if !candidates.contains(&method) {
         return Err(Error::Populate {
@@ -276,7 +281,7 @@ fn fill(
 }
 
 /// Whether a page is all zero (word-wise OR, which the compiler vectorises).
-pub fn is_zero(page: &[u8]) -> bool {
+fn is_zero(page: &[u8]) -> bool {
     let (head, words, tail) = {
         // SAFETY: reinterpreting initialised bytes as u64 words is valid for any bit pattern;
         // `align_to` puts only whole, aligned words in the middle slice.
