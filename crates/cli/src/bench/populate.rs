@@ -168,16 +168,17 @@ pub fn main(args: Args) -> crate::Result<()> {
         args.runs
     );
     println!("- via memcpy: {memcpy_ms:.0} ms");
-    for m in &out.methods {
-        println!(
-            "- via {}: {:.0} ms ({:+.0}%)",
-            m.method,
-            m.ms,
-            (m.ratio_vs_memcpy - 1.0) * 100.0
-        );
-    }
-    for (m, why) in &out.unavailable {
-        println!("- via {m}: unavailable ({why})");
+    for &method in Method::candidates(args.backend) {
+        if let Some(m) = out.methods.iter().find(|m| m.method == method) {
+            println!(
+                "- via {}: {:.0} ms ({:+.0}%)",
+                m.method,
+                m.ms,
+                (m.ratio_vs_memcpy - 1.0) * 100.0
+            );
+        } else if let Some((m, why)) = out.unavailable.iter().find(|u| u.0 == method) {
+            println!("- via {m}: unavailable ({why})");
+        }
     }
     println!(
         "- floor, memcpy into populated memory: {floor_ms:.0} ms ({:+.0}%)",
