@@ -143,23 +143,21 @@ pub fn populate_with(
     let page = region.backend().page_size() as usize;
     region.vmm_dirty().mark(offset, len);
 
-    // Try guest_memfd write() on the first page to be copied: success is a page written.
+    // Try guest_memfd write() on the first page to be copied (the threads write it again).
     let mut fallback_reason = None;
-    let mut first_done = 0usize;
     if method == Method::GmemWrite {
-        let first = bytes.chunks(page).position(|p| !is_zero(p));
-        match first {
-            None => method = Method::PopulateCopy, // nothing to write at all
-            Some(i) => {
-                let at = i * page;
-                match pwrite_all(region, offset + at as u64, &bytes[at..at + page]) {
-                    Ok(()) => first_done = at + page,
-                    Err(e) => {
-                        fallback_reason = Some(format!("guest_memfd write() unavailable: {e}"));
-                        method = Method::PopulateCopy;
-                    }
-                }
+        let first = bytes
+            .chunks(page)
+            .position(|p| !is_zero(p))
+            .map(|i| i * page);
+        let tried = first.map(|at| pwrite_all(region, offset + at as u64, &bytes[at..at + page]));
+        match tried {
+            Some(Ok(())) => {}
+            Some(Err(e)) => {
+                fallback_reason = Some(format!("guest_memfd write() unavailable: {e}"));
+                method = Method::PopulateCopy;
             }
+            None => method = Method::PopulateCopy, // all zero: nothing to write
         }
     }
 
@@ -167,7 +165,7 @@ pub fn populate_with(
         Method::Memcpy => 1,
         _ => std::thread::available_parallelism().map_or(1, |n| n.get()),
     };
-    // Each thread gets an equal share of whole pages; the first `first_done` bytes are written.
+    // Each thread gets an equal share of whole pages.
     let pages = bytes.len() / page;
     let per_thread = pages.div_ceil(threads).max(1);
     let results: Vec<Result<(u64, u64)>> = std::thread::scope(|s| {
@@ -175,8 +173,7 @@ pub fn populate_with(
             .map(|t| {
                 let lo = (t * per_thread * page).min(bytes.len());
                 let hi = ((t + 1) * per_thread * page).min(bytes.len());
-                let lo_skip = lo.max(first_done.min(hi));
-                s.spawn(move || fill(region, offset, bytes, lo_skip, hi, method))
+                s.spawn(move || fill(region, offset, bytes, lo, hi, method))
             })
             .collect();
         handles
@@ -184,15 +181,11 @@ pub fn populate_with(
             .map(|h| h.join().expect("population thread panicked"))
             .collect()
     });
-    let (mut copied, mut skipped) = (u64::from(first_done > 0), 0);
+    let (mut copied, mut skipped) = (0, 0);
     for r in results {
         let (c, z) = r?;
         copied += c;
         skipped += z;
-    }
-    // Pages below `first_done` that were skipped before the probe page were zero.
-    if first_done > 0 {
-        skipped += (first_done / page) as u64 - 1;
     }
     Ok(Populated {
         method,

@@ -6,6 +6,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 
+use guestmem_sys::probe::{guest_memfd_write, GuestMemfdWrite};
 use guestmem_sys::uapi::{
     kvm_create_guest_memfd, GUEST_MEMFD_FLAG_INIT_SHARED, GUEST_MEMFD_FLAG_MMAP,
     KVM_CAP_GUEST_MEMFD, KVM_CAP_GUEST_MEMFD_FLAGS,
@@ -392,9 +393,20 @@ fn guest_memfd(spec: &RegionSpec, vm: Option<&VmFd>) -> Result<OwnedFd> {
              MMAP|INIT_SHARED ({wanted:#x})"
         )));
     }
+    let mut flags = wanted;
+    // guest_memfd write() (seed 000) may need a creation flag whose number is not settled: when
+    // the kernel offers flags beyond MMAP|INIT_SHARED, the probe finds (by trying) which one.
+    if offered & !wanted != 0 {
+        if let Ok(GuestMemfdWrite {
+            flag: Some(flag), ..
+        }) = guest_memfd_write(vm, offered)
+        {
+            flags |= flag;
+        }
+    }
     let gmem = kvm_create_guest_memfd {
         size: spec.size,
-        flags: wanted,
+        flags,
         ..Default::default()
     };
     let fd = vm.create_guest_memfd(gmem).map_err(|e| {
