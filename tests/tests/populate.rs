@@ -107,7 +107,8 @@ fn gmem_reports_the_method_it_used() {
     let mem = memory(Backend::GuestMemfd, &vm);
     let image = image_with_zero_runs(SIZE as usize, 4096);
     let done = populate(&mem.regions()[0], 0, SIZE, Source::Bytes(&image)).unwrap();
-    let write = guestmem_sys::probe::guest_memfd_write(&vm, 3).unwrap();
+    let flags = vm.check_extension_raw(guestmem_sys::uapi::KVM_CAP_GUEST_MEMFD_FLAGS.into());
+    let write = guestmem_sys::probe::guest_memfd_write(&vm, flags as u64).unwrap();
     if write.present {
         assert_eq!(done.method, Method::GmemWrite);
     } else {
