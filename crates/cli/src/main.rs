@@ -1,7 +1,9 @@
 //! `guestmem`: the command-line face of the guestmem engine.
 
 mod bench;
+mod numa;
 mod payload;
+mod populate;
 mod probe;
 mod run;
 mod snapshot;
@@ -28,6 +30,10 @@ enum Command {
     Restore(snapshot::RestoreArgs),
     /// Write the guest payload out (a PVH ELF) so that other VMMs run the same workload.
     Payload(payload::Args),
+    /// Fill a fresh region from an image file by the fastest method, and say which one.
+    Populate(populate::Args),
+    /// Place a region's pages by NUMA policy and show where they are, per host node.
+    Numa(numa::Args),
     /// Benchmarks that reproduce the seeds' tables.
     #[command(subcommand)]
     Bench(bench::Bench),
@@ -48,6 +54,8 @@ fn main() {
         Command::Snapshot(args) => snapshot::snapshot(args),
         Command::Restore(args) => snapshot::restore(args),
         Command::Payload(args) => payload::main(args),
+        Command::Populate(args) => populate::main(args),
+        Command::Numa(args) => numa::main(args),
         Command::Bench(bench) => bench::main(bench),
     };
     if let Err(e) = result {

@@ -46,6 +46,10 @@ pub enum Error {
     DuplicateName(String),
     #[error("memslot {slot} does not exist (this guest memory has {slots} slots)")]
     NoSuchSlot { slot: usize, slots: usize },
+    #[error("region '{region}': cannot populate: {reason}")]
+    Populate { region: String, reason: String },
+    #[error("region '{region}': NUMA policy: {reason}")]
+    Numa { region: String, reason: String },
     #[error("guest range {gpa:#x}+{len:#x} is not inside one region")]
     NotMapped { gpa: u64, len: u64 },
 }

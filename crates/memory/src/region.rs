@@ -6,6 +6,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 
+use guestmem_sys::probe::{guest_memfd_write, GuestMemfdWrite};
 use guestmem_sys::uapi::{
     kvm_create_guest_memfd, GUEST_MEMFD_FLAG_INIT_SHARED, GUEST_MEMFD_FLAG_MMAP,
     KVM_CAP_GUEST_MEMFD, KVM_CAP_GUEST_MEMFD_FLAGS,
@@ -13,7 +14,7 @@ use guestmem_sys::uapi::{
 use kvm_ioctls::VmFd;
 use serde::{Deserialize, Serialize};
 
-use crate::{DirtyMarks, Error, Result, PAGE_SIZE};
+use crate::{DirtyMarks, Error, NumaPolicy, Result, PAGE_SIZE};
 
 /// Size of a huge page on the hugetlb backends (x86-64 PMD).
 pub const HUGE_PAGE_SIZE: u64 = 2 << 20;
@@ -99,6 +100,9 @@ pub struct RegionSpec {
     pub gpa: u64,
     pub size: u64,
     pub backend: Backend,
+    /// Where on the host its pages go (applied before the first page is allocated).
+    #[serde(default)]
+    pub numa: NumaPolicy,
 }
 
 impl RegionSpec {
@@ -108,6 +112,7 @@ impl RegionSpec {
             gpa,
             size,
             backend,
+            numa: NumaPolicy::default(),
         }
     }
 
@@ -173,6 +178,7 @@ impl Region {
     /// Creates the backing memory and maps it. `vm` is needed for guest_memfd only.
     pub fn create(spec: RegionSpec, vm: Option<&VmFd>) -> Result<Region> {
         spec.validate()?;
+        spec.numa.check(&spec.name)?;
         let fd = match spec.backend {
             Backend::Anon => None,
             Backend::Memfd => Some(memfd(&spec, 0)?),
@@ -215,6 +221,11 @@ impl Region {
             return Err(Error::os(&spec, "mmap", io::Error::last_os_error()));
         }
         let host = NonNull::new(addr as *mut u8).expect("mmap returned a non-null mapping");
+        if let Err(e) = crate::numa::apply(&spec, host.as_ptr(), fd.as_ref()) {
+            // SAFETY: the mapping made just above, which nothing else refers to yet.
+            unsafe { libc::munmap(addr, spec.size as usize) };
+            return Err(e);
+        }
         tracing::debug!(region = %spec.name, backend = %spec.backend, gpa = spec.gpa, size = spec.size, "region mapped");
         let vmm_dirty = DirtyMarks::new(spec.size);
         Ok(Region {
@@ -382,9 +393,20 @@ fn guest_memfd(spec: &RegionSpec, vm: Option<&VmFd>) -> Result<OwnedFd> {
              MMAP|INIT_SHARED ({wanted:#x})"
         )));
     }
+    let mut flags = wanted;
+    // guest_memfd write() (seed 000) may need a creation flag whose number is not settled: when
+    // the kernel offers flags beyond MMAP|INIT_SHARED, the probe finds (by trying) which one.
+    if offered & !wanted != 0 {
+        if let Ok(GuestMemfdWrite {
+            flag: Some(flag), ..
+        }) = guest_memfd_write(vm, offered)
+        {
+            flags |= flag;
+        }
+    }
     let gmem = kvm_create_guest_memfd {
         size: spec.size,
-        flags: wanted,
+        flags,
         ..Default::default()
     };
     let fd = vm.create_guest_memfd(gmem).map_err(|e| {

@@ -376,10 +376,7 @@ mod tests {
             "trusted source: {:?}",
             results[0].as_ref().err()
         );
-        assert!(
-            results[1].is_err(),
-            "an untrusted source was accepted"
-        );
+        assert!(results[1].is_err(), "an untrusted source was accepted");
 
         // The source refuses a destination its CA did not sign.
         let other_dest = Credentials::load(&theirs, Role::Destination).unwrap();

@@ -153,3 +153,32 @@ pub fn resume_and_check_continuation(vm: &mut Vm, work: &[VcpuWork], before: &[u
     }
     assert_pages_consistent(vm, work, &after);
 }
+
+/// `len` bytes whose pages alternate between runs of zero pages and pages of non-zero words
+/// (run lengths 1, 2, 3, ... pages), so that zero skipping has work at every boundary.
+pub fn image_with_zero_runs(len: usize, page: usize) -> Vec<u8> {
+    let mut image = vec![0u8; len];
+    let (mut at, mut run, mut zero) = (0usize, 1usize, true);
+    while at < len {
+        let end = (at + run * page).min(len);
+        if !zero {
+            for (i, w) in image[at..end].chunks_exact_mut(8).enumerate() {
+                let v = ((at + i * 8) as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+                w.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        at = end;
+        zero = !zero;
+        run += 1;
+    }
+    image
+}
+
+/// Which pages of `[addr, addr + len)` are resident (`mincore`), one bool per 4 KiB page.
+pub fn resident(addr: *mut u8, len: usize) -> Vec<bool> {
+    let mut vec = vec![0u8; len.div_ceil(4096)];
+    // SAFETY: `addr`/`len` is inside a live mapping the caller owns; `vec` has one byte per page.
+    let ret = unsafe { libc::mincore(addr.cast(), len, vec.as_mut_ptr()) };
+    assert_eq!(ret, 0, "mincore: {}", std::io::Error::last_os_error());
+    vec.iter().map(|b| b & 1 != 0).collect()
+}

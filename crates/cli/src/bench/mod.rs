@@ -4,15 +4,19 @@
 use clap::Subcommand;
 
 mod demand_paging;
+mod populate;
 
 #[derive(Subcommand)]
 pub enum Bench {
+    /// Seed 000: populating a region from an image, method by method, against mmap+memcpy.
+    Populate(populate::Args),
     /// Demand paging rate with guestmem's pager vs the pre-populated baseline (seed 001).
     DemandPaging(demand_paging::Args),
 }
 
 pub fn main(bench: Bench) -> crate::Result<()> {
     match bench {
+        Bench::Populate(args) => populate::main(args),
         Bench::DemandPaging(args) => demand_paging::main(args),
     }
 }

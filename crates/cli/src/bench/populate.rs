@@ -1,0 +1,218 @@
+//! `guestmem bench populate`: seed 000's table. Fills a fresh region with an image by plain
+//! mmap+memcpy (the baseline), then by each population method, then copies once more into the
+//! already-populated memory (the floor: the copy alone). Each method gets a fresh region; every
+//! result is checked byte for byte against the image outside the timed part.
+
+use std::time::Instant;
+
+use guestmem_memory::{populate_with, Backend, GuestMemory, Method, RegionSpec, Source};
+use serde::Serialize;
+
+use crate::units::parse_size;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Image and region size, e.g. 512M.
+    #[arg(long, default_value = "512M", value_parser = parse_size)]
+    size: u64,
+    /// Region backend: gmem, memfd, anon, hugetlb, memfd-hugetlb.
+    #[arg(long, default_value = "gmem")]
+    backend: Backend,
+    /// Share of the image's pages that are all zero (in runs of 64 KiB, or 2 MiB on hugetlb).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=100))]
+    zero_percent: u8,
+    /// Runs per method; the median is reported.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    runs: u32,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Serialize)]
+struct MethodResult {
+    method: Method,
+    ms: f64,
+    ratio_vs_memcpy: f64,
+    pages_copied: u64,
+    zero_pages_skipped: u64,
+    threads: usize,
+}
+
+#[derive(Serialize)]
+struct Output {
+    size_bytes: u64,
+    backend: Backend,
+    zero_percent: u8,
+    runs: u32,
+    memcpy_ms: f64,
+    methods: Vec<MethodResult>,
+    /// Methods that could not run here, with the reason.
+    unavailable: Vec<(Method, String)>,
+    /// The fastest method and its ratio to memcpy (the seed's target: at most 0.5).
+    best_method: Method,
+    best_ms: f64,
+    ratio_vs_memcpy: f64,
+    /// Copying into memory that is already populated.
+    floor_ms: f64,
+    floor_ratio_vs_memcpy: f64,
+}
+
+const GPA: u64 = 1 << 32;
+
+pub fn main(args: Args) -> crate::Result<()> {
+    let page = args.backend.page_size();
+    if args.size == 0 || !args.size.is_multiple_of(page) {
+        return Err(format!(
+            "--size {:#x} must be a non-zero multiple of the {} backend's page size ({page:#x})",
+            args.size, args.backend
+        )
+        .into());
+    }
+    let image = make_image(args.size, args.zero_percent, page.max(64 << 10));
+    let kvm = kvm_ioctls::Kvm::new()?;
+    let vm = kvm.create_vm()?;
+    let fresh = || -> crate::Result<GuestMemory> {
+        let spec = RegionSpec::new("image", GPA, args.size, args.backend);
+        Ok(GuestMemory::new(&[spec], Some(&vm))?)
+    };
+    let check = |mem: &GuestMemory, what: &str| -> crate::Result<()> {
+        let mut buf = vec![0u8; 1 << 20];
+        for (i, chunk) in image.chunks(buf.len()).enumerate() {
+            let gpa = GPA + (i * buf.len()) as u64;
+            mem.read(gpa, &mut buf[..chunk.len()])?;
+            if buf[..chunk.len()] != *chunk {
+                return Err(
+                    format!("{what}: the region differs from the image near {gpa:#x}").into(),
+                );
+            }
+        }
+        Ok(())
+    };
+
+    let mut memcpy_runs = Vec::new();
+    let mut floor_runs = Vec::new();
+    for _ in 0..args.runs {
+        let mem = fresh()?;
+        let t = Instant::now();
+        mem.write(GPA, &image)?;
+        memcpy_runs.push(ms(t));
+        let t = Instant::now();
+        mem.write(GPA, &image)?;
+        floor_runs.push(ms(t));
+        check(&mem, "memcpy")?;
+    }
+    let memcpy_ms = median(memcpy_runs);
+    let floor_ms = median(floor_runs);
+
+    let mut methods = Vec::new();
+    let mut unavailable = Vec::new();
+    for &method in Method::candidates(args.backend) {
+        if method == Method::Memcpy {
+            continue; // the baseline above, without zero skipping
+        }
+        let mut runs = Vec::new();
+        let mut last = None;
+        for _ in 0..args.runs {
+            let mem = fresh()?;
+            let region = &mem.regions()[0];
+            let t = Instant::now();
+            let done = populate_with(region, 0, args.size, Source::Bytes(&image), Some(method))?;
+            runs.push(ms(t));
+            check(&mem, method.name())?;
+            last = Some(done);
+        }
+        let done = last.expect("at least one run");
+        if done.method != method {
+            let reason = done.fallback_reason.unwrap_or_default();
+            unavailable.push((method, reason));
+            continue;
+        }
+        let ms = median(runs);
+        methods.push(MethodResult {
+            method,
+            ms,
+            ratio_vs_memcpy: ms / memcpy_ms,
+            pages_copied: done.pages_copied,
+            zero_pages_skipped: done.zero_pages_skipped,
+            threads: done.threads,
+        });
+    }
+    let best = methods
+        .iter()
+        .min_by(|a, b| a.ms.total_cmp(&b.ms))
+        .ok_or("no population method ran")?;
+    let out = Output {
+        size_bytes: args.size,
+        backend: args.backend,
+        zero_percent: args.zero_percent,
+        runs: args.runs,
+        memcpy_ms,
+        best_method: best.method,
+        best_ms: best.ms,
+        ratio_vs_memcpy: best.ratio_vs_memcpy,
+        floor_ms,
+        floor_ratio_vs_memcpy: floor_ms / memcpy_ms,
+        methods,
+        unavailable,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    println!(
+        "Populating {} MiB of {} ({}% zero pages, median of {} runs):",
+        args.size >> 20,
+        args.backend,
+        args.zero_percent,
+        args.runs
+    );
+    println!("- via memcpy: {memcpy_ms:.0} ms");
+    for &method in Method::candidates(args.backend) {
+        if let Some(m) = out.methods.iter().find(|m| m.method == method) {
+            println!(
+                "- via {}: {:.0} ms ({:+.0}%)",
+                m.method,
+                m.ms,
+                (m.ratio_vs_memcpy - 1.0) * 100.0
+            );
+        } else if let Some((m, why)) = out.unavailable.iter().find(|u| u.0 == method) {
+            println!("- via {m}: unavailable ({why})");
+        }
+    }
+    println!(
+        "- floor, memcpy into populated memory: {floor_ms:.0} ms ({:+.0}%)",
+        (out.floor_ratio_vs_memcpy - 1.0) * 100.0
+    );
+    println!(
+        "best: {} at {:.2}x memcpy",
+        out.best_method, out.ratio_vs_memcpy
+    );
+    Ok(())
+}
+
+/// `size` bytes where every 8-byte word is non-zero, except runs of `run` bytes chosen (by a
+/// fixed hash) to make up `zero_percent` of the image.
+fn make_image(size: u64, zero_percent: u8, run: u64) -> Vec<u8> {
+    let mut image = vec![0u8; size as usize];
+    for (i, chunk) in image.chunks_mut(run as usize).enumerate() {
+        let h = (i as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        if (h >> 32) % 100 < u64::from(zero_percent) {
+            continue;
+        }
+        for (j, word) in chunk.chunks_exact_mut(8).enumerate() {
+            let v = (h ^ (j as u64)).wrapping_mul(0xbf58_476d_1ce4_e5b9) | 1;
+            word.copy_from_slice(&v.to_le_bytes());
+        }
+    }
+    image
+}
+
+fn ms(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
