@@ -7,11 +7,15 @@
 mod dirty_marks;
 mod error;
 mod guest_memory;
+mod mapping_cache;
+mod memslot;
 mod region;
 
 pub use dirty_marks::DirtyMarks;
 pub use error::{Error, Result};
 pub use guest_memory::{digest_bytes, GuestMemory, DIGEST_SEED};
+pub use mapping_cache::CachedMapping;
+pub use memslot::{Memslot, MemslotManager, SlotFlags};
 pub use region::{hugetlbfs_mount, Backend, Region, RegionSpec, HUGE_PAGE_SIZE};
 
 /// The base page size of guest memory (x86-64).
