@@ -14,22 +14,27 @@
 //!
 //! * **The host mapping outlives every handle that may use it.** A handle pins the slot's
 //!   `Arc<Region>`; a removed region is unmapped only when the last handle refreshed away from it.
-//! * **No access straddles a change.** Each handle has an `inflight` flag. An access sets it
-//!   (SeqCst), then loads the generation (SeqCst); only if that equals the handle's generation
-//!   does it touch memory, then it clears the flag. A change, under the slot table's write lock,
-//!   bumps the generation (SeqCst) and then waits until every handle overlapping the affected
-//!   range has its flag clear, before it tells KVM or discards pages. By the SeqCst total order,
-//!   either the access saw the new generation (and revalidates, which takes the table's read
-//!   lock and so waits for the change to finish), or the change waits for the access to end. So
-//!   a write never lands in a slot after its removal, a move or a discard began, and an access
+//! * **No access straddles a change.** Each handle has an `inflight` flag. An access sets it,
+//!   then loads the generation; only if that equals the handle's generation does it touch
+//!   memory, then it clears the flag (Release). A change, under the slot table's write lock,
+//!   bumps the generation (SeqCst), runs `membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED)` (a full
+//!   fence on every running thread of the process) and then waits until every handle
+//!   overlapping the affected range has its flag clear, before it tells KVM or discards pages.
+//!   This is the store-then-load (Dekker) pattern with an asymmetric fence, as in userspace
+//!   RCU: the access side has only a compiler fence between its flag store and its generation
+//!   load, and the membarrier makes it a full fence whenever a change needs it. So either the
+//!   access saw the new generation (and revalidates, which takes the table's read lock and so
+//!   waits for the change to finish), or the change saw its flag and waits for it to end. A
+//!   write never lands in a slot after its removal, a move or a discard began, and an access
 //!   to a removed range gets [`Error::NoMemslot`], not memory.
 //!
-//! The fast path is one atomic swap, one load, the copy and one store: it takes no lock and
-//! reads no shared cache line that changes except the generation. A handle is used by one
-//! thread at a time (it is `Send`, not `Sync`); make one handle per device thread.
+//! The fast path is two plain stores, one load and the copy (plus the dirty mark for writes):
+//! no lock, no atomic read-modify-write, and no shared cache line that changes except the
+//! generation. A handle is used by one thread at a time (it is `Send`, not `Sync`); make one
+//! handle per device thread.
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{compiler_fence, AtomicBool, Ordering};
 use std::sync::Arc;
 
 use crate::{Error, MemslotManager, Region, Result};
@@ -50,7 +55,7 @@ impl HandleState {
     /// Spins until the handle's current access (if any) has ended.
     pub(crate) fn wait_idle(&self) {
         let mut spins = 0u32;
-        while self.inflight.load(Ordering::SeqCst) {
+        while self.inflight.load(Ordering::Acquire) {
             spins += 1;
             if spins < 1000 {
                 std::hint::spin_loop();
@@ -122,6 +127,7 @@ impl CachedMapping {
     }
 
     /// Reads the little-endian u64 at `offset` in the range (volatile).
+    #[inline]
     pub fn read_u64(&self, offset: u64) -> Result<u64> {
         self.access(offset, 8, false, |p| {
             // SAFETY: `access` checked that 8 bytes at `p` lie in a live, current mapping; a
@@ -132,6 +138,7 @@ impl CachedMapping {
 
     /// Writes the little-endian u64 `value` at `offset` in the range (volatile), marking the
     /// page VMM-dirty.
+    #[inline]
     pub fn write_u64(&self, offset: u64, value: u64) -> Result<()> {
         self.access(offset, 8, true, |p| {
             // SAFETY: as in `read_u64`.
@@ -177,8 +184,10 @@ impl CachedMapping {
             });
         }
         loop {
-            self.state.inflight.store(true, Ordering::SeqCst);
-            let generation = self.manager.generation.load(Ordering::SeqCst);
+            self.state.inflight.store(true, Ordering::Relaxed);
+            // A full fence only when a change runs: its membarrier upgrades this one.
+            compiler_fence(Ordering::SeqCst);
+            let generation = self.manager.generation.load(Ordering::Acquire);
             if let Some(p) = self.pinned.borrow().as_ref() {
                 if p.generation == generation {
                     if write {

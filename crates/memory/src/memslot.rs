@@ -21,7 +21,8 @@ use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, Weak};
 use guestmem_sys::uapi::{
     kvm_userspace_memory_region, kvm_userspace_memory_region2, KVM_CAP_NR_MEMSLOTS,
     KVM_CAP_USER_MEMORY2, KVM_MEM_GUEST_MEMFD, KVM_MEM_LOG_DIRTY_PAGES, KVM_MEM_READONLY,
-    KVM_SET_USER_MEMORY_REGION, KVM_SET_USER_MEMORY_REGION2,
+    KVM_SET_USER_MEMORY_REGION, KVM_SET_USER_MEMORY_REGION2, MEMBARRIER_CMD_PRIVATE_EXPEDITED,
+    MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED,
 };
 use kvm_ioctls::VmFd;
 use vmm_sys_util::ioctl::ioctl_with_ref;
@@ -182,6 +183,9 @@ impl MemslotManager {
         }
         // SAFETY: `fd` was just returned by fcntl and nobody else owns it.
         let vm_dup = unsafe { OwnedFd::from_raw_fd(fd) };
+        // Handles' accesses use only a compiler fence; changes make it a full one with
+        // membarrier (see `mapping_cache`). Registering twice is harmless.
+        membarrier(MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED)?;
         Ok(MemslotManager {
             vm: vm_dup,
             has_region2: vm.check_extension_raw(KVM_CAP_USER_MEMORY2.into()) > 0,
@@ -408,15 +412,20 @@ impl MemslotManager {
     /// revalidates (blocking on the table lock that the caller holds).
     fn wait_for_handles(&self, gpa: u64, len: u64) {
         let mut handles = self.handles.lock().expect("handle list lock");
-        handles.retain(|weak| match weak.upgrade() {
-            Some(h) => {
-                if h.overlaps(gpa, len) {
-                    h.wait_idle();
-                }
-                true
-            }
-            None => false,
-        });
+        handles.retain(|weak| weak.strong_count() > 0);
+        let overlapping: Vec<_> = handles
+            .iter()
+            .filter_map(Weak::upgrade)
+            .filter(|h| h.overlaps(gpa, len))
+            .collect();
+        if overlapping.is_empty() {
+            return;
+        }
+        // Every thread now sees the new generation, or its `inflight` store is visible to us.
+        membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED).expect("membarrier was registered in new()");
+        for h in overlapping {
+            h.wait_idle();
+        }
     }
 
     /// `KVM_SET_USER_MEMORY_REGION2` for `slot` (with size 0 when `delete`), or the original
@@ -519,6 +528,20 @@ impl MemslotManager {
     pub(crate) fn table(&self) -> RwLockReadGuard<'_, SlotTable> {
         self.table.read().expect("memslot table lock")
     }
+}
+
+/// `membarrier(cmd, 0, 0)`.
+fn membarrier(cmd: i32) -> Result<()> {
+    // SAFETY: membarrier takes no pointers; it only orders memory accesses of our threads.
+    let ret = unsafe { libc::syscall(libc::SYS_membarrier, cmd, 0, 0) };
+    if ret != 0 {
+        return Err(Error::Os {
+            region: "(memslot manager)".into(),
+            op: "membarrier",
+            source: io::Error::last_os_error(),
+        });
+    }
+    Ok(())
 }
 
 /// A slot's window must be non-empty, aligned to the backend's page size, and inside the region.

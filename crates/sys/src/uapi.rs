@@ -56,6 +56,12 @@ ioctl_iow_nr!(
 ioctl_iowr_nr!(KVM_CLEAR_DIRTY_LOG, KVMIO, 0xc0, kvm_clear_dirty_log);
 ioctl_io_nr!(KVM_RESET_DIRTY_RINGS, KVMIO, 0xc7);
 
+/// `MEMBARRIER_CMD_PRIVATE_EXPEDITED` (`include/uapi/linux/membarrier.h`): run a full memory
+/// barrier on every running thread of the process.
+pub const MEMBARRIER_CMD_PRIVATE_EXPEDITED: i32 = 1 << 3;
+/// `MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED`: required once before the command above.
+pub const MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED: i32 = 1 << 4;
+
 /// `MPOL_*` memory policy modes (`include/uapi/linux/mempolicy.h`).
 pub const MPOL_DEFAULT: i32 = 0;
 pub const MPOL_PREFERRED: i32 = 1;

@@ -3,15 +3,16 @@
 
 use clap::Subcommand;
 
+mod memslots;
+
 #[derive(Subcommand)]
 pub enum Bench {
-    /// Placeholder until the first benchmark lands.
-    #[command(hide = true)]
-    None,
+    /// Seed 002: memslot_perf_test over the memslot manager, and cached vs fresh device accesses.
+    Memslots(memslots::Args),
 }
 
 pub fn main(bench: Bench) -> crate::Result<()> {
     match bench {
-        Bench::None => Err("no benchmark selected".into()),
+        Bench::Memslots(args) => memslots::main(args),
     }
 }
