@@ -92,6 +92,19 @@ pub fn main(args: Args) -> crate::Result<()> {
     Ok(())
 }
 
+/// Slot 0 holds the VM's sys region, so the test area can have 1 to `max_slots - 1` slots.
+fn check_slot_count(flag: &str, n: u32, max_slots: u32) -> crate::Result<()> {
+    if n == 0 || n >= max_slots {
+        return Err(format!(
+            "{flag} {n}: the test area needs 1 to {} slots (KVM_CAP_NR_MEMSLOTS is {max_slots} \
+             and slot 0 holds the VM's sys region)",
+            max_slots - 1
+        )
+        .into());
+    }
+    Ok(())
+}
+
 /// The slots memslot_perf_test makes: `n` windows of the test region, the last one taking the
 /// remainder.
 fn windows(n: u32) -> Vec<(u64, u64)> {
@@ -119,6 +132,7 @@ fn perf_test(n: u32, args: &Args) -> crate::Result<serde_json::Value> {
         .memslots()
         .ok_or("memory not registered")?
         .clone();
+    check_slot_count("--slots", n, slots.max_slots())?;
     let whole = slots
         .slots()
         .into_iter()
@@ -340,6 +354,7 @@ fn access_test(n: u32, accesses: u64) -> crate::Result<serde_json::Value> {
         .memslots()
         .ok_or("memory not registered")?
         .clone();
+    check_slot_count("--access-slots", n, slots.max_slots())?;
     let whole = slots
         .slots()
         .into_iter()
@@ -401,4 +416,25 @@ fn access_test(n: u32, accesses: u64) -> crate::Result<serde_json::Value> {
         "ratio_cached_vs_linear_read": cached_read / linear_read,
         "ratio_cached_vs_linear_write": cached_write / linear_write,
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slot_counts_outside_the_kvm_limit_are_refused() {
+        for n in [0, 32764, 40000] {
+            let e = check_slot_count("--slots", n, 32764)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(&format!("--slots {n}")) && e.contains("1 to 32763"),
+                "{e}"
+            );
+        }
+        check_slot_count("--slots", 32763, 32764).unwrap();
+        check_slot_count("--access-slots", 1, 32764).unwrap();
+        assert_eq!(windows(3).iter().map(|w| w.1).sum::<u64>(), MEM_SIZE);
+    }
 }
