@@ -407,3 +407,36 @@ fn device_threads_survive_slot_changes() {
     assert_eq!(region_word(&regions[current], 0), u64::MAX);
     assert_ne!(region_word(&regions[1 - current], 0), u64::MAX);
 }
+
+/// guest_memfd slots are immutable in KVM: the manager moves and resizes them by deleting and
+/// re-creating them (with the same guest_memfd offset), and handles follow.
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn guest_memfd_slots_move_and_resize() {
+    let vm = vm(Backend::Anon);
+    let slots = memslots(&vm);
+    let r = region(&vm, "gmem", 4 * PAGE, Backend::GuestMemfd);
+    let id = slots
+        .add(&r, PAGE, 2 * PAGE, FREE_GPA, SlotFlags::default())
+        .unwrap();
+    assert!(slots.slot(id).unwrap().guest_memfd());
+    let old = slots.map(FREE_GPA + PAGE, 8).unwrap();
+    old.write_u64(0, 0x5eed).unwrap();
+    assert_eq!(
+        region_word(&r, 2 * PAGE),
+        0x5eed,
+        "window starts at region offset PAGE"
+    );
+
+    let moved = FREE_GPA + (1 << 30);
+    slots.move_to(id, moved).unwrap();
+    assert!(matches!(old.read_u64(0), Err(Error::NoMemslot { .. })));
+    let new = slots.map(moved + PAGE, 8).unwrap();
+    assert_eq!(new.read_u64(0).unwrap(), 0x5eed);
+
+    slots.resize(id, PAGE).unwrap();
+    assert_eq!(slots.slot(id).unwrap().size, PAGE);
+    assert!(matches!(new.read_u64(0), Err(Error::NoMemslot { .. })));
+    let e = slots.resize(id, 4 * PAGE).unwrap_err();
+    assert!(matches!(e, Error::SlotWindow { .. }), "{e}");
+}

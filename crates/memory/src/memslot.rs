@@ -277,6 +277,10 @@ impl MemslotManager {
     }
 
     /// Changes the size of slot `id`, keeping its guest address and host start.
+    ///
+    /// KVM cannot resize a slot, nor move or change the read-only flag of a guest_memfd slot:
+    /// those changes delete the slot and create it anew under the same id. Should KVM refuse
+    /// the new slot, the old one is gone and the error names the slot.
     pub fn resize(&self, id: u32, size: u64) -> Result<()> {
         self.update(id, |s| s.size = size)
     }
