@@ -415,8 +415,7 @@ impl MemslotManager {
     /// the generation was bumped: any access that starts later sees the new generation and
     /// revalidates (blocking on the table lock that the caller holds).
     fn wait_for_handles(&self, gpa: u64, len: u64) {
-        let mut handles = self.handles.lock().expect("handle list lock");
-        handles.retain(|weak| weak.strong_count() > 0);
+        let handles = self.handles.lock().expect("handle list lock");
         let overlapping: Vec<_> = handles
             .iter()
             .filter_map(Weak::upgrade)
@@ -494,10 +493,9 @@ impl MemslotManager {
     /// and accesses the range through it again and again (see [`CachedMapping`]).
     pub fn map(self: &Arc<Self>, gpa: u64, len: u64) -> Result<CachedMapping> {
         let handle = CachedMapping::new(self.clone(), gpa, len)?;
-        self.handles
-            .lock()
-            .expect("handle list lock")
-            .push(Arc::downgrade(handle.state()));
+        let mut handles = self.handles.lock().expect("handle list lock");
+        handles.retain(|weak| weak.strong_count() > 0);
+        handles.push(Arc::downgrade(handle.state()));
         Ok(handle)
     }
 
