@@ -52,6 +52,47 @@ pub enum Error {
     Numa { region: String, reason: String },
     #[error("guest range {gpa:#x}+{len:#x} is not inside one region")]
     NotMapped { gpa: u64, len: u64 },
+    #[error("guest range {gpa:#x}+{len:#x} is not inside one memslot (never added, or removed or moved away)")]
+    NoMemslot { gpa: u64, len: u64 },
+    #[error(
+        "no free memslot for region '{region}': all {max} slots (KVM_CAP_NR_MEMSLOTS) are in use"
+    )]
+    SlotLimit { region: String, max: u32 },
+    #[error("memslot {slot} does not exist")]
+    UnknownSlot { slot: u32 },
+    #[error("memslot for region '{region}' [{gpa:#x}..{end:#x}) overlaps memslot {other_slot} (region '{other}') [{other_gpa:#x}..{other_end:#x})")]
+    SlotOverlap {
+        region: String,
+        gpa: u64,
+        end: u64,
+        other_slot: u32,
+        other: String,
+        other_gpa: u64,
+        other_end: u64,
+    },
+    #[error("memslot for region '{region}': window {offset:#x}+{size:#x} is empty, not page-aligned or outside the region (size {region_size:#x})")]
+    SlotWindow {
+        region: String,
+        offset: u64,
+        size: u64,
+        region_size: u64,
+    },
+    #[error("memslot {slot} (region '{region}'): {op} failed: {source}")]
+    Kvm {
+        slot: u32,
+        region: String,
+        op: &'static str,
+        source: io::Error,
+    },
+    #[error("access {offset:#x}+{len:#x} is outside the cached guest range {gpa:#x}+{size:#x}")]
+    OutsideMapping {
+        gpa: u64,
+        size: u64,
+        offset: u64,
+        len: u64,
+    },
+    #[error("guest memory is already registered as memslots")]
+    AlreadyRegistered,
 }
 
 impl Error {

@@ -1,16 +1,12 @@
 //! A VM's guest memory: its regions, checked against each other, and registered as memslots.
 
-use std::io;
-use std::os::fd::AsRawFd;
+use std::sync::{Arc, OnceLock};
 
-use guestmem_sys::uapi::{
-    kvm_userspace_memory_region2, KVM_CAP_USER_MEMORY2, KVM_MEM_GUEST_MEMFD,
-    KVM_SET_USER_MEMORY_REGION2,
-};
 use kvm_ioctls::VmFd;
-use vmm_sys_util::ioctl::ioctl_with_ref;
 
-use crate::{Backend, Error, Region, RegionSpec, Result};
+use guestmem_sys::uapi::{KVM_MEM_LOG_DIRTY_PAGES, KVM_MEM_READONLY};
+
+use crate::{Error, MemslotManager, Region, RegionSpec, Result, SlotFlags};
 
 /// Starting value of [`digest_bytes`] (the FNV-1a 64-bit offset basis).
 pub const DIGEST_SEED: u64 = 0xcbf2_9ce4_8422_2325;
@@ -30,7 +26,8 @@ pub fn digest_bytes(mut h: u64, bytes: &[u8]) -> u64 {
 /// The regions of one VM. Regions never overlap and their names are unique.
 #[derive(Debug, Default)]
 pub struct GuestMemory {
-    regions: Vec<Region>,
+    regions: Vec<Arc<Region>>,
+    memslots: OnceLock<Arc<MemslotManager>>,
 }
 
 impl GuestMemory {
@@ -40,17 +37,20 @@ impl GuestMemory {
         check_layout(specs)?;
         let regions = specs
             .iter()
-            .map(|spec| Region::create(spec.clone(), vm))
+            .map(|spec| Region::create(spec.clone(), vm).map(Arc::new))
             .collect::<Result<Vec<_>>>()?;
-        Ok(GuestMemory { regions })
+        Ok(GuestMemory {
+            regions,
+            memslots: OnceLock::new(),
+        })
     }
 
-    pub fn regions(&self) -> &[Region] {
+    pub fn regions(&self) -> &[Arc<Region>] {
         &self.regions
     }
 
     pub fn region(&self, name: &str) -> Option<&Region> {
-        self.regions.iter().find(|r| r.name() == name)
+        self.regions.iter().find(|r| r.name() == name).map(|r| &**r)
     }
 
     /// Total guest memory in bytes.
@@ -71,7 +71,7 @@ impl GuestMemory {
     pub fn find(&self, gpa: u64, len: u64) -> Result<(&Region, *mut u8)> {
         self.regions
             .iter()
-            .find_map(|r| r.host_range(gpa, len).map(|p| (r, p)))
+            .find_map(|r| r.host_range(gpa, len).map(|p| (&**r, p)))
             .ok_or(Error::NotMapped { gpa, len })
     }
 
@@ -129,67 +129,38 @@ impl GuestMemory {
         Ok(h)
     }
 
-    /// Registers every region as a KVM memslot, slot `i` for region `i`, with
-    /// `KVM_SET_USER_MEMORY_REGION2` (guest_memfd regions with `KVM_MEM_GUEST_MEMFD`).
+    /// Registers every region as a KVM memslot, slot `i` for region `i`, through a new
+    /// [`MemslotManager`] that owns the VM's memslots from then on (see [`Self::memslots`]).
     pub fn register(&self, vm: &VmFd) -> Result<()> {
-        (0..self.regions.len()).try_for_each(|slot| self.set_slot_flags(vm, slot, 0))
+        let manager = MemslotManager::new(vm)?;
+        for region in &self.regions {
+            manager.add(region, 0, region.size(), region.gpa(), SlotFlags::default())?;
+        }
+        self.memslots
+            .set(Arc::new(manager))
+            .map_err(|_| Error::AlreadyRegistered)
     }
 
-    /// Re-issues region `slot`'s memslot (slot `i` = region `i`) with `flags` added to the flags
-    /// its backend needs, e.g. `KVM_MEM_LOG_DIRTY_PAGES` to start dirty logging, 0 to stop it.
-    pub fn set_slot_flags(&self, vm: &VmFd, slot: usize, flags: u32) -> Result<()> {
-        let region = self.regions.get(slot).ok_or(Error::NoSuchSlot {
-            slot,
-            slots: self.regions.len(),
-        })?;
-        let has_region2 = vm.check_extension_raw(KVM_CAP_USER_MEMORY2.into()) > 0;
-        let spec = region.spec();
-        let mut mr = kvm_userspace_memory_region2 {
-            slot: slot as u32,
-            flags,
-            guest_phys_addr: spec.gpa,
-            memory_size: spec.size,
-            userspace_addr: region.host_addr() as u64,
-            ..Default::default()
+    /// The VM's memslot manager, once [`Self::register`]ed. Memslot changes made through it
+    /// (move, remove, resize) are not reflected in this struct's accessors, which address the
+    /// regions where they were created; device code uses the manager's handles.
+    pub fn memslots(&self) -> Option<&Arc<MemslotManager>> {
+        self.memslots.get()
+    }
+
+    /// Sets the flags of region `slot`'s memslot (slot `i` = region `i`), through the memslot
+    /// manager: `KVM_MEM_LOG_DIRTY_PAGES` starts dirty logging, 0 stops it.
+    pub fn set_slot_flags(&self, _vm: &VmFd, slot: usize, flags: u32) -> Result<()> {
+        let slots = self.regions.len();
+        let manager = self
+            .memslots()
+            .filter(|_| slot < slots)
+            .ok_or(Error::NoSuchSlot { slot, slots })?;
+        let flags = SlotFlags {
+            log_dirty_pages: flags & KVM_MEM_LOG_DIRTY_PAGES != 0,
+            read_only: flags & KVM_MEM_READONLY != 0,
         };
-        if region.backend() == Backend::GuestMemfd {
-            mr.flags |= KVM_MEM_GUEST_MEMFD;
-            mr.guest_memfd = region
-                .fd()
-                .expect("guest_memfd region has an fd")
-                .as_raw_fd() as u32;
-            mr.guest_memfd_offset = 0;
-        }
-        let ret = if has_region2 {
-            // SAFETY: `mr` is a fully initialised kvm_userspace_memory_region2 describing a
-            // mapping that `self` keeps alive for as long as the VM uses it.
-            match unsafe { ioctl_with_ref(vm, KVM_SET_USER_MEMORY_REGION2(), &mr) } {
-                0 => Ok(()),
-                _ => Err(io::Error::last_os_error()),
-            }
-        } else if region.backend() == Backend::GuestMemfd {
-            return Err(Error::BackendUnavailable {
-                region: spec.name.clone(),
-                backend: spec.backend,
-                reason: "the kernel lacks KVM_CAP_USER_MEMORY2".into(),
-            });
-        } else {
-            let legacy = kvm_bindings::kvm_userspace_memory_region {
-                slot: mr.slot,
-                flags: mr.flags,
-                guest_phys_addr: mr.guest_phys_addr,
-                memory_size: mr.memory_size,
-                userspace_addr: mr.userspace_addr,
-            };
-            // SAFETY: as above, for the original ioctl.
-            unsafe { vm.set_user_memory_region(legacy) }
-                .map_err(|e| io::Error::from_raw_os_error(e.errno()))
-        };
-        ret.map_err(|source| Error::Os {
-            region: spec.name.clone(),
-            op: "KVM_SET_USER_MEMORY_REGION2",
-            source,
-        })
+        manager.set_flags(slot as u32, flags)
     }
 }
 
@@ -219,6 +190,7 @@ fn check_layout(specs: &[RegionSpec]) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Backend;
 
     fn spec(name: &str, gpa: u64, size: u64, backend: Backend) -> RegionSpec {
         RegionSpec::new(name, gpa, size, backend)

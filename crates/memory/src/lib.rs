@@ -7,6 +7,8 @@
 mod dirty_marks;
 mod error;
 mod guest_memory;
+mod mapping_cache;
+mod memslot;
 mod numa;
 mod populate;
 mod region;
@@ -14,6 +16,8 @@ mod region;
 pub use dirty_marks::DirtyMarks;
 pub use error::{Error, Result};
 pub use guest_memory::{digest_bytes, GuestMemory, DIGEST_SEED};
+pub use mapping_cache::CachedMapping;
+pub use memslot::{Memslot, MemslotManager, SlotFlags};
 pub use numa::{node_pages, nodes_with_memory, NumaMode, NumaPolicy};
 pub use populate::{populate, populate_with, Method, Populated, Source};
 pub use region::{hugetlbfs_mount, Backend, Region, RegionSpec, HUGE_PAGE_SIZE};

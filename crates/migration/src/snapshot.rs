@@ -305,7 +305,7 @@ pub fn restore(snapshot: &Snapshot, mode: RestoreMode) -> Result<Vm> {
 }
 
 fn check_layout(memory: &GuestMemory, images: &[RegionImage]) -> Result<()> {
-    let built: Vec<&RegionSpec> = memory.regions().iter().map(Region::spec).collect();
+    let built: Vec<&RegionSpec> = memory.regions().iter().map(|r| r.spec()).collect();
     let saved: Vec<&RegionSpec> = images.iter().map(|i| &i.spec).collect();
     if built != saved {
         return Err(Error::Layout(format!(

@@ -9,11 +9,12 @@ use vmm_sys_util::{ioctl_io_nr, ioctl_iow_nr, ioctl_iowr_nr};
 
 pub use kvm_bindings::{
     kvm_clear_dirty_log, kvm_create_guest_memfd, kvm_dirty_gfn, kvm_dirty_log,
-    kvm_userspace_memory_region2, KVM_CAP_DIRTY_LOG_RING, KVM_CAP_DIRTY_LOG_RING_ACQ_REL,
-    KVM_CAP_GUEST_MEMFD, KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2, KVM_CAP_NR_MEMSLOTS,
-    KVM_CAP_PRE_FAULT_MEMORY, KVM_CAP_USER_MEMORY2, KVM_DIRTY_LOG_INITIALLY_SET,
-    KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE, KVM_DIRTY_LOG_PAGE_OFFSET, KVM_EXIT_DIRTY_RING_FULL,
-    KVM_EXIT_MEMORY_FAULT, KVM_MEM_GUEST_MEMFD, KVM_MEM_LOG_DIRTY_PAGES, KVM_MEM_READONLY,
+    kvm_userspace_memory_region, kvm_userspace_memory_region2, KVM_CAP_DIRTY_LOG_RING,
+    KVM_CAP_DIRTY_LOG_RING_ACQ_REL, KVM_CAP_GUEST_MEMFD, KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2,
+    KVM_CAP_NR_MEMSLOTS, KVM_CAP_PRE_FAULT_MEMORY, KVM_CAP_USER_MEMORY2,
+    KVM_DIRTY_LOG_INITIALLY_SET, KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE, KVM_DIRTY_LOG_PAGE_OFFSET,
+    KVM_EXIT_DIRTY_RING_FULL, KVM_EXIT_MEMORY_FAULT, KVM_MEM_GUEST_MEMFD, KVM_MEM_LOG_DIRTY_PAGES,
+    KVM_MEM_READONLY,
 };
 
 /// `KVMIO`, the ioctl type byte of every KVM ioctl.
@@ -42,6 +43,12 @@ pub const KVM_DIRTY_GFN_F_RESET: u32 = 1 << 1;
 
 // `_IOW`, not `_IOWR`: the kernel only reads the struct (a wrong direction gives ENOTTY).
 ioctl_iow_nr!(
+    KVM_SET_USER_MEMORY_REGION,
+    KVMIO,
+    0x46,
+    kvm_userspace_memory_region
+);
+ioctl_iow_nr!(
     KVM_SET_USER_MEMORY_REGION2,
     KVMIO,
     0x49,
@@ -50,6 +57,12 @@ ioctl_iow_nr!(
 ioctl_iow_nr!(KVM_GET_DIRTY_LOG, KVMIO, 0x42, kvm_dirty_log);
 ioctl_iowr_nr!(KVM_CLEAR_DIRTY_LOG, KVMIO, 0xc0, kvm_clear_dirty_log);
 ioctl_io_nr!(KVM_RESET_DIRTY_RINGS, KVMIO, 0xc7);
+
+/// `MEMBARRIER_CMD_PRIVATE_EXPEDITED` (`include/uapi/linux/membarrier.h`): run a full memory
+/// barrier on every running thread of the process.
+pub const MEMBARRIER_CMD_PRIVATE_EXPEDITED: i32 = 1 << 3;
+/// `MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED`: required once before the command above.
+pub const MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED: i32 = 1 << 4;
 
 /// `MPOL_*` memory policy modes (`include/uapi/linux/mempolicy.h`).
 pub const MPOL_DEFAULT: i32 = 0;

@@ -4,6 +4,7 @@
 use clap::Subcommand;
 
 mod demand_paging;
+mod memslots;
 mod populate;
 
 #[derive(Subcommand)]
@@ -12,11 +13,14 @@ pub enum Bench {
     Populate(populate::Args),
     /// Demand paging rate with guestmem's pager vs the pre-populated baseline (seed 001).
     DemandPaging(demand_paging::Args),
+    /// Seed 002: memslot_perf_test over the memslot manager, and cached vs fresh device accesses.
+    Memslots(memslots::Args),
 }
 
 pub fn main(bench: Bench) -> crate::Result<()> {
     match bench {
         Bench::Populate(args) => populate::main(args),
         Bench::DemandPaging(args) => demand_paging::main(args),
+        Bench::Memslots(args) => memslots::main(args),
     }
 }

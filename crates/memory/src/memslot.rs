@@ -1,0 +1,586 @@
+//! The memslot manager: the one place where a VM's KVM memslots change.
+//!
+//! A memslot maps a window `[region_offset, region_offset + size)` of one [`Region`]'s host
+//! mapping at guest physical address `gpa`. The manager allocates slot ids (lowest free id first,
+//! up to `KVM_CAP_NR_MEMSLOTS`), refuses overlaps, and adds, removes, moves and resizes slots or
+//! changes their flags (dirty logging, read-only; guest_memfd follows from the region's backend).
+//! Every change, and every discard of guest pages, goes through [`MemslotManager::commit`], which
+//! bumps the generation that [`CachedMapping`] handles check on each access.
+//!
+//! The manager is also the VMM's fresh GPA -> host lookup ([`MemslotManager::read`] /
+//! [`MemslotManager::write`]: the slot table's read lock plus a search by gpa); device code that
+//! touches the same guest range again and again uses a [`CachedMapping`] from
+//! [`MemslotManager::map`] instead (see `mapping_cache` for the concurrency design).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, Weak};
+
+use guestmem_sys::uapi::{
+    kvm_userspace_memory_region, kvm_userspace_memory_region2, KVM_CAP_NR_MEMSLOTS,
+    KVM_CAP_USER_MEMORY2, KVM_MEM_GUEST_MEMFD, KVM_MEM_LOG_DIRTY_PAGES, KVM_MEM_READONLY,
+    KVM_SET_USER_MEMORY_REGION, KVM_SET_USER_MEMORY_REGION2, MEMBARRIER_CMD_PRIVATE_EXPEDITED,
+    MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED,
+};
+use kvm_ioctls::VmFd;
+use vmm_sys_util::ioctl::ioctl_with_ref;
+
+use crate::mapping_cache::{CachedMapping, HandleState};
+use crate::{Backend, Error, Region, Result};
+
+/// The flags of a memslot that the VMM chooses (`KVM_MEM_GUEST_MEMFD` follows from the region).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SlotFlags {
+    /// `KVM_MEM_LOG_DIRTY_PAGES`: KVM records the guest's writes in the slot's dirty log.
+    pub log_dirty_pages: bool,
+    /// `KVM_MEM_READONLY`: guest writes exit to the VMM as MMIO.
+    pub read_only: bool,
+}
+
+/// One KVM memslot: a window of a region's host mapping placed at a guest physical address.
+#[derive(Debug, Clone)]
+pub struct Memslot {
+    pub id: u32,
+    pub gpa: u64,
+    pub size: u64,
+    pub region: Arc<Region>,
+    pub region_offset: u64,
+    pub flags: SlotFlags,
+}
+
+impl Memslot {
+    pub fn end(&self) -> u64 {
+        self.gpa + self.size
+    }
+
+    /// Whether the slot is bound to a guest_memfd (`KVM_MEM_GUEST_MEMFD`).
+    pub fn guest_memfd(&self) -> bool {
+        self.region.backend() == Backend::GuestMemfd
+    }
+
+    /// Host address and region offset of `len` bytes at `gpa`, if they lie wholly in the slot.
+    pub(crate) fn host_range(&self, gpa: u64, len: u64) -> Option<(*mut u8, u64)> {
+        let off = gpa.checked_sub(self.gpa)?;
+        (off.checked_add(len)? <= self.size).then(|| {
+            let region_offset = self.region_offset + off;
+            // SAFETY: region_offset + len <= region_offset + size <= the region's size, checked
+            // when the slot was made, so the address stays inside the region's mapping.
+            (
+                unsafe { self.region.host_addr().add(region_offset as usize) },
+                region_offset,
+            )
+        })
+    }
+
+    fn kvm_flags(&self) -> u32 {
+        let mut flags = 0;
+        if self.flags.log_dirty_pages {
+            flags |= KVM_MEM_LOG_DIRTY_PAGES;
+        }
+        if self.flags.read_only {
+            flags |= KVM_MEM_READONLY;
+        }
+        if self.guest_memfd() {
+            flags |= KVM_MEM_GUEST_MEMFD;
+        }
+        flags
+    }
+}
+
+/// The slots by id and by guest address. Slots never overlap.
+#[derive(Debug, Default)]
+pub(crate) struct SlotTable {
+    slots: Vec<Option<Memslot>>,
+    by_gpa: BTreeMap<u64, u32>,
+    free_ids: BTreeSet<u32>,
+}
+
+impl SlotTable {
+    /// The slot holding all of `[gpa, gpa + len)`.
+    pub(crate) fn lookup(&self, gpa: u64, len: u64) -> Option<&Memslot> {
+        let (_, &id) = self.by_gpa.range(..=gpa).next_back()?;
+        let slot = self.slots[id as usize].as_ref()?;
+        slot.host_range(gpa, len).map(|_| slot)
+    }
+
+    fn get(&self, id: u32) -> Result<&Memslot> {
+        self.slots
+            .get(id as usize)
+            .and_then(Option::as_ref)
+            .ok_or(Error::UnknownSlot { slot: id })
+    }
+
+    /// The slot (other than `except`) overlapping `[gpa, end)`, if any.
+    fn overlapping(&self, gpa: u64, end: u64, except: Option<u32>) -> Option<&Memslot> {
+        self.by_gpa
+            .range(..end)
+            .rev()
+            .map(|(_, &id)| self.slots[id as usize].as_ref().expect("indexed slot"))
+            .find(|s| Some(s.id) != except)
+            .filter(|s| s.end() > gpa)
+    }
+
+    fn insert(&mut self, slot: Memslot) {
+        self.by_gpa.insert(slot.gpa, slot.id);
+        let id = slot.id as usize;
+        self.slots[id] = Some(slot);
+    }
+
+    fn remove(&mut self, id: u32) {
+        if let Some(old) = self.slots[id as usize].take() {
+            self.by_gpa.remove(&old.gpa);
+            self.free_ids.insert(id);
+        }
+    }
+}
+
+/// The memslots of one VM. Share it as `Arc<MemslotManager>`: [`CachedMapping`] handles keep it.
+pub struct MemslotManager {
+    /// A duplicate of the VM fd, so the manager can live as long as any handle.
+    vm: OwnedFd,
+    has_region2: bool,
+    max_slots: u32,
+    table: RwLock<SlotTable>,
+    /// Bumped by every change, under the table's write lock.
+    pub(crate) generation: AtomicU64,
+    /// Every handle made by [`MemslotManager::map`], to wait out their accesses on a change.
+    handles: Mutex<Vec<Weak<HandleState>>>,
+}
+
+impl std::fmt::Debug for MemslotManager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemslotManager")
+            .field("max_slots", &self.max_slots)
+            .field("slots", &self.len())
+            .field("generation", &self.generation())
+            .finish()
+    }
+}
+
+/// What [`MemslotManager::commit`] does to the slot table.
+enum Change {
+    /// Put `new` in place of slot `new.id` (which may not exist yet).
+    Set(Memslot),
+    /// Delete a slot.
+    Remove(u32),
+    /// Drop the contents of guest pages (the slot stays): the pages read as zero afterwards.
+    Discard { gpa: u64, len: u64 },
+}
+
+impl MemslotManager {
+    /// A manager for `vm`'s memslots, which must all be made through it from now on.
+    pub fn new(vm: &VmFd) -> Result<MemslotManager> {
+        // SAFETY: F_DUPFD_CLOEXEC on a valid fd returns a new fd (checked below) owned by us.
+        let fd = unsafe { libc::fcntl(vm.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 0) };
+        if fd < 0 {
+            return Err(Error::Os {
+                region: "(the VM fd)".into(),
+                op: "fcntl(F_DUPFD_CLOEXEC)",
+                source: io::Error::last_os_error(),
+            });
+        }
+        // SAFETY: `fd` was just returned by fcntl and nobody else owns it.
+        let vm_dup = unsafe { OwnedFd::from_raw_fd(fd) };
+        // Handles' accesses use only a compiler fence; changes make it a full one with
+        // membarrier (see `mapping_cache`). Registering twice is harmless.
+        membarrier(MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED)?;
+        Ok(MemslotManager {
+            vm: vm_dup,
+            has_region2: vm.check_extension_raw(KVM_CAP_USER_MEMORY2.into()) > 0,
+            // KVM reports the per-address-space slot count; 32 is the kernel's oldest minimum.
+            max_slots: vm.check_extension_raw(KVM_CAP_NR_MEMSLOTS.into()).max(32) as u32,
+            table: RwLock::new(SlotTable::default()),
+            generation: AtomicU64::new(0),
+            handles: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// `KVM_CAP_NR_MEMSLOTS`: the number of slot ids (0 to `max_slots - 1`).
+    pub fn max_slots(&self) -> u32 {
+        self.max_slots
+    }
+
+    /// Bumped by every add, remove, move, resize, flag change and discard.
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    /// How many slots exist.
+    pub fn len(&self) -> usize {
+        self.table().by_gpa.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// A copy of slot `id`.
+    pub fn slot(&self, id: u32) -> Result<Memslot> {
+        self.table().get(id).cloned()
+    }
+
+    /// Copies of every slot, in guest address order.
+    pub fn slots(&self) -> Vec<Memslot> {
+        let table = self.table();
+        table
+            .by_gpa
+            .values()
+            .map(|&id| table.slots[id as usize].clone().expect("indexed slot"))
+            .collect()
+    }
+
+    /// Adds a slot mapping `[region_offset, region_offset + size)` of `region` at `gpa`, with
+    /// the lowest free slot id, which it returns.
+    pub fn add(
+        &self,
+        region: &Arc<Region>,
+        region_offset: u64,
+        size: u64,
+        gpa: u64,
+        flags: SlotFlags,
+    ) -> Result<u32> {
+        let mut table = self.table.write().expect("memslot table lock");
+        let id = match table.free_ids.first() {
+            Some(&id) => id,
+            None if (table.slots.len() as u32) < self.max_slots => table.slots.len() as u32,
+            None => {
+                return Err(Error::SlotLimit {
+                    region: region.name().into(),
+                    max: self.max_slots,
+                })
+            }
+        };
+        let slot = Memslot {
+            id,
+            gpa,
+            size,
+            region: region.clone(),
+            region_offset,
+            flags,
+        };
+        self.commit(&mut table, Change::Set(slot))?;
+        Ok(id)
+    }
+
+    /// Deletes slot `id`; its guest range is unmapped for the guest and for every handle.
+    pub fn remove(&self, id: u32) -> Result<()> {
+        let mut table = self.table.write().expect("memslot table lock");
+        table.get(id)?;
+        self.commit(&mut table, Change::Remove(id))
+    }
+
+    /// Moves slot `id` to guest address `gpa` (same host memory, same size).
+    pub fn move_to(&self, id: u32, gpa: u64) -> Result<()> {
+        self.update(id, |s| s.gpa = gpa)
+    }
+
+    /// Changes the size of slot `id`, keeping its guest address and host start.
+    ///
+    /// KVM cannot resize a slot, nor move or change the read-only flag of a guest_memfd slot:
+    /// those changes delete the slot and create it anew under the same id. Should KVM refuse
+    /// the new slot, the old one is gone and the error names the slot.
+    pub fn resize(&self, id: u32, size: u64) -> Result<()> {
+        self.update(id, |s| s.size = size)
+    }
+
+    /// Sets the flags of slot `id` (e.g. turns dirty logging on or off).
+    pub fn set_flags(&self, id: u32, flags: SlotFlags) -> Result<()> {
+        self.update(id, |s| s.flags = flags)
+    }
+
+    fn update(&self, id: u32, edit: impl FnOnce(&mut Memslot)) -> Result<()> {
+        let mut table = self.table.write().expect("memslot table lock");
+        let mut slot = table.get(id)?.clone();
+        edit(&mut slot);
+        self.commit(&mut table, Change::Set(slot))
+    }
+
+    /// Discards the guest pages `[gpa, gpa + len)`, which must lie in one slot and be aligned
+    /// to the backend's page size: `MADV_DONTNEED` on anonymous memory, a hole punched in the
+    /// file otherwise (memfd, hugetlbfs, guest_memfd). The range reads as zero afterwards, for
+    /// the guest and through every handle (which revalidate).
+    pub fn discard(&self, gpa: u64, len: u64) -> Result<()> {
+        let mut table = self.table.write().expect("memslot table lock");
+        self.commit(&mut table, Change::Discard { gpa, len })
+    }
+
+    /// The one place every change goes through, under the table's write lock: check it, bump
+    /// the generation, wait out handle accesses to the range that goes away, tell KVM (or the
+    /// kernel's memory manager, for a discard), then update the table.
+    fn commit(&self, table: &mut SlotTable, change: Change) -> Result<()> {
+        match change {
+            Change::Set(new) => {
+                check_window(&new)?;
+                if let Some(other) = table.overlapping(new.gpa, new.end(), Some(new.id)) {
+                    return Err(Error::SlotOverlap {
+                        region: new.region.name().into(),
+                        gpa: new.gpa,
+                        end: new.end(),
+                        other_slot: other.id,
+                        other: other.region.name().into(),
+                        other_gpa: other.gpa,
+                        other_end: other.end(),
+                    });
+                }
+                let old = table.slots.get(new.id as usize).cloned().flatten();
+                self.generation.fetch_add(1, Ordering::SeqCst);
+                if let Some(old) = &old {
+                    self.wait_for_handles(old.gpa, old.size);
+                }
+                // KVM changes a slot in place only for a move or a dirty-logging change of the
+                // same host memory; anything else (resize, read-only, guest_memfd) is a delete
+                // and a create.
+                let in_place = old.as_ref().is_some_and(|old| {
+                    old.size == new.size
+                        && old.region_offset == new.region_offset
+                        && Arc::ptr_eq(&old.region, &new.region)
+                        && old.flags.read_only == new.flags.read_only
+                        && !new.guest_memfd()
+                });
+                if let (Some(old), false) = (&old, in_place) {
+                    self.set_user_memory_region(old, true)?;
+                    table.remove(old.id);
+                }
+                self.set_user_memory_region(&new, false)?;
+                if old.is_some() && in_place {
+                    table.remove(new.id);
+                }
+                table.free_ids.remove(&new.id);
+                if table.slots.len() <= new.id as usize {
+                    table.slots.resize(new.id as usize + 1, None);
+                }
+                table.insert(new);
+            }
+            Change::Remove(id) => {
+                let old = table.get(id)?.clone();
+                self.generation.fetch_add(1, Ordering::SeqCst);
+                self.wait_for_handles(old.gpa, old.size);
+                self.set_user_memory_region(&old, true)?;
+                table.remove(id);
+            }
+            Change::Discard { gpa, len } => {
+                let slot = table
+                    .lookup(gpa, len)
+                    .ok_or(Error::NoMemslot { gpa, len })?;
+                let region = &slot.region;
+                let page = region.backend().page_size();
+                if !gpa.is_multiple_of(page) || !len.is_multiple_of(page) || len == 0 {
+                    return Err(Error::Misaligned {
+                        region: region.name().into(),
+                        what: "discard range",
+                        value: if gpa.is_multiple_of(page) { len } else { gpa },
+                        backend: region.backend(),
+                        page_size: page,
+                    });
+                }
+                let (host, offset) = slot.host_range(gpa, len).expect("looked up");
+                self.generation.fetch_add(1, Ordering::SeqCst);
+                self.wait_for_handles(gpa, len);
+                let ret = match region.fd() {
+                    // SAFETY: `host`/`len` lie inside the region's private anonymous mapping;
+                    // MADV_DONTNEED only drops its pages (they read as zero afterwards).
+                    None => unsafe {
+                        libc::madvise(host as *mut libc::c_void, len as usize, libc::MADV_DONTNEED)
+                    },
+                    // SAFETY: punching a hole in the region's own file, inside its size.
+                    Some(fd) => unsafe {
+                        libc::fallocate(
+                            fd.as_raw_fd(),
+                            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                            offset as libc::off_t,
+                            len as libc::off_t,
+                        )
+                    },
+                };
+                if ret != 0 {
+                    return Err(Error::Kvm {
+                        slot: slot.id,
+                        region: region.name().into(),
+                        op: if region.fd().is_some() {
+                            "fallocate(PUNCH_HOLE)"
+                        } else {
+                            "madvise(MADV_DONTNEED)"
+                        },
+                        source: io::Error::last_os_error(),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until no handle overlapping `[gpa, gpa + len)` is inside an access. Called after
+    /// the generation was bumped: any access that starts later sees the new generation and
+    /// revalidates (blocking on the table lock that the caller holds).
+    fn wait_for_handles(&self, gpa: u64, len: u64) {
+        let handles = self.handles.lock().expect("handle list lock");
+        let overlapping: Vec<_> = handles
+            .iter()
+            .filter_map(Weak::upgrade)
+            .filter(|h| h.overlaps(gpa, len))
+            .collect();
+        if overlapping.is_empty() {
+            return;
+        }
+        // Every thread now sees the new generation, or its `inflight` store is visible to us.
+        membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED).expect("membarrier was registered in new()");
+        for h in overlapping {
+            h.wait_idle();
+        }
+    }
+
+    /// `KVM_SET_USER_MEMORY_REGION2` for `slot` (with size 0 when `delete`), or the original
+    /// ioctl on kernels without it.
+    fn set_user_memory_region(&self, slot: &Memslot, delete: bool) -> Result<()> {
+        let (host, _) = slot.host_range(slot.gpa, 0).expect("slot start");
+        let mr = kvm_userspace_memory_region2 {
+            slot: slot.id,
+            flags: slot.kvm_flags(),
+            guest_phys_addr: slot.gpa,
+            memory_size: if delete { 0 } else { slot.size },
+            userspace_addr: host as u64,
+            guest_memfd_offset: if slot.guest_memfd() {
+                slot.region_offset
+            } else {
+                0
+            },
+            guest_memfd: slot
+                .region
+                .fd()
+                .filter(|_| slot.guest_memfd())
+                .map_or(0, |fd| fd.as_raw_fd() as u32),
+            ..Default::default()
+        };
+        let ret = if self.has_region2 {
+            // SAFETY: `mr` is a fully initialised kvm_userspace_memory_region2 describing memory
+            // that the slot's `Arc<Region>` keeps mapped for as long as the slot exists.
+            unsafe { ioctl_with_ref(&self.vm, KVM_SET_USER_MEMORY_REGION2(), &mr) }
+        } else if slot.guest_memfd() {
+            return Err(Error::BackendUnavailable {
+                region: slot.region.name().into(),
+                backend: Backend::GuestMemfd,
+                reason: "the kernel lacks KVM_CAP_USER_MEMORY2".into(),
+            });
+        } else {
+            let legacy = kvm_userspace_memory_region {
+                slot: mr.slot,
+                flags: mr.flags,
+                guest_phys_addr: mr.guest_phys_addr,
+                memory_size: mr.memory_size,
+                userspace_addr: mr.userspace_addr,
+            };
+            // SAFETY: as above, for the original ioctl.
+            unsafe { ioctl_with_ref(&self.vm, KVM_SET_USER_MEMORY_REGION(), &legacy) }
+        };
+        if ret != 0 {
+            return Err(Error::Kvm {
+                slot: slot.id,
+                region: slot.region.name().into(),
+                op: if delete {
+                    "KVM_SET_USER_MEMORY_REGION2 (delete)"
+                } else {
+                    "KVM_SET_USER_MEMORY_REGION2"
+                },
+                source: io::Error::last_os_error(),
+            });
+        }
+        Ok(())
+    }
+
+    /// A handle for `[gpa, gpa + len)`, which must lie in one slot now: device code keeps it
+    /// and accesses the range through it again and again (see [`CachedMapping`]).
+    pub fn map(self: &Arc<Self>, gpa: u64, len: u64) -> Result<CachedMapping> {
+        let handle = CachedMapping::new(self.clone(), gpa, len)?;
+        let mut handles = self.handles.lock().expect("handle list lock");
+        handles.retain(|weak| weak.strong_count() > 0);
+        handles.push(Arc::downgrade(handle.state()));
+        Ok(handle)
+    }
+
+    /// Copies guest memory at `gpa` into `buf` (a fresh lookup, under the table's read lock).
+    pub fn read(&self, gpa: u64, buf: &mut [u8]) -> Result<()> {
+        let table = self.table();
+        let len = buf.len() as u64;
+        let slot = table
+            .lookup(gpa, len)
+            .ok_or(Error::NoMemslot { gpa, len })?;
+        let (src, _) = slot.host_range(gpa, len).expect("looked up");
+        // SAFETY: the range lies inside the slot's live mapping, which cannot go away while we
+        // hold the table's read lock; `buf` is a distinct host buffer.
+        unsafe { std::ptr::copy_nonoverlapping(src, buf.as_mut_ptr(), buf.len()) };
+        Ok(())
+    }
+
+    /// Copies `data` into guest memory at `gpa`, marking the pages VMM-dirty (a fresh lookup).
+    pub fn write(&self, gpa: u64, data: &[u8]) -> Result<()> {
+        let table = self.table();
+        let len = data.len() as u64;
+        let slot = table
+            .lookup(gpa, len)
+            .ok_or(Error::NoMemslot { gpa, len })?;
+        let (dst, offset) = slot.host_range(gpa, len).expect("looked up");
+        slot.region.vmm_dirty().mark(offset, len);
+        // SAFETY: as in `read`, with the roles swapped.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
+        Ok(())
+    }
+
+    pub(crate) fn table(&self) -> RwLockReadGuard<'_, SlotTable> {
+        self.table.read().expect("memslot table lock")
+    }
+}
+
+/// `membarrier(cmd, 0, 0)`.
+fn membarrier(cmd: i32) -> Result<()> {
+    // SAFETY: membarrier takes no pointers; it only orders memory accesses of our threads.
+    let ret = unsafe { libc::syscall(libc::SYS_membarrier, cmd, 0, 0) };
+    if ret != 0 {
+        return Err(Error::Os {
+            region: "(memslot manager)".into(),
+            op: "membarrier",
+            source: io::Error::last_os_error(),
+        });
+    }
+    Ok(())
+}
+
+/// A slot's window must be non-empty, aligned to the backend's page size, and inside the region.
+fn check_window(slot: &Memslot) -> Result<()> {
+    let region = &slot.region;
+    let page = region.backend().page_size();
+    let fits = slot
+        .region_offset
+        .checked_add(slot.size)
+        .is_some_and(|end| end <= region.size());
+    if slot.size == 0
+        || !fits
+        || !slot.size.is_multiple_of(page)
+        || !slot.region_offset.is_multiple_of(page)
+    {
+        return Err(Error::SlotWindow {
+            region: region.name().into(),
+            offset: slot.region_offset,
+            size: slot.size,
+            region_size: region.size(),
+        });
+    }
+    if slot.gpa.checked_add(slot.size).is_none() {
+        return Err(Error::OutOfRange {
+            region: region.name().into(),
+            gpa: slot.gpa,
+            size: slot.size,
+        });
+    }
+    if !slot.gpa.is_multiple_of(page) {
+        return Err(Error::Misaligned {
+            region: region.name().into(),
+            what: "memslot guest address",
+            value: slot.gpa,
+            backend: region.backend(),
+            page_size: page,
+        });
+    }
+    Ok(())
+}
