@@ -51,23 +51,25 @@ fn no_page_missed(mode: Mode, vcpus: usize, ring_entries: u32) -> u64 {
     reported.clear();
 
     let per_vcpu = WRITE_SPAN / vcpus as u64;
-    let work: Vec<VcpuWork> = VcpuWork::split(Workload::Touch, layout::RAM_GPA, WRITE_SPAN, vcpus, 11)
-        .into_iter()
-        .enumerate()
-        .map(|(i, w)| VcpuWork {
-            workload: Workload::Random {
-                writes: WRITES,
-                log_gpa: layout::RAM_GPA + WRITE_SPAN + i as u64 * (4 << 20),
-            },
-            ..w
-        })
-        .collect();
+    let work: Vec<VcpuWork> =
+        VcpuWork::split(Workload::Touch, layout::RAM_GPA, WRITE_SPAN, vcpus, 11)
+            .into_iter()
+            .enumerate()
+            .map(|(i, w)| VcpuWork {
+                workload: Workload::Random {
+                    writes: WRITES,
+                    log_gpa: layout::RAM_GPA + WRITE_SPAN + i as u64 * (4 << 20),
+                },
+                ..w
+            })
+            .collect();
     let memory = vm.memory().clone();
     let mut vmm_pages = Vec::new();
     let running = vm.start(&work).unwrap();
     loop {
         // A VMM write (e.g. device emulation) next to the u64 the guest writes in a page.
-        let page = layout::RAM_GPA + (vmm_pages.len() as u64 * 7919 % (WRITE_SPAN / PAGE_SIZE)) * PAGE_SIZE;
+        let page = layout::RAM_GPA
+            + (vmm_pages.len() as u64 * 7919 % (WRITE_SPAN / PAGE_SIZE)) * PAGE_SIZE;
         memory.write(page + 100, b"vmm").unwrap();
         vmm_pages.push(page);
         let dirty = tracker.harvest().unwrap();
@@ -91,21 +93,37 @@ fn no_page_missed(mode: Mode, vcpus: usize, ring_entries: u32) -> u64 {
         for (n, &(gpa, value)) in schedule.iter().enumerate() {
             let logged = memory.read_u64(log_gpa + 8 * n as u64).unwrap();
             assert_eq!(logged, gpa, "write {n} of the schedule went elsewhere");
-            assert!(reported.contains(&gpa), "{mode}: page {gpa:#x} written by the guest was never reported");
+            assert!(
+                reported.contains(&gpa),
+                "{mode}: page {gpa:#x} written by the guest was never reported"
+            );
             last.insert(gpa, value);
         }
         for (&gpa, &value) in &last {
-            assert_eq!(memory.read_u64(gpa).unwrap(), value, "page {gpa:#x} holds the wrong value");
+            assert_eq!(
+                memory.read_u64(gpa).unwrap(),
+                value,
+                "page {gpa:#x} holds the wrong value"
+            );
         }
         guest_pages += last.len() as u64;
         for log_page in (log_gpa..log_gpa + writes * 8).step_by(PAGE_SIZE as usize) {
-            assert!(reported.contains(&log_page), "{mode}: log page {log_page:#x} never reported");
+            assert!(
+                reported.contains(&log_page),
+                "{mode}: log page {log_page:#x} never reported"
+            );
         }
     }
     for page in vmm_pages {
-        assert!(reported.contains(&page), "{mode}: page {page:#x} written by the VMM was never reported");
+        assert!(
+            reported.contains(&page),
+            "{mode}: page {page:#x} written by the VMM was never reported"
+        );
     }
-    assert!(guest_pages > 1000, "the schedule should touch many pages, touched {guest_pages}");
+    assert!(
+        guest_pages > 1000,
+        "the schedule should touch many pages, touched {guest_pages}"
+    );
     tracker.stop().unwrap();
     vm.dirty_ring_full_exits()
 }
@@ -152,7 +170,10 @@ fn bitmap_reports_every_page_2_vcpus() {
 #[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
 fn tiny_ring_fills_and_loses_nothing() {
     let full_exits = no_page_missed(Mode::Ring, 2, TINY_RING_ENTRIES);
-    assert!(full_exits > 0, "the tiny ring never filled, so the test proved nothing");
+    assert!(
+        full_exits > 0,
+        "the tiny ring never filled, so the test proved nothing"
+    );
 }
 
 /// The smallest ring KVM accepts here (4 KiB is below its reserve of entries).
@@ -176,7 +197,10 @@ fn each_write_reported_once() {
         let mut got = HashSet::new();
         consume(&mut tracker, dirty, &mut got);
         assert_eq!(got, HashSet::from(pages), "{mode}");
-        assert!(tracker.harvest().unwrap().is_empty(), "{mode}: reported twice");
+        assert!(
+            tracker.harvest().unwrap().is_empty(),
+            "{mode}: reported twice"
+        );
         tracker.stop().unwrap();
     }
 }
@@ -186,10 +210,16 @@ fn each_write_reported_once() {
 fn bad_inputs_are_named() {
     let plain = vm(Mode::Bitmap, 1, 0);
     let e = Tracker::start(&plain, Mode::Ring).err().unwrap();
-    assert!(e.to_string().contains("'ring'") && e.to_string().contains("without dirty rings"), "{e}");
+    assert!(
+        e.to_string().contains("'ring'") && e.to_string().contains("without dirty rings"),
+        "{e}"
+    );
     let ringed = vm(Mode::Ring, 1, 4096);
     let e = Tracker::start(&ringed, Mode::Manual).err().unwrap();
-    assert!(e.to_string().contains("'manual'") && e.to_string().contains("KVM_GET_DIRTY_LOG"), "{e}");
+    assert!(
+        e.to_string().contains("'manual'") && e.to_string().contains("KVM_GET_DIRTY_LOG"),
+        "{e}"
+    );
 
     let mut tracker = Tracker::start(&plain, Mode::Bitmap).unwrap();
     plain.memory().write_u64(layout::RAM_GPA, 1).unwrap();
@@ -261,7 +291,11 @@ fn mixed_writes_its_share_of_pages() {
     for page in 0..RAM / PAGE_SIZE {
         let gpa = layout::RAM_GPA + page * PAGE_SIZE;
         let draw = (((gpa >> 12).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32) * 100) >> 32;
-        let expect = if draw < 70 { 0 } else { payload::page_value(5, gpa, 0) };
+        let expect = if draw < 70 {
+            0
+        } else {
+            payload::page_value(5, gpa, 0)
+        };
         assert_eq!(vm.memory().read_u64(gpa).unwrap(), expect, "page {gpa:#x}");
         written += (draw >= 70) as u64;
     }

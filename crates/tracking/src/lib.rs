@@ -101,9 +101,9 @@ impl Mode {
     pub fn unavailable(self, kvm: &Kvm) -> Option<String> {
         match self {
             Mode::Ring => {
-                let bytes = kvm.check_extension_raw(KVM_CAP_DIRTY_LOG_RING_ACQ_REL.into()).max(
-                    kvm.check_extension_raw(KVM_CAP_DIRTY_LOG_RING.into()),
-                );
+                let bytes = kvm
+                    .check_extension_raw(KVM_CAP_DIRTY_LOG_RING_ACQ_REL.into())
+                    .max(kvm.check_extension_raw(KVM_CAP_DIRTY_LOG_RING.into()));
                 (bytes <= 0).then(|| "the kernel has no KVM_CAP_DIRTY_LOG_RING".into())
             }
             Mode::Manual => {
@@ -175,7 +175,9 @@ impl DirtyBitmap {
     /// Whether the page at guest address `gpa` is dirty.
     pub fn contains(&self, gpa: u64) -> bool {
         let page = gpa.wrapping_sub(self.gpa) / PAGE_SIZE;
-        gpa >= self.gpa && page < self.pages && self.bits[(page / 64) as usize] >> (page % 64) & 1 != 0
+        gpa >= self.gpa
+            && page < self.pages
+            && self.bits[(page / 64) as usize] >> (page % 64) & 1 != 0
     }
 
     /// The dirty pages as guest ranges `(gpa, bytes)` of consecutive pages, in address order.

@@ -8,9 +8,9 @@ use kvm_ioctls::{Kvm, VcpuExit, VcpuFd};
 use vmm_sys_util::signal::{register_signal_handler, SIGRTMIN};
 
 use crate::layout;
-use guestmem_sys::uapi::KVM_EXIT_DIRTY_RING_FULL;
 use crate::payload::DONE_GPA;
 use crate::{Error, Result};
+use guestmem_sys::uapi::KVM_EXIT_DIRTY_RING_FULL;
 
 /// The signal that kicks a vCPU thread out of `KVM_RUN` (its handler does nothing; the point is
 /// the `EINTR`).

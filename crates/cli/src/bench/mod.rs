@@ -3,15 +3,16 @@
 
 use clap::Subcommand;
 
+mod dirty_log;
+
 #[derive(Subcommand)]
 pub enum Bench {
-    /// Placeholder until the first benchmark lands.
-    #[command(hide = true)]
-    None,
+    /// Dirty-page tracking per mode, like the kernel's dirty_log_perf_test (seed 003).
+    DirtyLog(dirty_log::Args),
 }
 
 pub fn main(bench: Bench) -> crate::Result<()> {
     match bench {
-        Bench::None => Err("no benchmark selected".into()),
+        Bench::DirtyLog(args) => dirty_log::main(args),
     }
 }
