@@ -50,7 +50,6 @@ fn no_page_missed(mode: Mode, vcpus: usize, ring_entries: u32) -> u64 {
     consume(&mut tracker, first, &mut reported);
     reported.clear();
 
-    let per_vcpu = WRITE_SPAN / vcpus as u64;
     let work: Vec<VcpuWork> =
         VcpuWork::split(Workload::Touch, layout::RAM_GPA, WRITE_SPAN, vcpus, 11)
             .into_iter()

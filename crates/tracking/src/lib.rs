@@ -22,7 +22,7 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
-use guestmem_memory::{GuestMemory, PAGE_SIZE};
+use guestmem_memory::{GuestMemory, Region, PAGE_SIZE};
 use guestmem_sys::uapi::{
     kvm_clear_dirty_log, kvm_dirty_log, KVM_CAP_DIRTY_LOG_RING, KVM_CAP_DIRTY_LOG_RING_ACQ_REL,
     KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2, KVM_CLEAR_DIRTY_LOG, KVM_DIRTY_GFN_F_DIRTY,
@@ -205,6 +205,18 @@ impl DirtyBitmap {
     }
 }
 
+/// The bitmap of `slot` in a harvest being built, created empty on first use.
+fn slot_bitmap<'a>(
+    dirty: &'a mut [Option<DirtyBitmap>],
+    regions: &[Region],
+    slot: usize,
+) -> &'a mut DirtyBitmap {
+    dirty[slot].get_or_insert_with(|| {
+        let r = &regions[slot];
+        DirtyBitmap::new(slot as u32, r.gpa(), r.size() / PAGE_SIZE)
+    })
+}
+
 /// Dirty-page tracking of every memslot of one VM, from [`Tracker::start`] to [`Tracker::stop`].
 pub struct Tracker {
     mode: Mode,
@@ -292,12 +304,6 @@ impl Tracker {
     pub fn harvest(&mut self) -> Result<Vec<DirtyBitmap>> {
         let regions = self.memory.regions();
         let mut dirty: Vec<Option<DirtyBitmap>> = vec![None; regions.len()];
-        let bitmap = |dirty: &mut [Option<DirtyBitmap>], slot: usize| {
-            if dirty[slot].is_none() {
-                let r = &regions[slot];
-                dirty[slot] = Some(DirtyBitmap::new(slot as u32, r.gpa(), r.size() / PAGE_SIZE));
-            }
-        };
         match self.mode {
             Mode::Ring => {
                 let mut collected = 0u64;
@@ -313,8 +319,7 @@ impl Tracker {
                         if slot_id >= regions.len() {
                             return Err(Error::BadRingEntry { vcpu, slot });
                         }
-                        bitmap(&mut dirty, slot_id);
-                        let b = dirty[slot_id].as_mut().expect("just created");
+                        let b = slot_bitmap(&mut dirty, regions, slot_id);
                         if offset < b.pages {
                             b.bits[(offset / 64) as usize] |= 1 << (offset % 64);
                         }
@@ -360,8 +365,7 @@ impl Tracker {
                     for (w, &bits) in scratch.iter().enumerate() {
                         let new = bits & !pending.get(w).copied().unwrap_or(0);
                         if new != 0 {
-                            bitmap(&mut dirty, slot);
-                            dirty[slot].as_mut().expect("just created").bits[w] |= new;
+                            slot_bitmap(&mut dirty, regions, slot).bits[w] |= new;
                         }
                     }
                 }
@@ -371,8 +375,7 @@ impl Tracker {
             region.vmm_dirty().take_each(|w, bits| {
                 let new = bits & !self.pending[slot].get(w).copied().unwrap_or(0);
                 if new != 0 {
-                    bitmap(&mut dirty, slot);
-                    dirty[slot].as_mut().expect("just created").bits[w] |= new;
+                    slot_bitmap(&mut dirty, regions, slot).bits[w] |= new;
                 }
             });
         }
@@ -408,7 +411,7 @@ impl Tracker {
         }
         let words = (first_page / 64) as usize..(first_page + pages).div_ceil(64) as usize;
         let mut bits = dirty.bits[words.clone()].to_vec();
-        if pages % 64 != 0 && first_page + pages < dirty.pages {
+        if !pages.is_multiple_of(64) && first_page + pages < dirty.pages {
             // KVM wants whole 64-page words except at the slot's end: clear the chunk's pages only.
             *bits.last_mut().expect("non-empty chunk") &= (1u64 << (pages % 64)) - 1;
         }
