@@ -441,10 +441,23 @@ impl Tracker {
         Ok(())
     }
 
-    /// Stops dirty logging on every memslot.
+    /// Stops dirty logging on every memslot (and, in manual mode, turns manual protection off
+    /// again, so that a later bitmap-mode tracker gets the classic behaviour).
     pub fn stop(self) -> Result<()> {
         for slot in 0..self.memory.regions().len() {
             self.memory.set_slot_flags(&self.vm, slot, 0)?;
+        }
+        if self.mode == Mode::Manual {
+            self.vm
+                .enable_cap(&kvm_bindings::kvm_enable_cap {
+                    cap: KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2,
+                    ..Default::default()
+                })
+                .map_err(|e| Error::Ioctl {
+                    slot: 0,
+                    op: "KVM_ENABLE_CAP(MANUAL_DIRTY_LOG_PROTECT2, 0)",
+                    source: io::Error::from_raw_os_error(e.errno()),
+                })?;
         }
         Ok(())
     }
