@@ -104,9 +104,11 @@ pub fn main(args: Args) -> crate::Result<()> {
         "all" => Mode::ALL.to_vec(),
         m => vec![m.parse()?],
     };
-    let mut results = vec![measure(None, &args)?];
+    let progress = indicatif::ProgressBar::new_spinner();
+    progress.enable_steady_tick(Duration::from_millis(200));
+    let mut results = vec![measure(None, &args, &progress)?];
     for &mode in &modes {
-        results.push(measure(Some(mode), &args)?);
+        results.push(measure(Some(mode), &args, &progress)?);
     }
     let bitmap_rate = results
         .iter()
@@ -118,9 +120,11 @@ pub fn main(args: Args) -> crate::Result<()> {
     let mut sparse = Vec::new();
     if args.sparse > 0 {
         for &mode in &modes {
+            progress.set_message(format!("{mode}: idle harvest of a sparse VM"));
             sparse.push(idle_harvest(mode, &args)?);
         }
     }
+    progress.finish_and_clear();
     let out = Output {
         vcpus: args.vcpus,
         bytes_per_vcpu: args.bytes_per_vcpu,
@@ -146,8 +150,13 @@ fn config(mode: Option<Mode>, vcpus: usize, size: u64, ring_entries: u32) -> VmC
 }
 
 /// One VM, tracked in `mode` (or not at all): the dirty_log_perf_test phases, then the loop.
-fn measure(mode: Option<Mode>, args: &Args) -> crate::Result<ModeResult> {
+fn measure(
+    mode: Option<Mode>,
+    args: &Args,
+    progress: &indicatif::ProgressBar,
+) -> crate::Result<ModeResult> {
     let name = mode.map_or("none".to_string(), |m| m.to_string());
+    progress.set_message(format!("{name}: populating"));
     let size = args.bytes_per_vcpu * args.vcpus as u64;
     let stall = Duration::from_secs(60);
     let mut vm = Vm::new(&config(mode, args.vcpus, size, args.ring_entries))?;
@@ -168,6 +177,10 @@ fn measure(mode: Option<Mode>, args: &Args) -> crate::Result<ModeResult> {
         consume(tracker, &memory, all, &mut buf)?;
     }
 
+    progress.set_message(format!(
+        "{name}: {} dirty-log iteration(s)",
+        args.iterations
+    ));
     let mixed = Workload::Mixed {
         write_percent: args.write_percent,
         passes: None,
@@ -209,6 +222,7 @@ fn measure(mode: Option<Mode>, args: &Args) -> crate::Result<ModeResult> {
 
     // The migration-like loop: the guest dirties at full speed; every 100 ms the host harvests,
     // clears and copies out ("sends") every dirty page.
+    progress.set_message(format!("{name}: migration-like loop"));
     let mut loop_harvested_pages = 0;
     let report = {
         let running = vm.start(&work(mixed))?;
