@@ -55,6 +55,8 @@ pub enum Error {
     },
     #[error("dirty ring of vCPU {vcpu} holds an entry for memslot {slot}, which does not exist")]
     BadRingEntry { vcpu: usize, slot: u32 },
+    #[error("{op} failed: {source}")]
+    Vm { op: &'static str, source: io::Error },
     #[error("memslot {slot}: {op} failed: {source}")]
     Ioctl {
         slot: u32,
@@ -255,8 +257,7 @@ impl Tracker {
         // SAFETY: `dup` of a valid open fd; the result is checked and then owned by the VmFd.
         let fd = unsafe { libc::dup(vm.fd().as_raw_fd()) };
         if fd < 0 {
-            return Err(Error::Ioctl {
-                slot: 0,
+            return Err(Error::Vm {
                 op: "dup of the VM fd",
                 source: io::Error::last_os_error(),
             });
@@ -271,8 +272,7 @@ impl Tracker {
             };
             cap.args[0] =
                 (KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE | KVM_DIRTY_LOG_INITIALLY_SET).into();
-            vm_fd.enable_cap(&cap).map_err(|e| Error::Ioctl {
-                slot: 0,
+            vm_fd.enable_cap(&cap).map_err(|e| Error::Vm {
                 op: "KVM_ENABLE_CAP(MANUAL_DIRTY_LOG_PROTECT2)",
                 source: io::Error::from_raw_os_error(e.errno()),
             })?;
@@ -331,8 +331,7 @@ impl Tracker {
                 if collected > 0 {
                     // SAFETY: KVM_RESET_DIRTY_RINGS takes no argument and touches only the rings.
                     if unsafe { ioctl(&self.vm, KVM_RESET_DIRTY_RINGS()) } < 0 {
-                        return Err(Error::Ioctl {
-                            slot: 0,
+                        return Err(Error::Vm {
                             op: "KVM_RESET_DIRTY_RINGS",
                             source: io::Error::last_os_error(),
                         });
@@ -453,8 +452,7 @@ impl Tracker {
                     cap: KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2,
                     ..Default::default()
                 })
-                .map_err(|e| Error::Ioctl {
-                    slot: 0,
+                .map_err(|e| Error::Vm {
                     op: "KVM_ENABLE_CAP(MANUAL_DIRTY_LOG_PROTECT2, 0)",
                     source: io::Error::from_raw_os_error(e.errno()),
                 })?;
