@@ -305,3 +305,16 @@ fn mixed_writes_its_share_of_pages() {
     let share = written as f64 / (RAM / PAGE_SIZE) as f64;
     assert!((0.25..0.35).contains(&share), "{share}");
 }
+
+/// The automatic choice is a mode this kernel can actually run.
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn best_mode_starts() {
+    let mode = Mode::best().unwrap();
+    let vm = vm(mode, 1, 4096);
+    let mut tracker = Tracker::start(&vm, mode).unwrap();
+    vm.memory().write_u64(layout::RAM_GPA, 1).unwrap();
+    let dirty = tracker.harvest().unwrap();
+    assert!(dirty.iter().any(|b| b.contains(layout::RAM_GPA)), "{mode}");
+    tracker.stop().unwrap();
+}

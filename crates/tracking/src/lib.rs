@@ -460,3 +460,39 @@ impl Tracker {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bitmap_ranges_count_and_contains() {
+        let mut b = DirtyBitmap::new(3, 0x4000_0000, 200);
+        for page in [0, 1, 2, 63, 64, 65, 130, 199] {
+            b.bits[page / 64] |= 1 << (page % 64);
+        }
+        let ranges: Vec<(u64, u64)> = b.ranges().collect();
+        let page = |p: u64| 0x4000_0000 + p * PAGE_SIZE;
+        assert_eq!(
+            ranges,
+            [
+                (page(0), 3 * PAGE_SIZE),
+                (page(63), 3 * PAGE_SIZE),
+                (page(130), PAGE_SIZE),
+                (page(199), PAGE_SIZE)
+            ]
+        );
+        assert_eq!(b.count(), 8);
+        assert!(b.contains(page(65)) && !b.contains(page(66)));
+        assert!(!b.contains(page(200)) && !b.contains(0x3fff_f000));
+        assert_eq!(DirtyBitmap::new(0, 0, 64).ranges().count(), 0);
+    }
+
+    #[test]
+    fn modes_parse_by_name() {
+        for m in Mode::ALL {
+            assert_eq!(m.name().parse::<Mode>().unwrap(), m);
+        }
+        assert!(matches!("all".parse::<Mode>(), Err(Error::UnknownMode(s)) if s == "all"));
+    }
+}
