@@ -318,3 +318,31 @@ fn best_mode_starts() {
     assert!(dirty.iter().any(|b| b.contains(layout::RAM_GPA)), "{mode}");
     tracker.stop().unwrap();
 }
+
+/// A second tracker on the same VM (after `stop`) picks up where the rings are now, in every mode.
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn tracker_restarts_on_the_same_vm() {
+    for mode in Mode::ALL {
+        let mut vm = vm(mode, 1, 4096);
+        for round in 0..3 {
+            let mut tracker = Tracker::start(&vm, mode).unwrap();
+            let mut reported = HashSet::new();
+            let first = tracker.harvest().unwrap();
+            consume(&mut tracker, first, &mut reported);
+            reported.clear();
+            let gpa = layout::RAM_GPA + round * (1 << 20);
+            let work = VcpuWork::split(Workload::Touch, gpa, 1 << 20, 1, round);
+            vm.run(&work, Duration::from_secs(10)).unwrap();
+            let dirty = tracker.harvest().unwrap();
+            consume(&mut tracker, dirty, &mut reported);
+            for page in (gpa..gpa + (1 << 20)).step_by(PAGE_SIZE as usize) {
+                assert!(
+                    reported.contains(&page),
+                    "{mode}, round {round}: {page:#x} missed"
+                );
+            }
+            tracker.stop().unwrap();
+        }
+    }
+}

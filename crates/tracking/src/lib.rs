@@ -25,14 +25,13 @@ use std::sync::Arc;
 use guestmem_memory::{GuestMemory, Region, PAGE_SIZE};
 use guestmem_sys::uapi::{
     kvm_clear_dirty_log, kvm_dirty_log, KVM_CAP_DIRTY_LOG_RING, KVM_CAP_DIRTY_LOG_RING_ACQ_REL,
-    KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2, KVM_CLEAR_DIRTY_LOG, KVM_DIRTY_GFN_F_DIRTY,
-    KVM_DIRTY_GFN_F_RESET, KVM_DIRTY_LOG_INITIALLY_SET, KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE,
-    KVM_GET_DIRTY_LOG, KVM_MEM_LOG_DIRTY_PAGES, KVM_RESET_DIRTY_RINGS,
+    KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2, KVM_CLEAR_DIRTY_LOG, KVM_DIRTY_LOG_INITIALLY_SET,
+    KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE, KVM_GET_DIRTY_LOG, KVM_MEM_LOG_DIRTY_PAGES,
+    KVM_RESET_DIRTY_RINGS,
 };
 use guestmem_vm::{DirtyRing, Vm};
 use kvm_ioctls::{Kvm, VmFd};
 use serde::Serialize;
-use std::sync::atomic::Ordering;
 use vmm_sys_util::ioctl::{ioctl, ioctl_with_ref};
 
 pub type Result<T> = std::result::Result<T, Error>;
@@ -226,8 +225,6 @@ pub struct Tracker {
     vm: VmFd,
     memory: Arc<GuestMemory>,
     rings: Arc<Vec<DirtyRing>>,
-    /// Ring mode: the next entry to collect, per vCPU.
-    ring_next: Vec<u32>,
     /// Bitmap and manual modes: `KVM_GET_DIRTY_LOG` output, per slot (kept to avoid faults).
     scratch: Vec<Vec<u64>>,
     /// Manual mode: pages reported but not yet cleared, per slot; not reported again.
@@ -286,7 +283,6 @@ impl Tracker {
         let slot_words = |_| Vec::new();
         Ok(Tracker {
             mode,
-            ring_next: vec![0; vm.dirty_rings().len()],
             rings: vm.dirty_rings().clone(),
             scratch: (0..memory.regions().len()).map(slot_words).collect(),
             pending: (0..memory.regions().len()).map(slot_words).collect(),
@@ -308,24 +304,20 @@ impl Tracker {
             Mode::Ring => {
                 let mut collected = 0u64;
                 for (vcpu, ring) in self.rings.iter().enumerate() {
-                    let next = &mut self.ring_next[vcpu];
-                    loop {
-                        let flags = ring.flags(*next);
-                        if flags.load(Ordering::Acquire) & KVM_DIRTY_GFN_F_DIRTY == 0 {
-                            break;
-                        }
-                        let (slot, offset) = ring.gfn(*next);
+                    let mut bad_slot = None;
+                    collected += u64::from(ring.collect(|slot, offset| {
                         let slot_id = (slot & 0xffff) as usize;
                         if slot_id >= regions.len() {
-                            return Err(Error::BadRingEntry { vcpu, slot });
+                            bad_slot = Some(slot);
+                            return;
                         }
                         let b = slot_bitmap(&mut dirty, regions, slot_id);
                         if offset < b.pages {
                             b.bits[(offset / 64) as usize] |= 1 << (offset % 64);
                         }
-                        flags.store(KVM_DIRTY_GFN_F_RESET, Ordering::Release);
-                        *next = next.wrapping_add(1);
-                        collected += 1;
+                    }));
+                    if let Some(slot) = bad_slot {
+                        return Err(Error::BadRingEntry { vcpu, slot });
                     }
                 }
                 if collected > 0 {
