@@ -280,12 +280,12 @@ impl Tracker {
         for slot in 0..memory.regions().len() {
             memory.set_slot_flags(&vm_fd, slot, KVM_MEM_LOG_DIRTY_PAGES)?;
         }
-        let slot_words = |_| Vec::new();
+        let slots = memory.regions().len();
         Ok(Tracker {
             mode,
             rings: vm.dirty_rings().clone(),
-            scratch: (0..memory.regions().len()).map(slot_words).collect(),
-            pending: (0..memory.regions().len()).map(slot_words).collect(),
+            scratch: vec![Vec::new(); slots],
+            pending: vec![Vec::new(); slots],
             vm: vm_fd,
             memory,
         })
@@ -433,7 +433,8 @@ impl Tracker {
     }
 
     /// Stops dirty logging on every memslot (and, in manual mode, turns manual protection off
-    /// again, so that a later bitmap-mode tracker gets the classic behaviour).
+    /// again, so that a later bitmap-mode tracker gets the classic behaviour). Dropping a tracker
+    /// without `stop` leaves logging on.
     pub fn stop(self) -> Result<()> {
         for slot in 0..self.memory.regions().len() {
             self.memory.set_slot_flags(&self.vm, slot, 0)?;
