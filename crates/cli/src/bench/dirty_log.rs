@@ -1,8 +1,12 @@
 //! `guestmem bench dirty-log`: the kernel's dirty_log_perf_test, for each tracking mode in one
 //! run (seed 003): populate, enable logging, per-iteration dirty time and get/clear time, disable;
-//! then the guest's dirty rate in a migration-like loop that harvests and consumes every 100 ms,
-//! with no tracking and under each mode; and the idle harvest of a large, sparse VM.
+//! then the guest's dirty rate in a migration-like loop (a fresh pre-copy: enable, first pass over
+//! all memory, then rounds; harvest every 100 ms, send at a set bandwidth, clear each chunk just
+//! before sending it), with no tracking and under each mode; and the idle harvest of a large,
+//! sparse VM.
 
+use std::collections::VecDeque;
+use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use guestmem_memory::{Backend, GuestMemory, PAGE_SIZE};
@@ -29,9 +33,13 @@ pub struct Args {
     /// Percentage of pages the guest writes (the others it reads), 0-100.
     #[arg(short = 'w', long, default_value_t = 100)]
     write_percent: u64,
-    /// Length of the migration-like loop (harvest and consume every 100 ms), in seconds.
+    /// Length of the migration-like loop (harvest every 100 ms, send at --send-mib-per-s), in
+    /// seconds.
     #[arg(long, default_value_t = 2.0)]
     loop_seconds: f64,
+    /// Send bandwidth of the migration-like loop, MiB/s (1024: about a 10 Gbit/s link).
+    #[arg(long, default_value_t = 1024)]
+    send_mib_per_s: u64,
     /// Dirty ring entries per vCPU (ring mode).
     #[arg(long, default_value_t = DEFAULT_RING_ENTRIES)]
     ring_entries: u32,
@@ -89,6 +97,9 @@ pub fn main(args: Args) -> crate::Result<()> {
     }
     if args.write_percent > 100 {
         return Err(format!("-w {} is above 100 percent", args.write_percent).into());
+    }
+    if args.send_mib_per_s == 0 {
+        return Err("--send-mib-per-s must be at least 1".into());
     }
     if !(args.loop_seconds.is_finite() && args.loop_seconds > 0.0) {
         return Err("--loop-seconds must be a positive number".into());
@@ -220,29 +231,71 @@ fn measure(
         running.wait(stall)?;
     }
 
-    // The migration-like loop: the guest dirties at full speed; every 100 ms the host harvests,
-    // clears and copies out ("sends") every dirty page.
+    let t = Instant::now();
+    if let Some(tracker) = tracker.take() {
+        tracker.stop()?;
+    }
+    let disable_ms = ms(t);
+
+    // The migration-like loop, a fresh pre-copy: logging is enabled just as the guest starts
+    // dirtying at full speed; the first pass sends all of memory, later rounds what was dirtied.
+    // Every 100 ms the host harvests and queues the dirty chunks, then sends chunks from the
+    // queue at --send-mib-per-s, clearing each just before sending it.
     progress.set_message(format!("{name}: migration-like loop"));
     let mut loop_harvested_pages = 0;
+    let pages_per_period = (args.send_mib_per_s << 20) / PAGE_SIZE / 10;
+    let mut tracker = mode.map(|m| Tracker::start(&vm, m)).transpose()?;
+    let mut queue: VecDeque<(Rc<DirtyBitmap>, u64)> = VecDeque::new();
+    if mode.is_some_and(|m| m != Mode::Manual) {
+        // Manual mode's first harvest reports all of memory by itself (INITIALLY_SET).
+        for (slot, r) in memory.regions().iter().enumerate() {
+            let pages = r.size() / PAGE_SIZE;
+            let all = Rc::new(DirtyBitmap {
+                slot: slot as u32,
+                gpa: r.gpa(),
+                pages,
+                bits: vec![u64::MAX; pages.div_ceil(64) as usize],
+            });
+            queue.extend(
+                (0..pages)
+                    .step_by(CHUNK_PAGES as usize)
+                    .map(|f| (all.clone(), f)),
+            );
+        }
+    }
     let report = {
         let running = vm.start(&work(mixed))?;
         let end = Instant::now() + Duration::from_secs_f64(args.loop_seconds);
         while Instant::now() < end {
             std::thread::sleep(HARVEST_PERIOD);
-            if let Some(tracker) = tracker.as_mut() {
-                let dirty = tracker.harvest()?;
-                loop_harvested_pages += dirty.iter().map(DirtyBitmap::count).sum::<u64>();
-                consume(tracker, &memory, dirty, &mut buf)?;
+            let Some(tracker) = tracker.as_mut() else {
+                continue;
+            };
+            for b in tracker.harvest()? {
+                loop_harvested_pages += b.count();
+                let b = Rc::new(b);
+                queue.extend(
+                    (0..b.pages)
+                        .step_by(CHUNK_PAGES as usize)
+                        .map(|f| (b.clone(), f)),
+                );
+            }
+            let mut budget = pages_per_period;
+            while budget > 0 {
+                let Some((b, first)) = queue.pop_front() else {
+                    break;
+                };
+                let pages = CHUNK_PAGES.min(b.pages - first);
+                tracker.clear(&b, first, pages)?;
+                budget = budget.saturating_sub(send_chunk(&memory, &b, first, pages, &mut buf)?);
             }
         }
         running.stop();
         running.wait(stall)?
     };
-    let t = Instant::now();
     if let Some(tracker) = tracker {
         tracker.stop()?;
     }
-    let disable_ms = ms(t);
     Ok(ModeResult {
         mode: name,
         populate_ms,
@@ -269,18 +322,33 @@ fn consume(
         for first in (0..b.pages).step_by(CHUNK_PAGES as usize) {
             let pages = CHUNK_PAGES.min(b.pages - first);
             tracker.clear(b, first, pages)?;
-            let chunk_gpa = b.gpa + first * PAGE_SIZE;
-            let chunk_end = chunk_gpa + pages * PAGE_SIZE;
-            for (gpa, len) in b.ranges().skip_while(|&(g, l)| g + l <= chunk_gpa) {
-                if gpa >= chunk_end {
-                    break;
-                }
-                let (from, to) = (gpa.max(chunk_gpa), (gpa + len).min(chunk_end));
-                memory.read(from, &mut buf[..(to - from) as usize])?;
-            }
+            send_chunk(memory, b, first, pages, buf)?;
         }
     }
     Ok(())
+}
+
+/// Copies the dirty pages of chunk `[first, first + pages)` of `b` out ("sends" them); returns
+/// how many pages that was.
+fn send_chunk(
+    memory: &GuestMemory,
+    b: &DirtyBitmap,
+    first: u64,
+    pages: u64,
+    buf: &mut [u8],
+) -> crate::Result<u64> {
+    let chunk_gpa = b.gpa + first * PAGE_SIZE;
+    let chunk_end = chunk_gpa + pages * PAGE_SIZE;
+    let mut sent = 0;
+    for (gpa, len) in b.ranges().skip_while(|&(g, l)| g + l <= chunk_gpa) {
+        if gpa >= chunk_end {
+            break;
+        }
+        let (from, to) = (gpa.max(chunk_gpa), (gpa + len).min(chunk_end));
+        memory.read(from, &mut buf[..(to - from) as usize])?;
+        sent += (to - from) / PAGE_SIZE;
+    }
+    Ok(sent)
 }
 
 /// Whether every vCPU has finished pass `generation` (started at `since`).
