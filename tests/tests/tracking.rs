@@ -14,6 +14,10 @@ const RAM: u64 = 64 << 20;
 const WRITE_SPAN: u64 = 48 << 20;
 const WRITES: u64 = 30_000;
 const CHUNK_PAGES: u64 = 4096;
+/// Harvest periods: often (harvests overlap the guest's writes), and seldom enough that a tiny
+/// ring fills between harvests even on a loaded machine.
+const FAST: Duration = Duration::from_millis(2);
+const SLOW: Duration = Duration::from_millis(100);
 
 fn vm(mode: Mode, vcpus: usize, ring_entries: u32) -> Vm {
     let mut config = VmConfig::simple(vcpus, RAM, Backend::Anon);
@@ -38,9 +42,9 @@ fn consume(tracker: &mut Tracker, dirty: Vec<DirtyBitmap>, reported: &mut HashSe
 }
 
 /// The guest writes pages on a pseudo-random schedule (logging each in guest memory) while the
-/// VMM writes pages too and the host harvests and consumes every few ms; after the final harvest
+/// VMM writes pages too and the host harvests and consumes every `period`; after the final harvest
 /// every written page must have been reported.
-fn no_page_missed(mode: Mode, vcpus: usize, ring_entries: u32) -> u64 {
+fn no_page_missed(mode: Mode, vcpus: usize, ring_entries: u32, period: Duration) -> u64 {
     let mut vm = vm(mode, vcpus, ring_entries);
     let mut tracker = Tracker::start(&vm, mode).unwrap();
     assert_eq!(tracker.mode(), mode);
@@ -50,7 +54,6 @@ fn no_page_missed(mode: Mode, vcpus: usize, ring_entries: u32) -> u64 {
     consume(&mut tracker, first, &mut reported);
     reported.clear();
 
-    let per_vcpu = WRITE_SPAN / vcpus as u64;
     let work: Vec<VcpuWork> =
         VcpuWork::split(Workload::Touch, layout::RAM_GPA, WRITE_SPAN, vcpus, 11)
             .into_iter()
@@ -77,7 +80,7 @@ fn no_page_missed(mode: Mode, vcpus: usize, ring_entries: u32) -> u64 {
         if running.progress().iter().all(|&(done, _)| done >= WRITES) {
             break;
         }
-        std::thread::sleep(Duration::from_millis(2));
+        std::thread::sleep(period);
     }
     running.wait(Duration::from_secs(10)).unwrap();
     let dirty = tracker.harvest().unwrap();
@@ -131,37 +134,37 @@ fn no_page_missed(mode: Mode, vcpus: usize, ring_entries: u32) -> u64 {
 #[test]
 #[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
 fn ring_reports_every_page_1_vcpu() {
-    no_page_missed(Mode::Ring, 1, guestmem_tracking::DEFAULT_RING_ENTRIES);
+    no_page_missed(Mode::Ring, 1, guestmem_tracking::DEFAULT_RING_ENTRIES, FAST);
 }
 
 #[test]
 #[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
 fn ring_reports_every_page_2_vcpus() {
-    no_page_missed(Mode::Ring, 2, guestmem_tracking::DEFAULT_RING_ENTRIES);
+    no_page_missed(Mode::Ring, 2, guestmem_tracking::DEFAULT_RING_ENTRIES, FAST);
 }
 
 #[test]
 #[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
 fn manual_reports_every_page_1_vcpu() {
-    no_page_missed(Mode::Manual, 1, 0);
+    no_page_missed(Mode::Manual, 1, 0, FAST);
 }
 
 #[test]
 #[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
 fn manual_reports_every_page_2_vcpus() {
-    no_page_missed(Mode::Manual, 2, 0);
+    no_page_missed(Mode::Manual, 2, 0, FAST);
 }
 
 #[test]
 #[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
 fn bitmap_reports_every_page_1_vcpu() {
-    no_page_missed(Mode::Bitmap, 1, 0);
+    no_page_missed(Mode::Bitmap, 1, 0, FAST);
 }
 
 #[test]
 #[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
 fn bitmap_reports_every_page_2_vcpus() {
-    no_page_missed(Mode::Bitmap, 2, 0);
+    no_page_missed(Mode::Bitmap, 2, 0, FAST);
 }
 
 /// A ring far smaller than the dirty set fills again and again; the vCPUs wait and the set is
@@ -169,7 +172,7 @@ fn bitmap_reports_every_page_2_vcpus() {
 #[test]
 #[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
 fn tiny_ring_fills_and_loses_nothing() {
-    let full_exits = no_page_missed(Mode::Ring, 2, TINY_RING_ENTRIES);
+    let full_exits = no_page_missed(Mode::Ring, 2, TINY_RING_ENTRIES, SLOW);
     assert!(
         full_exits > 0,
         "the tiny ring never filled, so the test proved nothing"
@@ -301,4 +304,45 @@ fn mixed_writes_its_share_of_pages() {
     }
     let share = written as f64 / (RAM / PAGE_SIZE) as f64;
     assert!((0.25..0.35).contains(&share), "{share}");
+}
+
+/// The automatic choice is a mode this kernel can actually run.
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn best_mode_starts() {
+    let mode = Mode::best().unwrap();
+    let vm = vm(mode, 1, 4096);
+    let mut tracker = Tracker::start(&vm, mode).unwrap();
+    vm.memory().write_u64(layout::RAM_GPA, 1).unwrap();
+    let dirty = tracker.harvest().unwrap();
+    assert!(dirty.iter().any(|b| b.contains(layout::RAM_GPA)), "{mode}");
+    tracker.stop().unwrap();
+}
+
+/// A second tracker on the same VM (after `stop`) picks up where the rings are now, in every mode.
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn tracker_restarts_on_the_same_vm() {
+    for mode in Mode::ALL {
+        let mut vm = vm(mode, 1, 4096);
+        for round in 0..3 {
+            let mut tracker = Tracker::start(&vm, mode).unwrap();
+            let mut reported = HashSet::new();
+            let first = tracker.harvest().unwrap();
+            consume(&mut tracker, first, &mut reported);
+            reported.clear();
+            let gpa = layout::RAM_GPA + round * (1 << 20);
+            let work = VcpuWork::split(Workload::Touch, gpa, 1 << 20, 1, round);
+            vm.run(&work, Duration::from_secs(10)).unwrap();
+            let dirty = tracker.harvest().unwrap();
+            consume(&mut tracker, dirty, &mut reported);
+            for page in (gpa..gpa + (1 << 20)).step_by(PAGE_SIZE as usize) {
+                assert!(
+                    reported.contains(&page),
+                    "{mode}, round {round}: {page:#x} missed"
+                );
+            }
+            tracker.stop().unwrap();
+        }
+    }
 }

@@ -2,9 +2,12 @@
 //! thread can collect it while the vCPU runs.
 
 use std::ptr::NonNull;
-use std::sync::atomic::AtomicU32;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Mutex;
 
-use guestmem_sys::uapi::{kvm_dirty_gfn, KVM_DIRTY_LOG_PAGE_OFFSET};
+use guestmem_sys::uapi::{
+    kvm_dirty_gfn, KVM_DIRTY_GFN_F_DIRTY, KVM_DIRTY_GFN_F_RESET, KVM_DIRTY_LOG_PAGE_OFFSET,
+};
 use kvm_ioctls::VcpuFd;
 use std::os::fd::AsRawFd;
 
@@ -14,10 +17,13 @@ use crate::{Error, Result};
 pub struct DirtyRing {
     gfns: NonNull<kvm_dirty_gfn>,
     entries: u32,
+    /// The next entry to collect (the kernel's reset index follows it).
+    next: Mutex<u32>,
 }
 
 // SAFETY: the mapping is plain shared memory owned by this struct until drop; entries are only
-// accessed through volatile reads and the atomic `flags` word, as the kernel's protocol requires.
+// accessed through volatile reads and the atomic `flags` word, as the kernel's protocol requires,
+// by one collector at a time (`next` is locked).
 unsafe impl Send for DirtyRing {}
 // SAFETY: as above; concurrent readers see the same kernel-shared memory.
 unsafe impl Sync for DirtyRing {}
@@ -50,6 +56,7 @@ impl DirtyRing {
         Ok(DirtyRing {
             gfns: NonNull::new(addr.cast()).expect("mmap never returns NULL on success"),
             entries: bytes / std::mem::size_of::<kvm_dirty_gfn>() as u32,
+            next: Mutex::new(0),
         })
     }
 
@@ -58,26 +65,32 @@ impl DirtyRing {
         self.entries
     }
 
-    /// The flags word of entry `i % entries` (`KVM_DIRTY_GFN_F_DIRTY` set by the kernel,
-    /// `KVM_DIRTY_GFN_F_RESET` set by the harvester).
-    pub fn flags(&self, i: u32) -> &AtomicU32 {
-        let e = self.entry(i);
-        // SAFETY: `flags` is the first, 4-byte aligned u32 of a live entry of the mapping, which
-        // lives as long as `self`; the kernel also accesses it atomically.
-        unsafe { AtomicU32::from_ptr(std::ptr::addr_of_mut!((*e).flags)) }
-    }
-
-    /// The (slot, page offset in the slot) of entry `i % entries`; read it only after seeing
-    /// `KVM_DIRTY_GFN_F_DIRTY` in its flags (with acquire ordering).
-    pub fn gfn(&self, i: u32) -> (u32, u64) {
-        let e = self.entry(i);
-        // SAFETY: `e` points into the live mapping; the fields are aligned; volatile because the
-        // kernel writes them.
-        unsafe {
-            (
-                std::ptr::read_volatile(std::ptr::addr_of!((*e).slot)),
-                std::ptr::read_volatile(std::ptr::addr_of!((*e).offset)),
-            )
+    /// Collects every entry the kernel has published since the last call, in order: calls
+    /// `f(slot, page offset in the slot)` for each and marks it `KVM_DIRTY_GFN_F_RESET`. Returns
+    /// how many it collected; the caller then issues `KVM_RESET_DIRTY_RINGS` so the kernel can
+    /// reuse them. One collector at a time (the position is kept here, across trackers).
+    pub fn collect(&self, mut f: impl FnMut(u32, u64)) -> u32 {
+        let mut next = self.next.lock().unwrap_or_else(|e| e.into_inner());
+        let start = *next;
+        loop {
+            let e = self.entry(*next);
+            // SAFETY: `flags` is the first, 4-byte aligned u32 of a live entry of the mapping,
+            // which lives as long as `self`; the kernel also accesses it atomically.
+            let flags = unsafe { AtomicU32::from_ptr(std::ptr::addr_of_mut!((*e).flags)) };
+            if flags.load(Ordering::Acquire) & KVM_DIRTY_GFN_F_DIRTY == 0 {
+                return next.wrapping_sub(start);
+            }
+            // SAFETY: `e` points into the live mapping; the fields are aligned; volatile because
+            // the kernel writes them (before publishing the flags, which we read with Acquire).
+            let (slot, offset) = unsafe {
+                (
+                    std::ptr::read_volatile(std::ptr::addr_of!((*e).slot)),
+                    std::ptr::read_volatile(std::ptr::addr_of!((*e).offset)),
+                )
+            };
+            f(slot, offset);
+            flags.store(KVM_DIRTY_GFN_F_RESET, Ordering::Release);
+            *next = next.wrapping_add(1);
         }
     }
 

@@ -4,6 +4,7 @@
 use clap::Subcommand;
 
 mod demand_paging;
+mod dirty_log;
 mod memslots;
 mod populate;
 
@@ -15,6 +16,8 @@ pub enum Bench {
     DemandPaging(demand_paging::Args),
     /// Seed 002: memslot_perf_test over the memslot manager, and cached vs fresh device accesses.
     Memslots(memslots::Args),
+    /// Seed 003: dirty-page tracking per mode, like the kernel's dirty_log_perf_test.
+    DirtyLog(dirty_log::Args),
 }
 
 pub fn main(bench: Bench) -> crate::Result<()> {
@@ -22,5 +25,6 @@ pub fn main(bench: Bench) -> crate::Result<()> {
         Bench::Populate(args) => populate::main(args),
         Bench::DemandPaging(args) => demand_paging::main(args),
         Bench::Memslots(args) => memslots::main(args),
+        Bench::DirtyLog(args) => dirty_log::main(args),
     }
 }
