@@ -390,7 +390,11 @@ impl Pager {
     pub fn memory_bytes(&self) -> u64 {
         let s = &self.shared;
         let threads = (s.handlers + usize::from(s.background)) as u64;
-        let bounce = if s.mode == Mode::Copy { s.bounce } else { 0 };
+        let bounce = if s.mode == Mode::Copy && s.source.mapped().is_none() {
+            s.bounce
+        } else {
+            0
+        };
         let event_buffers = s.handlers as u64 * EVENT_BATCH as u64 * 32;
         s.states.len() as u64 + threads * bounce + event_buffers
     }
@@ -480,6 +484,10 @@ impl Shared {
 
     /// A handler thread: reads events in batches from the `served` userfaultfds until stopped.
     fn serve_faults(&self, served: &[usize]) {
+        // A vCPU waits while its fault is served: handlers run ahead of the vCPU threads when
+        // the host is busy (best effort: raising priority needs CAP_SYS_NICE).
+        // SAFETY: setpriority on this thread only (a tid is a valid PRIO_PROCESS `who`).
+        unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, -10) };
         let mut events = EventBuffer::new(EVENT_BATCH);
         let mut bounce = Vec::new();
         let mut fds: Vec<libc::pollfd> = std::iter::once(self.stop.as_raw_fd())
@@ -695,6 +703,28 @@ impl Shared {
         let uffd = &self.uffds[shard];
         let (start, len) = self.byte_range(chunk..chunk + 1);
         match self.mode {
+            Mode::Copy if self.source.mapped().is_some() => {
+                let src = self.source.mapped().expect("checked");
+                // SAFETY: the pager checked that the source holds at least the region's size.
+                let src = unsafe { src.add(start as usize) };
+                let copied = self
+                    .copy(uffd, src, start, len)
+                    .map_err(|e| Error::SourceFailed {
+                        region: self.region.clone(),
+                        gpa: self.gpa + start,
+                        len,
+                        attempts: 1,
+                        source: io::Error::other(e.to_string()),
+                    })?;
+                if copied {
+                    uffd.wake(
+                        (self.host + start as usize) as *mut libc::c_void,
+                        len as usize,
+                    )
+                    .map_err(|e| self.uffd_error("UFFDIO_WAKE", e))?;
+                }
+                Ok(copied)
+            }
             Mode::Copy => {
                 if bounce.len() < self.bounce as usize {
                     bounce.resize(self.bounce as usize, 0);
