@@ -707,6 +707,16 @@ impl Shared {
                 let src = self.source.mapped().expect("checked");
                 // SAFETY: the pager checked that the source holds at least the region's size.
                 let src = unsafe { src.add(start as usize) };
+                // Map the chunk's source pages in one call rather than one fault each inside
+                // the copy (the source stays lazy: only this chunk is read).
+                // SAFETY: advice on the source's own read-only mapping; it changes nothing.
+                unsafe {
+                    libc::madvise(
+                        src as *mut libc::c_void,
+                        len as usize,
+                        libc::MADV_POPULATE_READ,
+                    )
+                };
                 let copied = self
                     .copy(uffd, src, start, len)
                     .map_err(|e| Error::SourceFailed {
