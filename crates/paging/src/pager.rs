@@ -805,6 +805,10 @@ impl Shared {
             (self.host + off as usize) as *mut libc::c_void,
             self.page as usize,
         );
+        // After retirement the range is unregistered (which woke the vCPU): nothing to refill.
+        if self.retired.load(Ordering::Acquire) {
+            return;
+        }
         if let Err(e) = result {
             tracing::warn!(region = %self.region, "refilling a discarded page: {e}");
         }
