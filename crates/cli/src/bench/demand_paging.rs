@@ -347,3 +347,32 @@ fn print_table(out: &Output) {
         format!("{:.3}%", c.pager_memory_ratio_vs_guest * 100.0)
     });
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: super::Args,
+    }
+
+    fn error_of(argv: &[&str]) -> String {
+        let cli = Cli::try_parse_from(std::iter::once("demand-paging").chain(argv.iter().copied()))
+            .expect("the arguments parse");
+        super::main(cli.args).expect_err("refused").to_string()
+    }
+
+    #[test]
+    fn bad_arguments_are_refused_before_any_work() {
+        assert!(error_of(&["-v", "1,0"]).contains("-v: every vCPU count must be at least 1"));
+        assert!(error_of(&["--repeat", "0"]).contains("--repeat"));
+        let e = error_of(&["-b", "3M"]);
+        assert!(
+            e.contains("-b 3145728") && e.contains("fault-around"),
+            "{e}"
+        );
+        assert!(Cli::try_parse_from(["demand-paging", "-u", "WP"]).is_err());
+    }
+}
