@@ -110,7 +110,8 @@ const BOUNCE_MAX: u64 = 128 << 10;
 const EVENT_BATCH: usize = 64;
 
 /// Demand paging of one region from a [`PageSource`]. Start it after the region exists and
-/// before the guest (or anyone) touches it; dropping it stops its threads and unregisters.
+/// before the guest (or anyone) touches it; dropping it stops its threads and unregisters, after
+/// which missing pages fill with zeros: keep it until it has retired or the guest has stopped.
 pub struct Pager {
     shared: Arc<Shared>,
     threads: Vec<JoinHandle<()>>,
@@ -400,7 +401,8 @@ impl Pager {
     }
 
     /// Waits until the whole region is resident and the pager retired (`Ok(true)`), or
-    /// `timeout` passes (`Ok(false)`); a failed fetch is returned as its error.
+    /// `timeout` passes (`Ok(false)`); a failed fetch is returned as its error. Only a pager
+    /// with background fetch retires.
     pub fn wait_resident(&self, timeout: Duration) -> Result<bool> {
         let s = &self.shared;
         let deadline = Instant::now() + timeout;
