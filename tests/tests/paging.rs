@@ -74,7 +74,14 @@ fn guest_reads_source(backend: Backend, vcpus: usize, uffds: usize) {
         ensure_huge_pages(SIZE / backend.page_size());
     }
     let bytes = pattern(SIZE);
-    let source = Arc::new(FileSource::new(file_with(&bytes)).unwrap());
+    // Both ways in: copying straight from the file's mapping, and fetching into a bounce
+    // buffer (a remote peer, here without delay).
+    let file: Arc<dyn PageSource> = Arc::new(FileSource::new(file_with(&bytes)).unwrap());
+    let source: Arc<dyn PageSource> = if uffds == 1 {
+        file
+    } else {
+        Arc::new(RemoteSource::spawn(file, Duration::ZERO, 2).unwrap())
+    };
     let mut vm = Vm::new(&VmConfig::simple(vcpus, SIZE, backend)).unwrap();
     let config = PagerConfig {
         abort: Some(vm.abort_handle()),

@@ -110,7 +110,8 @@ const BOUNCE_MAX: u64 = 128 << 10;
 const EVENT_BATCH: usize = 64;
 
 /// Demand paging of one region from a [`PageSource`]. Start it after the region exists and
-/// before the guest (or anyone) touches it; dropping it stops its threads and unregisters.
+/// before the guest (or anyone) touches it; dropping it stops its threads and unregisters, after
+/// which missing pages fill with zeros: keep it until it has retired or the guest has stopped.
 pub struct Pager {
     shared: Arc<Shared>,
     threads: Vec<JoinHandle<()>>,
@@ -390,13 +391,18 @@ impl Pager {
     pub fn memory_bytes(&self) -> u64 {
         let s = &self.shared;
         let threads = (s.handlers + usize::from(s.background)) as u64;
-        let bounce = if s.mode == Mode::Copy { s.bounce } else { 0 };
+        let bounce = if s.mode == Mode::Copy && s.source.mapped().is_none() {
+            s.bounce
+        } else {
+            0
+        };
         let event_buffers = s.handlers as u64 * EVENT_BATCH as u64 * 32;
         s.states.len() as u64 + threads * bounce + event_buffers
     }
 
     /// Waits until the whole region is resident and the pager retired (`Ok(true)`), or
-    /// `timeout` passes (`Ok(false)`); a failed fetch is returned as its error.
+    /// `timeout` passes (`Ok(false)`); a failed fetch is returned as its error. Only a pager
+    /// with background fetch retires.
     pub fn wait_resident(&self, timeout: Duration) -> Result<bool> {
         let s = &self.shared;
         let deadline = Instant::now() + timeout;
@@ -480,6 +486,10 @@ impl Shared {
 
     /// A handler thread: reads events in batches from the `served` userfaultfds until stopped.
     fn serve_faults(&self, served: &[usize]) {
+        // A vCPU waits while its fault is served: handlers run ahead of the vCPU threads when
+        // the host is busy (best effort: raising priority needs CAP_SYS_NICE).
+        // SAFETY: setpriority on this thread only (a tid is a valid PRIO_PROCESS `who`).
+        unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, -10) };
         let mut events = EventBuffer::new(EVENT_BATCH);
         let mut bounce = Vec::new();
         let mut fds: Vec<libc::pollfd> = std::iter::once(self.stop.as_raw_fd())
@@ -695,6 +705,38 @@ impl Shared {
         let uffd = &self.uffds[shard];
         let (start, len) = self.byte_range(chunk..chunk + 1);
         match self.mode {
+            Mode::Copy if self.source.mapped().is_some() => {
+                let src = self.source.mapped().expect("checked");
+                // SAFETY: the pager checked that the source holds at least the region's size.
+                let src = unsafe { src.add(start as usize) };
+                // Map the chunk's source pages in one call rather than one fault each inside
+                // the copy (the source stays lazy: only this chunk is read).
+                // SAFETY: advice on the source's own read-only mapping; it changes nothing.
+                unsafe {
+                    libc::madvise(
+                        src as *mut libc::c_void,
+                        len as usize,
+                        libc::MADV_POPULATE_READ,
+                    )
+                };
+                let copied = self
+                    .copy(uffd, src, start, len)
+                    .map_err(|e| Error::SourceFailed {
+                        region: self.region.clone(),
+                        gpa: self.gpa + start,
+                        len,
+                        attempts: 1,
+                        source: io::Error::other(e.to_string()),
+                    })?;
+                if copied {
+                    uffd.wake(
+                        (self.host + start as usize) as *mut libc::c_void,
+                        len as usize,
+                    )
+                    .map_err(|e| self.uffd_error("UFFDIO_WAKE", e))?;
+                }
+                Ok(copied)
+            }
             Mode::Copy => {
                 if bounce.len() < self.bounce as usize {
                     bounce.resize(self.bounce as usize, 0);
@@ -765,6 +807,10 @@ impl Shared {
             (self.host + off as usize) as *mut libc::c_void,
             self.page as usize,
         );
+        // After retirement the range is unregistered (which woke the vCPU): nothing to refill.
+        if self.retired.load(Ordering::Acquire) {
+            return;
+        }
         if let Err(e) = result {
             tracing::warn!(region = %self.region, "refilling a discarded page: {e}");
         }

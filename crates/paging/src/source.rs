@@ -2,6 +2,7 @@
 
 use std::fs::File;
 use std::io::{self, Read, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
@@ -15,6 +16,11 @@ pub trait PageSource: Send + Sync {
     fn fetch(&self, offset: u64, buf: &mut [u8]) -> io::Result<()>;
     /// How many bytes the source holds; the pager refuses a larger region.
     fn size(&self) -> u64;
+    /// The source's bytes, if they are mapped in this process (a file source maps its file):
+    /// the pager then copies straight from them into guest memory, without a bounce buffer.
+    fn mapped(&self) -> Option<*const u8> {
+        None
+    }
 }
 
 /// Zero-filled memory of `size` bytes (a fresh VM, or pages known to be zero).
@@ -33,12 +39,20 @@ impl PageSource for ZeroSource {
     }
 }
 
-/// A local file holding the region's bytes at offset 0 (a snapshot's memory file).
+/// A local file holding the region's bytes at offset 0 (a snapshot's memory file), read
+/// through a read-only shared mapping of it.
 #[derive(Debug)]
 pub struct FileSource {
     file: File,
     size: u64,
+    map: *const u8,
 }
+
+// SAFETY: `map` is a read-only mapping owned by the source (unmapped on drop); reading it from
+// several threads is fine.
+unsafe impl Send for FileSource {}
+// SAFETY: as above.
+unsafe impl Sync for FileSource {}
 
 impl FileSource {
     pub fn open(path: &Path) -> io::Result<FileSource> {
@@ -47,7 +61,35 @@ impl FileSource {
 
     pub fn new(file: File) -> io::Result<FileSource> {
         let size = file.metadata()?.len();
-        Ok(FileSource { file, size })
+        let map = if size == 0 {
+            std::ptr::null()
+        } else {
+            // SAFETY: a fresh read-only mapping of the whole file; nothing aliases it mutably.
+            let addr = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    size as usize,
+                    libc::PROT_READ,
+                    libc::MAP_SHARED,
+                    file.as_raw_fd(),
+                    0,
+                )
+            };
+            if addr == libc::MAP_FAILED {
+                return Err(io::Error::last_os_error());
+            }
+            addr as *const u8
+        };
+        Ok(FileSource { file, size, map })
+    }
+}
+
+impl Drop for FileSource {
+    fn drop(&mut self) {
+        if !self.map.is_null() {
+            // SAFETY: the mapping made in `new`, of `size` bytes, unmapped once.
+            unsafe { libc::munmap(self.map as *mut libc::c_void, self.size as usize) };
+        }
     }
 }
 
@@ -57,6 +99,9 @@ impl PageSource for FileSource {
     }
     fn size(&self) -> u64 {
         self.size
+    }
+    fn mapped(&self) -> Option<*const u8> {
+        (!self.map.is_null()).then_some(self.map)
     }
 }
 

@@ -74,6 +74,7 @@ struct Column {
     pager_memory_ratio_vs_guest: f64,
     faults: u64,
     fault_chunks: u64,
+    readahead_chunks: u64,
     background_chunks: u64,
 }
 
@@ -150,6 +151,7 @@ pub fn main(args: Args) -> crate::Result<()> {
             pager_memory_ratio_vs_guest: pager_memory as f64 / size as f64,
             faults: stats.faults,
             fault_chunks: stats.fault_chunks,
+            readahead_chunks: stats.readahead_chunks,
             background_chunks: stats.background_chunks,
         };
         if !args.json {
@@ -167,11 +169,12 @@ pub fn main(args: Args) -> crate::Result<()> {
                 column.demand_paging_pages_per_s
             );
             println!(
-                "  ratio_vs_prepopulated: {:.2}; faults {}, chunks by fault {}, by background {}; \
-                 pager memory {} KiB ({:.3}% of guest memory)",
+                "  ratio_vs_prepopulated: {:.2}; faults {}, chunks by fault {}, by readahead {}, \
+                 by background {}; pager memory {} KiB ({:.3}% of guest memory)",
                 column.ratio_vs_prepopulated,
                 column.faults,
                 column.fault_chunks,
+                column.readahead_chunks,
                 column.background_chunks,
                 column.pager_memory_bytes >> 10,
                 column.pager_memory_ratio_vs_guest * 100.0
@@ -343,4 +346,33 @@ fn print_table(out: &Output) {
     row("pager memory / guest memory", &|c| {
         format!("{:.3}%", c.pager_memory_ratio_vs_guest * 100.0)
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: super::Args,
+    }
+
+    fn error_of(argv: &[&str]) -> String {
+        let cli = Cli::try_parse_from(std::iter::once("demand-paging").chain(argv.iter().copied()))
+            .expect("the arguments parse");
+        super::main(cli.args).expect_err("refused").to_string()
+    }
+
+    #[test]
+    fn bad_arguments_are_refused_before_any_work() {
+        assert!(error_of(&["-v", "1,0"]).contains("-v: every vCPU count must be at least 1"));
+        assert!(error_of(&["--repeat", "0"]).contains("--repeat"));
+        let e = error_of(&["-b", "3M"]);
+        assert!(
+            e.contains("-b 3145728") && e.contains("fault-around"),
+            "{e}"
+        );
+        assert!(Cli::try_parse_from(["demand-paging", "-u", "WP"]).is_err());
+    }
 }
