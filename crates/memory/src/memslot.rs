@@ -325,8 +325,17 @@ impl MemslotManager {
                     });
                 }
                 let old = table.slots.get(new.id as usize).cloned().flatten();
+                // A change of flags alone maps the same guest range to the same host memory:
+                // handles in flight stay valid, so they are not waited for (this keeps turning
+                // dirty logging on cheap while device threads use handles).
+                let same_mapping = old.as_ref().is_some_and(|old| {
+                    old.gpa == new.gpa
+                        && old.size == new.size
+                        && old.region_offset == new.region_offset
+                        && Arc::ptr_eq(&old.region, &new.region)
+                });
                 self.generation.fetch_add(1, Ordering::SeqCst);
-                if let Some(old) = &old {
+                if let (Some(old), false) = (&old, same_mapping) {
                     self.wait_for_handles(old.gpa, old.size);
                 }
                 // KVM changes a slot in place only for a move or a dirty-logging change of the
