@@ -2,11 +2,13 @@
 //! backend, vCPU count and number of userfaultfds; a failing source stops the VM with an error
 //! naming the guest address; the background fetcher makes the region resident.
 
+mod common;
+
 use std::fs::File;
 use std::io::{self, Write};
 use std::os::fd::FromRawFd;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use guestmem_memory::{digest_bytes, Backend, DIGEST_SEED, PAGE_SIZE};
@@ -18,16 +20,9 @@ use guestmem_vm::{layout, VcpuWork, Vm, VmConfig, Workload};
 const SIZE: u64 = 32 << 20;
 const STALL: Duration = Duration::from_secs(20);
 
-/// Source bytes: every u64 depends on its offset, so a misplaced or missing page changes the
-/// digest.
+/// Source bytes: pseudo-random, so a misplaced or missing page changes the digest.
 fn pattern(size: u64) -> Vec<u8> {
-    (0..size / 8)
-        .flat_map(|w| {
-            ((w * 8) ^ 0x5eed_f00d)
-                .wrapping_mul(0x9e37_79b9_7f4a_7c15)
-                .to_le_bytes()
-        })
-        .collect()
+    common::pattern(size as usize, 0x5eed)
 }
 
 /// A file (a memfd, so nothing is left behind) holding `bytes`.
@@ -39,22 +34,6 @@ fn file_with(bytes: &[u8]) -> File {
     let mut file = unsafe { File::from_raw_fd(fd) };
     file.write_all(bytes).unwrap();
     file
-}
-
-/// hugetlb regions need free 2 MiB pages: reserve what is missing (tests run as root).
-fn ensure_huge_pages(pages: u64) {
-    static LOCK: Mutex<()> = Mutex::new(());
-    let _guard = LOCK.lock().unwrap();
-    let read = |p: &str| -> u64 { std::fs::read_to_string(p).unwrap().trim().parse().unwrap() };
-    let free = read("/sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages");
-    if free < pages {
-        let total = read("/proc/sys/vm/nr_hugepages");
-        std::fs::write(
-            "/proc/sys/vm/nr_hugepages",
-            (total + pages - free).to_string(),
-        )
-        .expect("reserving 2 MiB huge pages in /proc/sys/vm/nr_hugepages");
-    }
 }
 
 fn config(backend: Backend, uffds: usize) -> PagerConfig {
@@ -70,9 +49,7 @@ fn config(backend: Backend, uffds: usize) -> PagerConfig {
 /// Starts a VM over `backend`, pages its RAM in from a file source as the guest reads it with
 /// `verify`, and checks every vCPU's digest against the source's bytes.
 fn guest_reads_source(backend: Backend, vcpus: usize, uffds: usize) {
-    if backend.page_size() > PAGE_SIZE {
-        ensure_huge_pages(SIZE / backend.page_size());
-    }
+    let _pool = common::HugePages::for_backend(backend, SIZE);
     let bytes = pattern(SIZE);
     // Both ways in: copying straight from the file's mapping, and fetching into a bounce
     // buffer (a remote peer, here without delay).

@@ -8,6 +8,7 @@ mod probe;
 mod run;
 mod snapshot;
 mod units;
+mod vm_args;
 
 use clap::{Parser, Subcommand};
 

@@ -3,10 +3,10 @@
 use std::time::{Duration, Instant};
 
 use guestmem_memory::Backend;
-use guestmem_vm::{layout, RunReport, VcpuWork, Vm, VmConfig, Workload};
+use guestmem_vm::{layout, RunReport, VcpuWork, Vm, Workload};
 use serde::Serialize;
 
-use crate::units::parse_size;
+use crate::vm_args::VmArgs;
 
 #[derive(Clone, Copy, clap::ValueEnum)]
 enum WorkloadArg {
@@ -17,15 +17,8 @@ enum WorkloadArg {
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Guest memory size (one region at 1 GiB), e.g. 512M, 1G.
-    #[arg(long, default_value = "1G", value_parser = parse_size)]
-    memory: u64,
-    /// Number of vCPUs; each works on its own equal share of guest memory.
-    #[arg(long, default_value_t = 2)]
-    vcpus: usize,
-    /// Memory backend: anon, memfd, memfd-hugetlb, hugetlb, gmem.
-    #[arg(long, default_value = "anon")]
-    backend: Backend,
+    #[command(flatten)]
+    vm: VmArgs,
     /// Guest workload.
     #[arg(long, value_enum, default_value = "touch")]
     workload: WorkloadArg,
@@ -59,9 +52,7 @@ struct Output {
 }
 
 pub fn main(args: Args) -> crate::Result<()> {
-    if args.vcpus == 0 {
-        return Err("--vcpus must be at least 1".into());
-    }
+    let config = args.vm.config()?;
     if args.rate == Some(0) {
         return Err("--rate must be at least 1 page/s".into());
     }
@@ -69,7 +60,7 @@ pub fn main(args: Args) -> crate::Result<()> {
         return Err("--duration must be a positive number of seconds".into());
     }
     let t0 = Instant::now();
-    let mut vm = Vm::new(&VmConfig::simple(args.vcpus, args.memory, args.backend))?;
+    let mut vm = Vm::new(&config)?;
     let setup_ms = t0.elapsed().as_secs_f64() * 1e3;
     let workload = match args.workload {
         WorkloadArg::Touch => Workload::Touch,
@@ -82,14 +73,14 @@ pub fn main(args: Args) -> crate::Result<()> {
     let work = VcpuWork::split(
         workload,
         layout::RAM_GPA,
-        args.memory,
-        args.vcpus,
+        args.vm.memory,
+        args.vm.vcpus,
         args.seed,
     );
     if work[0].size == 0 {
         return Err(format!(
             "--memory {} is too small to give each of {} vCPUs a page",
-            args.memory, args.vcpus
+            args.vm.memory, args.vm.vcpus
         )
         .into());
     }
@@ -114,8 +105,8 @@ pub fn main(args: Args) -> crate::Result<()> {
         _ => None,
     };
     let out = Output {
-        memory_bytes: args.memory,
-        backend: args.backend,
+        memory_bytes: args.vm.memory,
+        backend: args.vm.backend,
         workload: workload.name(),
         setup_ms,
         report,

@@ -3,28 +3,20 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use guestmem_memory::Backend;
 use guestmem_migration::snapshot::{self, RestoreMode, Snapshot};
 use guestmem_vm::payload::CTL_PAGES_DONE;
-use guestmem_vm::{layout, VcpuWork, Vm, VmConfig, Workload};
+use guestmem_vm::{layout, VcpuWork, Vm, Workload};
 use serde::Serialize;
 
-use crate::units::parse_size;
+use crate::vm_args::VmArgs;
 
 #[derive(clap::Args)]
 pub struct SnapshotArgs {
     /// Directory to write the snapshot into (created; an existing snapshot there is replaced).
     #[arg(long)]
     out: PathBuf,
-    /// Guest memory size (one region at 1 GiB), e.g. 512M, 1G.
-    #[arg(long, default_value = "1G", value_parser = parse_size)]
-    memory: u64,
-    /// Number of vCPUs.
-    #[arg(long, default_value_t = 2)]
-    vcpus: usize,
-    /// Memory backend: anon, memfd, memfd-hugetlb, hugetlb, gmem.
-    #[arg(long, default_value = "anon")]
-    backend: Backend,
+    #[command(flatten)]
+    vm: VmArgs,
     /// How long the guest runs its `dirty` workload before the snapshot, in seconds.
     #[arg(long, default_value_t = 1.0)]
     after: f64,
@@ -93,13 +85,12 @@ fn seconds(s: f64, flag: &str) -> crate::Result<Duration> {
 
 pub fn snapshot(args: SnapshotArgs) -> crate::Result<()> {
     let after = seconds(args.after, "--after")?;
-    let config = VmConfig::simple(args.vcpus, args.memory, args.backend);
-    let mut vm = Vm::new(&config)?;
+    let mut vm = Vm::new(&args.vm.config()?)?;
     let dirty = Workload::Dirty {
         pages_per_s: None,
         passes: None,
     };
-    let work = VcpuWork::split(dirty, layout::RAM_GPA, args.memory, args.vcpus, 1);
+    let work = VcpuWork::split(dirty, layout::RAM_GPA, args.vm.memory, args.vm.vcpus, 1);
     let running = vm.start(&work)?;
     std::thread::sleep(after);
     running.pause()?;
@@ -116,8 +107,8 @@ pub fn snapshot(args: SnapshotArgs) -> crate::Result<()> {
     } else {
         println!(
             "snapshot of a {} MiB {} VM written to {} in {:.1} ms: {} MiB of data, {} of {} chunks zero",
-            args.memory >> 20,
-            args.backend,
+            args.vm.memory >> 20,
+            args.vm.backend,
             out.dir.display(),
             out.write_ms,
             out.report.data_bytes >> 20,

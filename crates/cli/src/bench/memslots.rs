@@ -122,8 +122,11 @@ fn windows(n: u32) -> Vec<(u64, u64)> {
         .collect()
 }
 
-fn perf_test(n: u32, args: &Args) -> crate::Result<serde_json::Value> {
-    let mut vm = Vm::new(&VmConfig {
+/// A 1-vCPU VM whose 512 MiB test region is registered, then taken out of its memslot, so that
+/// the test can split it into its own `n` slots (checked against the kernel's limit, `flag`
+/// naming the option that asked for them).
+fn test_vm(flag: &str, n: u32) -> crate::Result<(Vm, Arc<MemslotManager>, Memslot)> {
+    let vm = Vm::new(&VmConfig {
         vcpus: 1,
         regions: vec![RegionSpec::new("test", MEM_GPA, MEM_SIZE, Backend::Anon)],
         dirty_ring_bytes: None,
@@ -133,13 +136,18 @@ fn perf_test(n: u32, args: &Args) -> crate::Result<serde_json::Value> {
         .memslots()
         .ok_or("memory not registered")?
         .clone();
-    check_slot_count("--slots", n, slots.max_slots())?;
+    check_slot_count(flag, n, slots.max_slots())?;
     let whole = slots
         .slots()
         .into_iter()
         .find(|s| s.gpa == MEM_GPA)
         .ok_or("no test slot")?;
     slots.remove(whole.id)?;
+    Ok((vm, slots, whole))
+}
+
+fn perf_test(n: u32, args: &Args) -> crate::Result<serde_json::Value> {
+    let (mut vm, slots, whole) = test_vm("--slots", n)?;
     let region = whole.region.clone();
     let windows = windows(n);
 
@@ -346,23 +354,7 @@ fn raw_set(
 /// One device access (a read_u64 or a write_u64 of one word) through a cached handle, the
 /// manager's fresh lookup, and GuestMemory's lookup over all regions, with `n` slots.
 fn access_test(n: u32, accesses: u64) -> crate::Result<serde_json::Value> {
-    let vm = Vm::new(&VmConfig {
-        vcpus: 1,
-        regions: vec![RegionSpec::new("test", MEM_GPA, MEM_SIZE, Backend::Anon)],
-        dirty_ring_bytes: None,
-    })?;
-    let slots = vm
-        .memory()
-        .memslots()
-        .ok_or("memory not registered")?
-        .clone();
-    check_slot_count("--access-slots", n, slots.max_slots())?;
-    let whole = slots
-        .slots()
-        .into_iter()
-        .find(|s| s.gpa == MEM_GPA)
-        .ok_or("no test slot")?;
-    slots.remove(whole.id)?;
+    let (_vm, slots, whole) = test_vm("--access-slots", n)?;
     for (off, size) in windows(n) {
         slots.add(
             &whole.region,
