@@ -10,6 +10,7 @@ use common::{
 };
 use guestmem_memory::{Backend, RegionSpec};
 use guestmem_migration::snapshot::{self, RestoreMode, Snapshot};
+use guestmem_paging::PagerConfig;
 use guestmem_vm::{layout, Vm, VmConfig};
 
 const SIZE: u64 = 8 << 20;
@@ -215,4 +216,118 @@ fn bad_snapshots_are_refused_before_anything_runs() {
     // The untouched snapshot still restores.
     let snap = Snapshot::open(&good.0).unwrap();
     assert!(snapshot::restore(&snap, RestoreMode::Full).is_ok());
+}
+
+#[test]
+#[cfg_attr(
+    not(all(kvm, uffd)),
+    ignore = "no usable /dev/kvm and /dev/userfaultfd on this host"
+)]
+fn lazily_restored_guest_continues_while_memory_arrives() {
+    for backend in [Backend::Anon, Backend::Memfd] {
+        let dir = TempDir::new(&format!("lazy-{backend}"));
+        let at_snapshot = snapshot_running_vm(&VmConfig::simple(2, SIZE, backend), &dir.0);
+        let snap = Snapshot::open(&dir.0).unwrap();
+        let work = dirty_work(2, SIZE);
+
+        // The guest runs at once; its pages come in as it touches them.
+        let quiet = PagerConfig {
+            background: false,
+            ..PagerConfig::default()
+        };
+        let mut lazy = snapshot::restore_lazy(&snap, &quiet).unwrap();
+        assert_eq!(
+            pages_done(&lazy.vm),
+            at_snapshot,
+            "{backend}: control blocks restored"
+        );
+        resume_and_check_continuation(&mut lazy.vm, &work, &at_snapshot);
+        drop(lazy);
+
+        // Left alone, the background fetch brings in exactly the snapshot's memory.
+        let lazy = snapshot::restore_lazy(&snap, &PagerConfig::default()).unwrap();
+        for pager in &lazy.pagers {
+            assert!(pager
+                .wait_resident(std::time::Duration::from_secs(30))
+                .unwrap());
+        }
+        for (region, image) in lazy
+            .vm
+            .memory()
+            .regions()
+            .iter()
+            .zip(&snap.manifest().regions)
+        {
+            let digest = lazy
+                .vm
+                .memory()
+                .digest(region.gpa(), region.size())
+                .unwrap();
+            assert_eq!(
+                digest,
+                image.digest,
+                "{backend}: region '{}'",
+                region.name()
+            );
+        }
+        assert_pages_consistent(&lazy.vm, &work, &at_snapshot);
+    }
+}
+
+#[test]
+#[cfg_attr(
+    not(all(kvm, uffd)),
+    ignore = "no usable /dev/kvm and /dev/userfaultfd on this host"
+)]
+fn lazy_restore_refuses_what_it_cannot_serve_and_stops_on_corrupt_pages() {
+    let dir = TempDir::new("lazy-gmem");
+    snapshot_running_vm(&VmConfig::simple(2, SIZE, Backend::GuestMemfd), &dir.0);
+    let snap = Snapshot::open(&dir.0).unwrap();
+    let e = snapshot::restore_lazy(&snap, &PagerConfig::default())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("KVM_MEM_USERFAULT") && e.contains("region 'ram'"),
+        "{e}"
+    );
+
+    // A flipped byte in RAM is found when the guest first touches that chunk: the run stops
+    // with the checksum error and the guest address, instead of the guest reading bad bytes.
+    let dir = TempDir::new("lazy-corrupt");
+    snapshot_running_vm(&VmConfig::simple(2, SIZE, Backend::Anon), &dir.0);
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.0.join("manifest.json")).unwrap()).unwrap();
+    let ram = manifest["regions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["spec"]["name"] == "ram")
+        .unwrap();
+    let at = ram["file_offset"].as_u64().unwrap() + 5;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(dir.0.join("memory"))
+        .unwrap();
+    use std::os::unix::fs::FileExt;
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, at).unwrap();
+    f.write_all_at(&[b[0] ^ 1], at).unwrap();
+    let snap = Snapshot::open(&dir.0).unwrap();
+    let quiet = PagerConfig {
+        background: false,
+        ..PagerConfig::default()
+    };
+    let mut lazy = snapshot::restore_lazy(&snap, &quiet).unwrap();
+    let running = lazy.vm.resume().unwrap();
+    let e = running
+        .wait(std::time::Duration::from_secs(30))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("corrupt snapshot") && e.contains("region 'ram' chunk at offset 0x0"),
+        "{e}"
+    );
+    assert!(e.contains(&format!("{:#x}", layout::RAM_GPA)), "{e}");
 }

@@ -47,6 +47,8 @@ pub enum Error {
     Vm(#[from] guestmem_vm::Error),
     #[error(transparent)]
     Memory(#[from] guestmem_memory::Error),
+    #[error(transparent)]
+    Paging(#[from] guestmem_paging::Error),
 }
 
 impl Error {

@@ -15,9 +15,12 @@ use std::io::{self, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use guestmem_memory::{Backend, GuestMemory, Region, RegionSpec, PAGE_SIZE};
-use guestmem_vm::{Vm, VmConfig, VmState};
+use guestmem_paging::{PageSource, Pager, PagerConfig};
+use guestmem_vm::{layout, Vm, VmConfig, VmState};
 use serde::{Deserialize, Serialize};
 
 use crate::{Error, Result};
@@ -302,6 +305,111 @@ pub fn restore(snapshot: &Snapshot, mode: RestoreMode) -> Result<Vm> {
     }
     vm.restore_state(&snapshot.state)?;
     Ok(vm)
+}
+
+/// A VM restored lazily: its vCPUs can run at once while its pagers bring the memory in, on
+/// first access and in the background. The pagers are dropped (and their threads joined) before
+/// the VM and its memory, as the field order says.
+pub struct LazyVm {
+    pub pagers: Vec<Pager>,
+    pub vm: Vm,
+}
+
+/// Builds a VM from `snapshot` whose memory arrives on demand: every guest RAM region gets a
+/// [`Pager`] that serves its pages from the memory file, checking each chunk's CRC-32 the first
+/// time any of it is fetched (a corrupt chunk stops the VM with an error naming the guest
+/// address). The sys region (page tables, payload, control blocks) is small and copied at once.
+/// Backends userfaultfd cannot serve (guest_memfd) are refused, naming the kernel feature.
+pub fn restore_lazy(snapshot: &Snapshot, config: &PagerConfig) -> Result<LazyVm> {
+    let manifest = &snapshot.manifest;
+    let mut vm = Vm::new(&manifest.config)?;
+    check_layout(vm.memory(), &manifest.regions)?;
+    let config = PagerConfig {
+        abort: Some(vm.abort_handle()),
+        ..config.clone()
+    };
+    let mut buf = vec![0u8; CHUNK_BYTES as usize];
+    let mut pagers = Vec::new();
+    for (region, image) in vm.memory().regions().iter().zip(&manifest.regions) {
+        if region.gpa() == layout::SYS_GPA {
+            copy_chunks(snapshot, vm.memory(), region, image, &mut buf)?;
+            continue;
+        }
+        let source = SnapshotSource {
+            file: snapshot
+                .memory
+                .try_clone()
+                .map_err(Error::io(&snapshot.dir.join(MEMORY), "dup"))?,
+            image: image.clone(),
+            verified: image
+                .chunks
+                .iter()
+                .map(|c| AtomicBool::new(c.zero))
+                .collect(),
+        };
+        pagers.push(Pager::start(region, Arc::new(source), &config)?);
+    }
+    vm.restore_state(&snapshot.state)?;
+    Ok(LazyVm { pagers, vm })
+}
+
+/// One region's bytes in a snapshot's memory file, each chunk checked against its CRC-32 before
+/// any of it is served.
+struct SnapshotSource {
+    file: File,
+    image: RegionImage,
+    verified: Vec<AtomicBool>,
+}
+
+impl SnapshotSource {
+    fn verify(&self, index: usize) -> io::Result<()> {
+        if self.verified[index].load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let offset = index as u64 * CHUNK_BYTES;
+        let mut chunk = vec![0u8; CHUNK_BYTES.min(self.image.spec.size - offset) as usize];
+        self.file
+            .read_exact_at(&mut chunk, self.image.file_offset + offset)?;
+        let crc = crc32fast::hash(&chunk);
+        if crc != self.image.chunks[index].crc32 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "corrupt snapshot: region '{}' chunk at offset {offset:#x}: checksum \
+                     {crc:#010x}, the manifest says {:#010x}",
+                    self.image.spec.name, self.image.chunks[index].crc32
+                ),
+            ));
+        }
+        self.verified[index].store(true, Ordering::Release);
+        Ok(())
+    }
+}
+
+impl PageSource for SnapshotSource {
+    fn fetch(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        let end = offset + buf.len() as u64;
+        if buf.is_empty() || end > self.image.spec.size {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("fetch {offset:#x}+{:#x} outside the region", buf.len()),
+            ));
+        }
+        let chunks = (offset / CHUNK_BYTES) as usize..=((end - 1) / CHUNK_BYTES) as usize;
+        if chunks.clone().all(|i| self.image.chunks[i].zero) {
+            buf.fill(0);
+            return Ok(());
+        }
+        for i in chunks {
+            self.verify(i)?;
+        }
+        self.file
+            .read_exact_at(buf, self.image.file_offset + offset)
+    }
+
+    fn size(&self) -> u64 {
+        self.image.spec.size
+    }
 }
 
 fn check_layout(memory: &GuestMemory, images: &[RegionImage]) -> Result<()> {
