@@ -331,3 +331,92 @@ fn lazy_restore_refuses_what_it_cannot_serve_and_stops_on_corrupt_pages() {
     );
     assert!(e.contains(&format!("{:#x}", layout::RAM_GPA)), "{e}");
 }
+
+/// A diff snapshot holds only the chunks written since its base, and restores (with its base)
+/// to exactly the memory and guest state of the moment it was taken.
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn a_diff_snapshot_restores_over_its_base() {
+    use guestmem_tracking::{Mode, Tracker};
+    let (base, diff) = (TempDir::new("diff-base"), TempDir::new("diff"));
+    let config = VmConfig::simple(2, 64 << 20, Backend::Memfd);
+    let mut vm = Vm::new(&config).unwrap();
+    let work = dirty_work(2, SIZE);
+    let running = vm.start(&work).unwrap();
+    wait_for_generation(&running, 2);
+    running.pause().unwrap();
+    let base_report = snapshot::write(&vm, &base.0).unwrap();
+    let at_base = pages_done(&vm);
+
+    // The guest goes on for a few hundred pages, watched by a tracker.
+    let mut tracker = Tracker::start(&vm, Mode::Bitmap).unwrap();
+    let running = vm.resume().unwrap();
+    while running
+        .progress()
+        .iter()
+        .zip(&at_base)
+        .any(|(&(p, _), &b)| p < b + 300)
+    {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    running.pause().unwrap();
+    let dirty = tracker.harvest().unwrap();
+    tracker.stop().unwrap();
+    let at_diff = pages_done(&vm);
+    let diff_report = snapshot::write_diff(&vm, &diff.0, &base.0, &dirty).unwrap();
+    // Only the first 8 MiB of the 64 MiB are ever written: the rest is inherited.
+    assert!(
+        diff_report.data_bytes < base_report.data_bytes,
+        "{diff_report:?}"
+    );
+
+    let snap = Snapshot::open(&diff.0).unwrap();
+    let inherited = snap
+        .manifest()
+        .regions
+        .iter()
+        .flat_map(|r| &r.chunks)
+        .filter(|c| c.inherited)
+        .count();
+    assert!(inherited >= 28, "{inherited} chunks inherited");
+    let mut restored = snapshot::restore(&snap, RestoreMode::Full).unwrap();
+    for (region, image) in restored
+        .memory()
+        .regions()
+        .iter()
+        .zip(&snap.manifest().regions)
+    {
+        let digest = restored
+            .memory()
+            .digest(region.gpa(), region.size())
+            .unwrap();
+        assert_eq!(digest, image.digest, "region '{}'", region.name());
+        let now = vm.memory().digest(region.gpa(), region.size()).unwrap();
+        assert_eq!(
+            digest,
+            now,
+            "region '{}' equals the source VM's",
+            region.name()
+        );
+    }
+    assert_eq!(pages_done(&restored), at_diff);
+    resume_and_check_continuation(&mut restored, &work, &at_diff);
+
+    // A diff needs its base, whole, and cannot be mapped or paged lazily from one file.
+    let e = snapshot::restore(&snap, RestoreMode::Map)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("full mode"), "{e}");
+    let e = snapshot::restore_lazy(&snap, &PagerConfig::default())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("full mode"), "{e}");
+    std::fs::remove_file(base.0.join("manifest.json")).unwrap();
+    let e = Snapshot::open(&diff.0).err().unwrap().to_string();
+    assert!(
+        e.contains("manifest.json") && e.contains("diff-base"),
+        "{e}"
+    );
+}

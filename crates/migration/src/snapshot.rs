@@ -20,6 +20,7 @@ use std::sync::Arc;
 
 use guestmem_memory::{Backend, GuestMemory, Region, RegionSpec, PAGE_SIZE};
 use guestmem_paging::{PageSource, Pager, PagerConfig};
+use guestmem_tracking::DirtyBitmap;
 use guestmem_vm::{layout, Vm, VmConfig, VmState};
 use serde::{Deserialize, Serialize};
 
@@ -49,6 +50,10 @@ pub struct Manifest {
     pub state_crc32: u32,
     /// Length of the memory file.
     pub memory_file_bytes: u64,
+    /// A diff snapshot: the snapshot directory this one builds on (chunks marked `inherited`
+    /// come from there).
+    #[serde(default)]
+    pub base: Option<PathBuf>,
 }
 
 /// One region in the memory file.
@@ -68,6 +73,9 @@ pub struct Chunk {
     pub crc32: u32,
     /// The chunk is all zeros: nothing of it is in the memory file.
     pub zero: bool,
+    /// Diff snapshots: no page of the chunk was written since the base, which holds it.
+    #[serde(default)]
+    pub inherited: bool,
 }
 
 /// How much a snapshot wrote.
@@ -84,6 +92,29 @@ pub struct WriteReport {
 /// mutably, so holding `&Vm` proves it is paused or stopped), into `dir` (created if needed;
 /// an existing snapshot there is replaced).
 pub fn write(vm: &Vm, dir: &Path) -> Result<WriteReport> {
+    write_snapshot(vm, dir, None)
+}
+
+/// Writes a diff snapshot of `vm` over the snapshot in `base`: only the chunks holding a page
+/// that `dirty` reports (a [`guestmem_tracking::Tracker`] started when `base` was taken) are
+/// stored; the others are inherited from `base`. Restoring it needs `base` (in full mode).
+pub fn write_diff(vm: &Vm, dir: &Path, base: &Path, dirty: &[DirtyBitmap]) -> Result<WriteReport> {
+    let base_snapshot = Snapshot::open(base)?;
+    if base_snapshot.manifest.config != *vm.config() {
+        return Err(Error::Layout(format!(
+            "{}: the base snapshot is of another VM configuration",
+            base.display()
+        )));
+    }
+    let base = std::fs::canonicalize(base).map_err(Error::io(base, "resolve"))?;
+    write_snapshot(vm, dir, Some((&base, dirty)))
+}
+
+fn write_snapshot(
+    vm: &Vm,
+    dir: &Path,
+    diff: Option<(&Path, &[DirtyBitmap])>,
+) -> Result<WriteReport> {
     std::fs::create_dir_all(dir).map_err(Error::io(dir, "create directory"))?;
     let state = vm.save_state()?;
     let state_json = serde_json::to_vec(&state).map_err(|e| Error::Json {
@@ -107,6 +138,22 @@ pub fn write(vm: &Vm, dir: &Path) -> Result<WriteReport> {
         let mut chunks = Vec::new();
         for offset in (0..region.size()).step_by(CHUNK_BYTES as usize) {
             let len = CHUNK_BYTES.min(region.size() - offset) as usize;
+            if let Some((_, dirty)) = diff {
+                let (first, last) = (region.gpa() + offset, region.gpa() + offset + len as u64);
+                let written = dirty.iter().any(|d| {
+                    (first..last)
+                        .step_by(PAGE_SIZE as usize)
+                        .any(|gpa| d.contains(gpa))
+                });
+                if !written {
+                    chunks.push(Chunk {
+                        crc32: 0,
+                        zero: false,
+                        inherited: true,
+                    });
+                    continue;
+                }
+            }
             let bytes = &mut buf[..len];
             vm.memory().read(region.gpa() + offset, bytes)?;
             let mut zero = true;
@@ -120,6 +167,7 @@ pub fn write(vm: &Vm, dir: &Path) -> Result<WriteReport> {
             chunks.push(Chunk {
                 crc32: crc32fast::hash(bytes),
                 zero,
+                inherited: false,
             });
         }
         report.chunks += chunks.len() as u64;
@@ -145,6 +193,7 @@ pub fn write(vm: &Vm, dir: &Path) -> Result<WriteReport> {
         state_bytes: state_json.len() as u64,
         state_crc32: crc32fast::hash(&state_json),
         memory_file_bytes: file_offset,
+        base: diff.map(|(base, _)| base.to_path_buf()),
     };
     let json = serde_json::to_vec_pretty(&manifest).map_err(|e| Error::Json {
         path: dir.join(MANIFEST),
@@ -163,6 +212,8 @@ pub struct Snapshot {
     manifest: Manifest,
     state: VmState,
     memory: File,
+    /// A diff snapshot's base, opened and checked with it.
+    base: Option<Box<Snapshot>>,
 }
 
 impl Snapshot {
@@ -240,12 +291,56 @@ impl Snapshot {
                 found: len,
             });
         }
+        let base = match &manifest.base {
+            None => None,
+            Some(path) => {
+                let base = Snapshot::open(path)?;
+                let same_layout = base.manifest.config == manifest.config
+                    && base.manifest.regions.len() == manifest.regions.len()
+                    && base
+                        .manifest
+                        .regions
+                        .iter()
+                        .zip(&manifest.regions)
+                        .all(|(b, d)| b.spec == d.spec && b.chunks.len() == d.chunks.len());
+                if !same_layout {
+                    return Err(Error::Corrupt(format!(
+                        "{}: its base {} has another memory layout",
+                        manifest_path.display(),
+                        path.display()
+                    )));
+                }
+                Some(Box::new(base))
+            }
+        };
         Ok(Snapshot {
             dir: dir.to_path_buf(),
             manifest,
             state,
             memory,
+            base,
         })
+    }
+
+    /// Puts chunk `index` of region `region` into `buf` from this snapshot or, for an inherited
+    /// chunk, from its base chain; returns false for an all-zero chunk (`buf` left alone).
+    fn chunk(&self, region: usize, index: usize, buf: &mut [u8]) -> Result<bool> {
+        let image = &self.manifest.regions[region];
+        let chunk = image.chunks[index];
+        if chunk.inherited {
+            let base = self.base.as_ref().ok_or_else(|| {
+                Error::Corrupt(format!(
+                    "region '{}' chunk {index} is inherited, but the snapshot has no base",
+                    image.spec.name
+                ))
+            })?;
+            return base.chunk(region, index, buf);
+        }
+        if chunk.zero {
+            return Ok(false);
+        }
+        self.read_chunk(image, index, buf)?;
+        Ok(true)
     }
 
     pub fn manifest(&self) -> &Manifest {
@@ -291,16 +386,27 @@ pub enum RestoreMode {
 /// check happens before this returns, so a refused snapshot never runs a vCPU.
 pub fn restore(snapshot: &Snapshot, mode: RestoreMode) -> Result<Vm> {
     let manifest = &snapshot.manifest;
+    if mode == RestoreMode::Map && snapshot.base.is_some() {
+        return Err(Error::Layout(
+            "a diff snapshot spans several memory files: restore it in full mode".into(),
+        ));
+    }
     let mut vm = Vm::new(&manifest.config)?;
     check_layout(vm.memory(), &manifest.regions)?;
     let mut buf = vec![0u8; CHUNK_BYTES as usize];
-    for (region, image) in vm.memory().regions().iter().zip(&manifest.regions) {
+    for (i, (region, image)) in vm
+        .memory()
+        .regions()
+        .iter()
+        .zip(&manifest.regions)
+        .enumerate()
+    {
         if mode == RestoreMode::Map && region.backend() == Backend::Anon {
             verify_chunks(snapshot, image, &mut buf)?;
             map_private(region, &snapshot.memory, image.file_offset)
                 .map_err(Error::io(&snapshot.dir.join(MEMORY), "mmap"))?;
         } else {
-            copy_chunks(snapshot, vm.memory(), region, image, &mut buf)?;
+            copy_chunks(snapshot, vm.memory(), region, i, &mut buf)?;
         }
     }
     vm.restore_state(&snapshot.state)?;
@@ -322,6 +428,11 @@ pub struct LazyVm {
 /// Backends userfaultfd cannot serve (guest_memfd) are refused, naming the kernel feature.
 pub fn restore_lazy(snapshot: &Snapshot, config: &PagerConfig) -> Result<LazyVm> {
     let manifest = &snapshot.manifest;
+    if snapshot.base.is_some() {
+        return Err(Error::Layout(
+            "a diff snapshot spans several memory files: restore it in full mode".into(),
+        ));
+    }
     let mut vm = Vm::new(&manifest.config)?;
     check_layout(vm.memory(), &manifest.regions)?;
     let config = PagerConfig {
@@ -330,9 +441,15 @@ pub fn restore_lazy(snapshot: &Snapshot, config: &PagerConfig) -> Result<LazyVm>
     };
     let mut buf = vec![0u8; CHUNK_BYTES as usize];
     let mut pagers = Vec::new();
-    for (region, image) in vm.memory().regions().iter().zip(&manifest.regions) {
+    for (i, (region, image)) in vm
+        .memory()
+        .regions()
+        .iter()
+        .zip(&manifest.regions)
+        .enumerate()
+    {
         if region.gpa() == layout::SYS_GPA {
-            copy_chunks(snapshot, vm.memory(), region, image, &mut buf)?;
+            copy_chunks(snapshot, vm.memory(), region, i, &mut buf)?;
             continue;
         }
         let source = SnapshotSource {
@@ -437,16 +554,16 @@ fn copy_chunks(
     snapshot: &Snapshot,
     memory: &GuestMemory,
     region: &Region,
-    image: &RegionImage,
+    index: usize,
     buf: &mut [u8],
 ) -> Result<()> {
-    for (i, chunk) in image.chunks.iter().enumerate() {
-        if chunk.zero {
+    let size = snapshot.manifest.regions[index].spec.size;
+    for i in 0..snapshot.manifest.regions[index].chunks.len() {
+        let offset = i as u64 * CHUNK_BYTES;
+        let len = CHUNK_BYTES.min(size - offset) as usize;
+        if !snapshot.chunk(index, i, &mut buf[..len])? {
             continue;
         }
-        snapshot.read_chunk(image, i, buf)?;
-        let offset = i as u64 * CHUNK_BYTES;
-        let len = CHUNK_BYTES.min(image.spec.size - offset) as usize;
         for (start, run) in nonzero_page_runs(&buf[..len]) {
             memory.write(region.gpa() + offset + start as u64, run)?;
         }
