@@ -205,6 +205,9 @@ pub fn restore(args: RestoreArgs) -> crate::Result<()> {
         match out.memory_digests_match {
             Some(true) => println!("memory digests match the snapshot's: yes"),
             Some(false) => println!("memory digests match the snapshot's: NO"),
+            None if args.uffd_socket.is_some() => {
+                println!("memory served by the page server (not checked here)")
+            }
             None => println!("memory checked chunk by chunk (CRC-32) as it was paged in"),
         }
         if let Some(ms) = out.resident_ms {
