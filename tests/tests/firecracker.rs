@@ -296,6 +296,7 @@ fn both_page_size_spellings_are_accepted() {
 }
 
 const PEER_ENV: &str = "GUESTMEM_FC_TEST_PEER_SOCKET";
+const PEER_UNREGISTERED_ENV: &str = "GUESTMEM_FC_TEST_PEER_UNREGISTERED";
 
 /// Not a test on its own: the peer process of `failed_serving_kills_the_peer` (the test binary
 /// re-run with `PEER_ENV` set). It sends a mapping the server must refuse, then waits to die.
@@ -304,15 +305,44 @@ fn peer_process_helper() {
     let Some(socket) = std::env::var_os(PEER_ENV) else {
         return;
     };
-    let null = std::fs::File::open("/dev/null").unwrap();
-    let outside = [GuestRegionUffdMapping {
-        base_host_virt_addr: 1 << 30,
-        size: 64 << 20,
-        offset: 0,
-        page_size: 4096,
-    }];
-    use std::os::fd::AsFd;
-    let _stream = send_handshake(Path::new(&socket), &outside, null.as_fd()).unwrap();
+    use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+    let _stream = if std::env::var_os(PEER_UNREGISTERED_ENV).is_some() {
+        // A mapping inside the file, of memory never registered on the uffd sent: every
+        // UFFDIO_COPY the server tries fails.
+        // SAFETY: a fresh anonymous mapping, never unmapped (the process is killed).
+        let addr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                4 << 20,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(addr, libc::MAP_FAILED);
+        // SAFETY: the userfaultfd syscall returns a new fd (checked) that we own.
+        let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC) } as i32;
+        assert!(fd >= 0, "userfaultfd: {}", std::io::Error::last_os_error());
+        // SAFETY: `fd` is the fresh userfaultfd from above.
+        let uffd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let inside = [GuestRegionUffdMapping {
+            base_host_virt_addr: addr as u64,
+            size: 4 << 20,
+            offset: 0,
+            page_size: 4096,
+        }];
+        send_handshake(Path::new(&socket), &inside, uffd.as_fd()).unwrap()
+    } else {
+        let null = std::fs::File::open("/dev/null").unwrap();
+        let outside = [GuestRegionUffdMapping {
+            base_host_virt_addr: 1 << 30,
+            size: 64 << 20,
+            offset: 0,
+            page_size: 4096,
+        }];
+        send_handshake(Path::new(&socket), &outside, null.as_fd()).unwrap()
+    };
     std::thread::sleep(Duration::from_secs(120));
     panic!("the page server did not kill its peer");
 }
@@ -341,6 +371,36 @@ fn failed_serving_kills_the_peer() {
         err.contains(&format!("peer pid {} killed", child.id())),
         "{err}"
     );
+    let status = child.wait().unwrap();
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "{status:?}");
+}
+
+#[test]
+#[cfg_attr(not(uffd), ignore = "no usable /dev/userfaultfd on this host")]
+fn a_fetch_failing_for_good_kills_the_peer() {
+    use std::os::unix::process::ExitStatusExt;
+    let dir = TempDir::new("kill-serving");
+    let mem = mem_file(&dir.0, 4 << 20);
+    let socket = dir.0.join("uffd.sock");
+    let listener = UnixListener::bind(&socket).unwrap();
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "peer_process_helper", "--nocapture"])
+        .env(PEER_ENV, &socket)
+        .env(PEER_UNREGISTERED_ENV, "1")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let (stream, _) = listener.accept().unwrap();
+    // The handshake is fine; the background fetch's first UFFDIO_COPY is not.
+    let session = serve_connection(stream, &mem, &PageServerConfig::default()).unwrap();
+    assert_eq!(session.peer_pid, child.id() as i32);
+    let err = session.wait().unwrap_err().to_string();
+    assert!(
+        err.contains(&format!("serving peer pid {}", child.id())),
+        "{err}"
+    );
+    assert!(err.contains("UFFDIO_COPY"), "{err}");
     let status = child.wait().unwrap();
     assert_eq!(status.signal(), Some(libc::SIGKILL), "{status:?}");
 }

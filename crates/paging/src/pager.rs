@@ -752,15 +752,19 @@ impl Shared {
     fn fail(&self, e: Error) {
         let reason = e.to_string();
         tracing::error!("{reason}");
+        // Recorded before anyone is told, so that whoever sees the VM (or peer) stop finds
+        // the reason.
+        {
+            let mut failure = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+            failure.get_or_insert(reason.clone());
+            self.changed.notify_all();
+        }
         if let Some(abort) = &self.abort {
             abort.abort(reason.clone());
         }
         if let Some(on_failure) = &self.on_failure {
             on_failure(&reason);
         }
-        let mut failure = self.failure.lock().unwrap_or_else(|e| e.into_inner());
-        failure.get_or_insert(reason);
-        self.changed.notify_all();
     }
 
     /// Fetches `chunk` from the source and maps it into the region. `Ok(false)`: the mapping
@@ -1266,9 +1270,18 @@ fn serve_peer_faults(uffd: &Uffd, ranges: &[Arc<Shared>], stop: i32) {
                             sequential = Some((s, chunk));
                         }
                     }
-                    None => tracing::warn!(
-                        "fault at {addr:?} outside every range the peer sent; not served"
-                    ),
+                    // The peer registered memory it did not describe: nobody can serve it,
+                    // so serving has failed for good (the faulting thread would wait forever).
+                    None => {
+                        if let Some(first) = ranges.first() {
+                            first.fail(Error::Config {
+                                region: first.region.clone(),
+                                reason: format!(
+                                    "fault at {addr:?}, outside every range the peer described"
+                                ),
+                            });
+                        }
+                    }
                 },
                 Event::Remove { start, end } => {
                     for s in ranges {
