@@ -2,6 +2,7 @@
 
 mod bench;
 mod numa;
+mod page_server;
 mod payload;
 mod populate;
 mod probe;
@@ -29,6 +30,8 @@ enum Command {
     Snapshot(snapshot::SnapshotArgs),
     /// Restore a snapshot and let the guest carry on.
     Restore(snapshot::RestoreArgs),
+    /// Serve lazily restored VMs' memory over Firecracker's userfaultfd socket protocol.
+    PageServer(page_server::Args),
     /// Write the guest payload out (a PVH ELF) so that other VMMs run the same workload.
     Payload(payload::Args),
     /// Fill a fresh region from an image file by the fastest method, and say which one.
@@ -54,6 +57,7 @@ fn main() {
         Command::Run(args) => run::main(args),
         Command::Snapshot(args) => snapshot::snapshot(args),
         Command::Restore(args) => snapshot::restore(args),
+        Command::PageServer(args) => page_server::main(args),
         Command::Payload(args) => payload::main(args),
         Command::Populate(args) => populate::main(args),
         Command::Numa(args) => numa::main(args),

@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use guestmem_migration::firecracker;
 use guestmem_migration::snapshot::{self, RestoreMode, Snapshot};
 use guestmem_paging::PagerConfig;
 use guestmem_vm::payload::CTL_PAGES_DONE;
@@ -34,6 +35,11 @@ pub struct RestoreArgs {
     /// regions); lazy: run at once, memory paged in on first access and in the background.
     #[arg(long, value_enum, default_value = "full")]
     mode: Mode,
+    /// With `--mode lazy`: hand the guest's RAM to the page server listening on this socket
+    /// (Firecracker's protocol, e.g. `guestmem page-server --firecracker SOCKET --mem-file
+    /// DIR/memory`) instead of serving it in this process.
+    #[arg(long, value_name = "SOCKET")]
+    uffd_socket: Option<PathBuf>,
     /// How long to let the restored guest run, in seconds.
     #[arg(long, default_value_t = 1.0)]
     run_for: f64,
@@ -133,9 +139,19 @@ pub fn restore(args: RestoreArgs) -> crate::Result<()> {
     let run_for = seconds(args.run_for, "--run-for")?;
     let t = Instant::now();
     let snap = Snapshot::open(&args.dir)?;
+    if args.uffd_socket.is_some() && !matches!(args.mode, Mode::Lazy) {
+        return Err("--uffd-socket needs --mode lazy".into());
+    }
+    let mut peer = None;
     let (mut vm, pagers) = match args.mode {
         Mode::Full => (snapshot::restore(&snap, RestoreMode::Full)?, Vec::new()),
         Mode::Map => (snapshot::restore(&snap, RestoreMode::Map)?, Vec::new()),
+        Mode::Lazy if args.uffd_socket.is_some() => {
+            let socket = args.uffd_socket.as_deref().expect("checked");
+            let restored = firecracker::restore_lazy_via_socket(&snap, socket)?;
+            peer = Some((restored.stream, restored.uffd));
+            (restored.vm, Vec::new())
+        }
         Mode::Lazy => {
             let lazy = snapshot::restore_lazy(&snap, &PagerConfig::default())?;
             (lazy.vm, lazy.pagers)
@@ -168,6 +184,7 @@ pub fn restore(args: RestoreArgs) -> crate::Result<()> {
         resident_ms = Some(t.elapsed().as_secs_f64() * 1e3);
     }
     drop(pagers);
+    drop(peer);
     let out = RestoreOutput {
         mode: match args.mode {
             Mode::Full => "full",
@@ -188,6 +205,9 @@ pub fn restore(args: RestoreArgs) -> crate::Result<()> {
         match out.memory_digests_match {
             Some(true) => println!("memory digests match the snapshot's: yes"),
             Some(false) => println!("memory digests match the snapshot's: NO"),
+            None if args.uffd_socket.is_some() => {
+                println!("memory served by the page server (not checked here)")
+            }
             None => println!("memory checked chunk by chunk (CRC-32) as it was paged in"),
         }
         if let Some(ms) = out.resident_ms {

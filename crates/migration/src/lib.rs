@@ -1,6 +1,7 @@
 //! Moving a guestmem VM through time and space: snapshots and restore (live migration comes on
 //! top of the same pieces).
 
+pub mod firecracker;
 pub mod snapshot;
 pub mod stream;
 pub mod transport;
@@ -39,6 +40,8 @@ pub enum Error {
         expected: u64,
         found: u64,
     },
+    #[error("page-server protocol: {0}")]
+    Protocol(String),
     #[error("corrupt snapshot: {0}")]
     Corrupt(String),
     #[error("cannot restore here: {0}")]

@@ -529,7 +529,7 @@ impl PageSource for SnapshotSource {
     }
 }
 
-fn check_layout(memory: &GuestMemory, images: &[RegionImage]) -> Result<()> {
+pub(crate) fn check_layout(memory: &GuestMemory, images: &[RegionImage]) -> Result<()> {
     let built: Vec<&RegionSpec> = memory.regions().iter().map(|r| r.spec()).collect();
     let saved: Vec<&RegionSpec> = images.iter().map(|i| &i.spec).collect();
     if built != saved {
@@ -550,7 +550,7 @@ fn verify_chunks(snapshot: &Snapshot, image: &RegionImage, buf: &mut [u8]) -> Re
     Ok(())
 }
 
-fn copy_chunks(
+pub(crate) fn copy_chunks(
     snapshot: &Snapshot,
     memory: &GuestMemory,
     region: &Region,

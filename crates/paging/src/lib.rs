@@ -17,5 +17,7 @@ mod pager;
 mod source;
 
 pub use error::{Error, Result};
-pub use pager::{Pager, PagerConfig, PagerStats};
-pub use source::{FileSource, PageSource, RemoteSource, ZeroSource};
+pub use pager::{
+    register_for_peer, OnFailure, Pager, PagerConfig, PagerStats, PeerPager, PeerRange,
+};
+pub use source::{FileSource, PageSource, RemoteSource, WindowSource, ZeroSource};

@@ -136,6 +136,8 @@ struct Shared {
     fetch_attempts: u32,
     retry_delay: Duration,
     abort: Option<AbortHandle>,
+    /// Also told when a fetch fails for good (a page server kills its peer VMM with it).
+    on_failure: Option<OnFailure>,
     /// Readable once the threads must stop.
     stop: OwnedFd,
     faults: AtomicU64,
@@ -298,40 +300,25 @@ impl Pager {
                 source: io::Error::last_os_error(),
             });
         }
-        let shared = Arc::new(Shared {
-            region: name,
-            gpa: region.gpa(),
-            host,
-            size,
-            page,
-            chunk,
-            bounce: chunk.min(BOUNCE_MAX.max(page)),
-            mode,
-            alias,
+        let shared = Arc::new(Shared::new(
+            Layout {
+                region: name,
+                gpa: region.gpa(),
+                host,
+                size,
+                page,
+                chunk,
+                mode,
+                alias,
+            },
             uffds,
             shards,
-            states: (0..chunks).map(|_| AtomicU8::new(ABSENT)).collect(),
             source,
-            fetch_attempts: config.fetch_attempts,
-            retry_delay: config.retry_delay,
-            abort: config.abort.clone(),
+            config,
             // SAFETY: `stop` is the fresh eventfd from above.
-            stop: unsafe { OwnedFd::from_raw_fd(stop) },
-            faults: AtomicU64::new(0),
-            busy_handlers: AtomicU64::new(0),
-            fault_chunks: AtomicU64::new(0),
-            readahead_chunks: AtomicU64::new(0),
-            background_chunks: AtomicU64::new(0),
-            discarded_chunks: AtomicU64::new(0),
-            resident_chunks: AtomicU64::new(0),
-            retired: AtomicBool::new(false),
-            failure: Mutex::new(None),
-            changed: Condvar::new(),
-            handlers: config.handlers,
-            readahead: config.readahead_chunks,
-            background: config.background,
-        });
-
+            unsafe { OwnedFd::from_raw_fd(stop) },
+            None,
+        ));
         let mut pager = Pager {
             shared: shared.clone(),
             threads: Vec::new(),
@@ -373,17 +360,7 @@ impl Pager {
     }
 
     pub fn stats(&self) -> PagerStats {
-        let s = &self.shared;
-        let resident = s.resident_chunks.load(Ordering::Acquire) * s.chunk;
-        PagerStats {
-            faults: s.faults.load(Ordering::Relaxed),
-            fault_chunks: s.fault_chunks.load(Ordering::Relaxed),
-            readahead_chunks: s.readahead_chunks.load(Ordering::Relaxed),
-            background_chunks: s.background_chunks.load(Ordering::Relaxed),
-            discarded_chunks: s.discarded_chunks.load(Ordering::Relaxed),
-            resident_bytes: resident.min(s.size),
-            retired: s.retired.load(Ordering::Acquire),
-        }
+        self.shared.stats()
     }
 
     /// The pager's own memory: chunk states, bounce buffers and event buffers (thread stacks
@@ -459,7 +436,91 @@ impl Drop for Pager {
     }
 }
 
+/// Where a [`Shared`] serves: the region's name, addresses and fault-resolution mode.
+struct Layout {
+    region: String,
+    gpa: u64,
+    host: usize,
+    size: u64,
+    page: u64,
+    chunk: u64,
+    mode: Mode,
+    alias: usize,
+}
+
+/// Called with the reason when a fetch fails for good (after the `abort` handle, if any).
+pub type OnFailure = Arc<dyn Fn(&str) + Send + Sync>;
+
 impl Shared {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        layout: Layout,
+        uffds: Vec<Uffd>,
+        shards: Vec<Range<usize>>,
+        source: Arc<dyn PageSource>,
+        config: &PagerConfig,
+        stop: OwnedFd,
+        on_failure: Option<OnFailure>,
+    ) -> Shared {
+        let Layout {
+            region,
+            gpa,
+            host,
+            size,
+            page,
+            chunk,
+            mode,
+            alias,
+        } = layout;
+        let chunks = size.div_ceil(chunk) as usize;
+        Shared {
+            region,
+            gpa,
+            host,
+            size,
+            page,
+            chunk,
+            bounce: chunk.min(BOUNCE_MAX.max(page)),
+            mode,
+            alias,
+            uffds,
+            shards,
+            states: (0..chunks).map(|_| AtomicU8::new(ABSENT)).collect(),
+            source,
+            fetch_attempts: config.fetch_attempts,
+            retry_delay: config.retry_delay,
+            abort: config.abort.clone(),
+            on_failure,
+            stop,
+            faults: AtomicU64::new(0),
+            busy_handlers: AtomicU64::new(0),
+            fault_chunks: AtomicU64::new(0),
+            readahead_chunks: AtomicU64::new(0),
+            background_chunks: AtomicU64::new(0),
+            discarded_chunks: AtomicU64::new(0),
+            resident_chunks: AtomicU64::new(0),
+            retired: AtomicBool::new(false),
+            failure: Mutex::new(None),
+            changed: Condvar::new(),
+            handlers: config.handlers,
+            readahead: config.readahead_chunks,
+            background: config.background,
+        }
+    }
+
+    fn stats(&self) -> PagerStats {
+        let resident = self.resident_chunks.load(Ordering::Acquire) * self.chunk;
+        PagerStats {
+            faults: self.faults.load(Ordering::Relaxed),
+            fault_chunks: self.fault_chunks.load(Ordering::Relaxed),
+            readahead_chunks: self.readahead_chunks.load(Ordering::Relaxed),
+            background_chunks: self.background_chunks.load(Ordering::Relaxed),
+            discarded_chunks: self.discarded_chunks.load(Ordering::Relaxed),
+            resident_bytes: resident.min(self.size),
+            retired: self.retired.load(Ordering::Acquire),
+        }
+    }
+
     fn signal_stop(&self) {
         let one = 1u64.to_ne_bytes();
         // SAFETY: writes 8 bytes from a live buffer to our eventfd.
@@ -691,12 +752,19 @@ impl Shared {
     fn fail(&self, e: Error) {
         let reason = e.to_string();
         tracing::error!("{reason}");
+        // Recorded before anyone is told, so that whoever sees the VM (or peer) stop finds
+        // the reason.
+        {
+            let mut failure = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+            failure.get_or_insert(reason.clone());
+            self.changed.notify_all();
+        }
         if let Some(abort) = &self.abort {
             abort.abort(reason.clone());
         }
-        let mut failure = self.failure.lock().unwrap_or_else(|e| e.into_inner());
-        failure.get_or_insert(reason);
-        self.changed.notify_all();
+        if let Some(on_failure) = &self.on_failure {
+            on_failure(&reason);
+        }
     }
 
     /// Fetches `chunk` from the source and maps it into the region. `Ok(false)`: the mapping
@@ -963,4 +1031,322 @@ impl Shared {
         // SAFETY: polls one live pollfd without waiting.
         unsafe { libc::poll(&mut fd, 1, 0) > 0 }
     }
+}
+
+/// One range of another process's memory registered on a userfaultfd that a [`PeerPager`]
+/// serves (a Firecracker-style VMM registered it and passed the fd on).
+pub struct PeerRange {
+    /// Names the range in errors and logs.
+    pub name: String,
+    /// The range's start in the registering process's address space.
+    pub host_addr: u64,
+    pub size: u64,
+    /// The page size of the range's mapping (4 KiB, or the huge page size).
+    pub page_size: u64,
+    /// The range's bytes (offset 0 = `host_addr`).
+    pub source: Arc<dyn PageSource>,
+}
+
+/// Demand paging over a userfaultfd that someone else created and registered, possibly for
+/// several ranges, possibly in another process: the same chunk engine as [`Pager`] (fault-around,
+/// readahead, background fetch, `EEXIST`/`EAGAIN` handling, `UFFD_EVENT_REMOVE` making
+/// discarded pages read as zero), with one handler thread reading the fd's events and handing
+/// each to the range it falls in. Only `MISSING` faults resolved by `UFFDIO_COPY` are served
+/// (anonymous and hugetlb memory). Dropping it stops its threads; it does not unregister
+/// ranges that are not fully resident.
+pub struct PeerPager {
+    ranges: Vec<Arc<Shared>>,
+    stop: OwnedFd,
+    threads: Vec<JoinHandle<()>>,
+}
+
+fn new_eventfd(region: &str) -> Result<OwnedFd> {
+    // SAFETY: eventfd returns a new fd (checked) that nobody else owns.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(Error::Os {
+            region: region.into(),
+            op: "eventfd",
+            source: io::Error::last_os_error(),
+        });
+    }
+    // SAFETY: `fd` is the fresh eventfd from above.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+impl PeerPager {
+    /// Serves `ranges`, all registered (`MISSING`) on `uffd`, which must already have gone
+    /// through `UFFDIO_API`. `config.uffds` and `config.handlers` are ignored (one fd, one
+    /// handler); `on_failure` is told when a fetch fails for good.
+    pub fn start(
+        uffd: OwnedFd,
+        ranges: Vec<PeerRange>,
+        config: &PagerConfig,
+        on_failure: Option<OnFailure>,
+    ) -> Result<PeerPager> {
+        let mut shareds: Vec<Arc<Shared>> = Vec::with_capacity(ranges.len());
+        let mut sorted = ranges;
+        sorted.sort_by_key(|r| r.host_addr);
+        for (i, r) in sorted.iter().enumerate() {
+            let bad = |reason: String| Error::Config {
+                region: r.name.clone(),
+                reason,
+            };
+            let chunk = config.fault_around.max(r.page_size);
+            if !r.page_size.is_power_of_two() || r.page_size < 4096 {
+                return Err(bad(format!(
+                    "page size {:#x} is not a power of two of at least 4 KiB",
+                    r.page_size
+                )));
+            }
+            if !chunk.is_power_of_two() {
+                return Err(bad(format!(
+                    "fault-around {chunk:#x} is not a power of two"
+                )));
+            }
+            if r.size == 0 || r.size % r.page_size != 0 || r.host_addr % r.page_size != 0 {
+                return Err(bad(format!(
+                    "range {:#x}+{:#x} is empty or not aligned to its page size {:#x}",
+                    r.host_addr, r.size, r.page_size
+                )));
+            }
+            if r.source.size() < r.size {
+                return Err(bad(format!(
+                    "the page source holds {:#x} bytes, less than the range's {:#x}",
+                    r.source.size(),
+                    r.size
+                )));
+            }
+            if i > 0 && sorted[i - 1].host_addr + sorted[i - 1].size > r.host_addr {
+                return Err(bad(format!(
+                    "range {:#x}+{:#x} overlaps '{}'",
+                    r.host_addr,
+                    r.size,
+                    sorted[i - 1].name
+                )));
+            }
+            let dup = uffd.try_clone().map_err(|source| Error::Os {
+                region: r.name.clone(),
+                op: "dup of the userfaultfd",
+                source,
+            })?;
+            // SAFETY: `dup` is a userfaultfd we own; the Uffd takes it over (closes it on drop).
+            let uffd = unsafe { Uffd::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(dup)) };
+            let chunks = r.size.div_ceil(chunk) as usize;
+            let config = PagerConfig {
+                handlers: 1,
+                ..config.clone()
+            };
+            shareds.push(Arc::new(Shared::new(
+                Layout {
+                    region: r.name.clone(),
+                    gpa: 0,
+                    host: r.host_addr as usize,
+                    size: r.size,
+                    page: r.page_size,
+                    chunk,
+                    mode: Mode::Copy,
+                    alias: 0,
+                },
+                vec![uffd],
+                std::iter::once(0..chunks).collect(),
+                r.source.clone(),
+                &config,
+                new_eventfd(&r.name)?,
+                on_failure.clone(),
+            )));
+        }
+        let mut pager = PeerPager {
+            stop: new_eventfd("peer pager")?,
+            ranges: shareds,
+            threads: Vec::new(),
+        };
+        // SAFETY: `uffd` is a userfaultfd we own; the handler's Uffd takes it over.
+        let reader = unsafe { Uffd::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(uffd)) };
+        let ranges = pager.ranges.clone();
+        let stop = pager.stop.as_raw_fd();
+        pager.spawn("uffd-peer-handler".into(), move || {
+            serve_peer_faults(&reader, &ranges, stop)
+        })?;
+        if config.background {
+            for shared in pager.ranges.clone() {
+                pager.spawn("uffd-background".into(), move || shared.fetch_everything())?;
+            }
+        }
+        Ok(pager)
+    }
+
+    fn spawn(&mut self, name: String, f: impl FnOnce() + Send + 'static) -> Result<()> {
+        let handle = std::thread::Builder::new()
+            .name(name)
+            .stack_size(256 << 10)
+            .spawn(f)
+            .map_err(|source| Error::Os {
+                region: "peer pager".into(),
+                op: "spawning a pager thread",
+                source,
+            })?;
+        self.threads.push(handle);
+        Ok(())
+    }
+
+    /// Per range, in address order.
+    pub fn stats(&self) -> Vec<PagerStats> {
+        self.ranges.iter().map(|s| s.stats()).collect()
+    }
+
+    /// The first error that stopped a range, if a fetch failed for good.
+    pub fn failure(&self) -> Option<String> {
+        self.ranges.iter().find_map(|s| s.failure())
+    }
+
+    /// Whether every range is resident and retired (only with background fetch).
+    pub fn retired(&self) -> bool {
+        self.ranges
+            .iter()
+            .all(|s| s.retired.load(Ordering::Acquire))
+    }
+}
+
+impl Drop for PeerPager {
+    fn drop(&mut self) {
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: writes 8 bytes from a live buffer to our eventfd.
+        unsafe { libc::write(self.stop.as_raw_fd(), one.as_ptr().cast(), 8) };
+        for s in &self.ranges {
+            s.signal_stop();
+        }
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The [`PeerPager`]'s handler: reads events in batches and hands each to its range.
+fn serve_peer_faults(uffd: &Uffd, ranges: &[Arc<Shared>], stop: i32) {
+    // SAFETY: setpriority on this thread only (best effort, as in `serve_faults`).
+    unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, -10) };
+    let mut events = EventBuffer::new(EVENT_BATCH);
+    let mut bounce = Vec::new();
+    let find = |addr: usize| {
+        ranges
+            .iter()
+            .find(|s| addr >= s.host && addr < s.host + s.size as usize)
+    };
+    loop {
+        let mut fds = [stop, uffd.as_raw_fd()].map(|fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        });
+        // SAFETY: `fds` is a live array of 2 pollfds.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+        if n < 0 {
+            continue; // EINTR
+        }
+        if fds[0].revents != 0 {
+            return;
+        }
+        if fds[1].revents & (libc::POLLERR | libc::POLLHUP) != 0 {
+            tracing::debug!("userfaultfd hung up: the peer's memory is gone");
+            return;
+        }
+        let batch: Vec<Event> = match uffd.read_events(&mut events) {
+            Ok(iter) => iter.filter_map(|e| e.ok()).collect(),
+            Err(e) => {
+                tracing::warn!("reading the peer's userfaultfd events: {e}");
+                continue;
+            }
+        };
+        for s in ranges {
+            s.busy_handlers.fetch_add(1, Ordering::AcqRel);
+        }
+        let mut sequential: Option<(&Arc<Shared>, usize)> = None;
+        for event in batch {
+            match event {
+                Event::Pagefault { kind, addr, .. } => match find(addr as usize) {
+                    Some(s) => {
+                        if let Some(chunk) = s.on_fault(0, addr as usize, kind, &mut bounce) {
+                            sequential = Some((s, chunk));
+                        }
+                    }
+                    // The peer registered memory it did not describe: nobody can serve it,
+                    // so serving has failed for good (the faulting thread would wait forever).
+                    None => {
+                        if let Some(first) = ranges.first() {
+                            first.fail(Error::Config {
+                                region: first.region.clone(),
+                                reason: format!(
+                                    "fault at {addr:?}, outside every range the peer described"
+                                ),
+                            });
+                        }
+                    }
+                },
+                Event::Remove { start, end } => {
+                    for s in ranges {
+                        s.on_remove(start as usize, end as usize);
+                    }
+                }
+                _ => {}
+            }
+        }
+        if let Some((s, chunk)) = sequential {
+            s.read_ahead(0, chunk, &mut bounce);
+        }
+        for s in ranges {
+            s.busy_handlers.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+/// The VMM's side of a [`PeerPager`]: creates a userfaultfd with `UFFD_EVENT_REMOVE` and
+/// registers every one of `regions` on it in `MISSING` mode, for a page server to serve (the fd
+/// is to be sent to it). Backends userfaultfd cannot serve in that mode (guest_memfd) are
+/// refused, as by [`Pager::start`].
+pub fn register_for_peer(regions: &[&Region]) -> Result<OwnedFd> {
+    let mut features = UFFD_FEATURE_EVENT_REMOVE;
+    for r in regions {
+        features |= match r.backend() {
+            Backend::Anon => 0,
+            Backend::Memfd => UFFD_FEATURE_MISSING_SHMEM,
+            Backend::MemfdHugetlb | Backend::Hugetlbfs => UFFD_FEATURE_MISSING_HUGETLBFS,
+            backend @ Backend::GuestMemfd => {
+                return Err(Error::Unsupported {
+                    region: r.name().into(),
+                    backend,
+                    reason: "userfaultfd cannot register guest_memfd mappings".into(),
+                })
+            }
+        };
+    }
+    let name = regions.first().map(|r| r.name()).unwrap_or("none");
+    let uffd = UffdBuilder::new()
+        .close_on_exec(true)
+        .non_blocking(true)
+        .user_mode_only(false)
+        .require_features(FeatureFlags::from_bits_retain(features))
+        .create()
+        .map_err(|source| Error::Uffd {
+            region: name.into(),
+            op: "userfaultfd / UFFDIO_API",
+            source,
+        })?;
+    for r in regions {
+        uffd.register_with_mode(
+            r.host_addr() as *mut libc::c_void,
+            r.size() as usize,
+            RegisterMode::MISSING,
+        )
+        .map_err(|source| Error::Uffd {
+            region: r.name().into(),
+            op: "UFFDIO_REGISTER",
+            source,
+        })?;
+    }
+    // `Uffd::into_raw_fd` (userfaultfd 0.9) still closes the fd on drop: forget the Uffd.
+    let fd = uffd.as_raw_fd();
+    std::mem::forget(uffd);
+    // SAFETY: the forgotten Uffd's fd, which we now own alone.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }

@@ -192,3 +192,53 @@ impl PageSource for RemoteSource {
         self.size
     }
 }
+
+/// `size` bytes of another source starting at `offset` (one region of a memory file that holds
+/// several).
+pub struct WindowSource {
+    inner: Arc<dyn PageSource>,
+    offset: u64,
+    size: u64,
+}
+
+impl WindowSource {
+    /// Fails, naming the numbers, when the window does not lie inside `inner`.
+    pub fn new(inner: Arc<dyn PageSource>, offset: u64, size: u64) -> io::Result<WindowSource> {
+        match offset.checked_add(size) {
+            Some(end) if end <= inner.size() => Ok(WindowSource {
+                inner,
+                offset,
+                size,
+            }),
+            _ => Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "window at offset {offset:#x} of {size:#x} bytes ends beyond the source's \
+                     {:#x} bytes",
+                    inner.size()
+                ),
+            )),
+        }
+    }
+}
+
+impl PageSource for WindowSource {
+    fn fetch(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        if offset + buf.len() as u64 > self.size {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("fetch {offset:#x}+{:#x} outside the window", buf.len()),
+            ));
+        }
+        self.inner.fetch(self.offset + offset, buf)
+    }
+    fn size(&self) -> u64 {
+        self.size
+    }
+    fn mapped(&self) -> Option<*const u8> {
+        // SAFETY: the window lies inside the inner source's mapping (checked in `new`).
+        self.inner
+            .mapped()
+            .map(|p| unsafe { p.add(self.offset as usize) })
+    }
+}
