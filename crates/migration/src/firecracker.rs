@@ -370,14 +370,27 @@ pub struct PeerRestoredVm {
 /// caller resumes the VM.
 pub fn restore_lazy_via_socket(snapshot: &Snapshot, socket: &Path) -> Result<PeerRestoredVm> {
     let manifest = snapshot.manifest();
+    if manifest.base.is_some() {
+        return Err(Error::Layout(
+            "a diff snapshot spans several memory files, and a page server serves one: \
+             restore it in full mode"
+                .into(),
+        ));
+    }
     let mut vm = Vm::new(&manifest.config)?;
     snapshot::check_layout(vm.memory(), &manifest.regions)?;
     let mut buf = vec![0u8; snapshot::CHUNK_BYTES as usize];
     let mut ram = Vec::new();
     let mut mappings = Vec::new();
-    for (region, image) in vm.memory().regions().iter().zip(&manifest.regions) {
+    for (i, (region, image)) in vm
+        .memory()
+        .regions()
+        .iter()
+        .zip(&manifest.regions)
+        .enumerate()
+    {
         if region.gpa() == layout::SYS_GPA {
-            snapshot::copy_chunks(snapshot, vm.memory(), region, image, &mut buf)?;
+            snapshot::copy_chunks(snapshot, vm.memory(), region, i, &mut buf)?;
             continue;
         }
         ram.push(&**region);
