@@ -5,48 +5,24 @@ mod common;
 
 use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use common::{
     assert_pages_consistent, dirty_work, pages_done, resume_and_check_continuation,
-    wait_for_generation,
+    snapshot_running_vm, TempDir,
 };
 use guestmem_memory::{Backend, PAGE_SIZE};
 use guestmem_migration::firecracker::{
     self, parse_mappings, restore_lazy_via_socket, send_handshake, serve_connection,
     GuestRegionUffdMapping, PageServerConfig, Session,
 };
-use guestmem_migration::snapshot::{self, Snapshot};
+use guestmem_migration::snapshot::Snapshot;
 use guestmem_paging::{FileSource, PagerConfig};
-use guestmem_vm::{layout, Vm, VmConfig};
+use guestmem_vm::{layout, VmConfig};
 
 const SIZE: u64 = 8 << 20;
-
-struct TempDir(PathBuf);
-impl TempDir {
-    fn new(name: &str) -> TempDir {
-        let dir = std::env::temp_dir().join(format!("guestmem-fc-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
-    }
-}
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn snapshot_running_vm(config: &VmConfig, dir: &Path) -> Vec<u64> {
-    let mut vm = Vm::new(config).unwrap();
-    let running = vm.start(&dirty_work(2, SIZE)).unwrap();
-    wait_for_generation(&running, 2);
-    running.pause().unwrap();
-    snapshot::write(&vm, dir).unwrap();
-    pages_done(&vm)
-}
 
 /// A page server on a thread: accepts one connection on `socket` and hands back its session.
 /// It never kills its peer (the peer is this test process).
@@ -77,7 +53,7 @@ fn spawn_server(
 fn guest_restored_through_the_socket_continues() {
     for backend in [Backend::Anon, Backend::Memfd] {
         let dir = TempDir::new(&format!("e2e-{backend}"));
-        let at_snapshot = snapshot_running_vm(&VmConfig::simple(2, SIZE, backend), &dir.0);
+        let at_snapshot = snapshot_running_vm(&VmConfig::simple(2, SIZE, backend), SIZE, &dir.0);
         let snap = Snapshot::open(&dir.0).unwrap();
         let work = dirty_work(2, SIZE);
         let socket = dir.0.join("uffd.sock");
@@ -149,7 +125,7 @@ fn guest_restored_through_the_socket_continues() {
 )]
 fn removed_range_reads_as_zero() {
     let dir = TempDir::new("remove");
-    snapshot_running_vm(&VmConfig::simple(2, SIZE, Backend::Anon), &dir.0);
+    snapshot_running_vm(&VmConfig::simple(2, SIZE, Backend::Anon), SIZE, &dir.0);
     let snap = Snapshot::open(&dir.0).unwrap();
     let socket = dir.0.join("uffd.sock");
     let quiet = PagerConfig {

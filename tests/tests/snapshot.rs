@@ -2,11 +2,11 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use common::{
-    assert_pages_consistent, dirty_work, pages_done, resume_and_check_continuation,
-    wait_for_generation,
+    assert_pages_consistent, dirty_work, flip_byte_in_ram, pages_done,
+    resume_and_check_continuation, snapshot_running_vm, wait_for_generation, TempDir,
 };
 use guestmem_memory::{Backend, RegionSpec};
 use guestmem_migration::snapshot::{self, RestoreMode, Snapshot};
@@ -15,34 +15,6 @@ use guestmem_vm::{layout, Vm, VmConfig};
 
 const SIZE: u64 = 8 << 20;
 
-/// A fresh directory under the system temp dir, removed on drop.
-struct TempDir(PathBuf);
-impl TempDir {
-    fn new(name: &str) -> TempDir {
-        let dir = std::env::temp_dir().join(format!("guestmem-test-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
-    }
-}
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// Runs a 2-vCPU `dirty` VM for two passes, pauses it, snapshots it into `dir`, and returns the
-/// pages done per vCPU at the snapshot.
-fn snapshot_running_vm(config: &VmConfig, dir: &Path) -> Vec<u64> {
-    let mut vm = Vm::new(config).unwrap();
-    let running = vm.start(&dirty_work(2, SIZE)).unwrap();
-    wait_for_generation(&running, 2);
-    running.pause().unwrap();
-    let report = snapshot::write(&vm, dir).unwrap();
-    assert_eq!(report.memory_bytes, vm.memory().size());
-    pages_done(&vm)
-}
-
 #[test]
 #[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
 fn restored_guest_continues_on_every_backend_and_mode() {
@@ -50,7 +22,7 @@ fn restored_guest_continues_on_every_backend_and_mode() {
         for mode in [RestoreMode::Full, RestoreMode::Map] {
             let dir = TempDir::new(&format!("{backend}-{mode:?}"));
             let config = VmConfig::simple(2, SIZE, backend);
-            let at_snapshot = snapshot_running_vm(&config, &dir.0);
+            let at_snapshot = snapshot_running_vm(&config, SIZE, &dir.0);
 
             let snap = Snapshot::open(&dir.0).unwrap();
             let mut vm = snapshot::restore(&snap, mode).unwrap();
@@ -114,7 +86,7 @@ fn edit_manifest(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
 #[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
 fn bad_snapshots_are_refused_before_anything_runs() {
     let good = TempDir::new("good");
-    snapshot_running_vm(&VmConfig::simple(2, SIZE, Backend::Memfd), &good.0);
+    snapshot_running_vm(&VmConfig::simple(2, SIZE, Backend::Memfd), SIZE, &good.0);
     let copy = |name: &str| {
         let dir = TempDir::new(name);
         for f in ["manifest.json", "state.json", "memory"] {
@@ -152,24 +124,7 @@ fn bad_snapshots_are_refused_before_anything_runs() {
 
     // One flipped byte in the guest's RAM region: the chunk's checksum catches it.
     let d = copy("flipped");
-    let manifest: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(d.0.join("manifest.json")).unwrap()).unwrap();
-    let ram = manifest["regions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|r| r["spec"]["name"] == "ram")
-        .unwrap();
-    let at = ram["file_offset"].as_u64().unwrap() + 3 * 4096 + 8;
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(d.0.join("memory"))
-        .unwrap();
-    use std::os::unix::fs::FileExt;
-    let mut b = [0u8; 1];
-    f.read_exact_at(&mut b, at).unwrap();
-    f.write_all_at(&[b[0] ^ 0x40], at).unwrap();
+    flip_byte_in_ram(&d.0, 3 * 4096 + 8, 0x40);
     let e = restore_err(&d.0);
     assert!(
         e.contains("corrupt snapshot") && e.contains("region 'ram' chunk at offset 0x0"),
@@ -226,7 +181,7 @@ fn bad_snapshots_are_refused_before_anything_runs() {
 fn lazily_restored_guest_continues_while_memory_arrives() {
     for backend in [Backend::Anon, Backend::Memfd] {
         let dir = TempDir::new(&format!("lazy-{backend}"));
-        let at_snapshot = snapshot_running_vm(&VmConfig::simple(2, SIZE, backend), &dir.0);
+        let at_snapshot = snapshot_running_vm(&VmConfig::simple(2, SIZE, backend), SIZE, &dir.0);
         let snap = Snapshot::open(&dir.0).unwrap();
         let work = dirty_work(2, SIZE);
 
@@ -281,7 +236,11 @@ fn lazily_restored_guest_continues_while_memory_arrives() {
 )]
 fn lazy_restore_refuses_what_it_cannot_serve_and_stops_on_corrupt_pages() {
     let dir = TempDir::new("lazy-gmem");
-    snapshot_running_vm(&VmConfig::simple(2, SIZE, Backend::GuestMemfd), &dir.0);
+    snapshot_running_vm(
+        &VmConfig::simple(2, SIZE, Backend::GuestMemfd),
+        SIZE,
+        &dir.0,
+    );
     let snap = Snapshot::open(&dir.0).unwrap();
     let e = snapshot::restore_lazy(&snap, &PagerConfig::default())
         .err()
@@ -295,25 +254,8 @@ fn lazy_restore_refuses_what_it_cannot_serve_and_stops_on_corrupt_pages() {
     // A flipped byte in RAM is found when the guest first touches that chunk: the run stops
     // with the checksum error and the guest address, instead of the guest reading bad bytes.
     let dir = TempDir::new("lazy-corrupt");
-    snapshot_running_vm(&VmConfig::simple(2, SIZE, Backend::Anon), &dir.0);
-    let manifest: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.0.join("manifest.json")).unwrap()).unwrap();
-    let ram = manifest["regions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|r| r["spec"]["name"] == "ram")
-        .unwrap();
-    let at = ram["file_offset"].as_u64().unwrap() + 5;
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(dir.0.join("memory"))
-        .unwrap();
-    use std::os::unix::fs::FileExt;
-    let mut b = [0u8; 1];
-    f.read_exact_at(&mut b, at).unwrap();
-    f.write_all_at(&[b[0] ^ 1], at).unwrap();
+    snapshot_running_vm(&VmConfig::simple(2, SIZE, Backend::Anon), SIZE, &dir.0);
+    flip_byte_in_ram(&dir.0, 5, 1);
     let snap = Snapshot::open(&dir.0).unwrap();
     let quiet = PagerConfig {
         background: false,

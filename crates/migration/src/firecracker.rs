@@ -24,7 +24,7 @@ use guestmem_paging::{
     register_for_peer, FileSource, OnFailure, PageSource, PagerConfig, PagerStats, PeerPager,
     PeerRange, WindowSource,
 };
-use guestmem_vm::{layout, Vm};
+use guestmem_vm::Vm;
 use serde::{Deserialize, Serialize};
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
@@ -369,31 +369,11 @@ pub struct PeerRestoredVm {
 /// region's place in the snapshot's memory file). The sys region is copied in at once. The
 /// caller resumes the VM.
 pub fn restore_lazy_via_socket(snapshot: &Snapshot, socket: &Path) -> Result<PeerRestoredVm> {
-    let manifest = snapshot.manifest();
-    if manifest.base.is_some() {
-        return Err(Error::Layout(
-            "a diff snapshot spans several memory files, and a page server serves one: \
-             restore it in full mode"
-                .into(),
-        ));
-    }
-    let mut vm = Vm::new(&manifest.config)?;
-    snapshot::check_layout(vm.memory(), &manifest.regions)?;
-    let mut buf = vec![0u8; snapshot::CHUNK_BYTES as usize];
+    let mut vm = snapshot::vm_for_lazy_restore(snapshot)?;
     let mut ram = Vec::new();
     let mut mappings = Vec::new();
-    for (i, (region, image)) in vm
-        .memory()
-        .regions()
-        .iter()
-        .zip(&manifest.regions)
-        .enumerate()
-    {
-        if region.gpa() == layout::SYS_GPA {
-            snapshot::copy_chunks(snapshot, vm.memory(), region, i, &mut buf)?;
-            continue;
-        }
-        ram.push(&**region);
+    for (region, image) in snapshot::lazy_regions(&vm, snapshot) {
+        ram.push(region);
         mappings.push(GuestRegionUffdMapping {
             base_host_virt_addr: region.host_addr() as u64,
             size: region.size(),

@@ -427,31 +427,13 @@ pub struct LazyVm {
 /// address). The sys region (page tables, payload, control blocks) is small and copied at once.
 /// Backends userfaultfd cannot serve (guest_memfd) are refused, naming the kernel feature.
 pub fn restore_lazy(snapshot: &Snapshot, config: &PagerConfig) -> Result<LazyVm> {
-    let manifest = &snapshot.manifest;
-    if snapshot.base.is_some() {
-        return Err(Error::Layout(
-            "a diff snapshot spans several memory files: restore it in full mode".into(),
-        ));
-    }
-    let mut vm = Vm::new(&manifest.config)?;
-    check_layout(vm.memory(), &manifest.regions)?;
+    let mut vm = vm_for_lazy_restore(snapshot)?;
     let config = PagerConfig {
         abort: Some(vm.abort_handle()),
         ..config.clone()
     };
-    let mut buf = vec![0u8; CHUNK_BYTES as usize];
     let mut pagers = Vec::new();
-    for (i, (region, image)) in vm
-        .memory()
-        .regions()
-        .iter()
-        .zip(&manifest.regions)
-        .enumerate()
-    {
-        if region.gpa() == layout::SYS_GPA {
-            copy_chunks(snapshot, vm.memory(), region, i, &mut buf)?;
-            continue;
-        }
+    for (region, image) in lazy_regions(&vm, snapshot) {
         let source = SnapshotSource {
             file: snapshot
                 .memory
@@ -468,6 +450,40 @@ pub fn restore_lazy(snapshot: &Snapshot, config: &PagerConfig) -> Result<LazyVm>
     }
     vm.restore_state(&snapshot.state)?;
     Ok(LazyVm { pagers, vm })
+}
+
+/// The first steps of every lazy restore: refuse a diff snapshot (its memory spans several
+/// files), build the VM, check its layout, and copy in the sys region (page tables, payload,
+/// control blocks: small, and needed at once). The guest RAM regions are left to a pager.
+pub(crate) fn vm_for_lazy_restore(snapshot: &Snapshot) -> Result<Vm> {
+    if let Some(base) = &snapshot.manifest.base {
+        return Err(Error::Layout(format!(
+            "a diff snapshot spans several memory files (its base is {}): restore it in full mode",
+            base.display()
+        )));
+    }
+    let vm = Vm::new(&snapshot.manifest.config)?;
+    check_layout(vm.memory(), &snapshot.manifest.regions)?;
+    let mut buf = vec![0u8; CHUNK_BYTES as usize];
+    for (i, region) in vm.memory().regions().iter().enumerate() {
+        if region.gpa() == layout::SYS_GPA {
+            copy_chunks(snapshot, vm.memory(), region, i, &mut buf)?;
+        }
+    }
+    Ok(vm)
+}
+
+/// The guest RAM regions of a VM built by [`vm_for_lazy_restore`], with their images.
+pub(crate) fn lazy_regions<'a>(
+    vm: &'a Vm,
+    snapshot: &'a Snapshot,
+) -> impl Iterator<Item = (&'a Region, &'a RegionImage)> {
+    vm.memory()
+        .regions()
+        .iter()
+        .zip(&snapshot.manifest.regions)
+        .filter(|(region, _)| region.gpa() != layout::SYS_GPA)
+        .map(|(region, image)| (&**region, image))
 }
 
 /// One region's bytes in a snapshot's memory file, each chunk checked against its CRC-32 before

@@ -4,12 +4,15 @@
 #![allow(dead_code)]
 
 use std::cmp::Ordering;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
 
 use guestmem_memory::{Backend, HUGE_PAGE_SIZE, PAGE_SIZE};
+use guestmem_migration::snapshot;
 use guestmem_vm::payload::{page_value, CTL_PAGES_DONE};
-use guestmem_vm::{layout, RunningVm, VcpuWork, Vm, Workload};
+use guestmem_vm::{layout, RunningVm, VcpuWork, Vm, VmConfig, Workload};
 
 const NR_HUGEPAGES: &str = "/proc/sys/vm/nr_hugepages";
 
@@ -181,4 +184,55 @@ pub fn resident(addr: *mut u8, len: usize) -> Vec<bool> {
     let ret = unsafe { libc::mincore(addr.cast(), len, vec.as_mut_ptr()) };
     assert_eq!(ret, 0, "mincore: {}", std::io::Error::last_os_error());
     vec.iter().map(|b| b & 1 != 0).collect()
+}
+
+/// A fresh directory under the system temp dir, removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(name: &str) -> TempDir {
+        let dir = std::env::temp_dir().join(format!("guestmem-test-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        TempDir(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Runs a 2-vCPU `dirty` VM over the first `size` bytes of its RAM for two passes, pauses it,
+/// snapshots it into `dir`, and returns the pages done per vCPU at the snapshot.
+pub fn snapshot_running_vm(config: &VmConfig, size: u64, dir: &Path) -> Vec<u64> {
+    let mut vm = Vm::new(config).unwrap();
+    let running = vm.start(&dirty_work(2, size)).unwrap();
+    wait_for_generation(&running, 2);
+    running.pause().unwrap();
+    let report = snapshot::write(&vm, dir).unwrap();
+    assert_eq!(report.memory_bytes, vm.memory().size());
+    pages_done(&vm)
+}
+
+/// Flips the bits `mask` of the byte at `offset` into the "ram" region of the snapshot in `dir`.
+pub fn flip_byte_in_ram(dir: &Path, offset: u64, mask: u8) {
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("manifest.json")).unwrap()).unwrap();
+    let ram = manifest["regions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["spec"]["name"] == "ram")
+        .unwrap();
+    let at = ram["file_offset"].as_u64().unwrap() + offset;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(dir.join("memory"))
+        .unwrap();
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, at).unwrap();
+    f.write_all_at(&[b[0] ^ mask], at).unwrap();
 }
