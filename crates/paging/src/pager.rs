@@ -346,15 +346,7 @@ impl Pager {
     }
 
     fn spawn(&mut self, name: String, f: impl FnOnce() + Send + 'static) -> Result<()> {
-        let handle = std::thread::Builder::new()
-            .name(name)
-            .stack_size(256 << 10)
-            .spawn(f)
-            .map_err(|source| Error::Os {
-                region: self.shared.region.clone(),
-                op: "spawning a pager thread",
-                source,
-            })?;
+        let handle = spawn_pager_thread(&self.shared.region, name, f)?;
         self.threads.push(handle);
         Ok(())
     }
@@ -1177,15 +1169,7 @@ impl PeerPager {
     }
 
     fn spawn(&mut self, name: String, f: impl FnOnce() + Send + 'static) -> Result<()> {
-        let handle = std::thread::Builder::new()
-            .name(name)
-            .stack_size(256 << 10)
-            .spawn(f)
-            .map_err(|source| Error::Os {
-                region: "peer pager".into(),
-                op: "spawning a pager thread",
-                source,
-            })?;
+        let handle = spawn_pager_thread("peer pager", name, f)?;
         self.threads.push(handle);
         Ok(())
     }
@@ -1349,4 +1333,22 @@ pub fn register_for_peer(regions: &[&Region]) -> Result<OwnedFd> {
     std::mem::forget(uffd);
     // SAFETY: the forgotten Uffd's fd, which we now own alone.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Starts one of a pager's threads (small stacks: they only shuffle pages), naming the region in
+/// the error if the thread cannot be created.
+fn spawn_pager_thread(
+    region: &str,
+    name: String,
+    f: impl FnOnce() + Send + 'static,
+) -> Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name(name)
+        .stack_size(256 << 10)
+        .spawn(f)
+        .map_err(|source| Error::Os {
+            region: region.into(),
+            op: "spawning a pager thread",
+            source,
+        })
 }
