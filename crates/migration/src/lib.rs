@@ -1,8 +1,11 @@
 //! Moving a guestmem VM through time and space: snapshots and restore (live migration comes on
 //! top of the same pieces).
 
+mod destination;
 pub mod firecracker;
+pub mod migrate;
 pub mod snapshot;
+mod source;
 pub mod stream;
 pub mod transport;
 
@@ -52,6 +55,14 @@ pub enum Error {
     Memory(#[from] guestmem_memory::Error),
     #[error(transparent)]
     Paging(#[from] guestmem_paging::Error),
+    #[error(transparent)]
+    Tracking(#[from] guestmem_tracking::Error),
+    #[error("migration: {0}")]
+    Migration(String),
+    #[error(transparent)]
+    Stream(#[from] stream::StreamError),
+    #[error(transparent)]
+    Transport(#[from] transport::TransportError),
 }
 
 impl Error {

@@ -12,8 +12,6 @@
 
 use std::io::{self, Read, Write};
 
-use serde::{Deserialize, Serialize};
-
 /// The stream's magic and version: a peer speaking another version is refused by its first frame.
 pub const MAGIC: [u8; 4] = *b"GMf1";
 /// The largest payload a frame may carry: 2 MiB of pages plus their header.
@@ -32,15 +30,29 @@ pub enum Frame {
     Zero { gpa: u64, count: u64 },
     /// The vCPU and VM state (JSON of `guestmem_vm::VmState`): the source's vCPUs are stopped.
     State { state_json: Vec<u8> },
-    /// Destination to source (post-copy): send the page at `gpa` now.
-    Request { gpa: u64 },
-    /// No more pages will come for this phase (`round` counts pre-copy rounds from 1).
-    EndOfRound { round: u32 },
-    /// The destination runs the VM: the source may let go.
-    Complete,
+    /// Destination to source (post-copy): send the `len` bytes (whole pages, at most
+    /// [`MAX_REQUEST`]) at `gpa` now; the answer is one Pages or Zero frame for exactly them.
+    Request { gpa: u64, len: u32 },
+    /// The end of round `round` (counted from 1) on this connection; `last`: no more pages
+    /// will come on it before the State.
+    EndOfRound { round: u32, last: bool },
+    /// Destination to source: the destination has everything it needs from the source (pre-copy:
+    /// it runs the VM; post-copy: all memory is resident), so the source may let go; with the
+    /// destination's own figures (JSON).
+    Complete { report_json: Vec<u8> },
     /// The sender gives up, and says why.
     Abort { reason: String },
+    /// Destination to source, after the State: memory and vCPU state are in place (and the
+    /// memory digest matched, when the source sent one); waiting for Go.
+    Ready,
+    /// Source to destination: the source has stopped the VM for good; run it.
+    Go,
+    /// Destination to source: the vCPUs are running here (the end of the downtime).
+    Running,
 }
+
+/// The most one Request may ask for.
+pub const MAX_REQUEST: u32 = 2 << 20;
 
 const PAGE: usize = 4096;
 
@@ -70,6 +82,9 @@ mod kind {
     pub const END_OF_ROUND: u8 = 6;
     pub const COMPLETE: u8 = 7;
     pub const ABORT: u8 = 8;
+    pub const READY: u8 = 9;
+    pub const GO: u8 = 10;
+    pub const RUNNING: u8 = 11;
 }
 
 impl Frame {
@@ -81,8 +96,11 @@ impl Frame {
             Frame::State { .. } => kind::STATE,
             Frame::Request { .. } => kind::REQUEST,
             Frame::EndOfRound { .. } => kind::END_OF_ROUND,
-            Frame::Complete => kind::COMPLETE,
+            Frame::Complete { .. } => kind::COMPLETE,
             Frame::Abort { .. } => kind::ABORT,
+            Frame::Ready => kind::READY,
+            Frame::Go => kind::GO,
+            Frame::Running => kind::RUNNING,
         }
     }
 
@@ -92,9 +110,12 @@ impl Frame {
             Frame::Pages { gpa, pages } => [&gpa.to_le_bytes()[..], pages].concat(),
             Frame::Zero { gpa, count } => [gpa.to_le_bytes(), count.to_le_bytes()].concat(),
             Frame::State { state_json } => state_json.clone(),
-            Frame::Request { gpa } => gpa.to_le_bytes().to_vec(),
-            Frame::EndOfRound { round } => round.to_le_bytes().to_vec(),
-            Frame::Complete => Vec::new(),
+            Frame::Request { gpa, len } => [&gpa.to_le_bytes()[..], &len.to_le_bytes()].concat(),
+            Frame::EndOfRound { round, last } => {
+                [&round.to_le_bytes()[..], &[u8::from(*last)]].concat()
+            }
+            Frame::Complete { report_json } => report_json.clone(),
+            Frame::Ready | Frame::Go | Frame::Running => Vec::new(),
             Frame::Abort { reason } => reason.as_bytes().to_vec(),
         }
     }
@@ -130,6 +151,33 @@ impl Frame {
     pub fn write_to(&self, w: &mut impl Write) -> Result<(), StreamError> {
         w.write_all(&self.encode()?)?;
         Ok(())
+    }
+
+    /// Encodes into `out` (cleared first) a Pages frame of `len` bytes at `gpa`, whose pages
+    /// `fill` writes straight into the frame (no copy in between: senders read guest memory
+    /// into it). Returns what `fill` returns (a sender may tell, say, that the pages were zero).
+    pub fn encode_pages_with<T>(
+        out: &mut Vec<u8>,
+        gpa: u64,
+        len: usize,
+        fill: impl FnOnce(&mut [u8]) -> Result<T, StreamError>,
+    ) -> Result<T, StreamError> {
+        let payload = 8 + len;
+        if len == 0 || !len.is_multiple_of(PAGE) || payload > MAX_PAYLOAD as usize {
+            return Err(StreamError::Malformed(format!(
+                "a Pages frame carries whole pages, at most {MAX_PAYLOAD} bytes, not {len}"
+            )));
+        }
+        out.clear();
+        out.extend_from_slice(&MAGIC);
+        out.extend_from_slice(&[kind::PAGES, 0, 0, 0]);
+        out.extend_from_slice(&(payload as u32).to_le_bytes());
+        out.extend_from_slice(&gpa.to_le_bytes());
+        out.resize(HEADER + payload, 0);
+        let filled = fill(&mut out[HEADER + 8..])?;
+        let crc = crc32fast::hash(out);
+        out.extend_from_slice(&crc.to_le_bytes());
+        Ok(filled)
     }
 
     /// Reads and checks one frame. A clean end of stream before a frame starts is
@@ -213,24 +261,45 @@ impl Frame {
                 state_json: p.to_vec(),
             },
             kind::REQUEST => {
-                if p.len() != 8 {
-                    return Err(malformed("a Request frame holds a gpa"));
+                if p.len() != 12 {
+                    return Err(malformed("a Request frame holds a gpa and a length"));
                 }
-                Frame::Request { gpa: u64_at(0) }
+                let gpa = u64_at(0);
+                let len = u32::from_le_bytes(p[8..12].try_into().expect("4 bytes"));
+                if !gpa.is_multiple_of(PAGE as u64)
+                    || len == 0
+                    || !len.is_multiple_of(PAGE as u32)
+                    || len > MAX_REQUEST
+                {
+                    return Err(StreamError::Malformed(format!(
+                        "Request {gpa:#x}+{len:#x}: whole pages, at most {MAX_REQUEST:#x} bytes"
+                    )));
+                }
+                Frame::Request { gpa, len }
             }
             kind::END_OF_ROUND => {
-                if p.len() != 4 {
-                    return Err(malformed("an EndOfRound frame holds a round number"));
+                if p.len() != 5 || p[4] > 1 {
+                    return Err(malformed(
+                        "an EndOfRound frame holds a round number and a last flag",
+                    ));
                 }
                 Frame::EndOfRound {
-                    round: u32::from_le_bytes(p.try_into().expect("4 bytes")),
+                    round: u32::from_le_bytes(p[..4].try_into().expect("4 bytes")),
+                    last: p[4] == 1,
                 }
             }
-            kind::COMPLETE => {
+            kind::COMPLETE => Frame::Complete {
+                report_json: p.to_vec(),
+            },
+            kind::READY | kind::GO | kind::RUNNING => {
                 if !p.is_empty() {
-                    return Err(malformed("a Complete frame is empty"));
+                    return Err(malformed("Ready, Go and Running frames are empty"));
                 }
-                Frame::Complete
+                match kind {
+                    kind::READY => Frame::Ready,
+                    kind::GO => Frame::Go,
+                    _ => Frame::Running,
+                }
             }
             kind::ABORT => Frame::Abort {
                 reason: String::from_utf8_lossy(p).into_owned(),
@@ -242,13 +311,6 @@ impl Frame {
             }
         })
     }
-}
-
-/// What the source says about itself in its Hello (JSON).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Hello {
-    pub guestmem_version: String,
-    pub config: guestmem_vm::VmConfig,
 }
 
 #[cfg(test)]
@@ -271,12 +333,23 @@ mod tests {
             Frame::State {
                 state_json: b"{\"vcpus\":[]}".to_vec(),
             },
-            Frame::Request { gpa: 0x2000 },
-            Frame::EndOfRound { round: 4 },
-            Frame::Complete,
+            Frame::Request {
+                gpa: 0x2000,
+                len: 0x1000,
+            },
+            Frame::EndOfRound {
+                round: 4,
+                last: true,
+            },
+            Frame::Complete {
+                report_json: b"{}".to_vec(),
+            },
             Frame::Abort {
                 reason: "source stopped".into(),
             },
+            Frame::Ready,
+            Frame::Go,
+            Frame::Running,
         ]
     }
 
@@ -351,8 +424,17 @@ mod tests {
                 [0u64.to_le_bytes(), 0u64.to_le_bytes()].concat(),
             ),
             (kind::REQUEST, vec![]),
+            (
+                kind::REQUEST,
+                [
+                    &0x1000u64.to_le_bytes()[..],
+                    &(MAX_REQUEST + 4096).to_le_bytes(),
+                ]
+                .concat(),
+            ),
+            (kind::GO, vec![0]),
             (kind::END_OF_ROUND, vec![1]),
-            (kind::COMPLETE, vec![1]),
+            (kind::READY, vec![1]),
             (99, vec![]),
         ] {
             let e = Frame::read_from(&mut &forge(kind, &payload)[..]).unwrap_err();
@@ -364,6 +446,22 @@ mod tests {
         }
         .encode()
         .is_err());
+        let mut out = Vec::new();
+        Frame::encode_pages_with(&mut out, 0x3000, 2 * PAGE, |b| {
+            b.fill(5);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(
+            out,
+            Frame::Pages {
+                gpa: 0x3000,
+                pages: vec![5u8; 2 * PAGE]
+            }
+            .encode()
+            .unwrap()
+        );
+        assert!(Frame::encode_pages_with(&mut out, 0, 100, |_| Ok(())).is_err());
     }
 
     /// Random bytes never panic the decoder (the fuzz target in fuzz/ does this at scale).

@@ -167,9 +167,67 @@ pub fn generate_credentials(dir: &Path) -> Result<()> {
 pub trait Channel: Read + Write + Send {}
 impl<T: Read + Write + Send> Channel for T {}
 
+/// One TLS connection to the peer, with a handle that can cut it from another thread.
+pub struct Connection {
+    tls: Box<dyn Channel>,
+    socket: Socket,
+}
+
+impl Connection {
+    /// A handle that shuts the underlying socket down (both ways), which ends any read or write
+    /// blocked on it, in whatever thread, with an error.
+    pub fn cutter(&self) -> io::Result<Cutter> {
+        Ok(Cutter(self.socket.try_clone()?))
+    }
+
+    /// Bounds how long a read waits for the peer (`None`: forever).
+    pub fn set_read_timeout(&self, timeout: Option<std::time::Duration>) -> io::Result<()> {
+        match &self.socket {
+            Socket::Tcp(s) => s.set_read_timeout(timeout),
+            Socket::Unix(s) => s.set_read_timeout(timeout),
+        }
+    }
+}
+
+impl Read for Connection {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.tls.read(buf)
+    }
+}
+
+impl Write for Connection {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.tls.write(buf)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.tls.flush()
+    }
+}
+
+/// Cuts a [`Connection`] (see [`Connection::cutter`]).
+pub struct Cutter(Socket);
+
+impl Cutter {
+    pub fn cut(&self) {
+        let _ = match &self.0 {
+            Socket::Tcp(s) => s.shutdown(std::net::Shutdown::Both),
+            Socket::Unix(s) => s.shutdown(std::net::Shutdown::Both),
+        };
+    }
+}
+
 enum Socket {
     Tcp(TcpStream),
     Unix(UnixStream),
+}
+
+impl Socket {
+    fn try_clone(&self) -> io::Result<Socket> {
+        Ok(match self {
+            Socket::Tcp(s) => Socket::Tcp(s.try_clone()?),
+            Socket::Unix(s) => Socket::Unix(s.try_clone()?),
+        })
+    }
 }
 
 impl Read for Socket {
@@ -201,7 +259,7 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 }
 
 /// Connects to the destination at `endpoint` as the source, and completes the TLS handshake.
-pub fn connect(endpoint: &Endpoint, creds: &Credentials) -> Result<Box<dyn Channel>> {
+pub fn connect(endpoint: &Endpoint, creds: &Credentials) -> Result<Connection> {
     let socket = match endpoint {
         Endpoint::Tcp(addr) => {
             let s = TcpStream::connect(addr).map_err(io_err(format!("connect to {endpoint}")))?;
@@ -273,7 +331,7 @@ impl Listener {
     }
 
     /// Accepts one source and completes the TLS handshake (which refuses an unauthenticated one).
-    pub fn accept(&self) -> Result<Box<dyn Channel>> {
+    pub fn accept(&self) -> Result<Connection> {
         let socket = match &self.socket {
             ListenerSocket::Tcp(l) => {
                 let (s, _) = l.accept().map_err(io_err("accept"))?;
@@ -290,7 +348,7 @@ impl Listener {
 
 /// Drives the handshake to its end now, so that a refused peer is an error here, not at the
 /// first read or write.
-fn handshake<C, D>(mut stream: StreamOwned<C, Socket>) -> Result<Box<dyn Channel>>
+fn handshake<C, D>(mut stream: StreamOwned<C, Socket>) -> Result<Connection>
 where
     C: std::ops::DerefMut + std::ops::Deref<Target = rustls::ConnectionCommon<D>> + Send + 'static,
     D: rustls::SideData + 'static,
@@ -301,7 +359,14 @@ where
             .complete_io(&mut stream.sock)
             .map_err(|e| TransportError::Tls(e.to_string()))?;
     }
-    Ok(Box::new(stream))
+    let socket = stream
+        .sock
+        .try_clone()
+        .map_err(io_err("dup of the connection's socket"))?;
+    Ok(Connection {
+        tls: Box::new(stream),
+        socket,
+    })
 }
 
 #[cfg(test)]
@@ -364,7 +429,7 @@ mod tests {
         });
         let mut good =
             connect(&endpoint, &Credentials::load(&ours, Role::Source).unwrap()).unwrap();
-        Frame::Complete.write_to(&mut good).unwrap();
+        Frame::Go.write_to(&mut good).unwrap();
         good.flush().unwrap();
         let _stranger = connect(
             &endpoint,
@@ -372,7 +437,7 @@ mod tests {
         );
         let results = server.join().unwrap();
         assert!(
-            matches!(&results[0], Ok(Ok(Frame::Complete))),
+            matches!(&results[0], Ok(Ok(Frame::Go))),
             "trusted source: {:?}",
             results[0].as_ref().err()
         );
@@ -409,9 +474,13 @@ mod tests {
             Frame::read_from(&mut ch).unwrap()
         });
         let mut ch = connect(&endpoint, &Credentials::load(&dir, Role::Source).unwrap()).unwrap();
-        Frame::Request { gpa: 0x1000 }.write_to(&mut ch).unwrap();
+        let request = Frame::Request {
+            gpa: 0x1000,
+            len: 0x2000,
+        };
+        request.write_to(&mut ch).unwrap();
         ch.flush().unwrap();
-        assert_eq!(server.join().unwrap(), Frame::Request { gpa: 0x1000 });
+        assert_eq!(server.join().unwrap(), request);
         let _ = std::fs::remove_dir_all(&dir);
     }
 

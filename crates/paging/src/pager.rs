@@ -172,6 +172,19 @@ impl Pager {
         source: Arc<dyn PageSource>,
         config: &PagerConfig,
     ) -> Result<Pager> {
+        Pager::start_partial(region, source, config, &|_| false)
+    }
+
+    /// Like [`Pager::start`] over a region whose contents are already right, except in the
+    /// chunks (of `config.fault_around` bytes) for which `resident(offset)` is false: those
+    /// must have been discarded by the caller (so that they fault) and are fetched from
+    /// `source` (post-copy after a pre-copy round: only the pages dirtied since are fetched).
+    pub fn start_partial(
+        region: &Region,
+        source: Arc<dyn PageSource>,
+        config: &PagerConfig,
+        resident: &dyn Fn(u64) -> bool,
+    ) -> Result<Pager> {
         let name = region.name().to_string();
         let bad = |reason: String| Error::Config {
             region: name.clone(),
@@ -319,6 +332,12 @@ impl Pager {
             unsafe { OwnedFd::from_raw_fd(stop) },
             None,
         ));
+        for (c, state) in shared.states.iter().enumerate() {
+            if resident(c as u64 * chunk) {
+                state.store(RESIDENT, Ordering::Release);
+                shared.count_resident();
+            }
+        }
         let mut pager = Pager {
             shared: shared.clone(),
             threads: Vec::new(),
@@ -353,6 +372,11 @@ impl Pager {
 
     pub fn stats(&self) -> PagerStats {
         self.shared.stats()
+    }
+
+    /// Bytes of the region it serves.
+    pub fn size(&self) -> u64 {
+        self.shared.size
     }
 
     /// The pager's own memory: chunk states, bounce buffers and event buffers (thread stacks
@@ -671,7 +695,7 @@ impl Shared {
                 Ordering::AcqRel,
                 Ordering::Acquire,
             ) {
-                Ok(_) => match self.install(chunk, shard, bounce) {
+                Ok(_) => match self.install(chunk, shard, bounce, by) {
                     Ok(true) => {
                         self.set_state(chunk, RESIDENT);
                         let counter = match by {
@@ -761,7 +785,7 @@ impl Shared {
 
     /// Fetches `chunk` from the source and maps it into the region. `Ok(false)`: the mapping
     /// was changing under us (EAGAIN); try again later.
-    fn install(&self, chunk: usize, shard: usize, bounce: &mut Vec<u8>) -> Result<bool> {
+    fn install(&self, chunk: usize, shard: usize, bounce: &mut Vec<u8>, by: By) -> Result<bool> {
         let uffd = &self.uffds[shard];
         let (start, len) = self.byte_range(chunk..chunk + 1);
         match self.mode {
@@ -804,7 +828,7 @@ impl Shared {
                 let mut off = start;
                 while off < start + len {
                     let n = self.bounce.min(start + len - off);
-                    self.fetch(off, &mut bounce[..n as usize])?;
+                    self.fetch(off, &mut bounce[..n as usize], by)?;
                     if !self.copy(uffd, bounce.as_ptr(), off, n)? {
                         return Ok(false);
                     }
@@ -836,7 +860,7 @@ impl Shared {
                         libc::MADV_POPULATE_WRITE,
                     )
                 };
-                self.fetch(start, dst)?;
+                self.fetch(start, dst, by)?;
                 self.map_page_cache(uffd, start, len)
             }
         }
@@ -876,10 +900,14 @@ impl Shared {
         }
     }
 
-    fn fetch(&self, off: u64, buf: &mut [u8]) -> Result<()> {
+    fn fetch(&self, off: u64, buf: &mut [u8], by: By) -> Result<()> {
         let mut last = None;
         for attempt in 1..=self.fetch_attempts {
-            match self.source.fetch(off, buf) {
+            let fetched = match by {
+                By::Background => self.source.fetch_background(off, buf),
+                By::Fault | By::Readahead => self.source.fetch(off, buf),
+            };
+            match fetched {
                 Ok(()) => return Ok(()),
                 Err(e) => {
                     tracing::warn!(region = %self.region, gpa = self.gpa + off, attempt, "page source: {e}");

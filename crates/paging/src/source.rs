@@ -14,6 +14,11 @@ use std::time::Duration;
 pub trait PageSource: Send + Sync {
     /// Fills `buf` with the bytes at `[offset, offset + buf.len())`.
     fn fetch(&self, offset: u64, buf: &mut [u8]) -> io::Result<()>;
+    /// Like `fetch`, for the background fetcher (nobody waits for these bytes): a source with
+    /// a slow link may send it down another, less urgent path.
+    fn fetch_background(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        self.fetch(offset, buf)
+    }
     /// How many bytes the source holds; the pager refuses a larger region.
     fn size(&self) -> u64;
     /// The source's bytes, if they are mapped in this process (a file source maps its file):

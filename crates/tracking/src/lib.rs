@@ -210,6 +210,11 @@ impl DirtyBitmap {
     }
 }
 
+/// Whether the guest's writes to `region` can be tracked (see [`Tracker::start`]).
+pub fn tracked(region: &Region) -> bool {
+    region.backend() != guestmem_memory::Backend::GuestMemfd
+}
+
 /// The bitmap of `slot` in a harvest being built, created empty on first use.
 fn slot_bitmap<'a>(
     dirty: &'a mut [Option<DirtyBitmap>],
@@ -238,6 +243,10 @@ pub struct Tracker {
 impl Tracker {
     /// Starts dirty logging on every memslot of `vm` in `mode`. The VMM marks made before are
     /// dropped: the tracker reports writes from now on (plus, in manual mode, every page once).
+    ///
+    /// guest_memfd memslots are left out ([`tracked`] says which): KVM refuses dirty logging on
+    /// them (`KVM_MEM_LOG_DIRTY_PAGES` is not a valid flag beside `KVM_MEM_GUEST_MEMFD`), so
+    /// whoever needs their changes copies them with the guest stopped.
     pub fn start(vm: &Vm, mode: Mode) -> Result<Tracker> {
         let kvm = Kvm::new().map_err(Error::Kvm)?;
         if let Some(reason) = mode.unavailable(&kvm) {
@@ -281,8 +290,10 @@ impl Tracker {
         for region in memory.regions() {
             region.vmm_dirty().take_each(|_, _| {});
         }
-        for slot in 0..memory.regions().len() {
-            memory.set_slot_flags(&vm_fd, slot, KVM_MEM_LOG_DIRTY_PAGES)?;
+        for (slot, region) in memory.regions().iter().enumerate() {
+            if tracked(region) {
+                memory.set_slot_flags(&vm_fd, slot, KVM_MEM_LOG_DIRTY_PAGES)?;
+            }
         }
         let slots = memory.regions().len();
         Ok(Tracker {
@@ -336,6 +347,9 @@ impl Tracker {
             }
             Mode::Manual | Mode::Bitmap => {
                 for (slot, region) in regions.iter().enumerate() {
+                    if !tracked(region) {
+                        continue;
+                    }
                     let pages = region.size() / PAGE_SIZE;
                     let scratch = &mut self.scratch[slot];
                     scratch.resize(pages.div_ceil(64) as usize, 0);
@@ -440,8 +454,10 @@ impl Tracker {
     /// again, so that a later bitmap-mode tracker gets the classic behaviour). Dropping a tracker
     /// without `stop` leaves logging on.
     pub fn stop(self) -> Result<()> {
-        for slot in 0..self.memory.regions().len() {
-            self.memory.set_slot_flags(&self.vm, slot, 0)?;
+        for (slot, region) in self.memory.regions().iter().enumerate() {
+            if tracked(region) {
+                self.memory.set_slot_flags(&self.vm, slot, 0)?;
+            }
         }
         if self.mode == Mode::Manual {
             self.vm

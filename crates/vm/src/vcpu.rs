@@ -110,7 +110,8 @@ pub(crate) enum Outcome {
     Failed(Error),
 }
 
-/// Runs `vcpu` until the payload signals done, `kicked` is set, or something unexpected happens.
+/// Runs `vcpu` until the payload signals done, `kicked` is set, or something unexpected happens;
+/// while `throttle` is non-zero, each kick out of the guest is followed by a sleep of that share.
 /// A full dirty ring (`KVM_EXIT_DIRTY_RING_FULL`, counted in `ring_full`) is waited out: the
 /// kernel stopped the vCPU before the ring overflowed and refuses to re-enter the guest until the
 /// harvester has collected the ring and issued `KVM_RESET_DIRTY_RINGS`, so no entry is lost.
@@ -119,6 +120,7 @@ pub(crate) fn run_loop(
     vcpu: &mut VcpuFd,
     kicked: &Arc<AtomicBool>,
     ring_full: &AtomicU64,
+    throttle: &AtomicU64,
 ) -> Outcome {
     loop {
         if kicked.load(Ordering::Acquire) {
@@ -134,6 +136,11 @@ pub(crate) fn run_loop(
             Ok(exit) => format!("{exit:?}"),
             Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
                 vcpu.set_kvm_immediate_exit(0);
+                // A throttle tick (see RunningVm::set_throttle): sit out the throttled share.
+                let percent = throttle.load(Ordering::Acquire);
+                if percent > 0 && !kicked.load(Ordering::Acquire) {
+                    std::thread::sleep(crate::vm::THROTTLE_PERIOD * percent as u32 / 100);
+                }
                 continue;
             }
             Err(e) => format!("KVM_RUN error: {e}"),

@@ -52,6 +52,8 @@ pub struct Vm {
     dirty_rings: Arc<Vec<DirtyRing>>,
     dirty_ring_full_exits: Arc<AtomicU64>,
     abort: AbortHandle,
+    /// Share of each 10 ms the vCPUs spend outside the guest (auto-converge), in percent.
+    throttle: Arc<AtomicU64>,
 }
 
 /// Lets another thread (e.g. a pager whose page source failed) end the VM's current or next
@@ -143,6 +145,7 @@ impl Vm {
             dirty_rings: Arc::new(dirty_rings),
             dirty_ring_full_exits: Arc::new(AtomicU64::new(0)),
             abort: AbortHandle::default(),
+            throttle: Arc::new(AtomicU64::new(0)),
         })
     }
 
@@ -254,10 +257,11 @@ impl Vm {
                 let done = done_tx.clone();
                 let kicked = kicked.clone();
                 let ring_full = self.dirty_ring_full_exits.clone();
+                let throttle = self.throttle.clone();
                 std::thread::Builder::new()
                     .name(format!("vcpu{id}"))
                     .spawn(move || {
-                        let outcome = vcpu::run_loop(id, &mut v, &kicked, &ring_full);
+                        let outcome = vcpu::run_loop(id, &mut v, &kicked, &ring_full, &throttle);
                         let _ = done.send(id);
                         (v, outcome)
                     })
@@ -274,6 +278,7 @@ impl Vm {
             done_rx,
             kicked,
             started: Instant::now(),
+            ticker: None,
         })
     }
 
@@ -379,11 +384,61 @@ pub struct RunningVm<'a> {
     done_rx: mpsc::Receiver<usize>,
     kicked: Arc<AtomicBool>,
     started: Instant,
+    /// The thread that kicks the vCPUs every [`THROTTLE_PERIOD`] while they are throttled.
+    ticker: Option<(Arc<AtomicBool>, JoinHandle<()>)>,
 }
 
-impl RunningVm<'_> {
+/// The throttle's period: a vCPU throttled to `p` % sleeps `p` % of each period.
+pub const THROTTLE_PERIOD: Duration = Duration::from_millis(10);
+
+impl<'a> RunningVm<'a> {
     pub fn memory(&self) -> &Arc<GuestMemory> {
         &self.vm.memory
+    }
+
+    /// The VM these vCPUs belong to (to start a dirty tracker on it, say).
+    pub fn vm(&self) -> &Vm {
+        self.vm
+    }
+
+    /// Throttles the vCPUs (auto-converge): each spends `percent` % (at most 99) of every
+    /// [`THROTTLE_PERIOD`] out of the guest; 0 lets them run freely again.
+    pub fn set_throttle(&mut self, percent: u64) -> Result<()> {
+        self.vm.throttle.store(percent.min(99), Ordering::Release);
+        if percent == 0 || self.ticker.is_some() {
+            return Ok(());
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let threads: Vec<libc::pthread_t> = self.threads.iter().map(|t| t.as_pthread_t()).collect();
+        let throttle = self.vm.throttle.clone();
+        let done = stop.clone();
+        let ticker = std::thread::Builder::new()
+            .name("vcpu-throttle".into())
+            .spawn(move || {
+                while !done.load(Ordering::Acquire) {
+                    std::thread::sleep(THROTTLE_PERIOD);
+                    if throttle.load(Ordering::Acquire) == 0 {
+                        continue;
+                    }
+                    for &t in &threads {
+                        // SAFETY: the vCPU threads outlive the ticker (it is stopped and joined
+                        // before they are), so each pthread_t is valid; the kick signal's
+                        // handler is installed and does nothing.
+                        unsafe { libc::pthread_kill(t, vcpu::kick_signal()) };
+                    }
+                }
+            })
+            .map_err(|e| Error::Thread {
+                vcpu: 0,
+                reason: format!("cannot start the throttle thread: {e}"),
+            })?;
+        self.ticker = Some((stop, ticker));
+        Ok(())
+    }
+
+    /// The vCPUs' current throttle, in percent.
+    pub fn throttle(&self) -> u64 {
+        self.vm.throttle.load(Ordering::Acquire)
     }
 
     /// Pages done and passes completed, per vCPU, as the guest reports them.
@@ -485,18 +540,29 @@ impl RunningVm<'_> {
     }
 
     /// Stops every vCPU where it is (out of KVM_RUN, state intact) and gives them back to the
-    /// VM, to be saved or resumed. Fails if a vCPU had already failed.
-    pub fn pause(mut self) -> Result<()> {
-        for outcome in self.join_all() {
+    /// VM, which is handed back to be saved or resumed. Fails if a vCPU had already failed.
+    pub fn pause(mut self) -> Result<&'a mut Vm> {
+        let outcomes = self.join_all();
+        let vm: *mut Vm = self.vm;
+        drop(self);
+        // SAFETY: `self` held the only borrow of the VM for 'a and is gone (its drop did
+        // nothing: the vCPU threads are joined), so handing that borrow on is sound.
+        let vm = unsafe { &mut *vm };
+        for outcome in outcomes {
             if let Outcome::Failed(e) = outcome {
                 return Err(e);
             }
         }
-        Ok(())
+        Ok(vm)
     }
 
     /// Kicks every vCPU out of KVM_RUN, joins the threads and gives the vCPUs back to the VM.
     fn join_all(&mut self) -> Vec<Outcome> {
+        if let Some((stop, ticker)) = self.ticker.take() {
+            stop.store(true, Ordering::Release);
+            let _ = ticker.join();
+        }
+        self.vm.throttle.store(0, Ordering::Release);
         self.kicked.store(true, Ordering::Release);
         let mut outcomes = Vec::with_capacity(self.threads.len());
         for handle in self.threads.drain(..) {

@@ -1,0 +1,767 @@
+//! The destination side of a live migration (see [`crate::migrate`] for the protocol).
+
+use std::io::{self, Write};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use guestmem_memory::{Backend, GuestMemory, PAGE_SIZE};
+use guestmem_paging::{PageSource, Pager, PagerConfig};
+use guestmem_vm::{layout, RunningVm, Vm};
+use serde::{Deserialize, Serialize};
+
+use crate::migrate::{
+    frame_name, percentile, read_frame, read_json, write_frame, Links, Mode, Setup, StaleChunks,
+    Switchover, BLOCK, POSTCOPY_CHUNK,
+};
+use crate::source::memory_digest;
+use crate::stream::{Frame, MAX_REQUEST};
+use crate::transport::{Connection, Cutter, Listener};
+use crate::{Error, Result};
+
+/// How to receive.
+#[derive(Debug, Clone)]
+pub struct ReceiveOptions {
+    /// How long a post-copy waits for the source to come back after the link broke, before
+    /// the VM stops with an error naming the guest address it needed.
+    pub resume_timeout: Duration,
+    /// Post-copy: fault handler threads per region.
+    pub handlers: usize,
+}
+
+impl Default for ReceiveOptions {
+    fn default() -> Self {
+        ReceiveOptions {
+            resume_timeout: Duration::from_secs(600),
+            handlers: 2,
+        }
+    }
+}
+
+/// What the destination saw (sent back to the source in the Complete).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct DestinationReport {
+    pub mode: Option<Mode>,
+    pub rounds: u32,
+    pub pages_received: u64,
+    pub zero_pages_received: u64,
+    /// The memory digest check at switch-over.
+    pub verify_ms: f64,
+    /// Post-copy: fault events the pagers read, fetches on behalf of faults (and their
+    /// readahead) with their latency (request sent → pages in hand), background fetches.
+    pub faults: u64,
+    pub fault_fetches: u64,
+    pub fault_latency_p50_us: f64,
+    pub fault_latency_p99_us: f64,
+    pub fault_latency_max_us: f64,
+    pub background_fetches: u64,
+    pub postcopy_bytes: u64,
+    /// Running → every page resident.
+    pub resident_ms: f64,
+    pub link_breaks: u32,
+}
+
+/// A VM received up to the switch-over: its memory (or, in post-copy, its pagers) and vCPU
+/// state are in place. Resume it with [`Transfer::resume`], then [`Transfer::finish`].
+pub struct Incoming {
+    pub vm: Vm,
+    pub transfer: Transfer,
+}
+
+/// The rest of a migration, after the switch-over. Keep it until [`Transfer::finish`]: in
+/// post-copy its pagers serve the guest's missing pages.
+pub struct Transfer {
+    mode: Mode,
+    links: Option<Links>,
+    postcopy: Option<Postcopy>,
+    report: DestinationReport,
+    // Dropped last: the pagers' regions stay mapped while they live.
+    _memory: Arc<GuestMemory>,
+}
+
+struct Postcopy {
+    link: Arc<PostcopyLink>,
+    pagers: Vec<Pager>,
+    listener: Arc<Listener>,
+    migration: u64,
+}
+
+/// Accepts one migration on `listener` and receives it up to the switch-over. Any refusal is
+/// told to the source (which keeps its VM running) and returned.
+pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incoming> {
+    let mut links = Links::accept(&listener, None)?;
+    let setup: Setup = read_json(&mut links.pages[0], "VM setup")?;
+    let refuse = |links: &mut Links, reason: String| {
+        let _ = write_frame(
+            &mut links.pages[0],
+            &Frame::Abort {
+                reason: reason.clone(),
+            },
+        );
+        Error::Migration(reason)
+    };
+    if setup.mode.has_postcopy() {
+        if let Some(r) = setup
+            .config
+            .regions
+            .iter()
+            .find(|r| r.backend == Backend::GuestMemfd)
+        {
+            return Err(refuse(
+                &mut links,
+                format!(
+                    "{} of guest_memfd region '{}' needs KVM Userfault (KVM_MEM_USERFAULT, \
+                     KVM_CAP_USERFAULT), which this kernel lacks: migrate it with pre-copy",
+                    setup.mode, r.name
+                ),
+            ));
+        }
+    }
+    let mut vm = match Vm::new(&setup.config) {
+        Ok(vm) => vm,
+        Err(e) => {
+            return Err(refuse(
+                &mut links,
+                format!("the destination cannot build this VM: {e}"),
+            ))
+        }
+    };
+    let memory = vm.memory().clone();
+    let hello_back = serde_json::json!({ "guestmem_version": env!("CARGO_PKG_VERSION") });
+    write_frame(
+        &mut links.pages[0],
+        &Frame::Hello {
+            config_json: hello_back.to_string().into_bytes(),
+        },
+    )?;
+    let mut report = DestinationReport {
+        mode: Some(setup.mode),
+        ..Default::default()
+    };
+
+    // The rounds: each pages connection is applied by its own thread, up to its last
+    // EndOfRound.
+    let readers: Vec<_> = std::mem::take(&mut links.pages)
+        .into_iter()
+        .enumerate()
+        .map(|(i, conn)| {
+            let memory = memory.clone();
+            std::thread::Builder::new()
+                .name(format!("migrate-rx{i}"))
+                .spawn(move || apply_pages(conn, &memory))
+                .expect("spawning a reader thread")
+        })
+        .collect();
+    let mut failure = None;
+    let mut last_rounds = Vec::new();
+    for r in readers {
+        let (conn, result) = r.join().expect("a reader thread panicked");
+        links.pages.push(conn);
+        match result {
+            Ok(stats) => {
+                report.pages_received += stats.pages;
+                report.zero_pages_received += stats.zero_pages;
+                last_rounds.push(stats.last_round);
+            }
+            Err(e) => {
+                failure.get_or_insert(e);
+            }
+        }
+    }
+    if let Some(e) = failure {
+        return Err(refuse(&mut links, format!("receiving pages: {e}")));
+    }
+
+    let switchover: Switchover = match read_frame(&mut links.pages[0])? {
+        Frame::State { state_json } => match serde_json::from_slice(&state_json) {
+            Ok(s) => s,
+            Err(e) => {
+                return Err(refuse(
+                    &mut links,
+                    format!("the State is not understood: {e}"),
+                ))
+            }
+        },
+        other => return Err(refused_by_source(&other, "State")),
+    };
+    if let Some(r) = last_rounds.iter().find(|&&r| r != switchover.last_round) {
+        return Err(refuse(
+            &mut links,
+            format!(
+                "a pages connection ended at round {r}, the State says {}",
+                switchover.last_round
+            ),
+        ));
+    }
+    report.rounds = switchover.last_round;
+    if let Err(e) = vm.restore_state(&switchover.state) {
+        return Err(refuse(
+            &mut links,
+            format!("the vCPU state does not load: {e}"),
+        ));
+    }
+    if let Some(expected) = switchover.digest {
+        let started = Instant::now();
+        let digest = memory_digest(&memory)?;
+        report.verify_ms = started.elapsed().as_secs_f64() * 1e3;
+        if digest != expected {
+            return Err(refuse(
+                &mut links,
+                format!(
+                    "the destination's memory digest {digest:#018x} differs from the source's \
+                     {expected:#018x}"
+                ),
+            ));
+        }
+    }
+    let postcopy = match &switchover.postcopy {
+        Some(stale) => match arm_postcopy(&vm, stale, &links, opts) {
+            Ok((link, pagers)) => Some(Postcopy {
+                link,
+                pagers,
+                listener,
+                migration: links.migration,
+            }),
+            Err(e) => return Err(refuse(&mut links, format!("arming post-copy: {e}"))),
+        },
+        None => None,
+    };
+
+    write_frame(&mut links.pages[0], &Frame::Ready)?;
+    match read_frame(&mut links.pages[0]) {
+        Ok(Frame::Go) => {}
+        Ok(other) => return Err(refused_by_source(&other, "Go")),
+        Err(e) => {
+            return Err(Error::Migration(format!(
+                "the link broke before the source let go ({e}); the source keeps the VM"
+            )))
+        }
+    }
+    Ok(Incoming {
+        vm,
+        transfer: Transfer {
+            mode: setup.mode,
+            links: Some(links),
+            postcopy,
+            report,
+            _memory: memory,
+        },
+    })
+}
+
+fn refused_by_source(frame: &Frame, wanted: &str) -> Error {
+    match frame {
+        Frame::Abort { reason } => {
+            Error::Migration(format!("the source gave up (and keeps the VM): {reason}"))
+        }
+        other => Error::Migration(format!(
+            "expected {wanted} from the source, got {}",
+            frame_name(other)
+        )),
+    }
+}
+
+struct ReaderStats {
+    pages: u64,
+    zero_pages: u64,
+    last_round: u32,
+}
+
+/// Applies one pages connection's frames to guest memory up to its last EndOfRound.
+fn apply_pages(mut conn: Connection, memory: &GuestMemory) -> (Connection, Result<ReaderStats>) {
+    let zeros = vec![0u8; BLOCK as usize];
+    let mut stats = ReaderStats {
+        pages: 0,
+        zero_pages: 0,
+        last_round: 0,
+    };
+    let result = loop {
+        let frame = match read_frame(&mut conn) {
+            Ok(f) => f,
+            Err(e) => break Err(e),
+        };
+        let applied = match frame {
+            Frame::Pages { gpa, pages } => {
+                stats.pages += pages.len() as u64 / PAGE_SIZE;
+                memory.write(gpa, &pages)
+            }
+            Frame::Zero { gpa, count } => {
+                stats.zero_pages += count;
+                let mut done = 0;
+                let mut r = Ok(());
+                while done < count * PAGE_SIZE && r.is_ok() {
+                    let n = (count * PAGE_SIZE - done).min(BLOCK);
+                    r = memory.write(gpa + done, &zeros[..n as usize]);
+                    done += n;
+                }
+                r
+            }
+            Frame::EndOfRound { round, last } => {
+                stats.last_round = round;
+                if last {
+                    break Ok(());
+                }
+                Ok(())
+            }
+            other => break Err(refused_by_source(&other, "pages")),
+        };
+        if let Err(e) = applied {
+            break Err(Error::Migration(format!(
+                "the source sent pages outside this VM's memory: {e}"
+            )));
+        }
+    };
+    (conn, result.map(|()| stats))
+}
+
+/// Discards the stale chunks of each RAM region and starts its pager (nothing fetches until
+/// the link opens, after Running).
+fn arm_postcopy(
+    vm: &Vm,
+    stale: &[StaleChunks],
+    links: &Links,
+    opts: &ReceiveOptions,
+) -> Result<(Arc<PostcopyLink>, Vec<Pager>)> {
+    let link = Arc::new(PostcopyLink::new(
+        links.pages.len(),
+        links.urgent.len(),
+        opts.resume_timeout,
+    ));
+    let mut pagers = Vec::new();
+    for region in vm
+        .memory()
+        .regions()
+        .iter()
+        .filter(|r| r.gpa() != layout::SYS_GPA)
+    {
+        let bits = stale
+            .iter()
+            .find(|s| s.gpa == region.gpa())
+            .ok_or_else(|| {
+                Error::Migration(format!(
+                    "the State says nothing of region '{}'",
+                    region.name()
+                ))
+            })?
+            .bits
+            .as_deref();
+        let chunk = POSTCOPY_CHUNK.max(region.backend().page_size());
+        let is_stale = |offset: u64| match bits {
+            None => true,
+            Some(bits) => {
+                (offset / POSTCOPY_CHUNK..(offset + chunk).div_ceil(POSTCOPY_CHUNK)).any(|c| {
+                    bits.get((c / 64) as usize)
+                        .is_some_and(|w| w >> (c % 64) & 1 != 0)
+                })
+            }
+        };
+        if bits.is_some() {
+            let slots = vm.memory().memslots().expect("a VM's memory is registered");
+            let mut offset = 0;
+            while offset < region.size() {
+                if is_stale(offset) {
+                    let len = chunk.min(region.size() - offset);
+                    slots.discard(region.gpa() + offset, len)?;
+                }
+                offset += chunk;
+            }
+        }
+        let chunks = region.size().div_ceil(chunk) as usize;
+        let config = PagerConfig {
+            uffds: vm.vcpu_count().clamp(1, chunks),
+            handlers: opts.handlers.max(1),
+            fault_around: chunk,
+            readahead_chunks: 2,
+            background: true,
+            fetch_attempts: 1,
+            retry_delay: Duration::from_millis(1),
+            abort: Some(vm.abort_handle()),
+        };
+        let source = RegionSource {
+            link: link.clone(),
+            gpa: region.gpa(),
+            size: region.size(),
+        };
+        pagers.push(Pager::start_partial(
+            region,
+            Arc::new(source),
+            &config,
+            &|offset| !is_stale(offset),
+        )?);
+    }
+    Ok((link, pagers))
+}
+
+impl Transfer {
+    /// Runs the received VM's vCPUs, tells the source (the downtime ends), and, in post-copy,
+    /// opens the link to the pagers.
+    pub fn resume<'v>(&mut self, vm: &'v mut Vm) -> Result<RunningVm<'v>> {
+        let mut links = self
+            .links
+            .take()
+            .ok_or_else(|| Error::Migration("this transfer was already resumed".into()))?;
+        let running = vm.resume()?;
+        write_frame(&mut links.pages[0], &Frame::Running)?;
+        match &self.postcopy {
+            None => {
+                let json = serde_json::to_vec(&self.report).expect("a report serializes");
+                write_frame(&mut links.pages[0], &Frame::Complete { report_json: json })?;
+            }
+            Some(p) => {
+                p.link.open(links)?;
+                let link = p.link.clone();
+                let listener = p.listener.clone();
+                let migration = p.migration;
+                std::thread::Builder::new()
+                    .name("postcopy-keeper".into())
+                    .spawn(move || link.keep(&listener, migration))
+                    .map_err(|e| Error::Migration(format!("spawning the link keeper: {e}")))?;
+            }
+        }
+        Ok(running)
+    }
+
+    /// The migration's mode.
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    /// Post-copy: memory still to arrive, in bytes (0 once everything is resident).
+    pub fn missing_bytes(&self) -> u64 {
+        self.postcopy.as_ref().map_or(0, |p| {
+            p.pagers
+                .iter()
+                .map(|pager| {
+                    let s = pager.stats();
+                    if s.retired {
+                        0
+                    } else {
+                        pager.size().saturating_sub(s.resident_bytes)
+                    }
+                })
+                .sum()
+        })
+    }
+
+    /// Waits until the transfer is over (post-copy: every page resident, the source told), and
+    /// returns the destination's figures. A post-copy whose source is gone for good ends with
+    /// the error (and the VM, stopped by it, names the guest address it missed).
+    pub fn finish(mut self) -> Result<DestinationReport> {
+        let Some(p) = self.postcopy.take() else {
+            return Ok(self.report);
+        };
+        let started = Instant::now();
+        loop {
+            let mut all = true;
+            for pager in &p.pagers {
+                if !pager.wait_resident(Duration::from_millis(50))? {
+                    all = false;
+                }
+            }
+            if all {
+                break;
+            }
+        }
+        let mut report = self.report.clone();
+        report.resident_ms = started.elapsed().as_secs_f64() * 1e3;
+        report.faults = p.pagers.iter().map(|pg| pg.stats().faults).sum();
+        p.link.fill_report(&mut report);
+        let json = serde_json::to_vec(&report).expect("a report serializes");
+        p.link.close(&json)?;
+        Ok(report)
+    }
+}
+
+/// The destination's end of the post-copy link: lock-step requests on the pages connections
+/// (background fetches) and the urgent ones (faults), and their re-establishment after a
+/// break.
+struct PostcopyLink {
+    /// Pages connections, then urgent ones; `None` while the link is down (or not yet open).
+    slots: Vec<Mutex<Option<Connection>>>,
+    pages: usize,
+    cutters: Mutex<Vec<Cutter>>,
+    state: Mutex<LinkState>,
+    changed: Condvar,
+    resume_timeout: Duration,
+    next_urgent: AtomicUsize,
+    /// Fault fetch latencies, in µs.
+    latencies: Mutex<Vec<u32>>,
+    background_fetches: AtomicU64,
+    bytes: AtomicU64,
+}
+
+#[derive(Default)]
+struct LinkState {
+    generation: u64,
+    broken: bool,
+    closed: bool,
+    breaks: u32,
+}
+
+impl PostcopyLink {
+    fn new(pages: usize, urgent: usize, resume_timeout: Duration) -> PostcopyLink {
+        PostcopyLink {
+            slots: (0..pages + urgent).map(|_| Mutex::new(None)).collect(),
+            pages,
+            cutters: Mutex::new(Vec::new()),
+            state: Mutex::new(LinkState::default()),
+            changed: Condvar::new(),
+            resume_timeout,
+            next_urgent: AtomicUsize::new(0),
+            latencies: Mutex::new(Vec::new()),
+            background_fetches: AtomicU64::new(0),
+            bytes: AtomicU64::new(0),
+        }
+    }
+
+    /// Puts `links` in service (at the start, and after each re-establishment).
+    fn open(&self, links: Links) -> Result<()> {
+        let cutters = links.cutters()?;
+        if links.pages.len() + links.urgent.len() != self.slots.len() {
+            return Err(Error::Migration(format!(
+                "the source came back with {} + {} connections, not {} in all",
+                links.pages.len(),
+                links.urgent.len(),
+                self.slots.len()
+            )));
+        }
+        for (slot, conn) in self
+            .slots
+            .iter()
+            .zip(links.pages.into_iter().chain(links.urgent))
+        {
+            *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(conn);
+        }
+        *self.cutters.lock().unwrap_or_else(|e| e.into_inner()) = cutters;
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.generation += 1;
+        st.broken = false;
+        self.changed.notify_all();
+        Ok(())
+    }
+
+    /// Fetches `buf.len()` bytes at `gpa` from the source, waiting out a broken link (up to the
+    /// resume timeout).
+    fn fetch(&self, gpa: u64, buf: &mut [u8], urgent: bool) -> io::Result<()> {
+        let started = Instant::now();
+        loop {
+            let generation = self
+                .state
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .generation;
+            let urgent_count = self.slots.len() - self.pages;
+            let index = if urgent && urgent_count > 0 {
+                self.pages + self.next_urgent.fetch_add(1, Ordering::Relaxed) % urgent_count
+            } else {
+                (gpa / BLOCK) as usize % self.pages
+            };
+            {
+                let mut slot = self.slots[index].lock().unwrap_or_else(|e| e.into_inner());
+                if let Some(conn) = slot.as_mut() {
+                    let asked = Instant::now();
+                    match request(conn, gpa, buf) {
+                        Ok(()) => {
+                            self.bytes.fetch_add(buf.len() as u64, Ordering::Relaxed);
+                            if urgent {
+                                let us = asked.elapsed().as_micros().min(u32::MAX as u128);
+                                self.latencies
+                                    .lock()
+                                    .unwrap_or_else(|e| e.into_inner())
+                                    .push(us as u32);
+                            } else {
+                                self.background_fetches.fetch_add(1, Ordering::Relaxed);
+                            }
+                            return Ok(());
+                        }
+                        Err(e) => {
+                            *slot = None;
+                            drop(slot);
+                            self.break_link(&e);
+                        }
+                    }
+                }
+            }
+            let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            while st.generation == generation && !st.closed {
+                let waited = started.elapsed();
+                if waited >= self.resume_timeout {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        format!(
+                            "the post-copy link to the source has been down for {:.0} s (run \
+                             `guestmem migrate resume` on the source to re-establish it)",
+                            waited.as_secs_f64()
+                        ),
+                    ));
+                }
+                st = self
+                    .changed
+                    .wait_timeout(st, self.resume_timeout - waited)
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
+            }
+            if st.closed {
+                return Err(io::Error::other("the post-copy link is closed"));
+            }
+        }
+    }
+
+    fn break_link(&self, e: &Error) {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if !st.broken && !st.closed {
+            st.broken = true;
+            st.breaks += 1;
+            tracing::warn!("post-copy link broken ({e}); waiting for the source to resume it");
+            for c in self
+                .cutters
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .iter()
+            {
+                c.cut();
+            }
+            self.changed.notify_all();
+        }
+    }
+
+    /// The keeper: after each break, accepts the source's new connections and opens them.
+    fn keep(&self, listener: &Listener, migration: u64) {
+        loop {
+            {
+                let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+                while !st.broken && !st.closed {
+                    st = self.changed.wait(st).unwrap_or_else(|e| e.into_inner());
+                }
+                if st.closed {
+                    return;
+                }
+            }
+            match Links::accept(listener, Some(migration)).and_then(|links| self.open(links)) {
+                Ok(()) => tracing::info!("post-copy link re-established"),
+                Err(e) => tracing::warn!("a connection while resuming post-copy: {e}"),
+            }
+        }
+    }
+
+    fn fill_report(&self, report: &mut DestinationReport) {
+        let mut lat: Vec<Duration> = self
+            .latencies
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|&us| Duration::from_micros(us.into()))
+            .collect();
+        lat.sort();
+        let us = |d: Duration| d.as_secs_f64() * 1e6;
+        report.fault_fetches = lat.len() as u64;
+        report.fault_latency_p50_us = us(percentile(&lat, 50.0));
+        report.fault_latency_p99_us = us(percentile(&lat, 99.0));
+        report.fault_latency_max_us = us(lat.last().copied().unwrap_or_default());
+        report.background_fetches = self.background_fetches.load(Ordering::Relaxed);
+        report.postcopy_bytes = self.bytes.load(Ordering::Relaxed);
+        report.link_breaks = self.state.lock().unwrap_or_else(|e| e.into_inner()).breaks;
+    }
+
+    /// Says Complete on every connection (waiting out a broken link), then closes the link.
+    fn close(&self, report_json: &[u8]) -> Result<()> {
+        let started = Instant::now();
+        for slot in &self.slots {
+            loop {
+                let generation = self
+                    .state
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .generation;
+                {
+                    let mut s = slot.lock().unwrap_or_else(|e| e.into_inner());
+                    if let Some(conn) = s.as_mut() {
+                        let frame = Frame::Complete {
+                            report_json: report_json.to_vec(),
+                        };
+                        match write_frame(conn, &frame) {
+                            Ok(()) => break,
+                            Err(e) => {
+                                *s = None;
+                                drop(s);
+                                self.break_link(&e);
+                            }
+                        }
+                    }
+                }
+                let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+                while st.generation == generation {
+                    if started.elapsed() >= self.resume_timeout {
+                        return Err(Error::Migration(
+                            "every page is here, but the source never came back to hear it".into(),
+                        ));
+                    }
+                    st = self
+                        .changed
+                        .wait_timeout(st, Duration::from_millis(100))
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0;
+                }
+            }
+        }
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.closed = true;
+        self.changed.notify_all();
+        drop(st);
+        for slot in &self.slots {
+            if let Some(mut conn) = slot.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                let _ = conn.flush();
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One lock-step request: `buf.len()` bytes at `gpa`, in pieces of at most [`MAX_REQUEST`].
+fn request(conn: &mut Connection, gpa: u64, buf: &mut [u8]) -> Result<()> {
+    for (i, piece) in buf.chunks_mut(MAX_REQUEST as usize).enumerate() {
+        let at = gpa + (i * MAX_REQUEST as usize) as u64;
+        write_frame(
+            conn,
+            &Frame::Request {
+                gpa: at,
+                len: piece.len() as u32,
+            },
+        )?;
+        match read_frame(conn)? {
+            Frame::Pages { gpa, pages } if gpa == at && pages.len() == piece.len() => {
+                piece.copy_from_slice(&pages)
+            }
+            Frame::Zero { gpa, count } if gpa == at && count * PAGE_SIZE == piece.len() as u64 => {
+                piece.fill(0)
+            }
+            other => {
+                return Err(Error::Migration(format!(
+                    "asked for {at:#x}+{:#x}, the source answered {}",
+                    piece.len(),
+                    frame_name(&other)
+                )))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One RAM region's bytes, fetched from the migration source.
+struct RegionSource {
+    link: Arc<PostcopyLink>,
+    gpa: u64,
+    size: u64,
+}
+
+impl PageSource for RegionSource {
+    fn fetch(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        self.link.fetch(self.gpa + offset, buf, true)
+    }
+    fn fetch_background(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        self.link.fetch(self.gpa + offset, buf, false)
+    }
+    fn size(&self) -> u64 {
+        self.size
+    }
+}

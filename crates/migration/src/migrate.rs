@@ -1,0 +1,389 @@
+//! Live migration of a running VM to another guestmem: pre-copy, post-copy and hybrid.
+//!
+//! **Connections** (each mutually authenticated TLS, see [`crate::transport`]): `pages`
+//! connections carry the rounds of pages; guest 2 MiB block `b` always travels on connection
+//! `b % pages`, so a later copy of a page never overtakes an earlier one. The first pages
+//! connection is also the control channel. In post-copy the pages connections carry the
+//! destination's background fetches and the `urgent` connections its fault fetches, each
+//! connection lock-step (one request in flight), so faults never queue behind bulk transfers.
+//!
+//! **Sequence**: Hello each way (the source's carries the VM configuration, the destination
+//! answers Hello or Abort) → rounds of Pages / Zero frames, each closed by EndOfRound on every
+//! pages connection → the source pauses the VM, sends the last pages and the State (vCPU state,
+//! memory digest, and in post-copy which chunks are still to fetch) → the destination answers
+//! Ready (or Abort: digest mismatch, bad state) → Go (the source has let go for good) → Running
+//! (the destination's vCPUs run: the downtime ends) → in post-copy, Requests until all memory is
+//! resident → Complete (with the destination's figures).
+//!
+//! **Failure**: before Go the source still owns the guest; any error (destination refused or
+//! died, link broken, digest mismatch) resumes the source VM. After Go the destination owns it;
+//! a link broken during post-copy leaves both sides waiting (the destination's vCPUs wait for the
+//! pages they fault on), until the source reconnects ([`SendOptions::reconnect`], `guestmem
+//! migrate resume`) and the destination accepts it; fetches in flight are retried, so no page is
+//! lost.
+
+use std::time::Duration;
+
+use guestmem_vm::{VmConfig, VmState};
+use serde::{Deserialize, Serialize};
+
+use crate::stream::{Frame, StreamError};
+use crate::transport::{self, Connection, Credentials, Endpoint, Listener};
+use crate::{Error, Result};
+
+pub use crate::destination::{receive, DestinationReport, Incoming, ReceiveOptions, Transfer};
+pub use crate::source::{
+    send, Failure, Progress, ProgressFn, Reconnect, Report, Round, SendOptions,
+};
+
+/// How the memory moves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Mode {
+    /// Rounds of dirty pages while the guest runs, until the rest fits the downtime target.
+    Precopy,
+    /// Switch at once; the destination fetches pages on demand and in the background.
+    Postcopy,
+    /// One pre-copy round, then post-copy for the pages dirtied since.
+    Hybrid,
+}
+
+impl Mode {
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Precopy => "precopy",
+            Mode::Postcopy => "postcopy",
+            Mode::Hybrid => "hybrid",
+        }
+    }
+
+    pub(crate) fn has_postcopy(self) -> bool {
+        self != Mode::Precopy
+    }
+}
+
+impl std::fmt::Display for Mode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Bytes per post-copy chunk: what one fault fetches (small enough to keep the fault latency
+/// well under a millisecond on a local link; see docs/benchmarks.md).
+pub const POSTCOPY_CHUNK: u64 = 128 << 10;
+
+/// The guest block that always travels on the same pages connection.
+pub(crate) const BLOCK: u64 = 2 << 20;
+
+/// Urgent connections opened for post-copy (one fault fetch in flight on each).
+pub(crate) const URGENT_CONNECTIONS: usize = 2;
+
+/// What each connection's first frame says (JSON in a Hello).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct Hello {
+    pub guestmem_version: String,
+    /// Names one migration; every connection of it (and of its resumption) carries it.
+    pub migration: u64,
+    pub channel: ChannelRole,
+    /// How many pages and urgent connections the migration has.
+    pub pages: usize,
+    pub urgent: usize,
+    /// Set on the connections of a post-copy resumed after a broken link.
+    pub resume: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub(crate) enum ChannelRole {
+    Pages(usize),
+    Urgent(usize),
+}
+
+/// What to build: the second frame on the first pages connection (a Hello frame).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct Setup {
+    pub config: VmConfig,
+    pub mode: Mode,
+}
+
+/// The State frame's JSON: everything the destination needs at switch-over.
+#[derive(Serialize, Deserialize)]
+pub(crate) struct Switchover {
+    pub state: VmState,
+    /// The round whose EndOfRound closed the pages (the destination waits for it everywhere).
+    pub last_round: u32,
+    /// FNV digest of all guest memory at switch-over (pre-copy, when asked to verify).
+    pub digest: Option<u64>,
+    /// Post-copy: per region (by guest address), the chunks of [`POSTCOPY_CHUNK`] bytes still
+    /// to fetch, one bit each; `None` for all of them.
+    pub postcopy: Option<Vec<StaleChunks>>,
+}
+
+#[derive(Serialize, Deserialize)]
+pub(crate) struct StaleChunks {
+    pub gpa: u64,
+    pub bits: Option<Vec<u64>>,
+}
+
+/// The connections of one migration, seen from either side.
+pub struct Links {
+    pub(crate) pages: Vec<Connection>,
+    pub(crate) urgent: Vec<Connection>,
+    pub(crate) migration: u64,
+    pub(crate) mode: Mode,
+}
+
+/// Why and how to re-establish a broken post-copy link (given to [`SendOptions::reconnect`]).
+#[derive(Debug, Clone)]
+pub struct Resume {
+    pub reason: String,
+    migration: u64,
+    mode: Mode,
+    connections: usize,
+}
+
+impl Resume {
+    /// Connects again to the destination (at `endpoint`: the same one, or where it is reachable
+    /// now), as the same migration.
+    pub fn connect(&self, endpoint: &Endpoint, creds: &Credentials) -> Result<Links> {
+        Links::open(
+            endpoint,
+            creds,
+            self.migration,
+            self.mode,
+            self.connections,
+            true,
+        )
+    }
+}
+
+impl Links {
+    /// Connects to the destination at `endpoint`: `connections` pages connections, plus the
+    /// urgent ones post-copy needs. Each says Hello as soon as it is up.
+    pub fn connect(
+        endpoint: &Endpoint,
+        creds: &Credentials,
+        mode: Mode,
+        connections: usize,
+    ) -> Result<Links> {
+        Links::open(
+            endpoint,
+            creds,
+            new_migration_id(),
+            mode,
+            connections,
+            false,
+        )
+    }
+
+    fn open(
+        endpoint: &Endpoint,
+        creds: &Credentials,
+        migration: u64,
+        mode: Mode,
+        connections: usize,
+        resume: bool,
+    ) -> Result<Links> {
+        if connections == 0 || connections > 64 {
+            return Err(Error::Migration(format!(
+                "{connections} connections requested; 1 to 64 are possible"
+            )));
+        }
+        let urgent = if mode.has_postcopy() {
+            URGENT_CONNECTIONS
+        } else {
+            0
+        };
+        let open = |channel| -> Result<Connection> {
+            let mut conn = transport::connect(endpoint, creds)?;
+            let hello = Hello {
+                guestmem_version: env!("CARGO_PKG_VERSION").into(),
+                migration,
+                channel,
+                pages: connections,
+                urgent,
+                resume,
+            };
+            let json = serde_json::to_vec(&hello).expect("a Hello serializes");
+            write_frame(&mut conn, &Frame::Hello { config_json: json })?;
+            Ok(conn)
+        };
+        Ok(Links {
+            pages: (0..connections)
+                .map(|i| open(ChannelRole::Pages(i)))
+                .collect::<Result<_>>()?,
+            urgent: (0..urgent)
+                .map(|i| open(ChannelRole::Urgent(i)))
+                .collect::<Result<_>>()?,
+            migration,
+            mode,
+        })
+    }
+
+    /// Cutters for every connection (a test or a watchdog cuts the link with them).
+    pub fn cutters(&self) -> Result<Vec<transport::Cutter>> {
+        self.pages
+            .iter()
+            .chain(&self.urgent)
+            .map(|c| c.cutter().map_err(|e| link_error("dup of a socket", e)))
+            .collect()
+    }
+
+    /// What a broken link's re-establishment needs.
+    pub(crate) fn resume(&self, reason: String) -> Resume {
+        Resume {
+            reason,
+            migration: self.migration,
+            mode: self.mode,
+            connections: self.pages.len(),
+        }
+    }
+
+    /// The destination side: accepts the connections of one migration (its first must be the
+    /// first pages connection), or of the resumption of migration `resume_of`.
+    pub(crate) fn accept(listener: &Listener, resume_of: Option<u64>) -> Result<Links> {
+        let mut first = listener.accept()?;
+        let hello = read_hello(&mut first)?;
+        if hello.channel != ChannelRole::Pages(0) {
+            return Err(Error::Migration(format!(
+                "the first connection says it is {:?}, not the first pages connection",
+                hello.channel
+            )));
+        }
+        match resume_of {
+            None if hello.resume => {
+                return Err(Error::Migration(format!(
+                    "the source resumes migration {:#x}, which this destination is not running",
+                    hello.migration
+                )))
+            }
+            Some(id) if !hello.resume || hello.migration != id => {
+                return Err(Error::Migration(format!(
+                    "expected the resumption of migration {id:#x}, got migration {:#x}{}",
+                    hello.migration,
+                    if hello.resume { "" } else { " (a new one)" }
+                )))
+            }
+            _ => {}
+        }
+        let (pages, urgent) = (hello.pages, hello.urgent);
+        if pages == 0 || pages > 64 || urgent > 64 {
+            return Err(Error::Migration(format!(
+                "{pages} pages and {urgent} urgent connections announced"
+            )));
+        }
+        let mut slots: Vec<Option<Connection>> = (0..pages + urgent).map(|_| None).collect();
+        slots[0] = Some(first);
+        for _ in 1..pages + urgent {
+            let mut conn = listener.accept()?;
+            let h = read_hello(&mut conn)?;
+            let slot = match h.channel {
+                ChannelRole::Pages(i) if i < pages => i,
+                ChannelRole::Urgent(i) if i < urgent => pages + i,
+                other => {
+                    return Err(Error::Migration(format!(
+                        "connection {other:?} is outside the {pages} + {urgent} announced"
+                    )))
+                }
+            };
+            if h.migration != hello.migration || slots[slot].is_some() {
+                return Err(Error::Migration(format!(
+                    "connection {:?} belongs to another migration or came twice",
+                    h.channel
+                )));
+            }
+            slots[slot] = Some(conn);
+        }
+        let mut all = slots.into_iter().map(|s| s.expect("every slot filled"));
+        Ok(Links {
+            pages: all.by_ref().take(pages).collect(),
+            urgent: all.collect(),
+            migration: hello.migration,
+            mode: Mode::Precopy,
+        })
+    }
+}
+
+fn read_hello(conn: &mut Connection) -> Result<Hello> {
+    read_json(conn, "Hello")
+}
+
+/// Reads a Hello frame carrying `what` as JSON.
+pub(crate) fn read_json<T: serde::de::DeserializeOwned>(
+    conn: &mut Connection,
+    what: &str,
+) -> Result<T> {
+    match read_frame(conn)? {
+        Frame::Hello { config_json } => serde_json::from_slice(&config_json)
+            .map_err(|e| Error::Migration(format!("the source's {what} is not understood: {e}"))),
+        Frame::Abort { reason } => Err(Error::Migration(format!("the peer gave up: {reason}"))),
+        other => Err(Error::Migration(format!(
+            "expected a {what}, got {}",
+            frame_name(&other)
+        ))),
+    }
+}
+
+pub(crate) fn write_frame(conn: &mut Connection, frame: &Frame) -> Result<()> {
+    use std::io::Write;
+    frame
+        .write_to(conn)
+        .and_then(|()| conn.flush().map_err(StreamError::from))
+        .map_err(Error::Stream)
+}
+
+pub(crate) fn read_frame(conn: &mut Connection) -> Result<Frame> {
+    Frame::read_from(conn).map_err(Error::Stream)
+}
+
+pub(crate) fn frame_name(frame: &Frame) -> &'static str {
+    match frame {
+        Frame::Hello { .. } => "Hello",
+        Frame::Pages { .. } => "Pages",
+        Frame::Zero { .. } => "Zero",
+        Frame::State { .. } => "State",
+        Frame::Request { .. } => "Request",
+        Frame::EndOfRound { .. } => "EndOfRound",
+        Frame::Complete { .. } => "Complete",
+        Frame::Abort { .. } => "Abort",
+        Frame::Ready => "Ready",
+        Frame::Go => "Go",
+        Frame::Running => "Running",
+    }
+}
+
+pub(crate) fn link_error(what: &str, e: std::io::Error) -> Error {
+    Error::Migration(format!("{what}: {e}"))
+}
+
+/// A random migration id.
+pub(crate) fn new_migration_id() -> u64 {
+    let mut id = [0u8; 8];
+    // SAFETY: getrandom writes at most 8 bytes into the 8-byte buffer.
+    let n = unsafe { libc::getrandom(id.as_mut_ptr().cast(), 8, 0) };
+    if n != 8 {
+        return std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64);
+    }
+    u64::from_le_bytes(id)
+}
+
+/// Percentile `p` (0..=100) of `sorted` latencies.
+pub(crate) fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let i = ((sorted.len() - 1) as f64 * p / 100.0).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+/// Whether every byte of `bytes` is zero (word at a time).
+pub(crate) fn is_zero(bytes: &[u8]) -> bool {
+    let (head, words, tail) = {
+        // SAFETY: reinterpreting initialized bytes as u64 words is always valid; align_to
+        // keeps the words aligned.
+        unsafe { bytes.align_to::<u64>() }
+    };
+    head.iter().all(|&b| b == 0) && words.iter().all(|&w| w == 0) && tail.iter().all(|&b| b == 0)
+}

@@ -1,0 +1,935 @@
+//! The source side of a live migration (see [`crate::migrate`] for the protocol).
+
+use std::io::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{sync_channel, SyncSender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use guestmem_memory::{GuestMemory, Region, PAGE_SIZE};
+use guestmem_tracking::{DirtyBitmap, Tracker};
+use guestmem_vm::{layout, RunningVm, Vm};
+use serde::Serialize;
+
+use crate::destination::DestinationReport;
+use crate::migrate::{
+    frame_name, is_zero, read_frame, write_frame, Links, Mode, Resume, Setup, StaleChunks,
+    Switchover, BLOCK, POSTCOPY_CHUNK,
+};
+use crate::stream::{Frame, StreamError};
+use crate::transport::Connection;
+use crate::{Error, Result};
+
+/// Called with the migration's progress.
+pub type ProgressFn = Arc<dyn Fn(&Progress) + Send + Sync>;
+/// Re-establishes a broken post-copy link (given why it broke): new connections to the same
+/// destination.
+pub type Reconnect = Arc<dyn Fn(&Resume) -> Result<Links> + Send + Sync>;
+
+/// How to migrate.
+#[derive(Clone)]
+pub struct SendOptions {
+    pub mode: Mode,
+    /// Pre-copy stops the guest once the rest fits in this (the estimated downtime).
+    pub downtime: Duration,
+    /// Pre-copy rounds before stopping the guest whatever the estimate.
+    pub max_rounds: u32,
+    /// Throttle the guest's vCPUs when its dirty rate outruns the link (QEMU's rule: pages
+    /// dirtied during a round above half of those sent, twice in a row; 20 %, then +10 % per
+    /// round, up to 99 %).
+    pub auto_converge: bool,
+    /// Bytes per second the transfer may use (`None`: as fast as it goes).
+    pub max_bandwidth: Option<u64>,
+    /// Check at switch-over that the destination's memory digest equals the source's (both
+    /// sides read all guest memory while the guest is stopped: it lengthens the downtime).
+    pub verify: bool,
+    /// Dirty tracking mode (`None`: [`guestmem_tracking::Mode::best`]).
+    pub tracking: Option<guestmem_tracking::Mode>,
+    /// Called after every round and while post-copy runs.
+    pub progress: Option<ProgressFn>,
+    /// After a link broken during post-copy: returns new connections to the same destination
+    /// (blocking until the operator asks to resume), or an error to give up.
+    pub reconnect: Option<Reconnect>,
+}
+
+impl Default for SendOptions {
+    fn default() -> Self {
+        SendOptions {
+            mode: Mode::Precopy,
+            downtime: Duration::from_millis(50),
+            max_rounds: 30,
+            auto_converge: true,
+            max_bandwidth: None,
+            verify: false,
+            tracking: None,
+            progress: None,
+            reconnect: None,
+        }
+    }
+}
+
+/// Where a migration is, for a progress display.
+#[derive(Debug, Clone, Serialize)]
+pub struct Progress {
+    pub phase: &'static str,
+    pub round: u32,
+    pub elapsed_ms: f64,
+    /// Page bytes sent so far.
+    pub bytes: u64,
+    pub guest_bytes: u64,
+    /// Pages dirtied during the last round, and their rate.
+    pub dirty_pages: u64,
+    pub dirty_rate_pages_per_s: f64,
+    pub bandwidth_mib_per_s: f64,
+    pub estimated_downtime_ms: f64,
+    pub throttle_percent: u64,
+}
+
+/// One pre-copy round (the last one runs with the guest stopped).
+#[derive(Debug, Clone, Serialize)]
+pub struct Round {
+    pub round: u32,
+    /// When it started, from the migration's start.
+    pub start_ms: f64,
+    pub ms: f64,
+    /// Dirty pages it went through: sent with contents, or as zero.
+    pub pages: u64,
+    pub zero_pages: u64,
+    /// Page bytes sent.
+    pub bytes: u64,
+    /// Pages the guest dirtied meanwhile (what the next round has to send).
+    pub dirty_pages_after: u64,
+    pub bandwidth_mib_per_s: f64,
+    pub throttle_percent: u64,
+}
+
+/// What a migration did, seen from the source.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub mode: Mode,
+    pub guest_bytes: u64,
+    pub connections: usize,
+    pub tracking: String,
+    pub total_ms: f64,
+    /// Source vCPUs stopped → destination vCPUs running (as the source sees the destination's
+    /// Running frame: one link latency more than the truth).
+    pub downtime_ms: f64,
+    pub downtime_target_ms: f64,
+    /// Of the downtime: both sides' memory digest checks (`verify`).
+    pub verify_ms: f64,
+    /// The last estimate fitted the target (else the round limit forced the switch).
+    pub converged: bool,
+    pub max_throttle_percent: u64,
+    /// Page bytes sent, all phases.
+    pub bytes: u64,
+    pub pages_sent: u64,
+    /// Zero pages not sent.
+    pub zero_pages_skipped: u64,
+    pub rounds: Vec<Round>,
+    /// Post-copy: pages served on request, their bytes, and how long until all was resident.
+    pub postcopy_requests: u64,
+    pub postcopy_bytes: u64,
+    pub postcopy_ms: f64,
+    /// Post-copy links that broke and were resumed.
+    pub link_breaks: u32,
+    /// The source's own memory for the migration: bitmaps and buffers.
+    pub source_extra_bytes: u64,
+    /// The destination's figures (post-copy faults and their latency).
+    pub destination: Option<DestinationReport>,
+}
+
+/// A migration that failed. `vm` is the source VM, still running, when the source kept the
+/// guest (any failure before Go); `None` once the destination owns it.
+pub struct Failure<'a> {
+    pub error: Error,
+    pub vm: Option<RunningVm<'a>>,
+}
+
+impl std::fmt::Debug for Failure<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} (source VM {})",
+            self.error,
+            if self.vm.is_some() {
+                "still running"
+            } else {
+                "stopped"
+            }
+        )
+    }
+}
+
+/// Migrates the running VM over `links` (see [`Links::connect`]).
+pub fn send<'a>(
+    mut running: RunningVm<'a>,
+    mut links: Links,
+    opts: &SendOptions,
+) -> std::result::Result<Report, Box<Failure<'a>>> {
+    let started = Instant::now();
+    let memory = running.memory().clone();
+    let mut source = Source::new(&memory, opts, &links, started);
+    let mut tracker = None;
+    // While the guest runs: hello, then pre-copy rounds (one for hybrid, none for post-copy).
+    let precopy = source.handshake(&mut links, running.vm()).and_then(|()| {
+        if opts.mode == Mode::Postcopy {
+            return Ok(None);
+        }
+        let mode = match opts.tracking {
+            Some(m) => m,
+            None => guestmem_tracking::Mode::best()?,
+        };
+        source.tracking = mode.name().to_string();
+        let t = tracker.insert(Tracker::start(running.vm(), mode)?);
+        source.precopy(&mut running, t, &mut links).map(Some)
+    });
+    let pending = match precopy {
+        Ok(p) => p,
+        Err(error) => {
+            let _ = running.set_throttle(0);
+            if let Some(t) = tracker {
+                let _ = t.stop();
+            }
+            return Err(Box::new(Failure {
+                error,
+                vm: Some(running),
+            }));
+        }
+    };
+
+    // Switch-over: the guest stops here.
+    let paused = Instant::now();
+    let vm = match running.pause() {
+        Ok(vm) => vm,
+        Err(e) => {
+            return Err(Box::new(Failure {
+                error: e.into(),
+                vm: None,
+            }))
+        }
+    };
+    let switched = source.switch_over(vm, tracker.as_mut(), pending, &mut links, paused);
+    if let Some(t) = tracker {
+        let _ = t.stop();
+    }
+    if let Err(error) = switched {
+        if source.committed {
+            return Err(Box::new(Failure { error, vm: None }));
+        }
+        return Err(Box::new(Failure {
+            error,
+            vm: Vm::resume(vm).ok(),
+        }));
+    }
+
+    // After Go: the destination runs the guest; serve post-copy, then the Complete.
+    let done = if opts.mode.has_postcopy() {
+        source.serve_postcopy(links)
+    } else {
+        match read_frame(&mut links.pages[0]) {
+            Ok(Frame::Complete { report_json }) => Ok(report_json),
+            Ok(other) => Err(unexpected(&other, "Complete")),
+            Err(e) => Err(e),
+        }
+    };
+    match done {
+        Ok(report_json) => {
+            source.report.destination = serde_json::from_slice(&report_json).ok();
+            Ok(source.finish())
+        }
+        Err(error) => Err(Box::new(Failure { error, vm: None })),
+    }
+}
+
+fn unexpected(frame: &Frame, wanted: &str) -> Error {
+    match frame {
+        Frame::Abort { reason } => Error::Migration(format!("the destination gave up: {reason}")),
+        other => Error::Migration(format!(
+            "expected {wanted} from the destination, got {}",
+            frame_name(other)
+        )),
+    }
+}
+
+struct Source<'o> {
+    memory: Arc<GuestMemory>,
+    opts: &'o SendOptions,
+    started: Instant,
+    tracking: String,
+    committed: bool,
+    report: Report,
+    /// Bytes queued to the writers (for the bandwidth limit).
+    queued: u64,
+    send_started: Instant,
+}
+
+/// Pages dirtied and not sent yet when the guest stopped.
+type Pending = Vec<DirtyBitmap>;
+
+impl<'o> Source<'o> {
+    fn new(
+        memory: &Arc<GuestMemory>,
+        opts: &'o SendOptions,
+        links: &Links,
+        started: Instant,
+    ) -> Self {
+        let guest_bytes: u64 = memory.regions().iter().map(|r| r.size()).sum();
+        Source {
+            memory: memory.clone(),
+            opts,
+            started,
+            tracking: "none".into(),
+            committed: false,
+            queued: 0,
+            send_started: Instant::now(),
+            report: Report {
+                mode: opts.mode,
+                guest_bytes,
+                connections: links.pages.len(),
+                tracking: String::new(),
+                total_ms: 0.0,
+                downtime_ms: 0.0,
+                downtime_target_ms: opts.downtime.as_secs_f64() * 1e3,
+                verify_ms: 0.0,
+                converged: false,
+                max_throttle_percent: 0,
+                bytes: 0,
+                pages_sent: 0,
+                zero_pages_skipped: 0,
+                rounds: Vec::new(),
+                postcopy_requests: 0,
+                postcopy_bytes: 0,
+                postcopy_ms: 0.0,
+                link_breaks: 0,
+                source_extra_bytes: 0,
+                destination: None,
+            },
+        }
+    }
+
+    fn ms(&self) -> f64 {
+        self.started.elapsed().as_secs_f64() * 1e3
+    }
+
+    fn handshake(&mut self, links: &mut Links, vm: &Vm) -> Result<()> {
+        if self.opts.mode != links.mode {
+            return Err(Error::Migration(format!(
+                "the links were opened for {}, the migration is {}: connect with \
+                 Links::connect(.., Mode::{:?}, ..)",
+                links.mode, self.opts.mode, self.opts.mode
+            )));
+        }
+        let setup = Setup {
+            config: vm.config().clone(),
+            mode: self.opts.mode,
+        };
+        let json = serde_json::to_vec(&setup).expect("a setup serializes");
+        write_frame(&mut links.pages[0], &Frame::Hello { config_json: json })?;
+        match read_frame(&mut links.pages[0])? {
+            Frame::Hello { .. } => Ok(()),
+            other => Err(unexpected(&other, "Hello")),
+        }
+    }
+
+    fn progress(
+        &self,
+        phase: &'static str,
+        round: u32,
+        dirty: u64,
+        last: Option<&Round>,
+        est: f64,
+        throttle: u64,
+    ) {
+        if let Some(p) = &self.opts.progress {
+            p(&Progress {
+                phase,
+                round,
+                elapsed_ms: self.ms(),
+                bytes: self.report.bytes,
+                guest_bytes: self.report.guest_bytes,
+                dirty_pages: dirty,
+                dirty_rate_pages_per_s: last.map_or(0.0, |r| dirty as f64 / (r.ms / 1e3).max(1e-6)),
+                bandwidth_mib_per_s: last.map_or(0.0, |r| r.bandwidth_mib_per_s),
+                estimated_downtime_ms: est,
+                throttle_percent: throttle,
+            });
+        }
+    }
+
+    /// Rounds while the guest runs, until the estimated downtime fits (or the round limit, or
+    /// one round for hybrid). Returns the pages dirtied since the last round.
+    fn precopy(
+        &mut self,
+        running: &mut RunningVm<'_>,
+        tracker: &mut Tracker,
+        links: &mut Links,
+    ) -> Result<Pending> {
+        // Manual mode reports every page at its first harvest; the others only what was
+        // written since the start, so the first round adds every page itself.
+        // guest_memfd regions cannot be tracked: they go whole at switch-over.
+        let mut dirty = merge(
+            tracker.harvest()?,
+            full_bitmaps(&self.memory, |r| guestmem_tracking::tracked(r)),
+        );
+        dirty.retain(|b| tracked_gpa(&self.memory, b.gpa));
+        let mut round = 1;
+        let mut strikes = 0;
+        loop {
+            let writers = Writers::spawn(std::mem::take(&mut links.pages), &self.memory);
+            let sent = self.send_round(&mut Some(&mut *tracker), &dirty, round, writers, false);
+            let (conns, stats) = sent?;
+            links.pages = conns;
+            dirty = tracker.harvest()?;
+            dirty.retain(|b| tracked_gpa(&self.memory, b.gpa));
+            let n: u64 = dirty.iter().map(|b| b.count()).sum();
+            let mut stats = stats;
+            stats.dirty_pages_after = n;
+            stats.throttle_percent = running.throttle();
+            // Time per page of this round, pages to go: the downtime if we stopped now.
+            let est = n as f64 * stats.ms / stats.pages.max(1) as f64;
+            self.progress("pre-copy", round, n, Some(&stats), est, running.throttle());
+            tracing::info!(
+                round,
+                pages = stats.pages,
+                dirty_after = n,
+                est_ms = est,
+                "pre-copy round"
+            );
+            let forced = round >= self.opts.max_rounds;
+            let fits = est <= self.opts.downtime.as_secs_f64() * 1e3;
+            if n * 2 > stats.pages {
+                strikes += 1;
+            } else {
+                strikes = 0;
+            }
+            self.report.rounds.push(stats);
+            if self.opts.mode == Mode::Hybrid || fits || forced {
+                self.report.converged = fits;
+                return Ok(dirty);
+            }
+            if self.opts.auto_converge && strikes >= 2 {
+                let t = running.throttle();
+                let next = if t == 0 { 20 } else { (t + 10).min(99) };
+                running.set_throttle(next)?;
+                self.report.max_throttle_percent = self.report.max_throttle_percent.max(next);
+                strikes = 0;
+                tracing::info!(throttle = next, "auto-converge: throttling the vCPUs");
+            }
+            round += 1;
+        }
+    }
+
+    /// Sends every page of `dirty` as round `round` on the pages connections (each 2 MiB block
+    /// on its own connection), clearing each block's dirty bits just before reading it. Zero
+    /// pages travel as Zero frames, or not at all in round 1 outside the sys region (the
+    /// destination's memory starts zero).
+    fn send_round(
+        &mut self,
+        tracker: &mut Option<&mut Tracker>,
+        dirty: &[DirtyBitmap],
+        round: u32,
+        mut writers: Writers,
+        last: bool,
+    ) -> Result<(Vec<Connection>, Round)> {
+        let start = Instant::now();
+        let start_ms = self.ms();
+        let (mut pages, mut zero_pages, mut bytes) = (0u64, 0u64, 0u64);
+        let n = writers.queues.len() as u64;
+        let queued = (|| -> Result<()> {
+            for b in dirty {
+                let sys = b.gpa == layout::SYS_GPA;
+                let tracked = tracked_gpa(&self.memory, b.gpa);
+                let block_pages = BLOCK / PAGE_SIZE;
+                let mut first = 0;
+                while first < b.pages {
+                    let count = block_pages.min(b.pages - first);
+                    let words =
+                        &b.bits[(first / 64) as usize..(first + count).div_ceil(64) as usize];
+                    if words.iter().all(|&w| w == 0) {
+                        first += count;
+                        continue;
+                    }
+                    if let Some(t) = tracker.as_mut().filter(|_| tracked) {
+                        t.clear(b, first, count)?;
+                    }
+                    let conn = ((b.gpa / BLOCK + first / block_pages) % n) as usize;
+                    // Runs of dirty pages in the block, split into zero and non-zero runs.
+                    let skip_zero = round == 1 && !sys;
+                    let mut run: Option<(u64, u64, bool)> = None; // (first page, pages, zero)
+                    for p in first..first + count {
+                        if b.bits[(p / 64) as usize] >> (p % 64) & 1 == 0 {
+                            if let Some(r) = run.take() {
+                                self.queue_run(
+                                    &mut writers,
+                                    conn,
+                                    b.gpa,
+                                    r,
+                                    skip_zero,
+                                    &mut bytes,
+                                )?;
+                            }
+                            continue;
+                        }
+                        let zero = self.page_is_zero(b.gpa + p * PAGE_SIZE)?;
+                        pages += 1;
+                        zero_pages += u64::from(zero);
+                        if let Some((_, len, z)) = &mut run {
+                            if *z == zero {
+                                *len += 1;
+                                continue;
+                            }
+                        }
+                        if let Some(r) = run.take() {
+                            self.queue_run(&mut writers, conn, b.gpa, r, skip_zero, &mut bytes)?;
+                        }
+                        run = Some((p, 1, zero));
+                    }
+                    if let Some(r) = run.take() {
+                        self.queue_run(&mut writers, conn, b.gpa, r, skip_zero, &mut bytes)?;
+                    }
+                    first += count;
+                }
+            }
+            for q in 0..writers.queues.len() {
+                writers.queue(q, Job::Frame(Frame::EndOfRound { round, last }))?;
+            }
+            Ok(())
+        })();
+        let joined = writers.join();
+        queued?;
+        let conns = joined?;
+        let ms = start.elapsed().as_secs_f64() * 1e3;
+        self.report.bytes += bytes;
+        self.report.pages_sent += pages - zero_pages;
+        if round == 1 {
+            self.report.zero_pages_skipped += zero_pages;
+        }
+        Ok((
+            conns,
+            Round {
+                round,
+                start_ms,
+                ms,
+                pages,
+                zero_pages,
+                bytes,
+                dirty_pages_after: 0,
+                bandwidth_mib_per_s: bytes as f64 / (1 << 20) as f64 / (ms / 1e3).max(1e-6),
+                throttle_percent: 0,
+            },
+        ))
+    }
+
+    /// Reads the page with volatile loads (the guest may be writing it); stops at the first
+    /// non-zero word.
+    fn page_is_zero(&self, gpa: u64) -> Result<bool> {
+        let (_, p) = self.memory.find(gpa, PAGE_SIZE)?;
+        let words = p as *const u64;
+        for i in 0..(PAGE_SIZE / 8) as usize {
+            // SAFETY: `find` checked that the page lies in a live mapping; aligned u64 reads.
+            if unsafe { std::ptr::read_volatile(words.add(i)) } != 0 {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn queue_run(
+        &mut self,
+        writers: &mut Writers,
+        conn: usize,
+        slot_gpa: u64,
+        (first, count, zero): (u64, u64, bool),
+        skip_zero: bool,
+        bytes: &mut u64,
+    ) -> Result<()> {
+        let gpa = slot_gpa + first * PAGE_SIZE;
+        if zero {
+            if !skip_zero {
+                writers.queue(conn, Job::Frame(Frame::Zero { gpa, count }))?;
+            }
+            return Ok(());
+        }
+        let len = count * PAGE_SIZE;
+        writers.queue(conn, Job::Pages { gpa, len })?;
+        *bytes += len;
+        self.queued += len;
+        if let Some(bw) = self.opts.max_bandwidth {
+            let due = Duration::from_secs_f64(self.queued as f64 / bw.max(1) as f64);
+            let elapsed = self.send_started.elapsed();
+            if due > elapsed {
+                std::thread::sleep(due - elapsed);
+            }
+        }
+        Ok(())
+    }
+
+    /// With the guest stopped: the last pages, the state, and the hand-over (Ready, Go,
+    /// Running). Before Go any error leaves the guest ours (`committed` false).
+    fn switch_over(
+        &mut self,
+        vm: &mut Vm,
+        tracker: Option<&mut Tracker>,
+        pending: Option<Pending>,
+        links: &mut Links,
+        paused: Instant,
+    ) -> Result<()> {
+        let mut tracker = tracker;
+        let mut dirty = match (&mut tracker, pending) {
+            (Some(t), Some(p)) => merge(
+                merge(p, t.harvest()?),
+                full_bitmaps(&self.memory, |r| !guestmem_tracking::tracked(r)),
+            ),
+            _ => Vec::new(),
+        };
+        let round = self.report.rounds.len() as u32 + 1;
+        let postcopy = if self.opts.mode.has_postcopy() {
+            // Only the sys region goes now; the RAM regions' dirty chunks are fetched later.
+            let stale = self
+                .memory
+                .regions()
+                .iter()
+                .filter(|r| r.gpa() != layout::SYS_GPA)
+                .map(|r| StaleChunks {
+                    gpa: r.gpa(),
+                    bits: (self.opts.mode == Mode::Hybrid)
+                        .then(|| stale_chunks(&dirty, r.gpa(), r.size())),
+                })
+                .collect();
+            dirty.retain(|b| b.gpa == layout::SYS_GPA);
+            if self.opts.mode == Mode::Postcopy {
+                dirty = full_bitmaps(&self.memory, |r| r.gpa() == layout::SYS_GPA);
+            }
+            Some(stale)
+        } else {
+            None
+        };
+        let writers = Writers::spawn(std::mem::take(&mut links.pages), &self.memory);
+        let (conns, mut stats) = self.send_round(&mut tracker, &dirty, round, writers, true)?;
+        links.pages = conns;
+        stats.throttle_percent = 0;
+        self.report.rounds.push(stats);
+
+        let state = vm.save_state()?;
+        let verify_started = Instant::now();
+        let digest = (self.opts.verify && self.opts.mode == Mode::Precopy)
+            .then(|| memory_digest(&self.memory))
+            .transpose()?;
+        self.report.verify_ms = verify_started.elapsed().as_secs_f64() * 1e3;
+        let switchover = Switchover {
+            state,
+            last_round: round,
+            digest,
+            postcopy,
+        };
+        let json = serde_json::to_vec(&switchover).expect("the switch-over state serializes");
+        let main = &mut links.pages[0];
+        write_frame(main, &Frame::State { state_json: json })?;
+        match read_frame(main)? {
+            Frame::Ready => {}
+            other => return Err(unexpected(&other, "Ready")),
+        }
+        self.committed = true;
+        write_frame(main, &Frame::Go)?;
+        match read_frame(main)? {
+            Frame::Running => {}
+            other => return Err(unexpected(&other, "Running")),
+        }
+        self.report.downtime_ms = paused.elapsed().as_secs_f64() * 1e3;
+        self.report.source_extra_bytes = self.extra_bytes(links.pages.len());
+        Ok(())
+    }
+
+    /// Serves the destination's post-copy requests on every connection until it says Complete
+    /// on each; a broken link waits for [`SendOptions::reconnect`] and goes on.
+    fn serve_postcopy(&mut self, mut links: Links) -> Result<Vec<u8>> {
+        let started = Instant::now();
+        let requests = AtomicU64::new(0);
+        let bytes = AtomicU64::new(0);
+        loop {
+            self.progress("post-copy", 0, 0, None, 0.0, 0);
+            let cutters = links.cutters()?;
+            let memory = &self.memory;
+            let results: Vec<Result<Vec<u8>>> = std::thread::scope(|s| {
+                let threads: Vec<_> = links
+                    .pages
+                    .iter_mut()
+                    .chain(&mut links.urgent)
+                    .map(|conn| {
+                        let (requests, bytes, cutters) = (&requests, &bytes, &cutters);
+                        s.spawn(move || {
+                            let r = serve(conn, memory, requests, bytes);
+                            if r.is_err() {
+                                // One connection broke: cut the others so that all of them
+                                // are re-established together.
+                                cutters.iter().for_each(|c| c.cut());
+                            }
+                            r
+                        })
+                    })
+                    .collect();
+                threads
+                    .into_iter()
+                    .map(|t| {
+                        t.join().unwrap_or_else(|_| {
+                            Err(Error::Migration(
+                                "a post-copy server thread panicked".into(),
+                            ))
+                        })
+                    })
+                    .collect()
+            });
+            self.report.postcopy_requests = requests.load(Ordering::Relaxed);
+            self.report.postcopy_bytes = bytes.load(Ordering::Relaxed);
+            let mut results = results.into_iter();
+            match results.next().expect("at least one connection") {
+                Ok(report) if results.all(|r| r.is_ok()) => {
+                    self.report.bytes += self.report.postcopy_bytes;
+                    self.report.postcopy_ms = started.elapsed().as_secs_f64() * 1e3;
+                    return Ok(report);
+                }
+                first => {
+                    let why = first
+                        .err()
+                        .map_or("another connection broke".to_string(), |e| e.to_string());
+                    self.report.link_breaks += 1;
+                    tracing::warn!("post-copy link broken: {why}");
+                    let Some(reconnect) = &self.opts.reconnect else {
+                        return Err(Error::Migration(format!(
+                            "the post-copy link broke ({why}); the destination runs the guest \
+                             and waits for the missing pages, but this source cannot reconnect"
+                        )));
+                    };
+                    links = reconnect(&links.resume(why))?;
+                    tracing::info!("post-copy link re-established");
+                }
+            }
+        }
+    }
+
+    fn extra_bytes(&self, connections: usize) -> u64 {
+        // Per pages connection: a frame buffer and its queue (jobs carry no pages); the dirty
+        // bitmaps (the tracker's scratch and pending, and ours: about four per page bit).
+        let pages: u64 = self
+            .memory
+            .regions()
+            .iter()
+            .map(|r| r.size() / PAGE_SIZE)
+            .sum();
+        connections as u64 * (BLOCK + 4096) + 4 * pages / 8
+    }
+
+    fn finish(mut self) -> Report {
+        self.report.total_ms = self.ms();
+        if let Some(d) = &self.report.destination {
+            self.report.verify_ms += d.verify_ms;
+        }
+        self.report.tracking = self.tracking.clone();
+        self.report
+    }
+}
+
+/// Answers Requests from guest memory until the destination's Complete (its report JSON).
+fn serve(
+    conn: &mut Connection,
+    memory: &GuestMemory,
+    requests: &AtomicU64,
+    bytes: &AtomicU64,
+) -> Result<Vec<u8>> {
+    let mut out = Vec::with_capacity(crate::stream::MAX_REQUEST as usize + 64);
+    loop {
+        match read_frame(conn)? {
+            Frame::Request { gpa, len } => {
+                let mut frame_out = std::mem::take(&mut out);
+                let zero = Frame::encode_pages_with(&mut frame_out, gpa, len as usize, |buf| {
+                    memory.read(gpa, buf).map_err(|e| {
+                        StreamError::Malformed(format!("request outside guest memory: {e}"))
+                    })?;
+                    Ok(is_zero(buf))
+                })
+                .map_err(Error::Stream)?;
+                if zero {
+                    write_frame(
+                        conn,
+                        &Frame::Zero {
+                            gpa,
+                            count: len as u64 / PAGE_SIZE,
+                        },
+                    )?;
+                } else {
+                    conn.write_all(&frame_out)
+                        .and_then(|()| conn.flush())
+                        .map_err(|e| Error::Stream(e.into()))?;
+                    bytes.fetch_add(len as u64, Ordering::Relaxed);
+                }
+                out = frame_out;
+                requests.fetch_add(1, Ordering::Relaxed);
+            }
+            Frame::Complete { report_json } => return Ok(report_json),
+            other => return Err(unexpected(&other, "Request or Complete")),
+        }
+    }
+}
+
+/// What a writer thread sends.
+enum Job {
+    /// Guest pages, read from memory by the writer itself (no copy in between).
+    Pages {
+        gpa: u64,
+        len: u64,
+    },
+    Frame(Frame),
+}
+
+/// One thread per pages connection, each encoding and writing its jobs in order.
+struct Writers {
+    queues: Vec<SyncSender<Job>>,
+    threads: Vec<JoinHandle<(Connection, Result<()>)>>,
+}
+
+impl Writers {
+    fn spawn(conns: Vec<Connection>, memory: &Arc<GuestMemory>) -> Writers {
+        let mut queues = Vec::new();
+        let mut threads = Vec::new();
+        for (i, mut conn) in conns.into_iter().enumerate() {
+            let (tx, rx) = sync_channel::<Job>(8);
+            let memory = memory.clone();
+            queues.push(tx);
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("migrate-tx{i}"))
+                    .spawn(move || {
+                        let mut out = Vec::with_capacity((BLOCK + 64) as usize);
+                        let mut result = Ok(());
+                        for job in rx {
+                            let sent = match job {
+                                Job::Pages { gpa, len } => {
+                                    Frame::encode_pages_with(&mut out, gpa, len as usize, |buf| {
+                                        memory
+                                            .read(gpa, buf)
+                                            .map_err(|e| StreamError::Malformed(e.to_string()))?;
+                                        Ok(false)
+                                    })
+                                    .map_err(Error::Stream)
+                                    .and_then(|_| {
+                                        conn.write_all(&out).map_err(|e| Error::Stream(e.into()))
+                                    })
+                                }
+                                Job::Frame(f) => write_frame(&mut conn, &f),
+                            };
+                            if let Err(e) = sent {
+                                result = Err(e);
+                                break;
+                            }
+                        }
+                        (conn, result)
+                    })
+                    .expect("spawning a writer thread"),
+            );
+        }
+        Writers { queues, threads }
+    }
+
+    fn queue(&mut self, conn: usize, job: Job) -> Result<()> {
+        self.queues[conn]
+            .send(job)
+            .map_err(|_| Error::Migration(format!("pages connection {conn} failed")))
+    }
+
+    /// Waits for the writers to send everything queued, and takes the connections back.
+    fn join(self) -> Result<Vec<Connection>> {
+        drop(self.queues);
+        let mut conns = Vec::new();
+        let mut failure = None;
+        for t in self.threads {
+            match t.join() {
+                Ok((conn, result)) => {
+                    conns.push(conn);
+                    if let Err(e) = result {
+                        failure.get_or_insert(e);
+                    }
+                }
+                Err(_) => {
+                    failure.get_or_insert(Error::Migration("a writer thread panicked".into()));
+                }
+            }
+        }
+        match failure {
+            Some(e) => Err(e),
+            None => Ok(conns),
+        }
+    }
+}
+
+fn tracked_gpa(memory: &GuestMemory, gpa: u64) -> bool {
+    memory
+        .regions()
+        .iter()
+        .any(|r| r.gpa() == gpa && guestmem_tracking::tracked(r))
+}
+
+/// Every page of every region that `pick` selects.
+fn full_bitmaps(memory: &GuestMemory, pick: impl Fn(&Region) -> bool) -> Vec<DirtyBitmap> {
+    memory
+        .regions()
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| pick(r))
+        .map(|(slot, r)| {
+            let pages = r.size() / PAGE_SIZE;
+            let mut bits = vec![u64::MAX; pages.div_ceil(64) as usize];
+            if !pages.is_multiple_of(64) {
+                *bits.last_mut().expect("a region has pages") = (1 << (pages % 64)) - 1;
+            }
+            DirtyBitmap {
+                slot: slot as u32,
+                gpa: r.gpa(),
+                pages,
+                bits,
+            }
+        })
+        .collect()
+}
+
+/// The union of two harvests.
+fn merge(mut a: Vec<DirtyBitmap>, b: Vec<DirtyBitmap>) -> Vec<DirtyBitmap> {
+    for other in b {
+        match a.iter_mut().find(|x| x.slot == other.slot) {
+            Some(x) => x
+                .bits
+                .iter_mut()
+                .zip(&other.bits)
+                .for_each(|(x, y)| *x |= y),
+            None => a.push(other),
+        }
+    }
+    a.sort_by_key(|b| b.gpa);
+    a
+}
+
+/// One bit per [`POSTCOPY_CHUNK`] of the region at `gpa`: set where any page is dirty.
+fn stale_chunks(dirty: &[DirtyBitmap], gpa: u64, size: u64) -> Vec<u64> {
+    let chunks = size.div_ceil(POSTCOPY_CHUNK);
+    let mut bits = vec![0u64; chunks.div_ceil(64) as usize];
+    if let Some(b) = dirty.iter().find(|b| b.gpa == gpa) {
+        for (start, len) in b.ranges() {
+            let first = (start - gpa) / POSTCOPY_CHUNK;
+            let last = (start - gpa + len - 1) / POSTCOPY_CHUNK;
+            for c in first..=last {
+                bits[(c / 64) as usize] |= 1 << (c % 64);
+            }
+        }
+    }
+    bits
+}
+
+/// One digest per region, in order (see [`GuestMemory::digest`]).
+pub(crate) fn memory_digest(memory: &GuestMemory) -> Result<u64> {
+    let mut h = guestmem_memory::DIGEST_SEED;
+    for r in memory.regions() {
+        h = guestmem_memory::digest_bytes(h, &memory.digest(r.gpa(), r.size())?.to_le_bytes());
+    }
+    Ok(h)
+}

@@ -1,0 +1,390 @@
+//! Live migration between two guestmem ends over real TLS sockets: the guest keeps counting
+//! on the destination, its memory arrives whole, and failures leave the source running.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::{assert_pages_consistent, dirty_work, pages_done, wait_for_generation, TempDir};
+use guestmem_memory::{Backend, GuestMemory};
+use guestmem_migration::migrate::{
+    self, DestinationReport, Links, Mode, ReceiveOptions, Report, SendOptions,
+};
+use guestmem_migration::stream::Frame;
+use guestmem_migration::transport::{
+    self, generate_credentials, Credentials, Endpoint, Listener, Role,
+};
+use guestmem_vm::payload::{CTL_GENERATION, CTL_GEN_LIMIT};
+use guestmem_vm::{layout, RunningVm, Vm, VmConfig};
+
+const SIZE: u64 = 32 << 20;
+const VCPUS: usize = 2;
+
+/// Digest of every region, in order.
+fn digest(memory: &GuestMemory) -> Vec<u64> {
+    memory
+        .regions()
+        .iter()
+        .map(|r| memory.digest(r.gpa(), r.size()).unwrap())
+        .collect()
+}
+
+struct Pair {
+    dir: TempDir,
+    endpoint: Endpoint,
+    listener: Arc<Listener>,
+}
+
+impl Pair {
+    fn new(name: &str) -> Pair {
+        let dir = TempDir::new(&format!("migrate-{name}"));
+        generate_credentials(&dir.0).unwrap();
+        let endpoint = Endpoint::Unix(dir.0.join("sock"));
+        let listener = Arc::new(
+            Listener::bind(
+                &endpoint,
+                &Credentials::load(&dir.0, Role::Destination).unwrap(),
+            )
+            .unwrap(),
+        );
+        Pair {
+            dir,
+            endpoint,
+            listener,
+        }
+    }
+
+    fn connect(&self, mode: Mode, connections: usize) -> Links {
+        let creds = Credentials::load(&self.dir.0, Role::Source).unwrap();
+        Links::connect(&self.endpoint, &creds, mode, connections).unwrap()
+    }
+}
+
+/// What the destination saw: pages done at switch-over, the digest of its memory before the
+/// guest wrote anything, and its report.
+struct Received {
+    at_switchover: Vec<u64>,
+    digest: Vec<u64>,
+    report: DestinationReport,
+}
+
+/// The destination: receive, resume, check that the guest counts on from where it stopped
+/// and that every page is consistent with its counters. With `gated`, the guest arrives held
+/// at its generation gate: its memory is digested (faulting every missing page in) before
+/// it is let go.
+fn destination(listener: Arc<Listener>, gated: bool) -> std::thread::JoinHandle<Received> {
+    std::thread::spawn(move || {
+        let migrate::Incoming {
+            mut vm,
+            mut transfer,
+        } = migrate::receive(listener, &ReceiveOptions::default()).unwrap();
+        let at_switchover = pages_done(&vm);
+        let work = dirty_work(VCPUS, SIZE);
+        let memory = vm.memory().clone();
+        let running = transfer.resume(&mut vm).unwrap();
+        let digest = if gated {
+            let d = digest(&memory);
+            running.set_generation_limit(u64::MAX);
+            d
+        } else {
+            Vec::new()
+        };
+        let target = at_switchover
+            .iter()
+            .map(|p| p / work[0].pages() + 2)
+            .max()
+            .unwrap();
+        wait_for_generation(&running, target);
+        running.stop();
+        let run = running.wait(Duration::from_secs(30)).unwrap();
+        let after: Vec<u64> = run.vcpus.iter().map(|v| v.pages).collect();
+        for (i, (b, a)) in at_switchover.iter().zip(&after).enumerate() {
+            assert!(
+                a > b,
+                "vCPU {i} went on counting on the destination: {b} -> {a}"
+            );
+        }
+        let report = transfer.finish().unwrap();
+        assert_pages_consistent(&vm, &work, &after);
+        Received {
+            at_switchover,
+            digest,
+            report,
+        }
+    })
+}
+
+/// A source VM running `dirty` over its RAM, at least one pass done.
+fn source_vm(backend: Backend) -> Vm {
+    Vm::new(&VmConfig::simple(VCPUS, SIZE, backend)).unwrap()
+}
+
+fn start(vm: &mut Vm) -> RunningVm<'_> {
+    let running = vm.start(&dirty_work(VCPUS, SIZE)).unwrap();
+    wait_for_generation(&running, 1);
+    running
+}
+
+/// Holds the guest at the gate after its current pass, and waits until it is there.
+fn gate(running: &RunningVm<'_>) {
+    let g = running.progress().iter().map(|&(_, g)| g).max().unwrap() + 1;
+    running.set_generation_limit(g);
+    wait_for_generation(running, g);
+}
+
+/// Holds the guest at its generation gate after its current pass, through its control blocks
+/// (from a thread that has no `RunningVm`), and waits until it is there.
+fn park_guest(memory: &GuestMemory) {
+    for i in 0..VCPUS {
+        let ctl = layout::control_gpa(i);
+        let g = memory.read_u64(ctl + CTL_GENERATION).unwrap() + 1;
+        memory.write_u64(ctl + CTL_GEN_LIMIT, g).unwrap();
+        while memory.read_u64(ctl + CTL_GENERATION).unwrap() < g {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
+fn check(report: &Report, received: &Received, source_at_switchover: &[u64]) {
+    assert_eq!(received.at_switchover, source_at_switchover);
+    assert!(report.downtime_ms > 0.0 && report.total_ms >= report.downtime_ms);
+    assert!(!report.rounds.is_empty());
+    assert!(
+        report.destination.is_some(),
+        "the destination's figures came back"
+    );
+}
+
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn precopy_moves_a_running_guest_on_every_backend() {
+    for (backend, connections) in [
+        (Backend::Anon, 1),
+        (Backend::Memfd, 3),
+        (Backend::GuestMemfd, 2),
+    ] {
+        let pair = Pair::new(&format!("pre-{backend}"));
+        let dest = destination(pair.listener.clone(), false);
+        let mut vm = source_vm(backend);
+        let running = start(&mut vm);
+        let opts = SendOptions {
+            verify: true,
+            ..Default::default()
+        };
+        let report = migrate::send(running, pair.connect(Mode::Precopy, connections), &opts)
+            .unwrap_or_else(|f| panic!("{backend}: {f:?}"));
+        let received = dest.join().unwrap();
+        check(&report, &received, &pages_done(&vm));
+        assert_eq!(report.connections, connections);
+        // The destination checked its digest against the source's at switch-over.
+        assert!(report.verify_ms > 0.0, "{backend}: the digest was checked");
+        assert!(report.pages_sent > 0 && report.bytes >= report.pages_sent * 4096);
+    }
+}
+
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn postcopy_and_hybrid_bring_every_page() {
+    for (backend, mode) in [
+        (Backend::Anon, Mode::Postcopy),
+        (Backend::Memfd, Mode::Postcopy),
+        (Backend::Anon, Mode::Hybrid),
+        (Backend::Memfd, Mode::Hybrid),
+    ] {
+        let pair = Pair::new(&format!("{mode}-{backend}"));
+        let dest = destination(pair.listener.clone(), true);
+        let mut vm = source_vm(backend);
+        let running = start(&mut vm);
+        let memory = running.memory().clone();
+        if mode == Mode::Postcopy {
+            gate(&running);
+        }
+        // Hybrid: the guest writes during the pre-copy round, and parks after it.
+        let park = move |p: &migrate::Progress| {
+            if p.phase == "pre-copy" {
+                park_guest(&memory);
+            }
+        };
+        let report = migrate::send(
+            running,
+            pair.connect(mode, 2),
+            &SendOptions {
+                mode,
+                progress: Some(Arc::new(park)),
+                ..Default::default()
+            },
+        )
+        .unwrap_or_else(|f| panic!("{mode} {backend}: {f:?}"));
+        let received = dest.join().unwrap();
+        // The source is stopped since the switch-over: its memory is the switch-over's.
+        assert_eq!(
+            received.digest,
+            digest(vm.memory()),
+            "{mode} {backend}: the destination's memory is the source's"
+        );
+        check(&report, &received, &pages_done(&vm));
+        let d = report.destination.as_ref().unwrap();
+        if mode == Mode::Postcopy {
+            assert!(
+                d.fault_fetches > 0,
+                "{mode} {backend}: pages were faulted in"
+            );
+            assert!(report.postcopy_requests > 0);
+        }
+    }
+}
+
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn a_cut_postcopy_link_is_resumed_without_losing_a_page() {
+    let pair = Pair::new("cut");
+    let dest = destination(pair.listener.clone(), true);
+    let mut vm = source_vm(Backend::Anon);
+    let running = start(&mut vm);
+    gate(&running);
+    let links = pair.connect(Mode::Postcopy, 1);
+    let cutters = Arc::new(Mutex::new(links.cutters().unwrap()));
+    let cut = cutters.clone();
+    let creds_dir = pair.dir.0.clone();
+    let endpoint = pair.endpoint.clone();
+    let opts = SendOptions {
+        mode: Mode::Postcopy,
+        // The moment post-copy starts, the link goes down.
+        progress: Some(Arc::new(move |p: &migrate::Progress| {
+            if p.phase == "post-copy" {
+                for c in cut.lock().unwrap().drain(..) {
+                    c.cut();
+                }
+            }
+        })),
+        reconnect: Some(Arc::new(move |resume: &migrate::Resume| {
+            assert!(!resume.reason.is_empty());
+            let creds = Credentials::load(&creds_dir, Role::Source).unwrap();
+            resume.connect(&endpoint, &creds)
+        })),
+        ..Default::default()
+    };
+    let report = migrate::send(running, links, &opts).unwrap();
+    let received = dest.join().unwrap();
+    assert_eq!(report.link_breaks, 1);
+    assert_eq!(received.report.link_breaks, 1);
+    assert_eq!(received.digest, digest(vm.memory()), "no page lost");
+    check(&report, &received, &pages_done(&vm));
+}
+
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn a_dead_destination_leaves_the_source_running() {
+    let pair = Pair::new("dead");
+    // A destination that says hello, takes the first pages, and dies.
+    let listener = pair.listener.clone();
+    let dest = std::thread::spawn(move || {
+        let mut conn = listener.accept().unwrap();
+        let _hello = Frame::read_from(&mut conn).unwrap();
+        let _setup = Frame::read_from(&mut conn).unwrap();
+        Frame::Hello {
+            config_json: b"{}".to_vec(),
+        }
+        .write_to(&mut conn)
+        .unwrap();
+        std::io::Write::flush(&mut conn).unwrap();
+        for _ in 0..4 {
+            let _ = Frame::read_from(&mut conn);
+        }
+        drop(conn);
+    });
+    let mut vm = source_vm(Backend::Anon);
+    let running = start(&mut vm);
+    let failure = migrate::send(
+        running,
+        pair.connect(Mode::Precopy, 1),
+        &SendOptions::default(),
+    )
+    .err()
+    .expect("the migration fails");
+    dest.join().unwrap();
+    let running = failure.vm.expect("the source keeps its VM");
+    // It is running: its counters move on.
+    let before: u64 = running.progress().iter().map(|p| p.0).sum();
+    std::thread::sleep(Duration::from_millis(50));
+    let after: u64 = running.progress().iter().map(|p| p.0).sum();
+    assert!(
+        after > before,
+        "the source guest runs on ({before} -> {after})"
+    );
+    running.stop();
+    running.wait(Duration::from_secs(30)).unwrap();
+    assert!(!failure.error.to_string().is_empty());
+}
+
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn a_destination_that_cannot_build_the_vm_refuses_before_anything_moves() {
+    // Post-copy of guest_memfd needs KVM Userfault, which this kernel lacks.
+    let pair = Pair::new("refuse");
+    let listener = pair.listener.clone();
+    let dest = std::thread::spawn(move || {
+        migrate::receive(listener, &ReceiveOptions::default())
+            .err()
+            .expect("refused")
+            .to_string()
+    });
+    let mut vm = source_vm(Backend::GuestMemfd);
+    let running = start(&mut vm);
+    let opts = SendOptions {
+        mode: Mode::Postcopy,
+        ..Default::default()
+    };
+    let failure = migrate::send(running, pair.connect(Mode::Postcopy, 1), &opts)
+        .err()
+        .expect("refused");
+    let reason = dest.join().unwrap();
+    assert!(reason.contains("KVM_MEM_USERFAULT"), "{reason}");
+    assert!(
+        failure.error.to_string().contains("KVM_MEM_USERFAULT"),
+        "{}",
+        failure.error
+    );
+    let running = failure.vm.expect("the source keeps its VM");
+    running.stop();
+    running.wait(Duration::from_secs(30)).unwrap();
+}
+
+#[test]
+fn a_wrong_key_and_a_malformed_stream_are_refused() {
+    let pair = Pair::new("keys");
+    let stranger = TempDir::new("migrate-stranger");
+    generate_credentials(&stranger.0).unwrap();
+    let listener = pair.listener.clone();
+    let dest = std::thread::spawn(move || {
+        let first = migrate::receive(listener.clone(), &ReceiveOptions::default())
+            .err()
+            .expect("a stranger is refused")
+            .to_string();
+        let second = migrate::receive(listener, &ReceiveOptions::default())
+            .err()
+            .expect("garbage is refused")
+            .to_string();
+        (first, second)
+    });
+    let creds = Credentials::load(&stranger.0, Role::Source).unwrap();
+    let e = Links::connect(&pair.endpoint, &creds, Mode::Precopy, 1)
+        .err()
+        .expect("the destination is not ours");
+    assert!(e.to_string().contains("TLS"), "{e}");
+    let mut conn = transport::connect(
+        &pair.endpoint,
+        &Credentials::load(&pair.dir.0, Role::Source).unwrap(),
+    )
+    .unwrap();
+    use std::io::Write;
+    conn.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+    conn.flush().unwrap();
+    let (first, second) = dest.join().unwrap();
+    assert!(first.contains("TLS"), "{first}");
+    assert!(
+        second.contains("not a guestmem migration stream"),
+        "{second}"
+    );
+}
