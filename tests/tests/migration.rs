@@ -336,9 +336,8 @@ fn a_destination_that_cannot_build_the_vm_refuses_before_anything_moves() {
         mode: Mode::Postcopy,
         ..Default::default()
     };
-    let failure = migrate::send(running, pair.connect(Mode::Postcopy, 1), &opts)
-        .err()
-        .expect("refused");
+    let failure =
+        migrate::send(running, pair.connect(Mode::Postcopy, 1), &opts).expect_err("refused");
     let reason = dest.join().unwrap();
     assert!(reason.contains("KVM_MEM_USERFAULT"), "{reason}");
     assert!(

@@ -370,7 +370,7 @@ impl<'o> Source<'o> {
         // guest_memfd regions cannot be tracked: they go whole at switch-over.
         let mut dirty = merge(
             tracker.harvest()?,
-            full_bitmaps(&self.memory, |r| guestmem_tracking::tracked(r)),
+            full_bitmaps(&self.memory, guestmem_tracking::tracked),
         );
         dirty.retain(|b| tracked_gpa(&self.memory, b.gpa));
         let mut round = 1;
