@@ -30,7 +30,7 @@ pub fn main(args: Args) -> crate::Result<()> {
     }
     if !args.json {
         eprintln!(
-            "booting QEMU with {} MiB (the firmware alone takes ~20 s here), then migrating it...",
+            "booting QEMU with {} MiB (firmware and PVH entry: 5-20 s here), then migrating it...",
             args.size >> 20
         );
     }
@@ -66,7 +66,7 @@ pub fn main(args: Args) -> crate::Result<()> {
         f.ram_total_bytes >> 20,
         f.normal_pages,
         f.zero_pages,
-        f.mbps
+        f.end_mbit_per_s
     );
     println!(
         "guest: {:.0} pages/s while migrating, {:.0} pages/s on the destination after it",

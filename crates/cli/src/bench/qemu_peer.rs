@@ -12,7 +12,7 @@
 //!
 //! Only vCPU 0 runs the workload under QEMU (the PVH entry starts the bootstrap processor; the
 //! others stay parked in wait-for-SIPI): a multi-vCPU QEMU guest dirties at the same total
-//! rate, from one vCPU. Booting costs ~20 s here before the guest runs (SeaBIOS at CPL0 on
+//! rate, from one vCPU. Booting costs 5-20 s here before the guest runs (SeaBIOS at CPL0 on
 //! kvm_pvm), plus the fill (first touch of every page).
 
 use std::io::{BufRead, BufReader, Write};
@@ -77,7 +77,7 @@ pub struct QemuFigures {
     /// `ram.dirty-sync-count`: dirty-bitmap synchronisations, i.e. pre-copy rounds.
     pub dirty_sync_count: u64,
     /// `ram.mbps` at completion.
-    pub mbps: f64,
+    pub end_mbit_per_s: f64,
     /// Measured from the guest's counter while migrating: pages written per second.
     pub guest_pages_per_s_during: f64,
     /// Measured on the destination after migration: pages written per second.
@@ -251,7 +251,7 @@ pub fn precopy(
         normal_pages: figures.normal_pages,
         zero_pages: figures.zero_pages,
         dirty_sync_count: figures.dirty_sync_count,
-        mbps: figures.mbps,
+        end_mbit_per_s: figures.mbit_per_s,
         guest_pages_per_s_during,
         dest_pages_per_s,
     })
@@ -299,7 +299,7 @@ struct MigrateInfo {
     normal_pages: u64,
     zero_pages: u64,
     dirty_sync_count: u64,
-    mbps: f64,
+    mbit_per_s: f64,
 }
 
 impl MigrateInfo {
@@ -318,7 +318,7 @@ impl MigrateInfo {
             normal_pages: u(&ram["normal"], "ram.normal")?,
             zero_pages: u(&ram["duplicate"], "ram.duplicate")?,
             dirty_sync_count: u(&ram["dirty-sync-count"], "ram.dirty-sync-count")?,
-            mbps: ram["mbps"].as_f64().unwrap_or(0.0),
+            mbit_per_s: ram["mbps"].as_f64().unwrap_or(0.0),
         })
     }
 }
