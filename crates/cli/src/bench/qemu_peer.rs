@@ -216,11 +216,11 @@ pub fn precopy(
         after.pages_done.saturating_sub(before.pages_done) as f64 / migrate_s.max(1e-9);
     let t0 = Instant::now();
     let wait = Duration::from_secs_f64(3.0 + 4.0 / rate as f64);
-    let later = dst.wait_for(wait, "the guest to carry on in the destination", |c| {
+    let carried_on = dst.wait_for(wait, "the guest to carry on in the destination", |c| {
         Ok(c.pages_done > after.pages_done)
     });
     let status = dst.qmp.execute("query-status", None)?;
-    let later = later.map_err(|e| {
+    carried_on.map_err(|e| {
         format!(
             "after the migration, the destination guest makes no progress (QEMU status {}): {e}",
             status["status"]
@@ -230,7 +230,6 @@ pub fn precopy(
     let last = dst.control()?;
     let dest_pages_per_s =
         last.pages_done.saturating_sub(after.pages_done) as f64 / t0.elapsed().as_secs_f64();
-    let _ = later;
     drop(dst);
     drop(src);
 
@@ -322,6 +321,9 @@ impl MigrateInfo {
         })
     }
 }
+
+// `control` reads state and pages done with one `xp`.
+const _: () = assert!(CTL_PAGES_DONE == CTL_STATE + 8);
 
 /// What the guest reports in vCPU 0's control block.
 #[derive(Debug, Clone, Copy)]
@@ -415,7 +417,6 @@ impl Qemu {
     }
 
     fn control(&mut self) -> crate::Result<Control> {
-        assert_eq!(CTL_PAGES_DONE, CTL_STATE + 8);
         let w = self.read(CTL_STATE, 2)?;
         Ok(Control {
             state: w[0],
