@@ -18,6 +18,7 @@ const CONTROL: &[(&str, u64)] = &[
     ("CTL_READ_PERCENT", 0x40),
     ("CTL_WRITES", 0x48),
     ("CTL_LOG_GPA", 0x50),
+    ("CTL_THROTTLE_AFTER", 0x58),
     // Guest -> host
     ("CTL_STATE", 0x80),
     ("CTL_PAGES_DONE", 0x88),
@@ -44,6 +45,13 @@ const CONTROL: &[(&str, u64)] = &[
     ("VCPU_BLOCKS_GPA", 0x40_0000),
     ("VCPU_BLOCK_SIZE", 0x2000),
     ("RAM_GPA", 0x4000_0000),
+    // The PVH entry's alias of guest RAM (other VMMs leave holes in guest RAM, e.g. QEMU's
+    // below 4 GiB): one contiguous virtual range from PVH_ALIAS_VA, mapped by the PDPT and the
+    // page directories below onto the RAM the e820 map lists, in order, skipping the holes.
+    ("PVH_ALIAS_VA", 0x80_0000_0000),
+    ("PVH_ALIAS_PDPT_GPA", 0x11_2000),
+    ("PVH_ALIAS_PD_GPA", 0x20_4000),
+    ("PVH_ALIAS_MAX", 508 << 30),
 ];
 
 fn run(cmd: &mut Command) {

@@ -1,22 +1,148 @@
 //! `guestmem payload`: writes the guest payload out, for other VMMs to boot the same workload.
+//!
+//! The ELF's PVH entry runs the workload baked into it on vCPU 0 (other vCPUs stay parked),
+//! with no VMM writing the control block: see `guestmem_vm::payload::PvhParams`.
+//!
+//! Guest memory under QEMU (`pc` machine, `-m SIZE`): RAM from 0 to min(SIZE, 3 GiB) (all of it
+//! below 4 GiB up to 3.5 GiB; from 3.5 GiB on, QEMU keeps 3 GiB below 4 GiB), the rest from
+//! 4 GiB; the e820 map the PVH entry gets says so, and the payload skips the hole. The payload
+//! area (page tables, control blocks) is [1 MiB, 8 MiB); vCPU 0's control block is at 0x400000.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+
+use guestmem_vm::payload::{self, PvhParams};
+
+use crate::units::parse_size;
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PvhWorkload {
+    /// Rewrite every page, pass after pass, until stopped (optionally throttled).
+    Dirty,
+    /// Write every page once, then stop (the guest then spins on its done signal).
+    Touch,
+}
 
 #[derive(clap::Args)]
 pub struct Args {
     /// Where to write the payload as an ELF with a PVH entry (`qemu-system-x86_64 -kernel FILE`).
     #[arg(long)]
     pvh_elf: PathBuf,
+    /// The workload vCPU 0 runs.
+    #[arg(long, value_enum, default_value = "dirty")]
+    workload: PvhWorkload,
+    /// Throttle `dirty` to this many pages of 4 KiB per second (default: full speed).
+    #[arg(long)]
+    pages_per_s: Option<u64>,
+    /// With --pages-per-s: the first pass goes at full speed (fills the range), the throttle
+    /// applies from the second.
+    #[arg(long)]
+    fill_first: bool,
+    /// The guest's TSC rate, for the throttle (default: what KVM gives a new vCPU here, which
+    /// is what QEMU's guests get without `-cpu ...,tsc-frequency=`).
+    #[arg(long)]
+    tsc_khz: Option<u64>,
+    /// First guest-physical byte of the range (rounded up to 2 MiB; at least 8M, above the
+    /// payload area).
+    #[arg(long, default_value = "1G", value_parser = parse_size)]
+    range_start: u64,
+    /// At most this many bytes of RAM from --range-start, holes skipped (default: all RAM).
+    #[arg(long, value_parser = parse_size)]
+    range_bytes: Option<u64>,
+    /// Seed of the values written.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+}
+
+/// The lowest range start: the end of the payload area (page tables, control blocks).
+pub const MIN_RANGE_START: u64 = guestmem_vm::layout::SYS_GPA + guestmem_vm::layout::SYS_SIZE;
+
+/// The baked parameters for `workload`, `range_start` and `range_bytes` (0: all RAM), throttled
+/// to `pages_per_s` on a guest TSC of `tsc_khz` (`fill_first`: after a full-speed first pass).
+pub fn params(
+    workload: PvhWorkload,
+    pages_per_s: Option<u64>,
+    fill_first: bool,
+    tsc_khz: u64,
+    range_start: u64,
+    range_bytes: u64,
+    seed: u64,
+) -> crate::Result<PvhParams> {
+    if range_start < MIN_RANGE_START {
+        return Err(format!(
+            "range start {range_start:#x} is inside the payload area; use {MIN_RANGE_START:#x} \
+             (8 MiB) or above"
+        )
+        .into());
+    }
+    if workload == PvhWorkload::Touch && pages_per_s.is_some() {
+        return Err(
+            "--pages-per-s throttles the `dirty` workload; `touch` runs at full speed".into(),
+        );
+    }
+    if pages_per_s == Some(0) {
+        return Err("--pages-per-s must be at least 1".into());
+    }
+    Ok(PvhParams {
+        workload: payload::WORKLOAD_WRITE,
+        passes: match workload {
+            PvhWorkload::Dirty => 0,
+            PvhWorkload::Touch => 1,
+        },
+        range_start,
+        range_bytes,
+        seed,
+        tsc_per_page: pages_per_s.map_or(0, |r| PvhParams::tsc_per_page(tsc_khz, r)),
+        fill_first,
+        read_percent: 0,
+    })
+}
+
+/// Writes the PVH ELF with `params` baked in to `path`.
+pub fn write_elf(path: &Path, params: &PvhParams) -> crate::Result<()> {
+    std::fs::write(path, payload::pvh_elf(params))
+        .map_err(|e| format!("{}: cannot write the payload: {e}", path.display()).into())
 }
 
 pub fn main(args: Args) -> crate::Result<()> {
-    std::fs::write(&args.pvh_elf, guestmem_vm::payload::PVH_ELF)
-        .map_err(|e| format!("{}: cannot write the payload: {e}", args.pvh_elf.display()))?;
+    let tsc_khz = match (args.pages_per_s, args.tsc_khz) {
+        (_, Some(khz)) => khz,
+        (Some(_), None) => guestmem_vm::host_tsc_khz()
+            .map_err(|e| format!("cannot ask KVM for the TSC rate (give --tsc-khz): {e}"))?,
+        (None, None) => 0,
+    };
+    if args.fill_first && args.pages_per_s.is_none() {
+        return Err("--fill-first goes with --pages-per-s".into());
+    }
+    let params = params(
+        args.workload,
+        args.pages_per_s,
+        args.fill_first,
+        tsc_khz,
+        args.range_start,
+        args.range_bytes.unwrap_or(0),
+        args.seed,
+    )?;
+    write_elf(&args.pvh_elf, &params)?;
     println!(
-        "{}: {} bytes; boot it with: qemu-system-x86_64 -accel kvm -m 2G -kernel {}",
+        "{}: {} bytes; boot it with: qemu-system-x86_64 -accel kvm -cpu host -m 2G -kernel {}",
         args.pvh_elf.display(),
-        guestmem_vm::payload::PVH_ELF.len(),
+        payload::PVH_ELF.len(),
         args.pvh_elf.display()
     );
+    println!(
+        "vCPU 0's control block is at {:#x}: state at +{:#x}, pages done at +{:#x}, passes at \
+         +{:#x} (QEMU monitor: xp /3gx {:#x})",
+        payload::VCPU_BLOCKS_GPA,
+        payload::CTL_STATE,
+        payload::CTL_PAGES_DONE,
+        payload::CTL_GENERATION,
+        payload::VCPU_BLOCKS_GPA + payload::CTL_STATE
+    );
+    if tsc_khz != 0 {
+        println!(
+            "throttle: {} TSC ticks per page at {tsc_khz} kHz",
+            params.tsc_per_page
+        );
+    }
     Ok(())
 }

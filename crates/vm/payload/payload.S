@@ -14,7 +14,9 @@
 # Workloads:
 #   WRITE  (touch = 1 pass, dirty = passes until stopped): for pass g, for every page p of the
 #          range, write the u64 ((seed + gpa(p)) * GOLDEN) ^ g at the page's first byte.
-#          Optional throttle: page n is written no earlier than tsc_start + n * tsc_per_page.
+#          Optional throttle: the first throttle_after pages (since start) go at full speed;
+#          after them, page throttle_after + n is written no earlier than t + n * tsc_per_page,
+#          t being the TSC when that first throttled page came up.
 #          A pass starts only while generation < gen_limit (the host's gate).
 #          With read_percent > 0 (the `mixed` workload, dirty_log_perf_test's -w), page p is
 #          only read, not written, when ((p >> 12) * GOLDEN >> 32) * 100 >> 32 < read_percent:
@@ -78,8 +80,16 @@ write:
         jne     finish
         test    %r13, %r13
         jz      .Lstore
-        mov     %r12, %rsi                      # not before r14 + r12 * r13
-        imul    %r13, %rsi
+        mov     %r12, %rsi                      # rsi = pages past the unthrottled ones
+        sub     CTL_THROTTLE_AFTER(%rbx), %rsi
+        jb      .Lstore                         # still unthrottled: full speed
+        jnz     .Lpaced
+        rdtsc                                   # the first throttled page: pacing starts now
+        shl     $32, %rdx
+        or      %rdx, %rax
+        mov     %rax, %r14
+.Lpaced:
+        imul    %r13, %rsi                      # not before r14 + rsi * r13
         add     %r14, %rsi
 .Lthrottle:
         rdtsc
@@ -194,9 +204,19 @@ signal_done:
 # ---------------------------------------------------------------------------------------------
 # PVH entry, for other VMMs (e.g. `qemu-system-x86_64 -accel kvm -m 2G -kernel payload.elf`).
 # Entered in 32-bit protected mode, paging off, EBX = hvm_start_info. It builds the same
-# identity map and the same control block for vCPU 0 as guestmem's host does, enters long mode,
-# and drops to CPL3 at _start with the `dirty` workload (full speed, until stopped) over guest
-# RAM from RAM_GPA to the end of the e820 RAM entry that holds it (at most 3 GiB in all).
+# identity map of the first 4 GiB and the same control block for vCPU 0 as guestmem's host
+# does, enters long mode, and drops to CPL3 at _start with the workload of the parameter block
+# below (by default `dirty`, full speed, until stopped, over guest RAM from RAM_GPA).
+#
+# The workload's range is guest RAM from pvh_range_start (rounded up to 2 MiB) as the e820 map
+# lists it, holes skipped (QEMU's pc machine with -m above 3.5 GiB keeps 3 GiB below 4 GiB and
+# puts the rest from 4 GiB), at most pvh_range_bytes (0: all of it). So that the workload sees
+# it as one range, it is reached through an alias: the virtual range from PVH_ALIAS_VA maps,
+# 2 MiB by 2 MiB, onto that RAM in e820 order. The values the workload stores are computed from
+# these virtual addresses.
+#
+# The parameter block is found by its magic and rewritten by the host before it hands the ELF
+# out (guestmem_vm::payload::pvh_elf); its layout is PvhParams's there.
 
         .set PVH_SEED, 1
         .set MAX_PDS, 4                         # the identity map covers 4 GiB
@@ -211,6 +231,18 @@ signal_done:
         .long   pvh_entry
 
         .text
+        .balign 8
+pvh_params:
+        .ascii  "guestmem-pvh-p1\0"            # magic
+pvh_workload:       .quad WORKLOAD_WRITE
+pvh_passes:         .quad 0                     # 0 = until stopped
+pvh_range_start:    .quad RAM_GPA               # guest-physical
+pvh_range_bytes:    .quad 0                     # 0 = all RAM from pvh_range_start
+pvh_seed:           .quad PVH_SEED
+pvh_tsc_per_page:   .quad 0                     # 0 = full speed
+pvh_fill_first:     .quad 0                     # 1: throttle only after a first pass
+pvh_read_percent:   .quad 0
+
         .code32
 pvh_entry:
         cli
@@ -235,6 +267,12 @@ pvh_entry:
         adc     $0, %edx
         add     $8, %edi
         loop    2b
+        mov     $PVH_ALIAS_PDPT_GPA, %edi       # the alias's PDPT, filled in long mode
+        xor     %eax, %eax
+        mov     $1024, %ecx
+        rep stosl
+        movl    $(PVH_ALIAS_PDPT_GPA | 7), PML4_GPA + 8
+        movl    $0, PML4_GPA + 12
         mov     %cr4, %eax
         or      $0x620, %eax                    # PAE | OSFXSR | OSXMMEXCPT
         mov     %eax, %cr4
@@ -256,42 +294,82 @@ pvh_long:
         mov     %ax, %ds
         mov     %ax, %es
         mov     %ax, %ss
-        # Find the e820 RAM entry holding RAM_GPA: memmap_paddr at +40, memmap_entries at +48;
-        # entries of 24 bytes {addr, size, type}.
+        mov     $(VCPU_BLOCKS_GPA + VCPU_BLOCK_SIZE), %esp  # vCPU 0's stack page
+        # Map the alias onto the e820 RAM entries (type 1) from the range start: memmap_paddr
+        # at +40, memmap_entries at +48; entries of 24 bytes {addr, size, type}.
         mov     %esi, %esi
         mov     40(%rsi), %r8
         mov     48(%rsi), %ecx
-        xor     %r9, %r9                        # r9 = end of RAM from RAM_GPA (0: none)
-        mov     $RAM_GPA, %r10
+        mov     pvh_range_start, %r10
+        add     $0x1fffff, %r10                 # r10 = range start, rounded up to 2 MiB
+        and     $-0x200000, %r10
+        mov     pvh_range_bytes, %r11           # r11 = bytes wanted (0: all)
+        test    %r11, %r11
+        jnz     1f
+        mov     $-1, %r11
+1:      movabs  $PVH_ALIAS_MAX, %r13
+        cmp     %r13, %r11
+        cmova   %r13, %r11
+        xor     %r9, %r9                        # r9 = bytes mapped so far
 3:      test    %ecx, %ecx
         jz      4f
         cmpl    $1, 16(%r8)
         jne     5f
-        mov     (%r8), %rax
+        mov     (%r8), %rax                     # rax = start of the entry's RAM to map
+        mov     8(%r8), %rdx
+        add     %rax, %rdx                      # rdx = its end
         cmp     %r10, %rax
-        ja      5f
-        add     8(%r8), %rax
-        cmp     %r10, %rax
-        jbe     5f
-        mov     %rax, %r9
+        cmovb   %r10, %rax
+        add     $0x1fffff, %rax
+        and     $-0x200000, %rax
+        and     $-0x200000, %rdx
+6:      cmp     %rdx, %rax
+        jae     5f
+        cmp     %r11, %r9
+        jae     4f
+        mov     %r9, %rdi                       # the alias's PD entry for r9: gpa | 0x87
+        shr     $21, %rdi
+        lea     0x87(%rax), %r12
+        mov     %r12, PVH_ALIAS_PD_GPA(,%rdi,8)
+        test    $0x3fffffff, %r9                # a new GiB: its PD into the alias's PDPT
+        jnz     7f
+        shr     $9, %rdi
+        mov     %rdi, %r12
+        shl     $12, %r12
+        add     $(PVH_ALIAS_PD_GPA | 7), %r12
+        mov     %r12, PVH_ALIAS_PDPT_GPA(,%rdi,8)
+7:      add     $0x200000, %r9
+        add     $0x200000, %rax
+        jmp     6b
 5:      add     $24, %r8
         dec     %ecx
         jmp     3b
-4:      mov     $(MAX_PDS << 30), %rax
-        cmp     %rax, %r9
-        cmova   %rax, %r9
-        sub     %r10, %r9                       # bytes of RAM from RAM_GPA
-        jbe     pvh_no_ram
-        shr     $12, %r9
+4:      cmp     %r11, %r9
+        cmova   %r11, %r9
+        shr     $12, %r9                        # r9 = pages in the range
+        jz      pvh_no_ram
         mov     $VCPU_BLOCKS_GPA, %rdi          # vCPU 0's control block
         mov     $(4096 / 8), %ecx
         xor     %eax, %eax
         rep stosq
         mov     $VCPU_BLOCKS_GPA, %rdi
-        movq    $WORKLOAD_WRITE, CTL_WORKLOAD(%rdi)
-        mov     %r10, CTL_RANGE_GPA(%rdi)
+        mov     pvh_workload, %rax
+        mov     %rax, CTL_WORKLOAD(%rdi)
+        movabs  $PVH_ALIAS_VA, %rax
+        mov     %rax, CTL_RANGE_GPA(%rdi)
         mov     %r9, CTL_RANGE_PAGES(%rdi)
-        movq    $PVH_SEED, CTL_SEED(%rdi)
+        mov     pvh_seed, %rax
+        mov     %rax, CTL_SEED(%rdi)
+        mov     pvh_tsc_per_page, %rax
+        mov     %rax, CTL_TSC_PER_PAGE(%rdi)
+        mov     pvh_passes, %rax
+        mov     %rax, CTL_PASSES(%rdi)
+        xor     %eax, %eax
+        cmpq    $0, pvh_fill_first
+        cmovne  %r9, %rax
+        mov     %rax, CTL_THROTTLE_AFTER(%rdi)
+        mov     pvh_read_percent, %rax
+        mov     %rax, CTL_READ_PERCENT(%rdi)
         movq    $-1, CTL_GEN_LIMIT(%rdi)
         pushq   $0x13                           # SS: user data
         pushq   $(VCPU_BLOCKS_GPA + VCPU_BLOCK_SIZE)

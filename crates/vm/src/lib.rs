@@ -15,5 +15,5 @@ mod workload;
 pub use dirty_ring::DirtyRing;
 pub use error::{Error, Result};
 pub use state::{VcpuState, VmState};
-pub use vm::{AbortHandle, RunningVm, Vm, VmConfig};
+pub use vm::{host_tsc_khz, AbortHandle, RunningVm, Vm, VmConfig};
 pub use workload::{RunReport, VcpuReport, VcpuWork, Workload};

@@ -30,3 +30,126 @@ pub fn random_writes(seed: u64, range_gpa: u64, pages: u64, writes: u64) -> Vec<
         })
         .collect()
 }
+
+/// What the PVH entry of [`PVH_ELF`] runs on vCPU 0, baked into the ELF by [`pvh_elf`] (the
+/// parameter block of payload.S, field for field). Other VMMs then run a chosen workload with no
+/// host writing the control block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PvhParams {
+    /// `WORKLOAD_WRITE`, `WORKLOAD_VERIFY` or `WORKLOAD_RANDOM`.
+    pub workload: u64,
+    /// Passes of the write workload (0: until stopped; 1: `touch`).
+    pub passes: u64,
+    /// The first guest-physical byte of RAM the range covers (rounded up to 2 MiB).
+    pub range_start: u64,
+    /// At most this many bytes of RAM from `range_start`, holes skipped (0: all of it).
+    pub range_bytes: u64,
+    pub seed: u64,
+    /// Throttle: TSC ticks per page written (0: full speed).
+    pub tsc_per_page: u64,
+    /// The first pass goes at full speed (it fills the range); the throttle applies after it.
+    pub fill_first: bool,
+    /// The `mixed` workload's share of pages only read (0: all written).
+    pub read_percent: u64,
+}
+
+impl Default for PvhParams {
+    /// What [`PVH_ELF`] does as built: `dirty` at full speed, until stopped, over all RAM from
+    /// [`RAM_GPA`], seed 1.
+    fn default() -> Self {
+        PvhParams {
+            workload: WORKLOAD_WRITE,
+            passes: 0,
+            range_start: RAM_GPA,
+            range_bytes: 0,
+            seed: 1,
+            tsc_per_page: 0,
+            fill_first: false,
+            read_percent: 0,
+        }
+    }
+}
+
+/// The magic that starts the PVH parameter block in [`PVH_ELF`].
+const PVH_PARAMS_MAGIC: &[u8; 16] = b"guestmem-pvh-p1\0";
+
+impl PvhParams {
+    fn fields(&self) -> [u64; 8] {
+        [
+            self.workload,
+            self.passes,
+            self.range_start,
+            self.range_bytes,
+            self.seed,
+            self.tsc_per_page,
+            self.fill_first as u64,
+            self.read_percent,
+        ]
+    }
+
+    /// The ticks per page that pace a write workload at `pages_per_s` on a guest whose TSC runs
+    /// at `tsc_khz`.
+    pub fn tsc_per_page(tsc_khz: u64, pages_per_s: u64) -> u64 {
+        (tsc_khz * 1000) / pages_per_s.max(1)
+    }
+}
+
+fn pvh_params_offset(elf: &[u8]) -> usize {
+    let at: Vec<usize> = elf
+        .windows(PVH_PARAMS_MAGIC.len())
+        .enumerate()
+        .filter(|(_, w)| w == PVH_PARAMS_MAGIC)
+        .map(|(i, _)| i + PVH_PARAMS_MAGIC.len())
+        .collect();
+    assert_eq!(at.len(), 1, "the PVH ELF holds its parameter block once");
+    at[0]
+}
+
+/// [`PVH_ELF`] with `params` baked in.
+pub fn pvh_elf(params: &PvhParams) -> Vec<u8> {
+    let mut elf = PVH_ELF.to_vec();
+    let at = pvh_params_offset(&elf);
+    for (i, v) in params.fields().iter().enumerate() {
+        elf[at + 8 * i..at + 8 * i + 8].copy_from_slice(&v.to_le_bytes());
+    }
+    elf
+}
+
+/// The parameters baked into a PVH ELF written by [`pvh_elf`].
+pub fn pvh_params(elf: &[u8]) -> PvhParams {
+    let at = pvh_params_offset(elf);
+    let f = |i: usize| u64::from_le_bytes(elf[at + 8 * i..at + 8 * i + 8].try_into().unwrap());
+    PvhParams {
+        workload: f(0),
+        passes: f(1),
+        range_start: f(2),
+        range_bytes: f(3),
+        seed: f(4),
+        tsc_per_page: f(5),
+        fill_first: f(6) != 0,
+        read_percent: f(7),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pvh_params_round_trip() {
+        assert_eq!(pvh_params(PVH_ELF), PvhParams::default());
+        assert_eq!(pvh_elf(&PvhParams::default()), PVH_ELF);
+        let p = PvhParams {
+            passes: 1,
+            range_start: 8 << 20,
+            range_bytes: 1 << 30,
+            seed: 7,
+            tsc_per_page: 12345,
+            fill_first: true,
+            ..PvhParams::default()
+        };
+        let elf = pvh_elf(&p);
+        assert_eq!(elf.len(), PVH_ELF.len());
+        assert_eq!(pvh_params(&elf), p);
+    }
+}

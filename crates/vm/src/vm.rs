@@ -73,6 +73,18 @@ impl AbortHandle {
     }
 }
 
+/// The TSC rate KVM gives a new vCPU here (`KVM_GET_TSC_KHZ` on a scratch VM): the rate of
+/// guestmem's guests, and of other VMMs' guests that do not set their own (QEMU without
+/// `tsc-frequency`).
+pub fn host_tsc_khz() -> Result<u64> {
+    let kvm = Kvm::new().map_err(Error::Kvm)?;
+    let fd = kvm.create_vm().map_err(Error::ioctl("KVM_CREATE_VM"))?;
+    let vcpu = fd.create_vcpu(0).map_err(Error::ioctl("KVM_CREATE_VCPU"))?;
+    Ok(vcpu
+        .get_tsc_khz()
+        .map_err(Error::ioctl("KVM_GET_TSC_KHZ"))? as u64)
+}
+
 impl Vm {
     pub fn new(config: &VmConfig) -> Result<Vm> {
         if config.vcpus == 0 || config.vcpus > layout::MAX_VCPUS {

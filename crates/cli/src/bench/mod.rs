@@ -7,6 +7,8 @@ mod demand_paging;
 mod dirty_log;
 mod memslots;
 mod populate;
+mod qemu_migrate;
+pub mod qemu_peer;
 
 #[derive(Subcommand)]
 pub enum Bench {
@@ -18,6 +20,9 @@ pub enum Bench {
     Memslots(memslots::Args),
     /// Seed 003: dirty-page tracking per mode, like the kernel's dirty_log_perf_test.
     DirtyLog(dirty_log::Args),
+    /// The QEMU peer of `bench migrate`: the same workload live-migrated by QEMU's pre-copy.
+    #[command(hide = true)]
+    QemuMigrate(qemu_migrate::Args),
 }
 
 pub fn main(bench: Bench) -> crate::Result<()> {
@@ -26,5 +31,6 @@ pub fn main(bench: Bench) -> crate::Result<()> {
         Bench::DemandPaging(args) => demand_paging::main(args),
         Bench::Memslots(args) => memslots::main(args),
         Bench::DirtyLog(args) => dirty_log::main(args),
+        Bench::QemuMigrate(args) => qemu_migrate::main(args),
     }
 }

@@ -1,0 +1,642 @@
+//! The QEMU peer of `guestmem bench migrate`: the same guest workload under QEMU, live-migrated
+//! on loopback with QEMU's own pre-copy, and the figures QEMU reports.
+//!
+//! [`precopy`] bakes the workload into guestmem's PVH payload (`guestmem payload`), boots it in
+//! a source QEMU (`-accel kvm -cpu host -machine pc`), waits until the guest has filled its
+//! range once at full speed and is dirtying it at the asked rate, starts a destination QEMU with
+//! `-incoming tcp:127.0.0.1:PORT`, migrates with `downtime-limit` set and the bandwidth
+//! unthrottled, and polls `query-migrate` until it completes; then it checks that the guest
+//! carries on in the destination (its pages-done counter grows there). Both QEMUs are killed on
+//! every path. It speaks QMP (JSON lines over a Unix socket) and reads the guest's control
+//! block with the monitor's `xp` (`human-monitor-command`).
+//!
+//! Only vCPU 0 runs the workload under QEMU (the PVH entry starts the bootstrap processor; the
+//! others stay parked in wait-for-SIPI): a multi-vCPU QEMU guest dirties at the same total
+//! rate, from one vCPU. Booting costs 5-20 s here before the guest runs (SeaBIOS at CPL0 on
+//! kvm_pvm), plus the fill (first touch of every page).
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use guestmem_vm::payload::{
+    CTL_PAGES_DONE, CTL_RANGE_PAGES, CTL_STATE, STATE_BAD_WORKLOAD, STATE_RUNNING, VCPU_BLOCKS_GPA,
+};
+use serde::Serialize;
+use serde_json::{json, Value};
+
+use crate::payload::{self, PvhWorkload, MIN_RANGE_START};
+
+/// The QEMU binary, unless `GUESTMEM_QEMU` names another.
+const QEMU: &str = "qemu-system-x86_64";
+/// The rate at which an "idle" guest (`dirty_pages_per_s: None`) still writes, after filling
+/// its range, so that the destination can be seen to carry on: 16 pages (64 KiB) per second.
+pub const IDLE_PAGES_PER_S: u64 = 16;
+/// QEMU's `max-bandwidth` during the migration, bytes/s: far above loopback, i.e. unthrottled.
+const MAX_BANDWIDTH: u64 = 100_000_000_000;
+
+const BOOT_TIMEOUT: Duration = Duration::from_secs(180);
+const MIGRATE_TIMEOUT: Duration = Duration::from_secs(900);
+const POLL: Duration = Duration::from_millis(100);
+
+/// What one pre-copy migration under QEMU took, as QEMU reports it (`query-migrate`), plus the
+/// costs around it. Field names carry their units.
+#[derive(Debug, Clone, Serialize)]
+pub struct QemuFigures {
+    /// `qemu-system-x86_64 --version`, first line.
+    pub qemu_version: String,
+    /// Guest RAM (`-m`), bytes.
+    pub mem_bytes: u64,
+    pub vcpus: usize,
+    /// The guest's dirty rate after its fill, pages of 4 KiB per second (None: idle, i.e.
+    /// [`IDLE_PAGES_PER_S`]).
+    pub dirty_pages_per_s: Option<u64>,
+    pub downtime_limit_ms: u64,
+    /// Pages of the workload's range (guest RAM from 8 MiB, holes skipped).
+    pub range_pages: u64,
+    /// From starting the source QEMU to the guest workload running (firmware and PVH entry).
+    pub boot_ms: f64,
+    /// The guest's first pass over its range, at full speed (first touch of every page).
+    pub fill_ms: f64,
+    /// QEMU's `total-time`: from `migrate` to completion.
+    pub total_ms: u64,
+    /// QEMU's `downtime`: the guest stopped, last round and device state.
+    pub downtime_ms: u64,
+    /// QEMU's `setup-time`.
+    pub setup_ms: u64,
+    /// `ram.transferred`: bytes of RAM sent, zero pages as their headers.
+    pub bytes: u64,
+    /// `ram.total`: guest RAM as QEMU counts it.
+    pub ram_total_bytes: u64,
+    /// `ram.normal`: pages sent with their contents.
+    pub normal_pages: u64,
+    /// `ram.duplicate`: pages sent as zero pages.
+    pub zero_pages: u64,
+    /// `ram.dirty-sync-count`: dirty-bitmap synchronisations, i.e. pre-copy rounds.
+    pub dirty_sync_count: u64,
+    /// `ram.mbps` at completion.
+    pub end_mbit_per_s: f64,
+    /// Measured from the guest's counter while migrating: pages written per second.
+    pub guest_pages_per_s_during: f64,
+    /// Measured on the destination after migration: pages written per second.
+    pub dest_pages_per_s: f64,
+}
+
+/// Runs the workload under QEMU with `mem` bytes of guest RAM and `vcpus` vCPUs (vCPU 0 runs
+/// it): a full-speed first pass over all RAM from 8 MiB, then `dirty_pages_per_s` pages per
+/// second (None: idle), and migrates it with QEMU's pre-copy on loopback, `downtime-limit`
+/// `downtime_limit_ms`, bandwidth unthrottled. Returns QEMU's figures; errors name the step
+/// that failed, with QEMU's reason or its stderr.
+pub fn precopy(
+    mem: u64,
+    dirty_pages_per_s: Option<u64>,
+    downtime_limit_ms: u64,
+    vcpus: usize,
+) -> crate::Result<QemuFigures> {
+    if vcpus == 0 {
+        return Err("a QEMU guest needs at least one vCPU".into());
+    }
+    if mem < MIN_RANGE_START + (2 << 20) {
+        return Err(format!("{mem} bytes of guest RAM leave no room for the workload").into());
+    }
+    let qemu = std::env::var("GUESTMEM_QEMU").unwrap_or_else(|_| QEMU.to_string());
+    let qemu_version = qemu_version(&qemu)?;
+    let dir = TempDir::new()?;
+    let elf = dir.path().join("payload.elf");
+    let tsc_khz =
+        guestmem_vm::host_tsc_khz().map_err(|e| format!("cannot ask KVM for the TSC rate: {e}"))?;
+    let rate = dirty_pages_per_s.unwrap_or(IDLE_PAGES_PER_S);
+    let params = payload::params(
+        PvhWorkload::Dirty,
+        Some(rate),
+        true,
+        tsc_khz,
+        MIN_RANGE_START,
+        0,
+        1,
+    )?;
+    payload::write_elf(&elf, &params)?;
+
+    let mem_mib = mem.div_ceil(1 << 20);
+    let common: Vec<String> = [
+        "-accel",
+        "kvm",
+        "-cpu",
+        "host",
+        "-machine",
+        "pc",
+        "-m",
+        &format!("{mem_mib}M"),
+        "-smp",
+        &vcpus.to_string(),
+        "-kernel",
+        &elf.to_string_lossy(),
+        "-display",
+        "none",
+        "-nodefaults",
+        "-serial",
+        "none",
+        "-monitor",
+        "none",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+
+    let booted = Instant::now();
+    let mut src = Qemu::start(&qemu, "source", &common, &[], dir.path())?;
+    src.wait_for(BOOT_TIMEOUT, "the guest workload to start", |c| {
+        if c.state == STATE_BAD_WORKLOAD {
+            return Err("the payload found no RAM above 8 MiB in QEMU's e820 map".into());
+        }
+        Ok(c.state == STATE_RUNNING)
+    })?;
+    let boot_ms = booted.elapsed().as_secs_f64() * 1e3;
+    let range_pages = src.read(CTL_RANGE_PAGES, 1)?[0];
+    let fill_timeout = Duration::from_secs(60) + Duration::from_millis(range_pages / 20);
+    let filled = Instant::now();
+    src.wait_for(fill_timeout, "the guest to fill its range", |c| {
+        Ok(c.pages_done >= range_pages)
+    })?;
+    let fill_ms = filled.elapsed().as_secs_f64() * 1e3;
+    tracing::info!(boot_ms, fill_ms, range_pages, "QEMU source guest running");
+
+    let port = free_port()?;
+    let incoming = format!("tcp:127.0.0.1:{port}");
+    let mut dst = Qemu::start(
+        &qemu,
+        "destination",
+        &common,
+        &["-incoming".to_string(), incoming.clone()],
+        dir.path(),
+    )?;
+    src.qmp.execute(
+        "migrate-set-parameters",
+        Some(json!({ "downtime-limit": downtime_limit_ms, "max-bandwidth": MAX_BANDWIDTH })),
+    )?;
+    let before = src.control()?;
+    let started = Instant::now();
+    src.qmp
+        .execute("migrate", Some(json!({ "uri": incoming })))?;
+    let info = loop {
+        let info = src.qmp.execute("query-migrate", None)?;
+        match info["status"].as_str() {
+            Some("completed") => break info,
+            Some("failed") | Some("cancelled") => {
+                return Err(format!(
+                    "QEMU's migration {}: {}",
+                    info["status"].as_str().unwrap_or_default(),
+                    info["error-desc"].as_str().unwrap_or("QEMU gave no reason")
+                )
+                .into())
+            }
+            _ => {}
+        }
+        if started.elapsed() > MIGRATE_TIMEOUT {
+            let remaining = info["ram"]["remaining"].as_u64().unwrap_or(0);
+            let _ = src.qmp.execute("migrate_cancel", None);
+            return Err(format!(
+                "QEMU's pre-copy did not complete in {} s ({} dirty syncs, {remaining} bytes \
+                 remaining, downtime limit {downtime_limit_ms} ms)",
+                MIGRATE_TIMEOUT.as_secs(),
+                info["ram"]["dirty-sync-count"]
+            )
+            .into());
+        }
+        std::thread::sleep(POLL);
+    };
+    let migrate_s = started.elapsed().as_secs_f64();
+    let figures = MigrateInfo::parse(&info)?;
+
+    // The destination runs the guest on (QEMU starts it after an incoming migration).
+    let after = dst.control()?;
+    let guest_pages_per_s_during =
+        after.pages_done.saturating_sub(before.pages_done) as f64 / migrate_s.max(1e-9);
+    let t0 = Instant::now();
+    let wait = Duration::from_secs_f64(3.0 + 4.0 / rate as f64);
+    let carried_on = dst.wait_for(wait, "the guest to carry on in the destination", |c| {
+        Ok(c.pages_done > after.pages_done)
+    });
+    let status = dst.qmp.execute("query-status", None)?;
+    carried_on.map_err(|e| {
+        format!(
+            "after the migration, the destination guest makes no progress (QEMU status {}): {e}",
+            status["status"]
+        )
+    })?;
+    std::thread::sleep(Duration::from_secs(1));
+    let last = dst.control()?;
+    let dest_pages_per_s =
+        last.pages_done.saturating_sub(after.pages_done) as f64 / t0.elapsed().as_secs_f64();
+    drop(dst);
+    drop(src);
+
+    Ok(QemuFigures {
+        qemu_version,
+        mem_bytes: mem_mib << 20,
+        vcpus,
+        dirty_pages_per_s,
+        downtime_limit_ms,
+        range_pages,
+        boot_ms,
+        fill_ms,
+        total_ms: figures.total_ms,
+        downtime_ms: figures.downtime_ms,
+        setup_ms: figures.setup_ms,
+        bytes: figures.bytes,
+        ram_total_bytes: figures.ram_total_bytes,
+        normal_pages: figures.normal_pages,
+        zero_pages: figures.zero_pages,
+        dirty_sync_count: figures.dirty_sync_count,
+        end_mbit_per_s: figures.mbit_per_s,
+        guest_pages_per_s_during,
+        dest_pages_per_s,
+    })
+}
+
+fn qemu_version(qemu: &str) -> crate::Result<String> {
+    let out = Command::new(qemu).arg("--version").output().map_err(
+        |e| -> Box<dyn std::error::Error + Send + Sync> {
+            if e.kind() == std::io::ErrorKind::NotFound {
+                format!(
+                    "{qemu} not found: install QEMU (Debian/Ubuntu: apt-get install \
+                     qemu-system-x86), or name the binary in GUESTMEM_QEMU"
+                )
+                .into()
+            } else {
+                format!("cannot run {qemu}: {e}").into()
+            }
+        },
+    )?;
+    if !out.status.success() {
+        return Err(format!("{qemu} --version failed with {}", out.status).into());
+    }
+    Ok(String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .to_string())
+}
+
+/// A TCP port on loopback that was free a moment ago.
+fn free_port() -> crate::Result<u16> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0")
+        .map_err(|e| format!("cannot find a free TCP port on 127.0.0.1: {e}"))?;
+    Ok(l.local_addr()?.port())
+}
+
+/// QEMU's `query-migrate` figures of a completed migration.
+#[derive(Debug, PartialEq)]
+struct MigrateInfo {
+    total_ms: u64,
+    downtime_ms: u64,
+    setup_ms: u64,
+    bytes: u64,
+    ram_total_bytes: u64,
+    normal_pages: u64,
+    zero_pages: u64,
+    dirty_sync_count: u64,
+    mbit_per_s: f64,
+}
+
+impl MigrateInfo {
+    fn parse(info: &Value) -> crate::Result<MigrateInfo> {
+        let u = |v: &Value, name: &str| {
+            v.as_u64()
+                .ok_or_else(|| format!("query-migrate gave no {name}: {info}"))
+        };
+        let ram = &info["ram"];
+        Ok(MigrateInfo {
+            total_ms: u(&info["total-time"], "total-time")?,
+            downtime_ms: u(&info["downtime"], "downtime")?,
+            setup_ms: u(&info["setup-time"], "setup-time")?,
+            bytes: u(&ram["transferred"], "ram.transferred")?,
+            ram_total_bytes: u(&ram["total"], "ram.total")?,
+            normal_pages: u(&ram["normal"], "ram.normal")?,
+            zero_pages: u(&ram["duplicate"], "ram.duplicate")?,
+            dirty_sync_count: u(&ram["dirty-sync-count"], "ram.dirty-sync-count")?,
+            mbit_per_s: ram["mbps"].as_f64().unwrap_or(0.0),
+        })
+    }
+}
+
+// `control` reads state and pages done with one `xp`.
+const _: () = assert!(CTL_PAGES_DONE == CTL_STATE + 8);
+
+/// What the guest reports in vCPU 0's control block.
+#[derive(Debug, Clone, Copy)]
+struct Control {
+    state: u64,
+    pages_done: u64,
+}
+
+/// One QEMU process and its QMP connection; killed when dropped.
+struct Qemu {
+    name: &'static str,
+    child: Child,
+    stderr: PathBuf,
+    qmp: Qmp,
+}
+
+impl Qemu {
+    fn start(
+        qemu: &str,
+        name: &'static str,
+        common: &[String],
+        extra: &[String],
+        dir: &Path,
+    ) -> crate::Result<Qemu> {
+        let socket = dir.join(format!("{name}.qmp"));
+        let stderr = dir.join(format!("{name}.stderr"));
+        let log = std::fs::File::create(&stderr)
+            .map_err(|e| format!("{}: cannot create: {e}", stderr.display()))?;
+        let child = Command::new(qemu)
+            .args(common)
+            .args(extra)
+            .arg("-qmp")
+            .arg(format!("unix:{},server=on,wait=off", socket.display()))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .map_err(|e| format!("cannot start {qemu} ({name}): {e}"))?;
+        let mut guard = Qemu {
+            name,
+            child,
+            stderr,
+            qmp: Qmp::disconnected(),
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(status) = guard.child.try_wait()? {
+                return Err(guard.died(status).into());
+            }
+            match UnixStream::connect(&socket) {
+                Ok(stream) => {
+                    guard.qmp = Qmp::handshake(stream)
+                        .map_err(|e| format!("QMP of the {name} QEMU: {e}"))?;
+                    return Ok(guard);
+                }
+                Err(e) if Instant::now() > deadline => {
+                    return Err(format!(
+                        "the {name} QEMU's QMP socket {} does not answer: {e}",
+                        socket.display()
+                    )
+                    .into())
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(50)),
+            }
+        }
+    }
+
+    fn died(&self, status: std::process::ExitStatus) -> String {
+        let err = std::fs::read_to_string(&self.stderr).unwrap_or_default();
+        format!(
+            "the {} QEMU exited ({status}): {}",
+            self.name,
+            err.trim().lines().last().unwrap_or("no message")
+        )
+    }
+
+    /// `n` u64 words of vCPU 0's control block from `field`.
+    fn read(&mut self, field: u64, n: usize) -> crate::Result<Vec<u64>> {
+        let gpa = VCPU_BLOCKS_GPA + field;
+        let text = self
+            .qmp
+            .hmp(&format!("xp /{n}gx {gpa:#x}"))
+            .map_err(|e| format!("{} QEMU: {e}", self.name))?;
+        let words = parse_xp(&text)?;
+        if words.len() != n {
+            return Err(
+                format!("xp at {gpa:#x} gave {} words, not {n}: {text}", words.len()).into(),
+            );
+        }
+        Ok(words)
+    }
+
+    fn control(&mut self) -> crate::Result<Control> {
+        let w = self.read(CTL_STATE, 2)?;
+        Ok(Control {
+            state: w[0],
+            pages_done: w[1],
+        })
+    }
+
+    /// Polls the control block until `done` says so (or errs), at most `timeout`.
+    fn wait_for(
+        &mut self,
+        timeout: Duration,
+        what: &str,
+        mut done: impl FnMut(Control) -> crate::Result<bool>,
+    ) -> crate::Result<Control> {
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait()? {
+                return Err(self.died(status).into());
+            }
+            let c = self.control()?;
+            if done(c)? {
+                return Ok(c);
+            }
+            if start.elapsed() > timeout {
+                return Err(format!(
+                    "{} QEMU: waited {} s for {what} (guest state {}, {} pages done)",
+                    self.name,
+                    timeout.as_secs(),
+                    c.state,
+                    c.pages_done
+                )
+                .into());
+            }
+            std::thread::sleep(POLL);
+        }
+    }
+}
+
+impl Drop for Qemu {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A QMP connection: one JSON object per line each way.
+struct Qmp {
+    stream: Option<(BufReader<UnixStream>, UnixStream)>,
+}
+
+impl Qmp {
+    fn disconnected() -> Qmp {
+        Qmp { stream: None }
+    }
+
+    /// Reads the greeting and leaves capabilities negotiation.
+    fn handshake(stream: UnixStream) -> crate::Result<Qmp> {
+        stream.set_read_timeout(Some(Duration::from_secs(60)))?;
+        let mut qmp = Qmp {
+            stream: Some((BufReader::new(stream.try_clone()?), stream)),
+        };
+        let greeting = qmp.read_message()?;
+        if greeting.get("QMP").is_none() {
+            return Err(format!("no QMP greeting: {greeting}").into());
+        }
+        qmp.execute("qmp_capabilities", None)?;
+        Ok(qmp)
+    }
+
+    fn read_message(&mut self) -> crate::Result<Value> {
+        let (reader, _) = self.stream.as_mut().ok_or("QMP is not connected")?;
+        let mut line = String::new();
+        if reader.read_line(&mut line)? == 0 {
+            return Err("QEMU closed its QMP socket".into());
+        }
+        serde_json::from_str(&line)
+            .map_err(|e| format!("QEMU sent a QMP line that is not JSON ({e}): {line}").into())
+    }
+
+    /// Runs `command` and returns its `return` value; QEMU's error, if any, is the error.
+    fn execute(&mut self, command: &str, arguments: Option<Value>) -> crate::Result<Value> {
+        let mut request = json!({ "execute": command });
+        if let Some(a) = arguments {
+            request["arguments"] = a;
+        }
+        let (_, writer) = self.stream.as_mut().ok_or("QMP is not connected")?;
+        writer.write_all(format!("{request}\n").as_bytes())?;
+        loop {
+            let message = self.read_message()?;
+            if let Some(reply) = parse_reply(&message).map_err(|e| format!("QMP {command}: {e}"))? {
+                return Ok(reply);
+            }
+        }
+    }
+
+    /// A human monitor command's output.
+    fn hmp(&mut self, line: &str) -> crate::Result<String> {
+        let reply = self.execute(
+            "human-monitor-command",
+            Some(json!({ "command-line": line })),
+        )?;
+        reply
+            .as_str()
+            .map(str::to_string)
+            .ok_or_else(|| format!("{line}: the monitor's answer is not text: {reply}").into())
+    }
+}
+
+/// A QMP message as the reply to a command: `Ok(Some(return value))`, `Err(QEMU's error)`, or
+/// `Ok(None)` for an asynchronous event (to be skipped).
+fn parse_reply(message: &Value) -> crate::Result<Option<Value>> {
+    if let Some(r) = message.get("return") {
+        return Ok(Some(r.clone()));
+    }
+    if let Some(e) = message.get("error") {
+        return Err(format!(
+            "QEMU says {}: {}",
+            e["class"].as_str().unwrap_or("error"),
+            e["desc"].as_str().unwrap_or("no description")
+        )
+        .into());
+    }
+    if message.get("event").is_some() {
+        return Ok(None);
+    }
+    Err(format!("unexpected QMP message: {message}").into())
+}
+
+/// The words of the monitor's `xp /Ngx ADDR` output (`ADDR: 0x... 0x...` lines).
+fn parse_xp(text: &str) -> crate::Result<Vec<u64>> {
+    let mut words = Vec::new();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let (_, values) = line
+            .split_once(':')
+            .ok_or_else(|| format!("not an xp line: {line}"))?;
+        for v in values.split_whitespace() {
+            let hex = v
+                .strip_prefix("0x")
+                .ok_or_else(|| format!("not a hex word in xp output: {line}"))?;
+            words.push(u64::from_str_radix(hex, 16).map_err(|e| format!("{v} in xp output: {e}"))?);
+        }
+    }
+    Ok(words)
+}
+
+/// A private directory for the ELF and the QMP sockets, removed when dropped.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new() -> crate::Result<TempDir> {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .subsec_nanos();
+        let path =
+            std::env::temp_dir().join(format!("guestmem-qemu-{}-{nanos}", std::process::id()));
+        std::fs::create_dir(&path)
+            .map_err(|e| format!("{}: cannot create: {e}", path.display()))?;
+        Ok(TempDir(path))
+    }
+    fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn qmp_replies() {
+        let ok: Value = serde_json::from_str(r#"{"return": {"status": "active"}}"#).unwrap();
+        assert_eq!(parse_reply(&ok).unwrap().unwrap()["status"], "active");
+        let event: Value = serde_json::from_str(
+            r#"{"timestamp": {"seconds": 1, "microseconds": 2}, "event": "MIGRATION", "data": {}}"#,
+        )
+        .unwrap();
+        assert!(parse_reply(&event).unwrap().is_none());
+        let err: Value = serde_json::from_str(
+            r#"{"error": {"class": "GenericError", "desc": "Migration is disabled"}}"#,
+        )
+        .unwrap();
+        let e = parse_reply(&err).unwrap_err().to_string();
+        assert!(
+            e.contains("GenericError") && e.contains("Migration is disabled"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn xp_output() {
+        let text = "0000000000400080: 0x0000000000000001 0x0000000010e0f2a1\r\n\
+                    0000000000400090: 0x00000000000004b2\r\n";
+        assert_eq!(parse_xp(text).unwrap(), vec![1, 0x10e0f2a1, 0x4b2]);
+        assert!(parse_xp("Cannot access memory\r\n").is_err());
+    }
+
+    #[test]
+    fn migrate_figures() {
+        let info: Value = serde_json::from_str(
+            r#"{"status": "completed", "total-time": 5321, "downtime": 42, "setup-time": 3,
+                "ram": {"transferred": 1100000000, "total": 1074331648, "normal": 262000,
+                        "duplicate": 1500, "dirty-sync-count": 4, "mbps": 1650.5,
+                        "remaining": 0}}"#,
+        )
+        .unwrap();
+        let f = MigrateInfo::parse(&info).unwrap();
+        assert_eq!(f.total_ms, 5321);
+        assert_eq!(f.downtime_ms, 42);
+        assert_eq!(f.dirty_sync_count, 4);
+        assert_eq!(f.zero_pages, 1500);
+        let partial: Value = serde_json::from_str(r#"{"status": "completed"}"#).unwrap();
+        assert!(MigrateInfo::parse(&partial)
+            .unwrap_err()
+            .to_string()
+            .contains("total-time"));
+    }
+}
