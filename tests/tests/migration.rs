@@ -301,8 +301,7 @@ fn a_dead_destination_leaves_the_source_running() {
         pair.connect(Mode::Precopy, 1),
         &SendOptions::default(),
     )
-    .err()
-    .expect("the migration fails");
+    .expect_err("the migration fails");
     dest.join().unwrap();
     let running = failure.vm.expect("the source keeps its VM");
     // It is running: its counters move on.
