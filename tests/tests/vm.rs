@@ -150,6 +150,7 @@ fn dirty_rewrites_pages_pass_after_pass_until_stopped() {
         Workload::Dirty {
             pages_per_s: None,
             passes: None,
+            fill_first: false,
         },
         layout::RAM_GPA,
         size,
@@ -200,6 +201,7 @@ fn a_throttled_dirty_run_keeps_its_rate() {
         Workload::Dirty {
             pages_per_s: Some(2000),
             passes: None,
+            fill_first: false,
         },
         layout::RAM_GPA,
         size,
@@ -360,6 +362,7 @@ fn a_stalled_vcpu_is_reported_not_waited_for() {
     work[1].workload = Workload::Dirty {
         pages_per_s: Some(1),
         passes: None,
+        fill_first: false,
     };
     let t = std::time::Instant::now();
     match vm.run(&work, Duration::from_millis(500)) {

@@ -67,6 +67,7 @@ pub fn main(args: Args) -> crate::Result<()> {
         WorkloadArg::Dirty => Workload::Dirty {
             pages_per_s: args.rate,
             passes: None,
+            fill_first: false,
         },
         WorkloadArg::Verify => Workload::Verify,
     };

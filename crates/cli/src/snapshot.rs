@@ -101,6 +101,7 @@ pub fn snapshot(args: SnapshotArgs) -> crate::Result<()> {
     let dirty = Workload::Dirty {
         pages_per_s: None,
         passes: None,
+        fill_first: false,
     };
     let work = VcpuWork::split(dirty, layout::RAM_GPA, args.vm.memory, args.vm.vcpus, 1);
     let running = vm.start(&work)?;

@@ -336,17 +336,23 @@ impl Vm {
             }
         }
         let ctl = layout::control_gpa(id);
-        let (mut read_percent, mut writes, mut log_gpa) = (0, 0, 0);
+        let (mut read_percent, mut writes, mut log_gpa, mut throttle_after) = (0, 0, 0, 0);
         let (code, passes, tsc_per_page) = match w.workload {
             Workload::Touch => (WORKLOAD_WRITE, 1, 0),
             Workload::Dirty {
                 pages_per_s,
                 passes,
-            } => (
-                WORKLOAD_WRITE,
-                passes.unwrap_or(0),
-                pages_per_s.map_or(0, |r| (self.tsc_khz * 1000) / r.max(1)),
-            ),
+                fill_first,
+            } => {
+                if fill_first {
+                    throttle_after = w.pages();
+                }
+                (
+                    WORKLOAD_WRITE,
+                    passes.unwrap_or(0),
+                    pages_per_s.map_or(0, |r| (self.tsc_khz * 1000) / r.max(1)),
+                )
+            }
             Workload::Verify => (WORKLOAD_VERIFY, 0, 0),
             Workload::Mixed {
                 write_percent,
@@ -375,6 +381,7 @@ impl Vm {
             (CTL_READ_PERCENT, read_percent),
             (CTL_WRITES, writes),
             (CTL_LOG_GPA, log_gpa),
+            (CTL_THROTTLE_AFTER, throttle_after),
         ] {
             self.memory.write_u64(ctl + field, value)?;
         }

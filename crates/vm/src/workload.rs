@@ -13,6 +13,9 @@ pub enum Workload {
     Dirty {
         pages_per_s: Option<u64>,
         passes: Option<u64>,
+        /// Write the first pass at full speed (memory filled), and throttle only after it.
+        #[serde(default)]
+        fill_first: bool,
     },
     /// Read every page and report a digest (see `guestmem_memory::digest_bytes`).
     Verify,

@@ -93,6 +93,7 @@ pub fn dirty_work(vcpus: usize, size: u64) -> Vec<VcpuWork> {
     let dirty = Workload::Dirty {
         pages_per_s: None,
         passes: None,
+        fill_first: false,
     };
     VcpuWork::split(dirty, layout::RAM_GPA, size, vcpus, 9)
 }

@@ -255,6 +255,7 @@ fn perf_test(n: u32, args: &Args) -> crate::Result<serde_json::Value> {
                 Workload::Dirty {
                     pages_per_s: None,
                     passes: Some(1),
+                    fill_first: false,
                 },
                 MEM_GPA,
                 MEM_SIZE,
