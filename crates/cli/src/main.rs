@@ -1,6 +1,8 @@
 //! `guestmem`: the command-line face of the guestmem engine.
 
 mod bench;
+mod demo;
+mod migrate;
 mod numa;
 mod page_server;
 mod payload;
@@ -22,6 +24,11 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Migrate a running 1 GiB VM live to a second guestmem process, and show it went on.
+    Demo(demo::Args),
+    /// Live migration between two guestmem processes or hosts.
+    #[command(subcommand)]
+    Migrate(migrate::Migrate),
     /// Show what the running kernel offers for guest memory (asked, never assumed).
     Probe(probe::Args),
     /// Run a VM executing a guest workload and print what the guest did.
@@ -53,6 +60,8 @@ fn main() {
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Demo(args) => demo::main(args),
+        Command::Migrate(cmd) => migrate::main(cmd),
         Command::Probe(args) => probe::main(args),
         Command::Run(args) => run::main(args),
         Command::Snapshot(args) => snapshot::snapshot(args),

@@ -45,8 +45,10 @@ pub struct DestinationReport {
     pub rounds: u32,
     pub pages_received: u64,
     pub zero_pages_received: u64,
-    /// The memory digest check at switch-over.
+    /// The memory digest check at switch-over: its time, and the digest (equal to the source's,
+    /// or the migration would have been refused).
     pub verify_ms: f64,
+    pub digest: Option<u64>,
     /// Post-copy: fault events the pagers read, fetches on behalf of faults (and their
     /// readahead) with their latency (request sent → pages in hand), background fetches.
     pub faults: u64,
@@ -204,6 +206,7 @@ pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incomin
         let started = Instant::now();
         let digest = memory_digest(&memory)?;
         report.verify_ms = started.elapsed().as_secs_f64() * 1e3;
+        report.digest = Some(digest);
         if digest != expected {
             return Err(refuse(
                 &mut links,

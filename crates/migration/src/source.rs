@@ -116,8 +116,9 @@ pub struct Report {
     /// Running frame: one link latency more than the truth).
     pub downtime_ms: f64,
     pub downtime_target_ms: f64,
-    /// Of the downtime: both sides' memory digest checks (`verify`).
+    /// Of the downtime: both sides' memory digest checks (`verify`), and the source's digest.
     pub verify_ms: f64,
+    pub digest: Option<u64>,
     /// The last estimate fitted the target (else the round limit forced the switch).
     pub converged: bool,
     pub max_throttle_percent: u64,
@@ -292,6 +293,7 @@ impl<'o> Source<'o> {
                 downtime_ms: 0.0,
                 downtime_target_ms: opts.downtime.as_secs_f64() * 1e3,
                 verify_ms: 0.0,
+                digest: None,
                 converged: false,
                 max_throttle_percent: 0,
                 bytes: 0,
@@ -618,6 +620,7 @@ impl<'o> Source<'o> {
             .then(|| memory_digest(&self.memory))
             .transpose()?;
         self.report.verify_ms = verify_started.elapsed().as_secs_f64() * 1e3;
+        self.report.digest = digest;
         let switchover = Switchover {
             state,
             last_round: round,

@@ -1,0 +1,606 @@
+//! `guestmem migrate send|receive|resume|keys`: live migration between two guestmem processes,
+//! and the report it ends with.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use guestmem_migration::migrate::{self, Links, Mode, ReceiveOptions, Report, SendOptions};
+use guestmem_migration::transport::{generate_credentials, Credentials, Endpoint, Listener, Role};
+use guestmem_vm::payload::CTL_PAGES_DONE;
+use guestmem_vm::{layout, VcpuWork, Vm, VmConfig, Workload};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+
+use crate::vm_args::VmArgs;
+
+#[derive(clap::Subcommand)]
+pub enum Migrate {
+    /// Run a VM's `dirty` workload and migrate it live to a `migrate receive`.
+    Send(SendArgs),
+    /// Wait for a migration, then run the VM it brings.
+    Receive(ReceiveArgs),
+    /// Re-establish a broken post-copy link: asks the waiting `migrate send` to reconnect.
+    Resume(ResumeArgs),
+    /// Write a migration CA and a certificate and key for each side into a directory.
+    Keys(KeysArgs),
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum ModeArg {
+    Precopy,
+    Postcopy,
+    Hybrid,
+}
+
+impl From<ModeArg> for Mode {
+    fn from(m: ModeArg) -> Mode {
+        match m {
+            ModeArg::Precopy => Mode::Precopy,
+            ModeArg::Postcopy => Mode::Postcopy,
+            ModeArg::Hybrid => Mode::Hybrid,
+        }
+    }
+}
+
+#[derive(clap::Args)]
+pub struct SendArgs {
+    /// Where the destination listens: tcp:HOST:PORT or unix:PATH.
+    #[arg(long)]
+    pub to: Endpoint,
+    /// Directory with the migration CA and this side's certificate (see `migrate keys`).
+    #[arg(long)]
+    pub keys: PathBuf,
+    #[command(flatten)]
+    pub how: HowArgs,
+    #[command(flatten)]
+    pub vm: VmArgs,
+    /// The guest's dirty rate in MiB/s over all vCPUs, after it has filled its memory once
+    /// (0: as fast as it goes).
+    #[arg(long, default_value_t = 64)]
+    pub dirty_mib_per_s: u64,
+    /// How long the guest runs before the migration starts, in seconds.
+    #[arg(long, default_value_t = 1.0)]
+    pub after: f64,
+    /// Unix socket on which a broken post-copy waits for `guestmem migrate resume`
+    /// (default: /tmp/guestmem-migrate-PID.sock).
+    #[arg(long)]
+    pub control: Option<PathBuf>,
+    /// Print the report as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+    /// Draw dirty pages and bandwidth per round over time into this SVG file.
+    #[arg(long, value_name = "FILE")]
+    pub plot: Option<PathBuf>,
+}
+
+/// How to migrate (shared by `migrate send` and `demo`).
+#[derive(clap::Args)]
+pub struct HowArgs {
+    /// precopy: rounds while the guest runs; postcopy: switch at once, pages on demand;
+    /// hybrid: one pre-copy round, then post-copy.
+    #[arg(long, value_enum, default_value = "precopy")]
+    pub mode: ModeArg,
+    /// Pre-copy stops the guest once the rest fits in this many milliseconds.
+    #[arg(long, default_value_t = 50)]
+    pub downtime_ms: u64,
+    /// Connections sharing the page transfer.
+    #[arg(long, default_value_t = 1)]
+    pub connections: usize,
+    /// Cap on the transfer's bandwidth, in MiB/s.
+    #[arg(long)]
+    pub max_bandwidth_mib_per_s: Option<u64>,
+    /// Never throttle the guest's vCPUs to make pre-copy converge.
+    #[arg(long)]
+    pub no_auto_converge: bool,
+    /// Check at switch-over that both sides' memory digests are equal (adds their time to the
+    /// downtime).
+    #[arg(long)]
+    pub verify: bool,
+}
+
+#[derive(clap::Args)]
+pub struct ReceiveArgs {
+    /// Where to listen: tcp:HOST:PORT or unix:PATH.
+    #[arg(long)]
+    pub listen: Endpoint,
+    /// Directory with the migration CA and this side's certificate (see `migrate keys`).
+    #[arg(long)]
+    pub keys: PathBuf,
+    /// How long to let the migrated guest run before stopping it, in seconds.
+    #[arg(long, default_value_t = 2.0)]
+    pub run_for: f64,
+    /// Print the outcome as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(clap::Args)]
+pub struct ResumeArgs {
+    /// The control socket the waiting `migrate send` named.
+    #[arg(long)]
+    pub control: PathBuf,
+    /// Reconnect to this endpoint instead of the original one.
+    #[arg(long)]
+    pub to: Option<Endpoint>,
+}
+
+#[derive(clap::Args)]
+pub struct KeysArgs {
+    /// Directory to write ca.pem and each side's certificate and key into.
+    #[arg(long)]
+    pub out: PathBuf,
+}
+
+pub fn main(cmd: Migrate) -> crate::Result<()> {
+    match cmd {
+        Migrate::Send(args) => send_main(args),
+        Migrate::Receive(args) => receive_main(args),
+        Migrate::Resume(args) => resume_main(args),
+        Migrate::Keys(args) => {
+            generate_credentials(&args.out)?;
+            println!(
+                "{}: migration CA and both sides' certificates written; give both sides this \
+                 directory (--keys)",
+                args.out.display()
+            );
+            Ok(())
+        }
+    }
+}
+
+fn seconds(s: f64, flag: &str) -> crate::Result<Duration> {
+    Duration::try_from_secs_f64(s)
+        .ok()
+        .ok_or_else(|| format!("{flag} must be a number of seconds, not {s}").into())
+}
+
+/// The `dirty` workload at `mib_per_s` over all vCPUs, memory filled first.
+pub fn dirty_work(vm: &VmArgs, mib_per_s: u64) -> Vec<VcpuWork> {
+    let pages_per_s = (mib_per_s > 0).then(|| ((mib_per_s << 20) / 4096 / vm.vcpus as u64).max(1));
+    let dirty = Workload::Dirty {
+        pages_per_s,
+        passes: None,
+        fill_first: true,
+    };
+    VcpuWork::split(dirty, layout::RAM_GPA, vm.memory, vm.vcpus, 1)
+}
+
+impl HowArgs {
+    pub fn options(&self) -> crate::Result<SendOptions> {
+        if self.connections == 0 || self.connections > 64 {
+            return Err(format!("--connections must be 1 to 64, not {}", self.connections).into());
+        }
+        Ok(SendOptions {
+            mode: self.mode.into(),
+            downtime: Duration::from_millis(self.downtime_ms),
+            auto_converge: !self.no_auto_converge,
+            max_bandwidth: self.max_bandwidth_mib_per_s.map(|m| m << 20),
+            verify: self.verify,
+            ..Default::default()
+        })
+    }
+}
+
+fn send_main(args: SendArgs) -> crate::Result<()> {
+    let config = args.vm.config()?;
+    let creds = Credentials::load(&args.keys, Role::Source)?;
+    let control = args.control.clone().unwrap_or_else(|| {
+        std::env::temp_dir().join(format!("guestmem-migrate-{}.sock", std::process::id()))
+    });
+    let work = dirty_work(&args.vm, args.dirty_mib_per_s);
+    let report = run_source(
+        &config,
+        &work,
+        seconds(args.after, "--after")?,
+        &args.to,
+        creds,
+        &args.how,
+        Some(control),
+        !args.json,
+    )?;
+    print_report(&report, args.json, args.plot.as_deref())
+}
+
+/// Builds the VM, runs `work` for `after`, migrates it to `to` and returns the report. On
+/// failure the source VM keeps running while the error is reported, then stops.
+#[allow(clippy::too_many_arguments)]
+pub fn run_source(
+    config: &VmConfig,
+    work: &[VcpuWork],
+    after: Duration,
+    to: &Endpoint,
+    creds: Credentials,
+    how: &HowArgs,
+    control: Option<PathBuf>,
+    show_progress: bool,
+) -> crate::Result<Report> {
+    let mut opts = how.options()?;
+    let mut vm = Vm::new(config)?;
+    let running = vm.start(work)?;
+    std::thread::sleep(after);
+    let bar = show_progress.then(|| {
+        let bar = ProgressBar::new(0);
+        bar.set_style(
+            ProgressStyle::with_template("{spinner} {elapsed_precise} {msg}")
+                .expect("a valid template"),
+        );
+        bar.enable_steady_tick(Duration::from_millis(100));
+        bar
+    });
+    if let Some(bar) = &bar {
+        let bar = bar.clone();
+        opts.progress = Some(Arc::new(move |p: &migrate::Progress| {
+            bar.set_message(format!(
+                "{} round {}: {} MiB sent of {} MiB, dirty {:.1} MiB/s, link {:.0} MiB/s, \
+                 estimated downtime {:.1} ms{}",
+                p.phase,
+                p.round,
+                p.bytes >> 20,
+                p.guest_bytes >> 20,
+                p.dirty_rate_pages_per_s * 4096.0 / (1 << 20) as f64,
+                p.bandwidth_mib_per_s,
+                p.estimated_downtime_ms,
+                if p.throttle_percent > 0 {
+                    format!(", guest throttled {} %", p.throttle_percent)
+                } else {
+                    String::new()
+                }
+            ))
+        }));
+    }
+    let creds = Arc::new(creds);
+    if let Some(control) = control {
+        let (creds, to) = (creds.clone(), to.clone());
+        opts.reconnect = Some(Arc::new(move |resume: &migrate::Resume| {
+            wait_for_resume(&control, resume, &to, &creds)
+        }));
+    }
+    let links = match Links::connect(to, &creds, opts.mode, how.connections) {
+        Ok(l) => l,
+        Err(e) => {
+            running.stop();
+            let _ = running.wait(Duration::from_secs(10));
+            return Err(
+                format!("cannot reach the destination ({e}); the VM was not migrated").into(),
+            );
+        }
+    };
+    let result = migrate::send(running, links, &opts);
+    if let Some(bar) = bar {
+        bar.finish_and_clear();
+    }
+    match result {
+        Ok(report) => Ok(report),
+        Err(failure) => {
+            let failure = *failure;
+            match failure.vm {
+                Some(running) => {
+                    eprintln!(
+                        "guestmem: migration failed: {}; the source VM keeps running",
+                        failure.error
+                    );
+                    let before: u64 = running.progress().iter().map(|p| p.0).sum();
+                    std::thread::sleep(Duration::from_millis(200));
+                    let now: u64 = running.progress().iter().map(|p| p.0).sum();
+                    eprintln!(
+                        "guestmem: the source guest wrote {} pages in the last 200 ms",
+                        now - before
+                    );
+                    running.stop();
+                    let _ = running.wait(Duration::from_secs(10));
+                    Err(failure.error.into())
+                }
+                None => Err(format!(
+                    "{} (the destination had taken the VM over; the source is stopped)",
+                    failure.error
+                )
+                .into()),
+            }
+        }
+    }
+}
+
+/// Waits on the control socket for `guestmem migrate resume`, then reconnects.
+fn wait_for_resume(
+    control: &Path,
+    resume: &migrate::Resume,
+    to: &Endpoint,
+    creds: &Credentials,
+) -> guestmem_migration::Result<Links> {
+    let fail = |what: &str, e: std::io::Error| {
+        guestmem_migration::Error::Migration(format!("{}: {what}: {e}", control.display()))
+    };
+    let _ = std::fs::remove_file(control);
+    let listener = UnixListener::bind(control).map_err(|e| fail("bind", e))?;
+    eprintln!(
+        "guestmem: the post-copy link broke ({}). The destination runs the guest and waits for \
+         its missing pages. To go on: guestmem migrate resume --control {} [--to ENDPOINT]",
+        resume.reason,
+        control.display()
+    );
+    loop {
+        let (stream, _) = listener.accept().map_err(|e| fail("accept", e))?;
+        let mut line = String::new();
+        let mut reader = BufReader::new(&stream);
+        if reader.read_line(&mut line).is_err() {
+            continue;
+        }
+        let endpoint = match line.trim() {
+            "" => Ok(to.clone()),
+            other => other.parse::<Endpoint>(),
+        };
+        let outcome = endpoint
+            .map_err(guestmem_migration::Error::from)
+            .and_then(|ep| resume.connect(&ep, creds).map(|links| (links, ep)));
+        let mut stream = &stream;
+        match outcome {
+            Ok((links, ep)) => {
+                let _ = writeln!(stream, "reconnected to {ep}; post-copy goes on");
+                let _ = std::fs::remove_file(control);
+                return Ok(links);
+            }
+            Err(e) => {
+                let _ = writeln!(stream, "error: {e}");
+            }
+        }
+    }
+}
+
+fn resume_main(args: ResumeArgs) -> crate::Result<()> {
+    let mut stream = UnixStream::connect(&args.control).map_err(|e| {
+        format!(
+            "{}: no `migrate send` waits there ({e})",
+            args.control.display()
+        )
+    })?;
+    writeln!(
+        stream,
+        "{}",
+        args.to.map(|e| e.to_string()).unwrap_or_default()
+    )?;
+    let mut answer = String::new();
+    BufReader::new(&stream).read_line(&mut answer)?;
+    let answer = answer.trim();
+    if let Some(e) = answer.strip_prefix("error: ") {
+        return Err(format!("the source could not reconnect: {e}").into());
+    }
+    println!("{answer}");
+    Ok(())
+}
+
+/// What `migrate receive` prints.
+#[derive(Serialize, serde::Deserialize)]
+pub struct Received {
+    pub report: migrate::DestinationReport,
+    pub pages_at_switchover_per_vcpu: Vec<u64>,
+    pub pages_after_run_per_vcpu: Vec<u64>,
+    pub guest_continued: bool,
+    pub run_ms: f64,
+}
+
+fn pages_done(vm: &Vm) -> crate::Result<Vec<u64>> {
+    (0..vm.vcpu_count())
+        .map(|i| {
+            Ok(vm
+                .memory()
+                .read_u64(layout::control_gpa(i) + CTL_PAGES_DONE)?)
+        })
+        .collect()
+}
+
+fn receive_main(args: ReceiveArgs) -> crate::Result<()> {
+    let run_for = seconds(args.run_for, "--run-for")?;
+    let creds = Credentials::load(&args.keys, Role::Destination)?;
+    let listener = Arc::new(Listener::bind(&args.listen, &creds)?);
+    if !args.json {
+        match listener.port() {
+            Some(port) => eprintln!("guestmem: listening on {} (port {port})", args.listen),
+            None => eprintln!("guestmem: listening on {}", args.listen),
+        }
+    }
+    let migrate::Incoming {
+        mut vm,
+        mut transfer,
+    } = migrate::receive(listener, &ReceiveOptions::default())?;
+    let before = pages_done(&vm)?;
+    let started = Instant::now();
+    let running = transfer.resume(&mut vm)?;
+    std::thread::sleep(run_for);
+    running.stop();
+    let run = running.wait(Duration::from_secs(30));
+    let report = transfer.finish()?;
+    run?;
+    let after = pages_done(&vm)?;
+    let out = Received {
+        guest_continued: after.iter().zip(&before).all(|(a, b)| a > b),
+        report,
+        pages_at_switchover_per_vcpu: before,
+        pages_after_run_per_vcpu: after,
+        run_ms: started.elapsed().as_secs_f64() * 1e3,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string(&out)?);
+    } else {
+        print_received(&out);
+    }
+    if !out.guest_continued {
+        return Err("the migrated guest did not go on counting".into());
+    }
+    Ok(())
+}
+
+pub fn print_received(r: &Received) {
+    println!(
+        "destination: the guest went on from {:?} to {:?} pages written per vCPU in {:.0} ms",
+        r.pages_at_switchover_per_vcpu, r.pages_after_run_per_vcpu, r.run_ms
+    );
+    if let Some(d) = r.report.digest {
+        println!("destination: memory digest at switch-over {d:#018x}, equal to the source's");
+    }
+}
+
+/// Prints `report` as text (or JSON), and draws its rounds into `plot`.
+pub fn print_report(report: &Report, json: bool, plot: Option<&Path>) -> crate::Result<()> {
+    if let Some(path) = plot {
+        std::fs::write(path, svg(report))
+            .map_err(|e| format!("{}: cannot write the plot: {e}", path.display()))?;
+    }
+    if json {
+        println!("{}", serde_json::to_string_pretty(report)?);
+        return Ok(());
+    }
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    println!(
+        "migration ({}, {} connection{}, dirty tracking {}): {:.0} MiB guest",
+        report.mode,
+        report.connections,
+        if report.connections == 1 { "" } else { "s" },
+        report.tracking,
+        mib(report.guest_bytes)
+    );
+    println!(
+        "  total {:.1} ms, downtime {:.1} ms (target {:.0} ms{}){}",
+        report.total_ms,
+        report.downtime_ms,
+        report.downtime_target_ms,
+        if report.mode == Mode::Postcopy {
+            ""
+        } else if report.converged {
+            ", converged"
+        } else {
+            ", round limit reached"
+        },
+        if report.verify_ms > 0.0 {
+            format!(", of which {:.1} ms digest checks", report.verify_ms)
+        } else {
+            String::new()
+        }
+    );
+    println!(
+        "  sent {:.1} MiB in {} pages; {} zero pages not sent{}",
+        mib(report.bytes),
+        report.pages_sent,
+        report.zero_pages_skipped,
+        if report.max_throttle_percent > 0 {
+            format!(
+                "; auto-converge throttled the guest up to {} %",
+                report.max_throttle_percent
+            )
+        } else {
+            String::new()
+        }
+    );
+    println!(
+        "  round  start ms       ms     pages      zero      MiB  dirty after    MiB/s  throttle"
+    );
+    for r in &report.rounds {
+        println!(
+            "  {:>5}  {:>8.1} {:>8.1} {:>9} {:>9} {:>8.1} {:>12} {:>8.0} {:>8}%",
+            r.round,
+            r.start_ms,
+            r.ms,
+            r.pages,
+            r.zero_pages,
+            mib(r.bytes),
+            r.dirty_pages_after,
+            r.bandwidth_mib_per_s,
+            r.throttle_percent
+        );
+    }
+    if report.mode != Mode::Precopy {
+        print!(
+            "  post-copy: {} requests served, {:.1} MiB, all resident after {:.1} ms",
+            report.postcopy_requests,
+            mib(report.postcopy_bytes),
+            report.postcopy_ms
+        );
+        if let Some(d) = &report.destination {
+            print!(
+                "; {} faults, fetch latency p50 {:.0} µs, p99 {:.0} µs, max {:.0} µs",
+                d.faults, d.fault_latency_p50_us, d.fault_latency_p99_us, d.fault_latency_max_us
+            );
+        }
+        println!();
+        if report.link_breaks > 0 {
+            println!(
+                "  the link broke {} time(s) and was resumed",
+                report.link_breaks
+            );
+        }
+    }
+    println!(
+        "  source memory for the migration: {:.1} MiB ({:.2} % of guest memory)",
+        mib(report.source_extra_bytes),
+        report.source_extra_bytes as f64 * 100.0 / report.guest_bytes.max(1) as f64
+    );
+    Ok(())
+}
+
+/// Dirty pages (bars) and bandwidth (line) per round, over time.
+pub fn svg(report: &Report) -> String {
+    let (w, h, pad) = (720.0, 360.0, 50.0);
+    let end = report
+        .rounds
+        .iter()
+        .map(|r| r.start_ms + r.ms)
+        .fold(report.total_ms, f64::max)
+        .max(1.0);
+    let max_pages = report
+        .rounds
+        .iter()
+        .map(|r| r.pages)
+        .max()
+        .unwrap_or(1)
+        .max(1) as f64;
+    let max_bw = report
+        .rounds
+        .iter()
+        .map(|r| r.bandwidth_mib_per_s)
+        .fold(1.0, f64::max);
+    let x = |ms: f64| pad + ms / end * (w - 2.0 * pad);
+    let y = |v: f64, max: f64| h - pad - v / max * (h - 2.0 * pad);
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
+         <text x=\"{pad}\" y=\"20\">guestmem {} migration: pages per round (bars), MiB/s (line); downtime {:.1} ms</text>\n\
+         <line x1=\"{pad}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"black\"/>\n\
+         <text x=\"{}\" y=\"{}\">{end:.0} ms</text>\n\
+         <text x=\"5\" y=\"{}\">{max_pages:.0} pages</text>\n\
+         <text x=\"{}\" y=\"{}\">{max_bw:.0} MiB/s</text>\n",
+        report.mode,
+        report.downtime_ms,
+        h - pad,
+        w - pad,
+        h - pad,
+        w - pad - 40.0,
+        h - pad + 15.0,
+        pad - 5.0,
+        w - pad - 60.0,
+        pad - 5.0,
+    );
+    let mut line = Vec::new();
+    for r in &report.rounds {
+        let (x0, x1) = (x(r.start_ms), x(r.start_ms + r.ms).max(x(r.start_ms) + 2.0));
+        let top = y(r.pages as f64, max_pages);
+        s += &format!(
+            "<rect x=\"{x0:.1}\" y=\"{top:.1}\" width=\"{:.1}\" height=\"{:.1}\" fill=\"steelblue\" opacity=\"0.7\"><title>round {}: {} pages</title></rect>\n",
+            x1 - x0,
+            h - pad - top,
+            r.round,
+            r.pages
+        );
+        line.push(format!(
+            "{:.1},{:.1}",
+            (x0 + x1) / 2.0,
+            y(r.bandwidth_mib_per_s, max_bw)
+        ));
+    }
+    s += &format!(
+        "<polyline points=\"{}\" fill=\"none\" stroke=\"darkorange\" stroke-width=\"2\"/>\n</svg>\n",
+        line.join(" ")
+    );
+    s
+}
