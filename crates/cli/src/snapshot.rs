@@ -154,6 +154,9 @@ pub fn restore(args: RestoreArgs) -> crate::Result<()> {
         }
         Mode::Lazy => {
             let lazy = snapshot::restore_lazy(&snap, &PagerConfig::default())?;
+            for (phase, d) in &lazy.phases {
+                tracing::info!("lazy restore: {phase}: {:.3} ms", d.as_secs_f64() * 1e3);
+            }
             (lazy.vm, lazy.pagers)
         }
     };

@@ -369,7 +369,7 @@ pub struct PeerRestoredVm {
 /// region's place in the snapshot's memory file). The sys region is copied in at once. The
 /// caller resumes the VM.
 pub fn restore_lazy_via_socket(snapshot: &Snapshot, socket: &Path) -> Result<PeerRestoredVm> {
-    let mut vm = snapshot::vm_for_lazy_restore(snapshot)?;
+    let mut vm = snapshot::vm_for_lazy_restore(snapshot, &mut Vec::new())?;
     let mut ram = Vec::new();
     let mut mappings = Vec::new();
     for (region, image) in snapshot::lazy_regions(&vm, snapshot) {

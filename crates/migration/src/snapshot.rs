@@ -16,7 +16,9 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::ops::Range;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
 use guestmem_memory::{Backend, GuestMemory, Region, RegionSpec, PAGE_SIZE};
 use guestmem_paging::{PageSource, Pager, PagerConfig};
@@ -323,8 +325,16 @@ impl Snapshot {
     }
 
     /// Puts chunk `index` of region `region` into `buf` from this snapshot or, for an inherited
-    /// chunk, from its base chain; returns false for an all-zero chunk (`buf` left alone).
-    fn chunk(&self, region: usize, index: usize, buf: &mut [u8]) -> Result<bool> {
+    /// chunk, from its base chain, and checks its CRC-32. Only the memory file's data extents
+    /// are read (zero pages are holes): returns the chunk-relative ranges of `buf` that hold
+    /// data (the rest of `buf` is left alone and stands for zeros), or `None` for an all-zero
+    /// chunk.
+    fn chunk(
+        &self,
+        region: usize,
+        index: usize,
+        buf: &mut [u8],
+    ) -> Result<Option<Vec<Range<usize>>>> {
         let image = &self.manifest.regions[region];
         let chunk = image.chunks[index];
         if chunk.inherited {
@@ -337,10 +347,26 @@ impl Snapshot {
             return base.chunk(region, index, buf);
         }
         if chunk.zero {
-            return Ok(false);
+            return Ok(None);
         }
-        self.read_chunk(image, index, buf)?;
-        Ok(true)
+        self.read_chunk_data(image, index, buf).map(Some)
+    }
+
+    /// The snapshot (this one or one of its bases) that holds chunk `index` of region
+    /// `region`, or `None` when the chunk is all zeros.
+    fn holder(&self, region: usize, index: usize) -> Result<Option<&Snapshot>> {
+        let image = &self.manifest.regions[region];
+        let chunk = image.chunks[index];
+        if chunk.inherited {
+            return match &self.base {
+                Some(base) => base.holder(region, index),
+                None => Err(Error::Corrupt(format!(
+                    "region '{}' chunk {index} is inherited, but the snapshot has no base",
+                    image.spec.name
+                ))),
+            };
+        }
+        Ok((!chunk.zero).then_some(self))
     }
 
     pub fn manifest(&self) -> &Manifest {
@@ -355,11 +381,22 @@ impl Snapshot {
     pub fn read_chunk(&self, image: &RegionImage, index: usize, buf: &mut [u8]) -> Result<()> {
         let offset = index as u64 * CHUNK_BYTES;
         let len = CHUNK_BYTES.min(image.spec.size - offset) as usize;
-        let buf = &mut buf[..len];
-        self.memory
-            .read_exact_at(buf, image.file_offset + offset)
+        buf[..len].fill(0);
+        self.read_chunk_data(image, index, buf).map(|_| ())
+    }
+
+    /// Reads the data extents of chunk `index` of `image` into `buf` and checks the chunk's
+    /// CRC-32 (holes count as zeros); returns the ranges read.
+    fn read_chunk_data(
+        &self,
+        image: &RegionImage,
+        index: usize,
+        buf: &mut [u8],
+    ) -> Result<Vec<Range<usize>>> {
+        let offset = index as u64 * CHUNK_BYTES;
+        let len = CHUNK_BYTES.min(image.spec.size - offset) as usize;
+        let (crc, ranges) = read_sparse(&self.memory, image.file_offset + offset, &mut buf[..len])
             .map_err(Error::io(&self.dir.join(MEMORY), "read"))?;
-        let crc = crc32fast::hash(buf);
         if crc != image.chunks[index].crc32 {
             return Err(Error::Corrupt(format!(
                 "region '{}' chunk at offset {offset:#x}: checksum {crc:#010x}, the manifest \
@@ -367,8 +404,92 @@ impl Snapshot {
                 image.spec.name, image.chunks[index].crc32
             )));
         }
-        Ok(())
+        Ok(ranges)
     }
+}
+
+/// Reads `buf.len()` bytes of `file` at `at`, but only its data extents (`SEEK_DATA` /
+/// `SEEK_HOLE`, rounded out to whole pages), into `buf` at their offsets; returns the CRC-32 of
+/// the whole range (holes count as zeros, without hashing them) and the ranges of `buf` read.
+/// On file systems without hole reporting the whole range is one extent.
+fn read_sparse(file: &File, at: u64, buf: &mut [u8]) -> io::Result<(u32, Vec<Range<usize>>)> {
+    let end = at + buf.len() as u64;
+    let page = PAGE_SIZE;
+    let mut ranges: Vec<Range<usize>> = Vec::new();
+    let mut pos = at;
+    while pos < end {
+        // SAFETY: lseek on an fd we hold; it only reports offsets (reads use pread).
+        let data = unsafe { libc::lseek(file.as_raw_fd(), pos as libc::off_t, libc::SEEK_DATA) };
+        if data < 0 {
+            let e = io::Error::last_os_error();
+            match e.raw_os_error() {
+                Some(libc::ENXIO) => break, // only a hole from `pos` on
+                Some(libc::EINVAL) => {
+                    // No hole reporting here: read everything.
+                    ranges = vec![0..buf.len()];
+                    break;
+                }
+                _ => return Err(e),
+            }
+        }
+        let data = data as u64;
+        if data >= end {
+            break;
+        }
+        // SAFETY: as above.
+        let hole = unsafe { libc::lseek(file.as_raw_fd(), data as libc::off_t, libc::SEEK_HOLE) };
+        if hole < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let lo = ((data - at) / page * page) as usize;
+        let hi = ((hole as u64).min(end) - at).next_multiple_of(page).min(buf.len() as u64) as usize;
+        match ranges.last_mut() {
+            Some(last) if last.end >= lo => last.end = last.end.max(hi),
+            _ => ranges.push(lo..hi),
+        }
+        pos = hole as u64;
+    }
+    let mut hasher = crc32fast::Hasher::new();
+    let mut done = 0usize;
+    for r in &ranges {
+        file.read_exact_at(&mut buf[r.clone()], at + r.start as u64)?;
+        hasher.combine(&zeros_hasher((r.start - done) as u64));
+        hasher.update(&buf[r.clone()]);
+        done = r.end;
+    }
+    hasher.combine(&zeros_hasher((buf.len() - done) as u64));
+    Ok((hasher.finalize(), ranges))
+}
+
+/// A CRC-32 state over `len` zero bytes, combined from powers of two (O(log len)) instead of
+/// hashing the zeros.
+fn zeros_hasher(len: u64) -> crc32fast::Hasher {
+    static POWERS: OnceLock<Vec<crc32fast::Hasher>> = OnceLock::new();
+    let powers = POWERS.get_or_init(|| {
+        let mut page = crc32fast::Hasher::new();
+        page.update(&[0u8; PAGE_SIZE as usize]);
+        let mut powers = vec![page];
+        for _ in 1..40 {
+            let mut next = powers.last().expect("one").clone();
+            next.combine(&next.clone());
+            powers.push(next);
+        }
+        powers
+    });
+    let mut h = crc32fast::Hasher::new();
+    let pages = len / PAGE_SIZE;
+    for (k, power) in powers.iter().enumerate() {
+        if pages >> k & 1 == 1 {
+            h.combine(power);
+        }
+    }
+    let rest = (len % PAGE_SIZE) as usize;
+    if rest > 0 {
+        let mut tail = crc32fast::Hasher::new();
+        tail.update(&[0u8; PAGE_SIZE as usize][..rest]);
+        h.combine(&tail);
+    }
+    h
 }
 
 /// How to bring a snapshot's memory back.
@@ -419,6 +540,8 @@ pub fn restore(snapshot: &Snapshot, mode: RestoreMode) -> Result<Vm> {
 pub struct LazyVm {
     pub pagers: Vec<Pager>,
     pub vm: Vm,
+    /// Where the restore spent its time, step by step (the VM's build steps included).
+    pub phases: Vec<(String, Duration)>,
 }
 
 /// Builds a VM from `snapshot` whose memory arrives on demand: every guest RAM region gets a
@@ -427,7 +550,9 @@ pub struct LazyVm {
 /// address). The sys region (page tables, payload, control blocks) is small and copied at once.
 /// Backends userfaultfd cannot serve (guest_memfd) are refused, naming the kernel feature.
 pub fn restore_lazy(snapshot: &Snapshot, config: &PagerConfig) -> Result<LazyVm> {
-    let mut vm = vm_for_lazy_restore(snapshot)?;
+    let mut phases = Vec::new();
+    let mut vm = vm_for_lazy_restore(snapshot, &mut phases)?;
+    let mut t = Instant::now();
     let config = PagerConfig {
         abort: Some(vm.abort_handle()),
         ..config.clone()
@@ -448,14 +573,26 @@ pub fn restore_lazy(snapshot: &Snapshot, config: &PagerConfig) -> Result<LazyVm>
         };
         pagers.push(Pager::start(region, Arc::new(source), &config)?);
     }
+    lap(&mut phases, &mut t, "start pagers");
     vm.restore_state(&snapshot.state)?;
-    Ok(LazyVm { pagers, vm })
+    lap(&mut phases, &mut t, "restore vCPU state");
+    Ok(LazyVm { pagers, vm, phases })
+}
+
+/// Records the step `name` as ending now.
+fn lap(phases: &mut Vec<(String, Duration)>, t: &mut Instant, name: &str) {
+    let now = Instant::now();
+    phases.push((name.to_string(), now - *t));
+    *t = now;
 }
 
 /// The first steps of every lazy restore: refuse a diff snapshot (its memory spans several
 /// files), build the VM, check its layout, and copy in the sys region (page tables, payload,
 /// control blocks: small, and needed at once). The guest RAM regions are left to a pager.
-pub(crate) fn vm_for_lazy_restore(snapshot: &Snapshot) -> Result<Vm> {
+pub(crate) fn vm_for_lazy_restore(
+    snapshot: &Snapshot,
+    phases: &mut Vec<(String, Duration)>,
+) -> Result<Vm> {
     if let Some(base) = &snapshot.manifest.base {
         return Err(Error::Layout(format!(
             "a diff snapshot spans several memory files (its base is {}): restore it in full mode",
@@ -463,6 +600,12 @@ pub(crate) fn vm_for_lazy_restore(snapshot: &Snapshot) -> Result<Vm> {
         )));
     }
     let vm = Vm::new(&snapshot.manifest.config)?;
+    phases.extend(
+        vm.build_phases()
+            .iter()
+            .map(|(name, d)| (format!("Vm::new: {name}"), *d)),
+    );
+    let mut t = Instant::now();
     check_layout(vm.memory(), &snapshot.manifest.regions)?;
     let mut buf = vec![0u8; CHUNK_BYTES as usize];
     for (i, region) in vm.memory().regions().iter().enumerate() {
@@ -470,6 +613,7 @@ pub(crate) fn vm_for_lazy_restore(snapshot: &Snapshot) -> Result<Vm> {
             copy_chunks(snapshot, vm.memory(), region, i, &mut buf)?;
         }
     }
+    lap(phases, &mut t, "copy the sys region");
     Ok(vm)
 }
 
@@ -501,9 +645,7 @@ impl SnapshotSource {
         }
         let offset = index as u64 * CHUNK_BYTES;
         let mut chunk = vec![0u8; CHUNK_BYTES.min(self.image.spec.size - offset) as usize];
-        self.file
-            .read_exact_at(&mut chunk, self.image.file_offset + offset)?;
-        let crc = crc32fast::hash(&chunk);
+        let (crc, _) = read_sparse(&self.file, self.image.file_offset + offset, &mut chunk)?;
         if crc != self.image.chunks[index].crc32 {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
@@ -560,7 +702,7 @@ pub(crate) fn check_layout(memory: &GuestMemory, images: &[RegionImage]) -> Resu
 fn verify_chunks(snapshot: &Snapshot, image: &RegionImage, buf: &mut [u8]) -> Result<()> {
     for (i, chunk) in image.chunks.iter().enumerate() {
         if !chunk.zero {
-            snapshot.read_chunk(image, i, buf)?;
+            snapshot.read_chunk_data(image, i, buf)?;
         }
     }
     Ok(())
@@ -577,11 +719,13 @@ pub(crate) fn copy_chunks(
     for i in 0..snapshot.manifest.regions[index].chunks.len() {
         let offset = i as u64 * CHUNK_BYTES;
         let len = CHUNK_BYTES.min(size - offset) as usize;
-        if !snapshot.chunk(index, i, &mut buf[..len])? {
+        let Some(ranges) = snapshot.chunk(index, i, &mut buf[..len])? else {
             continue;
-        }
-        for (start, run) in nonzero_page_runs(&buf[..len]) {
-            memory.write(region.gpa() + offset + start as u64, run)?;
+        };
+        for r in ranges {
+            for (start, run) in nonzero_page_runs(&buf[r.clone()]) {
+                memory.write(region.gpa() + offset + (r.start + start) as u64, run)?;
+            }
         }
     }
     Ok(())
@@ -610,15 +754,21 @@ fn map_private(region: &Region, file: &File, file_offset: u64) -> io::Result<()>
     Ok(())
 }
 
+/// Whether `bytes` are all zero (16 bytes at a time, which the compiler vectorizes).
+fn is_zero(bytes: &[u8]) -> bool {
+    let mut words = bytes.chunks_exact(16);
+    let mut acc = 0u128;
+    for w in &mut words {
+        acc |= u128::from_ne_bytes(w.try_into().expect("16 bytes"));
+    }
+    acc == 0 && words.remainder().iter().all(|&b| b == 0)
+}
+
 /// The runs of consecutive non-zero pages in `bytes`, as (offset, bytes).
 fn nonzero_page_runs(bytes: &[u8]) -> impl Iterator<Item = (usize, &[u8])> {
     let page = PAGE_SIZE as usize;
     let pages = bytes.len().div_ceil(page);
-    let is_zero = move |p: usize| {
-        bytes[p * page..((p + 1) * page).min(bytes.len())]
-            .iter()
-            .all(|&b| b == 0)
-    };
+    let is_zero = move |p: usize| is_zero(&bytes[p * page..((p + 1) * page).min(bytes.len())]);
     let mut p = 0;
     std::iter::from_fn(move || {
         while p < pages && is_zero(p) {
