@@ -38,6 +38,9 @@ pub const CHUNK_BYTES: u64 = 2 << 20;
 const MANIFEST: &str = "manifest.json";
 const STATE: &str = "state.json";
 const MEMORY: &str = "memory";
+const WORKING_SET: &str = "working-set.json";
+/// The `format` field of a working-set file.
+pub const WORKING_SET_FORMAT: &str = "guestmem-working-set";
 
 /// What `manifest.json` holds.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -80,6 +83,55 @@ pub struct Chunk {
     pub inherited: bool,
 }
 
+/// `working-set.json`: the chunks a lazily restored guest faulted on first, in fault order,
+/// recorded for the next lazy restore of the same snapshot to fetch first. It is bound to the
+/// snapshot by the manifest's CRC-32, and checksummed itself.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkingSet {
+    pub format: String,
+    pub version: u32,
+    /// CRC-32 of the `manifest.json` it was recorded for.
+    pub manifest_crc32: u32,
+    pub regions: Vec<WorkingSetRegion>,
+    /// CRC-32 over every region's name and chunk offsets (see `WorkingSet::checksum`).
+    pub crc32: u32,
+}
+
+/// One region's working set: region offsets of chunks, in the order the guest asked for them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkingSetRegion {
+    pub name: String,
+    pub chunks: Vec<u64>,
+}
+
+impl WorkingSet {
+    fn checksum(regions: &[WorkingSetRegion]) -> u32 {
+        let mut h = crc32fast::Hasher::new();
+        for r in regions {
+            h.update(r.name.as_bytes());
+            h.update(&[0]);
+            for c in &r.chunks {
+                h.update(&c.to_le_bytes());
+            }
+        }
+        h.finalize()
+    }
+
+    /// The chunk offsets recorded for region `name` (none if it has no entry).
+    pub fn offsets(&self, name: &str) -> Vec<u64> {
+        self.regions
+            .iter()
+            .find(|r| r.name == name)
+            .map(|r| r.chunks.clone())
+            .unwrap_or_default()
+    }
+
+    /// How many chunks it lists, over all regions.
+    pub fn chunks(&self) -> usize {
+        self.regions.iter().map(|r| r.chunks.len()).sum()
+    }
+}
+
 /// How much a snapshot wrote.
 #[derive(Debug, Clone, Serialize)]
 pub struct WriteReport {
@@ -118,6 +170,13 @@ fn write_snapshot(
     diff: Option<(&Path, &[DirtyBitmap])>,
 ) -> Result<WriteReport> {
     std::fs::create_dir_all(dir).map_err(Error::io(dir, "create directory"))?;
+    // A working set recorded for the snapshot being replaced says nothing about this one.
+    match std::fs::remove_file(dir.join(WORKING_SET)) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => {
+            return Err(Error::io(&dir.join(WORKING_SET), "remove")(e))
+        }
+        _ => {}
+    }
     let state = vm.save_state()?;
     let state_json = serde_json::to_vec(&state).map_err(|e| Error::Json {
         path: dir.join(STATE),
@@ -212,6 +271,8 @@ fn write_snapshot(
 pub struct Snapshot {
     dir: PathBuf,
     manifest: Manifest,
+    /// CRC-32 of `manifest.json` as read (binds a working set to this snapshot).
+    manifest_crc32: u32,
     state: VmState,
     memory: File,
     /// A diff snapshot's base, opened and checked with it.
@@ -317,6 +378,7 @@ impl Snapshot {
         };
         Ok(Snapshot {
             dir: dir.to_path_buf(),
+            manifest_crc32: crc32fast::hash(&bytes),
             manifest,
             state,
             memory,
@@ -371,6 +433,83 @@ impl Snapshot {
 
     pub fn manifest(&self) -> &Manifest {
         &self.manifest
+    }
+
+    /// The snapshot's directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The working set recorded beside the snapshot by an earlier lazy restore, if any. One
+    /// recorded for another snapshot (the manifest's checksum differs), with a bad checksum,
+    /// or naming chunks the snapshot does not have is refused with the reason.
+    pub fn working_set(&self) -> Result<Option<WorkingSet>> {
+        let path = self.dir.join(WORKING_SET);
+        let bytes = match std::fs::read(&path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(Error::io(&path, "read")(e)),
+        };
+        let ws: WorkingSet = serde_json::from_slice(&bytes).map_err(|e| Error::Json {
+            path: path.clone(),
+            source: e,
+        })?;
+        let bad = |why: String| Err(Error::Corrupt(format!("{}: {why}", path.display())));
+        if ws.format != WORKING_SET_FORMAT || ws.version != VERSION {
+            return bad(format!(
+                "format {} version {}, not {WORKING_SET_FORMAT} version {VERSION}",
+                ws.format, ws.version
+            ));
+        }
+        if ws.manifest_crc32 != self.manifest_crc32 {
+            return bad(format!(
+                "recorded for another snapshot (manifest checksum {:#010x}, this one's is \
+                 {:#010x}); delete it",
+                ws.manifest_crc32, self.manifest_crc32
+            ));
+        }
+        let crc = WorkingSet::checksum(&ws.regions);
+        if crc != ws.crc32 {
+            return bad(format!(
+                "checksum {crc:#010x}, the file says {:#010x}",
+                ws.crc32
+            ));
+        }
+        for r in &ws.regions {
+            let Some(image) = self.manifest.regions.iter().find(|i| i.spec.name == r.name) else {
+                return bad(format!("no region '{}' in the snapshot", r.name));
+            };
+            if let Some(c) = r
+                .chunks
+                .iter()
+                .find(|&&c| c % CHUNK_BYTES != 0 || c >= image.spec.size)
+            {
+                return bad(format!(
+                    "region '{}': {c:#x} is not a chunk of the region",
+                    r.name
+                ));
+            }
+        }
+        Ok(Some(ws))
+    }
+
+    /// Writes `regions` as the snapshot's working set (replacing any).
+    fn write_working_set(&self, regions: Vec<WorkingSetRegion>) -> Result<()> {
+        let ws = WorkingSet {
+            format: WORKING_SET_FORMAT.into(),
+            version: VERSION,
+            manifest_crc32: self.manifest_crc32,
+            crc32: WorkingSet::checksum(&regions),
+            regions,
+        };
+        let path = self.dir.join(WORKING_SET);
+        let json = serde_json::to_vec(&ws).map_err(|e| Error::Json {
+            path: path.clone(),
+            source: e,
+        })?;
+        let tmp = self.dir.join(format!("{WORKING_SET}.tmp"));
+        write_file(&tmp, &json)?;
+        std::fs::rename(&tmp, &path).map_err(Error::io(&path, "rename"))
     }
 
     pub fn state(&self) -> &VmState {
@@ -542,6 +681,8 @@ pub struct LazyVm {
     pub vm: Vm,
     /// Where the restore spent its time, step by step (the VM's build steps included).
     pub phases: Vec<(String, Duration)>,
+    /// Whether the pagers fetch a recorded working set first.
+    pub prefetched: bool,
 }
 
 /// Builds a VM from `snapshot` whose memory arrives on demand: every guest RAM region gets a
@@ -549,34 +690,72 @@ pub struct LazyVm {
 /// time any of it is fetched (a corrupt chunk stops the VM with an error naming the guest
 /// address). The sys region (page tables, payload, control blocks) is small and copied at once.
 /// Backends userfaultfd cannot serve (guest_memfd) are refused, naming the kernel feature.
+/// A diff snapshot's chunks come from the diff where it holds them, else from its base chain.
+/// When the snapshot has a recorded working set ([`LazyVm::record_working_set`]) and
+/// `config.prefetch` is empty, the pagers fetch that working set first.
 pub fn restore_lazy(snapshot: &Snapshot, config: &PagerConfig) -> Result<LazyVm> {
     let mut phases = Vec::new();
     let mut vm = vm_for_lazy_restore(snapshot, &mut phases)?;
     let mut t = Instant::now();
-    let config = PagerConfig {
-        abort: Some(vm.abort_handle()),
-        ..config.clone()
+    let working_set = if config.prefetch.is_empty() {
+        snapshot.working_set()?
+    } else {
+        None
     };
+    lap(&mut phases, &mut t, "read the working set");
     let mut pagers = Vec::new();
-    for (region, image) in lazy_regions(&vm, snapshot) {
-        let source = SnapshotSource {
-            file: snapshot
-                .memory
-                .try_clone()
-                .map_err(Error::io(&snapshot.dir.join(MEMORY), "dup"))?,
-            image: image.clone(),
-            verified: image
-                .chunks
-                .iter()
-                .map(|c| AtomicBool::new(c.zero))
-                .collect(),
+    for (i, (region, image)) in vm
+        .memory()
+        .regions()
+        .iter()
+        .zip(&snapshot.manifest.regions)
+        .enumerate()
+    {
+        if region.gpa() == layout::SYS_GPA {
+            continue;
+        }
+        let source = SnapshotSource::new(snapshot, i)?;
+        let mut config = PagerConfig {
+            abort: Some(vm.abort_handle()),
+            ..config.clone()
         };
+        if let Some(ws) = &working_set {
+            config.prefetch = ws.offsets(&image.spec.name);
+        }
         pagers.push(Pager::start(region, Arc::new(source), &config)?);
     }
     lap(&mut phases, &mut t, "start pagers");
     vm.restore_state(&snapshot.state)?;
     lap(&mut phases, &mut t, "restore vCPU state");
-    Ok(LazyVm { pagers, vm, phases })
+    Ok(LazyVm {
+        pagers,
+        vm,
+        phases,
+        prefetched: working_set.is_some(),
+    })
+}
+
+impl LazyVm {
+    /// Writes the chunks the guest faulted on since the restore, in fault order, beside
+    /// `snapshot` (see [`Snapshot::working_set`]), for the next lazy restore to fetch first.
+    /// Returns how many chunks it lists.
+    pub fn record_working_set(&self, snapshot: &Snapshot) -> Result<usize> {
+        let regions: Vec<WorkingSetRegion> = self
+            .vm
+            .memory()
+            .regions()
+            .iter()
+            .filter(|r| r.gpa() != layout::SYS_GPA)
+            .zip(&self.pagers)
+            .map(|(region, pager)| WorkingSetRegion {
+                name: region.name().to_string(),
+                chunks: pager.fault_order(),
+            })
+            .collect();
+        let n = regions.iter().map(|r| r.chunks.len()).sum();
+        snapshot.write_working_set(regions)?;
+        Ok(n)
+    }
 }
 
 /// Records the step `name` as ending now.
@@ -586,19 +765,12 @@ fn lap(phases: &mut Vec<(String, Duration)>, t: &mut Instant, name: &str) {
     *t = now;
 }
 
-/// The first steps of every lazy restore: refuse a diff snapshot (its memory spans several
-/// files), build the VM, check its layout, and copy in the sys region (page tables, payload,
+/// The first steps of every lazy restore: build the VM, check its layout, and copy in the sys region (page tables, payload,
 /// control blocks: small, and needed at once). The guest RAM regions are left to a pager.
 pub(crate) fn vm_for_lazy_restore(
     snapshot: &Snapshot,
     phases: &mut Vec<(String, Duration)>,
 ) -> Result<Vm> {
-    if let Some(base) = &snapshot.manifest.base {
-        return Err(Error::Layout(format!(
-            "a diff snapshot spans several memory files (its base is {}): restore it in full mode",
-            base.display()
-        )));
-    }
     let vm = Vm::new(&snapshot.manifest.config)?;
     phases.extend(
         vm.build_phases()
@@ -630,29 +802,69 @@ pub(crate) fn lazy_regions<'a>(
         .map(|(region, image)| (&**region, image))
 }
 
-/// One region's bytes in a snapshot's memory file, each chunk checked against its CRC-32 before
-/// any of it is served.
+/// One region's bytes in a snapshot's memory file (and, for a diff snapshot, its bases'),
+/// each chunk checked against its CRC-32 before any of it is served.
 struct SnapshotSource {
-    file: File,
-    image: RegionImage,
+    name: String,
+    size: u64,
+    /// The memory files of the snapshot and its bases, each with its image of the region.
+    layers: Vec<(File, RegionImage)>,
+    /// Per chunk, the layer holding it (`None`: all zeros).
+    holders: Vec<Option<usize>>,
     verified: Vec<AtomicBool>,
 }
 
 impl SnapshotSource {
-    fn verify(&self, index: usize) -> io::Result<()> {
+    fn new(snapshot: &Snapshot, region: usize) -> Result<SnapshotSource> {
+        let mut chain = vec![snapshot];
+        while let Some(base) = &chain.last().expect("one").base {
+            chain.push(base);
+        }
+        let image = &snapshot.manifest.regions[region];
+        let holders = (0..image.chunks.len())
+            .map(|c| {
+                Ok(snapshot.holder(region, c)?.map(|h| {
+                    chain
+                        .iter()
+                        .position(|s| std::ptr::eq(*s, h))
+                        .expect("the holder is in the chain")
+                }))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let layers = chain
+            .iter()
+            .map(|s| {
+                let file = s
+                    .memory
+                    .try_clone()
+                    .map_err(Error::io(&s.dir.join(MEMORY), "dup"))?;
+                Ok((file, s.manifest.regions[region].clone()))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(SnapshotSource {
+            name: image.spec.name.clone(),
+            size: image.spec.size,
+            verified: holders.iter().map(|h| AtomicBool::new(h.is_none())).collect(),
+            layers,
+            holders,
+        })
+    }
+
+    fn verify(&self, index: usize, layer: usize) -> io::Result<()> {
         if self.verified[index].load(Ordering::Acquire) {
             return Ok(());
         }
+        let (file, image) = &self.layers[layer];
         let offset = index as u64 * CHUNK_BYTES;
-        let mut chunk = vec![0u8; CHUNK_BYTES.min(self.image.spec.size - offset) as usize];
-        let (crc, _) = read_sparse(&self.file, self.image.file_offset + offset, &mut chunk)?;
-        if crc != self.image.chunks[index].crc32 {
+        let mut chunk = vec![0u8; CHUNK_BYTES.min(self.size - offset) as usize];
+        let (crc, _) = read_sparse(file, image.file_offset + offset, &mut chunk)?;
+        if crc != image.chunks[index].crc32 {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
                 format!(
                     "corrupt snapshot: region '{}' chunk at offset {offset:#x}: checksum \
                      {crc:#010x}, the manifest says {:#010x}",
-                    self.image.spec.name, self.image.chunks[index].crc32
+                    self.name, image.chunks[index].crc32
                 ),
             ));
         }
@@ -664,26 +876,40 @@ impl SnapshotSource {
 impl PageSource for SnapshotSource {
     fn fetch(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
         let end = offset + buf.len() as u64;
-        if buf.is_empty() || end > self.image.spec.size {
+        if buf.is_empty() || end > self.size {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 format!("fetch {offset:#x}+{:#x} outside the region", buf.len()),
             ));
         }
-        let chunks = (offset / CHUNK_BYTES) as usize..=((end - 1) / CHUNK_BYTES) as usize;
-        if chunks.clone().all(|i| self.image.chunks[i].zero) {
-            buf.fill(0);
-            return Ok(());
+        // Chunk by chunk: each may live in another layer.
+        let mut at = offset;
+        while at < end {
+            let index = (at / CHUNK_BYTES) as usize;
+            let piece_end = ((index as u64 + 1) * CHUNK_BYTES).min(end);
+            let piece = &mut buf[(at - offset) as usize..(piece_end - offset) as usize];
+            match self.holders[index] {
+                None => piece.fill(0),
+                Some(layer) => {
+                    self.verify(index, layer)?;
+                    let (file, image) = &self.layers[layer];
+                    file.read_exact_at(piece, image.file_offset + at)?;
+                }
+            }
+            at = piece_end;
         }
-        for i in chunks {
-            self.verify(i)?;
-        }
-        self.file
-            .read_exact_at(buf, self.image.file_offset + offset)
+        Ok(())
     }
 
     fn size(&self) -> u64 {
-        self.image.spec.size
+        self.size
+    }
+
+    fn is_zero(&self, offset: u64, len: u64) -> bool {
+        let end = (offset + len).min(self.size);
+        end > offset
+            && (offset / CHUNK_BYTES..=(end - 1) / CHUNK_BYTES)
+                .all(|c| self.holders[c as usize].is_none())
     }
 }
 
