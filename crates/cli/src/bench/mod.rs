@@ -7,6 +7,7 @@ mod demand_paging;
 mod dirty_log;
 mod memslots;
 mod populate;
+mod restore;
 
 #[derive(Subcommand)]
 pub enum Bench {
@@ -18,6 +19,9 @@ pub enum Bench {
     Memslots(memslots::Args),
     /// Seed 003: dirty-page tracking per mode, like the kernel's dirty_log_perf_test.
     DirtyLog(dirty_log::Args),
+    /// Snapshot restore latency and time to a resident working set, per mode (Firecracker's
+    /// restore-latency test).
+    Restore(restore::Args),
 }
 
 pub fn main(bench: Bench) -> crate::Result<()> {
@@ -26,5 +30,6 @@ pub fn main(bench: Bench) -> crate::Result<()> {
         Bench::DemandPaging(args) => demand_paging::main(args),
         Bench::Memslots(args) => memslots::main(args),
         Bench::DirtyLog(args) => dirty_log::main(args),
+        Bench::Restore(args) => restore::main(args),
     }
 }
