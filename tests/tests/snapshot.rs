@@ -424,7 +424,10 @@ fn a_recorded_working_set_is_fetched_first_and_saves_faults() {
     assert!(!lazy.prefetched);
     let first = run_lazy_for(&mut lazy, &at_snapshot, 3000);
     let recorded = lazy.record_working_set(&snap).unwrap();
-    assert!(first > 0 && recorded >= 4, "{first} faults, {recorded} chunks");
+    assert!(
+        first > 0 && recorded >= 4,
+        "{first} faults, {recorded} chunks"
+    );
     drop(lazy);
 
     // The next restore fetches the recorded chunks first (here before the guest runs).
@@ -477,7 +480,10 @@ fn a_recorded_working_set_is_fetched_first_and_saves_faults() {
     json["regions"][0]["chunks"][0] = (RAM - (2 << 20)).into();
     std::fs::write(&path, serde_json::to_vec(&json).unwrap()).unwrap();
     let e = snap.working_set().unwrap_err().to_string();
-    assert!(e.contains("working-set.json") && e.contains("checksum"), "{e}");
+    assert!(
+        e.contains("working-set.json") && e.contains("checksum"),
+        "{e}"
+    );
     snapshot_running_vm(&VmConfig::simple(2, RAM, Backend::Anon), RAM, &dir.0);
     assert!(
         !path.exists(),

@@ -12,11 +12,11 @@
 
 use std::fs::File;
 use std::io::{self, Write};
+use std::ops::Range;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::ops::Range;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -565,7 +565,8 @@ fn read_sparse(file: &File, at: u64, buf: &mut [u8]) -> io::Result<(u32, Vec<Ran
                 Some(libc::ENXIO) => break, // only a hole from `pos` on
                 Some(libc::EINVAL) => {
                     // No hole reporting here: read everything.
-                    ranges = vec![0..buf.len()];
+                    ranges.clear();
+                    ranges.push(0..buf.len());
                     break;
                 }
                 _ => return Err(e),
@@ -581,7 +582,9 @@ fn read_sparse(file: &File, at: u64, buf: &mut [u8]) -> io::Result<(u32, Vec<Ran
             return Err(io::Error::last_os_error());
         }
         let lo = ((data - at) / page * page) as usize;
-        let hi = ((hole as u64).min(end) - at).next_multiple_of(page).min(buf.len() as u64) as usize;
+        let hi = ((hole as u64).min(end) - at)
+            .next_multiple_of(page)
+            .min(buf.len() as u64) as usize;
         match ranges.last_mut() {
             Some(last) if last.end >= lo => last.end = last.end.max(hi),
             _ => ranges.push(lo..hi),
@@ -648,7 +651,8 @@ pub fn restore(snapshot: &Snapshot, mode: RestoreMode) -> Result<Vm> {
     let manifest = &snapshot.manifest;
     if mode == RestoreMode::Map && snapshot.base.is_some() {
         return Err(Error::Layout(
-            "a diff snapshot spans several memory files: restore it in full mode".into(),
+            "a diff snapshot spans several memory files: restore it in full mode (or lazily)"
+                .into(),
         ));
     }
     let mut vm = Vm::new(&manifest.config)?;
@@ -740,22 +744,27 @@ impl LazyVm {
     /// `snapshot` (see [`Snapshot::working_set`]), for the next lazy restore to fetch first.
     /// Returns how many chunks it lists.
     pub fn record_working_set(&self, snapshot: &Snapshot) -> Result<usize> {
-        let regions: Vec<WorkingSetRegion> = self
-            .vm
-            .memory()
-            .regions()
-            .iter()
-            .filter(|r| r.gpa() != layout::SYS_GPA)
-            .zip(&self.pagers)
-            .map(|(region, pager)| WorkingSetRegion {
-                name: region.name().to_string(),
-                chunks: pager.fault_order(),
-            })
-            .collect();
-        let n = regions.iter().map(|r| r.chunks.len()).sum();
-        snapshot.write_working_set(regions)?;
-        Ok(n)
+        record_working_set(snapshot, &self.vm, &self.pagers)
     }
+}
+
+/// [`LazyVm::record_working_set`] for a lazy restore taken apart (`pagers` in the order
+/// [`restore_lazy`] made them).
+pub fn record_working_set(snapshot: &Snapshot, vm: &Vm, pagers: &[Pager]) -> Result<usize> {
+    let regions: Vec<WorkingSetRegion> = vm
+        .memory()
+        .regions()
+        .iter()
+        .filter(|r| r.gpa() != layout::SYS_GPA)
+        .zip(pagers)
+        .map(|(region, pager)| WorkingSetRegion {
+            name: region.name().to_string(),
+            chunks: pager.fault_order(),
+        })
+        .collect();
+    let n = regions.iter().map(|r| r.chunks.len()).sum();
+    snapshot.write_working_set(regions)?;
+    Ok(n)
 }
 
 /// Records the step `name` as ending now.
@@ -844,7 +853,10 @@ impl SnapshotSource {
         Ok(SnapshotSource {
             name: image.spec.name.clone(),
             size: image.spec.size,
-            verified: holders.iter().map(|h| AtomicBool::new(h.is_none())).collect(),
+            verified: holders
+                .iter()
+                .map(|h| AtomicBool::new(h.is_none()))
+                .collect(),
             layers,
             holders,
         })

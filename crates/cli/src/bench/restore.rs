@@ -158,7 +158,9 @@ pub fn main(args: Args) -> crate::Result<()> {
     }
     if let Some(i) = args.modes.iter().position(|&m| m == Mode::LazyWs) {
         if !args.modes[..i].contains(&Mode::Lazy) {
-            return Err("--modes: lazy+ws needs lazy before it (lazy records the working set)".into());
+            return Err(
+                "--modes: lazy+ws needs lazy before it (lazy records the working set)".into(),
+            );
         }
     }
     let groups = args.sizes.len() * args.vcpus.len();
@@ -246,7 +248,11 @@ fn measure(args: &Args, size: u64, vcpus: usize, bar: &ProgressBar) -> crate::Re
         let mut vm = Vm::new(&VmConfig::simple(vcpus, size, Backend::Anon))?;
         let running = vm.start(&work)?;
         let deadline = Instant::now() + TIMEOUT;
-        while running.progress().iter().any(|&(_, generation)| generation < 1) {
+        while running
+            .progress()
+            .iter()
+            .any(|&(_, generation)| generation < 1)
+        {
             if Instant::now() > deadline {
                 return Err("the guest did not write its working set once in 300 s".into());
             }
@@ -361,17 +367,14 @@ fn restore_once(dir: &Path, mode: Mode, ws: u64) -> crate::Result<Run> {
                 a.background_chunks += s.background_chunks;
                 a
             });
-            let lazy = LazyVm {
-                pagers,
-                vm,
-                phases,
-                prefetched: mode == Mode::LazyWs,
-            };
             let recorded = if mode == Mode::Lazy {
-                Some(lazy.record_working_set(&snap)?)
+                Some(snapshot::record_working_set(&snap, &vm, &pagers)?)
             } else {
                 None
             };
+            // The pagers go before the VM and its memory.
+            drop(pagers);
+            drop(vm);
             Ok(Run {
                 ready_ms: ms(ready),
                 latency_ms: ms(latency),
@@ -379,8 +382,7 @@ fn restore_once(dir: &Path, mode: Mode, ws: u64) -> crate::Result<Run> {
                 retired_ms: retired.map(ms),
                 stats: Some(stats),
                 recorded,
-                phases: lazy
-                    .phases
+                phases: phases
                     .iter()
                     .map(|(phase, d)| Phase {
                         phase: phase.clone(),
@@ -432,7 +434,10 @@ fn median_row(memory_bytes: u64, vcpus: usize, mode: Mode, runs: Vec<Run>) -> Ro
         (!v.is_empty()).then(|| median(v))
     };
     let stat = |f: &dyn Fn(&PagerStats) -> u64| -> Option<u64> {
-        let mut v: Vec<u64> = runs.iter().filter_map(|r| r.stats.as_ref().map(f)).collect();
+        let mut v: Vec<u64> = runs
+            .iter()
+            .filter_map(|r| r.stats.as_ref().map(f))
+            .collect();
         v.sort_unstable();
         v.get(v.len() / 2).copied()
     };
