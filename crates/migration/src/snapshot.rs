@@ -285,21 +285,27 @@ impl Snapshot {
         let manifest_path = dir.join(MANIFEST);
         let bytes = std::fs::read(&manifest_path).map_err(Error::io(&manifest_path, "read"))?;
         // Look at the format and version first, so that another version's layout is reported
-        // as such rather than as a parse error.
-        let head: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| Error::Json {
+        // as such rather than as a parse error (a pass that skips everything else: the chunk
+        // list grows with the memory size, and is parsed once, below).
+        #[derive(Deserialize)]
+        struct Head {
+            format: Option<serde_json::Value>,
+            version: Option<serde_json::Value>,
+        }
+        let head: Head = serde_json::from_slice(&bytes).map_err(|e| Error::Json {
             path: manifest_path.clone(),
             source: e,
         })?;
-        if head.get("format").and_then(|f| f.as_str()) != Some(FORMAT) {
+        if head.format.as_ref().and_then(|f| f.as_str()) != Some(FORMAT) {
             return Err(Error::NotASnapshot {
                 path: manifest_path,
                 found: head
-                    .get("format")
+                    .format
                     .map(|f| f.to_string())
                     .unwrap_or_else(|| "none".into()),
             });
         }
-        let version = head.get("version").and_then(|v| v.as_u64()).unwrap_or(0);
+        let version = head.version.and_then(|v| v.as_u64()).unwrap_or(0);
         if version != u64::from(VERSION) {
             return Err(Error::Version {
                 path: manifest_path,
@@ -307,7 +313,7 @@ impl Snapshot {
                 supported: VERSION,
             });
         }
-        let manifest: Manifest = serde_json::from_value(head).map_err(|e| Error::Json {
+        let manifest: Manifest = serde_json::from_slice(&bytes).map_err(|e| Error::Json {
             path: manifest_path.clone(),
             source: e,
         })?;

@@ -129,6 +129,9 @@ const LATENCY_DEFINITION: &str = "latency_ms: Snapshot::open to the first change
      pages-done counter (the restored guest ran and wrote a page); ready_ms: Snapshot::open to \
      the restore call returning (vCPU threads enter KVM_RUN next)";
 
+/// The pause before each restore.
+const SETTLE: Duration = Duration::from_millis(300);
+
 /// How long a restored guest may take to show progress or to get its working set resident.
 const TIMEOUT: Duration = Duration::from_secs(300);
 
@@ -271,6 +274,9 @@ fn measure(args: &Args, size: u64, vcpus: usize, bar: &ProgressBar) -> crate::Re
         ));
         let mut runs = Vec::new();
         for _ in 0..args.runs {
+            // Let the kernel finish tearing down the previous VM (its memory, its shadow page
+            // tables) first: each restore starts on a settled host, as a fresh VMM would.
+            std::thread::sleep(SETTLE);
             runs.push(restore_once(&dir.0, mode, ws)?);
             bar.inc(1);
         }
@@ -301,6 +307,7 @@ fn restore_once(dir: &Path, mode: Mode, ws: u64) -> crate::Result<Run> {
     }
     let t = Instant::now();
     let snap = Snapshot::open(dir)?;
+    let opened = t.elapsed();
     if mode == Mode::LazyWs && snap.working_set()?.is_none() {
         return Err("lazy+ws: no working set was recorded by the lazy run".into());
     }
@@ -331,9 +338,10 @@ fn restore_once(dir: &Path, mode: Mode, ws: u64) -> crate::Result<Run> {
             let LazyVm {
                 pagers,
                 mut vm,
-                phases,
+                mut phases,
                 ..
             } = snapshot::restore_lazy(&snap, &PagerConfig::default())?;
+            phases.insert(0, ("Snapshot::open".to_string(), opened));
             let ready = t.elapsed();
             let running = vm.resume()?;
             let latency = first_progress(&running, t)?;
