@@ -5,7 +5,10 @@
 //!   region's place in the memory file) with a CRC-32 and a zero flag per 2 MiB chunk, a digest
 //!   per region, and the state file's CRC-32;
 //! - `state.json`: the complete vCPU and VM state ([`VmState`]);
-//! - `memory`: every region's bytes at its offset, zero pages left as holes (a sparse file).
+//! - `memory`: every region's bytes at its offset, zero pages left as holes (a sparse file);
+//! - optionally `working-set.json`: the chunks a lazily restored guest faulted on first, in
+//!   that order, recorded by [`LazyVm::record_working_set`] and fetched first by the next
+//!   lazy restore (bound to the manifest by its CRC-32, and checksummed).
 //!
 //! Everything is checked before any vCPU runs: format, version, checksums, sizes, and whether
 //! this host can build the layout.
@@ -284,18 +287,25 @@ impl Snapshot {
     pub fn open(dir: &Path) -> Result<Snapshot> {
         let manifest_path = dir.join(MANIFEST);
         let bytes = std::fs::read(&manifest_path).map_err(Error::io(&manifest_path, "read"))?;
-        // Look at the format and version first, so that another version's layout is reported
-        // as such rather than as a parse error (a pass that skips everything else: the chunk
-        // list grows with the memory size, and is parsed once, below).
+        // One parse in the usual case (the chunk list grows with the memory size). When it
+        // fails, the format and version are looked at alone, so that another version's layout
+        // is reported as such rather than as a parse error.
         #[derive(Deserialize)]
         struct Head {
             format: Option<serde_json::Value>,
             version: Option<serde_json::Value>,
         }
-        let head: Head = serde_json::from_slice(&bytes).map_err(|e| Error::Json {
-            path: manifest_path.clone(),
-            source: e,
-        })?;
+        let parsed: std::result::Result<Manifest, _> = serde_json::from_slice(&bytes);
+        let head = match &parsed {
+            Ok(m) => Head {
+                format: Some(m.format.clone().into()),
+                version: Some(m.version.into()),
+            },
+            Err(_) => serde_json::from_slice(&bytes).map_err(|e| Error::Json {
+                path: manifest_path.clone(),
+                source: e,
+            })?,
+        };
         if head.format.as_ref().and_then(|f| f.as_str()) != Some(FORMAT) {
             return Err(Error::NotASnapshot {
                 path: manifest_path,
@@ -313,7 +323,7 @@ impl Snapshot {
                 supported: VERSION,
             });
         }
-        let manifest: Manifest = serde_json::from_slice(&bytes).map_err(|e| Error::Json {
+        let manifest = parsed.map_err(|e| Error::Json {
             path: manifest_path.clone(),
             source: e,
         })?;
@@ -1038,7 +1048,53 @@ fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::nonzero_page_runs;
+    use super::{nonzero_page_runs, read_sparse, zeros_hasher};
+    use std::os::unix::fs::FileExt;
+
+    #[test]
+    fn zero_runs_hash_like_zeros() {
+        for len in [0u64, 4096, 3 * 4096, 2 << 20, (2 << 20) + 4096 + 100] {
+            assert_eq!(
+                zeros_hasher(len).finalize(),
+                crc32fast::hash(&vec![0u8; len as usize]),
+                "{len} zero bytes"
+            );
+        }
+    }
+
+    /// A sparse file read by extents gives the bytes and the CRC-32 of a plain read.
+    #[test]
+    fn sparse_reads_match_plain_reads() {
+        let path = std::env::temp_dir().join(format!("guestmem-sparse-{}", std::process::id()));
+        let file = std::fs::File::options()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .unwrap();
+        let _ = std::fs::remove_file(&path);
+        let len = 4u64 << 20;
+        file.set_len(len + (1 << 20)).unwrap();
+        file.write_all_at(&[7u8; 5000], 4096 * 3).unwrap();
+        file.write_all_at(&[9u8; 4096], (2 << 20) + 4096 * 100)
+            .unwrap();
+        file.write_all_at(&[1u8; 10], len - 10).unwrap();
+        let mut plain = vec![0u8; len as usize];
+        file.read_exact_at(&mut plain, 0).unwrap();
+        let mut sparse = vec![0u8; len as usize];
+        let (crc, ranges) = read_sparse(&file, 0, &mut sparse).unwrap();
+        assert_eq!(crc, crc32fast::hash(&plain));
+        assert_eq!(sparse, plain);
+        assert!(
+            ranges.iter().map(|r| r.len()).sum::<usize>() < (1 << 20),
+            "holes are not read: {ranges:?}"
+        );
+        // From an offset inside a hole, to the end of the file (a hole).
+        let mut tail = vec![0u8; 1 << 20];
+        let (crc, _) = read_sparse(&file, len, &mut tail).unwrap();
+        assert_eq!(crc, crc32fast::hash(&[0u8; 1 << 20]));
+    }
 
     #[test]
     fn runs_skip_zero_pages() {
