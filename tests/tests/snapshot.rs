@@ -274,8 +274,8 @@ fn lazy_restore_refuses_what_it_cannot_serve_and_stops_on_corrupt_pages() {
     assert!(e.contains(&format!("{:#x}", layout::RAM_GPA)), "{e}");
 }
 
-/// A diff snapshot holds only the chunks written since its base, and restores (with its base)
-/// to exactly the memory and guest state of the moment it was taken.
+/// A diff snapshot holds only the chunks written since its base, and restores (with its base,
+/// in full and lazily) to exactly the memory and guest state of the moment it was taken.
 #[test]
 #[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
 fn a_diff_snapshot_restores_over_its_base() {
@@ -344,13 +344,34 @@ fn a_diff_snapshot_restores_over_its_base() {
     assert_eq!(pages_done(&restored), at_diff);
     resume_and_check_continuation(&mut restored, &work, &at_diff);
 
-    // A diff needs its base, whole, and cannot be mapped or paged lazily from one file.
+    // Lazily, pages come from the diff where it holds them, else from the base: the guest
+    // continues from the same point and the memory ends up equal to the snapshot's.
+    let mut lazy = snapshot::restore_lazy(&snap, &PagerConfig::default()).unwrap();
+    assert_eq!(pages_done(&lazy.vm), at_diff);
+    for pager in &lazy.pagers {
+        assert!(pager
+            .wait_resident(std::time::Duration::from_secs(30))
+            .unwrap());
+    }
+    for (region, image) in lazy
+        .vm
+        .memory()
+        .regions()
+        .iter()
+        .zip(&snap.manifest().regions)
+    {
+        let digest = lazy
+            .vm
+            .memory()
+            .digest(region.gpa(), region.size())
+            .unwrap();
+        assert_eq!(digest, image.digest, "lazy: region '{}'", region.name());
+    }
+    resume_and_check_continuation(&mut lazy.vm, &work, &at_diff);
+    drop(lazy);
+
+    // A diff needs its base, whole, and cannot be mapped from one file.
     let e = snapshot::restore(&snap, RestoreMode::Map)
-        .err()
-        .unwrap()
-        .to_string();
-    assert!(e.contains("full mode"), "{e}");
-    let e = snapshot::restore_lazy(&snap, &PagerConfig::default())
         .err()
         .unwrap()
         .to_string();
@@ -360,5 +381,112 @@ fn a_diff_snapshot_restores_over_its_base() {
     assert!(
         e.contains("manifest.json") && e.contains("diff-base"),
         "{e}"
+    );
+}
+
+/// Runs a lazily restored VM until every vCPU is `pages` past `before`, stops it, and returns
+/// the pagers' fault count.
+fn run_lazy_for(lazy: &mut snapshot::LazyVm, before: &[u64], pages: u64) -> u64 {
+    let running = lazy.vm.resume().unwrap();
+    while running
+        .progress()
+        .iter()
+        .zip(before)
+        .any(|(&(p, _), &b)| p < b + pages)
+    {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    running.stop();
+    running.wait(std::time::Duration::from_secs(30)).unwrap();
+    lazy.pagers.iter().map(|p| p.stats().faults).sum()
+}
+
+/// A lazy restore records the chunks its guest faulted on; the next lazy restore of the same
+/// snapshot fetches them first, so the guest faults less, and the memory is still the
+/// snapshot's.
+#[test]
+#[cfg_attr(
+    not(all(kvm, uffd)),
+    ignore = "no usable /dev/kvm and /dev/userfaultfd on this host"
+)]
+fn a_recorded_working_set_is_fetched_first_and_saves_faults() {
+    const RAM: u64 = 64 << 20;
+    let dir = TempDir::new("working-set");
+    let at_snapshot = snapshot_running_vm(&VmConfig::simple(2, RAM, Backend::Anon), RAM, &dir.0);
+    let quiet = PagerConfig {
+        background: false,
+        ..PagerConfig::default()
+    };
+    // 3000 pages (almost 12 MiB) per vCPU after the restore: several chunks each.
+    let snap = Snapshot::open(&dir.0).unwrap();
+    assert!(snap.working_set().unwrap().is_none());
+    let mut lazy = snapshot::restore_lazy(&snap, &quiet).unwrap();
+    assert!(!lazy.prefetched);
+    let first = run_lazy_for(&mut lazy, &at_snapshot, 3000);
+    let recorded = lazy.record_working_set(&snap).unwrap();
+    assert!(
+        first > 0 && recorded >= 4,
+        "{first} faults, {recorded} chunks"
+    );
+    drop(lazy);
+
+    // The next restore fetches the recorded chunks first (here before the guest runs).
+    let snap = Snapshot::open(&dir.0).unwrap();
+    let ws = snap.working_set().unwrap().expect("recorded");
+    assert_eq!(ws.chunks(), recorded);
+    let mut lazy = snapshot::restore_lazy(&snap, &quiet).unwrap();
+    assert!(lazy.prefetched);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !lazy.pagers.iter().all(|p| p.stats().prefetch_done) {
+        assert!(std::time::Instant::now() < deadline, "prefetch never ended");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let prefetched: u64 = lazy.pagers.iter().map(|p| p.stats().prefetch_chunks).sum();
+    assert_eq!(prefetched, recorded as u64);
+    let second = run_lazy_for(&mut lazy, &at_snapshot, 3000);
+    assert!(
+        second < first,
+        "{second} faults with the working set prefetched, {first} without"
+    );
+    drop(lazy);
+
+    // With the background sweep after the prefetch, memory ends up equal to the snapshot's.
+    let lazy = snapshot::restore_lazy(&snap, &PagerConfig::default()).unwrap();
+    for pager in &lazy.pagers {
+        assert!(pager
+            .wait_resident(std::time::Duration::from_secs(30))
+            .unwrap());
+    }
+    for (region, image) in lazy
+        .vm
+        .memory()
+        .regions()
+        .iter()
+        .zip(&snap.manifest().regions)
+    {
+        let digest = lazy
+            .vm
+            .memory()
+            .digest(region.gpa(), region.size())
+            .unwrap();
+        assert_eq!(digest, image.digest, "region '{}'", region.name());
+    }
+    drop(lazy);
+
+    // A working set whose list was altered is refused, as is one of another snapshot.
+    let path = dir.0.join("working-set.json");
+    let mut json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    json["regions"][0]["chunks"][0] = (RAM - (2 << 20)).into();
+    std::fs::write(&path, serde_json::to_vec(&json).unwrap()).unwrap();
+    let e = snap.working_set().unwrap_err().to_string();
+    assert!(
+        e.contains("working-set.json") && e.contains("checksum"),
+        "{e}"
+    );
+    snapshot_running_vm(&VmConfig::simple(2, RAM, Backend::Anon), RAM, &dir.0);
+    assert!(
+        !path.exists(),
+        "a new snapshot in the directory drops the old working set"
     );
 }

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use guestmem_migration::firecracker;
 use guestmem_migration::snapshot::{self, RestoreMode, Snapshot};
 use guestmem_paging::PagerConfig;
+use guestmem_tracking::{Mode as TrackingMode, Tracker};
 use guestmem_vm::payload::CTL_PAGES_DONE;
 use guestmem_vm::{layout, VcpuWork, Vm, Workload};
 use serde::Serialize;
@@ -22,6 +23,14 @@ pub struct SnapshotArgs {
     /// How long the guest runs its `dirty` workload before the snapshot, in seconds.
     #[arg(long, default_value_t = 1.0)]
     after: f64,
+    /// Then also write a diff snapshot into this directory: the guest goes on for
+    /// `--diff-after` seconds, watched by dirty tracking, and only the chunks it wrote since
+    /// the snapshot in `--out` (the diff's base) are stored.
+    #[arg(long, value_name = "DIR")]
+    diff: Option<PathBuf>,
+    /// With `--diff`: how long the guest runs between the base and the diff, in seconds.
+    #[arg(long, default_value_t = 0.2, requires = "diff")]
+    diff_after: f64,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -62,6 +71,19 @@ struct SnapshotOutput {
     report: snapshot::WriteReport,
     write_ms: f64,
     pages_done_per_vcpu: Vec<u64>,
+    /// With `--diff`: the diff snapshot over `dir`.
+    diff: Option<DiffOutput>,
+}
+
+#[derive(Serialize)]
+struct DiffOutput {
+    dir: PathBuf,
+    #[serde(flatten)]
+    report: snapshot::WriteReport,
+    write_ms: f64,
+    /// Chunks the diff stores (the others it inherits from the base).
+    stored_chunks: u64,
+    pages_done_per_vcpu: Vec<u64>,
 }
 
 #[derive(Serialize)]
@@ -73,9 +95,19 @@ struct RestoreOutput {
     resident_ms: Option<f64>,
     /// Full and map: whether every region's digest equals the snapshot's before the guest ran.
     memory_digests_match: Option<bool>,
+    /// In-process lazy restores: the working set fetched first, or recorded for next time.
+    working_set: Option<WorkingSetOutput>,
     pages_at_snapshot_per_vcpu: Vec<u64>,
     pages_after_run_per_vcpu: Vec<u64>,
     guest_continued: bool,
+}
+
+#[derive(Serialize)]
+struct WorkingSetOutput {
+    action: &'static str,
+    chunks: usize,
+    /// Page faults the pagers served during the run.
+    faults: u64,
 }
 
 fn pages_done(vm: &Vm) -> crate::Result<Vec<u64>> {
@@ -97,6 +129,10 @@ fn seconds(s: f64, flag: &str) -> crate::Result<Duration> {
 
 pub fn snapshot(args: SnapshotArgs) -> crate::Result<()> {
     let after = seconds(args.after, "--after")?;
+    let diff_after = seconds(args.diff_after, "--diff-after")?;
+    if args.diff.as_deref() == Some(args.out.as_path()) {
+        return Err("--diff must name another directory than --out (the diff's base)".into());
+    }
     let mut vm = Vm::new(&args.vm.config()?)?;
     let dirty = Workload::Dirty {
         pages_per_s: None,
@@ -109,11 +145,44 @@ pub fn snapshot(args: SnapshotArgs) -> crate::Result<()> {
     running.pause()?;
     let t = Instant::now();
     let report = snapshot::write(&vm, &args.out)?;
+    let write_ms = t.elapsed().as_secs_f64() * 1e3;
+    let pages_done_per_vcpu = pages_done(&vm)?;
+    let diff = match &args.diff {
+        None => None,
+        Some(dir) => {
+            // Bitmap mode: it reports only what is written from now on (manual mode starts
+            // with every page dirty).
+            let mut tracker = Tracker::start(&vm, TrackingMode::Bitmap)?;
+            let running = vm.resume()?;
+            std::thread::sleep(diff_after);
+            running.pause()?;
+            let dirty = tracker.harvest()?;
+            tracker.stop()?;
+            let t = Instant::now();
+            let report = snapshot::write_diff(&vm, dir, &args.out, &dirty)?;
+            let write_ms = t.elapsed().as_secs_f64() * 1e3;
+            let inherited = Snapshot::open(dir)?
+                .manifest()
+                .regions
+                .iter()
+                .flat_map(|r| &r.chunks)
+                .filter(|c| c.inherited)
+                .count() as u64;
+            Some(DiffOutput {
+                dir: dir.clone(),
+                stored_chunks: report.chunks - inherited,
+                report,
+                write_ms,
+                pages_done_per_vcpu: pages_done(&vm)?,
+            })
+        }
+    };
     let out = SnapshotOutput {
         dir: args.out,
         report,
-        write_ms: t.elapsed().as_secs_f64() * 1e3,
-        pages_done_per_vcpu: pages_done(&vm)?,
+        write_ms,
+        pages_done_per_vcpu,
+        diff,
     };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&out)?);
@@ -132,6 +201,18 @@ pub fn snapshot(args: SnapshotArgs) -> crate::Result<()> {
             "guest pages written per vCPU at the snapshot: {:?}",
             out.pages_done_per_vcpu
         );
+        if let Some(d) = &out.diff {
+            println!(
+                "diff snapshot over it written to {} in {:.1} ms: {} of {} chunks stored \
+                 ({} MiB of data), the others inherited; guest pages per vCPU then: {:?}",
+                d.dir.display(),
+                d.write_ms,
+                d.stored_chunks,
+                d.report.chunks,
+                d.report.data_bytes >> 20,
+                d.pages_done_per_vcpu
+            );
+        }
     }
     Ok(())
 }
@@ -144,6 +225,7 @@ pub fn restore(args: RestoreArgs) -> crate::Result<()> {
         return Err("--uffd-socket needs --mode lazy".into());
     }
     let mut peer = None;
+    let mut prefetched = false;
     let (mut vm, pagers) = match args.mode {
         Mode::Full => (snapshot::restore(&snap, RestoreMode::Full)?, Vec::new()),
         Mode::Map => (snapshot::restore(&snap, RestoreMode::Map)?, Vec::new()),
@@ -155,6 +237,10 @@ pub fn restore(args: RestoreArgs) -> crate::Result<()> {
         }
         Mode::Lazy => {
             let lazy = snapshot::restore_lazy(&snap, &PagerConfig::default())?;
+            for (phase, d) in &lazy.phases {
+                tracing::info!("lazy restore: {phase}: {:.3} ms", d.as_secs_f64() * 1e3);
+            }
+            prefetched = lazy.prefetched;
             (lazy.vm, lazy.pagers)
         }
     };
@@ -184,6 +270,24 @@ pub fn restore(args: RestoreArgs) -> crate::Result<()> {
         }
         resident_ms = Some(t.elapsed().as_secs_f64() * 1e3);
     }
+    // A lazy restore without a recorded working set records the one its guest faulted on,
+    // for the next lazy restore of this snapshot to fetch first.
+    let working_set = if pagers.is_empty() {
+        None
+    } else if prefetched {
+        let n: u64 = pagers.iter().map(|p| p.stats().prefetch_chunks).sum();
+        Some(WorkingSetOutput {
+            action: "fetched first",
+            chunks: n as usize,
+            faults: pagers.iter().map(|p| p.stats().faults).sum(),
+        })
+    } else {
+        Some(WorkingSetOutput {
+            action: "recorded",
+            chunks: snapshot::record_working_set(&snap, &vm, &pagers)?,
+            faults: pagers.iter().map(|p| p.stats().faults).sum(),
+        })
+    };
     drop(pagers);
     drop(peer);
     let out = RestoreOutput {
@@ -195,6 +299,7 @@ pub fn restore(args: RestoreArgs) -> crate::Result<()> {
         restore_ms,
         resident_ms,
         memory_digests_match,
+        working_set,
         guest_continued: before.iter().zip(&after).all(|(b, a)| a > b),
         pages_at_snapshot_per_vcpu: before,
         pages_after_run_per_vcpu: after,
@@ -213,6 +318,15 @@ pub fn restore(args: RestoreArgs) -> crate::Result<()> {
         }
         if let Some(ms) = out.resident_ms {
             println!("all memory resident {ms:.1} ms after the restore began");
+        }
+        if let Some(ws) = &out.working_set {
+            println!(
+                "working set: {} chunks {} ({}); {} page faults served during the run",
+                ws.chunks,
+                ws.action,
+                args.dir.join("working-set.json").display(),
+                ws.faults
+            );
         }
         println!(
             "guest pages written per vCPU: {:?} at the snapshot, {:?} after running {:.1} s",

@@ -175,3 +175,55 @@ fn snapshot_then_restore_continues_the_guest() {
         stderr(&o)
     );
 }
+
+/// `snapshot --diff` writes a base and a diff of the same running VM; the diff restores in full
+/// (memory digests as saved) and lazily (pages from the diff, else the base). A lazy restore
+/// records the working set; the next one fetches it first.
+#[test]
+#[cfg_attr(
+    not(all(kvm, uffd)),
+    ignore = "no usable /dev/kvm and /dev/userfaultfd on this host"
+)]
+fn diff_snapshot_restores_in_full_and_lazily_and_the_working_set_is_reused() {
+    let root = std::env::temp_dir().join(format!("guestmem-cli-diff-{}", std::process::id()));
+    let (base, diff) = (root.join("base"), root.join("diff"));
+    let (b, d) = (base.to_str().unwrap(), diff.to_str().unwrap());
+    let o = guestmem(&[
+        "snapshot",
+        "--out",
+        b,
+        "--diff",
+        d,
+        "--memory",
+        "64M",
+        "--after",
+        "0.3",
+        "--diff-after",
+        "0.05",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    let stored = v["diff"]["stored_chunks"].as_u64().unwrap();
+    assert!(
+        stored > 0 && stored < v["diff"]["chunks"].as_u64().unwrap(),
+        "{v}"
+    );
+    let o = guestmem(&["restore", d, "--mode", "full", "--run-for", "0.2", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(v["memory_digests_match"], true, "{v}");
+    assert_eq!(v["guest_continued"], true, "{v}");
+    for action in ["recorded", "fetched first"] {
+        let o = guestmem(&["restore", d, "--mode", "lazy", "--run-for", "0.2", "--json"]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+        assert_eq!(v["guest_continued"], true, "{v}");
+        assert_eq!(v["working_set"]["action"], action, "{v}");
+    }
+    assert!(diff.join("working-set.json").exists());
+    let o = guestmem(&["snapshot", "--out", b, "--diff", b]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--diff must name another directory"));
+    let _ = std::fs::remove_dir_all(&root);
+}

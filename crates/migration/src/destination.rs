@@ -379,6 +379,7 @@ fn arm_postcopy(
             fetch_attempts: 1,
             retry_delay: Duration::from_millis(1),
             abort: Some(vm.abort_handle()),
+            ..Default::default()
         };
         let source = RegionSource {
             link: link.clone(),

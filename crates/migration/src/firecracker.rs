@@ -369,7 +369,14 @@ pub struct PeerRestoredVm {
 /// region's place in the snapshot's memory file). The sys region is copied in at once. The
 /// caller resumes the VM.
 pub fn restore_lazy_via_socket(snapshot: &Snapshot, socket: &Path) -> Result<PeerRestoredVm> {
-    let mut vm = snapshot::vm_for_lazy_restore(snapshot)?;
+    if let Some(base) = &snapshot.manifest().base {
+        return Err(Error::Layout(format!(
+            "a diff snapshot spans several memory files (its base is {}), and a page server \
+             serves one: restore it in full mode, or lazily in this process",
+            base.display()
+        )));
+    }
+    let mut vm = snapshot::vm_for_lazy_restore(snapshot, &mut Vec::new())?;
     let mut ram = Vec::new();
     let mut mappings = Vec::new();
     for (region, image) in snapshot::lazy_regions(&vm, snapshot) {

@@ -26,6 +26,12 @@ pub trait PageSource: Send + Sync {
     fn mapped(&self) -> Option<*const u8> {
         None
     }
+    /// Whether `[offset, offset + len)` is known to be all zeros without fetching it (a
+    /// snapshot's zero chunks): anonymous memory then maps the zero page (`UFFDIO_ZEROPAGE`)
+    /// instead of copying zeros.
+    fn is_zero(&self, _offset: u64, _len: u64) -> bool {
+        false
+    }
 }
 
 /// Zero-filled memory of `size` bytes (a fresh VM, or pages known to be zero).
@@ -41,6 +47,9 @@ impl PageSource for ZeroSource {
     }
     fn size(&self) -> u64 {
         self.size
+    }
+    fn is_zero(&self, _offset: u64, _len: u64) -> bool {
+        true
     }
 }
 

@@ -37,8 +37,19 @@ pub struct VmState {
 
 /// The MSRs worth saving: those of `KVM_GET_MSR_INDEX_LIST` that this vCPU can read and then
 /// write back (KVM_GET_MSRS / KVM_SET_MSRS stop at the first entry they refuse, so refused
-/// ones are dropped one by one). Asked once per VM, on a vCPU that has not run yet.
-pub(crate) fn restorable_msrs(kvm: &Kvm, vcpu: &VcpuFd) -> Result<Vec<u32>> {
+/// ones are dropped one by one). Probed once per process, on a vCPU that has not run yet (every
+/// VM here gets the host's supported CPUID, so the answer is the same for all of them).
+pub(crate) fn restorable_msrs(vcpu: &VcpuFd) -> Result<Vec<u32>> {
+    static CACHE: std::sync::OnceLock<Vec<u32>> = std::sync::OnceLock::new();
+    if let Some(indices) = CACHE.get() {
+        return Ok(indices.clone());
+    }
+    let indices = probe_restorable_msrs(vcpu)?;
+    Ok(CACHE.get_or_init(|| indices).clone())
+}
+
+fn probe_restorable_msrs(vcpu: &VcpuFd) -> Result<Vec<u32>> {
+    let kvm = Kvm::new().map_err(Error::Kvm)?;
     let list = kvm
         .get_msr_index_list()
         .map_err(Error::ioctl("KVM_GET_MSR_INDEX_LIST"))?;

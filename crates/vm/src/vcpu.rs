@@ -33,9 +33,16 @@ pub(crate) fn install_kick_handler() -> Result<()> {
     result
 }
 
-pub(crate) fn supported_cpuid(kvm: &Kvm) -> Result<CpuId> {
-    kvm.get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
-        .map_err(Error::ioctl("KVM_GET_SUPPORTED_CPUID"))
+/// The host's supported CPUID, asked once per process (it is a property of the host's KVM).
+pub(crate) fn supported_cpuid(kvm: &Kvm) -> Result<&'static CpuId> {
+    static CPUID: std::sync::OnceLock<CpuId> = std::sync::OnceLock::new();
+    if let Some(cpuid) = CPUID.get() {
+        return Ok(cpuid);
+    }
+    let cpuid = kvm
+        .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+        .map_err(Error::ioctl("KVM_GET_SUPPORTED_CPUID"))?;
+    Ok(CPUID.get_or_init(|| cpuid))
 }
 
 /// Gives vCPU `id` the host-supported CPUID (with its own APIC id); without it KVM refuses

@@ -4,7 +4,7 @@
 use std::os::unix::thread::JoinHandleExt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -45,8 +45,11 @@ pub struct Vm {
     memory: Arc<GuestMemory>,
     vcpus: Vec<VcpuFd>,
     tsc_khz: u64,
-    /// The MSRs saved with the vCPU state.
-    msr_indices: Vec<u32>,
+    /// The MSRs saved with the vCPU state: those of the restored state, or probed (once per
+    /// process, see [`state::restorable_msrs`]) when the VM is first started or saved.
+    msr_indices: OnceLock<Vec<u32>>,
+    /// Where [`Vm::new`] spent its time, step by step.
+    build_phases: Vec<(&'static str, Duration)>,
     /// What each vCPU was last given to do (kept across pause and resume).
     work: Vec<VcpuWork>,
     dirty_rings: Arc<Vec<DirtyRing>>,
@@ -94,12 +97,14 @@ impl Vm {
                 layout::MAX_VCPUS
             )));
         }
+        let mut phases = Phases::start();
         let kvm = Kvm::new().map_err(Error::Kvm)?;
         let fd = kvm.create_vm().map_err(Error::ioctl("KVM_CREATE_VM"))?;
         state::check_xsave_size(&fd)?;
         if let Some(bytes) = config.dirty_ring_bytes {
             enable_dirty_ring(&fd, bytes)?;
         }
+        phases.mark("create VM");
 
         let mut specs = vec![RegionSpec::new(
             "sys",
@@ -119,20 +124,25 @@ impl Vm {
             )));
         }
         let memory = GuestMemory::new(&specs, Some(&fd))?;
+        phases.mark("create regions");
         memory.register(&fd)?;
+        phases.mark("register memslots");
         load_payload(&memory)?;
         build_identity_map(&memory)?;
+        phases.mark("payload and page tables");
 
         vcpu::install_kick_handler()?;
         let cpuid = vcpu::supported_cpuid(&kvm)?;
+        phases.mark("supported CPUID");
         let mut vcpus = Vec::with_capacity(config.vcpus);
         for id in 0..config.vcpus {
             let v = fd
                 .create_vcpu(id as u64)
                 .map_err(Error::ioctl("KVM_CREATE_VCPU"))?;
-            vcpu::set_cpuid(&v, id, &cpuid)?;
+            vcpu::set_cpuid(&v, id, cpuid)?;
             vcpus.push(v);
         }
+        phases.mark("create vCPUs");
         let dirty_rings = match config.dirty_ring_bytes {
             Some(bytes) => vcpus
                 .iter()
@@ -144,7 +154,7 @@ impl Vm {
         let tsc_khz = vcpus[0]
             .get_tsc_khz()
             .map_err(Error::ioctl("KVM_GET_TSC_KHZ"))? as u64;
-        let msr_indices = state::restorable_msrs(&kvm, &vcpus[0])?;
+        phases.mark("dirty rings and TSC");
         Ok(Vm {
             config: config.clone(),
             _kvm: kvm,
@@ -152,13 +162,29 @@ impl Vm {
             memory: Arc::new(memory),
             vcpus,
             tsc_khz,
-            msr_indices,
+            msr_indices: OnceLock::new(),
+            build_phases: phases.done(),
             work: Vec::new(),
             dirty_rings: Arc::new(dirty_rings),
             dirty_ring_full_exits: Arc::new(AtomicU64::new(0)),
             abort: AbortHandle::default(),
             throttle: Arc::new(AtomicU64::new(0)),
         })
+    }
+
+    /// Where [`Vm::new`] spent its time, step by step (for restore-latency profiles).
+    pub fn build_phases(&self) -> &[(&'static str, Duration)] {
+        &self.build_phases
+    }
+
+    /// The MSRs saved with the vCPU state; probed on vCPU 0 the first time (in a process,
+    /// the probe itself runs once), which must happen before it first runs (see `start`).
+    fn msr_indices(&self) -> Result<&[u32]> {
+        if let Some(indices) = self.msr_indices.get() {
+            return Ok(indices);
+        }
+        let indices = state::restorable_msrs(&self.vcpus[0])?;
+        Ok(self.msr_indices.get_or_init(|| indices))
     }
 
     /// What this VM was built from (its guest RAM regions; the sys region is implied).
@@ -205,6 +231,8 @@ impl Vm {
             self.write_control(id, w)?;
             vcpu::set_entry_state(&self.vcpus[id], id)?;
         }
+        // The MSR probe writes back what it reads: do it while no vCPU has run yet.
+        self.msr_indices()?;
         self.work = work.to_vec();
         self.spawn_vcpus()
     }
@@ -221,10 +249,11 @@ impl Vm {
 
     /// The state of every vCPU and of the VM, for a VM that is not running.
     pub fn save_state(&self) -> Result<VmState> {
+        let msr_indices = self.msr_indices()?;
         let vcpus = self
             .vcpus
             .iter()
-            .map(|v| state::save_vcpu(v, &self.msr_indices))
+            .map(|v| state::save_vcpu(v, msr_indices))
             .collect::<Result<Vec<_>>>()?;
         let clock = self.fd.get_clock().map_err(Error::ioctl("KVM_GET_CLOCK"))?;
         Ok(VmState {
@@ -247,6 +276,10 @@ impl Vm {
         for (vcpu, s) in self.vcpus.iter().zip(&saved.vcpus) {
             state::restore_vcpu(vcpu, s)?;
         }
+        // The restored MSRs are the ones to save next time (no probe needed).
+        let _ = self
+            .msr_indices
+            .set(saved.vcpus[0].msrs.iter().map(|m| m.index).collect());
         let clock = kvm_bindings::kvm_clock_data {
             clock: saved.clock.clock,
             ..Default::default()
@@ -647,6 +680,32 @@ impl Drop for RunningVm<'_> {
         if !self.threads.is_empty() {
             self.join_all();
         }
+    }
+}
+
+/// Times the steps of a multi-step operation.
+pub(crate) struct Phases {
+    last: Instant,
+    done: Vec<(&'static str, Duration)>,
+}
+
+impl Phases {
+    pub(crate) fn start() -> Phases {
+        Phases {
+            last: Instant::now(),
+            done: Vec::new(),
+        }
+    }
+
+    /// The step `name` ended now.
+    pub(crate) fn mark(&mut self, name: &'static str) {
+        let now = Instant::now();
+        self.done.push((name, now - self.last));
+        self.last = now;
+    }
+
+    pub(crate) fn done(self) -> Vec<(&'static str, Duration)> {
+        self.done
     }
 }
 

@@ -9,6 +9,7 @@ mod memslots;
 mod populate;
 mod qemu_migrate;
 pub mod qemu_peer;
+mod restore;
 
 #[derive(Subcommand)]
 pub enum Bench {
@@ -23,6 +24,9 @@ pub enum Bench {
     /// The QEMU peer of `bench migrate`: the same workload live-migrated by QEMU's pre-copy.
     #[command(hide = true)]
     QemuMigrate(qemu_migrate::Args),
+    /// Snapshot restore latency and time to a resident working set, per mode (Firecracker's
+    /// restore-latency test).
+    Restore(restore::Args),
 }
 
 pub fn main(bench: Bench) -> crate::Result<()> {
@@ -32,5 +36,6 @@ pub fn main(bench: Bench) -> crate::Result<()> {
         Bench::Memslots(args) => memslots::main(args),
         Bench::DirtyLog(args) => dirty_log::main(args),
         Bench::QemuMigrate(args) => qemu_migrate::main(args),
+        Bench::Restore(args) => restore::main(args),
     }
 }

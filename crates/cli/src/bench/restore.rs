@@ -1,0 +1,561 @@
+//! `guestmem bench restore`: Firecracker's snapshot restore-latency test on guestmem. For every
+//! memory size and vCPU count it runs the `dirty` workload over a working set (all of memory, or
+//! the first `--working-set` bytes of it: the rest stays zero, a hole in the sparse memory
+//! file), pauses the VM and snapshots it into a temporary directory, then restores it in each
+//! mode and lets the guest go on:
+//!
+//! - `latency_ms`: from `Snapshot::open` to the first change of any vCPU's pages-done counter
+//!   in its control block, polled by the host: the restored guest has executed instructions and
+//!   finished writing a page (for lazy modes, after the pager served its first fault);
+//! - `ready_ms`: from `Snapshot::open` until the restore call returned (memory in place or
+//!   paged, every vCPU's state set): the vCPU threads enter `KVM_RUN` right after;
+//! - `resident_ms`: from `Snapshot::open` until the whole working set is resident (full: the
+//!   population, i.e. `ready_ms`; lazy: every chunk of the working set installed by the pager
+//!   while the guest runs; map: not measured, pages come from the page cache on first touch);
+//! - `retired_ms` (lazy): until all of memory was resident and the pagers retired.
+//!
+//! `lazy` runs without a recorded working set and records one (`working-set.json`); `lazy+ws`
+//! then restores with it, its chunks fetched first. Every figure is the median of `--runs`.
+//! The temporary snapshots are deleted afterwards.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use guestmem_memory::{Backend, PAGE_SIZE};
+use guestmem_migration::snapshot::{self, LazyVm, RestoreMode, Snapshot};
+use guestmem_paging::{PagerConfig, PagerStats};
+use guestmem_vm::{layout, RunningVm, VcpuWork, Vm, VmConfig, Workload};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+
+use crate::units::parse_size;
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+enum Mode {
+    Full,
+    Map,
+    Lazy,
+    #[value(name = "lazy+ws")]
+    #[serde(rename = "lazy+ws")]
+    LazyWs,
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Full => "full",
+            Mode::Map => "map",
+            Mode::Lazy => "lazy",
+            Mode::LazyWs => "lazy+ws",
+        }
+    }
+}
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Guest memory sizes, e.g. 128M,1G,8G.
+    #[arg(long, default_value = "128M,1G", value_delimiter = ',', value_parser = parse_size)]
+    sizes: Vec<u64>,
+    /// vCPU counts, e.g. 1,2,8.
+    #[arg(long, default_value = "1,2", value_delimiter = ',')]
+    vcpus: Vec<usize>,
+    /// Bytes the guest dirties before the snapshot (at most the memory size): the working set.
+    #[arg(long, default_value = "1G", value_parser = parse_size)]
+    working_set: u64,
+    /// Restore modes, in this order (lazy+ws needs lazy before it: lazy records the working set).
+    #[arg(
+        long,
+        default_value = "full,map,lazy,lazy+ws",
+        value_delimiter = ',',
+        value_enum
+    )]
+    modes: Vec<Mode>,
+    /// Restores per mode; every figure is the median.
+    #[arg(long, default_value_t = 1)]
+    runs: usize,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Serialize, Clone)]
+struct Phase {
+    phase: String,
+    ms: f64,
+}
+
+#[derive(Serialize)]
+struct Row {
+    memory_bytes: u64,
+    vcpus: usize,
+    mode: Mode,
+    ready_ms: f64,
+    latency_ms: f64,
+    resident_ms: Option<f64>,
+    retired_ms: Option<f64>,
+    /// Lazy modes: page-fault events the pagers saw, and chunks installed by each path.
+    faults: Option<u64>,
+    fault_chunks: Option<u64>,
+    prefetch_chunks: Option<u64>,
+    background_chunks: Option<u64>,
+    /// `lazy`: chunks recorded as the working set for `lazy+ws`.
+    recorded_working_set_chunks: Option<usize>,
+    /// Lazy modes: where the restore spent its time (last run).
+    phases: Vec<Phase>,
+}
+
+#[derive(Serialize)]
+struct Ratio {
+    memory_bytes: u64,
+    vcpus: usize,
+    /// Lazy restore's time to a resident working set over full restore's population time
+    /// (the target: at most 1.25).
+    lazy_to_full_resident_ratio: Option<f64>,
+    lazy_ws_to_full_resident_ratio: Option<f64>,
+}
+
+#[derive(Serialize)]
+struct Output {
+    backend: Backend,
+    working_set_bytes: u64,
+    runs: usize,
+    latency: &'static str,
+    rows: Vec<Row>,
+    ratios: Vec<Ratio>,
+}
+
+const LATENCY_DEFINITION: &str = "latency_ms: Snapshot::open to the first change of a vCPU's \
+     pages-done counter (the restored guest ran and wrote a page); ready_ms: Snapshot::open to \
+     the restore call returning (vCPU threads enter KVM_RUN next)";
+
+/// The pause before each restore.
+const SETTLE: Duration = Duration::from_millis(300);
+
+/// How long a restored guest may take to show progress or to get its working set resident.
+const TIMEOUT: Duration = Duration::from_secs(300);
+
+pub fn main(args: Args) -> crate::Result<()> {
+    if args.sizes.is_empty() || args.vcpus.is_empty() || args.modes.is_empty() {
+        return Err("--sizes, --vcpus and --modes each need at least one value".into());
+    }
+    if args.runs == 0 {
+        return Err("--runs: at least 1 run is needed".into());
+    }
+    if let Some(&v) = args
+        .vcpus
+        .iter()
+        .find(|&&v| v == 0 || v > layout::MAX_VCPUS)
+    {
+        return Err(format!("--vcpus: {v}: 1 to {} are supported", layout::MAX_VCPUS).into());
+    }
+    if let Some(&s) = args
+        .sizes
+        .iter()
+        .find(|&&s| s == 0 || !s.is_multiple_of(snapshot::CHUNK_BYTES))
+    {
+        return Err(format!("--sizes: {s} is not a non-zero multiple of 2 MiB").into());
+    }
+    if args.working_set == 0 || !args.working_set.is_multiple_of(PAGE_SIZE) {
+        return Err("--working-set must be a non-zero multiple of 4 KiB".into());
+    }
+    if let Some(i) = args.modes.iter().position(|&m| m == Mode::LazyWs) {
+        if !args.modes[..i].contains(&Mode::Lazy) {
+            return Err(
+                "--modes: lazy+ws needs lazy before it (lazy records the working set)".into(),
+            );
+        }
+    }
+    let groups = args.sizes.len() * args.vcpus.len();
+    let bar = if args.json {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new((groups * (1 + args.modes.len() * args.runs)) as u64)
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}").expect("valid template"),
+    );
+    let mut rows = Vec::new();
+    let mut ratios = Vec::new();
+    for &size in &args.sizes {
+        for &vcpus in &args.vcpus {
+            let group = measure(&args, size, vcpus, &bar)?;
+            let resident = |m: Mode| {
+                group
+                    .iter()
+                    .find(|r| r.mode == m)
+                    .and_then(|r| r.resident_ms)
+            };
+            let full = resident(Mode::Full);
+            ratios.push(Ratio {
+                memory_bytes: size,
+                vcpus,
+                lazy_to_full_resident_ratio: resident(Mode::Lazy).zip(full).map(|(l, f)| l / f),
+                lazy_ws_to_full_resident_ratio: resident(Mode::LazyWs)
+                    .zip(full)
+                    .map(|(l, f)| l / f),
+            });
+            rows.extend(group);
+        }
+    }
+    bar.finish_and_clear();
+    let out = Output {
+        backend: Backend::Anon,
+        working_set_bytes: args.working_set,
+        runs: args.runs,
+        latency: LATENCY_DEFINITION,
+        rows,
+        ratios,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        print_table(&out);
+    }
+    Ok(())
+}
+
+/// A directory removed (with what it holds) when dropped.
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Snapshots one VM of `size` bytes and `vcpus` vCPUs and restores it in every mode.
+fn measure(args: &Args, size: u64, vcpus: usize, bar: &ProgressBar) -> crate::Result<Vec<Row>> {
+    let dir = TempDir(std::env::temp_dir().join(format!(
+        "guestmem-bench-restore-{}-{}M-{vcpus}",
+        std::process::id(),
+        size >> 20
+    )));
+    let ws = args.working_set.min(size);
+    let work = VcpuWork::split(
+        Workload::Dirty {
+            pages_per_s: None,
+            passes: None,
+            fill_first: false,
+        },
+        layout::RAM_GPA,
+        ws,
+        vcpus,
+        1,
+    );
+    bar.set_message(format!(
+        "{} MiB, {vcpus} vCPUs: dirtying {} MiB, snapshot",
+        size >> 20,
+        ws >> 20
+    ));
+    {
+        let mut vm = Vm::new(&VmConfig::simple(vcpus, size, Backend::Anon))?;
+        let running = vm.start(&work)?;
+        let deadline = Instant::now() + TIMEOUT;
+        while running
+            .progress()
+            .iter()
+            .any(|&(_, generation)| generation < 1)
+        {
+            if Instant::now() > deadline {
+                return Err("the guest did not write its working set once in 300 s".into());
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        running.pause()?;
+        snapshot::write(&vm, &dir.0)?;
+    }
+    bar.inc(1);
+    let mut rows = Vec::new();
+    for &mode in &args.modes {
+        bar.set_message(format!(
+            "{} MiB, {vcpus} vCPUs: restore {}",
+            size >> 20,
+            mode.name()
+        ));
+        let mut runs = Vec::new();
+        for _ in 0..args.runs {
+            // Let the kernel finish tearing down the previous VM (its memory, its shadow page
+            // tables) first: each restore starts on a settled host, as a fresh VMM would.
+            std::thread::sleep(SETTLE);
+            runs.push(restore_once(&dir.0, mode, ws)?);
+            bar.inc(1);
+        }
+        rows.push(median_row(size, vcpus, mode, runs));
+    }
+    Ok(rows)
+}
+
+struct Run {
+    ready_ms: f64,
+    latency_ms: f64,
+    resident_ms: Option<f64>,
+    retired_ms: Option<f64>,
+    stats: Option<PagerStats>,
+    recorded: Option<usize>,
+    phases: Vec<Phase>,
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// One restore of the snapshot in `dir` in `mode`, the guest running until the figures are in.
+fn restore_once(dir: &Path, mode: Mode, ws: u64) -> crate::Result<Run> {
+    if mode == Mode::Lazy {
+        // Plain lazy restores run without a working set (an earlier run may have left one).
+        let _ = std::fs::remove_file(dir.join("working-set.json"));
+    }
+    let t = Instant::now();
+    let snap = Snapshot::open(dir)?;
+    let opened = t.elapsed();
+    if mode == Mode::LazyWs && snap.working_set()?.is_none() {
+        return Err("lazy+ws: no working set was recorded by the lazy run".into());
+    }
+    match mode {
+        Mode::Full | Mode::Map => {
+            let restore_mode = if mode == Mode::Full {
+                RestoreMode::Full
+            } else {
+                RestoreMode::Map
+            };
+            let mut vm = snapshot::restore(&snap, restore_mode)?;
+            let ready = t.elapsed();
+            let running = vm.resume()?;
+            let latency = first_progress(&running, t)?;
+            finish(running)?;
+            Ok(Run {
+                ready_ms: ms(ready),
+                latency_ms: ms(latency),
+                // Full: all memory is in place when the restore returns.
+                resident_ms: (mode == Mode::Full).then(|| ms(ready)),
+                retired_ms: None,
+                stats: None,
+                recorded: None,
+                phases: Vec::new(),
+            })
+        }
+        Mode::Lazy | Mode::LazyWs => {
+            let LazyVm {
+                pagers,
+                mut vm,
+                mut phases,
+                ..
+            } = snapshot::restore_lazy(&snap, &PagerConfig::default())?;
+            phases.insert(0, ("Snapshot::open".to_string(), opened));
+            let ready = t.elapsed();
+            let running = vm.resume()?;
+            let latency = first_progress(&running, t)?;
+            // The one pager serves the "ram" region, whose first `ws` bytes are the working set.
+            let resident = loop {
+                if pagers.iter().all(|p| p.is_resident(0, ws)) {
+                    break t.elapsed();
+                }
+                if let Some(f) = pagers.iter().find_map(|p| p.failure()) {
+                    return Err(f.into());
+                }
+                if t.elapsed() > TIMEOUT {
+                    return Err("the working set was not resident after 300 s".into());
+                }
+                std::thread::sleep(Duration::from_micros(200));
+            };
+            let mut retired = None;
+            for p in &pagers {
+                if !p.wait_resident(TIMEOUT)? {
+                    return Err("the lazily restored memory was not resident after 300 s".into());
+                }
+                retired = Some(t.elapsed());
+            }
+            finish(running)?;
+            let stats = pagers.iter().fold(PagerStats::default(), |mut a, p| {
+                let s = p.stats();
+                a.faults += s.faults;
+                a.fault_chunks += s.fault_chunks;
+                a.readahead_chunks += s.readahead_chunks;
+                a.prefetch_chunks += s.prefetch_chunks;
+                a.background_chunks += s.background_chunks;
+                a
+            });
+            let recorded = if mode == Mode::Lazy {
+                Some(snapshot::record_working_set(&snap, &vm, &pagers)?)
+            } else {
+                None
+            };
+            // The pagers go before the VM and its memory.
+            drop(pagers);
+            drop(vm);
+            Ok(Run {
+                ready_ms: ms(ready),
+                latency_ms: ms(latency),
+                resident_ms: Some(ms(resident)),
+                retired_ms: retired.map(ms),
+                stats: Some(stats),
+                recorded,
+                phases: phases
+                    .iter()
+                    .map(|(phase, d)| Phase {
+                        phase: phase.clone(),
+                        ms: ms(*d),
+                    })
+                    .collect(),
+            })
+        }
+    }
+}
+
+/// Polls the vCPUs' pages-done counters (every ~20-80 µs) until one moves; returns the time
+/// since `t`.
+fn first_progress(running: &RunningVm<'_>, t: Instant) -> crate::Result<Duration> {
+    let start: Vec<u64> = running.progress().iter().map(|p| p.0).collect();
+    loop {
+        if running
+            .progress()
+            .iter()
+            .zip(&start)
+            .any(|(now, &before)| now.0 != before)
+        {
+            return Ok(t.elapsed());
+        }
+        if t.elapsed() > TIMEOUT {
+            return Err("the restored guest made no progress in 300 s".into());
+        }
+        // A short sleep, not a spin: on a small host a spinning poller takes a CPU from the
+        // vCPUs and the pager it is timing.
+        std::thread::sleep(Duration::from_micros(20));
+    }
+}
+
+/// Stops the guest and checks that it ended cleanly.
+fn finish(running: RunningVm<'_>) -> crate::Result<()> {
+    running.stop();
+    running.wait(Duration::from_secs(60))?;
+    Ok(())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn median_row(memory_bytes: u64, vcpus: usize, mode: Mode, runs: Vec<Run>) -> Row {
+    let opt = |f: &dyn Fn(&Run) -> Option<f64>| -> Option<f64> {
+        let v: Vec<f64> = runs.iter().filter_map(f).collect();
+        (!v.is_empty()).then(|| median(v))
+    };
+    let stat = |f: &dyn Fn(&PagerStats) -> u64| -> Option<u64> {
+        let mut v: Vec<u64> = runs
+            .iter()
+            .filter_map(|r| r.stats.as_ref().map(f))
+            .collect();
+        v.sort_unstable();
+        v.get(v.len() / 2).copied()
+    };
+    Row {
+        memory_bytes,
+        vcpus,
+        mode,
+        ready_ms: median(runs.iter().map(|r| r.ready_ms).collect()),
+        latency_ms: median(runs.iter().map(|r| r.latency_ms).collect()),
+        resident_ms: opt(&|r| r.resident_ms),
+        retired_ms: opt(&|r| r.retired_ms),
+        faults: stat(&|s| s.faults),
+        fault_chunks: stat(&|s| s.fault_chunks + s.readahead_chunks),
+        prefetch_chunks: stat(&|s| s.prefetch_chunks),
+        background_chunks: stat(&|s| s.background_chunks),
+        recorded_working_set_chunks: runs.last().and_then(|r| r.recorded),
+        phases: runs.last().map(|r| r.phases.clone()).unwrap_or_default(),
+    }
+}
+
+fn print_table(out: &Output) {
+    println!(
+        "restore of an anon VM whose guest dirtied min(memory, {} MiB), snapshot in the page \
+         cache, median of {} run(s)",
+        out.working_set_bytes >> 20,
+        out.runs
+    );
+    println!("{}", out.latency);
+    println!(
+        "{:>8} {:>5} {:>8} {:>9} {:>10} {:>11} {:>10} {:>7} {:>13} {:>9}",
+        "memory",
+        "vCPUs",
+        "mode",
+        "ready ms",
+        "latency ms",
+        "resident ms",
+        "retired ms",
+        "faults",
+        "fault chunks",
+        "prefetch"
+    );
+    let opt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.1}"));
+    let n = |v: Option<u64>| v.map_or("-".to_string(), |v| v.to_string());
+    for r in &out.rows {
+        println!(
+            "{:>8} {:>5} {:>8} {:>9.2} {:>10.2} {:>11} {:>10} {:>7} {:>13} {:>9}",
+            format!("{} MiB", r.memory_bytes >> 20),
+            r.vcpus,
+            r.mode.name(),
+            r.ready_ms,
+            r.latency_ms,
+            opt(r.resident_ms),
+            opt(r.retired_ms),
+            n(r.faults),
+            n(r.fault_chunks),
+            n(r.prefetch_chunks),
+        );
+    }
+    for q in &out.ratios {
+        println!(
+            "{} MiB, {} vCPUs: lazy_to_full_resident_ratio {} (target <= 1.25), lazy+ws {}",
+            q.memory_bytes >> 20,
+            q.vcpus,
+            q.lazy_to_full_resident_ratio
+                .map_or("-".into(), |r| format!("{r:.2}")),
+            q.lazy_ws_to_full_resident_ratio
+                .map_or("-".into(), |r| format!("{r:.2}")),
+        );
+    }
+    for r in out.rows.iter().filter(|r| !r.phases.is_empty()) {
+        let mut phases = r.phases.clone();
+        phases.sort_by(|a, b| b.ms.total_cmp(&a.ms));
+        let top: Vec<String> = phases
+            .iter()
+            .take(4)
+            .map(|p| format!("{} {:.2}", p.phase, p.ms))
+            .collect();
+        println!(
+            "{} MiB, {} vCPUs, {}: slowest restore steps (ms): {}",
+            r.memory_bytes >> 20,
+            r.vcpus,
+            r.mode.name(),
+            top.join(", ")
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: super::Args,
+    }
+
+    fn error_of(argv: &[&str]) -> String {
+        let cli = Cli::try_parse_from(std::iter::once("restore").chain(argv.iter().copied()))
+            .expect("the arguments parse");
+        super::main(cli.args).expect_err("refused").to_string()
+    }
+
+    #[test]
+    fn bad_arguments_are_refused_before_any_work() {
+        assert!(error_of(&["--vcpus", "1,0"]).contains("--vcpus: 0"));
+        assert!(error_of(&["--sizes", "3M"]).contains("2 MiB"));
+        assert!(error_of(&["--runs", "0"]).contains("--runs"));
+        assert!(error_of(&["--modes", "lazy+ws,lazy"]).contains("lazy+ws needs lazy"));
+        assert!(Cli::try_parse_from(["restore", "--modes", "eager"]).is_err());
+    }
+}
