@@ -237,6 +237,46 @@ fn postcopy_and_hybrid_bring_every_page() {
 
 #[test]
 #[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn a_local_migration_hands_the_memfd_over_instead_of_copying_it() {
+    for mode in [Mode::Precopy, Mode::Hybrid] {
+        let pair = Pair::new(&format!("share-{mode}"));
+        let dest = destination(pair.listener.clone(), true);
+        let mut vm = source_vm(Backend::Memfd);
+        let running = start(&mut vm);
+        let memory = running.memory().clone();
+        let opts = SendOptions {
+            mode,
+            verify: mode == Mode::Precopy,
+            share_memory: true,
+            progress: Some(Arc::new(move |p: &migrate::Progress| {
+                if p.phase == "pre-copy" {
+                    park_guest(&memory);
+                }
+            })),
+            ..Default::default()
+        };
+        let report = migrate::send(running, pair.connect(mode, 1), &opts)
+            .unwrap_or_else(|f| panic!("{mode}: {f:?}"));
+        let received = dest.join().unwrap();
+        check(&report, &received, &pages_done(&vm));
+        assert_eq!(
+            report.shared_bytes, SIZE,
+            "{mode}: the RAM region went as a file"
+        );
+        // Only the sys region's pages travelled.
+        assert!(
+            report.pages_sent * 4096 < layout::SYS_SIZE,
+            "{mode}: {} pages sent",
+            report.pages_sent
+        );
+        if mode == Mode::Precopy {
+            assert!(report.verify_ms > 0.0);
+        }
+    }
+}
+
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
 fn a_cut_postcopy_link_is_resumed_without_losing_a_page() {
     let pair = Pair::new("cut");
     let dest = destination(pair.listener.clone(), true);

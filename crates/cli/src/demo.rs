@@ -76,6 +76,7 @@ fn run(args: &Args, dir: &std::path::Path) -> crate::Result<()> {
         max_bandwidth_mib_per_s: None,
         no_auto_converge: false,
         verify: matches!(args.mode, ModeArg::Precopy),
+        share_memory: false,
     };
     let report = match migrate::run_source(
         &vm.config()?,

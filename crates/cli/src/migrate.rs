@@ -99,6 +99,10 @@ pub struct HowArgs {
     /// downtime).
     #[arg(long)]
     pub verify: bool,
+    /// Local migration (unix: endpoint): hand the memfd / hugetlbfs memory files to the
+    /// destination instead of copying their pages.
+    #[arg(long)]
+    pub share_memory: bool,
 }
 
 #[derive(clap::Args)]
@@ -179,6 +183,7 @@ impl HowArgs {
             auto_converge: !self.no_auto_converge,
             max_bandwidth: self.max_bandwidth_mib_per_s.map(|m| m << 20),
             verify: self.verify,
+            share_memory: self.share_memory,
             ..Default::default()
         })
     }
@@ -480,10 +485,18 @@ pub fn print_report(report: &Report, json: bool, plot: Option<&Path>) -> crate::
         }
     );
     println!(
-        "  sent {:.1} MiB in {} pages; {} zero pages not sent{}",
+        "  sent {:.1} MiB in {} pages; {} zero pages not sent{}{}",
         mib(report.bytes),
         report.pages_sent,
         report.zero_pages_skipped,
+        if report.shared_bytes > 0 {
+            format!(
+                "; {:.0} MiB handed over as memory files",
+                mib(report.shared_bytes)
+            )
+        } else {
+            String::new()
+        },
         if report.max_throttle_percent > 0 {
             format!(
                 "; auto-converge throttled the guest up to {} %",

@@ -40,6 +40,8 @@ pub enum Error {
         op: &'static str,
         source: io::Error,
     },
+    #[error("region '{region}': cannot share another process's memory: {reason}")]
+    Shared { region: String, reason: String },
     #[error("region name {0:?} cannot be used (it contains a NUL byte)")]
     BadName(String),
     #[error("region names must be unique: '{0}' is used twice")]

@@ -34,10 +34,22 @@ impl GuestMemory {
     /// Checks the specs against each other, then creates every region (guest_memfd regions on
     /// `vm`). Nothing is created when any spec is wrong.
     pub fn new(specs: &[RegionSpec], vm: Option<&VmFd>) -> Result<GuestMemory> {
+        GuestMemory::new_on(specs, vm, &mut Default::default())
+    }
+
+    /// Like [`GuestMemory::new`], but the regions named in `shared` take over those backing
+    /// files (see [`Region::create_on`]) instead of creating their own.
+    pub fn new_on(
+        specs: &[RegionSpec],
+        vm: Option<&VmFd>,
+        shared: &mut std::collections::HashMap<String, std::os::fd::OwnedFd>,
+    ) -> Result<GuestMemory> {
         check_layout(specs)?;
         let regions = specs
             .iter()
-            .map(|spec| Region::create(spec.clone(), vm).map(Arc::new))
+            .map(|spec| {
+                Region::create_on(spec.clone(), vm, shared.remove(&spec.name)).map(Arc::new)
+            })
             .collect::<Result<Vec<_>>>()?;
         Ok(GuestMemory {
             regions,

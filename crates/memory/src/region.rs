@@ -177,8 +177,49 @@ unsafe impl Sync for Region {}
 impl Region {
     /// Creates the backing memory and maps it. `vm` is needed for guest_memfd only.
     pub fn create(spec: RegionSpec, vm: Option<&VmFd>) -> Result<Region> {
+        Region::create_on(spec, vm, None)
+    }
+
+    /// Like [`Region::create`], but over `shared`, the backing file of the same region in
+    /// another process (local migration hands memfds over instead of copying them): its
+    /// contents are the region's. Only file-backed host memory can be shared this way
+    /// (memfd, memfd-hugetlb, hugetlbfs); a guest_memfd belongs to the VM that created it.
+    pub fn create_on(
+        spec: RegionSpec,
+        vm: Option<&VmFd>,
+        shared: Option<OwnedFd>,
+    ) -> Result<Region> {
         spec.validate()?;
         spec.numa.check(&spec.name)?;
+        if let Some(fd) = shared {
+            if !matches!(
+                spec.backend,
+                Backend::Memfd | Backend::MemfdHugetlb | Backend::Hugetlbfs
+            ) {
+                return Err(Error::Shared {
+                    region: spec.name.clone(),
+                    reason: format!(
+                        "it is {}: only memfd, memfd-hugetlb and hugetlb files can be shared \
+                         (a guest_memfd is bound to the VM that created it)",
+                        spec.backend
+                    ),
+                });
+            }
+            let len = std::fs::File::from(fd.try_clone().map_err(|e| Error::os(&spec, "dup", e))?)
+                .metadata()
+                .map_err(|e| Error::os(&spec, "fstat", e))?
+                .len();
+            if len < spec.size {
+                return Err(Error::Shared {
+                    region: spec.name.clone(),
+                    reason: format!(
+                        "the shared file holds {len:#x} bytes, less than the region's {:#x}",
+                        spec.size
+                    ),
+                });
+            }
+            return Region::map(spec, Some(fd));
+        }
         let fd = match spec.backend {
             Backend::Anon => None,
             Backend::Memfd => Some(memfd(&spec, 0)?),
@@ -198,6 +239,11 @@ impl Region {
                 }
             }
         }
+        Region::map(spec, fd)
+    }
+
+    /// Maps `fd` (or anonymous memory) for `spec` and applies its NUMA policy.
+    fn map(spec: RegionSpec, fd: Option<OwnedFd>) -> Result<Region> {
         let (flags, raw_fd) = match &fd {
             None => (
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,

@@ -119,7 +119,15 @@ pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incomin
             ));
         }
     }
-    let mut vm = match Vm::new(&setup.config) {
+    let mut shared = std::collections::HashMap::new();
+    if !setup.shared.is_empty() {
+        write_frame(&mut links.pages[0], &Frame::Ready)?;
+        let fds = links.pages[0]
+            .recv_fds(setup.shared.len())
+            .map_err(|e| Error::Migration(format!("receiving the source's memory files: {e}")))?;
+        shared.extend(setup.shared.iter().cloned().zip(fds));
+    }
+    let mut vm = match Vm::new_on(&setup.config, shared) {
         Ok(vm) => vm,
         Err(e) => {
             return Err(refuse(
@@ -218,7 +226,7 @@ pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incomin
         }
     }
     let postcopy = match &switchover.postcopy {
-        Some(stale) => match arm_postcopy(&vm, stale, &links, opts) {
+        Some(stale) => match arm_postcopy(&vm, &setup.shared, stale, &links, opts) {
             Ok((link, pagers)) => Some(Postcopy {
                 link,
                 pagers,
@@ -321,6 +329,7 @@ fn apply_pages(mut conn: Connection, memory: &GuestMemory) -> (Connection, Resul
 /// the link opens, after Running).
 fn arm_postcopy(
     vm: &Vm,
+    shared: &[String],
     stale: &[StaleChunks],
     links: &Links,
     opts: &ReceiveOptions,
@@ -335,7 +344,7 @@ fn arm_postcopy(
         .memory()
         .regions()
         .iter()
-        .filter(|r| r.gpa() != layout::SYS_GPA)
+        .filter(|r| r.gpa() != layout::SYS_GPA && !shared.contains(&r.name().to_string()))
     {
         let bits = stale
             .iter()

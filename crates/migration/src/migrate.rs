@@ -104,6 +104,11 @@ pub(crate) enum ChannelRole {
 pub(crate) struct Setup {
     pub config: VmConfig,
     pub mode: Mode,
+    /// Regions whose backing files the source hands over (local migration): the destination
+    /// maps the same memory, so their pages never travel. When not empty, the destination
+    /// answers Ready, the fds follow outside TLS (in this order), then its Hello.
+    #[serde(default)]
+    pub shared: Vec<String>,
 }
 
 /// The State frame's JSON: everything the destination needs at switch-over.

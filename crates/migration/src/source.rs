@@ -1,6 +1,7 @@
 //! The source side of a live migration (see [`crate::migrate`] for the protocol).
 
 use std::io::Write;
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::Arc;
@@ -44,6 +45,10 @@ pub struct SendOptions {
     /// Check at switch-over that the destination's memory digest equals the source's (both
     /// sides read all guest memory while the guest is stopped: it lengthens the downtime).
     pub verify: bool,
+    /// Local migration over a Unix socket: hand the memfd / hugetlbfs files of the RAM regions
+    /// to the destination instead of copying them (guest_memfd and anonymous regions are
+    /// still copied).
+    pub share_memory: bool,
     /// Dirty tracking mode (`None`: [`guestmem_tracking::Mode::best`]).
     pub tracking: Option<guestmem_tracking::Mode>,
     /// Called after every round and while post-copy runs.
@@ -62,6 +67,7 @@ impl Default for SendOptions {
             auto_converge: true,
             max_bandwidth: None,
             verify: false,
+            share_memory: false,
             tracking: None,
             progress: None,
             reconnect: None,
@@ -127,6 +133,8 @@ pub struct Report {
     pub pages_sent: u64,
     /// Zero pages not sent.
     pub zero_pages_skipped: u64,
+    /// Bytes of guest memory handed over as files (local migration), never sent.
+    pub shared_bytes: u64,
     pub rounds: Vec<Round>,
     /// Post-copy: pages served on request, their bytes, and how long until all was resident.
     pub postcopy_requests: u64,
@@ -259,6 +267,8 @@ struct Source<'o> {
     started: Instant,
     tracking: String,
     committed: bool,
+    /// Guest addresses of the regions handed over (never sent).
+    shared: Vec<u64>,
     report: Report,
     /// Bytes queued to the writers (for the bandwidth limit).
     queued: u64,
@@ -282,6 +292,7 @@ impl<'o> Source<'o> {
             started,
             tracking: "none".into(),
             committed: false,
+            shared: Vec::new(),
             queued: 0,
             send_started: Instant::now(),
             report: Report {
@@ -299,6 +310,7 @@ impl<'o> Source<'o> {
                 bytes: 0,
                 pages_sent: 0,
                 zero_pages_skipped: 0,
+                shared_bytes: 0,
                 rounds: Vec::new(),
                 postcopy_requests: 0,
                 postcopy_bytes: 0,
@@ -322,12 +334,43 @@ impl<'o> Source<'o> {
                 links.mode, self.opts.mode, self.opts.mode
             )));
         }
+        let shared: Vec<&Region> = if self.opts.share_memory {
+            if !links.pages[0].is_local() {
+                return Err(Error::Migration(
+                    "sharing memory needs the destination on this host: a unix: endpoint".into(),
+                ));
+            }
+            self.memory
+                .regions()
+                .iter()
+                .filter(|r| shareable(r))
+                .map(|r| &**r)
+                .collect()
+        } else {
+            Vec::new()
+        };
+        self.shared = shared.iter().map(|r| r.gpa()).collect();
+        self.report.shared_bytes = shared.iter().map(|r| r.size()).sum();
         let setup = Setup {
             config: vm.config().clone(),
             mode: self.opts.mode,
+            shared: shared.iter().map(|r| r.name().to_string()).collect(),
         };
         let json = serde_json::to_vec(&setup).expect("a setup serializes");
         write_frame(&mut links.pages[0], &Frame::Hello { config_json: json })?;
+        if !shared.is_empty() {
+            match read_frame(&mut links.pages[0])? {
+                Frame::Ready => {}
+                other => return Err(unexpected(&other, "Ready for the memory files")),
+            }
+            let fds: Vec<_> = shared
+                .iter()
+                .map(|r| r.fd().expect("shareable regions have a file").as_raw_fd())
+                .collect();
+            links.pages[0]
+                .send_fds(&fds)
+                .map_err(|e| Error::Migration(format!("handing over the memory files: {e}")))?;
+        }
         match read_frame(&mut links.pages[0])? {
             Frame::Hello { .. } => Ok(()),
             other => Err(unexpected(&other, "Hello")),
@@ -374,7 +417,7 @@ impl<'o> Source<'o> {
             tracker.harvest()?,
             full_bitmaps(&self.memory, guestmem_tracking::tracked),
         );
-        dirty.retain(|b| tracked_gpa(&self.memory, b.gpa));
+        dirty.retain(|b| tracked_gpa(&self.memory, b.gpa) && !self.shared.contains(&b.gpa));
         let mut round = 1;
         let mut strikes = 0;
         loop {
@@ -383,7 +426,7 @@ impl<'o> Source<'o> {
             let (conns, stats) = sent?;
             links.pages = conns;
             dirty = tracker.harvest()?;
-            dirty.retain(|b| tracked_gpa(&self.memory, b.gpa));
+            dirty.retain(|b| tracked_gpa(&self.memory, b.gpa) && !self.shared.contains(&b.gpa));
             let n: u64 = dirty.iter().map(|b| b.count()).sum();
             let mut stats = stats;
             stats.dirty_pages_after = n;
@@ -586,6 +629,7 @@ impl<'o> Source<'o> {
             ),
             _ => Vec::new(),
         };
+        dirty.retain(|b| !self.shared.contains(&b.gpa));
         let round = self.report.rounds.len() as u32 + 1;
         let postcopy = if self.opts.mode.has_postcopy() {
             // Only the sys region goes now; the RAM regions' dirty chunks are fetched later.
@@ -593,7 +637,7 @@ impl<'o> Source<'o> {
                 .memory
                 .regions()
                 .iter()
-                .filter(|r| r.gpa() != layout::SYS_GPA)
+                .filter(|r| r.gpa() != layout::SYS_GPA && !self.shared.contains(&r.gpa()))
                 .map(|r| StaleChunks {
                     gpa: r.gpa(),
                     bits: (self.opts.mode == Mode::Hybrid)
@@ -864,6 +908,17 @@ impl Writers {
             None => Ok(conns),
         }
     }
+}
+
+/// Whether a region's memory can be handed to a local destination as a file.
+fn shareable(region: &Region) -> bool {
+    region.gpa() != layout::SYS_GPA
+        && matches!(
+            region.backend(),
+            guestmem_memory::Backend::Memfd
+                | guestmem_memory::Backend::MemfdHugetlb
+                | guestmem_memory::Backend::Hugetlbfs
+        )
 }
 
 fn tracked_gpa(memory: &GuestMemory, gpa: u64) -> bool {

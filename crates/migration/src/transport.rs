@@ -180,6 +180,49 @@ impl Connection {
         Ok(Cutter(self.socket.try_clone()?))
     }
 
+    /// Whether the peer is on this host (a Unix socket): only then can fds be handed over.
+    pub fn is_local(&self) -> bool {
+        matches!(self.socket, Socket::Unix(_))
+    }
+
+    /// Hands `fds` to the peer over the Unix socket, one `SCM_RIGHTS` message of one byte each,
+    /// outside the TLS stream: both sides must be at a point of the protocol where no TLS data
+    /// is in flight (the receiver asked for them and waits in [`Connection::recv_fds`]).
+    pub fn send_fds(&self, fds: &[std::os::fd::RawFd]) -> io::Result<()> {
+        use vmm_sys_util::sock_ctrl_msg::ScmSocket;
+        let Socket::Unix(s) = &self.socket else {
+            return Err(io::Error::other(
+                "file descriptors travel only over Unix sockets",
+            ));
+        };
+        for &fd in fds {
+            s.send_with_fd(&[1u8][..], fd).map_err(io::Error::other)?;
+        }
+        Ok(())
+    }
+
+    /// Receives `count` fds sent by [`Connection::send_fds`].
+    pub fn recv_fds(&self, count: usize) -> io::Result<Vec<std::os::fd::OwnedFd>> {
+        use vmm_sys_util::sock_ctrl_msg::ScmSocket;
+        let Socket::Unix(s) = &self.socket else {
+            return Err(io::Error::other(
+                "file descriptors travel only over Unix sockets",
+            ));
+        };
+        (0..count)
+            .map(|i| {
+                let mut byte = [0u8; 1];
+                match s.recv_with_fd(&mut byte).map_err(io::Error::other)? {
+                    (1, Some(file)) => Ok(std::os::fd::OwnedFd::from(file)),
+                    _ => Err(io::Error::other(format!(
+                        "file descriptor {} of {count} did not come",
+                        i + 1
+                    ))),
+                }
+            })
+            .collect()
+    }
+
     /// Bounds how long a read waits for the peer (`None`: forever).
     pub fn set_read_timeout(&self, timeout: Option<std::time::Duration>) -> io::Result<()> {
         match &self.socket {

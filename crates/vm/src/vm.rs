@@ -90,6 +90,15 @@ pub fn host_tsc_khz() -> Result<u64> {
 
 impl Vm {
     pub fn new(config: &VmConfig) -> Result<Vm> {
+        Vm::new_on(config, Default::default())
+    }
+
+    /// Like [`Vm::new`], with the RAM regions named in `shared` backed by those files (another
+    /// process's memfds, handed over by a local migration) rather than fresh ones.
+    pub fn new_on(
+        config: &VmConfig,
+        mut shared: std::collections::HashMap<String, std::os::fd::OwnedFd>,
+    ) -> Result<Vm> {
         if config.vcpus == 0 || config.vcpus > layout::MAX_VCPUS {
             return Err(Error::Config(format!(
                 "{} vCPUs requested; 1 to {} are supported",
@@ -123,7 +132,7 @@ impl Vm {
                 layout::MAX_GUEST_ADDR
             )));
         }
-        let memory = GuestMemory::new(&specs, Some(&fd))?;
+        let memory = GuestMemory::new_on(&specs, Some(&fd), &mut shared)?;
         phases.mark("create regions");
         memory.register(&fd)?;
         phases.mark("register memslots");
