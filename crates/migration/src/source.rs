@@ -734,6 +734,7 @@ impl<'o> Source<'o> {
             match results.next().expect("at least one connection") {
                 Ok(report) if results.all(|r| r.is_ok()) => {
                     self.report.bytes += self.report.postcopy_bytes;
+                    self.report.pages_sent += self.report.postcopy_bytes / PAGE_SIZE;
                     self.report.postcopy_ms = started.elapsed().as_secs_f64() * 1e3;
                     return Ok(report);
                 }
