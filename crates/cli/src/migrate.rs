@@ -395,11 +395,10 @@ fn receive_main(args: ReceiveArgs) -> crate::Result<()> {
     let run_for = seconds(args.run_for, "--run-for")?;
     let creds = Credentials::load(&args.keys, Role::Destination)?;
     let listener = Arc::new(Listener::bind(&args.listen, &creds)?);
-    if !args.json {
-        match listener.port() {
-            Some(port) => eprintln!("guestmem: listening on {} (port {port})", args.listen),
-            None => eprintln!("guestmem: listening on {}", args.listen),
-        }
+    // On stderr even with --json: with tcp:HOST:0 it is the only place the port is told.
+    match listener.port() {
+        Some(port) => eprintln!("guestmem: listening on {} (port {port})", args.listen),
+        None => eprintln!("guestmem: listening on {}", args.listen),
     }
     let migrate::Incoming {
         mut vm,
