@@ -237,6 +237,13 @@ pub fn send<'a>(
     match done {
         Ok(report_json) => {
             source.report.destination = serde_json::from_slice(&report_json).ok();
+            if let Some(d) = &source.report.destination {
+                if opts.mode.has_postcopy() {
+                    // The Complete comes when the destination is done with the transfer, which
+                    // may be long after the last page went: the destination timed residency.
+                    source.report.postcopy_ms = d.resident_ms;
+                }
+            }
             Ok(source.finish())
         }
         Err(error) => Err(Box::new(Failure { error, vm: None })),
