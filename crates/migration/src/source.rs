@@ -505,9 +505,12 @@ impl<'o> Source<'o> {
             }
             Ok(())
         })();
-        let joined = writers.join();
-        queued?;
-        let conns = joined?;
+        let conns = match (queued, writers.join()) {
+            (Ok(()), Ok(conns)) => conns,
+            // A writer's own error says why its queue closed ("pages connection N failed" does
+            // not): it goes first.
+            (_, Err(e)) | (Err(e), Ok(_)) => return Err(e),
+        };
         let ms = start.elapsed().as_secs_f64() * 1e3;
         self.report.bytes += bytes;
         self.report.pages_sent += pages - zero_pages;
