@@ -168,16 +168,29 @@ impl Proc {
         }
     }
 
-    /// `migrate receive` prints this on stderr once it listens (with --json too): returns the
-    /// TCP port, if any.
-    fn listening(&self) -> Option<u16> {
+    /// `migrate receive --json` on a Unix socket: waits for the socket to appear.
+    fn listening_on(&mut self, socket: &str) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !Path::new(socket).exists() {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                panic!("{} ended ({status}): {}", self.name, self.stderr.text());
+            }
+            assert!(Instant::now() < deadline, "{} does not listen", self.name);
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// `migrate receive` on TCP prints this on stderr once it listens (with --json too):
+    /// returns the port.
+    fn listening(&self) -> u16 {
         let err = self
             .stderr
             .wait_for("listening on", Duration::from_secs(30), &self.name);
         let line = err.lines().find(|l| l.contains("listening on")).unwrap();
         line.split("(port ")
             .nth(1)
-            .map(|p| p.trim_end_matches(')').parse().unwrap())
+            .and_then(|p| p.trim_end_matches(')').parse().ok())
+            .unwrap_or_else(|| panic!("no port in {line:?}"))
     }
 
     /// Waits for the process to end (killing it after `timeout`, which fails the test).
@@ -344,7 +357,7 @@ fn precopy_between_two_network_namespaces_over_tcp() {
             "--json",
         ],
     );
-    assert_eq!(receive.listening(), Some(7207));
+    assert_eq!(receive.listening(), 7207);
     let send = Proc::spawn(
         "migrate send (source namespace)",
         &hosts.exec(0),
@@ -377,7 +390,7 @@ fn every_mode_over_a_unix_socket() {
     for mode in ["precopy", "postcopy", "hybrid"] {
         let sock = dir.path(&format!("{mode}.sock"));
         let to = format!("unix:{sock}");
-        let receive = Proc::spawn(
+        let mut receive = Proc::spawn(
             &format!("migrate receive ({mode})"),
             &[],
             &[
@@ -392,7 +405,7 @@ fn every_mode_over_a_unix_socket() {
                 "--json",
             ],
         );
-        assert_eq!(receive.listening(), None);
+        receive.listening_on(&sock);
         let mut args = vec![
             "migrate", "send", "--to", &to, "--keys", &keys, "--mode", mode, "--memory", "64M",
             "--vcpus", "2", "--after", "0.3", "--json",
@@ -436,7 +449,8 @@ fn every_mode_over_a_unix_socket() {
 fn a_killed_destination_leaves_the_source_running() {
     let dir = TempDir::new("kill");
     let keys = dir.keys("keys");
-    let to = format!("unix:{}", dir.path("sock"));
+    let sock = dir.path("sock");
+    let to = format!("unix:{sock}");
     let mut receive = Proc::spawn(
         "migrate receive",
         &[],
@@ -444,7 +458,7 @@ fn a_killed_destination_leaves_the_source_running() {
             "migrate", "receive", "--listen", &to, "--keys", &keys, "--json",
         ],
     );
-    receive.listening();
+    receive.listening_on(&sock);
     // 256 MiB at 20 MiB/s: the first round takes about 13 s.
     let send = Proc::spawn(
         "migrate send",
@@ -610,7 +624,7 @@ fn a_cut_postcopy_link_is_resumed_from_the_cli() {
             "--json",
         ],
     );
-    let dest_port = receive.listening().expect("a TCP port");
+    let dest_port = receive.listening();
     // The sys region (7 MiB) goes at switch-over; RAM (256 MiB, all written before the
     // migration starts) comes in post-copy: the cut falls in the middle of it.
     let proxy = Proxy::start(dest_port, 64 << 20);
@@ -677,15 +691,16 @@ fn a_cut_postcopy_link_is_resumed_from_the_cli() {
 fn keys_of_another_ca_are_refused_by_both_sides() {
     let dir = TempDir::new("keys");
     let (ours, theirs) = (dir.keys("ours"), dir.keys("theirs"));
-    let to = format!("unix:{}", dir.path("sock"));
-    let receive = Proc::spawn(
+    let sock = dir.path("sock");
+    let to = format!("unix:{sock}");
+    let mut receive = Proc::spawn(
         "migrate receive",
         &[],
         &[
             "migrate", "receive", "--listen", &to, "--keys", &ours, "--json",
         ],
     );
-    receive.listening();
+    receive.listening_on(&sock);
     let sent = Proc::spawn(
         "migrate send",
         &[],
