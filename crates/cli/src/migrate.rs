@@ -400,11 +400,12 @@ fn receive_main(args: ReceiveArgs) -> crate::Result<()> {
     let run_for = seconds(args.run_for, "--run-for")?;
     let creds = Credentials::load(&args.keys, Role::Destination)?;
     let listener = Arc::new(Listener::bind(&args.listen, &creds)?);
-    if !args.json {
-        match listener.port() {
-            Some(port) => eprintln!("guestmem: listening on {} (port {port})", args.listen),
-            None => eprintln!("guestmem: listening on {}", args.listen),
-        }
+    match listener.port() {
+        // On stderr even with --json: with tcp:HOST:0 it is the only place the port is told.
+        Some(port) => eprintln!("guestmem: listening on {} (port {port})", args.listen),
+        // A Unix socket's path is known (`guestmem demo` waits for it to appear).
+        None if !args.json => eprintln!("guestmem: listening on {}", args.listen),
+        None => {}
     }
     let migrate::Incoming {
         mut vm,

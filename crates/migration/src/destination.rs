@@ -77,6 +77,8 @@ pub struct Transfer {
     links: Option<Links>,
     postcopy: Option<Postcopy>,
     report: DestinationReport,
+    /// When the vCPUs ran (post-copy's residency is timed from there).
+    running_at: Option<Instant>,
     // Dropped last: the pagers' regions stay mapped while they live.
     _memory: Arc<GuestMemory>,
 }
@@ -255,6 +257,7 @@ pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incomin
             links: Some(links),
             postcopy,
             report,
+            running_at: None,
             _memory: memory,
         },
     })
@@ -414,6 +417,7 @@ impl Transfer {
             .take()
             .ok_or_else(|| Error::Migration("this transfer was already resumed".into()))?;
         let running = vm.resume()?;
+        self.running_at = Some(Instant::now());
         write_frame(&mut links.pages[0], &Frame::Running)?;
         match &self.postcopy {
             None => {
@@ -476,7 +480,15 @@ impl Transfer {
             }
         }
         let mut report = self.report.clone();
-        report.resident_ms = started.elapsed().as_secs_f64() * 1e3;
+        // From Running to the last pager's retirement, however late `finish` is called (not
+        // the time `finish` waited: ~0 when the guest ran for longer than post-copy took).
+        let retired = p.pagers.iter().filter_map(Pager::retired_at).max();
+        report.resident_ms = match (self.running_at, retired) {
+            (Some(running), Some(retired)) => retired.saturating_duration_since(running),
+            _ => started.elapsed(),
+        }
+        .as_secs_f64()
+            * 1e3;
         report.faults = p.pagers.iter().map(|pg| pg.stats().faults).sum();
         p.link.fill_report(&mut report);
         let json = serde_json::to_vec(&report).expect("a report serializes");

@@ -245,6 +245,13 @@ pub fn send<'a>(
     match done {
         Ok(report_json) => {
             source.report.destination = serde_json::from_slice(&report_json).ok();
+            if let Some(d) = &source.report.destination {
+                if opts.mode.has_postcopy() {
+                    // The Complete comes when the destination is done with the transfer, which
+                    // may be long after the last page went: the destination timed residency.
+                    source.report.postcopy_ms = d.resident_ms;
+                }
+            }
             Ok(source.finish())
         }
         Err(error) => Err(Box::new(Failure { error, vm: None })),
@@ -541,9 +548,12 @@ impl<'o> Source<'o> {
             }
             Ok(())
         })();
-        let joined = writers.join();
-        queued?;
-        let conns = joined?;
+        let conns = match (queued, writers.join()) {
+            (Ok(()), Ok(conns)) => conns,
+            // A writer's own error says why its queue closed ("pages connection N failed" does
+            // not): it goes first.
+            (_, Err(e)) | (Err(e), Ok(_)) => return Err(e),
+        };
         let ms = start.elapsed().as_secs_f64() * 1e3;
         self.report.bytes += bytes;
         self.report.pages_sent += pages - zero_pages;

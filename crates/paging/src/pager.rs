@@ -167,6 +167,8 @@ struct Shared {
     /// The chunks the guest asked for (faults, and readahead after them), in that order.
     fault_order: Mutex<Vec<u32>>,
     retired: AtomicBool,
+    /// When it retired.
+    retired_at: Mutex<Option<Instant>>,
     failure: Mutex<Option<String>>,
     changed: Condvar,
     handlers: usize,
@@ -392,6 +394,15 @@ impl Pager {
         self.shared.stats()
     }
 
+    /// When the whole region became resident and the pager retired (`None` until then).
+    pub fn retired_at(&self) -> Option<Instant> {
+        *self
+            .shared
+            .retired_at
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Bytes of the region it serves.
     pub fn size(&self) -> u64 {
         self.shared.size
@@ -577,6 +588,7 @@ impl Shared {
             prefetch_done: AtomicBool::new(config.prefetch.is_empty()),
             fault_order: Mutex::new(Vec::new()),
             retired: AtomicBool::new(false),
+            retired_at: Mutex::new(None),
             failure: Mutex::new(None),
             changed: Condvar::new(),
             handlers: config.handlers,
@@ -828,6 +840,7 @@ impl Shared {
         if self.retired.swap(true, Ordering::AcqRel) {
             return;
         }
+        *self.retired_at.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
         self.unregister();
         self.signal_stop();
         let _guard = self.failure.lock().unwrap_or_else(|e| e.into_inner());

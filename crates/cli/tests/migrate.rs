@@ -1,0 +1,742 @@
+//! `guestmem migrate` and `guestmem demo` as a user runs them: two guestmem processes, the
+//! destination's JSON and the source's, and what each prints when things go wrong.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+const GUESTMEM: &str = env!("CARGO_BIN_EXE_guestmem");
+
+/// A directory of this test process, removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(name: &str) -> TempDir {
+        let dir = std::env::temp_dir().join(format!(
+            "guestmem-cli-migrate-{name}-{}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        TempDir(dir)
+    }
+
+    fn path(&self, name: &str) -> String {
+        self.0.join(name).to_str().unwrap().to_string()
+    }
+
+    /// A fresh migration CA and both sides' certificates in `name`.
+    fn keys(&self, name: &str) -> String {
+        let dir = self.path(name);
+        let o = Command::new(GUESTMEM)
+            .args(["migrate", "keys", "--out", &dir])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        dir
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Output a child wrote so far, and whether it has closed the stream.
+#[derive(Default)]
+struct Captured {
+    text: Mutex<(String, bool)>,
+    grew: Condvar,
+}
+
+impl Captured {
+    fn drain(stream: impl Read + Send + 'static) -> (Arc<Captured>, JoinHandle<()>) {
+        let captured = Arc::new(Captured::default());
+        let c = captured.clone();
+        let thread = std::thread::spawn(move || {
+            let mut reader = BufReader::new(stream);
+            loop {
+                let mut line = String::new();
+                let n = reader.read_line(&mut line).unwrap_or(0);
+                let mut text = c.text.lock().unwrap();
+                text.0 += &line;
+                text.1 = n == 0;
+                c.grew.notify_all();
+                if n == 0 {
+                    return;
+                }
+            }
+        });
+        (captured, thread)
+    }
+
+    /// Waits until the text contains `what`; returns the text.
+    fn wait_for(&self, what: &str, timeout: Duration, who: &str) -> String {
+        let deadline = Instant::now() + timeout;
+        let mut text = self.text.lock().unwrap();
+        loop {
+            if text.0.contains(what) {
+                return text.0.clone();
+            }
+            let now = Instant::now();
+            assert!(
+                !text.1 && now < deadline,
+                "{who} did not print {what:?} (within {timeout:?}); it printed:\n{}",
+                text.0
+            );
+            text = self.grew.wait_timeout(text, deadline - now).unwrap().0;
+        }
+    }
+
+    fn text(&self) -> String {
+        self.text.lock().unwrap().0.clone()
+    }
+}
+
+/// A running guestmem process, killed on drop if it still runs.
+struct Proc {
+    name: String,
+    child: Child,
+    stdout: Arc<Captured>,
+    stderr: Arc<Captured>,
+    readers: Vec<JoinHandle<()>>,
+}
+
+/// How a process ended.
+struct Ended {
+    status: ExitStatus,
+    stdout: String,
+    stderr: String,
+}
+
+impl Ended {
+    fn json(&self, who: &str) -> Value {
+        serde_json::from_str(&self.stdout).unwrap_or_else(|e| {
+            panic!(
+                "{who} printed no JSON ({e}):\n{}\nstderr:\n{}",
+                self.stdout, self.stderr
+            )
+        })
+    }
+
+    /// Asserts success; returns the JSON it printed.
+    fn ok_json(&self, who: &str) -> Value {
+        assert!(
+            self.status.success(),
+            "{who} failed ({}):\n{}",
+            self.status,
+            self.stderr
+        );
+        self.json(who)
+    }
+}
+
+impl Proc {
+    /// `guestmem ARGS`, or `PREFIX... guestmem ARGS` (e.g. `ip netns exec NS`).
+    fn spawn(name: &str, prefix: &[&str], args: &[&str]) -> Proc {
+        let mut cmd = match prefix.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(GUESTMEM);
+                c
+            }
+            None => Command::new(GUESTMEM),
+        };
+        let mut child = cmd
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {name}: {e}"));
+        let (stdout, t1) = Captured::drain(child.stdout.take().unwrap());
+        let (stderr, t2) = Captured::drain(child.stderr.take().unwrap());
+        Proc {
+            name: name.to_string(),
+            child,
+            stdout,
+            stderr,
+            readers: vec![t1, t2],
+        }
+    }
+
+    /// `migrate receive --json` on a Unix socket: waits for the socket to appear.
+    fn listening_on(&mut self, socket: &str) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !Path::new(socket).exists() {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                panic!("{} ended ({status}): {}", self.name, self.stderr.text());
+            }
+            assert!(Instant::now() < deadline, "{} does not listen", self.name);
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// `migrate receive` on TCP prints this on stderr once it listens (with --json too):
+    /// returns the port.
+    fn listening(&self) -> u16 {
+        let err = self
+            .stderr
+            .wait_for("listening on", Duration::from_secs(30), &self.name);
+        let line = err.lines().find(|l| l.contains("listening on")).unwrap();
+        line.split("(port ")
+            .nth(1)
+            .and_then(|p| p.trim_end_matches(')').parse().ok())
+            .unwrap_or_else(|| panic!("no port in {line:?}"))
+    }
+
+    /// Waits for the process to end (killing it after `timeout`, which fails the test).
+    fn wait(mut self, timeout: Duration) -> Ended {
+        let deadline = Instant::now() + timeout;
+        let status = loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                break status;
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                panic!(
+                    "{} still ran after {timeout:?}; stdout:\n{}\nstderr:\n{}",
+                    self.name,
+                    self.stdout.text(),
+                    self.stderr.text()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        for t in self.readers.drain(..) {
+            t.join().unwrap();
+        }
+        Ended {
+            status,
+            stdout: self.stdout.text(),
+            stderr: self.stderr.text(),
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+const LONG: Duration = Duration::from_secs(120);
+
+/// Each vCPU's pages count went on growing on the destination.
+fn assert_guest_continued(received: &Value) {
+    assert_eq!(received["guest_continued"], true, "{received}");
+    let at = received["pages_at_switchover_per_vcpu"].as_array().unwrap();
+    let after = received["pages_after_run_per_vcpu"].as_array().unwrap();
+    assert!(!at.is_empty() && at.len() == after.len(), "{received}");
+    for (a, b) in after.iter().zip(at) {
+        assert!(a.as_u64().unwrap() > b.as_u64().unwrap(), "{received}");
+    }
+}
+
+/// Source report digest == destination report digest (both present).
+fn assert_digests_equal(sent: &Value, received: &Value) {
+    let s = sent["digest"].as_u64();
+    let d = received["report"]["digest"].as_u64();
+    assert!(s.is_some(), "the source reports a digest: {sent}");
+    assert_eq!(s, d, "source {sent}\ndestination {received}");
+}
+
+/// Two network namespaces joined by a veth pair, as two hosts would be; removed on drop.
+struct TwoHosts {
+    ns: [String; 2],
+    veth: [String; 2],
+    addr: [String; 2],
+}
+
+fn ip(args: &[&str]) -> Result<(), String> {
+    let o = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| format!("ip {}: {e}", args.join(" ")))?;
+    if o.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&o.stderr).trim()
+        ))
+    }
+}
+
+impl TwoHosts {
+    fn new() -> Result<TwoHosts, String> {
+        let pid = std::process::id();
+        let hosts = TwoHosts {
+            ns: [format!("gm-src-{pid}"), format!("gm-dst-{pid}")],
+            veth: [format!("gms{pid}"), format!("gmd{pid}")],
+            addr: [
+                format!("10.{}.{}.1", 100 + (pid >> 16) % 100, (pid >> 8) % 256),
+                format!("10.{}.{}.2", 100 + (pid >> 16) % 100, (pid >> 8) % 256),
+            ],
+        };
+        // From here, drop removes whatever was made.
+        for ns in &hosts.ns {
+            ip(&["netns", "add", ns])?;
+        }
+        ip(&[
+            "link",
+            "add",
+            &hosts.veth[0],
+            "type",
+            "veth",
+            "peer",
+            "name",
+            &hosts.veth[1],
+        ])?;
+        for i in 0..2 {
+            let (ns, veth) = (&hosts.ns[i], &hosts.veth[i]);
+            ip(&["link", "set", veth, "netns", ns])?;
+            let cidr = format!("{}/24", hosts.addr[i]);
+            ip(&["-n", ns, "addr", "add", &cidr, "dev", veth])?;
+            ip(&["-n", ns, "link", "set", veth, "up"])?;
+            ip(&["-n", ns, "link", "set", "lo", "up"])?;
+        }
+        Ok(hosts)
+    }
+
+    fn exec(&self, i: usize) -> [&str; 4] {
+        ["ip", "netns", "exec", &self.ns[i]]
+    }
+}
+
+impl Drop for TwoHosts {
+    fn drop(&mut self) {
+        // Deleting a namespace deletes the veth end in it (and its peer); the link is deleted
+        // by name too in case it was made but not moved.
+        let _ = ip(&["link", "del", &self.veth[0]]);
+        for ns in &self.ns {
+            let _ = ip(&["netns", "del", ns]);
+        }
+    }
+}
+
+/// Pre-copy between two "hosts" (network namespaces joined by veth) over TCP: the guest goes on
+/// at the destination with the source's memory.
+#[test]
+#[cfg_attr(
+    not(all(kvm, netns)),
+    ignore = "needs a usable /dev/kvm, root and iproute2 (ip netns)"
+)]
+fn precopy_between_two_network_namespaces_over_tcp() {
+    let hosts = TwoHosts::new().unwrap_or_else(|e| {
+        panic!("cannot make two network namespaces joined by veth (the build found `ip netns` and root): {e}")
+    });
+    let dir = TempDir::new("netns");
+    let keys = dir.keys("keys");
+    let listen = format!("tcp:{}:7207", hosts.addr[1]);
+    let receive = Proc::spawn(
+        "migrate receive (destination namespace)",
+        &hosts.exec(1),
+        &[
+            "migrate",
+            "receive",
+            "--listen",
+            &listen,
+            "--keys",
+            &keys,
+            "--run-for",
+            "1",
+            "--json",
+        ],
+    );
+    assert_eq!(receive.listening(), 7207);
+    let send = Proc::spawn(
+        "migrate send (source namespace)",
+        &hosts.exec(0),
+        &[
+            "migrate", "send", "--to", &listen, "--keys", &keys, "--memory", "64M", "--vcpus", "2",
+            "--verify", "--after", "0.5", "--json",
+        ],
+    )
+    .wait(LONG);
+    let received = receive.wait(LONG);
+    let sent = send.ok_json("migrate send");
+    let received = received.ok_json("migrate receive");
+    assert_guest_continued(&received);
+    assert_digests_equal(&sent, &received);
+    assert!(sent["downtime_ms"].as_f64().unwrap() > 0.0, "{sent}");
+    assert!(sent["pages_sent"].as_u64().unwrap() > 0, "{sent}");
+    drop(hosts);
+}
+
+/// Each mode over a Unix socket: the guest goes on at the destination; pre-copy's digests are
+/// equal, post-copy's pages were served on request.
+#[test]
+#[cfg_attr(
+    not(all(kvm, uffd)),
+    ignore = "no usable /dev/kvm and /dev/userfaultfd on this host"
+)]
+fn every_mode_over_a_unix_socket() {
+    let dir = TempDir::new("modes");
+    let keys = dir.keys("keys");
+    for mode in ["precopy", "postcopy", "hybrid"] {
+        let sock = dir.path(&format!("{mode}.sock"));
+        let to = format!("unix:{sock}");
+        let mut receive = Proc::spawn(
+            &format!("migrate receive ({mode})"),
+            &[],
+            &[
+                "migrate",
+                "receive",
+                "--listen",
+                &to,
+                "--keys",
+                &keys,
+                "--run-for",
+                "0.5",
+                "--json",
+            ],
+        );
+        receive.listening_on(&sock);
+        let mut args = vec![
+            "migrate", "send", "--to", &to, "--keys", &keys, "--mode", mode, "--memory", "64M",
+            "--vcpus", "2", "--after", "0.3", "--json",
+        ];
+        if mode == "precopy" {
+            args.push("--verify");
+        }
+        let send = Proc::spawn(&format!("migrate send ({mode})"), &[], &args).wait(LONG);
+        let received = receive.wait(LONG).ok_json("migrate receive");
+        let sent = send.ok_json("migrate send");
+        assert_eq!(sent["mode"], mode, "{sent}");
+        assert_eq!(received["report"]["mode"], mode, "{received}");
+        assert_guest_continued(&received);
+        match mode {
+            "precopy" => {
+                assert_digests_equal(&sent, &received);
+                assert_eq!(sent["postcopy_requests"], 0, "{sent}");
+            }
+            _ => {
+                assert!(sent["postcopy_requests"].as_u64().unwrap() > 0, "{sent}");
+                // From Running to every page resident: 64 MiB take more than a millisecond,
+                // and less than the guest ran there.
+                let resident = received["report"]["resident_ms"].as_f64().unwrap();
+                assert!(
+                    resident > 1.0 && resident < received["run_ms"].as_f64().unwrap(),
+                    "{received}"
+                );
+                assert_eq!(sent["postcopy_ms"], received["report"]["resident_ms"]);
+            }
+        }
+        if mode == "hybrid" {
+            // One pre-copy round, and the switch-over's.
+            assert_eq!(sent["rounds"].as_array().unwrap().len(), 2, "{sent}");
+        }
+    }
+}
+
+/// A destination killed mid-transfer: the source says its VM keeps running, and shows it.
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn a_killed_destination_leaves_the_source_running() {
+    let dir = TempDir::new("kill");
+    let keys = dir.keys("keys");
+    let sock = dir.path("sock");
+    let to = format!("unix:{sock}");
+    let mut receive = Proc::spawn(
+        "migrate receive",
+        &[],
+        &[
+            "migrate", "receive", "--listen", &to, "--keys", &keys, "--json",
+        ],
+    );
+    receive.listening_on(&sock);
+    // 256 MiB at 20 MiB/s: the first round takes about 13 s.
+    let send = Proc::spawn(
+        "migrate send",
+        &[],
+        &[
+            "migrate",
+            "send",
+            "--to",
+            &to,
+            "--keys",
+            &keys,
+            "--memory",
+            "256M",
+            "--max-bandwidth-mib-per-s",
+            "20",
+            "--after",
+            "0.5",
+        ],
+    );
+    std::thread::sleep(Duration::from_millis(2500));
+    receive.child.kill().unwrap();
+    let killed = Instant::now();
+    let received = receive.wait(LONG);
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(
+        received.status.signal(),
+        Some(9),
+        "the destination was killed mid-transfer, not done: {}",
+        received.stderr
+    );
+    let sent = send.wait(LONG);
+    assert!(
+        killed.elapsed() < Duration::from_secs(8),
+        "the source noticed in {:?}",
+        killed.elapsed()
+    );
+    assert!(!sent.status.success(), "{}", sent.stderr);
+    assert!(
+        sent.stderr.contains("the source VM keeps running"),
+        "{}",
+        sent.stderr
+    );
+    let wrote: u64 = sent
+        .stderr
+        .split("the source guest wrote ")
+        .nth(1)
+        .and_then(|s| s.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no pages count in {}", sent.stderr));
+    assert!(wrote > 0, "{}", sent.stderr);
+    assert!(
+        sent.stderr.contains("in the last 200 ms"),
+        "{}",
+        sent.stderr
+    );
+    // It names what failed on the link (not only which connection).
+    assert!(
+        sent.stderr.contains("I/O on the migration stream"),
+        "{}",
+        sent.stderr
+    );
+}
+
+/// A TCP relay to `to` that cuts every connection (both ways) once `cut_after` bytes went from
+/// the source to the destination, and accepts nothing after.
+struct Proxy {
+    port: u16,
+    cut: Arc<AtomicBool>,
+    forwarded: Arc<AtomicU64>,
+}
+
+impl Proxy {
+    fn start(to: u16, cut_after: u64) -> Proxy {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let cut = Arc::new(AtomicBool::new(false));
+        let forwarded = Arc::new(AtomicU64::new(0));
+        let sockets: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
+        let (c, f) = (cut.clone(), forwarded.clone());
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { return };
+                if c.load(Ordering::SeqCst) {
+                    return;
+                }
+                let server = TcpStream::connect(("127.0.0.1", to)).unwrap();
+                {
+                    let mut s = sockets.lock().unwrap();
+                    s.push(client.try_clone().unwrap());
+                    s.push(server.try_clone().unwrap());
+                }
+                let cut_all = {
+                    let (sockets, c) = (sockets.clone(), c.clone());
+                    Arc::new(move || {
+                        c.store(true, Ordering::SeqCst);
+                        for s in sockets.lock().unwrap().iter() {
+                            let _ = s.shutdown(Shutdown::Both);
+                        }
+                    })
+                };
+                for (from, dst, count) in [
+                    (
+                        client.try_clone().unwrap(),
+                        server.try_clone().unwrap(),
+                        true,
+                    ),
+                    (server, client, false),
+                ] {
+                    let (f, c, cut_all) = (f.clone(), c.clone(), cut_all.clone());
+                    std::thread::spawn(move || {
+                        let (mut from, mut to) = (from, dst);
+                        let mut buf = vec![0u8; 64 << 10];
+                        loop {
+                            let n = match from.read(&mut buf) {
+                                Ok(0) | Err(_) => break,
+                                Ok(n) => n,
+                            };
+                            if c.load(Ordering::SeqCst) || to.write_all(&buf[..n]).is_err() {
+                                break;
+                            }
+                            if count
+                                && f.fetch_add(n as u64, Ordering::SeqCst) + n as u64 > cut_after
+                            {
+                                cut_all();
+                                break;
+                            }
+                        }
+                        let _ = to.shutdown(Shutdown::Write);
+                    });
+                }
+            }
+        });
+        Proxy {
+            port,
+            cut,
+            forwarded,
+        }
+    }
+}
+
+/// Post-copy through a relay that is cut mid-way: the source waits, `migrate resume` reconnects
+/// it straight to the destination, and both finish with the guest going on.
+#[test]
+#[cfg_attr(
+    not(all(kvm, uffd)),
+    ignore = "no usable /dev/kvm and /dev/userfaultfd on this host"
+)]
+fn a_cut_postcopy_link_is_resumed_from_the_cli() {
+    let dir = TempDir::new("cut");
+    let keys = dir.keys("keys");
+    let receive = Proc::spawn(
+        "migrate receive",
+        &[],
+        &[
+            "migrate",
+            "receive",
+            "--listen",
+            "tcp:127.0.0.1:0",
+            "--keys",
+            &keys,
+            "--run-for",
+            "3",
+            "--json",
+        ],
+    );
+    let dest_port = receive.listening();
+    // The sys region (7 MiB) goes at switch-over; RAM (256 MiB, all written before the
+    // migration starts) comes in post-copy: the cut falls in the middle of it.
+    let proxy = Proxy::start(dest_port, 64 << 20);
+    let control = dir.path("control.sock");
+    let send = Proc::spawn(
+        "migrate send",
+        &[],
+        &[
+            "migrate",
+            "send",
+            "--to",
+            &format!("tcp:127.0.0.1:{}", proxy.port),
+            "--keys",
+            &keys,
+            "--mode",
+            "postcopy",
+            "--memory",
+            "256M",
+            "--vcpus",
+            "2",
+            "--control",
+            &control,
+            "--json",
+        ],
+    );
+    send.stderr
+        .wait_for("the post-copy link broke", LONG, "migrate send");
+    assert!(proxy.cut.load(Ordering::SeqCst));
+    assert!(Path::new(&control).exists());
+    let resume = Proc::spawn(
+        "migrate resume",
+        &[],
+        &[
+            "migrate",
+            "resume",
+            "--control",
+            &control,
+            "--to",
+            &format!("tcp:127.0.0.1:{dest_port}"),
+        ],
+    )
+    .wait(LONG);
+    assert!(resume.status.success(), "{}", resume.stderr);
+    assert!(
+        resume.stdout.contains("post-copy goes on"),
+        "{}",
+        resume.stdout
+    );
+    let sent = send.wait(LONG).ok_json("migrate send");
+    let received = receive.wait(LONG).ok_json("migrate receive");
+    assert_guest_continued(&received);
+    assert_eq!(sent["link_breaks"], 1, "{sent}");
+    assert_eq!(received["report"]["link_breaks"], 1, "{received}");
+    assert!(
+        proxy.forwarded.load(Ordering::SeqCst) < sent["bytes"].as_u64().unwrap(),
+        "pages went after the cut: {sent}"
+    );
+    assert!(!Path::new(&control).exists(), "the control socket is gone");
+}
+
+/// Keys from another `migrate keys`: neither side takes the other, both say TLS.
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn keys_of_another_ca_are_refused_by_both_sides() {
+    let dir = TempDir::new("keys");
+    let (ours, theirs) = (dir.keys("ours"), dir.keys("theirs"));
+    let sock = dir.path("sock");
+    let to = format!("unix:{sock}");
+    let mut receive = Proc::spawn(
+        "migrate receive",
+        &[],
+        &[
+            "migrate", "receive", "--listen", &to, "--keys", &ours, "--json",
+        ],
+    );
+    receive.listening_on(&sock);
+    let sent = Proc::spawn(
+        "migrate send",
+        &[],
+        &[
+            "migrate", "send", "--to", &to, "--keys", &theirs, "--memory", "64M", "--after", "0.1",
+        ],
+    )
+    .wait(LONG);
+    let received = receive.wait(LONG);
+    assert!(!sent.status.success(), "{}", sent.stdout);
+    assert!(sent.stderr.contains("TLS"), "{}", sent.stderr);
+    assert!(
+        sent.stderr.contains("the VM was not migrated"),
+        "{}",
+        sent.stderr
+    );
+    assert!(!received.status.success(), "{}", received.stdout);
+    assert!(received.stderr.contains("TLS"), "{}", received.stderr);
+}
+
+/// The README's demo: a 1 GiB guest migrates to a second process, digests equal.
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn demo_migrates_and_the_digests_match() {
+    let o = Proc::spawn("demo", &[], &["demo"]).wait(LONG);
+    assert!(o.status.success(), "{}\n{}", o.stdout, o.stderr);
+    assert!(o.stdout.contains("migration complete"), "{}", o.stdout);
+    let line = o
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("memory digest at switch-over"))
+        .unwrap_or_else(|| panic!("no digest line:\n{}", o.stdout));
+    let digests: Vec<&str> = line
+        .split_whitespace()
+        .filter(|w| w.starts_with("0x"))
+        .collect();
+    assert_eq!(digests.len(), 2, "{line}");
+    assert_eq!(digests[0], digests[1], "{line}");
+}
