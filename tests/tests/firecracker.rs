@@ -10,8 +10,8 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use common::{
-    assert_pages_consistent, dirty_work, pages_done, resume_and_check_continuation,
-    snapshot_running_vm, TempDir,
+    assert_pages_consistent, dirty_work, resume_and_check_continuation, snapshot_running_vm,
+    TempDir,
 };
 use guestmem_memory::{Backend, PAGE_SIZE};
 use guestmem_migration::firecracker::{
@@ -73,7 +73,7 @@ fn guest_restored_through_the_socket_continues() {
         assert_eq!(restored.mappings[0].offset, ram.file_offset);
         assert_eq!(restored.mappings[0].size, ram.spec.size);
         assert_eq!(
-            pages_done(&restored.vm),
+            restored.vm.pages_done(),
             at_snapshot,
             "{backend}: control blocks restored"
         );

@@ -6,7 +6,7 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{assert_pages_consistent, dirty_work, pages_done, wait_for_generation, TempDir};
+use common::{assert_pages_consistent, dirty_work, wait_for_generation, TempDir};
 use guestmem_memory::{Backend, GuestMemory};
 use guestmem_migration::migrate::{
     self, DestinationReport, Links, Mode, ReceiveOptions, Report, SendOptions,
@@ -79,7 +79,7 @@ fn destination(listener: Arc<Listener>, gated: bool) -> std::thread::JoinHandle<
             mut vm,
             mut transfer,
         } = migrate::receive(listener, &ReceiveOptions::default()).unwrap();
-        let at_switchover = pages_done(&vm);
+        let at_switchover = vm.pages_done();
         let work = dirty_work(VCPUS, SIZE);
         let memory = vm.memory().clone();
         let running = transfer.resume(&mut vm).unwrap();
@@ -175,7 +175,7 @@ fn precopy_moves_a_running_guest_on_every_backend() {
         let report = migrate::send(running, pair.connect(Mode::Precopy, connections), &opts)
             .unwrap_or_else(|f| panic!("{backend}: {f:?}"));
         let received = dest.join().unwrap();
-        check(&report, &received, &pages_done(&vm));
+        check(&report, &received, &vm.pages_done());
         assert_eq!(report.connections, connections);
         // The destination checked its digest against the source's at switch-over.
         assert!(report.verify_ms > 0.0, "{backend}: the digest was checked");
@@ -223,7 +223,7 @@ fn postcopy_and_hybrid_bring_every_page() {
             digest(vm.memory()),
             "{mode} {backend}: the destination's memory is the source's"
         );
-        check(&report, &received, &pages_done(&vm));
+        check(&report, &received, &vm.pages_done());
         let d = report.destination.as_ref().unwrap();
         if mode == Mode::Postcopy {
             assert!(
@@ -258,7 +258,7 @@ fn a_local_migration_hands_the_memfd_over_instead_of_copying_it() {
         let report = migrate::send(running, pair.connect(mode, 1), &opts)
             .unwrap_or_else(|f| panic!("{mode}: {f:?}"));
         let received = dest.join().unwrap();
-        check(&report, &received, &pages_done(&vm));
+        check(&report, &received, &vm.pages_done());
         assert_eq!(
             report.shared_bytes, SIZE,
             "{mode}: the RAM region went as a file"
@@ -310,7 +310,7 @@ fn a_cut_postcopy_link_is_resumed_without_losing_a_page() {
     assert_eq!(report.link_breaks, 1);
     assert_eq!(received.report.link_breaks, 1);
     assert_eq!(received.digest, digest(vm.memory()), "no page lost");
-    check(&report, &received, &pages_done(&vm));
+    check(&report, &received, &vm.pages_done());
 }
 
 #[test]

@@ -5,8 +5,8 @@ mod common;
 use std::path::Path;
 
 use common::{
-    assert_pages_consistent, dirty_work, flip_byte_in_ram, pages_done,
-    resume_and_check_continuation, snapshot_running_vm, wait_for_generation, TempDir,
+    assert_pages_consistent, dirty_work, flip_byte_in_ram, resume_and_check_continuation,
+    snapshot_running_vm, wait_for_generation, TempDir,
 };
 use guestmem_memory::{Backend, RegionSpec};
 use guestmem_migration::snapshot::{self, RestoreMode, Snapshot};
@@ -36,7 +36,7 @@ fn restored_guest_continues_on_every_backend_and_mode() {
                     region.name()
                 );
             }
-            assert_eq!(pages_done(&vm), at_snapshot);
+            assert_eq!(vm.pages_done(), at_snapshot);
             let work = dirty_work(2, SIZE);
             assert_pages_consistent(&vm, &work, &at_snapshot);
             resume_and_check_continuation(&mut vm, &work, &at_snapshot);
@@ -192,7 +192,7 @@ fn lazily_restored_guest_continues_while_memory_arrives() {
         };
         let mut lazy = snapshot::restore_lazy(&snap, &quiet).unwrap();
         assert_eq!(
-            pages_done(&lazy.vm),
+            lazy.vm.pages_done(),
             at_snapshot,
             "{backend}: control blocks restored"
         );
@@ -288,7 +288,7 @@ fn a_diff_snapshot_restores_over_its_base() {
     wait_for_generation(&running, 2);
     running.pause().unwrap();
     let base_report = snapshot::write(&vm, &base.0).unwrap();
-    let at_base = pages_done(&vm);
+    let at_base = vm.pages_done();
 
     // The guest goes on for a few hundred pages, watched by a tracker.
     let mut tracker = Tracker::start(&vm, Mode::Bitmap).unwrap();
@@ -304,7 +304,7 @@ fn a_diff_snapshot_restores_over_its_base() {
     running.pause().unwrap();
     let dirty = tracker.harvest().unwrap();
     tracker.stop().unwrap();
-    let at_diff = pages_done(&vm);
+    let at_diff = vm.pages_done();
     let diff_report = snapshot::write_diff(&vm, &diff.0, &base.0, &dirty).unwrap();
     // Only the first 8 MiB of the 64 MiB are ever written: the rest is inherited.
     assert!(
@@ -341,13 +341,13 @@ fn a_diff_snapshot_restores_over_its_base() {
             region.name()
         );
     }
-    assert_eq!(pages_done(&restored), at_diff);
+    assert_eq!(restored.pages_done(), at_diff);
     resume_and_check_continuation(&mut restored, &work, &at_diff);
 
     // Lazily, pages come from the diff where it holds them, else from the base: the guest
     // continues from the same point and the memory ends up equal to the snapshot's.
     let mut lazy = snapshot::restore_lazy(&snap, &PagerConfig::default()).unwrap();
-    assert_eq!(pages_done(&lazy.vm), at_diff);
+    assert_eq!(lazy.vm.pages_done(), at_diff);
     for pager in &lazy.pagers {
         assert!(pager
             .wait_resident(std::time::Duration::from_secs(30))

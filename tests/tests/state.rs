@@ -5,8 +5,7 @@ mod common;
 use std::time::Duration;
 
 use common::{
-    assert_pages_consistent, dirty_work, pages_done, resume_and_check_continuation,
-    wait_for_generation,
+    assert_pages_consistent, dirty_work, resume_and_check_continuation, wait_for_generation,
 };
 
 use guestmem_memory::Backend;
@@ -32,9 +31,9 @@ fn a_paused_vm_resumes_where_it_stopped() {
     running.pause().unwrap();
 
     // Paused: the guest does not move.
-    let paused = pages_done(&vm);
+    let paused = vm.pages_done();
     std::thread::sleep(Duration::from_millis(50));
-    assert_eq!(pages_done(&vm), paused);
+    assert_eq!(vm.pages_done(), paused);
     assert_pages_consistent(&vm, &work, &paused);
 
     resume_and_check_continuation(&mut vm, &work, &paused);
@@ -51,7 +50,7 @@ fn saved_state_and_memory_continue_in_another_vm() {
         wait_for_generation(&running, 2);
         running.pause().unwrap();
         let saved = source.save_state().unwrap();
-        let saved_pages = pages_done(&source);
+        let saved_pages = source.pages_done();
 
         // The state survives serialisation (it is what a snapshot or migration carries).
         let bytes = serde_json::to_vec(&saved).unwrap();

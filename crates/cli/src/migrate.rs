@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 
 use guestmem_migration::migrate::{self, Links, Mode, ReceiveOptions, Report, SendOptions};
 use guestmem_migration::transport::{generate_credentials, Credentials, Endpoint, Listener, Role};
-use guestmem_vm::payload::CTL_PAGES_DONE;
 use guestmem_vm::{layout, VcpuWork, Vm, VmConfig, Workload};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
@@ -386,16 +385,6 @@ pub struct Received {
     pub run_ms: f64,
 }
 
-fn pages_done(vm: &Vm) -> crate::Result<Vec<u64>> {
-    (0..vm.vcpu_count())
-        .map(|i| {
-            Ok(vm
-                .memory()
-                .read_u64(layout::control_gpa(i) + CTL_PAGES_DONE)?)
-        })
-        .collect()
-}
-
 fn receive_main(args: ReceiveArgs) -> crate::Result<()> {
     let run_for = seconds(args.run_for, "--run-for")?;
     let creds = Credentials::load(&args.keys, Role::Destination)?;
@@ -411,7 +400,7 @@ fn receive_main(args: ReceiveArgs) -> crate::Result<()> {
         mut vm,
         mut transfer,
     } = migrate::receive(listener, &ReceiveOptions::default())?;
-    let before = pages_done(&vm)?;
+    let before = vm.pages_done();
     let started = Instant::now();
     let running = transfer.resume(&mut vm)?;
     std::thread::sleep(run_for);
@@ -419,7 +408,7 @@ fn receive_main(args: ReceiveArgs) -> crate::Result<()> {
     let run = running.wait(Duration::from_secs(30));
     let report = transfer.finish()?;
     run?;
-    let after = pages_done(&vm)?;
+    let after = vm.pages_done();
     let out = Received {
         guest_continued: after.iter().zip(&before).all(|(a, b)| a > b),
         report,

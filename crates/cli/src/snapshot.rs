@@ -7,7 +7,6 @@ use guestmem_migration::firecracker;
 use guestmem_migration::snapshot::{self, RestoreMode, Snapshot};
 use guestmem_paging::PagerConfig;
 use guestmem_tracking::{Mode as TrackingMode, Tracker};
-use guestmem_vm::payload::CTL_PAGES_DONE;
 use guestmem_vm::{layout, VcpuWork, Vm, Workload};
 use serde::Serialize;
 
@@ -110,16 +109,6 @@ struct WorkingSetOutput {
     faults: u64,
 }
 
-fn pages_done(vm: &Vm) -> crate::Result<Vec<u64>> {
-    (0..vm.vcpu_count())
-        .map(|i| {
-            Ok(vm
-                .memory()
-                .read_u64(layout::control_gpa(i) + CTL_PAGES_DONE)?)
-        })
-        .collect()
-}
-
 fn seconds(s: f64, flag: &str) -> crate::Result<Duration> {
     Duration::try_from_secs_f64(s)
         .ok()
@@ -146,7 +135,7 @@ pub fn snapshot(args: SnapshotArgs) -> crate::Result<()> {
     let t = Instant::now();
     let report = snapshot::write(&vm, &args.out)?;
     let write_ms = t.elapsed().as_secs_f64() * 1e3;
-    let pages_done_per_vcpu = pages_done(&vm)?;
+    let pages_done_per_vcpu = vm.pages_done();
     let diff = match &args.diff {
         None => None,
         Some(dir) => {
@@ -173,7 +162,7 @@ pub fn snapshot(args: SnapshotArgs) -> crate::Result<()> {
                 stored_chunks: report.chunks - inherited,
                 report,
                 write_ms,
-                pages_done_per_vcpu: pages_done(&vm)?,
+                pages_done_per_vcpu: vm.pages_done(),
             })
         }
     };
@@ -257,7 +246,7 @@ pub fn restore(args: RestoreArgs) -> crate::Result<()> {
             Some(all)
         }
     };
-    let before = pages_done(&vm)?;
+    let before = vm.pages_done();
     let running = vm.resume()?;
     std::thread::sleep(run_for);
     running.stop();

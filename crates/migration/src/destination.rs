@@ -570,11 +570,7 @@ impl PostcopyLink {
     fn fetch(&self, gpa: u64, buf: &mut [u8], urgent: bool) -> io::Result<()> {
         let started = Instant::now();
         loop {
-            let generation = self
-                .state
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .generation;
+            let generation = self.generation();
             let urgent_count = self.slots.len() - self.pages;
             let index = if urgent && urgent_count > 0 {
                 self.pages + self.next_urgent.fetch_add(1, Ordering::Relaxed) % urgent_count
@@ -607,29 +603,43 @@ impl PostcopyLink {
                     }
                 }
             }
-            let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-            while st.generation == generation && !st.closed {
-                let waited = started.elapsed();
-                if waited >= self.resume_timeout {
-                    return Err(io::Error::new(
-                        io::ErrorKind::TimedOut,
-                        format!(
-                            "the post-copy link to the source has been down for {:.0} s (run \
-                             `guestmem migrate resume` on the source to re-establish it)",
-                            waited.as_secs_f64()
-                        ),
-                    ));
-                }
-                st = self
-                    .changed
-                    .wait_timeout(st, self.resume_timeout - waited)
-                    .unwrap_or_else(|e| e.into_inner())
-                    .0;
-            }
-            if st.closed {
-                return Err(io::Error::other("the post-copy link is closed"));
-            }
+            self.wait_for_new_link(generation, started)?;
         }
+    }
+
+    fn generation(&self) -> u64 {
+        self.state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .generation
+    }
+
+    /// Waits until the link is re-established after `generation` (up to the resume timeout
+    /// since `started`), or closed.
+    fn wait_for_new_link(&self, generation: u64, started: Instant) -> io::Result<()> {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        while st.generation == generation && !st.closed {
+            let waited = started.elapsed();
+            if waited >= self.resume_timeout {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!(
+                        "the post-copy link to the source has been down for {:.0} s (run \
+                         `guestmem migrate resume` on the source to re-establish it)",
+                        waited.as_secs_f64()
+                    ),
+                ));
+            }
+            st = self
+                .changed
+                .wait_timeout(st, self.resume_timeout - waited)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        if st.closed {
+            return Err(io::Error::other("the post-copy link is closed"));
+        }
+        Ok(())
     }
 
     fn break_link(&self, e: &Error) {
@@ -693,11 +703,7 @@ impl PostcopyLink {
         let started = Instant::now();
         for slot in &self.slots {
             loop {
-                let generation = self
-                    .state
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .generation;
+                let generation = self.generation();
                 {
                     let mut s = slot.lock().unwrap_or_else(|e| e.into_inner());
                     if let Some(conn) = s.as_mut() {
@@ -714,19 +720,11 @@ impl PostcopyLink {
                         }
                     }
                 }
-                let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-                while st.generation == generation {
-                    if started.elapsed() >= self.resume_timeout {
-                        return Err(Error::Migration(
-                            "every page is here, but the source never came back to hear it".into(),
-                        ));
-                    }
-                    st = self
-                        .changed
-                        .wait_timeout(st, Duration::from_millis(100))
-                        .unwrap_or_else(|e| e.into_inner())
-                        .0;
-                }
+                self.wait_for_new_link(generation, started).map_err(|e| {
+                    Error::Migration(format!(
+                        "every page is here, but the source never came back to hear it: {e}"
+                    ))
+                })?;
             }
         }
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());

@@ -219,6 +219,13 @@ impl Vm {
     pub fn vcpu_count(&self) -> usize {
         self.vcpus.len()
     }
+    /// Pages each vCPU's workload has done, from its control block (the guest's own counter).
+    pub fn pages_done(&self) -> Vec<u64> {
+        (0..self.config.vcpus)
+            .map(|id| self.control(id, CTL_PAGES_DONE))
+            .collect()
+    }
+
     pub fn tsc_khz(&self) -> u64 {
         self.tsc_khz
     }

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use guestmem_memory::{Backend, HUGE_PAGE_SIZE, PAGE_SIZE};
 use guestmem_migration::snapshot;
-use guestmem_vm::payload::{page_value, CTL_PAGES_DONE};
+use guestmem_vm::payload::page_value;
 use guestmem_vm::{layout, RunningVm, VcpuWork, Vm, VmConfig, Workload};
 
 const NR_HUGEPAGES: &str = "/proc/sys/vm/nr_hugepages";
@@ -103,17 +103,6 @@ pub fn wait_for_generation(running: &RunningVm<'_>, generation: u64) {
     while running.progress().iter().any(|&(_, g)| g < generation) {
         std::thread::sleep(Duration::from_millis(2));
     }
-}
-
-/// Pages done per vCPU, read from the control blocks of a VM that is not running.
-pub fn pages_done(vm: &Vm) -> Vec<u64> {
-    (0..vm.vcpu_count())
-        .map(|i| {
-            vm.memory()
-                .read_u64(layout::control_gpa(i) + CTL_PAGES_DONE)
-                .unwrap()
-        })
-        .collect()
 }
 
 /// Every page holds the value of the `dirty` pass the guest's own counters say it is in. The
@@ -214,7 +203,7 @@ pub fn snapshot_running_vm(config: &VmConfig, size: u64, dir: &Path) -> Vec<u64>
     running.pause().unwrap();
     let report = snapshot::write(&vm, dir).unwrap();
     assert_eq!(report.memory_bytes, vm.memory().size());
-    pages_done(&vm)
+    vm.pages_done()
 }
 
 /// Flips the bits `mask` of the byte at `offset` into the "ram" region of the snapshot in `dir`.
