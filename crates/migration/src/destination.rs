@@ -15,7 +15,7 @@ use crate::migrate::{
     Switchover, BLOCK, POSTCOPY_CHUNK,
 };
 use crate::source::memory_digest;
-use crate::stream::{Frame, MAX_REQUEST};
+use crate::stream::{Frame, FrameRef, MAX_REQUEST};
 use crate::transport::{Connection, Cutter, Listener};
 use crate::{Error, Result};
 
@@ -289,16 +289,23 @@ fn apply_pages(mut conn: Connection, memory: &GuestMemory) -> (Connection, Resul
         zero_pages: 0,
         last_round: 0,
     };
+    // One buffer for every frame: pages go from it straight into guest memory.
+    let mut buf = Vec::new();
     let result = loop {
-        let frame = match read_frame(&mut conn) {
-            Ok(f) => f,
-            Err(e) => break Err(e),
+        let frame = match Frame::read_into(&mut conn, &mut buf) {
+            Ok(FrameRef::Pages { gpa, pages }) => {
+                stats.pages += pages.len() as u64 / PAGE_SIZE;
+                if let Err(e) = memory.write(gpa, pages) {
+                    break Err(Error::Migration(format!(
+                        "the source sent pages outside this VM's memory: {e}"
+                    )));
+                }
+                continue;
+            }
+            Ok(FrameRef::Frame(f)) => f,
+            Err(e) => break Err(Error::Stream(e)),
         };
         let applied = match frame {
-            Frame::Pages { gpa, pages } => {
-                stats.pages += pages.len() as u64 / PAGE_SIZE;
-                memory.write(gpa, &pages)
-            }
             Frame::Zero { gpa, count } => {
                 stats.zero_pages += count;
                 let mut done = 0;

@@ -6,6 +6,7 @@ use clap::Subcommand;
 mod demand_paging;
 mod dirty_log;
 mod memslots;
+mod migrate;
 mod populate;
 mod qemu_migrate;
 pub mod qemu_peer;
@@ -21,6 +22,8 @@ pub enum Bench {
     Memslots(memslots::Args),
     /// Seed 003: dirty-page tracking per mode, like the kernel's dirty_log_perf_test.
     DirtyLog(dirty_log::Args),
+    /// Issue 8: live migration per size, dirty rate and mode, beside QEMU's pre-copy.
+    Migrate(migrate::Args),
     /// The QEMU peer of `bench migrate`: the same workload live-migrated by QEMU's pre-copy.
     #[command(hide = true)]
     QemuMigrate(qemu_migrate::Args),
@@ -35,6 +38,7 @@ pub fn main(bench: Bench) -> crate::Result<()> {
         Bench::DemandPaging(args) => demand_paging::main(args),
         Bench::Memslots(args) => memslots::main(args),
         Bench::DirtyLog(args) => dirty_log::main(args),
+        Bench::Migrate(args) => migrate::main(args),
         Bench::QemuMigrate(args) => qemu_migrate::main(args),
         Bench::Restore(args) => restore::main(args),
     }

@@ -1,0 +1,866 @@
+//! `guestmem bench migrate` (issue 8): live migration on loopback, per guest memory size, guest
+//! dirty rate and mode (pre-copy, post-copy, hybrid), beside QEMU's pre-copy of the same
+//! workload in the same invocation ([`qemu_peer::precopy`]).
+//!
+//! Each run builds fresh credentials in a temporary directory (removed after), binds a
+//! [`Listener`] (TCP on 127.0.0.1, port chosen by the kernel, or a Unix socket) and receives in a
+//! thread of this process (receive → [`migrate::Transfer::resume`] → the guest runs until
+//! [`migrate::Transfer::finish`], i.e. until every page is resident → stop). The source VM runs
+//! the `dirty` workload with `fill_first`: a first pass over all of RAM at full speed (every page
+//! holds data), then the asked rate; "idle" is [`qemu_peer::IDLE_PAGES_PER_S`] pages per second
+//! over all vCPUs (as QEMU's idle peer: the guest still moves, so its counters show it carry on),
+//! not a gated guest. Once the fill is done the guest's steady rate is measured over
+//! [`STEADY`]; then it migrates (`verify` off: the downtime is the switch-over alone).
+//!
+//! Guest slowdown: pages the guest wrote while migrating, over the time it ran meanwhile (the
+//! source from the migration's start to the switch-over; for post-copy and hybrid, plus the
+//! destination from its resume until every page is resident), against its steady rate before
+//! the migration. The downtime is not counted in it (it is its own column).
+//!
+//! Every figure is the median of `--repeat` runs (QEMU's too).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use guestmem_memory::{Backend, GuestMemory};
+use guestmem_migration::migrate::{
+    self, DestinationReport, Links, Mode, ReceiveOptions, Report, SendOptions,
+};
+use guestmem_migration::transport::{generate_credentials, Credentials, Endpoint, Listener, Role};
+use guestmem_vm::payload::CTL_PAGES_DONE;
+use guestmem_vm::{layout, VcpuWork, Vm, VmConfig, Workload};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+
+use super::qemu_peer;
+use crate::migrate::ModeArg;
+use crate::units::parse_size;
+
+/// A guest dirty rate: idle, or MiB/s over all vCPUs.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Rate {
+    Idle,
+    MibPerS(u64),
+}
+
+impl Rate {
+    fn label(self) -> String {
+        match self {
+            Rate::Idle => "idle".into(),
+            Rate::MibPerS(m) => format!("{m} MiB/s"),
+        }
+    }
+
+    fn mib_per_s(self) -> Option<u64> {
+        match self {
+            Rate::Idle => None,
+            Rate::MibPerS(m) => Some(m),
+        }
+    }
+
+    /// Pages per second over all vCPUs.
+    fn pages_per_s(self) -> u64 {
+        match self {
+            Rate::Idle => qemu_peer::IDLE_PAGES_PER_S,
+            Rate::MibPerS(m) => m * 256,
+        }
+    }
+}
+
+fn parse_rate(s: &str) -> Result<Rate, String> {
+    match s.trim() {
+        "idle" | "0" => Ok(Rate::Idle),
+        t => match t.parse::<u64>() {
+            Ok(m) => Ok(Rate::MibPerS(m)),
+            Err(_) => Err(format!("'{s}' is not a rate: idle, or MiB/s like 64")),
+        },
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum)]
+enum Transport {
+    Tcp,
+    Unix,
+}
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Guest memory sizes, e.g. 1G,4G.
+    #[arg(long, default_value = "1G,4G", value_delimiter = ',', value_parser = parse_size)]
+    sizes: Vec<u64>,
+    /// Guest dirty rates after the fill, MiB/s over all vCPUs; idle = 16 pages/s.
+    #[arg(long, default_value = "idle,64,512", value_delimiter = ',', value_parser = parse_rate)]
+    rates: Vec<Rate>,
+    /// Migration modes.
+    #[arg(
+        long,
+        default_value = "precopy,postcopy,hybrid",
+        value_delimiter = ',',
+        value_enum
+    )]
+    modes: Vec<ModeArg>,
+    /// vCPUs of the guest (all of them dirty; under QEMU only vCPU 0 does).
+    #[arg(long, default_value_t = 2)]
+    vcpus: usize,
+    /// Runs per case; every figure is the median.
+    #[arg(long, default_value_t = 3)]
+    repeat: usize,
+    /// Pages connections.
+    #[arg(long, default_value_t = 1)]
+    connections: usize,
+    /// Pre-copy's downtime target (QEMU's downtime-limit too), ms.
+    #[arg(long, default_value_t = 50)]
+    downtime_ms: u64,
+    /// Run the QEMU peer rows (pre-copy, same size and rate) in the same invocation (default).
+    #[arg(long, overrides_with = "no_qemu")]
+    qemu: bool,
+    /// Skip the QEMU peer rows.
+    #[arg(long, overrides_with = "qemu")]
+    no_qemu: bool,
+    /// Loopback transport: tcp (127.0.0.1) or unix (a socket in the temporary directory).
+    #[arg(long, value_enum, default_value = "tcp")]
+    transport: Transport,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// How long the guest's steady rate is measured before each migration.
+const STEADY: Duration = Duration::from_secs(1);
+/// How long the fill (first pass at full speed) may take.
+const FILL_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// One guestmem migration.
+struct Run {
+    report: Report,
+    steady_pages_per_s: f64,
+    during_pages_per_s: f64,
+}
+
+#[derive(Serialize)]
+struct Row {
+    memory_bytes: u64,
+    /// None: idle (16 pages/s).
+    dirty_mib_per_s: Option<u64>,
+    mode: Mode,
+    runs: usize,
+    total_ms: f64,
+    downtime_ms: f64,
+    total_ms_runs: Vec<f64>,
+    downtime_ms_runs: Vec<f64>,
+    sent_mib: f64,
+    rounds: f64,
+    /// Pre-copy rounds that converged (the rest hit the round limit).
+    converged_runs: usize,
+    max_throttle_percent: f64,
+    round1_mib_per_s: f64,
+    /// Post-copy (and hybrid): fault fetch latency on the destination.
+    fault_p50_us: Option<f64>,
+    fault_p99_us: Option<f64>,
+    faults: Option<f64>,
+    postcopy_resident_ms: Option<f64>,
+    source_extra_bytes: f64,
+    source_extra_percent: f64,
+    guest_steady_pages_per_s: f64,
+    guest_during_pages_per_s: f64,
+    slowdown_percent: f64,
+}
+
+#[derive(Serialize)]
+struct QemuRow {
+    memory_bytes: u64,
+    dirty_mib_per_s: Option<u64>,
+    mode: Mode,
+    qemu_version: String,
+    runs: usize,
+    total_ms: f64,
+    downtime_ms: f64,
+    total_ms_runs: Vec<f64>,
+    downtime_ms_runs: Vec<f64>,
+    sent_mib: f64,
+    dirty_syncs: f64,
+    boot_ms: f64,
+    guest_configured_pages_per_s: u64,
+    guest_during_pages_per_s: f64,
+    slowdown_percent: f64,
+}
+
+/// A guestmem pre-copy row against QEMU's of the same size and rate.
+#[derive(Serialize)]
+struct Comparison {
+    memory_bytes: u64,
+    dirty_mib_per_s: Option<u64>,
+    guestmem_downtime_ms: f64,
+    qemu_downtime_ms: f64,
+    guestmem_total_ms: f64,
+    qemu_total_ms: f64,
+    downtime_vs_qemu_ratio: f64,
+    total_vs_qemu_ratio: f64,
+}
+
+/// The issue's pre-copy target: a 4 GiB guest dirtying 64 MiB/s.
+#[derive(Serialize)]
+struct PrecopyTarget {
+    downtime_median_ms: f64,
+    downtime_target_ms: f64,
+    total_median_ms: f64,
+    qemu_downtime_median_ms: Option<f64>,
+    qemu_total_median_ms: Option<f64>,
+    downtime_vs_qemu_ratio: Option<f64>,
+    total_vs_qemu_ratio: Option<f64>,
+    met: Option<bool>,
+}
+
+#[derive(Serialize)]
+struct Output {
+    vcpus: usize,
+    connections: usize,
+    transport: String,
+    repeat: usize,
+    downtime_target_ms: u64,
+    idle_pages_per_s: u64,
+    load_average_before: Option<String>,
+    load_average_after: Option<String>,
+    rows: Vec<Row>,
+    qemu_rows: Vec<QemuRow>,
+    /// Why there are no QEMU rows, if there are none.
+    qemu_note: Option<String>,
+    comparisons: Vec<Comparison>,
+    /// 4 GiB, 64 MiB/s, pre-copy (None when that case was not run).
+    target_4g_64mib_precopy: Option<PrecopyTarget>,
+    /// Highest p99 fault latency of the post-copy and hybrid rows (target: under 1000 µs).
+    postcopy_fault_p99_us_max: Option<f64>,
+    postcopy_fault_p99_target_met: Option<bool>,
+    /// Highest source extra memory, % of guest memory (target: under 2).
+    source_extra_percent_max: Option<f64>,
+    source_extra_target_met: Option<bool>,
+}
+
+pub fn main(args: Args) -> crate::Result<()> {
+    if args.sizes.is_empty() || args.rates.is_empty() || args.modes.is_empty() {
+        return Err("--sizes, --rates and --modes each need at least one value".into());
+    }
+    if args.repeat == 0 {
+        return Err("--repeat: at least 1 run is needed".into());
+    }
+    if args.vcpus == 0 || args.vcpus > layout::MAX_VCPUS {
+        return Err(format!("--vcpus: 1 to {} are supported", layout::MAX_VCPUS).into());
+    }
+    if args.connections == 0 || args.connections > 64 {
+        return Err("--connections must be 1 to 64".into());
+    }
+    if let Some(&s) = args
+        .sizes
+        .iter()
+        .find(|&&s| s < (64 << 20) || !s.is_multiple_of(2 << 20))
+    {
+        return Err(format!("--sizes: {s} is not a multiple of 2 MiB of at least 64 MiB").into());
+    }
+    let modes: Vec<Mode> = args.modes.iter().map(|&m| m.into()).collect();
+    let run_qemu = !args.no_qemu && modes.contains(&Mode::Precopy);
+    let mut qemu_note = None;
+    let qemu_ok = run_qemu && {
+        match qemu_available() {
+            Ok(()) => true,
+            Err(why) => {
+                eprintln!("guestmem: no QEMU peer rows: {why}");
+                qemu_note = Some(why);
+                false
+            }
+        }
+    };
+    if args.no_qemu {
+        qemu_note = Some("--no-qemu".into());
+    }
+    let cases = args.sizes.len() * args.rates.len();
+    let total = cases * (modes.len() + usize::from(qemu_ok)) * args.repeat;
+    let bar = if args.json {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(total as u64)
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} {elapsed_precise} {msg}")
+            .expect("valid template"),
+    );
+    let load_before = load_average();
+    let mut rows = Vec::new();
+    let mut qemu_rows = Vec::new();
+    for &size in &args.sizes {
+        for &rate in &args.rates {
+            for &mode in &modes {
+                let mut runs = Vec::new();
+                for i in 0..args.repeat {
+                    bar.set_message(format!(
+                        "{} MiB, {}, {mode}: run {}",
+                        size >> 20,
+                        rate.label(),
+                        i + 1
+                    ));
+                    runs.push(run_once(&args, size, rate, mode)?);
+                    bar.inc(1);
+                }
+                rows.push(median_row(size, rate, mode, &runs));
+            }
+            if qemu_ok {
+                let mut runs = Vec::new();
+                for i in 0..args.repeat {
+                    bar.set_message(format!(
+                        "{} MiB, {}, QEMU pre-copy: run {}",
+                        size >> 20,
+                        rate.label(),
+                        i + 1
+                    ));
+                    let pages = rate.mib_per_s().map(|m| m * 256);
+                    runs.push(qemu_peer::precopy(
+                        size,
+                        pages,
+                        args.downtime_ms,
+                        args.vcpus,
+                    )?);
+                    bar.inc(1);
+                }
+                qemu_rows.push(qemu_row(size, rate, &runs));
+            }
+        }
+    }
+    bar.finish_and_clear();
+    let out = output(&args, rows, qemu_rows, qemu_note, load_before);
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        print_table(&out);
+    }
+    Ok(())
+}
+
+fn output(
+    args: &Args,
+    rows: Vec<Row>,
+    qemu_rows: Vec<QemuRow>,
+    qemu_note: Option<String>,
+    load_before: Option<String>,
+) -> Output {
+    let comparisons: Vec<Comparison> = rows
+        .iter()
+        .filter(|r| r.mode == Mode::Precopy)
+        .filter_map(|r| {
+            let q = qemu_rows.iter().find(|q| {
+                q.memory_bytes == r.memory_bytes && q.dirty_mib_per_s == r.dirty_mib_per_s
+            })?;
+            Some(Comparison {
+                memory_bytes: r.memory_bytes,
+                dirty_mib_per_s: r.dirty_mib_per_s,
+                guestmem_downtime_ms: r.downtime_ms,
+                qemu_downtime_ms: q.downtime_ms,
+                guestmem_total_ms: r.total_ms,
+                qemu_total_ms: q.total_ms,
+                downtime_vs_qemu_ratio: r.downtime_ms / q.downtime_ms.max(1e-3),
+                total_vs_qemu_ratio: r.total_ms / q.total_ms.max(1e-3),
+            })
+        })
+        .collect();
+    let target = rows
+        .iter()
+        .find(|r| {
+            r.mode == Mode::Precopy && r.memory_bytes == 4 << 30 && r.dirty_mib_per_s == Some(64)
+        })
+        .map(|r| {
+            let c = comparisons
+                .iter()
+                .find(|c| c.memory_bytes == r.memory_bytes && c.dirty_mib_per_s == Some(64));
+            let met = c.map(|c| {
+                r.downtime_ms <= args.downtime_ms.min(50) as f64
+                    && c.downtime_vs_qemu_ratio < 1.0
+                    && c.total_vs_qemu_ratio < 1.0
+            });
+            PrecopyTarget {
+                downtime_median_ms: r.downtime_ms,
+                downtime_target_ms: 50.0,
+                total_median_ms: r.total_ms,
+                qemu_downtime_median_ms: c.map(|c| c.qemu_downtime_ms),
+                qemu_total_median_ms: c.map(|c| c.qemu_total_ms),
+                downtime_vs_qemu_ratio: c.map(|c| c.downtime_vs_qemu_ratio),
+                total_vs_qemu_ratio: c.map(|c| c.total_vs_qemu_ratio),
+                met,
+            }
+        });
+    let p99 = rows
+        .iter()
+        .filter_map(|r| r.fault_p99_us)
+        .fold(None, |m: Option<f64>, v| Some(m.map_or(v, |m| m.max(v))));
+    let extra = rows
+        .iter()
+        .map(|r| r.source_extra_percent)
+        .fold(None, |m: Option<f64>, v| Some(m.map_or(v, |m| m.max(v))));
+    Output {
+        vcpus: args.vcpus,
+        connections: args.connections,
+        transport: match args.transport {
+            Transport::Tcp => "tcp:127.0.0.1".into(),
+            Transport::Unix => "unix".into(),
+        },
+        repeat: args.repeat,
+        downtime_target_ms: args.downtime_ms,
+        idle_pages_per_s: qemu_peer::IDLE_PAGES_PER_S,
+        load_average_before: load_before,
+        load_average_after: load_average(),
+        rows,
+        qemu_rows,
+        qemu_note,
+        comparisons,
+        target_4g_64mib_precopy: target,
+        postcopy_fault_p99_us_max: p99,
+        postcopy_fault_p99_target_met: p99.map(|p| p < 1000.0),
+        source_extra_percent_max: extra,
+        source_extra_target_met: extra.map(|e| e < 2.0),
+    }
+}
+
+/// `qemu-system-x86_64 --version` (or `GUESTMEM_QEMU`'s) runs.
+fn qemu_available() -> Result<(), String> {
+    let qemu = std::env::var("GUESTMEM_QEMU").unwrap_or_else(|_| "qemu-system-x86_64".into());
+    match std::process::Command::new(&qemu)
+        .arg("--version")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+    {
+        Ok(s) if s.success() => Ok(()),
+        Ok(s) => Err(format!("{qemu} --version failed ({s})")),
+        Err(e) => Err(format!(
+            "{qemu} cannot run ({e}); install qemu-system-x86 or name it in GUESTMEM_QEMU"
+        )),
+    }
+}
+
+fn load_average() -> Option<String> {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+}
+
+/// A directory removed (with what it holds) when dropped.
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The `dirty` workload: a first pass at full speed, then `rate` over all vCPUs.
+fn work(size: u64, vcpus: usize, rate: Rate) -> Vec<VcpuWork> {
+    let per_vcpu = (rate.pages_per_s() / vcpus as u64).max(1);
+    VcpuWork::split(
+        Workload::Dirty {
+            pages_per_s: Some(per_vcpu),
+            passes: None,
+            fill_first: true,
+        },
+        layout::RAM_GPA,
+        size,
+        vcpus,
+        1,
+    )
+}
+
+/// Pages the guest has written, all vCPUs (from their control blocks).
+fn pages_done(memory: &GuestMemory, vcpus: usize) -> crate::Result<u64> {
+    let mut sum = 0;
+    for i in 0..vcpus {
+        sum += memory.read_u64(layout::control_gpa(i) + CTL_PAGES_DONE)?;
+    }
+    Ok(sum)
+}
+
+/// What the destination thread saw.
+struct Received {
+    report: DestinationReport,
+    /// Post-copy: pages the guest wrote from the resume until every page was resident, and
+    /// that time.
+    pages: u64,
+    secs: f64,
+}
+
+/// The destination: receive, resume, let the guest run until every page is resident, stop.
+fn destination(listener: Arc<Listener>, vcpus: usize) -> crate::Result<Received> {
+    let migrate::Incoming {
+        mut vm,
+        mut transfer,
+    } = migrate::receive(listener, &ReceiveOptions::default())?;
+    let memory = vm.memory().clone();
+    let before = pages_done(&memory, vcpus)?;
+    let postcopy = transfer.mode() != Mode::Precopy;
+    let running = transfer.resume(&mut vm)?;
+    let t = Instant::now();
+    let report = transfer.finish();
+    let secs = t.elapsed().as_secs_f64();
+    let after = pages_done(&memory, vcpus)?;
+    running.stop();
+    let run = running.wait(Duration::from_secs(60));
+    let report = report?;
+    run?;
+    Ok(Received {
+        report,
+        pages: if postcopy { after - before } else { 0 },
+        secs: if postcopy { secs } else { 0.0 },
+    })
+}
+
+static RUN_ID: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// One migration of a fresh `size`-byte VM dirtying at `rate`, in `mode`.
+fn run_once(args: &Args, size: u64, rate: Rate, mode: Mode) -> crate::Result<Run> {
+    let n = RUN_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = TempDir(
+        std::env::temp_dir().join(format!("guestmem-bench-migrate-{}-{n}", std::process::id())),
+    );
+    let _ = std::fs::remove_dir_all(&dir.0);
+    generate_credentials(&dir.0)?;
+    let bind = match args.transport {
+        Transport::Tcp => Endpoint::Tcp("127.0.0.1:0".into()),
+        Transport::Unix => Endpoint::Unix(dir.0.join("migrate.sock")),
+    };
+    let listener = Arc::new(Listener::bind(
+        &bind,
+        &Credentials::load(&dir.0, Role::Destination)?,
+    )?);
+    let to = match args.transport {
+        Transport::Tcp => Endpoint::Tcp(format!(
+            "127.0.0.1:{}",
+            listener.port().ok_or("the TCP listener has no port")?
+        )),
+        Transport::Unix => bind,
+    };
+    let vcpus = args.vcpus;
+    let dest = std::thread::Builder::new()
+        .name("bench-destination".into())
+        .spawn(move || destination(listener, vcpus))?;
+
+    let mut vm = Vm::new(&VmConfig::simple(vcpus, size, Backend::Anon))?;
+    let memory = vm.memory().clone();
+    let running = vm.start(&work(size, vcpus, rate))?;
+    let deadline = Instant::now() + FILL_TIMEOUT;
+    while running.progress().iter().any(|&(_, g)| g < 1) {
+        if Instant::now() > deadline {
+            running.stop();
+            let _ = running.wait(Duration::from_secs(10));
+            return Err("the guest did not fill its memory in 300 s".into());
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // The fill is done; the throttle paces from its end. Let it settle, then measure.
+    std::thread::sleep(Duration::from_millis(200));
+    let p0 = pages_done(&memory, vcpus)?;
+    let t0 = Instant::now();
+    std::thread::sleep(STEADY);
+    let steady_pages_per_s = (pages_done(&memory, vcpus)? - p0) as f64 / t0.elapsed().as_secs_f64();
+
+    let opts = SendOptions {
+        mode,
+        downtime: Duration::from_millis(args.downtime_ms),
+        verify: false,
+        ..Default::default()
+    };
+    let creds = Credentials::load(&dir.0, Role::Source)?;
+    let links = match Links::connect(&to, &creds, mode, args.connections) {
+        Ok(l) => l,
+        Err(e) => {
+            running.stop();
+            let _ = running.wait(Duration::from_secs(10));
+            return Err(format!("cannot reach the destination: {e}").into());
+        }
+    };
+    let start_pages = pages_done(&memory, vcpus)?;
+    let report = match migrate::send(running, links, &opts) {
+        Ok(r) => r,
+        Err(failure) => {
+            if let Some(running) = failure.vm {
+                running.stop();
+                let _ = running.wait(Duration::from_secs(10));
+            }
+            return Err(format!("{mode} migration failed: {}", failure.error).into());
+        }
+    };
+    // The source is paused: its control blocks hold the counts at switch-over.
+    let source_pages = pages_done(&memory, vcpus)? - start_pages;
+    let switch_secs = report.rounds.last().map_or(report.total_ms, |r| r.start_ms) / 1e3;
+    let received = dest
+        .join()
+        .map_err(|_| "the destination thread panicked")??;
+    drop(vm);
+    let mut report = report;
+    if report.destination.is_none() {
+        report.destination = Some(received.report.clone());
+    }
+    let during_pages_per_s =
+        (source_pages + received.pages) as f64 / (switch_secs + received.secs).max(1e-6);
+    Ok(Run {
+        report,
+        steady_pages_per_s,
+        during_pages_per_s,
+    })
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn slowdown(steady: f64, during: f64) -> f64 {
+    if steady <= 0.0 {
+        return 0.0;
+    }
+    ((1.0 - during / steady) * 100.0).max(0.0)
+}
+
+fn median_row(size: u64, rate: Rate, mode: Mode, runs: &[Run]) -> Row {
+    let m = |f: &dyn Fn(&Run) -> f64| median(runs.iter().map(f).collect());
+    let opt = |f: &dyn Fn(&DestinationReport) -> f64| -> Option<f64> {
+        if mode == Mode::Precopy {
+            return None;
+        }
+        let v: Vec<f64> = runs
+            .iter()
+            .filter_map(|r| r.report.destination.as_ref().map(f))
+            .collect();
+        (!v.is_empty()).then(|| median(v))
+    };
+    let steady = m(&|r| r.steady_pages_per_s);
+    let during = m(&|r| r.during_pages_per_s);
+    let extra = m(&|r| r.report.source_extra_bytes as f64);
+    Row {
+        memory_bytes: size,
+        dirty_mib_per_s: rate.mib_per_s(),
+        mode,
+        runs: runs.len(),
+        total_ms: m(&|r| r.report.total_ms),
+        downtime_ms: m(&|r| r.report.downtime_ms),
+        total_ms_runs: runs.iter().map(|r| r.report.total_ms).collect(),
+        downtime_ms_runs: runs.iter().map(|r| r.report.downtime_ms).collect(),
+        sent_mib: m(&|r| r.report.bytes as f64 / (1 << 20) as f64),
+        rounds: m(&|r| r.report.rounds.len() as f64),
+        converged_runs: runs.iter().filter(|r| r.report.converged).count(),
+        max_throttle_percent: m(&|r| r.report.max_throttle_percent as f64),
+        round1_mib_per_s: m(&|r| {
+            r.report
+                .rounds
+                .first()
+                .map_or(0.0, |x| x.bandwidth_mib_per_s)
+        }),
+        fault_p50_us: opt(&|d| d.fault_latency_p50_us),
+        fault_p99_us: opt(&|d| d.fault_latency_p99_us),
+        faults: opt(&|d| d.faults as f64),
+        postcopy_resident_ms: opt(&|d| d.resident_ms),
+        source_extra_bytes: extra,
+        source_extra_percent: extra * 100.0 / size as f64,
+        guest_steady_pages_per_s: steady,
+        guest_during_pages_per_s: during,
+        slowdown_percent: median(
+            runs.iter()
+                .map(|r| slowdown(r.steady_pages_per_s, r.during_pages_per_s))
+                .collect(),
+        ),
+    }
+}
+
+fn qemu_row(size: u64, rate: Rate, runs: &[qemu_peer::QemuFigures]) -> QemuRow {
+    let m = |f: &dyn Fn(&qemu_peer::QemuFigures) -> f64| median(runs.iter().map(f).collect());
+    let configured = rate.pages_per_s();
+    let during = m(&|q| q.guest_pages_per_s_during);
+    QemuRow {
+        memory_bytes: size,
+        dirty_mib_per_s: rate.mib_per_s(),
+        mode: Mode::Precopy,
+        qemu_version: runs
+            .first()
+            .map(|q| q.qemu_version.clone())
+            .unwrap_or_default(),
+        runs: runs.len(),
+        total_ms: m(&|q| q.total_ms as f64),
+        downtime_ms: m(&|q| q.downtime_ms as f64),
+        total_ms_runs: runs.iter().map(|q| q.total_ms as f64).collect(),
+        downtime_ms_runs: runs.iter().map(|q| q.downtime_ms as f64).collect(),
+        sent_mib: m(&|q| q.bytes as f64 / (1 << 20) as f64),
+        dirty_syncs: m(&|q| q.dirty_sync_count as f64),
+        boot_ms: m(&|q| q.boot_ms),
+        guest_configured_pages_per_s: configured,
+        guest_during_pages_per_s: during,
+        slowdown_percent: median(
+            runs.iter()
+                .map(|q| slowdown(configured as f64, q.guest_pages_per_s_during))
+                .collect(),
+        ),
+    }
+}
+
+fn print_table(out: &Output) {
+    println!(
+        "live migration on loopback ({}, {} pages connection(s), TLS), {}-vCPU anon guest \
+         dirtying after a full first pass (idle: {} pages/s), downtime target {} ms, median of \
+         {} run(s); load average {} before, {} after",
+        out.transport,
+        out.connections,
+        out.vcpus,
+        out.idle_pages_per_s,
+        out.downtime_target_ms,
+        out.repeat,
+        out.load_average_before.as_deref().unwrap_or("?"),
+        out.load_average_after.as_deref().unwrap_or("?"),
+    );
+    println!(
+        "{:>8} {:>9} {:>14} {:>9} {:>9} {:>8} {:>6} {:>8} {:>8} {:>15} {:>11} {:>19} {:>8}",
+        "memory",
+        "rate",
+        "mode",
+        "total ms",
+        "downtime",
+        "MiB sent",
+        "rounds",
+        "throttle",
+        "r1 MiB/s",
+        "fault p50/p99µs",
+        "src extra",
+        "guest pg/s st->mig",
+        "slowdown"
+    );
+    let rate = |m: Option<u64>| m.map_or("idle".to_string(), |m| format!("{m} MiB/s"));
+    let mut printed_qemu = vec![false; out.qemu_rows.len()];
+    let print_qemu = |q: &QemuRow| {
+        println!(
+            "{:>8} {:>9} {:>14} {:>9.0} {:>9.0} {:>8.0} {:>6.0} {:>8} {:>8} {:>15} {:>11} {:>19} {:>7.1}%",
+            format!("{} MiB", q.memory_bytes >> 20),
+            rate(q.dirty_mib_per_s),
+            "QEMU precopy",
+            q.total_ms,
+            q.downtime_ms,
+            q.sent_mib,
+            q.dirty_syncs,
+            "-",
+            "-",
+            "-",
+            "-",
+            format!(
+                "{}->{:.0}",
+                q.guest_configured_pages_per_s, q.guest_during_pages_per_s
+            ),
+            q.slowdown_percent
+        );
+    };
+    for (i, r) in out.rows.iter().enumerate() {
+        println!(
+            "{:>8} {:>9} {:>14} {:>9.1} {:>9.1} {:>8.1} {:>6.0} {:>7.0}% {:>8.0} {:>15} {:>11} {:>19} {:>7.1}%",
+            format!("{} MiB", r.memory_bytes >> 20),
+            rate(r.dirty_mib_per_s),
+            r.mode.name(),
+            r.total_ms,
+            r.downtime_ms,
+            r.sent_mib,
+            r.rounds,
+            r.max_throttle_percent,
+            r.round1_mib_per_s,
+            match (r.fault_p50_us, r.fault_p99_us) {
+                (Some(a), Some(b)) => format!("{a:.0}/{b:.0}"),
+                _ => "-".into(),
+            },
+            format!("{:.2}%", r.source_extra_percent),
+            format!(
+                "{:.0}->{:.0}",
+                r.guest_steady_pages_per_s, r.guest_during_pages_per_s
+            ),
+            r.slowdown_percent
+        );
+        // The QEMU row after the last guestmem row of its size and rate.
+        let next_differs = out.rows.get(i + 1).is_none_or(|n| {
+            n.memory_bytes != r.memory_bytes || n.dirty_mib_per_s != r.dirty_mib_per_s
+        });
+        if next_differs {
+            for (j, q) in out.qemu_rows.iter().enumerate() {
+                if q.memory_bytes == r.memory_bytes && q.dirty_mib_per_s == r.dirty_mib_per_s {
+                    print_qemu(q);
+                    printed_qemu[j] = true;
+                }
+            }
+        }
+    }
+    for (j, q) in out.qemu_rows.iter().enumerate() {
+        if !printed_qemu[j] {
+            print_qemu(q);
+        }
+    }
+    if let Some(note) = &out.qemu_note {
+        println!("no QEMU rows: {note}");
+    }
+    for c in &out.comparisons {
+        println!(
+            "{} MiB, {}: pre-copy downtime_vs_qemu_ratio {:.2}, total_vs_qemu_ratio {:.2}",
+            c.memory_bytes >> 20,
+            rate(c.dirty_mib_per_s),
+            c.downtime_vs_qemu_ratio,
+            c.total_vs_qemu_ratio
+        );
+    }
+    let opt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}"));
+    if let Some(t) = &out.target_4g_64mib_precopy {
+        println!(
+            "target, 4 GiB at 64 MiB/s pre-copy: median downtime {:.1} ms (target <= 50), \
+             downtime_vs_qemu_ratio {}, total_vs_qemu_ratio {} (targets < 1): {}",
+            t.downtime_median_ms,
+            opt(t.downtime_vs_qemu_ratio),
+            opt(t.total_vs_qemu_ratio),
+            match t.met {
+                Some(true) => "met",
+                Some(false) => "MISSED",
+                None => "no QEMU row to compare",
+            }
+        );
+    }
+    if let Some(p) = out.postcopy_fault_p99_us_max {
+        println!(
+            "target, post-copy p99 fault latency < 1000 µs: worst row {p:.0} µs: {}",
+            if p < 1000.0 { "met" } else { "MISSED" }
+        );
+    }
+    if let Some(e) = out.source_extra_percent_max {
+        println!(
+            "target, source extra memory < 2% of guest memory: worst row {e:.2}%: {}",
+            if e < 2.0 { "met" } else { "MISSED" }
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: super::Args,
+    }
+
+    fn error_of(argv: &[&str]) -> String {
+        let cli = Cli::try_parse_from(std::iter::once("migrate").chain(argv.iter().copied()))
+            .expect("the arguments parse");
+        super::main(cli.args).expect_err("refused").to_string()
+    }
+
+    #[test]
+    fn rates_parse() {
+        assert_eq!(super::parse_rate("idle"), Ok(super::Rate::Idle));
+        assert_eq!(super::parse_rate("64"), Ok(super::Rate::MibPerS(64)));
+        assert!(super::parse_rate("fast").is_err());
+    }
+
+    #[test]
+    fn bad_arguments_are_refused_before_any_work() {
+        assert!(error_of(&["--vcpus", "0"]).contains("--vcpus"));
+        assert!(error_of(&["--sizes", "3M"]).contains("2 MiB"));
+        assert!(error_of(&["--repeat", "0"]).contains("--repeat"));
+        assert!(error_of(&["--connections", "0"]).contains("--connections"));
+        assert!(Cli::try_parse_from(["migrate", "--modes", "lazy"]).is_err());
+        assert!(Cli::try_parse_from(["migrate", "--rates", "fast"]).is_err());
+    }
+}
