@@ -379,13 +379,21 @@ fn arm_postcopy(
         };
         if bits.is_some() {
             let slots = vm.memory().memslots().expect("a VM's memory is registered");
-            let mut offset = 0;
-            while offset < region.size() {
-                if is_stale(offset) {
-                    let len = chunk.min(region.size() - offset);
-                    slots.discard(region.gpa() + offset, len)?;
+            // One discard per run of stale chunks (each discard is a memslot change).
+            let mut run: Option<u64> = None;
+            let ends = (0..region.size())
+                .step_by(chunk as usize)
+                .chain([region.size()]);
+            for offset in ends {
+                let stale = offset < region.size() && is_stale(offset);
+                match (run, stale) {
+                    (None, true) => run = Some(offset),
+                    (Some(start), false) => {
+                        slots.discard(region.gpa() + start, offset - start)?;
+                        run = None;
+                    }
+                    _ => {}
                 }
-                offset += chunk;
             }
         }
         let chunks = region.size().div_ceil(chunk) as usize;
