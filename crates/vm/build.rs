@@ -36,6 +36,11 @@ const CONTROL: &[(&str, u64)] = &[
     ("STATE_BAD_WORKLOAD", 3),
     // An address in the unbacked hole below the sys region: a write there is an MMIO exit.
     ("DONE_GPA", 0x1000),
+    // Another: the throttle writes there the TSC ticks it would otherwise spin, and the host
+    // sleeps them instead (capped; another VMM just ignores the write and the guest spins).
+    ("SLEEP_GPA", 0x2000),
+    // The throttle asks the host to sleep only when at least this many ticks ahead.
+    ("SLEEP_MIN_TICKS", 0x10000),
     // Guest memory layout (crates/vm/src/layout.rs re-exports these): the PVH entry builds the
     // same page tables and control block at the same places as the host does for KVM.
     ("PAYLOAD_GPA", 0x10_0000),

@@ -97,6 +97,13 @@ write:
         or      %rdx, %rax
         cmp     %rsi, %rax
         jae     .Lstore
+        mov     %rsi, %rdx                      # rdx = ticks until this page is due
+        sub     %rax, %rdx
+        cmp     $SLEEP_MIN_TICKS, %rdx
+        jb      .Lspin
+        mov     %rdx, SLEEP_GPA                 # far ahead: the host sleeps them (MMIO exit)
+        jmp     .Lthrottle
+.Lspin:
         pause
         cmpq    $0, CTL_STOP(%rbx)
         jne     finish

@@ -8,7 +8,7 @@ use kvm_ioctls::{Kvm, VcpuExit, VcpuFd};
 use vmm_sys_util::signal::{register_signal_handler, SIGRTMIN};
 
 use crate::layout;
-use crate::payload::DONE_GPA;
+use crate::payload::{DONE_GPA, SLEEP_GPA};
 use crate::{Error, Result};
 use guestmem_sys::uapi::KVM_EXIT_DIRTY_RING_FULL;
 
@@ -128,6 +128,7 @@ pub(crate) fn run_loop(
     kicked: &Arc<AtomicBool>,
     ring_full: &AtomicU64,
     throttle: &AtomicU64,
+    tsc_khz: u64,
 ) -> Outcome {
     loop {
         if kicked.load(Ordering::Acquire) {
@@ -135,6 +136,14 @@ pub(crate) fn run_loop(
         }
         let exit = match vcpu.run() {
             Ok(VcpuExit::MmioWrite(addr, _)) if addr == DONE_GPA => return Outcome::Done,
+            Ok(VcpuExit::MmioWrite(addr, data)) if addr == SLEEP_GPA => {
+                // The guest's throttle is ahead of its schedule: sleep instead of letting it
+                // spin (at most 2 ms, so that a stop or a kick is seen soon).
+                let ticks = data.try_into().map_or(0, u64::from_le_bytes);
+                let ns = ticks.saturating_mul(1_000_000) / tsc_khz.max(1);
+                std::thread::sleep(std::time::Duration::from_nanos(ns.min(2_000_000)));
+                continue;
+            }
             Ok(VcpuExit::Unsupported(KVM_EXIT_DIRTY_RING_FULL)) => {
                 ring_full.fetch_add(1, Ordering::Relaxed);
                 std::thread::sleep(std::time::Duration::from_micros(50));

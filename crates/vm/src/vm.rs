@@ -319,10 +319,12 @@ impl Vm {
                 let kicked = kicked.clone();
                 let ring_full = self.dirty_ring_full_exits.clone();
                 let throttle = self.throttle.clone();
+                let tsc_khz = self.tsc_khz;
                 std::thread::Builder::new()
                     .name(format!("vcpu{id}"))
                     .spawn(move || {
-                        let outcome = vcpu::run_loop(id, &mut v, &kicked, &ring_full, &throttle);
+                        let outcome =
+                            vcpu::run_loop(id, &mut v, &kicked, &ring_full, &throttle, tsc_khz);
                         let _ = done.send(id);
                         (v, outcome)
                     })
