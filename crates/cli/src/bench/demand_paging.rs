@@ -350,18 +350,8 @@ fn print_table(out: &Output) {
 
 #[cfg(test)]
 mod tests {
-    use clap::Parser;
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        args: super::Args,
-    }
-
     fn error_of(argv: &[&str]) -> String {
-        let cli = Cli::try_parse_from(std::iter::once("demand-paging").chain(argv.iter().copied()))
-            .expect("the arguments parse");
-        super::main(cli.args).expect_err("refused").to_string()
+        crate::bench::refusal(argv, super::main)
     }
 
     #[test]
@@ -373,6 +363,6 @@ mod tests {
             e.contains("-b 3145728") && e.contains("fault-around"),
             "{e}"
         );
-        assert!(Cli::try_parse_from(["demand-paging", "-u", "WP"]).is_err());
+        assert!(crate::bench::parse::<super::Args>(&["-u", "WP"]).is_err());
     }
 }

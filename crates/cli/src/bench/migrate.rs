@@ -833,18 +833,8 @@ fn print_table(out: &Output) {
 
 #[cfg(test)]
 mod tests {
-    use clap::Parser;
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        args: super::Args,
-    }
-
     fn error_of(argv: &[&str]) -> String {
-        let cli = Cli::try_parse_from(std::iter::once("migrate").chain(argv.iter().copied()))
-            .expect("the arguments parse");
-        super::main(cli.args).expect_err("refused").to_string()
+        crate::bench::refusal(argv, super::main)
     }
 
     #[test]
@@ -860,7 +850,7 @@ mod tests {
         assert!(error_of(&["--sizes", "3M"]).contains("2 MiB"));
         assert!(error_of(&["--repeat", "0"]).contains("--repeat"));
         assert!(error_of(&["--connections", "0"]).contains("--connections"));
-        assert!(Cli::try_parse_from(["migrate", "--modes", "lazy"]).is_err());
-        assert!(Cli::try_parse_from(["migrate", "--rates", "fast"]).is_err());
+        assert!(crate::bench::parse::<super::Args>(&["--modes", "lazy"]).is_err());
+        assert!(crate::bench::parse::<super::Args>(&["--rates", "fast"]).is_err());
     }
 }

@@ -43,3 +43,24 @@ pub fn main(bench: Bench) -> crate::Result<()> {
         Bench::Restore(args) => restore::main(args),
     }
 }
+
+/// For the benches' tests: `argv` parsed as bench `A`'s arguments.
+#[cfg(test)]
+pub(crate) fn parse<A: clap::Args>(argv: &[&str]) -> Result<A, clap::Error> {
+    #[derive(clap::Parser)]
+    struct Cli<A: clap::Args> {
+        #[command(flatten)]
+        args: A,
+    }
+    <Cli<A> as clap::Parser>::try_parse_from(std::iter::once("bench").chain(argv.iter().copied()))
+        .map(|cli| cli.args)
+}
+
+/// For the benches' tests: what bench `main` says of the arguments `argv`, which it must refuse
+/// before doing any work.
+#[cfg(test)]
+pub(crate) fn refusal<A: clap::Args>(argv: &[&str], main: fn(A) -> crate::Result<()>) -> String {
+    main(parse(argv).expect("the arguments parse"))
+        .expect_err("refused")
+        .to_string()
+}

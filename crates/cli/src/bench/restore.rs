@@ -536,18 +536,8 @@ fn print_table(out: &Output) {
 
 #[cfg(test)]
 mod tests {
-    use clap::Parser;
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        args: super::Args,
-    }
-
     fn error_of(argv: &[&str]) -> String {
-        let cli = Cli::try_parse_from(std::iter::once("restore").chain(argv.iter().copied()))
-            .expect("the arguments parse");
-        super::main(cli.args).expect_err("refused").to_string()
+        crate::bench::refusal(argv, super::main)
     }
 
     #[test]
@@ -556,6 +546,6 @@ mod tests {
         assert!(error_of(&["--sizes", "3M"]).contains("2 MiB"));
         assert!(error_of(&["--runs", "0"]).contains("--runs"));
         assert!(error_of(&["--modes", "lazy+ws,lazy"]).contains("lazy+ws needs lazy"));
-        assert!(Cli::try_parse_from(["restore", "--modes", "eager"]).is_err());
+        assert!(crate::bench::parse::<super::Args>(&["--modes", "eager"]).is_err());
     }
 }
