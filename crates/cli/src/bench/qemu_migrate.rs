@@ -18,6 +18,9 @@ pub struct Args {
     /// vCPUs (-smp); vCPU 0 runs the workload.
     #[arg(long, default_value_t = 1)]
     vcpus: usize,
+    /// The migration channel: plain TCP, or TLS with both peers verified.
+    #[arg(long, value_enum, default_value = "tls")]
+    channel: qemu_peer::Channel,
     /// Print one JSON object instead of the text.
     #[arg(long)]
     json: bool,
@@ -34,7 +37,13 @@ pub fn main(args: Args) -> crate::Result<()> {
             args.size >> 20
         );
     }
-    let f = qemu_peer::precopy(args.size, pages_per_s, args.downtime_limit_ms, args.vcpus)?;
+    let f = qemu_peer::precopy(
+        args.size,
+        pages_per_s,
+        args.downtime_limit_ms,
+        args.vcpus,
+        args.channel,
+    )?;
     if args.json {
         println!("{}", serde_json::to_string(&f)?);
         return Ok(());
@@ -44,11 +53,12 @@ pub fn main(args: Args) -> crate::Result<()> {
         None => format!("idle ({} pages/s)", qemu_peer::IDLE_PAGES_PER_S),
     };
     println!(
-        "{}: {} MiB, {} vCPU(s), dirtying {rate}, downtime limit {} ms",
+        "{}: {} MiB, {} vCPU(s), dirtying {rate}, downtime limit {} ms, {} channel",
         f.qemu_version,
         f.mem_bytes >> 20,
         f.vcpus,
-        f.downtime_limit_ms
+        f.downtime_limit_ms,
+        f.channel.name()
     );
     println!(
         "boot {:.0} ms, fill of {} pages {:.0} ms",

@@ -3,9 +3,11 @@
 //!
 //! [`precopy`] bakes the workload into guestmem's PVH payload (`guestmem payload`), boots it in
 //! a source QEMU (`-accel kvm -cpu host -machine pc`), waits until the guest has filled its
-//! range once at full speed and is dirtying it at the asked rate, starts a destination QEMU with
-//! `-incoming tcp:127.0.0.1:PORT`, migrates with `downtime-limit` set and the bandwidth
-//! unthrottled, and polls `query-migrate` until it completes; then it checks that the guest
+//! range once at full speed and is dirtying it at the asked rate, starts a destination QEMU
+//! listening on `tcp:127.0.0.1:PORT`, migrates with `downtime-limit` set and the bandwidth
+//! unthrottled, over plain TCP or over TLS with both peers verified (QEMU's `tls-creds-x509`
+//! with certificates from guestmem's own `generate_credentials`: the channel guestmem always
+//! uses), and polls `query-migrate` until it completes; then it checks that the guest
 //! carries on in the destination (its pages-done counter grows there). Both QEMUs are killed on
 //! every path. It speaks QMP (JSON lines over a Unix socket) and reads the guest's control
 //! block with the monitor's `xp` (`human-monitor-command`).
@@ -28,6 +30,7 @@ use serde::Serialize;
 use serde_json::{json, Value};
 
 use crate::payload::{self, PvhWorkload, MIN_RANGE_START};
+use guestmem_migration::transport::{generate_credentials, Role};
 
 /// The QEMU binary, unless `GUESTMEM_QEMU` names another.
 const QEMU: &str = "qemu-system-x86_64";
@@ -40,6 +43,26 @@ const MAX_BANDWIDTH: u64 = 100_000_000_000;
 const BOOT_TIMEOUT: Duration = Duration::from_secs(180);
 const MIGRATE_TIMEOUT: Duration = Duration::from_secs(900);
 const POLL: Duration = Duration::from_millis(100);
+
+/// The channel QEMU migrates over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Channel {
+    /// Plain TCP (QEMU's default).
+    Plain,
+    /// TLS, both peers verified by a CA (QEMU's `tls-creds-x509`, `verify-peer=on`), like
+    /// guestmem's channel.
+    Tls,
+}
+
+impl Channel {
+    pub fn name(self) -> &'static str {
+        match self {
+            Channel::Plain => "plain",
+            Channel::Tls => "tls",
+        }
+    }
+}
 
 /// What one pre-copy migration under QEMU took, as QEMU reports it (`query-migrate`), plus the
 /// costs around it. Field names carry their units.
@@ -54,6 +77,7 @@ pub struct QemuFigures {
     /// [`IDLE_PAGES_PER_S`]).
     pub dirty_pages_per_s: Option<u64>,
     pub downtime_limit_ms: u64,
+    pub channel: Channel,
     /// Pages of the workload's range (guest RAM from 8 MiB, holes skipped).
     pub range_pages: u64,
     /// From starting the source QEMU to the guest workload running (firmware and PVH entry).
@@ -87,13 +111,14 @@ pub struct QemuFigures {
 /// Runs the workload under QEMU with `mem` bytes of guest RAM and `vcpus` vCPUs (vCPU 0 runs
 /// it): a full-speed first pass over all RAM from 8 MiB, then `dirty_pages_per_s` pages per
 /// second (None: idle), and migrates it with QEMU's pre-copy on loopback, `downtime-limit`
-/// `downtime_limit_ms`, bandwidth unthrottled. Returns QEMU's figures; errors name the step
+/// `downtime_limit_ms`, bandwidth unthrottled, over `channel`. Returns QEMU's figures; errors name the step
 /// that failed, with QEMU's reason or its stderr.
 pub fn precopy(
     mem: u64,
     dirty_pages_per_s: Option<u64>,
     downtime_limit_ms: u64,
     vcpus: usize,
+    channel: Channel,
 ) -> crate::Result<QemuFigures> {
     if vcpus == 0 {
         return Err("a QEMU guest needs at least one vCPU".into());
@@ -145,8 +170,25 @@ pub fn precopy(
     .map(|s| s.to_string())
     .collect();
 
+    // TLS: the credentials guestmem uses, laid out as QEMU's x509 directories want them.
+    let tls = |endpoint: &str| -> Vec<String> {
+        match channel {
+            Channel::Plain => Vec::new(),
+            Channel::Tls => vec![
+                "-object".into(),
+                format!(
+                    "tls-creds-x509,id=tls0,dir={},endpoint={endpoint},verify-peer=on",
+                    dir.path().join(endpoint).display()
+                ),
+            ],
+        }
+    };
+    if channel == Channel::Tls {
+        qemu_credentials(dir.path())?;
+    }
+
     let booted = Instant::now();
-    let mut src = Qemu::start(&qemu, "source", &common, &[], dir.path())?;
+    let mut src = Qemu::start(&qemu, "source", &common, &tls("client"), dir.path())?;
     src.wait_for(BOOT_TIMEOUT, "the guest workload to start", |c| {
         if c.state == STATE_BAD_WORKLOAD {
             return Err("the payload found no RAM above 8 MiB in QEMU's e820 map".into());
@@ -165,17 +207,24 @@ pub fn precopy(
 
     let port = free_port()?;
     let incoming = format!("tcp:127.0.0.1:{port}");
-    let mut dst = Qemu::start(
-        &qemu,
-        "destination",
-        &common,
-        &["-incoming".to_string(), incoming.clone()],
-        dir.path(),
-    )?;
-    src.qmp.execute(
-        "migrate-set-parameters",
-        Some(json!({ "downtime-limit": downtime_limit_ms, "max-bandwidth": MAX_BANDWIDTH })),
-    )?;
+    let mut incoming_args = vec!["-incoming".to_string(), "defer".to_string()];
+    incoming_args.extend(tls("server"));
+    let mut dst = Qemu::start(&qemu, "destination", &common, &incoming_args, dir.path())?;
+    let mut src_params =
+        json!({ "downtime-limit": downtime_limit_ms, "max-bandwidth": MAX_BANDWIDTH });
+    if channel == Channel::Tls {
+        dst.qmp.execute(
+            "migrate-set-parameters",
+            Some(json!({ "tls-creds": "tls0" })),
+        )?;
+        src_params["tls-creds"] = json!("tls0");
+        // The name in the destination's certificate.
+        src_params["tls-hostname"] = json!(Role::Destination.name());
+    }
+    dst.qmp
+        .execute("migrate-incoming", Some(json!({ "uri": incoming })))?;
+    src.qmp
+        .execute("migrate-set-parameters", Some(src_params))?;
     let before = src.control()?;
     let started = Instant::now();
     src.qmp
@@ -239,6 +288,7 @@ pub fn precopy(
         vcpus,
         dirty_pages_per_s,
         downtime_limit_ms,
+        channel,
         range_pages,
         boot_ms,
         fill_ms,
@@ -254,6 +304,33 @@ pub fn precopy(
         guest_pages_per_s_during,
         dest_pages_per_s,
     })
+}
+
+/// Generates a CA and both peers' certificates in `dir/keys` and lays them out for QEMU:
+/// `dir/server` (the destination) and `dir/client` (the source), each with `ca-cert.pem`, its
+/// `*-cert.pem` and `*-key.pem`.
+fn qemu_credentials(dir: &Path) -> crate::Result<()> {
+    let keys = dir.join("keys");
+    generate_credentials(&keys)?;
+    for (endpoint, role) in [("server", Role::Destination), ("client", Role::Source)] {
+        let to = dir.join(endpoint);
+        std::fs::create_dir_all(&to).map_err(|e| format!("{}: {e}", to.display()))?;
+        for (from, name) in [
+            ("ca.pem".to_string(), "ca-cert.pem".to_string()),
+            (
+                format!("{}.pem", role.name()),
+                format!("{endpoint}-cert.pem"),
+            ),
+            (
+                format!("{}.key", role.name()),
+                format!("{endpoint}-key.pem"),
+            ),
+        ] {
+            std::fs::copy(keys.join(&from), to.join(&name))
+                .map_err(|e| format!("{}: {e}", to.join(&name).display()))?;
+        }
+    }
+    Ok(())
 }
 
 fn qemu_version(qemu: &str) -> crate::Result<String> {
