@@ -72,7 +72,7 @@ fn run(args: &Args, dir: &std::path::Path) -> crate::Result<()> {
     let how = HowArgs {
         mode: args.mode,
         downtime_ms: 50,
-        connections: 1,
+        connections: guestmem_migration::migrate::DEFAULT_CONNECTIONS,
         max_bandwidth_mib_per_s: None,
         no_auto_converge: false,
         verify: matches!(args.mode, ModeArg::Precopy),

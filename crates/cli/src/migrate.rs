@@ -86,7 +86,7 @@ pub struct HowArgs {
     #[arg(long, default_value_t = 50)]
     pub downtime_ms: u64,
     /// Connections sharing the page transfer.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = migrate::DEFAULT_CONNECTIONS)]
     pub connections: usize,
     /// Cap on the transfer's bandwidth, in MiB/s.
     #[arg(long)]

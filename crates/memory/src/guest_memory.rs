@@ -107,6 +107,21 @@ impl GuestMemory {
         Ok(())
     }
 
+    /// The `len` bytes of guest memory at `gpa` as a slice to write into, the pages marked
+    /// VMM-dirty: for a receiver that reads pages straight from a socket into guest memory.
+    ///
+    /// # Safety
+    /// Nothing else may read or write the range while the slice lives: no vCPU runs on it and
+    /// no other thread of the VMM touches it.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn bytes_mut(&self, gpa: u64, len: u64) -> Result<&mut [u8]> {
+        let (region, dst) = self.find(gpa, len)?;
+        region.vmm_dirty().mark(gpa - region.gpa(), len);
+        // SAFETY: `find` checked that `len` bytes at `dst` lie inside a live mapping that lasts
+        // as long as `self`; the caller guarantees nothing else accesses them meanwhile.
+        Ok(unsafe { std::slice::from_raw_parts_mut(dst, len as usize) })
+    }
+
     /// Reads one little-endian u64 at `gpa` (volatile: the guest may be writing it).
     pub fn read_u64(&self, gpa: u64) -> Result<u64> {
         let (_, p) = self.find(gpa, 8)?;

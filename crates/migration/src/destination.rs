@@ -139,6 +139,15 @@ pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incomin
         }
     };
     let memory = vm.memory().clone();
+    // The rounds fill anonymous RAM in bulk: huge pages save 511 of every 512 faults.
+    for region in memory.regions() {
+        if let Err(e) = region.advise_huge_pages() {
+            return Err(refuse(
+                &mut links,
+                format!("the destination cannot prepare its memory: {e}"),
+            ));
+        }
+    }
     let hello_back = serde_json::json!({ "guestmem_version": env!("CARGO_PKG_VERSION") });
     write_frame(
         &mut links.pages[0],
@@ -289,18 +298,28 @@ fn apply_pages(mut conn: Connection, memory: &GuestMemory) -> (Connection, Resul
         zero_pages: 0,
         last_round: 0,
     };
-    // One buffer for every frame: pages go from it straight into guest memory.
+    // Pages are read from the connection straight into guest memory; the other frames into
+    // one buffer kept for all of them.
     let mut buf = Vec::new();
     let result = loop {
-        let frame = match Frame::read_into(&mut conn, &mut buf) {
-            Ok(FrameRef::Pages { gpa, pages }) => {
-                stats.pages += pages.len() as u64 / PAGE_SIZE;
-                if let Err(e) = memory.write(gpa, pages) {
-                    break Err(Error::Migration(format!(
-                        "the source sent pages outside this VM's memory: {e}"
-                    )));
-                }
+        let place = |gpa: u64, len: usize| {
+            // SAFETY: the VM does not run before the rounds end, and each 2 MiB block travels
+            // on one connection only (a frame never crosses a block), so no other thread
+            // touches these bytes while they are read; a damaged frame fails the migration,
+            // and this memory is thrown away with the VM.
+            unsafe { memory.bytes_mut(gpa, len as u64) }.ok()
+        };
+        let frame = match Frame::read_into(&mut conn, &mut buf, place) {
+            Ok(FrameRef::Placed { len, .. }) => {
+                stats.pages += len as u64 / PAGE_SIZE;
                 continue;
+            }
+            Ok(FrameRef::Pages { gpa, pages }) => {
+                // `place` declined them: they are not inside this VM's memory.
+                break Err(Error::Migration(format!(
+                    "the source sent {} bytes of pages at {gpa:#x}, outside this VM's memory",
+                    pages.len()
+                )));
             }
             Ok(FrameRef::Frame(f)) => f,
             Err(e) => break Err(Error::Stream(e)),

@@ -75,6 +75,11 @@ pub const POSTCOPY_CHUNK: u64 = 128 << 10;
 /// The guest block that always travels on the same pages connection.
 pub(crate) const BLOCK: u64 = 2 << 20;
 
+/// Pages connections a migration opens unless told otherwise: on loopback one connection is
+/// bound by its receiving thread (decrypt, check, copy into guest memory), and a second one
+/// overlaps it (4 GiB pre-copy at 64 MiB/s: 8.3-9.6 s against 12.5 s with one).
+pub const DEFAULT_CONNECTIONS: usize = 2;
+
 /// Urgent connections opened for post-copy (one fault fetch in flight on each).
 pub(crate) const URGENT_CONNECTIONS: usize = 2;
 

@@ -87,11 +87,27 @@ mod kind {
     pub const RUNNING: u8 = 11;
 }
 
-/// A frame read by [`Frame::read_into`]: Pages borrow the reader's buffer.
+/// A frame read by [`Frame::read_into`]: Pages borrow the reader's buffer, or were placed.
 #[derive(Debug, PartialEq)]
 pub enum FrameRef<'b> {
-    Pages { gpa: u64, pages: &'b [u8] },
+    Pages {
+        gpa: u64,
+        pages: &'b [u8],
+    },
+    /// A Pages frame whose `len` bytes of pages were read into the slice `place` lent.
+    Placed {
+        gpa: u64,
+        len: usize,
+    },
     Frame(Frame),
+}
+
+fn check_crc(found: u32, computed: u32) -> Result<(), StreamError> {
+    if found == computed {
+        Ok(())
+    } else {
+        Err(StreamError::Checksum { found, computed })
+    }
 }
 
 impl Frame {
@@ -204,13 +220,48 @@ impl Frame {
     /// Like [`Frame::read_from`], but reads into `buf` (kept for the next frame) and lends a
     /// Pages frame's pages from it: a receiver applying rounds of 2 MiB frames allocates, zeroes
     /// and frees nothing per frame (the same bytes on the wire).
+    ///
+    /// `place` may take a Pages frame's pages where they belong: asked with the frame's gpa and
+    /// length, it lends a slice of exactly that length (guest memory) or declines (`None`).
+    /// Taken pages are read straight into it, saving a copy, and come back as
+    /// [`FrameRef::Placed`] once the CRC matched. A frame whose CRC does not match has already
+    /// written its bytes there: only a receiver that throws that memory away on an error may
+    /// place (a migration's destination before it runs the VM).
     pub fn read_into<'b>(
         r: &mut impl Read,
         buf: &'b mut Vec<u8>,
+        place: impl FnOnce(u64, usize) -> Option<&'b mut [u8]>,
     ) -> Result<FrameRef<'b>, StreamError> {
-        let (kind, len) = Frame::read_raw(r, buf)?;
+        let (header, len) = Frame::read_header(r)?;
+        if header[4] == kind::PAGES && len >= 8 + PAGE && (len - 8).is_multiple_of(PAGE) {
+            let mut gpa = [0u8; 8];
+            r.read_exact(&mut gpa)?;
+            let at = u64::from_le_bytes(gpa);
+            let placed = at
+                .is_multiple_of(PAGE as u64)
+                .then(|| place(at, len - 8))
+                .flatten();
+            if let Some(dst) = placed {
+                assert_eq!(dst.len(), len - 8, "`place` lent a slice of another length");
+                r.read_exact(dst)?;
+                let mut crc = [0u8; 4];
+                r.read_exact(&mut crc)?;
+                let mut hasher = crc32fast::Hasher::new();
+                hasher.update(&header);
+                hasher.update(&gpa);
+                hasher.update(dst);
+                check_crc(u32::from_le_bytes(crc), hasher.finalize())?;
+                return Ok(FrameRef::Placed {
+                    gpa: at,
+                    len: len - 8,
+                });
+            }
+            Frame::read_payload(r, &header, len, &gpa, buf)?;
+        } else {
+            Frame::read_payload(r, &header, len, &[], buf)?;
+        }
         let p = &buf[..len];
-        if kind == kind::PAGES {
+        if header[4] == kind::PAGES {
             // The same checks as `decode`.
             if p.len() < 8 + PAGE || !(p.len() - 8).is_multiple_of(PAGE) {
                 return Err(StreamError::Malformed(format!(
@@ -229,13 +280,20 @@ impl Frame {
                 pages: &p[8..],
             });
         }
-        Frame::decode(kind, p).map(FrameRef::Frame)
+        Frame::decode(header[4], p).map(FrameRef::Frame)
     }
 
     /// Reads one frame's header, payload and CRC, checks them, and leaves the payload at the
     /// start of `buf`; returns the frame's kind and payload length. `buf` only grows: its bytes
     /// are overwritten, not zeroed again.
     fn read_raw(r: &mut impl Read, buf: &mut Vec<u8>) -> Result<(u8, usize), StreamError> {
+        let (header, len) = Frame::read_header(r)?;
+        Frame::read_payload(r, &header, len, &[], buf)?;
+        Ok((header[4], len))
+    }
+
+    /// Reads and checks a frame's header; returns it and the payload length.
+    fn read_header(r: &mut impl Read) -> Result<([u8; HEADER], usize), StreamError> {
         let mut header = [0u8; HEADER];
         let mut got = 0;
         while got < HEADER {
@@ -262,20 +320,29 @@ impl Frame {
                 "payload length {len} exceeds {MAX_PAYLOAD}"
             )));
         }
-        let len = len as usize;
+        Ok((header, len as usize))
+    }
+
+    /// Reads the rest of a frame whose first payload bytes, `read`, are already in hand: the
+    /// whole payload lands at the start of `buf`, and the CRC over header and payload is
+    /// checked.
+    fn read_payload(
+        r: &mut impl Read,
+        header: &[u8; HEADER],
+        len: usize,
+        read: &[u8],
+        buf: &mut Vec<u8>,
+    ) -> Result<(), StreamError> {
         if buf.len() < len + 4 {
             buf.resize(len + 4, 0);
         }
-        r.read_exact(&mut buf[..len + 4])?;
+        buf[..read.len()].copy_from_slice(read);
+        r.read_exact(&mut buf[read.len()..len + 4])?;
         let found = u32::from_le_bytes(buf[len..len + 4].try_into().expect("4 bytes"));
         let mut hasher = crc32fast::Hasher::new();
-        hasher.update(&header);
+        hasher.update(header);
         hasher.update(&buf[..len]);
-        let computed = hasher.finalize();
-        if found != computed {
-            return Err(StreamError::Checksum { found, computed });
-        }
-        Ok((header[4], len))
+        check_crc(found, hasher.finalize())
     }
 
     fn decode(kind: u8, p: &[u8]) -> Result<Frame, StreamError> {
@@ -442,7 +509,7 @@ mod tests {
         let mut r = &bytes[..];
         let mut buf = Vec::new();
         for (i, pages) in [3, 1, 2].into_iter().enumerate() {
-            match Frame::read_into(&mut r, &mut buf).unwrap() {
+            match Frame::read_into(&mut r, &mut buf, |_, _| None).unwrap() {
                 FrameRef::Pages { gpa, pages: p } => {
                     assert_eq!(gpa, 0x1000 * i as u64);
                     assert_eq!(p, vec![i as u8 + 1; pages * PAGE]);
@@ -451,23 +518,78 @@ mod tests {
             }
         }
         for f in samples() {
-            let got = match Frame::read_into(&mut r, &mut buf).unwrap() {
+            let got = match Frame::read_into(&mut r, &mut buf, |_, _| None).unwrap() {
                 FrameRef::Pages { gpa, pages } => Frame::Pages {
                     gpa,
                     pages: pages.to_vec(),
                 },
                 FrameRef::Frame(f) => f,
+                placed => panic!("nothing was placed, got {placed:?}"),
             };
             assert_eq!(got, f);
         }
         assert!(matches!(
-            Frame::read_into(&mut r, &mut buf),
+            Frame::read_into(&mut r, &mut buf, |_, _| None),
             Err(StreamError::Closed)
         ));
         let mut bad = out.clone();
         bad[HEADER + 100] ^= 1;
         assert!(matches!(
-            Frame::read_into(&mut &bad[..], &mut buf),
+            Frame::read_into(&mut &bad[..], &mut buf, |_, _| None),
+            Err(StreamError::Checksum { .. })
+        ));
+    }
+
+    /// Pages that `place` takes land in its slice, whole and checked; declined ones come back
+    /// in the buffer; a damaged placed frame is still an error.
+    #[test]
+    fn placed_pages_are_read_where_they_belong() {
+        let mut bytes = Vec::new();
+        let mut out = Vec::new();
+        for (gpa, fill) in [(0x3000u64, 7u8), (0x9000, 9)] {
+            Frame::encode_pages_with(&mut out, gpa, 2 * PAGE, |buf| {
+                buf.fill(fill);
+                Ok(())
+            })
+            .unwrap();
+            bytes.extend_from_slice(&out);
+        }
+        Frame::Go.write_to(&mut bytes).unwrap();
+        let mut target = vec![0u8; 2 * PAGE];
+        let mut r = &bytes[..];
+        let mut buf = Vec::new();
+        let mut asked = None;
+        let got = Frame::read_into(&mut r, &mut buf, |gpa, len| {
+            asked = Some((gpa, len));
+            Some(&mut target[..])
+        })
+        .unwrap();
+        assert_eq!(
+            got,
+            FrameRef::Placed {
+                gpa: 0x3000,
+                len: 2 * PAGE
+            }
+        );
+        assert_eq!(asked, Some((0x3000, 2 * PAGE)));
+        assert_eq!(target, vec![7u8; 2 * PAGE]);
+        match Frame::read_into(&mut r, &mut buf, |_, _| None).unwrap() {
+            FrameRef::Pages { gpa, pages } => {
+                assert_eq!(gpa, 0x9000);
+                assert_eq!(pages, vec![9u8; 2 * PAGE]);
+            }
+            other => panic!("expected Pages, got {other:?}"),
+        }
+        let mut never = vec![0u8; 2 * PAGE];
+        assert_eq!(
+            Frame::read_into(&mut r, &mut buf, |_, _| Some(&mut never[..])).unwrap(),
+            FrameRef::Frame(Frame::Go)
+        );
+        assert_eq!(never, vec![0u8; 2 * PAGE], "only Pages are placed");
+        let mut bad = out.clone();
+        bad[HEADER + 8 + 100] ^= 1;
+        assert!(matches!(
+            Frame::read_into(&mut &bad[..], &mut buf, |_, _| Some(&mut target[..])),
             Err(StreamError::Checksum { .. })
         ));
     }
