@@ -535,8 +535,8 @@ impl Transfer {
 /// (background fetches) and the urgent ones (faults), and their re-establishment after a
 /// break.
 struct PostcopyLink {
-    /// Pages connections, then urgent ones; `None` while the link is down (or not yet open).
-    slots: Vec<Mutex<Option<Connection>>>,
+    /// Pages connections, then urgent ones.
+    slots: Vec<Mutex<Slot>>,
     pages: usize,
     cutters: Mutex<Vec<Cutter>>,
     state: Mutex<LinkState>,
@@ -547,6 +547,17 @@ struct PostcopyLink {
     latencies: Mutex<Vec<u32>>,
     background_fetches: AtomicU64,
     bytes: AtomicU64,
+}
+
+/// One connection of the post-copy link.
+#[derive(Default)]
+struct Slot {
+    /// `None` while the link is down (or not yet open).
+    conn: Option<Connection>,
+    /// What the source's answers are read into, kept from one fetch to the next (decoding
+    /// each answer afresh cost two 128 KiB allocations, one zeroed, and a copy: the first
+    /// fetches of a connection paid for fresh mappings too).
+    frame: Vec<u8>,
 }
 
 #[derive(Default)]
@@ -560,7 +571,9 @@ struct LinkState {
 impl PostcopyLink {
     fn new(pages: usize, urgent: usize, resume_timeout: Duration) -> PostcopyLink {
         PostcopyLink {
-            slots: (0..pages + urgent).map(|_| Mutex::new(None)).collect(),
+            slots: (0..pages + urgent)
+                .map(|_| Mutex::new(Slot::default()))
+                .collect(),
             pages,
             cutters: Mutex::new(Vec::new()),
             state: Mutex::new(LinkState::default()),
@@ -589,7 +602,7 @@ impl PostcopyLink {
             .iter()
             .zip(links.pages.into_iter().chain(links.urgent))
         {
-            *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(conn);
+            slot.lock().unwrap_or_else(|e| e.into_inner()).conn = Some(conn);
         }
         *self.cutters.lock().unwrap_or_else(|e| e.into_inner()) = cutters;
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
@@ -612,10 +625,11 @@ impl PostcopyLink {
                 (gpa / BLOCK) as usize % self.pages
             };
             {
-                let mut slot = self.slots[index].lock().unwrap_or_else(|e| e.into_inner());
-                if let Some(conn) = slot.as_mut() {
+                let mut guard = self.slots[index].lock().unwrap_or_else(|e| e.into_inner());
+                let slot = &mut *guard;
+                if let Some(conn) = slot.conn.as_mut() {
                     let asked = Instant::now();
-                    match request(conn, gpa, buf) {
+                    match request(conn, &mut slot.frame, gpa, buf) {
                         Ok(()) => {
                             self.bytes.fetch_add(buf.len() as u64, Ordering::Relaxed);
                             if urgent {
@@ -630,8 +644,8 @@ impl PostcopyLink {
                             return Ok(());
                         }
                         Err(e) => {
-                            *slot = None;
-                            drop(slot);
+                            slot.conn = None;
+                            drop(guard);
                             self.break_link(&e);
                         }
                     }
@@ -740,14 +754,14 @@ impl PostcopyLink {
                 let generation = self.generation();
                 {
                     let mut s = slot.lock().unwrap_or_else(|e| e.into_inner());
-                    if let Some(conn) = s.as_mut() {
+                    if let Some(conn) = s.conn.as_mut() {
                         let frame = Frame::Complete {
                             report_json: report_json.to_vec(),
                         };
                         match write_frame(conn, &frame) {
                             Ok(()) => break,
                             Err(e) => {
-                                *s = None;
+                                s.conn = None;
                                 drop(s);
                                 self.break_link(&e);
                             }
@@ -766,7 +780,7 @@ impl PostcopyLink {
         self.changed.notify_all();
         drop(st);
         for slot in &self.slots {
-            if let Some(mut conn) = slot.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            if let Some(mut conn) = slot.lock().unwrap_or_else(|e| e.into_inner()).conn.take() {
                 let _ = conn.flush();
             }
         }
@@ -774,8 +788,9 @@ impl PostcopyLink {
     }
 }
 
-/// One lock-step request: `buf.len()` bytes at `gpa`, in pieces of at most [`MAX_REQUEST`].
-fn request(conn: &mut Connection, gpa: u64, buf: &mut [u8]) -> Result<()> {
+/// One lock-step request: `buf.len()` bytes at `gpa`, in pieces of at most [`MAX_REQUEST`]
+/// (each answer read into `frame`).
+fn request(conn: &mut Connection, frame: &mut Vec<u8>, gpa: u64, buf: &mut [u8]) -> Result<()> {
     for (i, piece) in buf.chunks_mut(MAX_REQUEST as usize).enumerate() {
         let at = gpa + (i * MAX_REQUEST as usize) as u64;
         write_frame(
@@ -785,18 +800,23 @@ fn request(conn: &mut Connection, gpa: u64, buf: &mut [u8]) -> Result<()> {
                 len: piece.len() as u32,
             },
         )?;
-        match read_frame(conn)? {
-            Frame::Pages { gpa, pages } if gpa == at && pages.len() == piece.len() => {
-                piece.copy_from_slice(&pages)
+        match Frame::read_into(conn, frame).map_err(Error::Stream)? {
+            FrameRef::Pages { gpa, pages } if gpa == at && pages.len() == piece.len() => {
+                piece.copy_from_slice(pages)
             }
-            Frame::Zero { gpa, count } if gpa == at && count * PAGE_SIZE == piece.len() as u64 => {
+            FrameRef::Frame(Frame::Zero { gpa, count })
+                if gpa == at && count * PAGE_SIZE == piece.len() as u64 =>
+            {
                 piece.fill(0)
             }
             other => {
                 return Err(Error::Migration(format!(
                     "asked for {at:#x}+{:#x}, the source answered {}",
                     piece.len(),
-                    frame_name(&other)
+                    match &other {
+                        FrameRef::Pages { .. } => "Pages",
+                        FrameRef::Frame(f) => frame_name(f),
+                    }
                 )))
             }
         }

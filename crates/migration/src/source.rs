@@ -219,10 +219,10 @@ pub fn send<'a>(
         }
     };
     let switched = source.switch_over(vm, tracker.as_mut(), pending, &mut links, paused);
-    if let Some(t) = tracker {
-        let _ = t.stop();
-    }
     if let Err(error) = switched {
+        if let Some(t) = tracker {
+            let _ = t.stop();
+        }
         if source.committed {
             return Err(Box::new(Failure { error, vm: None }));
         }
@@ -232,7 +232,9 @@ pub fn send<'a>(
         }));
     }
 
-    // After Go: the destination runs the guest; serve post-copy, then the Complete.
+    // After Go: the destination runs the guest; serve post-copy, then the Complete. Dirty
+    // logging is switched off only then: it takes milliseconds (a memslot update per region)
+    // that the destination's first faults would otherwise wait for.
     let done = if opts.mode.has_postcopy() {
         source.serve_postcopy(links)
     } else {
@@ -242,6 +244,9 @@ pub fn send<'a>(
             Err(e) => Err(e),
         }
     };
+    if let Some(t) = tracker {
+        let _ = t.stop();
+    }
     match done {
         Ok(report_json) => {
             source.report.destination = serde_json::from_slice(&report_json).ok();
@@ -713,10 +718,25 @@ impl<'o> Source<'o> {
                 let threads: Vec<_> = links
                     .pages
                     .iter_mut()
-                    .chain(&mut links.urgent)
-                    .map(|conn| {
+                    .map(|conn| (conn, false))
+                    .chain(links.urgent.iter_mut().map(|conn| (conn, true)))
+                    .map(|(conn, urgent)| {
                         let (requests, bytes, cutters) = (&requests, &bytes, &cutters);
                         s.spawn(move || {
+                            if urgent {
+                                // A vCPU of the destination waits for every answer here: run
+                                // ahead of the background fetches' server and of other tasks
+                                // (best effort, as the destination's fault handlers).
+                                // SAFETY: setpriority on this thread only (a tid is a valid
+                                // PRIO_PROCESS `who`).
+                                unsafe {
+                                    libc::setpriority(
+                                        libc::PRIO_PROCESS,
+                                        libc::gettid() as libc::id_t,
+                                        -10,
+                                    )
+                                };
+                            }
                             let r = serve(conn, memory, requests, bytes);
                             if r.is_err() {
                                 // One connection broke: cut the others so that all of them

@@ -153,7 +153,8 @@ struct Shared {
     /// Readable once the threads must stop.
     stop: OwnedFd,
     faults: AtomicU64,
-    /// Handler threads busy with a batch of events right now (the background fetcher waits).
+    /// Handler threads busy with a batch of events right now (the background fetcher waits,
+    /// see [`Shared::wait_for_idle_handlers`]).
     busy_handlers: AtomicU64,
     fault_chunks: AtomicU64,
     readahead_chunks: AtomicU64,
@@ -673,7 +674,7 @@ impl Shared {
                         continue;
                     }
                 };
-                self.busy_handlers.fetch_add(1, Ordering::AcqRel);
+                self.handler_busy();
                 let mut sequential = None;
                 for event in batch {
                     match event {
@@ -691,7 +692,7 @@ impl Shared {
                 if let Some(chunk) = sequential {
                     self.read_ahead(shard, chunk, &mut bounce);
                 }
-                self.busy_handlers.fetch_sub(1, Ordering::AcqRel);
+                self.handler_idle();
             }
         }
     }
@@ -810,6 +811,34 @@ impl Shared {
                 Err(RESIDENT) => return true,
                 Err(_) => return false, // FAILED: the VM is being stopped
             }
+        }
+    }
+
+    /// A handler starts on a batch of events: the background fetcher holds back.
+    fn handler_busy(&self) {
+        self.busy_handlers.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// A handler is done with its batch: the last one wakes the background fetcher.
+    fn handler_idle(&self) {
+        if self.busy_handlers.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let _guard = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+            self.changed.notify_all();
+        }
+    }
+
+    /// The background fetcher's step aside: sleeps while a handler serves faults, so that a
+    /// fault's fetch has the CPU to itself (a `yield_now` loop here kept one of two cores busy
+    /// for the whole fetch, away from the page server and the vCPUs).
+    fn wait_for_idle_handlers(&self) {
+        let mut guard = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+        while self.busy_handlers.load(Ordering::Acquire) > 0 && guard.is_none() {
+            // The timeout only bounds a wait that a stop (which does not notify) would prolong.
+            guard = self
+                .changed
+                .wait_timeout(guard, Duration::from_millis(1))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
         }
     }
 
@@ -1121,9 +1150,7 @@ impl Shared {
                 .position(|s| s.contains(&chunk))
                 .expect("every chunk is in a shard");
             // Faults first, as in the sweep below.
-            while self.busy_handlers.load(Ordering::Acquire) > 0 {
-                std::thread::yield_now();
-            }
+            self.wait_for_idle_handlers();
             self.make_resident(chunk, shard, &mut bounce, By::Prefetch);
         }
         self.prefetch_done.store(true, Ordering::Release);
@@ -1150,9 +1177,7 @@ impl Shared {
                 for (shard, chunks) in self.shards.iter().enumerate() {
                     let chunk = chunks.start + round;
                     if chunk < chunks.end {
-                        while self.busy_handlers.load(Ordering::Acquire) > 0 {
-                            std::thread::yield_now();
-                        }
+                        self.wait_for_idle_handlers();
                         self.make_resident(chunk, shard, &mut bounce, By::Background);
                     }
                 }
@@ -1403,7 +1428,7 @@ fn serve_peer_faults(uffd: &Uffd, ranges: &[Arc<Shared>], stop: i32) {
             }
         };
         for s in ranges {
-            s.busy_handlers.fetch_add(1, Ordering::AcqRel);
+            s.handler_busy();
         }
         let mut sequential: Option<(&Arc<Shared>, usize)> = None;
         for event in batch {
@@ -1439,7 +1464,7 @@ fn serve_peer_faults(uffd: &Uffd, ranges: &[Arc<Shared>], stop: i32) {
             s.read_ahead(0, chunk, &mut bounce);
         }
         for s in ranges {
-            s.busy_handlers.fetch_sub(1, Ordering::AcqRel);
+            s.handler_idle();
         }
     }
 }
