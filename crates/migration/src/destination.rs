@@ -800,25 +800,31 @@ fn request(conn: &mut Connection, frame: &mut Vec<u8>, gpa: u64, buf: &mut [u8])
                 len: piece.len() as u32,
             },
         )?;
-        match Frame::read_into(conn, frame).map_err(Error::Stream)? {
-            FrameRef::Pages { gpa, pages } if gpa == at && pages.len() == piece.len() => {
-                piece.copy_from_slice(pages)
+        // The answer's pages go straight into `piece` (on an error it is not used).
+        let want = piece.len();
+        let zero = {
+            let slot = &mut *piece;
+            let place = move |gpa: u64, len: usize| (gpa == at && len == want).then_some(slot);
+            match Frame::read_into(conn, frame, place).map_err(Error::Stream)? {
+                FrameRef::Placed { .. } => false,
+                FrameRef::Frame(Frame::Zero { gpa, count })
+                    if gpa == at && count * PAGE_SIZE == want as u64 =>
+                {
+                    true
+                }
+                other => {
+                    return Err(Error::Migration(format!(
+                        "asked for {at:#x}+{want:#x}, the source answered {}",
+                        match &other {
+                            FrameRef::Pages { .. } | FrameRef::Placed { .. } => "Pages",
+                            FrameRef::Frame(f) => frame_name(f),
+                        }
+                    )))
+                }
             }
-            FrameRef::Frame(Frame::Zero { gpa, count })
-                if gpa == at && count * PAGE_SIZE == piece.len() as u64 =>
-            {
-                piece.fill(0)
-            }
-            other => {
-                return Err(Error::Migration(format!(
-                    "asked for {at:#x}+{:#x}, the source answered {}",
-                    piece.len(),
-                    match &other {
-                        FrameRef::Pages { .. } => "Pages",
-                        FrameRef::Frame(f) => frame_name(f),
-                    }
-                )))
-            }
+        };
+        if zero {
+            piece.fill(0);
         }
     }
     Ok(())
