@@ -9,8 +9,11 @@
 //!
 //! The region is cut into chunks (the fault-around size): a fault installs the whole chunk
 //! around the faulting page. Chunks are sharded by range over several userfaultfds, each
-//! served by handler threads that read events in batches; a background thread fetches the
-//! chunks nobody asked for yet, at low priority, and retires the pager once all are resident.
+//! served by handler threads that read events in batches; after a sequential fault the
+//! following chunks are read ahead (by the handler, or by readahead threads that keep several
+//! fetches in flight for a slow source); a background thread fetches the chunks nobody asked
+//! for yet, at low priority, and retires the pager once all are resident. A chunk is fetched
+//! from the source as one range ([`PageSource::fetch_pieces`]) and copied in as it arrives.
 
 mod error;
 mod pager;

@@ -1,5 +1,6 @@
 //! The pager: userfaultfds over a region, handler threads, and the background fetcher.
 
+use std::collections::VecDeque;
 use std::io;
 use std::ops::Range;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -33,6 +34,11 @@ pub struct PagerConfig {
     /// installs up to this many following chunks of the shard, once the vCPU is woken and
     /// while no other event is waiting.
     pub readahead_chunks: usize,
+    /// Readahead threads: with 0 the handler that saw the sequential fault installs the
+    /// readahead chunks itself, one after the other; with more, it queues them for these
+    /// threads and goes back to its events, and they fetch several chunks at once (for a
+    /// source with a slow link: each fetch waits for the link, so fetches in flight add up).
+    pub readahead_threads: usize,
     /// Fetch the chunks nobody asked for yet in a background thread, and retire the pager
     /// (unregister its userfaultfds) once the whole region is resident.
     pub background: bool,
@@ -56,6 +62,7 @@ impl Default for PagerConfig {
             handlers: 1,
             fault_around: 2 << 20,
             readahead_chunks: 4,
+            readahead_threads: 0,
             background: true,
             fetch_attempts: 3,
             retry_delay: Duration::from_millis(10),
@@ -116,6 +123,9 @@ const FAILED: u8 = 3;
 /// Largest bounce buffer of `Mode::Copy` (bigger chunks are copied in pieces), which keeps
 /// the pager's own memory small.
 const BOUNCE_MAX: u64 = 128 << 10;
+/// All threads' bounce buffers together take at most this share of the region (smaller
+/// buffers for small regions served by many threads).
+const BOUNCE_SHARE: u64 = 200;
 /// How long the background sweep waits for the guest's first fault before it starts anyway.
 const SWEEP_DELAY: Duration = Duration::from_millis(10);
 /// Events read per `read()` from a userfaultfd.
@@ -174,6 +184,10 @@ struct Shared {
     changed: Condvar,
     handlers: usize,
     readahead: usize,
+    readahead_threads: usize,
+    /// Chunks (and their shard) queued for the readahead threads, newest last.
+    readahead_queue: Mutex<VecDeque<(usize, usize)>>,
+    readahead_queued: Condvar,
     background: bool,
 }
 
@@ -377,6 +391,12 @@ impl Pager {
                 shared.serve_faults(&served)
             })?;
         }
+        for t in 0..config.readahead_threads {
+            let shared = shared.clone();
+            pager.spawn(format!("uffd-readahead{t}"), move || {
+                shared.serve_readahead()
+            })?;
+        }
         if config.background || !config.prefetch.is_empty() {
             let shared = shared.clone();
             pager.spawn("uffd-background".into(), move || shared.fetch_everything())?;
@@ -409,18 +429,24 @@ impl Pager {
         self.shared.size
     }
 
-    /// The pager's own memory: chunk states, bounce buffers and event buffers (thread stacks
-    /// are 256 KiB of address space each, touched only a few pages deep).
+    /// The pager's own memory: chunk states, bounce buffers, event buffers and the readahead
+    /// queue (thread stacks are 256 KiB of address space each, touched only a few pages deep).
     pub fn memory_bytes(&self) -> u64 {
         let s = &self.shared;
-        let threads = (s.handlers + usize::from(s.background)) as u64;
+        let threads = (s.handlers + s.readahead_threads + usize::from(s.background)) as u64;
         let bounce = if s.mode == Mode::Copy && s.source.mapped().is_none() {
             s.bounce
         } else {
             0
         };
         let event_buffers = s.handlers as u64 * EVENT_BATCH as u64 * 32;
-        s.states.len() as u64 + threads * bounce + event_buffers
+        let queue = s
+            .readahead_queue
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .capacity() as u64
+            * std::mem::size_of::<(usize, usize)>() as u64;
+        s.states.len() as u64 + threads * bounce + event_buffers + queue
     }
 
     /// Waits until the whole region is resident and the pager retired (`Ok(true)`), or
@@ -553,6 +579,9 @@ impl Shared {
             alias,
         } = layout;
         let chunks = size.div_ceil(chunk) as usize;
+        let threads = (config.handlers + config.readahead_threads + usize::from(config.background))
+            .max(1) as u64;
+        let bounce_share = (size / BOUNCE_SHARE / threads) & !(page - 1);
         Shared {
             region,
             gpa,
@@ -560,7 +589,7 @@ impl Shared {
             size,
             page,
             chunk,
-            bounce: chunk.min(BOUNCE_MAX.max(page)),
+            bounce: chunk.min(BOUNCE_MAX).min(bounce_share).max(page),
             mode,
             alias,
             uffds,
@@ -594,6 +623,9 @@ impl Shared {
             changed: Condvar::new(),
             handlers: config.handlers,
             readahead: config.readahead_chunks,
+            readahead_threads: config.readahead_threads,
+            readahead_queue: Mutex::new(VecDeque::new()),
+            readahead_queued: Condvar::new(),
             background: config.background,
         }
     }
@@ -617,6 +649,11 @@ impl Shared {
         let one = 1u64.to_ne_bytes();
         // SAFETY: writes 8 bytes from a live buffer to our eventfd.
         unsafe { libc::write(self.stop.as_raw_fd(), one.as_ptr().cast(), 8) };
+        let _queue = self
+            .readahead_queue
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        self.readahead_queued.notify_all();
     }
 
     fn unregister(&self) {
@@ -720,14 +757,61 @@ impl Shared {
     }
 
     /// Installs the chunks after `chunk` in its shard until the readahead window ends, a chunk
-    /// is already there, or another event waits on the shard's userfaultfd (faults first).
+    /// is already there, or another event waits on the shard's userfaultfd (faults first); with
+    /// readahead threads, queues the absent ones of the window for them instead.
     fn read_ahead(&self, shard: usize, chunk: usize, bounce: &mut Vec<u8>) {
         let end = (chunk + 1 + self.readahead).min(self.shards[shard].end);
+        if self.readahead_threads > 0 {
+            let mut queue = self
+                .readahead_queue
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            for next in chunk + 1..end {
+                if self.states[next].load(Ordering::Acquire) == ABSENT
+                    && !queue.contains(&(next, shard))
+                {
+                    queue.push_back((next, shard));
+                }
+            }
+            self.readahead_queued.notify_all();
+            return;
+        }
         for next in chunk + 1..end {
             if self.states[next].load(Ordering::Acquire) != ABSENT || self.events_waiting(shard) {
                 return;
             }
             self.make_resident(next, shard, bounce, By::Readahead);
+        }
+    }
+
+    /// A readahead thread: installs the queued chunks, oldest first, until stopped.
+    fn serve_readahead(&self) {
+        // The guest is about to touch these chunks: as urgent as a fault (see `serve_faults`).
+        // SAFETY: setpriority on this thread only (a tid is a valid PRIO_PROCESS `who`).
+        unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, -10) };
+        let mut bounce = Vec::new();
+        loop {
+            let next = {
+                let mut queue = self
+                    .readahead_queue
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner());
+                loop {
+                    // Checked under the queue's lock, which `signal_stop` takes to notify.
+                    if self.stopped() {
+                        return;
+                    }
+                    if let Some(next) = queue.pop_front() {
+                        break next;
+                    }
+                    queue = self
+                        .readahead_queued
+                        .wait(queue)
+                        .unwrap_or_else(|e| e.into_inner());
+                }
+            };
+            let (chunk, shard) = next;
+            self.make_resident(chunk, shard, &mut bounce, By::Readahead);
         }
     }
 
@@ -951,14 +1035,20 @@ impl Shared {
                 if bounce.len() < self.bounce as usize {
                     bounce.resize(self.bounce as usize, 0);
                 }
-                let mut off = start;
-                while off < start + len {
-                    let n = self.bounce.min(start + len - off);
-                    self.fetch(off, &mut bounce[..n as usize], by)?;
-                    if !self.copy(uffd, bounce.as_ptr(), off, n)? {
-                        return Ok(false);
-                    }
-                    off += n;
+                // The chunk is fetched as one range and copied in as its pieces arrive.
+                let mut copied = Ok(true);
+                self.fetch(
+                    start,
+                    len,
+                    &mut bounce[..self.bounce as usize],
+                    by,
+                    &mut |off, piece| {
+                        copied = self.copy(uffd, piece.as_ptr(), off, piece.len() as u64);
+                        matches!(copied, Ok(true))
+                    },
+                )?;
+                if !copied? {
+                    return Ok(false);
                 }
                 uffd.wake(
                     (self.host + start as usize) as *mut libc::c_void,
@@ -986,7 +1076,7 @@ impl Shared {
                         libc::MADV_POPULATE_WRITE,
                     )
                 };
-                self.fetch(start, dst, by)?;
+                self.fetch(start, len, dst, by, &mut |_, _| true)?;
                 self.map_page_cache(uffd, start, len)
             }
         }
@@ -1026,17 +1116,31 @@ impl Shared {
         }
     }
 
-    fn fetch(&self, off: u64, buf: &mut [u8], by: By) -> Result<()> {
+    /// Fetches `[off, off + len)` through `buf` into `sink` (see [`PageSource::fetch_pieces`]),
+    /// retrying a failed fetch from the first byte `sink` has not had yet.
+    fn fetch(
+        &self,
+        off: u64,
+        len: u64,
+        buf: &mut [u8],
+        by: By,
+        sink: &mut dyn FnMut(u64, &[u8]) -> bool,
+    ) -> Result<()> {
+        let urgent = matches!(by, By::Fault | By::Readahead);
+        let end = off + len;
+        let mut next = off;
         let mut last = None;
         for attempt in 1..=self.fetch_attempts {
-            let fetched = match by {
-                By::Background | By::Prefetch => self.source.fetch_background(off, buf),
-                By::Fault | By::Readahead => self.source.fetch(off, buf),
-            };
+            let fetched =
+                self.source
+                    .fetch_pieces(next, end - next, buf, urgent, &mut |at, piece| {
+                        next = at + piece.len() as u64;
+                        sink(at, piece)
+                    });
             match fetched {
                 Ok(()) => return Ok(()),
                 Err(e) => {
-                    tracing::warn!(region = %self.region, gpa = self.gpa + off, attempt, "page source: {e}");
+                    tracing::warn!(region = %self.region, gpa = self.gpa + next, attempt, "page source: {e}");
                     last = Some(e);
                     if attempt < self.fetch_attempts {
                         std::thread::sleep(self.retry_delay);
@@ -1046,8 +1150,8 @@ impl Shared {
         }
         Err(Error::SourceFailed {
             region: self.region.clone(),
-            gpa: self.gpa + off,
-            len: buf.len() as u64,
+            gpa: self.gpa + next,
+            len: end - next,
             attempts: self.fetch_attempts,
             source: last.expect("at least one attempt"),
         })
@@ -1308,9 +1412,11 @@ impl PeerPager {
             // SAFETY: `dup` is a userfaultfd we own; the Uffd takes it over (closes it on drop).
             let uffd = unsafe { Uffd::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(dup)) };
             let chunks = r.size.div_ceil(chunk) as usize;
-            // One handler; a prefetch list names offsets of one region, not of each range.
+            // One handler, which reads ahead itself; a prefetch list names offsets of one
+            // region, not of each range.
             let config = PagerConfig {
                 handlers: 1,
+                readahead_threads: 0,
                 prefetch: Vec::new(),
                 ..config.clone()
             };

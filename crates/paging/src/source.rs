@@ -6,8 +6,9 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 /// The bytes of one region, as the pager fetches them: offset 0 is the region's first byte.
 /// Sources are shared by the pager's threads, which fetch concurrently.
@@ -18,6 +19,36 @@ pub trait PageSource: Send + Sync {
     /// a slow link may send it down another, less urgent path.
     fn fetch_background(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
         self.fetch(offset, buf)
+    }
+    /// Fetches `[offset, offset + len)` in order, through `buf` a piece of at most `buf.len()`
+    /// bytes at a time, handing each piece and its offset to `sink`; `sink` returning false
+    /// stops the fetch (the rest is not wanted). `urgent`: someone waits for these bytes (else
+    /// as `fetch_background`). A source with a slow link asks for the whole range in one
+    /// request, so that a large range pays the link's latency once, not once per piece.
+    fn fetch_pieces(
+        &self,
+        offset: u64,
+        len: u64,
+        buf: &mut [u8],
+        urgent: bool,
+        sink: &mut dyn FnMut(u64, &[u8]) -> bool,
+    ) -> io::Result<()> {
+        let end = offset + len;
+        let mut off = offset;
+        while off < end {
+            let n = (end - off).min(buf.len() as u64) as usize;
+            let piece = &mut buf[..n];
+            if urgent {
+                self.fetch(off, piece)?;
+            } else {
+                self.fetch_background(off, piece)?;
+            }
+            if !sink(off, piece) {
+                break;
+            }
+            off += piece.len() as u64;
+        }
+        Ok(())
     }
     /// How many bytes the source holds; the pager refuses a larger region.
     fn size(&self) -> u64;
@@ -121,11 +152,20 @@ impl PageSource for FileSource {
 
 /// A peer that serves pages over stream connections, as the migration source does: each fetch
 /// sends a request (offset, length) and reads back a status and the bytes. The peer here is a
-/// thread per connection in this process, serving from another source after a per-fetch
-/// `delay` (simulated network latency); fetches on different connections overlap.
+/// thread per connection in this process, serving from another source after a per-request
+/// `delay` (simulated network latency); requests on different connections overlap, and a
+/// range fetched with [`PageSource::fetch_pieces`] is one request, streamed.
 pub struct RemoteSource {
     connections: Vec<Mutex<UnixStream>>,
     size: u64,
+    delays: Arc<DelayLog>,
+}
+
+/// The delays the peer threads really waited (a sleep takes longer than asked).
+#[derive(Default)]
+struct DelayLog {
+    nanos: AtomicU64,
+    count: AtomicU64,
 }
 
 /// Request: offset u64, length u64. Response: status i64 (0, or -errno), then the bytes.
@@ -140,67 +180,145 @@ impl RemoteSource {
         connections: usize,
     ) -> io::Result<RemoteSource> {
         let size = inner.size();
+        let delays = Arc::new(DelayLog::default());
         let mut ours = Vec::with_capacity(connections);
         for i in 0..connections.max(1) {
             let (local, peer) = UnixStream::pair()?;
             let inner = inner.clone();
+            let delays = delays.clone();
             std::thread::Builder::new()
                 .name(format!("page-peer{i}"))
-                .spawn(move || serve(peer, &*inner, delay))?;
+                .spawn(move || serve(peer, &*inner, delay, &delays))?;
             ours.push(Mutex::new(local));
         }
         Ok(RemoteSource {
             connections: ours,
             size,
+            delays,
         })
+    }
+
+    /// The mean delay the peer really waited per request so far (`None` before the first
+    /// delayed request).
+    pub fn observed_delay(&self) -> Option<Duration> {
+        let count = self.delays.count.load(Ordering::Relaxed);
+        (count > 0).then(|| Duration::from_nanos(self.delays.nanos.load(Ordering::Relaxed) / count))
+    }
+
+    /// A connection for a request at `offset`: the first idle one, starting from the one of
+    /// its 2 MiB block, or else that one once it is free.
+    fn connection(&self, offset: u64) -> MutexGuard<'_, UnixStream> {
+        let n = self.connections.len();
+        let first = (offset >> 21) as usize % n;
+        (0..n)
+            .find_map(|k| self.connections[(first + k) % n].try_lock().ok())
+            .unwrap_or_else(|| {
+                self.connections[first]
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+            })
     }
 }
 
-/// The peer's loop: answers requests until the connection closes.
-fn serve(mut stream: UnixStream, source: &dyn PageSource, delay: Duration) {
+/// The peer's loop: answers requests until the connection closes. It sends straight from the
+/// source's mapping when it has one (a real peer sends from its own memory).
+fn serve(mut stream: UnixStream, source: &dyn PageSource, delay: Duration, delays: &DelayLog) {
+    // The peer stands for another machine: its wait should be `delay`, not `delay` plus the
+    // timer slack (50 us by default) and a wait for a CPU behind the vCPU threads, which a
+    // real peer would not share (best effort: raising priority needs CAP_SYS_NICE). The
+    // delays really waited are logged either way.
+    // SAFETY: prctl and setpriority on this thread only (a tid is a valid PRIO_PROCESS `who`).
+    unsafe {
+        libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong);
+        libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, -10);
+    }
     let mut buf = Vec::new();
     let mut req = [0u8; HEADER];
     while stream.read_exact(&mut req).is_ok() {
         let offset = u64::from_le_bytes(req[..8].try_into().expect("8 bytes"));
-        let len = u64::from_le_bytes(req[8..].try_into().expect("8 bytes")) as usize;
+        let len = u64::from_le_bytes(req[8..].try_into().expect("8 bytes"));
         if !delay.is_zero() {
+            let slept = Instant::now();
             std::thread::sleep(delay);
+            delays
+                .nanos
+                .fetch_add(slept.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            delays.count.fetch_add(1, Ordering::Relaxed);
         }
-        buf.resize(len, 0);
-        let status: i64 = match source.fetch(offset, &mut buf) {
-            Ok(()) => 0,
+        let bytes: io::Result<&[u8]> = match source.mapped() {
+            Some(map)
+                if offset
+                    .checked_add(len)
+                    .is_some_and(|end| end <= source.size()) =>
+            {
+                // SAFETY: `[offset, offset + len)` lies inside the source's mapping (checked),
+                // which lives as long as `source`.
+                Ok(unsafe { std::slice::from_raw_parts(map.add(offset as usize), len as usize) })
+            }
+            _ => {
+                buf.resize(len as usize, 0);
+                source.fetch(offset, &mut buf).map(|()| &buf[..])
+            }
+        };
+        let status: i64 = match &bytes {
+            Ok(_) => 0,
             Err(e) => -(e.raw_os_error().unwrap_or(libc::EIO) as i64),
         };
-        let sent = stream.write_all(&status.to_le_bytes()).and_then(|()| {
-            if status == 0 {
-                stream.write_all(&buf)
-            } else {
-                Ok(())
-            }
-        });
+        let sent = stream
+            .write_all(&status.to_le_bytes())
+            .and_then(|()| match bytes {
+                Ok(bytes) => stream.write_all(bytes),
+                Err(_) => Ok(()),
+            });
         if sent.is_err() {
             return;
         }
     }
 }
 
+/// Sends a request for `len` bytes at `offset` and reads the status of its answer.
+fn request(stream: &mut UnixStream, offset: u64, len: u64) -> io::Result<()> {
+    let mut req = [0u8; HEADER];
+    req[..8].copy_from_slice(&offset.to_le_bytes());
+    req[8..].copy_from_slice(&len.to_le_bytes());
+    stream.write_all(&req)?;
+    let mut status = [0u8; 8];
+    stream.read_exact(&mut status)?;
+    match i64::from_le_bytes(status) {
+        0 => Ok(()),
+        e => Err(io::Error::from_raw_os_error(-e as i32)),
+    }
+}
+
 impl PageSource for RemoteSource {
     fn fetch(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
-        // Spread fetches over the connections by 2 MiB block.
-        let i = (offset >> 21) as usize % self.connections.len();
-        let mut stream = self.connections[i]
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        let mut req = [0u8; HEADER];
-        req[..8].copy_from_slice(&offset.to_le_bytes());
-        req[8..].copy_from_slice(&(buf.len() as u64).to_le_bytes());
-        stream.write_all(&req)?;
-        let mut status = [0u8; 8];
-        stream.read_exact(&mut status)?;
-        match i64::from_le_bytes(status) {
-            0 => stream.read_exact(buf),
-            e => Err(io::Error::from_raw_os_error(-e as i32)),
+        let mut stream = self.connection(offset);
+        request(&mut stream, offset, buf.len() as u64)?;
+        stream.read_exact(buf)
+    }
+    fn fetch_pieces(
+        &self,
+        offset: u64,
+        len: u64,
+        buf: &mut [u8],
+        _urgent: bool,
+        sink: &mut dyn FnMut(u64, &[u8]) -> bool,
+    ) -> io::Result<()> {
+        let mut stream = self.connection(offset);
+        request(&mut stream, offset, len)?;
+        let end = offset + len;
+        let mut off = offset;
+        let mut wanted = true;
+        while off < end {
+            let n = (end - off).min(buf.len() as u64) as usize;
+            let piece = &mut buf[..n];
+            stream.read_exact(piece)?;
+            // Once the sink has stopped, the rest is still read: the answer must be consumed
+            // for the connection's next request.
+            wanted = wanted && sink(off, piece);
+            off += piece.len() as u64;
         }
+        Ok(())
     }
     fn size(&self) -> u64 {
         self.size
@@ -234,17 +352,41 @@ impl WindowSource {
             )),
         }
     }
+
+    /// Fails, naming the range, when `[offset, offset + len)` is not inside the window.
+    fn check(&self, offset: u64, len: u64) -> io::Result<()> {
+        if offset.checked_add(len).is_none_or(|end| end > self.size) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("fetch {offset:#x}+{len:#x} outside the window"),
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl PageSource for WindowSource {
     fn fetch(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
-        if offset + buf.len() as u64 > self.size {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("fetch {offset:#x}+{:#x} outside the window", buf.len()),
-            ));
-        }
+        self.check(offset, buf.len() as u64)?;
         self.inner.fetch(self.offset + offset, buf)
+    }
+    fn fetch_background(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        self.check(offset, buf.len() as u64)?;
+        self.inner.fetch_background(self.offset + offset, buf)
+    }
+    fn fetch_pieces(
+        &self,
+        offset: u64,
+        len: u64,
+        buf: &mut [u8],
+        urgent: bool,
+        sink: &mut dyn FnMut(u64, &[u8]) -> bool,
+    ) -> io::Result<()> {
+        self.check(offset, len)?;
+        self.inner
+            .fetch_pieces(self.offset + offset, len, buf, urgent, &mut |off, piece| {
+                sink(off - self.offset, piece)
+            })
     }
     fn size(&self) -> u64 {
         self.size

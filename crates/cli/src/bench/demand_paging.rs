@@ -45,6 +45,11 @@ pub struct Args {
     /// Handler threads reading userfaultfd events (in total).
     #[arg(short = 'r', long, default_value_t = 2)]
     handlers: usize,
+    /// Readahead threads: fetch the chunks after a sequential fault concurrently (0: the
+    /// handler that saw the fault installs them itself). Default: 4 with `-d` (fetches in
+    /// flight hide the link's latency), 0 for the local file (nothing to hide).
+    #[arg(long)]
+    readahead_threads: Option<usize>,
     /// Per-fetch delay of the page source in microseconds (a remote peer; 0: the local file).
     #[arg(short = 'd', long, default_value_t = 0)]
     delay_us: u64,
@@ -70,6 +75,8 @@ struct Column {
     first_touch_pages_per_s: f64,
     demand_paging_pages_per_s: f64,
     ratio_vs_prepopulated: f64,
+    /// With `-d`: the mean delay the peer really waited per request (a sleep overshoots).
+    observed_delay_us: Option<f64>,
     pager_memory_bytes: u64,
     pager_memory_ratio_vs_guest: f64,
     faults: u64,
@@ -85,6 +92,7 @@ struct Output {
     bytes_per_vcpu: u64,
     one_uffd: bool,
     handlers: usize,
+    readahead_threads: usize,
     delay_us: u64,
     fault_around_bytes: u64,
     background: bool,
@@ -119,20 +127,24 @@ pub fn main(args: Args) -> crate::Result<()> {
         let mut best = (0.0f64, 0.0f64, 0.0f64);
         let mut stats = PagerStats::default();
         let mut pager_memory = 0;
+        let mut observed_delay = None;
         for _ in 0..args.repeat {
             let (prepopulated, _) = touch_rate(vcpus, size, backend, |vm| {
                 populate(vm, &file, size)?;
                 Ok(None)
             })?;
             let (first_touch, _) = touch_rate(vcpus, size, backend, |_| Ok(None))?;
+            let mut remote = None;
             let (demand, pager) = touch_rate(vcpus, size, backend, |vm| {
                 let ram = vm.memory().region("ram").expect("the VM has a ram region");
-                let pager =
-                    Pager::start(ram, source(&args, &file)?, &pager_config(&args, vm, vcpus))?;
+                let source = source(&args, &file)?;
+                remote = source.remote;
+                let pager = Pager::start(ram, source.pages, &pager_config(&args, vm, vcpus))?;
                 Ok(Some(pager))
             })?;
             if demand > best.2 {
                 (stats, pager_memory) = pager.expect("the demand-paging run has a pager");
+                observed_delay = remote.and_then(|r| r.observed_delay());
             }
             best = (
                 best.0.max(prepopulated),
@@ -147,6 +159,7 @@ pub fn main(args: Args) -> crate::Result<()> {
             first_touch_pages_per_s: first_touch,
             demand_paging_pages_per_s: demand,
             ratio_vs_prepopulated: demand / prepopulated,
+            observed_delay_us: observed_delay.map(|d| d.as_secs_f64() * 1e6),
             pager_memory_bytes: pager_memory,
             pager_memory_ratio_vs_guest: pager_memory as f64 / size as f64,
             faults: stats.faults,
@@ -179,6 +192,12 @@ pub fn main(args: Args) -> crate::Result<()> {
                 column.pager_memory_bytes >> 10,
                 column.pager_memory_ratio_vs_guest * 100.0
             );
+            if let Some(us) = column.observed_delay_us {
+                println!(
+                    "  remote delay: {} us asked, {us:.0} us waited per request",
+                    args.delay_us
+                );
+            }
         }
         columns.push(column);
     }
@@ -188,6 +207,7 @@ pub fn main(args: Args) -> crate::Result<()> {
         bytes_per_vcpu: args.bytes,
         one_uffd: args.one_uffd,
         handlers: args.handlers,
+        readahead_threads: readahead_threads(&args),
         delay_us: args.delay_us,
         fault_around_bytes: args.fault_around,
         background: !args.no_background,
@@ -205,6 +225,7 @@ fn pager_config(args: &Args, vm: &Vm, vcpus: usize) -> PagerConfig {
     PagerConfig {
         uffds: if args.one_uffd { 1 } else { vcpus },
         handlers: args.handlers,
+        readahead_threads: readahead_threads(args),
         fault_around: args.fault_around,
         background: !args.no_background,
         abort: Some(vm.abort_handle()),
@@ -212,18 +233,35 @@ fn pager_config(args: &Args, vm: &Vm, vcpus: usize) -> PagerConfig {
     }
 }
 
-/// The local file, or with `-d` a remote peer serving it after that delay per fetch.
-fn source(args: &Args, file: &File) -> crate::Result<Arc<dyn PageSource>> {
+fn readahead_threads(args: &Args) -> usize {
+    args.readahead_threads
+        .unwrap_or(if args.delay_us > 0 { 4 } else { 0 })
+}
+
+/// The pages of a demand-paging run, and the remote peer serving them with `-d` (for the delay
+/// it really waited).
+struct Source {
+    pages: Arc<dyn PageSource>,
+    remote: Option<Arc<RemoteSource>>,
+}
+
+/// The local file, or with `-d` a remote peer serving it after that delay per request.
+fn source(args: &Args, file: &File) -> crate::Result<Source> {
     let local: Arc<dyn PageSource> = Arc::new(FileSource::new(file.try_clone()?)?);
     if args.delay_us == 0 {
-        return Ok(local);
+        return Ok(Source {
+            pages: local,
+            remote: None,
+        });
     }
     let delay = Duration::from_micros(args.delay_us);
-    Ok(Arc::new(RemoteSource::spawn(
-        local,
-        delay,
-        args.handlers + 1,
-    )?))
+    // One connection for each thread that fetches: handlers, readahead, background.
+    let connections = args.handlers + readahead_threads(args) + 1;
+    let remote = Arc::new(RemoteSource::spawn(local, delay, connections)?);
+    Ok(Source {
+        pages: remote.clone(),
+        remote: Some(remote),
+    })
 }
 
 /// Runs `touch` on a fresh VM prepared by `prepare` (which may return the pager it started)
@@ -310,17 +348,23 @@ fn print_table(out: &Output) {
         Mode::Minor => "MINOR",
     };
     let source = if out.delay_us > 0 {
-        format!("remote, {} us per fetch", out.delay_us)
+        format!("remote, {} us per request", out.delay_us)
     } else {
         "local file".to_string()
     };
     println!();
     println!(
-        "{} per vCPU, {} backend, {}, {} handler threads, {} KiB fault-around, background fetch {}, {source}",
+        "{} per vCPU, {} backend, {}, {} handler threads, {} readahead threads, {} KiB \
+         fault-around, background fetch {}, {source}",
         format_args!("{} MiB", out.bytes_per_vcpu >> 20),
         out.backend,
-        if out.one_uffd { "one userfaultfd" } else { "one userfaultfd per vCPU" },
+        if out.one_uffd {
+            "one userfaultfd"
+        } else {
+            "one userfaultfd per vCPU"
+        },
         out.handlers,
+        out.readahead_threads,
         out.fault_around_bytes >> 10,
         if out.background { "on" } else { "off" },
     );
@@ -343,6 +387,12 @@ fn print_table(out: &Output) {
     row("ratio vs pre-populated", &|c| {
         format!("{:.2}", c.ratio_vs_prepopulated)
     });
+    if out.delay_us > 0 {
+        row("remote delay waited per request (us)", &|c| {
+            c.observed_delay_us
+                .map_or("-".into(), |us| format!("{us:.0}"))
+        });
+    }
     row("pager memory / guest memory", &|c| {
         format!("{:.3}%", c.pager_memory_ratio_vs_guest * 100.0)
     });
