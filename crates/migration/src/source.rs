@@ -821,11 +821,13 @@ fn serve(
         match read_frame(conn)? {
             Frame::Request { gpa, len } => {
                 let mut frame_out = std::mem::take(&mut out);
-                let zero = Frame::encode_pages_with(&mut frame_out, gpa, len as usize, |buf| {
-                    memory.read(gpa, buf).map_err(|e| {
+                let mut zero = true;
+                Frame::encode_pages_with(&mut frame_out, gpa, len as usize, |at, piece| {
+                    memory.read(gpa + at as u64, piece).map_err(|e| {
                         StreamError::Malformed(format!("request outside guest memory: {e}"))
                     })?;
-                    Ok(is_zero(buf))
+                    zero &= is_zero(piece);
+                    Ok(())
                 })
                 .map_err(Error::Stream)?;
                 if zero {
@@ -883,18 +885,20 @@ impl Writers {
                         let mut result = Ok(());
                         for job in rx {
                             let sent = match job {
-                                Job::Pages { gpa, len } => {
-                                    Frame::encode_pages_with(&mut out, gpa, len as usize, |buf| {
+                                Job::Pages { gpa, len } => Frame::encode_pages_with(
+                                    &mut out,
+                                    gpa,
+                                    len as usize,
+                                    |at, piece| {
                                         memory
-                                            .read(gpa, buf)
-                                            .map_err(|e| StreamError::Malformed(e.to_string()))?;
-                                        Ok(false)
-                                    })
-                                    .map_err(Error::Stream)
-                                    .and_then(|_| {
-                                        conn.write_all(&out).map_err(|e| Error::Stream(e.into()))
-                                    })
-                                }
+                                            .read(gpa + at as u64, piece)
+                                            .map_err(|e| StreamError::Malformed(e.to_string()))
+                                    },
+                                )
+                                .map_err(Error::Stream)
+                                .and_then(|_| {
+                                    conn.write_all(&out).map_err(|e| Error::Stream(e.into()))
+                                }),
                                 Job::Frame(f) => write_frame(&mut conn, &f),
                             };
                             if let Err(e) = sent {

@@ -17,6 +17,9 @@ pub const MAGIC: [u8; 4] = *b"GMf1";
 /// The largest payload a frame may carry: 2 MiB of pages plus their header.
 pub const MAX_PAYLOAD: u32 = (2 << 20) + 64;
 const HEADER: usize = 12;
+/// Pages are checksummed in pieces of this many bytes as they are copied (on both sides), so
+/// that each piece is still in the cache when its CRC is taken.
+pub const CRC_PIECE: usize = 64 << 10;
 
 /// One frame of the stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -178,13 +181,14 @@ impl Frame {
 
     /// Encodes into `out` (its contents replaced) a Pages frame of `len` bytes at `gpa`, whose pages
     /// `fill` writes straight into the frame (no copy in between: senders read guest memory
-    /// into it). Returns what `fill` returns (a sender may tell, say, that the pages were zero).
-    pub fn encode_pages_with<T>(
+    /// into it), [`CRC_PIECE`] bytes at a time: `fill(offset, piece)`. Each piece is
+    /// checksummed right after it is filled, while it is still in the cache.
+    pub fn encode_pages_with(
         out: &mut Vec<u8>,
         gpa: u64,
         len: usize,
-        fill: impl FnOnce(&mut [u8]) -> Result<T, StreamError>,
-    ) -> Result<T, StreamError> {
+        mut fill: impl FnMut(usize, &mut [u8]) -> Result<(), StreamError>,
+    ) -> Result<(), StreamError> {
         let payload = 8 + len;
         if len == 0 || !len.is_multiple_of(PAGE) || payload > MAX_PAYLOAD as usize {
             return Err(StreamError::Malformed(format!(
@@ -203,10 +207,15 @@ impl Frame {
         out[4..8].copy_from_slice(&[kind::PAGES, 0, 0, 0]);
         out[8..12].copy_from_slice(&(payload as u32).to_le_bytes());
         out[12..20].copy_from_slice(&gpa.to_le_bytes());
-        let filled = fill(&mut out[HEADER + 8..])?;
-        let crc = crc32fast::hash(out);
+        let mut hasher = crc32fast::Hasher::new();
+        hasher.update(&out[..HEADER + 8]);
+        for (i, piece) in out[HEADER + 8..].chunks_mut(CRC_PIECE).enumerate() {
+            fill(i * CRC_PIECE, piece)?;
+            hasher.update(piece);
+        }
+        let crc = hasher.finalize();
         out.extend_from_slice(&crc.to_le_bytes());
-        Ok(filled)
+        Ok(())
     }
 
     /// Reads and checks one frame. A clean end of stream before a frame starts is
@@ -243,13 +252,15 @@ impl Frame {
                 .flatten();
             if let Some(dst) = placed {
                 assert_eq!(dst.len(), len - 8, "`place` lent a slice of another length");
-                r.read_exact(dst)?;
-                let mut crc = [0u8; 4];
-                r.read_exact(&mut crc)?;
                 let mut hasher = crc32fast::Hasher::new();
                 hasher.update(&header);
                 hasher.update(&gpa);
-                hasher.update(dst);
+                for piece in dst.chunks_mut(CRC_PIECE) {
+                    r.read_exact(piece)?;
+                    hasher.update(piece);
+                }
+                let mut crc = [0u8; 4];
+                r.read_exact(&mut crc)?;
                 check_crc(u32::from_le_bytes(crc), hasher.finalize())?;
                 return Ok(FrameRef::Placed {
                     gpa: at,
@@ -496,7 +507,7 @@ mod tests {
         let mut bytes = Vec::new();
         let mut out = Vec::new();
         for (i, pages) in [3, 1, 2].into_iter().enumerate() {
-            Frame::encode_pages_with(&mut out, 0x1000 * i as u64, pages * PAGE, |buf| {
+            Frame::encode_pages_with(&mut out, 0x1000 * i as u64, pages * PAGE, |_, buf| {
                 buf.fill(i as u8 + 1);
                 Ok(())
             })
@@ -547,7 +558,7 @@ mod tests {
         let mut bytes = Vec::new();
         let mut out = Vec::new();
         for (gpa, fill) in [(0x3000u64, 7u8), (0x9000, 9)] {
-            Frame::encode_pages_with(&mut out, gpa, 2 * PAGE, |buf| {
+            Frame::encode_pages_with(&mut out, gpa, 2 * PAGE, |_, buf| {
                 buf.fill(fill);
                 Ok(())
             })
@@ -675,7 +686,7 @@ mod tests {
         .encode()
         .is_err());
         let mut out = Vec::new();
-        Frame::encode_pages_with(&mut out, 0x3000, 2 * PAGE, |b| {
+        Frame::encode_pages_with(&mut out, 0x3000, 2 * PAGE, |_, b| {
             b.fill(5);
             Ok(())
         })
@@ -689,7 +700,7 @@ mod tests {
             .encode()
             .unwrap()
         );
-        assert!(Frame::encode_pages_with(&mut out, 0, 100, |_| Ok(())).is_err());
+        assert!(Frame::encode_pages_with(&mut out, 0, 100, |_, _| Ok(())).is_err());
     }
 
     /// Random bytes never panic the decoder (the fuzz target in fuzz/ does this at scale).
