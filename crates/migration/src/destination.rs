@@ -425,6 +425,7 @@ fn arm_postcopy(
             fetch_attempts: 1,
             retry_delay: Duration::from_millis(1),
             abort: Some(vm.abort_handle()),
+            realtime_handlers: true,
             ..Default::default()
         };
         let source = RegionSource {

@@ -725,17 +725,9 @@ impl<'o> Source<'o> {
                         s.spawn(move || {
                             if urgent {
                                 // A vCPU of the destination waits for every answer here: run
-                                // ahead of the background fetches' server and of other tasks
-                                // (best effort, as the destination's fault handlers).
-                                // SAFETY: setpriority on this thread only (a tid is a valid
-                                // PRIO_PROCESS `who`).
-                                unsafe {
-                                    libc::setpriority(
-                                        libc::PRIO_PROCESS,
-                                        libc::gettid() as libc::id_t,
-                                        -10,
-                                    )
-                                };
+                                // ahead of the background fetches' server and of other tasks,
+                                // as the destination's fault handlers do.
+                                guestmem_paging::priority::make_realtime();
                             }
                             let r = serve(conn, memory, requests, bytes);
                             if r.is_err() {

@@ -17,6 +17,7 @@
 
 mod error;
 mod pager;
+pub mod priority;
 mod source;
 
 pub use error::{Error, Result};

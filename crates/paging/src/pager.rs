@@ -17,7 +17,7 @@ use guestmem_sys::uapi::{
 use guestmem_vm::AbortHandle;
 use userfaultfd::{Event, EventBuffer, FaultKind, FeatureFlags, RegisterMode, Uffd, UffdBuilder};
 
-use crate::{Error, PageSource, Result};
+use crate::{priority, Error, PageSource, Result};
 
 /// How a [`Pager`] works.
 #[derive(Debug, Clone)]
@@ -53,6 +53,10 @@ pub struct PagerConfig {
     /// (e.g. the working set a previous run faulted on, see [`Pager::fault_order`]). Fetched
     /// by the background thread, which runs for them even without `background`.
     pub prefetch: Vec<u64>,
+    /// Run the fault handlers under `SCHED_FIFO` ([`priority::make_realtime`]) instead of at
+    /// nice -10: for a source whose every fetch crosses a link, where a fault's answer must
+    /// not wait behind the background transfer for a time slice (post-copy).
+    pub realtime_handlers: bool,
 }
 
 impl Default for PagerConfig {
@@ -68,6 +72,7 @@ impl Default for PagerConfig {
             retry_delay: Duration::from_millis(10),
             abort: None,
             prefetch: Vec::new(),
+            realtime_handlers: false,
         }
     }
 }
@@ -158,6 +163,8 @@ struct Shared {
     fetch_attempts: u32,
     retry_delay: Duration,
     abort: Option<AbortHandle>,
+    /// The fault handlers run under `SCHED_FIFO` ([`PagerConfig::realtime_handlers`]).
+    realtime: bool,
     /// Also told when a fetch fails for good (a page server kills its peer VMM with it).
     on_failure: Option<OnFailure>,
     /// Readable once the threads must stop.
@@ -597,6 +604,7 @@ impl Shared {
             states: (0..chunks).map(|_| AtomicU8::new(ABSENT)).collect(),
             source,
             fetch_attempts: config.fetch_attempts,
+            realtime: config.realtime_handlers,
             retry_delay: config.retry_delay,
             abort: config.abort.clone(),
             on_failure,
@@ -677,9 +685,12 @@ impl Shared {
     /// A handler thread: reads events in batches from the `served` userfaultfds until stopped.
     fn serve_faults(&self, served: &[usize]) {
         // A vCPU waits while its fault is served: handlers run ahead of the vCPU threads when
-        // the host is busy (best effort: raising priority needs CAP_SYS_NICE).
-        // SAFETY: setpriority on this thread only (a tid is a valid PRIO_PROCESS `who`).
-        unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, -10) };
+        // the host is busy.
+        if self.realtime {
+            priority::make_realtime();
+        } else {
+            priority::raise();
+        }
         let mut events = EventBuffer::new(EVENT_BATCH);
         let mut bounce = Vec::new();
         let mut fds: Vec<libc::pollfd> = std::iter::once(self.stop.as_raw_fd())
@@ -786,9 +797,8 @@ impl Shared {
 
     /// A readahead thread: installs the queued chunks, oldest first, until stopped.
     fn serve_readahead(&self) {
-        // The guest is about to touch these chunks: as urgent as a fault (see `serve_faults`).
-        // SAFETY: setpriority on this thread only (a tid is a valid PRIO_PROCESS `who`).
-        unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, -10) };
+        // The guest is about to touch these chunks: nearly as urgent as a fault.
+        priority::raise();
         let mut bounce = Vec::new();
         loop {
             let next = {
@@ -1499,8 +1509,7 @@ impl Drop for PeerPager {
 
 /// The [`PeerPager`]'s handler: reads events in batches and hands each to its range.
 fn serve_peer_faults(uffd: &Uffd, ranges: &[Arc<Shared>], stop: i32) {
-    // SAFETY: setpriority on this thread only (best effort, as in `serve_faults`).
-    unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, -10) };
+    priority::raise();
     let mut events = EventBuffer::new(EVENT_BATCH);
     let mut bounce = Vec::new();
     let find = |addr: usize| {

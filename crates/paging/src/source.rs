@@ -227,11 +227,9 @@ fn serve(mut stream: UnixStream, source: &dyn PageSource, delay: Duration, delay
     // timer slack (50 us by default) and a wait for a CPU behind the vCPU threads, which a
     // real peer would not share (best effort: raising priority needs CAP_SYS_NICE). The
     // delays really waited are logged either way.
-    // SAFETY: prctl and setpriority on this thread only (a tid is a valid PRIO_PROCESS `who`).
-    unsafe {
-        libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong);
-        libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, -10);
-    }
+    // SAFETY: prctl on this thread only.
+    unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong) };
+    crate::priority::raise();
     let mut buf = Vec::new();
     let mut req = [0u8; HEADER];
     while stream.read_exact(&mut req).is_ok() {
