@@ -37,10 +37,23 @@ struct Pair {
 }
 
 impl Pair {
+    /// The destination on a Unix socket.
     fn new(name: &str) -> Pair {
+        Pair::bind(name, false)
+    }
+
+    /// The destination on 127.0.0.1, at a port the kernel picks.
+    fn tcp(name: &str) -> Pair {
+        Pair::bind(name, true)
+    }
+
+    fn bind(name: &str, tcp: bool) -> Pair {
         let dir = TempDir::new(&format!("migrate-{name}"));
         generate_credentials(&dir.0).unwrap();
-        let endpoint = Endpoint::Unix(dir.0.join("sock"));
+        let endpoint = match tcp {
+            true => Endpoint::Tcp("127.0.0.1:0".into()),
+            false => Endpoint::Unix(dir.0.join("sock")),
+        };
         let listener = Arc::new(
             Listener::bind(
                 &endpoint,
@@ -48,6 +61,10 @@ impl Pair {
             )
             .unwrap(),
         );
+        let endpoint = match listener.port() {
+            Some(port) => Endpoint::Tcp(format!("127.0.0.1:{port}")),
+            None => endpoint,
+        };
         Pair {
             dir,
             endpoint,
@@ -343,8 +360,12 @@ fn a_dead_destination_leaves_the_source_running() {
     )
     .expect_err("the migration fails");
     dest.join().unwrap();
-    let running = failure.vm.expect("the source keeps its VM");
-    // It is running: its counters move on.
+    assert!(!failure.error.to_string().is_empty());
+    runs_on(failure.vm.expect("the source keeps its VM"));
+}
+
+/// A failed migration's source VM is running: its counters move on. Then it is stopped.
+fn runs_on(running: RunningVm) {
     let before: u64 = running.progress().iter().map(|p| p.0).sum();
     std::thread::sleep(Duration::from_millis(50));
     let after: u64 = running.progress().iter().map(|p| p.0).sum();
@@ -354,7 +375,43 @@ fn a_dead_destination_leaves_the_source_running() {
     );
     running.stop();
     running.wait(Duration::from_secs(30)).unwrap();
-    assert!(!failure.error.to_string().is_empty());
+}
+
+/// Memory files travel only over a Unix socket: asked to share memory with a destination
+/// over TCP, the source refuses before anything moves, says why, and runs on.
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn sharing_memory_over_tcp_is_refused_and_the_source_runs_on() {
+    let pair = Pair::tcp("share-tcp");
+    let listener = pair.listener.clone();
+    // The destination reads until the source hangs up.
+    let dest = std::thread::spawn(move || {
+        let mut conn = listener.accept().unwrap();
+        let mut frames = Vec::new();
+        while let Ok(f) = Frame::read_from(&mut conn) {
+            frames.push(f);
+        }
+        frames
+    });
+    let mut vm = source_vm(Backend::Memfd);
+    let running = start(&mut vm);
+    let opts = SendOptions {
+        share_memory: true,
+        ..Default::default()
+    };
+    let failure = migrate::send(running, pair.connect(Mode::Precopy, 1), &opts)
+        .expect_err("sharing memory over TCP fails");
+    assert!(
+        failure.error.to_string().contains("unix:"),
+        "{}",
+        failure.error
+    );
+    runs_on(failure.vm.expect("the source keeps its VM"));
+    let frames = dest.join().unwrap();
+    assert!(
+        !frames.iter().any(|f| matches!(f, Frame::Pages { .. })),
+        "no page moved: {frames:?}"
+    );
 }
 
 #[test]

@@ -493,3 +493,50 @@ fn guest_memfd(spec: &RegionSpec, vm: Option<&VmFd>) -> Result<OwnedFd> {
     // SAFETY: KVM_CREATE_GUEST_MEMFD returned a new fd that nobody else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A memory file handed over by another process backs a region only when it is host
+    /// memory of a file backend and at least as long as the region; it then holds that
+    /// process's bytes. Anything else is refused, naming the region and the reason.
+    #[test]
+    fn a_shared_memory_file_backs_only_a_file_region_it_covers() {
+        let size = 4 << 20;
+        let source = Region::create(RegionSpec::new("ram", 0, size, Backend::Memfd), None).unwrap();
+        // SAFETY: one byte inside the region's live mapping, which nothing else uses.
+        unsafe { source.host_addr().add(4096).write(0x5a) };
+        let fd = || source.fd().unwrap().try_clone().unwrap();
+
+        let shared = Region::create_on(
+            RegionSpec::new("ram", 0, size, Backend::Memfd),
+            None,
+            Some(fd()),
+        )
+        .unwrap();
+        // SAFETY: one byte inside the shared region's live mapping.
+        assert_eq!(unsafe { shared.host_addr().add(4096).read() }, 0x5a);
+
+        for (backend, why) in [
+            (Backend::Anon, "it is anon"),
+            (Backend::GuestMemfd, "bound to the VM that created it"),
+        ] {
+            let spec = RegionSpec::new("ram", 0, size, backend);
+            match Region::create_on(spec, None, Some(fd())) {
+                Err(e @ Error::Shared { .. }) => {
+                    let msg = e.to_string();
+                    assert!(msg.contains("ram") && msg.contains(why), "{backend}: {msg}");
+                }
+                other => panic!("{backend}: expected a refusal, got {:?}", other.map(|_| ())),
+            }
+        }
+        let longer = RegionSpec::new("ram", 0, 2 * size, Backend::Memfd);
+        match Region::create_on(longer, None, Some(fd())) {
+            Err(e @ Error::Shared { .. }) => {
+                assert!(e.to_string().contains("less than the region's"), "{e}")
+            }
+            other => panic!("expected a refusal, got {:?}", other.map(|_| ())),
+        }
+    }
+}

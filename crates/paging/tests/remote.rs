@@ -72,31 +72,19 @@ fn read_through_pager(backend: Backend, config: PagerConfig) {
 }
 
 #[test]
-fn anon_region_reads_the_remote_bytes_with_readahead_threads() {
-    read_through_pager(
-        Backend::Anon,
-        PagerConfig {
-            uffds: 2,
-            handlers: 1,
-            readahead_threads: 3,
-            background: false,
-            ..PagerConfig::default()
-        },
-    );
-}
-
-#[test]
-fn memfd_region_reads_the_remote_bytes_with_readahead_threads() {
-    read_through_pager(
-        Backend::Memfd,
-        PagerConfig {
-            uffds: 2,
-            handlers: 1,
-            readahead_threads: 3,
-            background: false,
-            ..PagerConfig::default()
-        },
-    );
+fn anon_and_memfd_regions_read_the_remote_bytes_with_readahead_threads() {
+    for backend in [Backend::Anon, Backend::Memfd] {
+        read_through_pager(
+            backend,
+            PagerConfig {
+                uffds: 2,
+                handlers: 1,
+                readahead_threads: 3,
+                background: false,
+                ..PagerConfig::default()
+            },
+        );
+    }
 }
 
 #[test]
