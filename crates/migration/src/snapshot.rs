@@ -737,6 +737,8 @@ pub fn restore_lazy(snapshot: &Snapshot, config: &PagerConfig) -> Result<LazyVm>
         let source = SnapshotSource::new(snapshot, i)?;
         let mut config = PagerConfig {
             abort: Some(vm.abort_handle()),
+            // The restored vCPUs wait on their faults from the first instruction on.
+            realtime_handlers: true,
             ..config.clone()
         };
         if let Some(ws) = &working_set {

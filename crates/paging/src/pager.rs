@@ -54,8 +54,10 @@ pub struct PagerConfig {
     /// by the background thread, which runs for them even without `background`.
     pub prefetch: Vec<u64>,
     /// Run the fault handlers under `SCHED_FIFO` ([`priority::make_realtime`]) instead of at
-    /// nice -10: for a source whose every fetch crosses a link, where a fault's answer must
-    /// not wait behind the background transfer for a time slice (post-copy).
+    /// nice -10, so that a fault's answer never waits for a time slice behind the background
+    /// fetches and the other vCPUs: post-copy and lazy restore, where a running guest's vCPUs
+    /// wait on their faults. (A benchmark that only measures throughput on busy cores gains
+    /// nothing from it: the cores are the limit.)
     pub realtime_handlers: bool,
 }
 
