@@ -168,7 +168,20 @@ impl Proc {
         }
     }
 
-    /// `migrate receive --json` on a Unix socket: waits for the socket to appear.
+    /// `guestmem migrate receive --listen unix:SOCKET --keys KEYS --json EXTRA...`, once the
+    /// socket is there.
+    fn receive_on(name: &str, socket: &str, keys: &str, extra: &[&str]) -> Proc {
+        let to = format!("unix:{socket}");
+        let mut args = vec![
+            "migrate", "receive", "--listen", &to, "--keys", keys, "--json",
+        ];
+        args.extend_from_slice(extra);
+        let mut receive = Proc::spawn(name, &[], &args);
+        receive.listening_on(socket);
+        receive
+    }
+
+    /// Waits for a Unix socket to appear while the process runs.
     fn listening_on(&mut self, socket: &str) {
         let deadline = Instant::now() + Duration::from_secs(30);
         while !Path::new(socket).exists() {
@@ -390,22 +403,12 @@ fn every_mode_over_a_unix_socket() {
     for mode in ["precopy", "postcopy", "hybrid"] {
         let sock = dir.path(&format!("{mode}.sock"));
         let to = format!("unix:{sock}");
-        let mut receive = Proc::spawn(
+        let receive = Proc::receive_on(
             &format!("migrate receive ({mode})"),
-            &[],
-            &[
-                "migrate",
-                "receive",
-                "--listen",
-                &to,
-                "--keys",
-                &keys,
-                "--run-for",
-                "0.5",
-                "--json",
-            ],
+            &sock,
+            &keys,
+            &["--run-for", "0.5"],
         );
-        receive.listening_on(&sock);
         let mut args = vec![
             "migrate", "send", "--to", &to, "--keys", &keys, "--mode", mode, "--memory", "64M",
             "--vcpus", "2", "--after", "0.3", "--json",
@@ -451,14 +454,7 @@ fn a_killed_destination_leaves_the_source_running() {
     let keys = dir.keys("keys");
     let sock = dir.path("sock");
     let to = format!("unix:{sock}");
-    let mut receive = Proc::spawn(
-        "migrate receive",
-        &[],
-        &[
-            "migrate", "receive", "--listen", &to, "--keys", &keys, "--json",
-        ],
-    );
-    receive.listening_on(&sock);
+    let mut receive = Proc::receive_on("migrate receive", &sock, &keys, &[]);
     // 256 MiB at 20 MiB/s: the first round takes about 13 s.
     let send = Proc::spawn(
         "migrate send",
@@ -693,14 +689,7 @@ fn keys_of_another_ca_are_refused_by_both_sides() {
     let (ours, theirs) = (dir.keys("ours"), dir.keys("theirs"));
     let sock = dir.path("sock");
     let to = format!("unix:{sock}");
-    let mut receive = Proc::spawn(
-        "migrate receive",
-        &[],
-        &[
-            "migrate", "receive", "--listen", &to, "--keys", &ours, "--json",
-        ],
-    );
-    receive.listening_on(&sock);
+    let receive = Proc::receive_on("migrate receive", &sock, &ours, &[]);
     let sent = Proc::spawn(
         "migrate send",
         &[],
