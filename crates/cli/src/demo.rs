@@ -77,6 +77,7 @@ fn run(args: &Args, dir: &std::path::Path) -> crate::Result<()> {
         no_auto_converge: false,
         verify: matches!(args.mode, ModeArg::Precopy),
         share_memory: false,
+        whole_pages: false,
     };
     let report = match migrate::run_source(
         &vm.config()?,

@@ -102,6 +102,10 @@ pub struct HowArgs {
     /// destination instead of copying their pages.
     #[arg(long)]
     pub share_memory: bool,
+    /// Send pages whole, zero lines included (as QEMU does), instead of only their non-zero
+    /// 64-byte lines: for comparisons.
+    #[arg(long)]
+    pub whole_pages: bool,
 }
 
 #[derive(clap::Args)]
@@ -183,6 +187,7 @@ impl HowArgs {
             max_bandwidth: self.max_bandwidth_mib_per_s.map(|m| m << 20),
             verify: self.verify,
             share_memory: self.share_memory,
+            whole_pages: self.whole_pages,
             ..Default::default()
         })
     }
@@ -475,9 +480,11 @@ pub fn print_report(report: &Report, json: bool, plot: Option<&Path>) -> crate::
         }
     );
     println!(
-        "  sent {:.1} MiB in {} pages; {} zero pages not sent{}{}",
+        "  sent {:.1} MiB in {} pages ({:.1} MiB on the wire: non-zero lines); {} zero pages \
+         not sent{}{}",
         mib(report.bytes),
         report.pages_sent,
+        mib(report.wire_bytes),
         report.zero_pages_skipped,
         if report.shared_bytes > 0 {
             format!(
@@ -497,17 +504,18 @@ pub fn print_report(report: &Report, json: bool, plot: Option<&Path>) -> crate::
         }
     );
     println!(
-        "  round  start ms       ms     pages      zero      MiB  dirty after    MiB/s  throttle"
+        "  round  start ms       ms     pages      zero      MiB  wire MiB  dirty after    MiB/s  throttle"
     );
     for r in &report.rounds {
         println!(
-            "  {:>5}  {:>8.1} {:>8.1} {:>9} {:>9} {:>8.1} {:>12} {:>8.0} {:>8}%",
+            "  {:>5}  {:>8.1} {:>8.1} {:>9} {:>9} {:>8.1} {:>9.1} {:>12} {:>8.0} {:>8}%",
             r.round,
             r.start_ms,
             r.ms,
             r.pages,
             r.zero_pages,
             mib(r.bytes),
+            mib(r.wire_bytes),
             r.dirty_pages_after,
             r.bandwidth_mib_per_s,
             r.throttle_percent

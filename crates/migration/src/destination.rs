@@ -314,7 +314,7 @@ fn apply_pages(mut conn: Connection, memory: &GuestMemory) -> (Connection, Resul
                 stats.pages += len as u64 / PAGE_SIZE;
                 continue;
             }
-            Ok(FrameRef::Pages { gpa, pages }) => {
+            Ok(FrameRef::Pages { gpa, pages, .. }) => {
                 // `place` declined them: they are not inside this VM's memory.
                 break Err(Error::Migration(format!(
                     "the source sent {} bytes of pages at {gpa:#x}, outside this VM's memory",
@@ -807,7 +807,8 @@ fn request(conn: &mut Connection, frame: &mut Vec<u8>, gpa: u64, buf: &mut [u8])
             let slot = &mut *piece;
             let place = move |gpa: u64, len: usize| (gpa == at && len == want).then_some(slot);
             match Frame::read_into(conn, frame, place).map_err(Error::Stream)? {
-                FrameRef::Placed { .. } => false,
+                // Fresh pages would have left `piece`'s older bytes in their zero lines.
+                FrameRef::Placed { fresh: false, .. } => false,
                 FrameRef::Frame(Frame::Zero { gpa, count })
                     if gpa == at && count * PAGE_SIZE == want as u64 =>
                 {
@@ -817,6 +818,7 @@ fn request(conn: &mut Connection, frame: &mut Vec<u8>, gpa: u64, buf: &mut [u8])
                     return Err(Error::Migration(format!(
                         "asked for {at:#x}+{want:#x}, the source answered {}",
                         match &other {
+                            FrameRef::Placed { fresh: true, .. } => "fresh Pages",
                             FrameRef::Pages { .. } | FrameRef::Placed { .. } => "Pages",
                             FrameRef::Frame(f) => frame_name(f),
                         }

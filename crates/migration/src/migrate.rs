@@ -387,13 +387,3 @@ pub(crate) fn percentile(sorted: &[Duration], p: f64) -> Duration {
     let i = ((sorted.len() - 1) as f64 * p / 100.0).round() as usize;
     sorted[i.min(sorted.len() - 1)]
 }
-
-/// Whether every byte of `bytes` is zero (word at a time).
-pub(crate) fn is_zero(bytes: &[u8]) -> bool {
-    let (head, words, tail) = {
-        // SAFETY: reinterpreting initialized bytes as u64 words is always valid; align_to
-        // keeps the words aligned.
-        unsafe { bytes.align_to::<u64>() }
-    };
-    head.iter().all(|&b| b == 0) && words.iter().all(|&w| w == 0) && tail.iter().all(|&b| b == 0)
-}

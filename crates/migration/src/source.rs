@@ -15,8 +15,8 @@ use serde::Serialize;
 
 use crate::destination::DestinationReport;
 use crate::migrate::{
-    frame_name, is_zero, read_frame, write_frame, Links, Mode, Resume, Setup, StaleChunks,
-    Switchover, BLOCK, POSTCOPY_CHUNK,
+    frame_name, read_frame, write_frame, Links, Mode, Resume, Setup, StaleChunks, Switchover,
+    BLOCK, POSTCOPY_CHUNK,
 };
 use crate::stream::{Frame, StreamError};
 use crate::transport::Connection;
@@ -55,6 +55,9 @@ pub struct SendOptions {
     pub share_memory: bool,
     /// Dirty tracking mode (`None`: [`guestmem_tracking::Mode::best`]).
     pub tracking: Option<guestmem_tracking::Mode>,
+    /// Send every 64-byte line of every page, zero or not (as QEMU does), instead of only the
+    /// non-zero ones: for comparisons.
+    pub whole_pages: bool,
     /// Called after every round and while post-copy runs.
     pub progress: Option<ProgressFn>,
     /// After a link broken during post-copy: returns new connections to the same destination
@@ -73,6 +76,7 @@ impl Default for SendOptions {
             verify: false,
             share_memory: false,
             tracking: None,
+            whole_pages: false,
             progress: None,
             reconnect: None,
         }
@@ -108,6 +112,8 @@ pub struct Round {
     pub zero_pages: u64,
     /// Page bytes sent.
     pub bytes: u64,
+    /// What they took on the wire: their non-zero lines, with a mask per page.
+    pub wire_bytes: u64,
     /// Pages the guest dirtied meanwhile (what the next round has to send).
     pub dirty_pages_after: u64,
     pub bandwidth_mib_per_s: f64,
@@ -134,6 +140,8 @@ pub struct Report {
     pub max_throttle_percent: u64,
     /// Page bytes sent, all phases.
     pub bytes: u64,
+    /// What the pre-copy rounds' pages took on the wire (their non-zero lines and masks).
+    pub wire_bytes: u64,
     pub pages_sent: u64,
     /// Zero pages not sent.
     pub zero_pages_skipped: u64,
@@ -324,6 +332,7 @@ impl<'o> Source<'o> {
                 converged: false,
                 max_throttle_percent: 0,
                 bytes: 0,
+                wire_bytes: 0,
                 pages_sent: 0,
                 zero_pages_skipped: 0,
                 shared_bytes: 0,
@@ -437,7 +446,11 @@ impl<'o> Source<'o> {
         let mut round = 1;
         let mut strikes = 0;
         loop {
-            let writers = Writers::spawn(std::mem::take(&mut links.pages), &self.memory);
+            let writers = Writers::spawn(
+                std::mem::take(&mut links.pages),
+                &self.memory,
+                self.opts.whole_pages,
+            );
             let sent = self.send_round(&mut Some(&mut *tracker), &dirty, round, writers, false);
             let (conns, stats) = sent?;
             links.pages = conns;
@@ -563,14 +576,15 @@ impl<'o> Source<'o> {
             }
             Ok(())
         })();
-        let conns = match (queued, writers.join()) {
-            (Ok(()), Ok(conns)) => conns,
+        let (conns, wire_bytes) = match (queued, writers.join()) {
+            (Ok(()), Ok(joined)) => joined,
             // A writer's own error says why its queue closed ("pages connection N failed" does
             // not): it goes first.
             (_, Err(e)) | (Err(e), Ok(_)) => return Err(e),
         };
         let ms = start.elapsed().as_secs_f64() * 1e3;
         self.report.bytes += bytes;
+        self.report.wire_bytes += wire_bytes;
         self.report.pages_sent += pages - zero_pages;
         if round == 1 {
             self.report.zero_pages_skipped += zero_pages;
@@ -584,6 +598,7 @@ impl<'o> Source<'o> {
                 pages,
                 zero_pages,
                 bytes,
+                wire_bytes,
                 dirty_pages_after: 0,
                 bandwidth_mib_per_s: bytes as f64 / (1 << 20) as f64 / (ms / 1e3).max(1e-6),
                 throttle_percent: 0,
@@ -623,7 +638,15 @@ impl<'o> Source<'o> {
             return Ok(());
         }
         let len = count * PAGE_SIZE;
-        writers.queue(conn, Job::Pages { gpa, len })?;
+        // Where zero pages may be skipped, the destination's pages still hold zeros: fresh.
+        writers.queue(
+            conn,
+            Job::Pages {
+                gpa,
+                len,
+                fresh: skip_zero,
+            },
+        )?;
         *bytes += len;
         self.queued += len;
         if let Some(bw) = self.opts.max_bandwidth {
@@ -677,7 +700,11 @@ impl<'o> Source<'o> {
         } else {
             None
         };
-        let writers = Writers::spawn(std::mem::take(&mut links.pages), &self.memory);
+        let writers = Writers::spawn(
+            std::mem::take(&mut links.pages),
+            &self.memory,
+            self.opts.whole_pages,
+        );
         let (conns, mut stats) = self.send_round(&mut tracker, &dirty, round, writers, true)?;
         links.pages = conns;
         stats.throttle_percent = 0;
@@ -823,16 +850,21 @@ fn serve(
         match read_frame(conn)? {
             Frame::Request { gpa, len } => {
                 let mut frame_out = std::mem::take(&mut out);
-                let mut zero = true;
-                Frame::encode_pages_with(&mut frame_out, gpa, len as usize, |at, piece| {
-                    memory.read(gpa + at as u64, piece).map_err(|e| {
-                        StreamError::Malformed(format!("request outside guest memory: {e}"))
-                    })?;
-                    zero &= is_zero(piece);
-                    Ok(())
-                })
+                // The answer lands in the destination pager's buffer: not fresh.
+                let lines = Frame::encode_pages_with(
+                    &mut frame_out,
+                    gpa,
+                    len as usize,
+                    false,
+                    false,
+                    |at, piece| {
+                        memory.read(gpa + at as u64, piece).map_err(|e| {
+                            StreamError::Malformed(format!("request outside guest memory: {e}"))
+                        })
+                    },
+                )
                 .map_err(Error::Stream)?;
-                if zero {
+                if lines == 0 {
                     write_frame(
                         conn,
                         &Frame::Zero {
@@ -857,10 +889,12 @@ fn serve(
 
 /// What a writer thread sends.
 enum Job {
-    /// Guest pages, read from memory by the writer itself (no copy in between).
+    /// Guest pages, read from memory by the writer itself (no copy in between); `fresh`: the
+    /// destination's pages there still hold zeros (see [`crate::stream::FRESH`]).
     Pages {
         gpa: u64,
         len: u64,
+        fresh: bool,
     },
     Frame(Frame),
 }
@@ -869,15 +903,19 @@ enum Job {
 struct Writers {
     queues: Vec<SyncSender<Job>>,
     threads: Vec<JoinHandle<(Connection, Result<()>)>>,
+    /// Bytes of Pages frames written.
+    wire_bytes: Arc<AtomicU64>,
 }
 
 impl Writers {
-    fn spawn(conns: Vec<Connection>, memory: &Arc<GuestMemory>) -> Writers {
+    fn spawn(conns: Vec<Connection>, memory: &Arc<GuestMemory>, whole_pages: bool) -> Writers {
+        let wire_bytes = Arc::new(AtomicU64::new(0));
         let mut queues = Vec::new();
         let mut threads = Vec::new();
         for (i, mut conn) in conns.into_iter().enumerate() {
             let (tx, rx) = sync_channel::<Job>(8);
             let memory = memory.clone();
+            let wire_bytes = wire_bytes.clone();
             queues.push(tx);
             threads.push(
                 std::thread::Builder::new()
@@ -887,10 +925,12 @@ impl Writers {
                         let mut result = Ok(());
                         for job in rx {
                             let sent = match job {
-                                Job::Pages { gpa, len } => Frame::encode_pages_with(
+                                Job::Pages { gpa, len, fresh } => Frame::encode_pages_with(
                                     &mut out,
                                     gpa,
                                     len as usize,
+                                    fresh,
+                                    whole_pages,
                                     |at, piece| {
                                         memory
                                             .read(gpa + at as u64, piece)
@@ -899,6 +939,7 @@ impl Writers {
                                 )
                                 .map_err(Error::Stream)
                                 .and_then(|_| {
+                                    wire_bytes.fetch_add(out.len() as u64, Ordering::Relaxed);
                                     conn.write_all(&out).map_err(|e| Error::Stream(e.into()))
                                 }),
                                 Job::Frame(f) => write_frame(&mut conn, &f),
@@ -913,7 +954,11 @@ impl Writers {
                     .expect("spawning a writer thread"),
             );
         }
-        Writers { queues, threads }
+        Writers {
+            queues,
+            threads,
+            wire_bytes,
+        }
     }
 
     fn queue(&mut self, conn: usize, job: Job) -> Result<()> {
@@ -922,8 +967,9 @@ impl Writers {
             .map_err(|_| Error::Migration(format!("pages connection {conn} failed")))
     }
 
-    /// Waits for the writers to send everything queued, and takes the connections back.
-    fn join(self) -> Result<Vec<Connection>> {
+    /// Waits for the writers to send everything queued, and takes the connections back, with
+    /// the bytes of pages they wrote.
+    fn join(self) -> Result<(Vec<Connection>, u64)> {
         drop(self.queues);
         let mut conns = Vec::new();
         let mut failure = None;
@@ -942,7 +988,7 @@ impl Writers {
         }
         match failure {
             Some(e) => Err(e),
-            None => Ok(conns),
+            None => Ok((conns, self.wire_bytes.load(Ordering::Relaxed))),
         }
     }
 }

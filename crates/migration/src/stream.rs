@@ -6,6 +6,12 @@
 //! - payload: as the kind says (below);
 //! - CRC-32 (u32) of header and payload together.
 //!
+//! A Pages payload is `gpa (u64) | count (u32) | flags (u32) | count line masks (u64) | lines`:
+//! bit `i` of page `p`'s mask says its 64-byte line `i` is not all zero, and only those lines
+//! travel, page after page (most of a guest page is often zeros; a page with none is sent whole
+//! plus its 8-byte mask). Flag [`FRESH`]: the receiver's memory at these pages still holds
+//! zeros (the destination's RAM in round 1), so it need not write the zero lines.
+//!
 //! A decoder checks all of it — magic, kind, reserved bytes, length bound, checksum, and the
 //! payload's own shape — before anything is acted on, and never allocates more than
 //! [`MAX_PAYLOAD`] for a frame, so a malformed or hostile stream is an error, never a crash.
@@ -13,10 +19,19 @@
 use std::io::{self, Read, Write};
 
 /// The stream's magic and version: a peer speaking another version is refused by its first frame.
-pub const MAGIC: [u8; 4] = *b"GMf1";
-/// The largest payload a frame may carry: 2 MiB of pages plus their header.
-pub const MAX_PAYLOAD: u32 = (2 << 20) + 64;
+pub const MAGIC: [u8; 4] = *b"GMf2";
+/// The most pages one Pages frame carries (2 MiB).
+pub const MAX_FRAME_PAGES: usize = 512;
+/// The largest payload a frame may carry: 2 MiB of pages with their masks and header.
+pub const MAX_PAYLOAD: u32 = (PAGES_HEADER + MAX_FRAME_PAGES * (8 + PAGE)) as u32;
 const HEADER: usize = 12;
+/// A Pages payload's own header: gpa, count, flags.
+const PAGES_HEADER: usize = 16;
+/// Pages flag: the receiver's memory at these pages holds zeros; zero lines need no writing.
+pub const FRESH: u32 = 1;
+/// The unit of zero elision inside a page: one cache line.
+const LINE: usize = 64;
+const LINES: usize = PAGE / LINE;
 /// Pages are checksummed in pieces of this many bytes as they are copied (on both sides), so
 /// that each piece is still in the cache when its CRC is taken.
 pub const CRC_PIECE: usize = 64 << 10;
@@ -26,8 +41,13 @@ pub const CRC_PIECE: usize = 64 << 10;
 pub enum Frame {
     /// First frame each way: who speaks, and (from the source) the VM configuration as JSON.
     Hello { config_json: Vec<u8> },
-    /// `pages.len() / 4096` guest pages starting at `gpa`.
-    Pages { gpa: u64, pages: Vec<u8> },
+    /// `pages.len() / 4096` guest pages starting at `gpa`; `fresh`: the receiver's memory
+    /// there still holds zeros (see [`FRESH`]).
+    Pages {
+        gpa: u64,
+        pages: Vec<u8>,
+        fresh: bool,
+    },
     /// `count` guest pages starting at `gpa` are all zero (sent only where the destination may
     /// hold older, non-zero contents).
     Zero { gpa: u64, count: u64 },
@@ -96,11 +116,14 @@ pub enum FrameRef<'b> {
     Pages {
         gpa: u64,
         pages: &'b [u8],
+        fresh: bool,
     },
-    /// A Pages frame whose `len` bytes of pages were read into the slice `place` lent.
+    /// A Pages frame whose `len` bytes of pages were read into the slice `place` lent (its
+    /// zero lines left unwritten when `fresh`).
     Placed {
         gpa: u64,
         len: usize,
+        fresh: bool,
     },
     Frame(Frame),
 }
@@ -133,7 +156,7 @@ impl Frame {
     fn payload(&self) -> Vec<u8> {
         match self {
             Frame::Hello { config_json } => config_json.clone(),
-            Frame::Pages { gpa, pages } => [&gpa.to_le_bytes()[..], pages].concat(),
+            Frame::Pages { .. } => unreachable!("Pages are encoded by encode_pages_with"),
             Frame::Zero { gpa, count } => [gpa.to_le_bytes(), count.to_le_bytes()].concat(),
             Frame::State { state_json } => state_json.clone(),
             Frame::Request { gpa, len } => [&gpa.to_le_bytes()[..], &len.to_le_bytes()].concat(),
@@ -149,13 +172,13 @@ impl Frame {
     /// Encodes the frame. Fails (without writing) if it would exceed [`MAX_PAYLOAD`] or carries
     /// pages that are not whole.
     pub fn encode(&self) -> Result<Vec<u8>, StreamError> {
-        if let Frame::Pages { pages, .. } = self {
-            if pages.is_empty() || !pages.len().is_multiple_of(PAGE) {
-                return Err(StreamError::Malformed(format!(
-                    "a Pages frame carries whole pages, not {} bytes",
-                    pages.len()
-                )));
-            }
+        let mut out = Vec::new();
+        if let Frame::Pages { gpa, pages, fresh } = self {
+            Frame::encode_pages_with(&mut out, *gpa, pages.len(), *fresh, false, |at, piece| {
+                piece.copy_from_slice(&pages[at..at + piece.len()]);
+                Ok(())
+            })?;
+            return Ok(out);
         }
         let payload = self.payload();
         if payload.len() > MAX_PAYLOAD as usize {
@@ -164,7 +187,7 @@ impl Frame {
                 payload.len()
             )));
         }
-        let mut out = Vec::with_capacity(HEADER + payload.len() + 4);
+        out.reserve(HEADER + payload.len() + 4);
         out.extend_from_slice(&MAGIC);
         out.extend_from_slice(&[self.kind(), 0, 0, 0]);
         out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
@@ -179,60 +202,104 @@ impl Frame {
         Ok(())
     }
 
-    /// Encodes into `out` (its contents replaced) a Pages frame of `len` bytes at `gpa`, whose pages
-    /// `fill` writes straight into the frame (no copy in between: senders read guest memory
-    /// into it), [`CRC_PIECE`] bytes at a time: `fill(offset, piece)`. Each piece is
-    /// checksummed right after it is filled, while it is still in the cache.
+    /// Encodes into `out` (its contents replaced) a Pages frame of `len` bytes of pages at
+    /// `gpa`, whose pages `fill` writes straight into the frame (no copy in between: senders
+    /// read guest memory into it), [`CRC_PIECE`] bytes at a time: `fill(offset, piece)`. Each
+    /// piece's zero lines are then squeezed out and what is left checksummed, while the piece
+    /// is still in the cache. `whole_pages` keeps every line (for comparison with senders that
+    /// send whole pages). Returns the bytes of lines the frame carries (0: the pages are all
+    /// zero).
     pub fn encode_pages_with(
         out: &mut Vec<u8>,
         gpa: u64,
         len: usize,
+        fresh: bool,
+        whole_pages: bool,
         mut fill: impl FnMut(usize, &mut [u8]) -> Result<(), StreamError>,
-    ) -> Result<(), StreamError> {
-        let payload = 8 + len;
-        if len == 0 || !len.is_multiple_of(PAGE) || payload > MAX_PAYLOAD as usize {
+    ) -> Result<usize, StreamError> {
+        let count = len / PAGE;
+        if len == 0 || !len.is_multiple_of(PAGE) || count > MAX_FRAME_PAGES {
             return Err(StreamError::Malformed(format!(
-                "a Pages frame carries whole pages, at most {MAX_PAYLOAD} bytes, not {len}"
+                "a Pages frame carries whole pages, at most {MAX_FRAME_PAGES}, not {len} bytes"
             )));
         }
+        let lines_at = HEADER + PAGES_HEADER + 8 * count;
         // `out` keeps its bytes from the last frame: only growth is zeroed, `fill` overwrites
         // the rest (a writer sending 2 MiB frames does not clear 2 MiB before each).
-        let total = HEADER + payload;
-        if out.len() < total {
-            out.resize(total, 0);
-        } else {
-            out.truncate(total);
+        if out.len() < lines_at + len {
+            out.resize(lines_at + len, 0);
         }
+        let mut masks = [0u64; MAX_FRAME_PAGES];
+        let mut lines = crc32fast::Hasher::new();
+        let mut w = lines_at;
+        for start in (0..len).step_by(CRC_PIECE) {
+            let n = CRC_PIECE.min(len - start);
+            // The piece lands at the write cursor; its kept lines then move down to it (the
+            // cursor never passes the line being read).
+            let begin = w;
+            fill(start, &mut out[begin..begin + n])?;
+            for p in 0..n / PAGE {
+                let from = begin + p * PAGE;
+                let mask = if whole_pages {
+                    u64::MAX
+                } else {
+                    line_mask(&out[from..from + PAGE])
+                };
+                masks[start / PAGE + p] = mask;
+                if mask == u64::MAX {
+                    out.copy_within(from..from + PAGE, w);
+                    w += PAGE;
+                    continue;
+                }
+                for l in (0..LINES).filter(|l| mask >> l & 1 == 1) {
+                    out.copy_within(from + l * LINE..from + (l + 1) * LINE, w);
+                    w += LINE;
+                }
+            }
+            lines.update(&out[begin..w]);
+        }
+        let payload = w - HEADER;
         out[..4].copy_from_slice(&MAGIC);
         out[4..8].copy_from_slice(&[kind::PAGES, 0, 0, 0]);
         out[8..12].copy_from_slice(&(payload as u32).to_le_bytes());
         out[12..20].copy_from_slice(&gpa.to_le_bytes());
-        let mut hasher = crc32fast::Hasher::new();
-        hasher.update(&out[..HEADER + 8]);
-        for (i, piece) in out[HEADER + 8..].chunks_mut(CRC_PIECE).enumerate() {
-            fill(i * CRC_PIECE, piece)?;
-            hasher.update(piece);
+        out[20..24].copy_from_slice(&(count as u32).to_le_bytes());
+        out[24..28].copy_from_slice(&(if fresh { FRESH } else { 0 }).to_le_bytes());
+        for (p, mask) in masks[..count].iter().enumerate() {
+            let at = HEADER + PAGES_HEADER + 8 * p;
+            out[at..at + 8].copy_from_slice(&mask.to_le_bytes());
         }
-        let crc = hasher.finalize();
-        out.extend_from_slice(&crc.to_le_bytes());
-        Ok(())
+        let mut hasher = crc32fast::Hasher::new();
+        hasher.update(&out[..lines_at]);
+        hasher.combine(&lines);
+        out.truncate(w);
+        out.extend_from_slice(&hasher.finalize().to_le_bytes());
+        Ok(w - lines_at)
     }
 
     /// Reads and checks one frame. A clean end of stream before a frame starts is
     /// [`StreamError::Closed`]; one in the middle of a frame is an I/O error.
     pub fn read_from(r: &mut impl Read) -> Result<Frame, StreamError> {
         let mut buf = Vec::new();
-        let (kind, len) = Frame::read_raw(r, &mut buf)?;
-        Frame::decode(kind, &buf[..len])
+        Ok(match Frame::read_into(r, &mut buf, |_, _| None)? {
+            FrameRef::Pages { gpa, pages, fresh } => Frame::Pages {
+                gpa,
+                pages: pages.to_vec(),
+                fresh,
+            },
+            FrameRef::Placed { .. } => unreachable!("nothing was lent to place pages in"),
+            FrameRef::Frame(f) => f,
+        })
     }
 
     /// Like [`Frame::read_from`], but reads into `buf` (kept for the next frame) and lends a
     /// Pages frame's pages from it: a receiver applying rounds of 2 MiB frames allocates, zeroes
-    /// and frees nothing per frame (the same bytes on the wire).
+    /// and frees nothing per frame.
     ///
     /// `place` may take a Pages frame's pages where they belong: asked with the frame's gpa and
     /// length, it lends a slice of exactly that length (guest memory) or declines (`None`).
-    /// Taken pages are read straight into it, saving a copy, and come back as
+    /// Taken pages are written straight into it (runs of whole pages read there from `r`,
+    /// saving a copy; a fresh frame's zero lines left unwritten), and come back as
     /// [`FrameRef::Placed`] once the CRC matched. A frame whose CRC does not match has already
     /// written its bytes there: only a receiver that throws that memory away on an error may
     /// place (a migration's destination before it runs the VM).
@@ -242,65 +309,80 @@ impl Frame {
         place: impl FnOnce(u64, usize) -> Option<&'b mut [u8]>,
     ) -> Result<FrameRef<'b>, StreamError> {
         let (header, len) = Frame::read_header(r)?;
-        if header[4] == kind::PAGES && len >= 8 + PAGE && (len - 8).is_multiple_of(PAGE) {
-            let mut gpa = [0u8; 8];
-            r.read_exact(&mut gpa)?;
-            let at = u64::from_le_bytes(gpa);
-            let placed = at
-                .is_multiple_of(PAGE as u64)
-                .then(|| place(at, len - 8))
-                .flatten();
-            if let Some(dst) = placed {
-                assert_eq!(dst.len(), len - 8, "`place` lent a slice of another length");
-                let mut hasher = crc32fast::Hasher::new();
-                hasher.update(&header);
-                hasher.update(&gpa);
-                for piece in dst.chunks_mut(CRC_PIECE) {
-                    r.read_exact(piece)?;
-                    hasher.update(piece);
+        if header[4] != kind::PAGES {
+            Frame::read_payload(r, &header, len, buf)?;
+            return Frame::decode(header[4], &buf[..len]).map(FrameRef::Frame);
+        }
+        let malformed = |what: String| Err(StreamError::Malformed(format!("Pages frame: {what}")));
+        if len < PAGES_HEADER {
+            return malformed(format!("{len} bytes, shorter than its header"));
+        }
+        let mut hasher = crc32fast::Hasher::new();
+        hasher.update(&header);
+        let mut head = [0u8; PAGES_HEADER];
+        r.read_exact(&mut head)?;
+        hasher.update(&head);
+        let gpa = u64::from_le_bytes(head[..8].try_into().expect("8 bytes"));
+        let count = u32::from_le_bytes(head[8..12].try_into().expect("4 bytes")) as usize;
+        let flags = u32::from_le_bytes(head[12..].try_into().expect("4 bytes"));
+        if !gpa.is_multiple_of(PAGE as u64) {
+            return malformed(format!("unaligned gpa {gpa:#x}"));
+        }
+        if count == 0 || count > MAX_FRAME_PAGES || flags & !FRESH != 0 {
+            return malformed(format!(
+                "{count} pages (1 to {MAX_FRAME_PAGES}), flags {flags:#x}"
+            ));
+        }
+        if len < PAGES_HEADER + 8 * count {
+            return malformed(format!("{len} bytes cannot hold {count} masks"));
+        }
+        let mut mask_bytes = [0u8; 8 * MAX_FRAME_PAGES];
+        let mask_bytes = &mut mask_bytes[..8 * count];
+        r.read_exact(mask_bytes)?;
+        hasher.update(mask_bytes);
+        let masks: Vec<u64> = mask_bytes
+            .chunks_exact(8)
+            .map(|m| u64::from_le_bytes(m.try_into().expect("8 bytes")))
+            .collect();
+        let line_bytes = masks.iter().map(|m| m.count_ones() as usize).sum::<usize>() * LINE;
+        if PAGES_HEADER + 8 * count + line_bytes != len {
+            return malformed(format!(
+                "its masks announce {line_bytes} bytes of lines, its length leaves {}",
+                len - PAGES_HEADER - 8 * count
+            ));
+        }
+        let fresh = flags & FRESH != 0;
+        let size = count * PAGE;
+        let placed = match place(gpa, size) {
+            Some(dst) => {
+                assert_eq!(dst.len(), size, "`place` lent a slice of another length");
+                read_lines(r, &mut hasher, &masks, dst, !fresh)?;
+                true
+            }
+            None => {
+                if buf.len() < size {
+                    buf.resize(size, 0);
                 }
-                let mut crc = [0u8; 4];
-                r.read_exact(&mut crc)?;
-                check_crc(u32::from_le_bytes(crc), hasher.finalize())?;
-                return Ok(FrameRef::Placed {
-                    gpa: at,
-                    len: len - 8,
-                });
+                read_lines(r, &mut hasher, &masks, &mut buf[..size], true)?;
+                false
             }
-            Frame::read_payload(r, &header, len, &gpa, buf)?;
-        } else {
-            Frame::read_payload(r, &header, len, &[], buf)?;
-        }
-        let p = &buf[..len];
-        if header[4] == kind::PAGES {
-            // The same checks as `decode`.
-            if p.len() < 8 + PAGE || !(p.len() - 8).is_multiple_of(PAGE) {
-                return Err(StreamError::Malformed(format!(
-                    "a Pages frame must hold a gpa and whole pages ({} bytes)",
-                    p.len()
-                )));
-            }
-            let gpa = u64::from_le_bytes(p[..8].try_into().expect("8 bytes"));
-            if !gpa.is_multiple_of(PAGE as u64) {
-                return Err(StreamError::Malformed(format!(
-                    "Pages at unaligned gpa {gpa:#x}"
-                )));
-            }
-            return Ok(FrameRef::Pages {
+        };
+        let mut crc = [0u8; 4];
+        r.read_exact(&mut crc)?;
+        check_crc(u32::from_le_bytes(crc), hasher.finalize())?;
+        Ok(if placed {
+            FrameRef::Placed {
                 gpa,
-                pages: &p[8..],
-            });
-        }
-        Frame::decode(header[4], p).map(FrameRef::Frame)
-    }
-
-    /// Reads one frame's header, payload and CRC, checks them, and leaves the payload at the
-    /// start of `buf`; returns the frame's kind and payload length. `buf` only grows: its bytes
-    /// are overwritten, not zeroed again.
-    fn read_raw(r: &mut impl Read, buf: &mut Vec<u8>) -> Result<(u8, usize), StreamError> {
-        let (header, len) = Frame::read_header(r)?;
-        Frame::read_payload(r, &header, len, &[], buf)?;
-        Ok((header[4], len))
+                len: size,
+                fresh,
+            }
+        } else {
+            FrameRef::Pages {
+                gpa,
+                pages: &buf[..size],
+                fresh,
+            }
+        })
     }
 
     /// Reads and checks a frame's header; returns it and the payload length.
@@ -334,21 +416,19 @@ impl Frame {
         Ok((header, len as usize))
     }
 
-    /// Reads the rest of a frame whose first payload bytes, `read`, are already in hand: the
-    /// whole payload lands at the start of `buf`, and the CRC over header and payload is
-    /// checked.
+    /// Reads the rest of a frame after its header: the payload lands at the start of `buf`
+    /// (which only grows: its bytes are overwritten, not zeroed again), and the CRC over
+    /// header and payload is checked.
     fn read_payload(
         r: &mut impl Read,
         header: &[u8; HEADER],
         len: usize,
-        read: &[u8],
         buf: &mut Vec<u8>,
     ) -> Result<(), StreamError> {
         if buf.len() < len + 4 {
             buf.resize(len + 4, 0);
         }
-        buf[..read.len()].copy_from_slice(read);
-        r.read_exact(&mut buf[read.len()..len + 4])?;
+        r.read_exact(&mut buf[..len + 4])?;
         let found = u32::from_le_bytes(buf[len..len + 4].try_into().expect("4 bytes"));
         let mut hasher = crc32fast::Hasher::new();
         hasher.update(header);
@@ -363,21 +443,7 @@ impl Frame {
             kind::HELLO => Frame::Hello {
                 config_json: p.to_vec(),
             },
-            kind::PAGES => {
-                if p.len() < 8 + PAGE || !(p.len() - 8).is_multiple_of(PAGE) {
-                    return Err(malformed("a Pages frame must hold a gpa and whole pages"));
-                }
-                let gpa = u64_at(0);
-                if !gpa.is_multiple_of(PAGE as u64) {
-                    return Err(StreamError::Malformed(format!(
-                        "Pages at unaligned gpa {gpa:#x}"
-                    )));
-                }
-                Frame::Pages {
-                    gpa,
-                    pages: p[8..].to_vec(),
-                }
-            }
+            kind::PAGES => unreachable!("read_into reads Pages frames itself"),
             kind::ZERO => {
                 if p.len() != 16 {
                     return Err(malformed("a Zero frame holds a gpa and a count"));
@@ -446,9 +512,79 @@ impl Frame {
     }
 }
 
+/// Which 64-byte lines of `page` are not all zero (bit `i`: line `i`).
+fn line_mask(page: &[u8]) -> u64 {
+    page.chunks_exact(LINE)
+        .enumerate()
+        .fold(0, |mask, (i, line)| {
+            let any = line.chunks_exact(8).fold(0, |acc, w| {
+                acc | u64::from_ne_bytes(w.try_into().expect("8 bytes"))
+            });
+            mask | u64::from(any != 0) << i
+        })
+}
+
+/// Reads a Pages frame's lines into `dst` (its pages, whole), page by page as `masks` say, and
+/// hashes them in stream order. Runs of whole pages are read straight into `dst`; a page with
+/// zero lines is read into a page-sized scratch first and spread, writing the zero lines only if
+/// `write_zeros`.
+fn read_lines(
+    r: &mut impl Read,
+    hasher: &mut crc32fast::Hasher,
+    masks: &[u64],
+    dst: &mut [u8],
+    write_zeros: bool,
+) -> Result<(), StreamError> {
+    let mut scratch = [0u8; PAGE];
+    let mut p = 0;
+    while p < masks.len() {
+        if masks[p] == u64::MAX {
+            let run = masks[p..].iter().take_while(|&&m| m == u64::MAX).count();
+            for piece in dst[p * PAGE..(p + run) * PAGE].chunks_mut(CRC_PIECE) {
+                r.read_exact(piece)?;
+                hasher.update(piece);
+            }
+            p += run;
+            continue;
+        }
+        let kept = &mut scratch[..masks[p].count_ones() as usize * LINE];
+        r.read_exact(kept)?;
+        hasher.update(kept);
+        let mut lines = kept.chunks_exact(LINE);
+        for (l, line) in dst[p * PAGE..(p + 1) * PAGE]
+            .chunks_exact_mut(LINE)
+            .enumerate()
+        {
+            if masks[p] >> l & 1 == 1 {
+                line.copy_from_slice(lines.next().expect("one kept line per mask bit"));
+            } else if write_zeros {
+                line.fill(0);
+            }
+        }
+        p += 1;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `count` pages of which page 1 is all zero and the others hold a few non-zero bytes
+    /// (page 0 in its first and last lines, page 2 in one middle line).
+    fn sparse_pages(count: usize) -> Vec<u8> {
+        let mut pages = vec![0u8; count * PAGE];
+        for p in (0..count).filter(|p| p % 3 != 1) {
+            let page = &mut pages[p * PAGE..(p + 1) * PAGE];
+            if p % 3 == 0 {
+                page[0] = 1 + p as u8;
+                page[PAGE - 1] = 2;
+            } else {
+                page[33 * LINE + 5] = 9;
+            }
+        }
+        pages
+    }
 
     fn samples() -> Vec<Frame> {
         vec![
@@ -458,6 +594,12 @@ mod tests {
             Frame::Pages {
                 gpa: 0x4000_0000,
                 pages: vec![7u8; 2 * PAGE],
+                fresh: false,
+            },
+            Frame::Pages {
+                gpa: 0x8000,
+                pages: sparse_pages(3),
+                fresh: true,
             },
             Frame::Zero {
                 gpa: 0x1000,
@@ -507,10 +649,17 @@ mod tests {
         let mut bytes = Vec::new();
         let mut out = Vec::new();
         for (i, pages) in [3, 1, 2].into_iter().enumerate() {
-            Frame::encode_pages_with(&mut out, 0x1000 * i as u64, pages * PAGE, |_, buf| {
-                buf.fill(i as u8 + 1);
-                Ok(())
-            })
+            Frame::encode_pages_with(
+                &mut out,
+                0x1000 * i as u64,
+                pages * PAGE,
+                false,
+                false,
+                |_, buf| {
+                    buf.fill(i as u8 + 1);
+                    Ok(())
+                },
+            )
             .unwrap();
             bytes.extend_from_slice(&out);
         }
@@ -521,7 +670,7 @@ mod tests {
         let mut buf = Vec::new();
         for (i, pages) in [3, 1, 2].into_iter().enumerate() {
             match Frame::read_into(&mut r, &mut buf, |_, _| None).unwrap() {
-                FrameRef::Pages { gpa, pages: p } => {
+                FrameRef::Pages { gpa, pages: p, .. } => {
                     assert_eq!(gpa, 0x1000 * i as u64);
                     assert_eq!(p, vec![i as u8 + 1; pages * PAGE]);
                 }
@@ -530,9 +679,10 @@ mod tests {
         }
         for f in samples() {
             let got = match Frame::read_into(&mut r, &mut buf, |_, _| None).unwrap() {
-                FrameRef::Pages { gpa, pages } => Frame::Pages {
+                FrameRef::Pages { gpa, pages, fresh } => Frame::Pages {
                     gpa,
                     pages: pages.to_vec(),
+                    fresh,
                 },
                 FrameRef::Frame(f) => f,
                 placed => panic!("nothing was placed, got {placed:?}"),
@@ -558,7 +708,7 @@ mod tests {
         let mut bytes = Vec::new();
         let mut out = Vec::new();
         for (gpa, fill) in [(0x3000u64, 7u8), (0x9000, 9)] {
-            Frame::encode_pages_with(&mut out, gpa, 2 * PAGE, |_, buf| {
+            Frame::encode_pages_with(&mut out, gpa, 2 * PAGE, false, false, |_, buf| {
                 buf.fill(fill);
                 Ok(())
             })
@@ -579,13 +729,14 @@ mod tests {
             got,
             FrameRef::Placed {
                 gpa: 0x3000,
-                len: 2 * PAGE
+                len: 2 * PAGE,
+                fresh: false
             }
         );
         assert_eq!(asked, Some((0x3000, 2 * PAGE)));
         assert_eq!(target, vec![7u8; 2 * PAGE]);
         match Frame::read_into(&mut r, &mut buf, |_, _| None).unwrap() {
-            FrameRef::Pages { gpa, pages } => {
+            FrameRef::Pages { gpa, pages, .. } => {
                 assert_eq!(gpa, 0x9000);
                 assert_eq!(pages, vec![9u8; 2 * PAGE]);
             }
@@ -598,7 +749,7 @@ mod tests {
         );
         assert_eq!(never, vec![0u8; 2 * PAGE], "only Pages are placed");
         let mut bad = out.clone();
-        bad[HEADER + 8 + 100] ^= 1;
+        bad[HEADER + PAGES_HEADER + 16 + 100] ^= 1;
         assert!(matches!(
             Frame::read_into(&mut &bad[..], &mut buf, |_, _| Some(&mut target[..])),
             Err(StreamError::Checksum { .. })
@@ -610,6 +761,7 @@ mod tests {
         let good = Frame::Pages {
             gpa: 0x1000,
             pages: vec![1u8; PAGE],
+            fresh: false,
         }
         .encode()
         .unwrap();
@@ -642,6 +794,19 @@ mod tests {
         let e = Frame::read_from(&mut &huge[..]).unwrap_err();
         assert!(e.to_string().contains("exceeds"), "{e}");
         // Well-checksummed frames of the wrong shape.
+        let pages_payload = |gpa: u64, count: u32, flags: u32, masks: &[u64], lines: usize| {
+            let mut p = [
+                &gpa.to_le_bytes()[..],
+                &count.to_le_bytes(),
+                &flags.to_le_bytes(),
+            ]
+            .concat();
+            masks
+                .iter()
+                .for_each(|m| p.extend_from_slice(&m.to_le_bytes()));
+            p.resize(p.len() + lines, 3);
+            p
+        };
         let forge = |kind: u8, payload: &[u8]| {
             let mut f = MAGIC.to_vec();
             f.extend_from_slice(&[kind, 0, 0, 0]);
@@ -653,10 +818,17 @@ mod tests {
         };
         for (kind, payload) in [
             (kind::PAGES, vec![0u8; 8 + 100]),
+            (kind::PAGES, pages_payload(0x1001, 1, 0, &[u64::MAX], PAGE)),
+            (kind::PAGES, pages_payload(0x1000, 0, 0, &[], 0)),
+            (kind::PAGES, pages_payload(0x1000, 1, 2, &[u64::MAX], PAGE)),
             (
                 kind::PAGES,
-                [&0x1001u64.to_le_bytes()[..], &[0u8; PAGE]].concat(),
+                pages_payload(0, 513, 0, &[u64::MAX; 513], 513 * PAGE),
             ),
+            // Masks announcing more (or fewer) lines than the frame carries.
+            (kind::PAGES, pages_payload(0x1000, 1, 0, &[0b11], LINE)),
+            (kind::PAGES, pages_payload(0x1000, 1, 0, &[0b1], 2 * LINE)),
+            (kind::PAGES, pages_payload(0x1000, 2, 0, &[u64::MAX], PAGE)),
             (kind::ZERO, vec![0u8; 15]),
             (
                 kind::ZERO,
@@ -681,12 +853,13 @@ mod tests {
         }
         assert!(Frame::Pages {
             gpa: 0,
-            pages: vec![0; 100]
+            pages: vec![0; 100],
+            fresh: false,
         }
         .encode()
         .is_err());
         let mut out = Vec::new();
-        Frame::encode_pages_with(&mut out, 0x3000, 2 * PAGE, |_, b| {
+        Frame::encode_pages_with(&mut out, 0x3000, 2 * PAGE, false, false, |_, b| {
             b.fill(5);
             Ok(())
         })
@@ -695,12 +868,93 @@ mod tests {
             out,
             Frame::Pages {
                 gpa: 0x3000,
-                pages: vec![5u8; 2 * PAGE]
+                pages: vec![5u8; 2 * PAGE],
+                fresh: false,
             }
             .encode()
             .unwrap()
         );
-        assert!(Frame::encode_pages_with(&mut out, 0, 100, |_, _| Ok(())).is_err());
+        for len in [100, 513 * PAGE] {
+            assert!(
+                Frame::encode_pages_with(&mut out, 0, len, false, false, |_, _| Ok(())).is_err()
+            );
+        }
+    }
+
+    /// Only the non-zero lines of each page travel; the receiver rebuilds the pages exactly,
+    /// writing the zero lines over older contents unless the frame is fresh; `whole_pages`
+    /// sends every line.
+    #[test]
+    fn zero_lines_stay_behind_and_come_back_as_zeros() {
+        let pages = sparse_pages(5);
+        let mut buf = Vec::new();
+        let encode = |fresh: bool, whole: bool| {
+            let mut out = Vec::new();
+            let lines = Frame::encode_pages_with(
+                &mut out,
+                0x10000,
+                pages.len(),
+                fresh,
+                whole,
+                |at, piece| {
+                    piece.copy_from_slice(&pages[at..at + piece.len()]);
+                    Ok(())
+                },
+            )
+            .unwrap();
+            (out, lines)
+        };
+        // Pages 0 and 3 keep their first and last lines, page 2 one line; 1 and 4 are zero.
+        let (sparse, lines) = encode(false, false);
+        assert_eq!(lines, (2 + 1 + 2) * LINE);
+        assert_eq!(sparse.len(), HEADER + PAGES_HEADER + 5 * 8 + lines + 4);
+        let (whole, lines) = encode(false, true);
+        assert_eq!(lines, 5 * PAGE);
+        assert_eq!(whole.len(), HEADER + PAGES_HEADER + 5 * 8 + 5 * PAGE + 4);
+        for bytes in [&sparse, &whole] {
+            assert_eq!(
+                Frame::read_from(&mut &bytes[..]).unwrap(),
+                Frame::Pages {
+                    gpa: 0x10000,
+                    pages: pages.clone(),
+                    fresh: false
+                }
+            );
+            // Over older contents, every byte comes out as sent.
+            let mut old = vec![0xaau8; pages.len()];
+            let got = Frame::read_into(&mut &bytes[..], &mut buf, |_, _| Some(&mut old[..]));
+            assert!(matches!(got, Ok(FrameRef::Placed { fresh: false, .. })));
+            assert_eq!(old, pages);
+        }
+        // A fresh frame leaves the zero lines alone: over zeros the pages come out exact, and
+        // (to show what it skipped) over older contents those stay.
+        let (fresh, _) = encode(true, false);
+        let mut zeros = vec![0u8; pages.len()];
+        let got = Frame::read_into(&mut &fresh[..], &mut buf, |_, _| Some(&mut zeros[..]));
+        assert!(matches!(got, Ok(FrameRef::Placed { fresh: true, .. })));
+        assert_eq!(zeros, pages);
+        let mut old = vec![0xaau8; pages.len()];
+        Frame::read_into(&mut &fresh[..], &mut buf, |_, _| Some(&mut old[..])).unwrap();
+        assert_eq!(old[0], pages[0]);
+        assert_eq!(old[LINE], 0xaa, "a zero line of a fresh frame is not written");
+        // Declined, a fresh frame still comes back whole (the reader's buffer is not fresh).
+        let mut buf = vec![0xaau8; 8 * PAGE];
+        match Frame::read_into(&mut &fresh[..], &mut buf, |_, _| None).unwrap() {
+            FrameRef::Pages {
+                pages: got, fresh, ..
+            } => {
+                assert!(fresh);
+                assert_eq!(got, &pages[..]);
+            }
+            other => panic!("expected Pages, got {other:?}"),
+        }
+        // A flipped bit in a kept line is caught.
+        let mut bad = sparse.clone();
+        bad[HEADER + PAGES_HEADER + 5 * 8] ^= 1;
+        assert!(matches!(
+            Frame::read_from(&mut &bad[..]),
+            Err(StreamError::Checksum { .. })
+        ));
     }
 
     /// Random bytes never panic the decoder (the fuzz target in fuzz/ does this at scale).

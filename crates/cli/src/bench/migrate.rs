@@ -122,6 +122,10 @@ pub struct Args {
     /// is) and plain TCP (QEMU's default).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "tls,plain")]
     qemu_channels: Vec<qemu_peer::Channel>,
+    /// guestmem sends pages whole, zero lines included, as QEMU does (default: only their
+    /// non-zero 64-byte lines).
+    #[arg(long)]
+    whole_pages: bool,
     /// Loopback transport: tcp (127.0.0.1) or unix (a socket in the temporary directory).
     #[arg(long, value_enum, default_value = "tcp")]
     transport: Transport,
@@ -154,6 +158,8 @@ struct Row {
     total_ms_runs: Vec<f64>,
     downtime_ms_runs: Vec<f64>,
     sent_mib: f64,
+    /// What the pre-copy rounds' pages took on the wire (non-zero lines and masks).
+    wire_mib: f64,
     rounds: f64,
     /// Pre-copy rounds that converged (the rest hit the round limit).
     converged_runs: usize,
@@ -230,6 +236,8 @@ struct TargetComparison {
 struct Output {
     vcpus: usize,
     connections: usize,
+    /// guestmem sent pages whole (`--whole-pages`), not just their non-zero lines.
+    whole_pages: bool,
     transport: String,
     repeat: usize,
     downtime_target_ms: u64,
@@ -420,6 +428,7 @@ fn output(
     Output {
         vcpus: args.vcpus,
         connections: args.connections,
+        whole_pages: args.whole_pages,
         transport: match args.transport {
             Transport::Tcp => "tcp:127.0.0.1".into(),
             Transport::Unix => "unix".into(),
@@ -585,6 +594,7 @@ fn run_once(args: &Args, size: u64, rate: Rate, mode: Mode) -> crate::Result<Run
         mode,
         downtime: Duration::from_millis(args.downtime_ms),
         verify: false,
+        whole_pages: args.whole_pages,
         ..Default::default()
     };
     let creds = Credentials::load(&dir.0, Role::Source)?;
@@ -664,6 +674,7 @@ fn median_row(size: u64, rate: Rate, mode: Mode, runs: &[Run]) -> Row {
         total_ms_runs: runs.iter().map(|r| r.report.total_ms).collect(),
         downtime_ms_runs: runs.iter().map(|r| r.report.downtime_ms).collect(),
         sent_mib: m(&|r| r.report.bytes as f64 / (1 << 20) as f64),
+        wire_mib: m(&|r| r.report.wire_bytes as f64 / (1 << 20) as f64),
         rounds: m(&|r| r.report.rounds.len() as f64),
         converged_runs: runs.iter().filter(|r| r.report.converged).count(),
         max_throttle_percent: m(&|r| r.report.max_throttle_percent as f64),
@@ -727,11 +738,16 @@ fn qemu_row(
 
 fn print_table(out: &Output) {
     println!(
-        "live migration on loopback ({}, {} pages connection(s), TLS), {}-vCPU anon guest \
+        "live migration on loopback ({}, {} pages connection(s), TLS, {}), {}-vCPU anon guest \
          dirtying after a full first pass (idle: {} pages/s), downtime target {} ms, median of \
          {} run(s); load average {} before, {} after",
         out.transport,
         out.connections,
+        if out.whole_pages {
+            "pages sent whole"
+        } else {
+            "non-zero lines of pages"
+        },
         out.vcpus,
         out.idle_pages_per_s,
         out.downtime_target_ms,
@@ -740,13 +756,14 @@ fn print_table(out: &Output) {
         out.load_average_after.as_deref().unwrap_or("?"),
     );
     println!(
-        "{:>8} {:>9} {:>14} {:>9} {:>9} {:>8} {:>6} {:>8} {:>8} {:>15} {:>11} {:>19} {:>8}",
+        "{:>8} {:>9} {:>14} {:>9} {:>9} {:>8} {:>8} {:>6} {:>8} {:>8} {:>15} {:>11} {:>19} {:>8}",
         "memory",
         "rate",
         "mode",
         "total ms",
         "downtime",
         "MiB sent",
+        "wire MiB",
         "rounds",
         "throttle",
         "r1 MiB/s",
@@ -759,12 +776,13 @@ fn print_table(out: &Output) {
     let mut printed_qemu = vec![false; out.qemu_rows.len()];
     let print_qemu = |q: &QemuRow| {
         println!(
-            "{:>8} {:>9} {:>14} {:>9.0} {:>9.0} {:>8.0} {:>6.0} {:>8} {:>8} {:>15} {:>11} {:>19} {:>7.1}%",
+            "{:>8} {:>9} {:>14} {:>9.0} {:>9.0} {:>8.0} {:>8.0} {:>6.0} {:>8} {:>8} {:>15} {:>11} {:>19} {:>7.1}%",
             format!("{} MiB", q.memory_bytes >> 20),
             rate(q.dirty_mib_per_s),
             format!("QEMU {} pre", q.channel.name()),
             q.total_ms,
             q.downtime_ms,
+            q.sent_mib,
             q.sent_mib,
             q.dirty_syncs,
             "-",
@@ -780,13 +798,14 @@ fn print_table(out: &Output) {
     };
     for (i, r) in out.rows.iter().enumerate() {
         println!(
-            "{:>8} {:>9} {:>14} {:>9.1} {:>9.1} {:>8.1} {:>6.0} {:>7.0}% {:>8.0} {:>15} {:>11} {:>19} {:>7.1}%",
+            "{:>8} {:>9} {:>14} {:>9.1} {:>9.1} {:>8.1} {:>8.1} {:>6.0} {:>7.0}% {:>8.0} {:>15} {:>11} {:>19} {:>7.1}%",
             format!("{} MiB", r.memory_bytes >> 20),
             rate(r.dirty_mib_per_s),
             r.mode.name(),
             r.total_ms,
             r.downtime_ms,
             r.sent_mib,
+            r.wire_mib,
             r.rounds,
             r.max_throttle_percent,
             r.round1_mib_per_s,
