@@ -8,8 +8,8 @@
 //!
 //! A Pages payload is `gpa (u64) | count (u32) | flags (u32) | count line masks (u64) | lines`:
 //! bit `i` of page `p`'s mask says its 64-byte line `i` is not all zero, and only those lines
-//! travel, page after page (most of a guest page is often zeros; a page with none is sent whole
-//! plus its 8-byte mask). Flag [`FRESH`]: the receiver's memory at these pages still holds
+//! travel, page after page (guest pages are often mostly zeros; a page without a zero line
+//! travels whole, plus its 8-byte mask). Flag [`FRESH`]: the receiver's memory at these pages still holds
 //! zeros (the destination's RAM in round 1), so it need not write the zero lines.
 //!
 //! A decoder checks all of it — magic, kind, reserved bytes, length bound, checksum, and the
@@ -247,7 +247,9 @@ impl Frame {
                 };
                 masks[start / PAGE + p] = mask;
                 if mask == u64::MAX {
-                    out.copy_within(from..from + PAGE, w);
+                    if from != w {
+                        out.copy_within(from..from + PAGE, w);
+                    }
                     w += PAGE;
                     continue;
                 }
@@ -936,7 +938,10 @@ mod tests {
         let mut old = vec![0xaau8; pages.len()];
         Frame::read_into(&mut &fresh[..], &mut buf, |_, _| Some(&mut old[..])).unwrap();
         assert_eq!(old[0], pages[0]);
-        assert_eq!(old[LINE], 0xaa, "a zero line of a fresh frame is not written");
+        assert_eq!(
+            old[LINE], 0xaa,
+            "a zero line of a fresh frame is not written"
+        );
         // Declined, a fresh frame still comes back whole (the reader's buffer is not fresh).
         let mut buf = vec![0xaau8; 8 * PAGE];
         match Frame::read_into(&mut &fresh[..], &mut buf, |_, _| None).unwrap() {
