@@ -341,6 +341,11 @@ fn apply_pages(mut conn: Connection, memory: &GuestMemory) -> (Connection, Resul
                 if last {
                     break Ok(());
                 }
+                // Everything before it is in guest memory: say so, so that the source times
+                // its rounds (and pauses the guest) on what is applied, not what is buffered.
+                if let Err(e) = write_frame(&mut conn, &Frame::EndOfRound { round, last }) {
+                    break Err(e);
+                }
                 Ok(())
             }
             other => break Err(refused_by_source(&other, "pages")),

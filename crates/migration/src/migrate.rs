@@ -9,7 +9,8 @@
 //!
 //! **Sequence**: Hello each way (the source's carries the VM configuration, the destination
 //! answers Hello or Abort) → rounds of Pages / Zero frames, each closed by EndOfRound on every
-//! pages connection → the source pauses the VM, sends the last pages and the State (vCPU state,
+//! pages connection (which the destination sends back once it applied the round, except after
+//! the last) → the source pauses the VM, sends the last pages and the State (vCPU state,
 //! memory digest, and in post-copy which chunks are still to fetch) → the destination answers
 //! Ready (or Abort: digest mismatch, bad state) → Go (the source has let go for good) → Running
 //! (the destination's vCPUs run: the downtime ends) → in post-copy, Requests until all memory is

@@ -576,12 +576,22 @@ impl<'o> Source<'o> {
             }
             Ok(())
         })();
-        let (conns, wire_bytes) = match (queued, writers.join()) {
+        let (mut conns, wire_bytes) = match (queued, writers.join()) {
             (Ok(()), Ok(joined)) => joined,
             // A writer's own error says why its queue closed ("pages connection N failed" does
             // not): it goes first.
             (_, Err(e)) | (Err(e), Ok(_)) => return Err(e),
         };
+        // A round ends when the destination has applied it: what the sockets still buffer
+        // (little on the wire can be much to write: zero lines do not travel) is not sent yet.
+        if !last {
+            for conn in &mut conns {
+                match read_frame(conn)? {
+                    Frame::EndOfRound { round: r, .. } if r == round => {}
+                    other => return Err(unexpected(&other, "the round's EndOfRound back")),
+                }
+            }
+        }
         let ms = start.elapsed().as_secs_f64() * 1e3;
         self.report.bytes += bytes;
         self.report.wire_bytes += wire_bytes;
