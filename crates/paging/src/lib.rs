@@ -15,6 +15,7 @@
 //! for yet, at low priority, and retires the pager once all are resident. A chunk is fetched
 //! from the source as one range ([`PageSource::fetch_pieces`]) and copied in as it arrives.
 
+pub mod affinity;
 mod error;
 mod pager;
 pub mod priority;
