@@ -258,10 +258,9 @@ fn cpu_set(option: &str, cpus: &Option<Vec<usize>>) -> crate::Result<Option<CpuS
     let Some(cpus) = cpus else {
         return Ok(None);
     };
-    let list: Vec<String> = cpus.iter().map(|c| c.to_string()).collect();
-    Ok(Some(CpuSet::new(cpus).map_err(|e| {
-        format!("{option} {}: {e}", list.join(","))
-    })?))
+    Ok(Some(
+        CpuSet::new(cpus).map_err(|e| format!("{option} {cpus:?}: {e}"))?,
+    ))
 }
 
 /// Runs `spawn` with the calling thread pinned to `cpus` (if any), so that the threads it
@@ -481,9 +480,9 @@ mod tests {
         );
         assert!(crate::bench::parse::<super::Args>(&["-u", "WP"]).is_err());
         let e = error_of(&["--vcpu-cpus", "0,4096"]);
-        assert!(e.contains("--vcpu-cpus 0,4096: CPU 4096 "), "{e}");
+        assert!(e.contains("--vcpu-cpus [0, 4096]: CPU 4096 "), "{e}");
         let e = error_of(&["--vcpu-cpus", "0", "--pager-cpus", "1023"]);
-        assert!(e.contains("--pager-cpus 1023: CPU 1023 "), "{e}");
+        assert!(e.contains("--pager-cpus [1023]: CPU 1023 "), "{e}");
         assert!(crate::bench::parse::<super::Args>(&["--pager-cpus", ""]).is_err());
     }
 }
