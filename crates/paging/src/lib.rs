@@ -14,7 +14,9 @@
 //! fetches in flight for a slow source); a background thread fetches the chunks nobody asked
 //! for yet, at low priority, and retires the pager once all are resident. A chunk is fetched
 //! from the source as one range ([`PageSource::fetch_pieces`]) and copied in as it arrives.
+//! The pager's threads can be pinned to host CPUs of their own ([`PagerConfig::cpus`]).
 
+pub mod affinity;
 mod error;
 mod pager;
 pub mod priority;

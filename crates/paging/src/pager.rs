@@ -17,6 +17,7 @@ use guestmem_sys::uapi::{
 use guestmem_vm::AbortHandle;
 use userfaultfd::{Event, EventBuffer, FaultKind, FeatureFlags, RegisterMode, Uffd, UffdBuilder};
 
+use crate::affinity::CpuSet;
 use crate::{priority, Error, PageSource, Result};
 
 /// How a [`Pager`] works.
@@ -59,6 +60,11 @@ pub struct PagerConfig {
     /// wait on their faults. (A benchmark that only measures throughput on busy cores gains
     /// nothing from it: the cores are the limit.)
     pub realtime_handlers: bool,
+    /// Host CPUs for the pager's threads (fault handlers, readahead, background fetch): each
+    /// pins itself to them as it starts, as a VMM keeps its housekeeping threads off the
+    /// vCPUs' CPUs. Each must be one the process may run on. `None`: wherever the scheduler
+    /// puts them.
+    pub cpus: Option<Vec<usize>>,
 }
 
 impl Default for PagerConfig {
@@ -75,6 +81,7 @@ impl Default for PagerConfig {
             abort: None,
             prefetch: Vec::new(),
             realtime_handlers: false,
+            cpus: None,
         }
     }
 }
@@ -144,6 +151,7 @@ const EVENT_BATCH: usize = 64;
 pub struct Pager {
     shared: Arc<Shared>,
     threads: Vec<JoinHandle<()>>,
+    cpus: Option<CpuSet>,
 }
 
 struct Shared {
@@ -282,6 +290,7 @@ impl Pager {
                 source.size()
             )));
         }
+        let cpus = pager_cpus(config).map_err(bad)?;
 
         let mut features = UFFD_FEATURE_EVENT_REMOVE;
         features |= match backend {
@@ -385,6 +394,7 @@ impl Pager {
         let mut pager = Pager {
             shared: shared.clone(),
             threads: Vec::new(),
+            cpus,
         };
         let n_uffds = shared.uffds.len();
         for t in 0..config.handlers {
@@ -415,7 +425,7 @@ impl Pager {
     }
 
     fn spawn(&mut self, name: String, f: impl FnOnce() + Send + 'static) -> Result<()> {
-        let handle = spawn_pager_thread(&self.shared.region, name, f)?;
+        let handle = spawn_pager_thread(&self.shared.region, name, self.cpus, f)?;
         self.threads.push(handle);
         Ok(())
     }
@@ -1349,6 +1359,7 @@ pub struct PeerPager {
     ranges: Vec<Arc<Shared>>,
     stop: OwnedFd,
     threads: Vec<JoinHandle<()>>,
+    cpus: Option<CpuSet>,
 }
 
 fn new_eventfd(region: &str) -> Result<OwnedFd> {
@@ -1375,6 +1386,10 @@ impl PeerPager {
         config: &PagerConfig,
         on_failure: Option<OnFailure>,
     ) -> Result<PeerPager> {
+        let cpus = pager_cpus(config).map_err(|reason| Error::Config {
+            region: "peer pager".into(),
+            reason,
+        })?;
         let mut shareds: Vec<Arc<Shared>> = Vec::with_capacity(ranges.len());
         let mut sorted = ranges;
         sorted.sort_by_key(|r| r.host_addr);
@@ -1455,6 +1470,7 @@ impl PeerPager {
             stop: new_eventfd("peer pager")?,
             ranges: shareds,
             threads: Vec::new(),
+            cpus,
         };
         // SAFETY: `uffd` is a userfaultfd we own; the handler's Uffd takes it over.
         let reader = unsafe { Uffd::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(uffd)) };
@@ -1472,7 +1488,7 @@ impl PeerPager {
     }
 
     fn spawn(&mut self, name: String, f: impl FnOnce() + Send + 'static) -> Result<()> {
-        let handle = spawn_pager_thread("peer pager", name, f)?;
+        let handle = spawn_pager_thread("peer pager", name, self.cpus, f)?;
         self.threads.push(handle);
         Ok(())
     }
@@ -1637,17 +1653,38 @@ pub fn register_for_peer(regions: &[&Region]) -> Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
-/// Starts one of a pager's threads (small stacks: they only shuffle pages), naming the region in
-/// the error if the thread cannot be created.
+/// [`PagerConfig::cpus`], checked against the CPUs this process may run on.
+fn pager_cpus(config: &PagerConfig) -> std::result::Result<Option<CpuSet>, String> {
+    config
+        .cpus
+        .as_deref()
+        .map(|cpus| CpuSet::new(cpus).map_err(|e| format!("pager CPUs {cpus:?}: {e}")))
+        .transpose()
+}
+
+/// Starts one of a pager's threads (small stacks: they only shuffle pages), pinned to `cpus`
+/// from its start ([`PagerConfig::cpus`]), naming the region in the error if the thread cannot
+/// be created.
 fn spawn_pager_thread(
     region: &str,
     name: String,
+    cpus: Option<CpuSet>,
     f: impl FnOnce() + Send + 'static,
 ) -> Result<std::thread::JoinHandle<()>> {
+    let region_name = region.to_string();
     std::thread::Builder::new()
         .name(name)
         .stack_size(256 << 10)
-        .spawn(f)
+        .spawn(move || {
+            if let Some(cpus) = cpus {
+                // The CPUs were checked at the pager's start; this fails only if the process
+                // lost them since (its cpuset changed): the thread then runs where it may.
+                if let Err(e) = cpus.pin_current_thread() {
+                    tracing::warn!(region = %region_name, "pinning a pager thread to {cpus:?}: {e}");
+                }
+            }
+            f()
+        })
         .map_err(|source| Error::Os {
             region: region.into(),
             op: "spawning a pager thread",

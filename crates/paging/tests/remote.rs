@@ -1,43 +1,17 @@
 //! Demand paging from a remote peer: every byte read through the region equals the source's,
 //! whether the chunks come in by fault, by the readahead threads or by the background sweep.
 
+mod common;
+
 use std::fs::File;
-use std::io::Write;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::pattern_file;
 use guestmem_memory::{Backend, GuestMemory, RegionSpec};
 use guestmem_paging::{FileSource, PageSource, Pager, PagerConfig, RemoteSource};
 
 const SIZE: u64 = 32 << 20;
-
-/// `size` bytes of a position-dependent pattern in an unlinked temporary file (one per
-/// test: they run in parallel).
-fn pattern_file(size: u64) -> File {
-    static FILES: AtomicUsize = AtomicUsize::new(0);
-    let path = std::env::temp_dir().join(format!(
-        "guestmem-paging-remote-{}-{}",
-        std::process::id(),
-        FILES.fetch_add(1, Ordering::Relaxed)
-    ));
-    let mut file = File::options()
-        .read(true)
-        .write(true)
-        .create_new(true)
-        .open(&path)
-        .expect("temporary file");
-    std::fs::remove_file(&path).expect("unlink the temporary file");
-    let bytes: Vec<u8> = (0..size / 8)
-        .flat_map(|i| {
-            (i ^ 0x5eed)
-                .wrapping_mul(0x9e37_79b9_7f4a_7c15)
-                .to_le_bytes()
-        })
-        .collect();
-    file.write_all(&bytes).expect("write the pattern");
-    file
-}
 
 fn remote(file: &File, connections: usize) -> (Arc<dyn PageSource>, Vec<u8>) {
     let local = Arc::new(FileSource::new(file.try_clone().expect("dup")).expect("map the file"));

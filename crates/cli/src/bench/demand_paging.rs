@@ -2,7 +2,9 @@
 //! 001). Each vCPU touches only its own `-b` bytes, once. In the same run, for every vCPU
 //! count: the pre-populated baseline (memory filled before the guest starts), the kernel's
 //! first-touch rate (fresh memory, no pager), and demand paging from a local file source (or,
-//! with `-d`, a remote peer answering each fetch after that delay).
+//! with `-d`, a remote peer answering each fetch after that delay). With `--vcpu-cpus` and
+//! `--pager-cpus` the vCPU threads of every run and the pager's (and the peer's) threads are
+//! pinned to separate host CPUs, as a VMM places them.
 
 use std::fs::File;
 use std::io::Write;
@@ -11,6 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use guestmem_memory::{Backend, PAGE_SIZE};
+use guestmem_paging::affinity::CpuSet;
 use guestmem_paging::{FileSource, PageSource, Pager, PagerConfig, PagerStats, RemoteSource};
 use guestmem_vm::{layout, VcpuWork, Vm, VmConfig, Workload};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -63,6 +66,14 @@ pub struct Args {
     /// (the host is shared: the best run is the one least disturbed).
     #[arg(long, default_value_t = 3)]
     repeat: usize,
+    /// Host CPUs for the vCPU threads of every run, the pre-populated baseline included, e.g.
+    /// 0 or 0,1 (default: wherever the scheduler puts them).
+    #[arg(long, value_delimiter = ',')]
+    vcpu_cpus: Option<Vec<usize>>,
+    /// Host CPUs for the pager's threads and, with `-d`, the remote peer's, e.g. 1 (default:
+    /// wherever the scheduler puts them). May overlap `--vcpu-cpus`.
+    #[arg(long, value_delimiter = ',')]
+    pager_cpus: Option<Vec<usize>>,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
@@ -96,6 +107,10 @@ struct Output {
     delay_us: u64,
     fault_around_bytes: u64,
     background: bool,
+    /// `--vcpu-cpus` (`null`: not pinned).
+    vcpu_cpus: Option<Vec<usize>>,
+    /// `--pager-cpus` (`null`: not pinned).
+    pager_cpus: Option<Vec<usize>>,
     columns: Vec<Column>,
 }
 
@@ -115,6 +130,8 @@ pub fn main(args: Args) -> crate::Result<()> {
         )
         .into());
     }
+    let vcpu_cpus = cpu_set("--vcpu-cpus", &args.vcpu_cpus)?;
+    let pager_cpus = cpu_set("--pager-cpus", &args.pager_cpus)?;
     let backend = match args.mode {
         Mode::Missing => Backend::Anon,
         Mode::Minor => Backend::Memfd,
@@ -129,15 +146,15 @@ pub fn main(args: Args) -> crate::Result<()> {
         let mut pager_memory = 0;
         let mut observed_delay = None;
         for _ in 0..args.repeat {
-            let (prepopulated, _) = touch_rate(vcpus, size, backend, |vm| {
+            let (prepopulated, _) = touch_rate(vcpus, size, backend, vcpu_cpus, |vm| {
                 populate(vm, &file, size)?;
                 Ok(None)
             })?;
-            let (first_touch, _) = touch_rate(vcpus, size, backend, |_| Ok(None))?;
+            let (first_touch, _) = touch_rate(vcpus, size, backend, vcpu_cpus, |_| Ok(None))?;
             let mut remote = None;
-            let (demand, pager) = touch_rate(vcpus, size, backend, |vm| {
+            let (demand, pager) = touch_rate(vcpus, size, backend, vcpu_cpus, |vm| {
                 let ram = vm.memory().region("ram").expect("the VM has a ram region");
-                let source = source(&args, &file)?;
+                let source = source(&args, &file, pager_cpus)?;
                 remote = source.remote;
                 let pager = Pager::start(ram, source.pages, &pager_config(&args, vm, vcpus))?;
                 Ok(Some(pager))
@@ -211,6 +228,8 @@ pub fn main(args: Args) -> crate::Result<()> {
         delay_us: args.delay_us,
         fault_around_bytes: args.fault_around,
         background: !args.no_background,
+        vcpu_cpus: args.vcpu_cpus.clone(),
+        pager_cpus: args.pager_cpus.clone(),
         columns,
     };
     if args.json {
@@ -229,8 +248,35 @@ fn pager_config(args: &Args, vm: &Vm, vcpus: usize) -> PagerConfig {
         fault_around: args.fault_around,
         background: !args.no_background,
         abort: Some(vm.abort_handle()),
+        cpus: args.pager_cpus.clone(),
         ..PagerConfig::default()
     }
+}
+
+/// `--vcpu-cpus` / `--pager-cpus`, checked against the CPUs this process may run on.
+fn cpu_set(option: &str, cpus: &Option<Vec<usize>>) -> crate::Result<Option<CpuSet>> {
+    let Some(cpus) = cpus else {
+        return Ok(None);
+    };
+    Ok(Some(
+        CpuSet::new(cpus).map_err(|e| format!("{option} {cpus:?}: {e}"))?,
+    ))
+}
+
+/// Runs `spawn` with the calling thread pinned to `cpus` (if any), so that the threads it
+/// starts inherit them, then gives the calling thread back the CPUs it had.
+fn spawned_on<T>(cpus: Option<CpuSet>, spawn: impl FnOnce() -> T) -> crate::Result<T> {
+    let Some(cpus) = cpus else {
+        return Ok(spawn());
+    };
+    let own = CpuSet::of_current_thread()
+        .map_err(|e| format!("sched_getaffinity of the bench thread: {e}"))?;
+    cpus.pin_current_thread()
+        .map_err(|e| format!("pinning the bench thread to {cpus:?}: {e}"))?;
+    let spawned = spawn();
+    own.pin_current_thread()
+        .map_err(|e| format!("giving the bench thread back its CPUs {own:?}: {e}"))?;
+    Ok(spawned)
 }
 
 fn readahead_threads(args: &Args) -> usize {
@@ -245,8 +291,9 @@ struct Source {
     remote: Option<Arc<RemoteSource>>,
 }
 
-/// The local file, or with `-d` a remote peer serving it after that delay per request.
-fn source(args: &Args, file: &File) -> crate::Result<Source> {
+/// The local file, or with `-d` a remote peer serving it after that delay per request, its
+/// threads on `cpus`.
+fn source(args: &Args, file: &File, cpus: Option<CpuSet>) -> crate::Result<Source> {
     let local: Arc<dyn PageSource> = Arc::new(FileSource::new(file.try_clone()?)?);
     if args.delay_us == 0 {
         return Ok(Source {
@@ -257,20 +304,24 @@ fn source(args: &Args, file: &File) -> crate::Result<Source> {
     let delay = Duration::from_micros(args.delay_us);
     // One connection for each thread that fetches: handlers, readahead, background.
     let connections = args.handlers + readahead_threads(args) + 1;
-    let remote = Arc::new(RemoteSource::spawn(local, delay, connections)?);
+    let remote = Arc::new(spawned_on(cpus, || {
+        RemoteSource::spawn(local, delay, connections)
+    })??);
     Ok(Source {
         pages: remote.clone(),
         remote: Some(remote),
     })
 }
 
-/// Runs `touch` on a fresh VM prepared by `prepare` (which may return the pager it started)
-/// and returns total pages / seconds (and the pager's stats and own memory) from the start of `prepare`'s pager (or of the vCPUs) to
-/// the last vCPU's end, as the kernel's test measures.
+/// Runs `touch` on a fresh VM prepared by `prepare` (which may return the pager it started),
+/// its vCPU threads on `vcpu_cpus`, and returns total pages / seconds (and the pager's stats
+/// and own memory) from the start of `prepare`'s pager (or of the vCPUs) to the last vCPU's
+/// end, as the kernel's test measures.
 fn touch_rate(
     vcpus: usize,
     size: u64,
     backend: Backend,
+    vcpu_cpus: Option<CpuSet>,
     prepare: impl FnOnce(&Vm) -> crate::Result<Option<Pager>>,
 ) -> crate::Result<(f64, Option<(PagerStats, u64)>)> {
     let mut vm = Vm::new(&VmConfig::simple(vcpus, size, backend))?;
@@ -282,7 +333,7 @@ fn touch_rate(
     if pager.is_none() {
         started = Instant::now();
     }
-    let report = vm.run(&work, STALL)?;
+    let report = spawned_on(vcpu_cpus, || vm.start(&work))??.wait(STALL)?;
     let seconds = started.elapsed().as_secs_f64();
     // The pager goes before the VM (and its memory).
     let pager = pager.map(|p| (p.stats(), p.memory_bytes()));
@@ -353,9 +404,16 @@ fn print_table(out: &Output) {
         "local file".to_string()
     };
     println!();
+    let on = |cpus: &Option<Vec<usize>>| match cpus {
+        Some(cpus) => {
+            let list: Vec<String> = cpus.iter().map(|c| c.to_string()).collect();
+            format!("on CPUs {}", list.join(","))
+        }
+        None => "not pinned".to_string(),
+    };
     println!(
         "{} per vCPU, {} backend, {}, {} handler threads, {} readahead threads, {} KiB \
-         fault-around, background fetch {}, {source}",
+         fault-around, background fetch {}, {source}; vCPU threads {}, {} threads {}",
         format_args!("{} MiB", out.bytes_per_vcpu >> 20),
         out.backend,
         if out.one_uffd {
@@ -367,6 +425,13 @@ fn print_table(out: &Output) {
         out.readahead_threads,
         out.fault_around_bytes >> 10,
         if out.background { "on" } else { "off" },
+        on(&out.vcpu_cpus),
+        if out.delay_us > 0 {
+            "pager and peer"
+        } else {
+            "pager"
+        },
+        on(&out.pager_cpus),
     );
     let cols: Vec<String> = out.columns.iter().map(|c| c.vcpus.to_string()).collect();
     println!("| pages/s \\ vCPUs | {} |", cols.join(" | "));
@@ -414,5 +479,10 @@ mod tests {
             "{e}"
         );
         assert!(crate::bench::parse::<super::Args>(&["-u", "WP"]).is_err());
+        let e = error_of(&["--vcpu-cpus", "0,4096"]);
+        assert!(e.contains("--vcpu-cpus [0, 4096]: CPU 4096 "), "{e}");
+        let e = error_of(&["--vcpu-cpus", "0", "--pager-cpus", "1023"]);
+        assert!(e.contains("--pager-cpus [1023]: CPU 1023 "), "{e}");
+        assert!(crate::bench::parse::<super::Args>(&["--pager-cpus", ""]).is_err());
     }
 }
