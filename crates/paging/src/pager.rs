@@ -3,7 +3,7 @@
 use std::collections::VecDeque;
 use std::io;
 use std::ops::Range;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -165,6 +165,9 @@ struct Shared {
     mode: Mode,
     /// A second shared mapping of the memfd (`Mode::Continue`), not registered with uffd.
     alias: usize,
+    /// The memfd itself (`Mode::Continue`; -1 otherwise): a mapped source is written into its
+    /// page cache with `pwrite`, which fills whole pages without zeroing them first.
+    memfd: RawFd,
     uffds: Vec<Uffd>,
     /// The chunks each userfaultfd covers.
     shards: Vec<Range<usize>>,
@@ -331,10 +334,14 @@ impl Pager {
             uffds.push(uffd);
         }
 
+        let memfd = match mode {
+            Mode::Copy => -1,
+            Mode::Continue => region.fd().expect("memfd regions have an fd").as_raw_fd(),
+        };
         let alias = match mode {
             Mode::Copy => 0,
             Mode::Continue => {
-                let fd = region.fd().expect("memfd regions have an fd").as_raw_fd();
+                let fd = memfd;
                 // SAFETY: a fresh shared mapping of the region's own fd and size; it aliases
                 // the region's memory only through the page cache, which is what we want.
                 let addr = unsafe {
@@ -376,6 +383,7 @@ impl Pager {
                 chunk,
                 mode,
                 alias,
+                memfd,
             },
             uffds,
             shards,
@@ -571,6 +579,7 @@ struct Layout {
     chunk: u64,
     mode: Mode,
     alias: usize,
+    memfd: RawFd,
 }
 
 /// Called with the reason when a fetch fails for good (after the `abort` handle, if any).
@@ -596,6 +605,7 @@ impl Shared {
             chunk,
             mode,
             alias,
+            memfd,
         } = layout;
         let chunks = size.div_ceil(chunk) as usize;
         let threads = (config.handlers + config.readahead_threads + usize::from(config.background))
@@ -611,6 +621,7 @@ impl Shared {
             bounce: chunk.min(BOUNCE_MAX).min(bounce_share).max(page),
             mode,
             alias,
+            memfd,
             uffds,
             shards,
             states: (0..chunks).map(|_| AtomicU8::new(ABSENT)).collect(),
@@ -1079,6 +1090,39 @@ impl Shared {
                 .map_err(|e| self.uffd_error("UFFDIO_WAKE", e))?;
                 Ok(true)
             }
+            Mode::Continue if self.source.mapped().is_some() => {
+                let src = self.source.mapped().expect("checked");
+                let mut done = 0u64;
+                while done < len {
+                    // SAFETY: the pager checked that the source holds at least the region's
+                    // size; `pwrite` reads `len - done` bytes of it into the memfd's page cache
+                    // at the chunk's offset (whole pages: nothing is zeroed first). No one else
+                    // writes the chunk while we hold it in FETCHING.
+                    let n = unsafe {
+                        libc::pwrite(
+                            self.memfd,
+                            src.add((start + done) as usize).cast(),
+                            (len - done) as usize,
+                            (start + done) as libc::off_t,
+                        )
+                    };
+                    if n <= 0 {
+                        let e = io::Error::last_os_error();
+                        if n < 0 && e.kind() == io::ErrorKind::Interrupted {
+                            continue;
+                        }
+                        return Err(Error::SourceFailed {
+                            region: self.region.clone(),
+                            gpa: self.gpa + start + done,
+                            len: len - done,
+                            attempts: 1,
+                            source: e,
+                        });
+                    }
+                    done += n as u64;
+                }
+                self.map_page_cache(uffd, start, len)
+            }
             Mode::Continue => {
                 // SAFETY: the chunk lies inside the alias mapping, and no one else writes it
                 // while we hold it in FETCHING (the guest's mapping of it is not populated yet,
@@ -1457,6 +1501,7 @@ impl PeerPager {
                     chunk,
                     mode: Mode::Copy,
                     alias: 0,
+                    memfd: -1,
                 },
                 vec![uffd],
                 std::iter::once(0..chunks).collect(),
