@@ -54,18 +54,7 @@ fn a_pager_pinned_to_cpu_0_serves_the_region_from_cpu_0() {
             ..PagerConfig::default()
         };
         let pager = Pager::start(region, source, &config).expect("start the pager");
-        let mut read = vec![0u8; SIZE as usize];
-        for (i, piece) in read.chunks_mut(1 << 20).enumerate() {
-            memory
-                .read((i as u64) << 20, piece)
-                .expect("read the region");
-        }
-        assert!(
-            read == expected,
-            "{backend}: the region's bytes differ from the source's"
-        );
-        assert_eq!(pager.failure(), None);
-        assert_eq!(pager.stats().resident_bytes, SIZE);
+        common::check_read_through(&memory, &pager, &expected, backend);
         // Two handlers and two readahead threads, all of which have served by now.
         assert_eq!(allowed_cpus_of_threads("uffd-"), ["0", "0", "0", "0"]);
         drop(pager);

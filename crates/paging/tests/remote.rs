@@ -31,18 +31,7 @@ fn read_through_pager(backend: Backend, config: PagerConfig) {
         .expect("create the region");
     let region = memory.region("ram").expect("the region");
     let pager = Pager::start(region, source, &config).expect("start the pager");
-    let mut read = vec![0u8; SIZE as usize];
-    for (i, piece) in read.chunks_mut(1 << 20).enumerate() {
-        memory
-            .read((i as u64) << 20, piece)
-            .expect("read the region");
-    }
-    assert!(
-        read == expected,
-        "{backend}: the region's bytes differ from the source's"
-    );
-    assert_eq!(pager.failure(), None);
-    assert_eq!(pager.stats().resident_bytes, SIZE);
+    common::check_read_through(&memory, &pager, &expected, backend);
 }
 
 #[test]
