@@ -140,7 +140,7 @@ pub struct Report {
     pub max_throttle_percent: u64,
     /// Page bytes sent, all phases.
     pub bytes: u64,
-    /// What the pre-copy rounds' pages took on the wire (their non-zero lines and masks).
+    /// What the pages took on the wire (their non-zero lines and masks), all phases.
     pub wire_bytes: u64,
     pub pages_sent: u64,
     /// Zero pages not sent.
@@ -757,6 +757,7 @@ impl<'o> Source<'o> {
         let started = Instant::now();
         let requests = AtomicU64::new(0);
         let bytes = AtomicU64::new(0);
+        let wire = AtomicU64::new(0);
         loop {
             self.progress("post-copy", 0, 0, None, 0.0, 0);
             let cutters = links.cutters()?;
@@ -768,7 +769,7 @@ impl<'o> Source<'o> {
                     .map(|conn| (conn, false))
                     .chain(links.urgent.iter_mut().map(|conn| (conn, true)))
                     .map(|(conn, urgent)| {
-                        let (requests, bytes, cutters) = (&requests, &bytes, &cutters);
+                        let (requests, bytes, wire, cutters) = (&requests, &bytes, &wire, &cutters);
                         s.spawn(move || {
                             if urgent {
                                 // A vCPU of the destination waits for every answer here: run
@@ -776,7 +777,7 @@ impl<'o> Source<'o> {
                                 // as the destination's fault handlers do.
                                 guestmem_paging::priority::make_realtime();
                             }
-                            let r = serve(conn, memory, requests, bytes);
+                            let r = serve(conn, memory, requests, bytes, wire);
                             if r.is_err() {
                                 // One connection broke: cut the others so that all of them
                                 // are re-established together.
@@ -803,6 +804,7 @@ impl<'o> Source<'o> {
             match results.next().expect("at least one connection") {
                 Ok(report) if results.all(|r| r.is_ok()) => {
                     self.report.bytes += self.report.postcopy_bytes;
+                    self.report.wire_bytes += wire.load(Ordering::Relaxed);
                     self.report.pages_sent += self.report.postcopy_bytes / PAGE_SIZE;
                     self.report.postcopy_ms = started.elapsed().as_secs_f64() * 1e3;
                     return Ok(report);
@@ -848,12 +850,14 @@ impl<'o> Source<'o> {
     }
 }
 
-/// Answers Requests from guest memory until the destination's Complete (its report JSON).
+/// Answers Requests from guest memory until the destination's Complete (its report JSON),
+/// counting the page bytes it sends and what they take on the wire.
 fn serve(
     conn: &mut Connection,
     memory: &GuestMemory,
     requests: &AtomicU64,
     bytes: &AtomicU64,
+    wire: &AtomicU64,
 ) -> Result<Vec<u8>> {
     let mut out = Vec::with_capacity(crate::stream::MAX_REQUEST as usize + 64);
     loop {
@@ -887,6 +891,7 @@ fn serve(
                         .and_then(|()| conn.flush())
                         .map_err(|e| Error::Stream(e.into()))?;
                     bytes.fetch_add(len as u64, Ordering::Relaxed);
+                    wire.fetch_add(frame_out.len() as u64, Ordering::Relaxed);
                 }
                 out = frame_out;
                 requests.fetch_add(1, Ordering::Relaxed);

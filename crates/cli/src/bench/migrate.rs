@@ -158,7 +158,7 @@ struct Row {
     total_ms_runs: Vec<f64>,
     downtime_ms_runs: Vec<f64>,
     sent_mib: f64,
-    /// What the pre-copy rounds' pages took on the wire (non-zero lines and masks).
+    /// What the pages took on the wire (non-zero lines and masks), all phases.
     wire_mib: f64,
     rounds: f64,
     /// Pre-copy rounds that converged (the rest hit the round limit).
