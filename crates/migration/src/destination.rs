@@ -796,7 +796,12 @@ impl PostcopyLink {
 
 /// One lock-step request: `buf.len()` bytes at `gpa`, in pieces of at most [`MAX_REQUEST`]
 /// (each answer read into `frame`).
-fn request(conn: &mut Connection, frame: &mut Vec<u8>, gpa: u64, buf: &mut [u8]) -> Result<()> {
+fn request(
+    conn: &mut (impl io::Read + Write),
+    frame: &mut Vec<u8>,
+    gpa: u64,
+    buf: &mut [u8],
+) -> Result<()> {
     for (i, piece) in buf.chunks_mut(MAX_REQUEST as usize).enumerate() {
         let at = gpa + (i * MAX_REQUEST as usize) as u64;
         write_frame(
@@ -854,5 +859,79 @@ impl PageSource for RegionSource {
     }
     fn size(&self) -> u64 {
         self.size
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A source that has its answers ready: reads come from them, writes (the requests) are
+    /// kept.
+    struct Answers {
+        answers: io::Cursor<Vec<u8>>,
+        requests: Vec<u8>,
+    }
+
+    impl io::Read for Answers {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            self.answers.read(buf)
+        }
+    }
+
+    impl Write for Answers {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            self.requests.write(buf)
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn ask(answer: Frame, buf: &mut [u8]) -> Result<()> {
+        let mut conn = Answers {
+            answers: io::Cursor::new(answer.encode().unwrap()),
+            requests: Vec::new(),
+        };
+        let r = request(&mut conn, &mut Vec::new(), 0x4000, buf);
+        assert_eq!(
+            Frame::read_from(&mut &conn.requests[..]).unwrap(),
+            Frame::Request {
+                gpa: 0x4000,
+                len: buf.len() as u32
+            }
+        );
+        r
+    }
+
+    /// A post-copy answer lands whole in the pager's buffer, zero lines written over its older
+    /// bytes; a fresh answer (which would leave them) is refused, naming it.
+    #[test]
+    fn postcopy_answers_overwrite_the_buffer_and_fresh_ones_are_refused() {
+        let mut pages = vec![0u8; 2 * PAGE_SIZE as usize];
+        pages[0] = 7;
+        pages[PAGE_SIZE as usize + 100] = 9;
+        let mut buf = vec![0xaau8; pages.len()];
+        ask(
+            Frame::Pages {
+                gpa: 0x4000,
+                pages: pages.clone(),
+                fresh: false,
+            },
+            &mut buf,
+        )
+        .unwrap();
+        assert_eq!(buf, pages);
+        let mut buf = vec![0xaau8; pages.len()];
+        let e = ask(
+            Frame::Pages {
+                gpa: 0x4000,
+                pages,
+                fresh: true,
+            },
+            &mut buf,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("answered fresh Pages"), "{e}");
     }
 }

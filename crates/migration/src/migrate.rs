@@ -335,15 +335,14 @@ pub(crate) fn read_json<T: serde::de::DeserializeOwned>(
     }
 }
 
-pub(crate) fn write_frame(conn: &mut Connection, frame: &Frame) -> Result<()> {
-    use std::io::Write;
+pub(crate) fn write_frame(conn: &mut impl std::io::Write, frame: &Frame) -> Result<()> {
     frame
         .write_to(conn)
         .and_then(|()| conn.flush().map_err(StreamError::from))
         .map_err(Error::Stream)
 }
 
-pub(crate) fn read_frame(conn: &mut Connection) -> Result<Frame> {
+pub(crate) fn read_frame(conn: &mut impl std::io::Read) -> Result<Frame> {
     Frame::read_from(conn).map_err(Error::Stream)
 }
 
