@@ -78,6 +78,7 @@ fn run(args: &Args, dir: &std::path::Path) -> crate::Result<()> {
         verify: matches!(args.mode, ModeArg::Precopy),
         share_memory: false,
         whole_pages: false,
+        fault_cpus: None,
     };
     let report = match migrate::run_source(
         &vm.config()?,

@@ -106,6 +106,10 @@ pub struct HowArgs {
     /// 64-byte lines: for comparisons.
     #[arg(long)]
     pub whole_pages: bool,
+    /// Post-copy and hybrid: host CPUs for the threads answering the destination's faults,
+    /// e.g. 0. On one host, give the destination's `--fault-cpus` the same CPU.
+    #[arg(long, value_delimiter = ',')]
+    pub fault_cpus: Option<Vec<usize>>,
 }
 
 #[derive(clap::Args)]
@@ -119,6 +123,10 @@ pub struct ReceiveArgs {
     /// How long to let the migrated guest run before stopping it, in seconds.
     #[arg(long, default_value_t = 2.0)]
     pub run_for: f64,
+    /// Post-copy and hybrid: host CPUs for the fault handlers and the other pager threads,
+    /// e.g. 0 (on one host, the source's `--fault-cpus` too).
+    #[arg(long, value_delimiter = ',')]
+    pub fault_cpus: Option<Vec<usize>>,
     /// Print the outcome as one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -188,6 +196,7 @@ impl HowArgs {
             verify: self.verify,
             share_memory: self.share_memory,
             whole_pages: self.whole_pages,
+            fault_cpus: self.fault_cpus.clone(),
             ..Default::default()
         })
     }
@@ -404,7 +413,13 @@ fn receive_main(args: ReceiveArgs) -> crate::Result<()> {
     let migrate::Incoming {
         mut vm,
         mut transfer,
-    } = migrate::receive(listener, &ReceiveOptions::default())?;
+    } = migrate::receive(
+        listener,
+        &ReceiveOptions {
+            fault_cpus: args.fault_cpus.clone(),
+            ..Default::default()
+        },
+    )?;
     let before = vm.pages_done();
     let started = Instant::now();
     let running = transfer.resume(&mut vm)?;

@@ -259,6 +259,29 @@ fn assert_guest_continued(received: &Value) {
 }
 
 /// Source report digest == destination report digest (both present).
+/// A failed `migrate send`: it said its VM keeps running, and showed it writing pages.
+fn assert_source_kept_running(sent: &Ended) {
+    assert!(!sent.status.success(), "{}", sent.stderr);
+    assert!(
+        sent.stderr.contains("the source VM keeps running"),
+        "{}",
+        sent.stderr
+    );
+    let wrote: u64 = sent
+        .stderr
+        .split("the source guest wrote ")
+        .nth(1)
+        .and_then(|s| s.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no pages count in {}", sent.stderr));
+    assert!(wrote > 0, "{}", sent.stderr);
+    assert!(
+        sent.stderr.contains("in the last 200 ms"),
+        "{}",
+        sent.stderr
+    );
+}
+
 fn assert_digests_equal(sent: &Value, received: &Value) {
     let s = sent["digest"].as_u64();
     let d = received["report"]["digest"].as_u64();
@@ -403,16 +426,23 @@ fn every_mode_over_a_unix_socket() {
     for mode in ["precopy", "postcopy", "hybrid"] {
         let sock = dir.path(&format!("{mode}.sock"));
         let to = format!("unix:{sock}");
+        // Hybrid's fault path runs on one CPU on both sides (post-copy's where it falls).
+        let pinned: &[&str] = if mode == "hybrid" {
+            &["--fault-cpus", "0"]
+        } else {
+            &[]
+        };
         let receive = Proc::receive_on(
             &format!("migrate receive ({mode})"),
             &sock,
             &keys,
-            &["--run-for", "0.5"],
+            &[&["--run-for", "0.5"], pinned].concat(),
         );
         let mut args = vec![
             "migrate", "send", "--to", &to, "--keys", &keys, "--mode", mode, "--memory", "64M",
             "--vcpus", "2", "--after", "0.3", "--json",
         ];
+        args.extend_from_slice(pinned);
         if mode == "precopy" {
             args.push("--verify");
         }
@@ -491,25 +521,7 @@ fn a_killed_destination_leaves_the_source_running() {
         "the source noticed in {:?}",
         killed.elapsed()
     );
-    assert!(!sent.status.success(), "{}", sent.stderr);
-    assert!(
-        sent.stderr.contains("the source VM keeps running"),
-        "{}",
-        sent.stderr
-    );
-    let wrote: u64 = sent
-        .stderr
-        .split("the source guest wrote ")
-        .nth(1)
-        .and_then(|s| s.split(' ').next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no pages count in {}", sent.stderr));
-    assert!(wrote > 0, "{}", sent.stderr);
-    assert!(
-        sent.stderr.contains("in the last 200 ms"),
-        "{}",
-        sent.stderr
-    );
+    assert_source_kept_running(&sent);
     // It names what failed on the link (not only which connection).
     assert!(
         sent.stderr.contains("I/O on the migration stream"),
@@ -709,6 +721,72 @@ fn keys_of_another_ca_are_refused_by_both_sides() {
     );
     assert!(!received.status.success(), "{}", received.stdout);
     assert!(received.stderr.contains("TLS"), "{}", received.stderr);
+}
+
+/// A CPU the host lacks as `--fault-cpus`: each side refuses it, naming it; the source's VM
+/// keeps running.
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn a_fault_cpu_the_host_lacks_is_refused_by_both_sides() {
+    let dir = TempDir::new("fault-cpus");
+    let keys = dir.keys("keys");
+    let bad = format!("unix:{}", dir.path("bad.sock"));
+    let received = Proc::spawn(
+        "migrate receive",
+        &[],
+        &[
+            "migrate",
+            "receive",
+            "--listen",
+            &bad,
+            "--keys",
+            &keys,
+            "--fault-cpus",
+            "4096",
+        ],
+    )
+    .wait(LONG);
+    assert!(!received.status.success(), "{}", received.stdout);
+    assert!(
+        received
+            .stderr
+            .contains("fault CPUs: CPU 4096 does not exist or is not one this process may run on"),
+        "{}",
+        received.stderr
+    );
+
+    let sock = dir.path("sock");
+    let to = format!("unix:{sock}");
+    let receive = Proc::receive_on("migrate receive", &sock, &keys, &[]);
+    let sent = Proc::spawn(
+        "migrate send",
+        &[],
+        &[
+            "migrate",
+            "send",
+            "--to",
+            &to,
+            "--keys",
+            &keys,
+            "--mode",
+            "postcopy",
+            "--memory",
+            "64M",
+            "--after",
+            "0.1",
+            "--fault-cpus",
+            "4096",
+        ],
+    )
+    .wait(LONG);
+    assert_source_kept_running(&sent);
+    assert!(
+        sent.stderr.contains("fault CPUs: CPU 4096 does not exist"),
+        "{}",
+        sent.stderr
+    );
+    // The destination got no VM.
+    assert!(!receive.wait(LONG).status.success());
 }
 
 /// The README's demo: a 1 GiB guest migrates to a second process, digests equal.

@@ -6,6 +6,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use guestmem_memory::{Backend, GuestMemory, PAGE_SIZE};
+use guestmem_paging::affinity::CpuSet;
 use guestmem_paging::{PageSource, Pager, PagerConfig};
 use guestmem_vm::{layout, RunningVm, Vm};
 use serde::{Deserialize, Serialize};
@@ -27,6 +28,12 @@ pub struct ReceiveOptions {
     pub resume_timeout: Duration,
     /// Post-copy: fault handler threads per region.
     pub handlers: usize,
+    /// Post-copy and hybrid: host CPUs for the pagers' threads (fault handlers, readahead,
+    /// background fetch; [`PagerConfig::cpus`]). See [`SendOptions::fault_cpus`] for the
+    /// source's side. `None`: wherever the scheduler puts them.
+    ///
+    /// [`SendOptions::fault_cpus`]: crate::migrate::SendOptions::fault_cpus
+    pub fault_cpus: Option<Vec<usize>>,
 }
 
 impl Default for ReceiveOptions {
@@ -34,6 +41,7 @@ impl Default for ReceiveOptions {
         ReceiveOptions {
             resume_timeout: Duration::from_secs(600),
             handlers: 2,
+            fault_cpus: None,
         }
     }
 }
@@ -93,6 +101,9 @@ struct Postcopy {
 /// Accepts one migration on `listener` and receives it up to the switch-over. Any refusal is
 /// told to the source (which keeps its VM running) and returned.
 pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incoming> {
+    if let Some(cpus) = &opts.fault_cpus {
+        CpuSet::new(cpus).map_err(|e| Error::Migration(format!("fault CPUs: {e}")))?;
+    }
     let mut links = Links::accept(&listener, None)?;
     let setup: Setup = read_json(&mut links.pages[0], "VM setup")?;
     let refuse = |links: &mut Links, reason: String| {
@@ -431,6 +442,7 @@ fn arm_postcopy(
             retry_delay: Duration::from_millis(1),
             abort: Some(vm.abort_handle()),
             realtime_handlers: true,
+            cpus: opts.fault_cpus.clone(),
             ..Default::default()
         };
         let source = RegionSource {

@@ -9,6 +9,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use guestmem_memory::{GuestMemory, Region, PAGE_SIZE};
+use guestmem_paging::affinity::CpuSet;
 use guestmem_tracking::{DirtyBitmap, Tracker};
 use guestmem_vm::{layout, RunningVm, Vm};
 use serde::Serialize;
@@ -58,6 +59,14 @@ pub struct SendOptions {
     /// Send every 64-byte line of every page, zero or not (as QEMU does), instead of only the
     /// non-zero ones: for comparisons.
     pub whole_pages: bool,
+    /// Post-copy and hybrid: host CPUs for the threads that answer the destination's faults
+    /// (the urgent connections' servers). When source and destination share a host, giving
+    /// these and the destination's fault handlers ([`ReceiveOptions::fault_cpus`]) the same
+    /// CPU keeps a fault's round trip on one CPU: no cross-CPU wake-up, and one CPU, not two,
+    /// that must not be preempted meanwhile. `None`: wherever the scheduler puts them.
+    ///
+    /// [`ReceiveOptions::fault_cpus`]: crate::migrate::ReceiveOptions::fault_cpus
+    pub fault_cpus: Option<Vec<usize>>,
     /// Called after every round and while post-copy runs.
     pub progress: Option<ProgressFn>,
     /// After a link broken during post-copy: returns new connections to the same destination
@@ -77,6 +86,7 @@ impl Default for SendOptions {
             share_memory: false,
             tracking: None,
             whole_pages: false,
+            fault_cpus: None,
             progress: None,
             reconnect: None,
         }
@@ -189,8 +199,18 @@ pub fn send<'a>(
     opts: &SendOptions,
 ) -> std::result::Result<Report, Box<Failure<'a>>> {
     let started = Instant::now();
+    let fault_cpus = match opts.fault_cpus.as_deref().map(CpuSet::new).transpose() {
+        Ok(cpus) => cpus,
+        Err(e) => {
+            return Err(Box::new(Failure {
+                error: Error::Migration(format!("fault CPUs: {e}")),
+                vm: Some(running),
+            }))
+        }
+    };
     let memory = running.memory().clone();
     let mut source = Source::new(&memory, opts, &links, started);
+    source.fault_cpus = fault_cpus;
     let mut tracker = None;
     // While the guest runs: hello, then pre-copy rounds (one for hybrid, none for post-copy).
     let precopy = source.handshake(&mut links, running.vm()).and_then(|()| {
@@ -297,6 +317,8 @@ struct Source<'o> {
     /// Bytes queued to the writers (for the bandwidth limit).
     queued: u64,
     send_started: Instant,
+    /// [`SendOptions::fault_cpus`], checked.
+    fault_cpus: Option<CpuSet>,
 }
 
 /// Pages dirtied and not sent yet when the guest stopped.
@@ -319,6 +341,7 @@ impl<'o> Source<'o> {
             shared: Vec::new(),
             queued: 0,
             send_started: Instant::now(),
+            fault_cpus: None,
             report: Report {
                 mode: opts.mode,
                 guest_bytes,
@@ -762,6 +785,7 @@ impl<'o> Source<'o> {
             self.progress("post-copy", 0, 0, None, 0.0, 0);
             let cutters = links.cutters()?;
             let memory = &self.memory;
+            let fault_cpus = self.fault_cpus;
             let results: Vec<Result<Vec<u8>>> = std::thread::scope(|s| {
                 let threads: Vec<_> = links
                     .pages
@@ -772,6 +796,11 @@ impl<'o> Source<'o> {
                         let (requests, bytes, wire, cutters) = (&requests, &bytes, &wire, &cutters);
                         s.spawn(move || {
                             if urgent {
+                                if let Some(cpus) = fault_cpus {
+                                    if let Err(e) = cpus.pin_current_thread() {
+                                        tracing::warn!("fault server not pinned to {cpus:?}: {e}");
+                                    }
+                                }
                                 // A vCPU of the destination waits for every answer here: run
                                 // ahead of the background fetches' server and of other tasks,
                                 // as the destination's fault handlers do.

@@ -28,12 +28,13 @@ use guestmem_migration::migrate::{
     self, DestinationReport, Links, Mode, ReceiveOptions, Report, SendOptions,
 };
 use guestmem_migration::transport::{generate_credentials, Credentials, Endpoint, Listener, Role};
+use guestmem_paging::affinity::CpuSet;
 use guestmem_vm::payload::CTL_PAGES_DONE;
 use guestmem_vm::{layout, VcpuWork, Vm, VmConfig, Workload};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
-use super::qemu_peer;
+use super::{qemu_peer, Steal};
 use crate::migrate::ModeArg;
 use crate::units::parse_size;
 
@@ -129,9 +130,48 @@ pub struct Args {
     /// Loopback transport: tcp (127.0.0.1) or unix (a socket in the temporary directory).
     #[arg(long, value_enum, default_value = "tcp")]
     transport: Transport,
+    /// Post-copy and hybrid: host CPUs for the fault path of both sides, the source's fault
+    /// servers and the destination's pagers (`migrate send/receive --fault-cpus`): on one
+    /// host, one CPU keeps each fault's round trip on it. `none`: wherever the scheduler puts
+    /// them.
+    #[arg(long, default_value = "0", value_parser = parse_fault_cpus)]
+    fault_cpus: FaultCpus,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
+}
+
+/// `--fault-cpus`: a CPU list, or none.
+#[derive(Clone, Debug)]
+struct FaultCpus(Option<Vec<usize>>);
+
+fn parse_fault_cpus(s: &str) -> Result<FaultCpus, String> {
+    if s == "none" {
+        return Ok(FaultCpus(None));
+    }
+    s.split(',')
+        .map(|c| {
+            c.trim()
+                .parse()
+                .map_err(|_| format!("'{c}' is not a CPU number (give a list like 0,1, or none)"))
+        })
+        .collect::<Result<Vec<usize>, String>>()
+        .map(|cpus| FaultCpus(Some(cpus)))
+}
+
+impl FaultCpus {
+    fn label(&self) -> String {
+        match &self.0 {
+            None => "not pinned".into(),
+            Some(cpus) => format!(
+                "on CPU {}",
+                cpus.iter()
+                    .map(|c| c.to_string())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            ),
+        }
+    }
 }
 
 /// How long the guest's steady rate is measured before each migration.
@@ -144,6 +184,8 @@ struct Run {
     report: Report,
     steady_pages_per_s: f64,
     during_pages_per_s: f64,
+    /// The host's steal time during the migration.
+    steal_percent: Option<f64>,
 }
 
 #[derive(Serialize)]
@@ -175,6 +217,10 @@ struct Row {
     guest_steady_pages_per_s: f64,
     guest_during_pages_per_s: f64,
     slowdown_percent: f64,
+    /// The host's steal time during the migrations (median of the runs'), and each run's:
+    /// the hypervisor under this machine preempting its CPUs.
+    host_steal_percent: Option<f64>,
+    host_steal_percent_runs: Vec<f64>,
 }
 
 #[derive(Serialize)]
@@ -238,6 +284,8 @@ struct Output {
     connections: usize,
     /// guestmem sent pages whole (`--whole-pages`), not just their non-zero lines.
     whole_pages: bool,
+    /// `--fault-cpus` (None: not pinned).
+    fault_cpus: Option<Vec<usize>>,
     transport: String,
     repeat: usize,
     downtime_target_ms: u64,
@@ -271,6 +319,9 @@ pub fn main(args: Args) -> crate::Result<()> {
     }
     if args.connections == 0 || args.connections > 64 {
         return Err("--connections must be 1 to 64".into());
+    }
+    if let Some(cpus) = &args.fault_cpus.0 {
+        CpuSet::new(cpus).map_err(|e| format!("--fault-cpus: {e}"))?;
     }
     if let Some(&s) = args
         .sizes
@@ -429,6 +480,7 @@ fn output(
         vcpus: args.vcpus,
         connections: args.connections,
         whole_pages: args.whole_pages,
+        fault_cpus: args.fault_cpus.0.clone(),
         transport: match args.transport {
             Transport::Tcp => "tcp:127.0.0.1".into(),
             Transport::Unix => "unix".into(),
@@ -517,11 +569,19 @@ struct Received {
 }
 
 /// The destination: receive, resume, let the guest run until every page is resident, stop.
-fn destination(listener: Arc<Listener>, vcpus: usize) -> crate::Result<Received> {
+fn destination(
+    listener: Arc<Listener>,
+    vcpus: usize,
+    fault_cpus: Option<Vec<usize>>,
+) -> crate::Result<Received> {
+    let opts = ReceiveOptions {
+        fault_cpus,
+        ..Default::default()
+    };
     let migrate::Incoming {
         mut vm,
         mut transfer,
-    } = migrate::receive(listener, &ReceiveOptions::default())?;
+    } = migrate::receive(listener, &opts)?;
     let memory = vm.memory().clone();
     let before = pages_done(&memory, vcpus)?;
     let postcopy = transfer.mode() != Mode::Precopy;
@@ -567,9 +627,10 @@ fn run_once(args: &Args, size: u64, rate: Rate, mode: Mode) -> crate::Result<Run
         Transport::Unix => bind,
     };
     let vcpus = args.vcpus;
+    let fault_cpus = args.fault_cpus.0.clone();
     let dest = std::thread::Builder::new()
         .name("bench-destination".into())
-        .spawn(move || destination(listener, vcpus))?;
+        .spawn(move || destination(listener, vcpus, fault_cpus))?;
 
     let mut vm = Vm::new(&VmConfig::simple(vcpus, size, Backend::Anon))?;
     let memory = vm.memory().clone();
@@ -595,6 +656,7 @@ fn run_once(args: &Args, size: u64, rate: Rate, mode: Mode) -> crate::Result<Run
         downtime: Duration::from_millis(args.downtime_ms),
         verify: false,
         whole_pages: args.whole_pages,
+        fault_cpus: args.fault_cpus.0.clone(),
         ..Default::default()
     };
     let creds = Credentials::load(&dir.0, Role::Source)?;
@@ -607,6 +669,7 @@ fn run_once(args: &Args, size: u64, rate: Rate, mode: Mode) -> crate::Result<Run
         }
     };
     let start_pages = pages_done(&memory, vcpus)?;
+    let steal = Steal::start();
     let report = match migrate::send(running, links, &opts) {
         Ok(r) => r,
         Err(failure) => {
@@ -623,6 +686,7 @@ fn run_once(args: &Args, size: u64, rate: Rate, mode: Mode) -> crate::Result<Run
     let received = dest
         .join()
         .map_err(|_| "the destination thread panicked")??;
+    let steal_percent = steal.percent();
     drop(vm);
     let mut report = report;
     if report.destination.is_none() {
@@ -634,6 +698,7 @@ fn run_once(args: &Args, size: u64, rate: Rate, mode: Mode) -> crate::Result<Run
         report,
         steady_pages_per_s,
         during_pages_per_s,
+        steal_percent,
     })
 }
 
@@ -697,6 +762,11 @@ fn median_row(size: u64, rate: Rate, mode: Mode, runs: &[Run]) -> Row {
                 .map(|r| slowdown(r.steady_pages_per_s, r.during_pages_per_s))
                 .collect(),
         ),
+        host_steal_percent: runs
+            .iter()
+            .all(|r| r.steal_percent.is_some())
+            .then(|| m(&|r| r.steal_percent.unwrap_or_default())),
+        host_steal_percent_runs: runs.iter().filter_map(|r| r.steal_percent).collect(),
     }
 }
 
@@ -738,9 +808,10 @@ fn qemu_row(
 
 fn print_table(out: &Output) {
     println!(
-        "live migration on loopback ({}, {} pages connection(s), TLS, {}), {}-vCPU anon guest \
-         dirtying after a full first pass (idle: {} pages/s), downtime target {} ms, median of \
-         {} run(s); load average {} before, {} after",
+        "live migration on loopback ({}, {} pages connection(s), TLS, {}, post-copy fault path \
+         {}), {}-vCPU anon guest dirtying after a full first pass (idle: {} pages/s), downtime \
+         target {} ms, median of {} run(s); load average {} before, {} after; steal: the host's \
+         CPUs taken by the hypervisor under it during the migration",
         out.transport,
         out.connections,
         if out.whole_pages {
@@ -748,6 +819,7 @@ fn print_table(out: &Output) {
         } else {
             "non-zero lines of pages"
         },
+        FaultCpus(out.fault_cpus.clone()).label(),
         out.vcpus,
         out.idle_pages_per_s,
         out.downtime_target_ms,
@@ -756,7 +828,7 @@ fn print_table(out: &Output) {
         out.load_average_after.as_deref().unwrap_or("?"),
     );
     println!(
-        "{:>8} {:>9} {:>14} {:>9} {:>9} {:>8} {:>8} {:>6} {:>8} {:>8} {:>15} {:>11} {:>19} {:>8}",
+        "{:>8} {:>9} {:>14} {:>9} {:>9} {:>8} {:>8} {:>6} {:>8} {:>8} {:>15} {:>11} {:>19} {:>8} {:>6}",
         "memory",
         "rate",
         "mode",
@@ -770,13 +842,14 @@ fn print_table(out: &Output) {
         "fault p50/p99µs",
         "src extra",
         "guest pg/s st->mig",
-        "slowdown"
+        "slowdown",
+        "steal"
     );
     let rate = |m: Option<u64>| m.map_or("idle".to_string(), |m| format!("{m} MiB/s"));
     let mut printed_qemu = vec![false; out.qemu_rows.len()];
     let print_qemu = |q: &QemuRow| {
         println!(
-            "{:>8} {:>9} {:>14} {:>9.0} {:>9.0} {:>8.0} {:>8.0} {:>6.0} {:>8} {:>8} {:>15} {:>11} {:>19} {:>7.1}%",
+            "{:>8} {:>9} {:>14} {:>9.0} {:>9.0} {:>8.0} {:>8.0} {:>6.0} {:>8} {:>8} {:>15} {:>11} {:>19} {:>7.1}% {:>6}",
             format!("{} MiB", q.memory_bytes >> 20),
             rate(q.dirty_mib_per_s),
             format!("QEMU {} pre", q.channel.name()),
@@ -793,12 +866,13 @@ fn print_table(out: &Output) {
                 "{}->{:.0}",
                 q.guest_configured_pages_per_s, q.guest_during_pages_per_s
             ),
-            q.slowdown_percent
+            q.slowdown_percent,
+            "-"
         );
     };
     for (i, r) in out.rows.iter().enumerate() {
         println!(
-            "{:>8} {:>9} {:>14} {:>9.1} {:>9.1} {:>8.1} {:>8.1} {:>6.0} {:>7.0}% {:>8.0} {:>15} {:>11} {:>19} {:>7.1}%",
+            "{:>8} {:>9} {:>14} {:>9.1} {:>9.1} {:>8.1} {:>8.1} {:>6.0} {:>7.0}% {:>8.0} {:>15} {:>11} {:>19} {:>7.1}% {:>6}",
             format!("{} MiB", r.memory_bytes >> 20),
             rate(r.dirty_mib_per_s),
             r.mode.name(),
@@ -818,7 +892,9 @@ fn print_table(out: &Output) {
                 "{:.0}->{:.0}",
                 r.guest_steady_pages_per_s, r.guest_during_pages_per_s
             ),
-            r.slowdown_percent
+            r.slowdown_percent,
+            r.host_steal_percent
+                .map_or("-".into(), |s| format!("{s:.1}%"))
         );
         // The QEMU row after the last guestmem row of its size and rate.
         let next_differs = out.rows.get(i + 1).is_none_or(|n| {
@@ -906,5 +982,16 @@ mod tests {
         assert!(error_of(&["--connections", "0"]).contains("--connections"));
         assert!(crate::bench::parse::<super::Args>(&["--modes", "lazy"]).is_err());
         assert!(crate::bench::parse::<super::Args>(&["--rates", "fast"]).is_err());
+        assert!(crate::bench::parse::<super::Args>(&["--fault-cpus", "first"]).is_err());
+        assert!(error_of(&["--fault-cpus", "4096"]).contains("--fault-cpus: CPU 4096"));
+    }
+
+    #[test]
+    fn fault_cpus_parse() {
+        assert_eq!(super::parse_fault_cpus("none").unwrap().0, None);
+        assert_eq!(super::parse_fault_cpus("0,1").unwrap().0, Some(vec![0, 1]));
+        assert!(super::parse_fault_cpus("0,x")
+            .unwrap_err()
+            .contains("'x' is not a CPU number"));
     }
 }

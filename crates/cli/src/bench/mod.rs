@@ -44,6 +44,40 @@ pub fn main(bench: Bench) -> crate::Result<()> {
     }
 }
 
+/// The host's steal time over an interval: the share of its CPUs' time that the hypervisor
+/// under this machine gave to others while we wanted to run (`/proc/stat`, all CPUs). On a
+/// virtual host, a latency tail measured while this is high is the hypervisor's.
+pub(crate) struct Steal {
+    at: std::time::Instant,
+    ticks: Option<u64>,
+}
+
+impl Steal {
+    pub(crate) fn start() -> Steal {
+        Steal {
+            at: std::time::Instant::now(),
+            ticks: steal_ticks(),
+        }
+    }
+
+    /// Percent of all CPUs' time since [`Steal::start`] (None where `/proc/stat` says nothing).
+    pub(crate) fn percent(&self) -> Option<f64> {
+        let ticks = steal_ticks()?.checked_sub(self.ticks?)?;
+        // /proc/stat counts in USER_HZ, which Linux fixes at 100 for user space.
+        let hz = 100.0;
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+        let secs = self.at.elapsed().as_secs_f64();
+        (secs > 0.0).then(|| ticks as f64 * 100.0 / (hz * cpus * secs))
+    }
+}
+
+/// The `steal` column of `/proc/stat`'s `cpu` line, in clock ticks.
+fn steal_ticks() -> Option<u64> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let cpu = stat.lines().find(|l| l.starts_with("cpu "))?;
+    cpu.split_whitespace().nth(8)?.parse().ok()
+}
+
 /// For the benches' tests: `argv` parsed as bench `A`'s arguments.
 #[cfg(test)]
 pub(crate) fn parse<A: clap::Args>(argv: &[&str]) -> Result<A, clap::Error> {
