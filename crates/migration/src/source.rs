@@ -3,7 +3,7 @@
 use std::io::Write;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{sync_channel, SyncSender};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -20,7 +20,7 @@ use crate::migrate::{
     BLOCK, POSTCOPY_CHUNK,
 };
 use crate::stream::{Frame, StreamError};
-use crate::transport::Connection;
+use crate::transport::{Connection, Cutter};
 use crate::{Error, Result};
 
 /// Pre-copy goes on below the downtime target while rounds keep halving the dirty set, until
@@ -210,7 +210,6 @@ pub fn send<'a>(
     };
     let memory = running.memory().clone();
     let mut source = Source::new(&memory, opts, &links, started);
-    source.fault_cpus = fault_cpus;
     let mut tracker = None;
     // While the guest runs: hello, then pre-copy rounds (one for hybrid, none for post-copy).
     let precopy = source.handshake(&mut links, running.vm()).and_then(|()| {
@@ -238,6 +237,22 @@ pub fn send<'a>(
             }));
         }
     };
+
+    let servers =
+        match opts.mode.has_postcopy().then(|| {
+            PostcopyServers::spawn(links.pages.len(), links.urgent.len(), &memory, fault_cpus)
+        }) {
+            Some(Err(error)) => {
+                if let Some(t) = tracker {
+                    let _ = t.stop();
+                }
+                return Err(Box::new(Failure {
+                    error,
+                    vm: Some(running),
+                }));
+            }
+            servers => servers.map(|s| s.expect("checked")),
+        };
 
     // Switch-over: the guest stops here.
     let paused = Instant::now();
@@ -267,8 +282,8 @@ pub fn send<'a>(
     // After Go: the destination runs the guest; serve post-copy, then the Complete. Dirty
     // logging is switched off only then: it takes milliseconds (a memslot update per region)
     // that the destination's first faults would otherwise wait for.
-    let done = if opts.mode.has_postcopy() {
-        source.serve_postcopy(links)
+    let done = if let Some(servers) = servers {
+        source.serve_postcopy(links, servers)
     } else {
         match read_frame(&mut links.pages[0]) {
             Ok(Frame::Complete { report_json }) => Ok(report_json),
@@ -317,8 +332,6 @@ struct Source<'o> {
     /// Bytes queued to the writers (for the bandwidth limit).
     queued: u64,
     send_started: Instant,
-    /// [`SendOptions::fault_cpus`], checked.
-    fault_cpus: Option<CpuSet>,
 }
 
 /// Pages dirtied and not sent yet when the guest stopped.
@@ -341,7 +354,6 @@ impl<'o> Source<'o> {
             shared: Vec::new(),
             queued: 0,
             send_started: Instant::now(),
-            fault_cpus: None,
             report: Report {
                 mode: opts.mode,
                 guest_bytes,
@@ -775,58 +787,15 @@ impl<'o> Source<'o> {
     }
 
     /// Serves the destination's post-copy requests on every connection until it says Complete
-    /// on each; a broken link waits for [`SendOptions::reconnect`] and goes on.
-    fn serve_postcopy(&mut self, mut links: Links) -> Result<Vec<u8>> {
+    /// on each, with `servers` (one thread per connection); a broken link waits for
+    /// [`SendOptions::reconnect`] and goes on.
+    fn serve_postcopy(&mut self, mut links: Links, servers: PostcopyServers) -> Result<Vec<u8>> {
         let started = Instant::now();
-        let requests = AtomicU64::new(0);
-        let bytes = AtomicU64::new(0);
-        let wire = AtomicU64::new(0);
+        let counters = servers.counters.clone();
+        let (requests, bytes, wire) = (&counters.requests, &counters.bytes, &counters.wire);
         loop {
             self.progress("post-copy", 0, 0, None, 0.0, 0);
-            let cutters = links.cutters()?;
-            let memory = &self.memory;
-            let fault_cpus = self.fault_cpus;
-            let results: Vec<Result<Vec<u8>>> = std::thread::scope(|s| {
-                let threads: Vec<_> = links
-                    .pages
-                    .iter_mut()
-                    .map(|conn| (conn, false))
-                    .chain(links.urgent.iter_mut().map(|conn| (conn, true)))
-                    .map(|(conn, urgent)| {
-                        let (requests, bytes, wire, cutters) = (&requests, &bytes, &wire, &cutters);
-                        s.spawn(move || {
-                            if urgent {
-                                if let Some(cpus) = fault_cpus {
-                                    if let Err(e) = cpus.pin_current_thread() {
-                                        tracing::warn!("fault server not pinned to {cpus:?}: {e}");
-                                    }
-                                }
-                                // A vCPU of the destination waits for every answer here: run
-                                // ahead of the background fetches' server and of other tasks,
-                                // as the destination's fault handlers do.
-                                guestmem_paging::priority::make_realtime();
-                            }
-                            let r = serve(conn, memory, requests, bytes, wire);
-                            if r.is_err() {
-                                // One connection broke: cut the others so that all of them
-                                // are re-established together.
-                                cutters.iter().for_each(|c| c.cut());
-                            }
-                            r
-                        })
-                    })
-                    .collect();
-                threads
-                    .into_iter()
-                    .map(|t| {
-                        t.join().unwrap_or_else(|_| {
-                            Err(Error::Migration(
-                                "a post-copy server thread panicked".into(),
-                            ))
-                        })
-                    })
-                    .collect()
-            });
+            let results = servers.serve(&mut links)?;
             self.report.postcopy_requests = requests.load(Ordering::Relaxed);
             self.report.postcopy_bytes = bytes.load(Ordering::Relaxed);
             let mut results = results.into_iter();
@@ -879,15 +848,139 @@ impl<'o> Source<'o> {
     }
 }
 
+/// The post-copy servers: a thread per connection (its urgent ones pinned to
+/// [`SendOptions::fault_cpus`] and real-time), started before the switch-over. Starting a
+/// thread takes 0.1-0.3 ms on a busy host and the destination's first faults come within half
+/// a millisecond of its vCPUs running: started after, the servers made those faults wait.
+struct PostcopyServers {
+    /// A connection to serve, for each thread (pages connections, then urgent ones).
+    jobs: Vec<SyncSender<(Connection, Arc<Vec<Cutter>>)>>,
+    /// Each thread's connection back when it is done with it: its index, the connection, and
+    /// the destination's report or why it broke.
+    done: Receiver<(usize, Connection, Result<Vec<u8>>)>,
+    threads: Vec<JoinHandle<()>>,
+    counters: Arc<ServeCounters>,
+}
+
+/// What the post-copy servers sent: requests answered, their page bytes, and their bytes on
+/// the wire.
+#[derive(Default)]
+struct ServeCounters {
+    requests: AtomicU64,
+    bytes: AtomicU64,
+    wire: AtomicU64,
+}
+
+impl PostcopyServers {
+    fn spawn(
+        pages: usize,
+        urgent: usize,
+        memory: &Arc<GuestMemory>,
+        fault_cpus: Option<CpuSet>,
+    ) -> Result<PostcopyServers> {
+        let counters = Arc::new(ServeCounters::default());
+        let (done_tx, done) = std::sync::mpsc::channel();
+        let mut jobs = Vec::new();
+        let mut threads = Vec::new();
+        for i in 0..pages + urgent {
+            let (tx, rx) = sync_channel::<(Connection, Arc<Vec<Cutter>>)>(1);
+            let (memory, counters, done_tx) = (memory.clone(), counters.clone(), done_tx.clone());
+            let is_urgent = i >= pages;
+            let thread = std::thread::Builder::new()
+                .name(format!(
+                    "postcopy-{}{i}",
+                    if is_urgent { "urgent" } else { "pages" }
+                ))
+                .spawn(move || {
+                    if is_urgent {
+                        if let Some(cpus) = fault_cpus {
+                            if let Err(e) = cpus.pin_current_thread() {
+                                tracing::warn!("fault server not pinned to {cpus:?}: {e}");
+                            }
+                        }
+                        // A vCPU of the destination waits for every answer here: run ahead of
+                        // the background fetches' server and of other tasks, as the
+                        // destination's fault handlers do.
+                        guestmem_paging::priority::make_realtime();
+                    }
+                    for (mut conn, cutters) in rx {
+                        let r = serve(&mut conn, &memory, &counters);
+                        if r.is_err() {
+                            // One connection broke: cut the others so that all of them are
+                            // re-established together.
+                            cutters.iter().for_each(|c| c.cut());
+                        }
+                        if done_tx.send((i, conn, r)).is_err() {
+                            return;
+                        }
+                    }
+                })
+                .map_err(|e| Error::Migration(format!("starting a post-copy server: {e}")))?;
+            jobs.push(tx);
+            threads.push(thread);
+        }
+        Ok(PostcopyServers {
+            jobs,
+            done,
+            threads,
+            counters,
+        })
+    }
+
+    /// Serves the connections of `links` until each is done (they are back in `links` then):
+    /// what each ended with, pages connections first.
+    fn serve(&self, links: &mut Links) -> Result<Vec<Result<Vec<u8>>>> {
+        let pages = links.pages.len();
+        let cutters = Arc::new(links.cutters()?);
+        let conns: Vec<Connection> = std::mem::take(&mut links.pages)
+            .into_iter()
+            .chain(std::mem::take(&mut links.urgent))
+            .collect();
+        if conns.len() != self.jobs.len() {
+            return Err(Error::Migration(format!(
+                "{} connections for {} post-copy servers",
+                conns.len(),
+                self.jobs.len()
+            )));
+        }
+        for (job, conn) in self.jobs.iter().zip(conns) {
+            job.send((conn, cutters.clone()))
+                .map_err(|_| Error::Migration("a post-copy server thread ended".into()))?;
+        }
+        let mut ended: Vec<Option<(Connection, Result<Vec<u8>>)>> =
+            (0..self.jobs.len()).map(|_| None).collect();
+        for _ in 0..self.jobs.len() {
+            let (i, conn, r) = self
+                .done
+                .recv()
+                .map_err(|_| Error::Migration("a post-copy server thread panicked".into()))?;
+            ended[i] = Some((conn, r));
+        }
+        let (conns, results): (Vec<Connection>, Vec<_>) = ended.into_iter().flatten().unzip();
+        let mut conns = conns.into_iter();
+        links.pages = conns.by_ref().take(pages).collect();
+        links.urgent = conns.collect();
+        Ok(results)
+    }
+}
+
+impl Drop for PostcopyServers {
+    fn drop(&mut self) {
+        self.jobs.clear();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
 /// Answers Requests from guest memory until the destination's Complete (its report JSON),
 /// counting the page bytes it sends and what they take on the wire.
-fn serve(
-    conn: &mut Connection,
-    memory: &GuestMemory,
-    requests: &AtomicU64,
-    bytes: &AtomicU64,
-    wire: &AtomicU64,
-) -> Result<Vec<u8>> {
+fn serve(conn: &mut Connection, memory: &GuestMemory, counters: &ServeCounters) -> Result<Vec<u8>> {
+    let ServeCounters {
+        requests,
+        bytes,
+        wire,
+    } = counters;
     let mut out = Vec::with_capacity(crate::stream::MAX_REQUEST as usize + 64);
     loop {
         match read_frame(conn)? {
