@@ -789,7 +789,11 @@ impl<'o> Source<'o> {
     /// Serves the destination's post-copy requests on every connection until it says Complete
     /// on each, with `servers` (one thread per connection); a broken link waits for
     /// [`SendOptions::reconnect`] and goes on.
-    fn serve_postcopy(&mut self, mut links: Links, servers: PostcopyServers) -> Result<Vec<u8>> {
+    fn serve_postcopy(
+        &mut self,
+        mut links: Links,
+        mut servers: PostcopyServers,
+    ) -> Result<Vec<u8>> {
         let started = Instant::now();
         let counters = servers.counters.clone();
         let (requests, bytes, wire) = (&counters.requests, &counters.bytes, &counters.wire);
@@ -849,9 +853,10 @@ impl<'o> Source<'o> {
 }
 
 /// The post-copy servers: a thread per connection (its urgent ones pinned to
-/// [`SendOptions::fault_cpus`] and real-time), started before the switch-over. Starting a
-/// thread takes 0.1-0.3 ms on a busy host and the destination's first faults come within half
-/// a millisecond of its vCPUs running: started after, the servers made those faults wait.
+/// [`SendOptions::fault_cpus`] and real-time), started before the switch-over and handed the
+/// urgent connections then. Starting a thread takes 0.1-0.3 ms on a busy host, and the
+/// destination's first faults come within half a millisecond of its vCPUs running: servers
+/// started or handed their connections after the switch-over made those faults wait.
 struct PostcopyServers {
     /// A connection to serve, for each thread (pages connections, then urgent ones).
     jobs: Vec<SyncSender<(Connection, Arc<Vec<Cutter>>)>>,
@@ -860,6 +865,11 @@ struct PostcopyServers {
     done: Receiver<(usize, Connection, Result<Vec<u8>>)>,
     threads: Vec<JoinHandle<()>>,
     counters: Arc<ServeCounters>,
+    /// The connections being served: their cutters (all of them, also those not handed over
+    /// yet), how many are pages connections, and how many were handed over.
+    cutters: Option<Arc<Vec<Cutter>>>,
+    pages: usize,
+    handed: usize,
 }
 
 /// What the post-copy servers sent: requests answered, their page bytes, and their bytes on
@@ -924,41 +934,66 @@ impl PostcopyServers {
             done,
             threads,
             counters,
+            cutters: None,
+            pages: 0,
+            handed: 0,
         })
     }
 
-    /// Serves the connections of `links` until each is done (they are back in `links` then):
-    /// what each ended with, pages connections first.
-    fn serve(&self, links: &mut Links) -> Result<Vec<Result<Vec<u8>>>> {
-        let pages = links.pages.len();
-        let cutters = Arc::new(links.cutters()?);
-        let conns: Vec<Connection> = std::mem::take(&mut links.pages)
+    /// Hands the servers the urgent connections of `links` and, unless `urgent_only`, its pages
+    /// connections too (taking them out of `links`).
+    fn hand(&mut self, links: &mut Links, urgent_only: bool) -> Result<()> {
+        let cutters = match &self.cutters {
+            Some(c) => c.clone(),
+            None => {
+                if links.pages.len() + links.urgent.len() != self.jobs.len() {
+                    return Err(Error::Migration(format!(
+                        "{} + {} connections for {} post-copy servers",
+                        links.pages.len(),
+                        links.urgent.len(),
+                        self.jobs.len()
+                    )));
+                }
+                self.pages = links.pages.len();
+                self.cutters.insert(Arc::new(links.cutters()?)).clone()
+            }
+        };
+        let urgent = std::mem::take(&mut links.urgent)
             .into_iter()
-            .chain(std::mem::take(&mut links.urgent))
-            .collect();
-        if conns.len() != self.jobs.len() {
-            return Err(Error::Migration(format!(
-                "{} connections for {} post-copy servers",
-                conns.len(),
-                self.jobs.len()
-            )));
-        }
-        for (job, conn) in self.jobs.iter().zip(conns) {
-            job.send((conn, cutters.clone()))
+            .enumerate()
+            .map(|(j, conn)| (self.pages + j, conn));
+        let pages = if urgent_only {
+            Vec::new()
+        } else {
+            std::mem::take(&mut links.pages)
+        };
+        for (i, conn) in urgent.chain(pages.into_iter().enumerate()) {
+            self.jobs[i]
+                .send((conn, cutters.clone()))
                 .map_err(|_| Error::Migration("a post-copy server thread ended".into()))?;
+            self.handed += 1;
         }
+        Ok(())
+    }
+
+    /// Serves every connection of `links` until each is done (they are back in `links` then):
+    /// what each ended with, pages connections first.
+    fn serve(&mut self, links: &mut Links) -> Result<Vec<Result<Vec<u8>>>> {
+        self.hand(links, false)?;
         let mut ended: Vec<Option<(Connection, Result<Vec<u8>>)>> =
             (0..self.jobs.len()).map(|_| None).collect();
-        for _ in 0..self.jobs.len() {
+        while self.handed > 0 {
             let (i, conn, r) = self
                 .done
                 .recv()
                 .map_err(|_| Error::Migration("a post-copy server thread panicked".into()))?;
             ended[i] = Some((conn, r));
+            self.handed -= 1;
         }
+        self.cutters = None;
         let (conns, results): (Vec<Connection>, Vec<_>) = ended.into_iter().flatten().unzip();
         let mut conns = conns.into_iter();
-        links.pages = conns.by_ref().take(pages).collect();
+        links.pages = conns.by_ref().take(self.pages).collect();
         links.urgent = conns.collect();
         Ok(results)
     }
@@ -966,6 +1001,13 @@ impl PostcopyServers {
 
 impl Drop for PostcopyServers {
     fn drop(&mut self) {
+        // Servers still reading (a switch-over that failed after the urgent connections were
+        // handed over): unblock them.
+        if self.handed > 0 {
+            for c in self.cutters.iter().flat_map(|c| c.iter()) {
+                c.cut();
+            }
+        }
         self.jobs.clear();
         for t in self.threads.drain(..) {
             let _ = t.join();
