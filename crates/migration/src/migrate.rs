@@ -115,6 +115,11 @@ pub(crate) struct Setup {
     /// answers Ready, the fds follow outside TLS (in this order), then its Hello.
     #[serde(default)]
     pub shared: Vec<String>,
+    /// Pre-copy with a digest check at switch-over: the destination digests its memory as
+    /// soon as the last round is in, while the source digests its own (the State then brings
+    /// the source's to compare with).
+    #[serde(default)]
+    pub verify: bool,
 }
 
 /// The State frame's JSON: everything the destination needs at switch-over.
