@@ -58,12 +58,16 @@ impl CpuSet {
         cpu < libc::CPU_SETSIZE as usize && unsafe { libc::CPU_ISSET(cpu, &self.0) }
     }
 
+    /// The CPUs of the set, in order.
+    pub fn cpus(&self) -> Vec<usize> {
+        (0..libc::CPU_SETSIZE as usize)
+            .filter(|&cpu| self.contains(cpu))
+            .collect()
+    }
+
     /// The CPUs of the set, e.g. "0, 1".
     fn list(&self) -> String {
-        let cpus: Vec<String> = (0..libc::CPU_SETSIZE as usize)
-            .filter(|&cpu| self.contains(cpu))
-            .map(|cpu| cpu.to_string())
-            .collect();
+        let cpus: Vec<String> = self.cpus().iter().map(|cpu| cpu.to_string()).collect();
         cpus.join(", ")
     }
 }

@@ -132,9 +132,9 @@ pub struct Args {
     transport: Transport,
     /// Post-copy and hybrid: host CPUs for the fault path of both sides, the source's fault
     /// servers and the destination's pagers (`migrate send/receive --fault-cpus`): on one
-    /// host, one CPU keeps each fault's round trip on it. `none`: wherever the scheduler puts
-    /// them.
-    #[arg(long, default_value = "0", value_parser = parse_fault_cpus)]
+    /// host, one CPU keeps each fault's round trip on it. `first`: the first CPU this process
+    /// may run on; `none`: wherever the scheduler puts them.
+    #[arg(long, default_value = "first", value_parser = parse_fault_cpus)]
     fault_cpus: FaultCpus,
     /// Print one JSON object instead of the table.
     #[arg(long)]
@@ -146,14 +146,20 @@ pub struct Args {
 struct FaultCpus(Option<Vec<usize>>);
 
 fn parse_fault_cpus(s: &str) -> Result<FaultCpus, String> {
-    if s == "none" {
-        return Ok(FaultCpus(None));
+    match s {
+        "none" => return Ok(FaultCpus(None)),
+        "first" => {
+            let allowed = CpuSet::of_current_thread()
+                .map_err(|e| format!("the CPUs this process may run on: {e}"))?;
+            return Ok(FaultCpus(allowed.cpus().first().map(|&cpu| vec![cpu])));
+        }
+        _ => {}
     }
     s.split(',')
         .map(|c| {
-            c.trim()
-                .parse()
-                .map_err(|_| format!("'{c}' is not a CPU number (give a list like 0,1, or none)"))
+            c.trim().parse().map_err(|_| {
+                format!("'{c}' is not a CPU number (give a list like 0,1, first or none)")
+            })
         })
         .collect::<Result<Vec<usize>, String>>()
         .map(|cpus| FaultCpus(Some(cpus)))
@@ -982,13 +988,16 @@ mod tests {
         assert!(error_of(&["--connections", "0"]).contains("--connections"));
         assert!(crate::bench::parse::<super::Args>(&["--modes", "lazy"]).is_err());
         assert!(crate::bench::parse::<super::Args>(&["--rates", "fast"]).is_err());
-        assert!(crate::bench::parse::<super::Args>(&["--fault-cpus", "first"]).is_err());
+        assert!(crate::bench::parse::<super::Args>(&["--fault-cpus", "third"]).is_err());
         assert!(error_of(&["--fault-cpus", "4096"]).contains("--fault-cpus: CPU 4096"));
     }
 
     #[test]
     fn fault_cpus_parse() {
         assert_eq!(super::parse_fault_cpus("none").unwrap().0, None);
+        let first = super::parse_fault_cpus("first").unwrap().0.unwrap();
+        assert_eq!(first.len(), 1);
+        assert!(super::CpuSet::new(&first).is_ok(), "{first:?} is allowed");
         assert_eq!(super::parse_fault_cpus("0,1").unwrap().0, Some(vec![0, 1]));
         assert!(super::parse_fault_cpus("0,x")
             .unwrap_err()
