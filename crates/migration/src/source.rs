@@ -240,21 +240,24 @@ pub fn send<'a>(
         }
     };
 
-    let servers =
-        match opts.mode.has_postcopy().then(|| {
-            PostcopyServers::spawn(links.pages.len(), links.urgent.len(), &memory, fault_cpus)
-        }) {
-            Some(Err(error)) => {
-                if let Some(t) = tracker {
-                    let _ = t.stop();
-                }
-                return Err(Box::new(Failure {
-                    error,
-                    vm: Some(running),
-                }));
+    // Post-copy's servers, reading on the urgent connections already (see PostcopyServers).
+    let servers = match opts.mode.has_postcopy().then(|| {
+        let mut servers =
+            PostcopyServers::spawn(links.pages.len(), links.urgent.len(), &memory, fault_cpus)?;
+        servers.hand(&mut links, true)?;
+        Ok(servers)
+    }) {
+        Some(Err(error)) => {
+            if let Some(t) = tracker {
+                let _ = t.stop();
             }
-            servers => servers.map(|s| s.expect("checked")),
-        };
+            return Err(Box::new(Failure {
+                error,
+                vm: Some(running),
+            }));
+        }
+        servers => servers.map(|s| s.expect("checked")),
+    };
 
     // Switch-over: the guest stops here.
     let paused = Instant::now();
