@@ -67,7 +67,11 @@ fn zero_pages_are_holes_in_the_memory_file() {
     );
     let meta = std::fs::metadata(dir.0.join("memory")).unwrap();
     use std::os::unix::fs::MetadataExt;
-    assert!(meta.len() > 64 << 20, "file spans all memory");
+    assert_eq!(
+        meta.len(),
+        64 << 20,
+        "the memory file is exactly the guest RAM"
+    );
     assert!(
         meta.blocks() * 512 < 12 << 20,
         "only {} bytes allocated",
@@ -75,6 +79,8 @@ fn zero_pages_are_holes_in_the_memory_file() {
     );
 }
 
+/// Edits `dir`'s manifest as JSON and writes it back as it is (its checksum then no longer
+/// matches: what an edit by hand or damage leaves).
 fn edit_manifest(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
     let path = dir.join("manifest.json");
     let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
@@ -82,18 +88,49 @@ fn edit_manifest(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
     std::fs::write(&path, serde_json::to_vec(&m).unwrap()).unwrap();
 }
 
+/// Edits `dir`'s manifest and seals it again (a manifest made by another tool, or forged):
+/// what the structural checks and the host's checks must catch on their own.
+fn edit_and_reseal_manifest(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    edit_manifest(dir, edit);
+    let path = dir.join("manifest.json");
+    let mut m: snapshot::Manifest = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    m.seal();
+    std::fs::write(&path, serde_json::to_vec(&m).unwrap()).unwrap();
+}
+
+/// Copies the snapshot files of `from` into a fresh directory.
+fn copy_snapshot(from: &Path, name: &str) -> TempDir {
+    let dir = TempDir::new(name);
+    for f in ["manifest.json", "state.json", "memory", "sys"] {
+        std::fs::copy(from.join(f), dir.0.join(f)).unwrap();
+    }
+    dir
+}
+
+/// The error of opening and restoring `dir` in `mode` (lazily: opening and starting the
+/// pagers); panics if it is accepted.
+fn restore_error(dir: &Path, mode: &str) -> String {
+    let snap = match Snapshot::open(dir) {
+        Ok(s) => s,
+        Err(e) => return e.to_string(),
+    };
+    let result = match mode {
+        "full" => snapshot::restore(&snap, RestoreMode::Full).map(drop),
+        "map" => snapshot::restore(&snap, RestoreMode::Map).map(drop),
+        _ => snapshot::restore_lazy(&snap, &PagerConfig::default()).map(drop),
+    };
+    match result {
+        Ok(()) => panic!("{} was accepted in {mode} mode", dir.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
 #[test]
 #[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
 fn bad_snapshots_are_refused_before_anything_runs() {
     let good = TempDir::new("good");
     snapshot_running_vm(&VmConfig::simple(2, SIZE, Backend::Memfd), SIZE, &good.0);
-    let copy = |name: &str| {
-        let dir = TempDir::new(name);
-        for f in ["manifest.json", "state.json", "memory"] {
-            std::fs::copy(good.0.join(f), dir.0.join(f)).unwrap();
-        }
-        dir
-    };
+    let copy = |name: &str| copy_snapshot(&good.0, name);
     let restore_err = |dir: &Path| -> String {
         match Snapshot::open(dir).and_then(|s| snapshot::restore(&s, RestoreMode::Full)) {
             Ok(_) => panic!("{} was accepted", dir.display()),
@@ -105,7 +142,7 @@ fn bad_snapshots_are_refused_before_anything_runs() {
     edit_manifest(&d.0, |m| m["version"] = 99.into());
     let e = restore_err(&d.0);
     assert!(
-        e.contains("snapshot version 99") && e.contains("reads version 1"),
+        e.contains("snapshot version 99") && e.contains("reads version 2"),
         "{e}"
     );
 
@@ -127,7 +164,7 @@ fn bad_snapshots_are_refused_before_anything_runs() {
     flip_byte_in_ram(&d.0, 3 * 4096 + 8, 0x40);
     let e = restore_err(&d.0);
     assert!(
-        e.contains("corrupt snapshot") && e.contains("region 'ram' chunk at offset 0x0"),
+        e.contains("corrupt snapshot") && e.contains("region 'ram' chunk 0 (offset 0x0)"),
         "{e}"
     );
 
@@ -137,7 +174,7 @@ fn bad_snapshots_are_refused_before_anything_runs() {
     state[i] = if state[i] == b'7' { b'8' } else { b'7' };
     std::fs::write(d.0.join("state.json"), state).unwrap();
     let e = restore_err(&d.0);
-    assert!(e.contains("state.json: checksum"), "{e}");
+    assert!(e.contains("state.json: BLAKE3"), "{e}");
 
     let d = copy("missing");
     std::fs::remove_file(d.0.join("manifest.json")).unwrap();
@@ -146,7 +183,7 @@ fn bad_snapshots_are_refused_before_anything_runs() {
 
     // A layout this host cannot provide: more huge pages than the pool holds.
     let d = copy("layout");
-    edit_manifest(&d.0, |m| {
+    edit_and_reseal_manifest(&d.0, |m| {
         m["config"]["regions"][0]["backend"] = "memfd-hugetlb".into();
         m["config"]["regions"][0]["size"] = (64u64 << 30).into();
     });
@@ -158,7 +195,7 @@ fn bad_snapshots_are_refused_before_anything_runs() {
 
     // A configuration whose regions differ from the saved memory layout.
     let d = copy("regions");
-    edit_manifest(&d.0, |m| {
+    edit_and_reseal_manifest(&d.0, |m| {
         let moved = RegionSpec::new("ram", layout::RAM_GPA * 2, SIZE, Backend::Memfd);
         m["config"]["regions"][0] = serde_json::to_value(moved).unwrap();
     });
@@ -268,7 +305,7 @@ fn lazy_restore_refuses_what_it_cannot_serve_and_stops_on_corrupt_pages() {
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("corrupt snapshot") && e.contains("region 'ram' chunk at offset 0x0"),
+        e.contains("corrupt snapshot") && e.contains("region 'ram' chunk 0 (offset 0x0)"),
         "{e}"
     );
     assert!(e.contains(&format!("{:#x}", layout::RAM_GPA)), "{e}");
@@ -376,11 +413,151 @@ fn a_diff_snapshot_restores_over_its_base() {
         .unwrap()
         .to_string();
     assert!(e.contains("full mode"), "{e}");
+
+    // The base replaced by another snapshot, whole and self-consistent (the same VM a little
+    // later): the diff is refused in every mode, naming the base, instead of restoring over
+    // the wrong bytes.
+    let running = vm.resume().unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    running.pause().unwrap();
+    snapshot::write(&vm, &base.0).unwrap();
+    assert!(Snapshot::open(&base.0).is_ok(), "the new base is whole");
+    for mode in ["full", "lazy"] {
+        let e = restore_error(&diff.0, mode);
+        assert!(
+            e.contains("diff-base") && e.contains("not the base the diff was written over"),
+            "{mode}: {e}"
+        );
+    }
+
     std::fs::remove_file(base.0.join("manifest.json")).unwrap();
     let e = Snapshot::open(&diff.0).err().unwrap().to_string();
     assert!(
         e.contains("manifest.json") && e.contains("diff-base"),
         "{e}"
+    );
+}
+
+/// Every way found to make a restore run a guest on wrong bytes, in every mode: each is
+/// refused before a vCPU runs, naming the snapshot, region and chunk where there is one.
+#[test]
+#[cfg_attr(
+    not(all(kvm, uffd)),
+    ignore = "no usable /dev/kvm and /dev/userfaultfd on this host"
+)]
+fn no_restore_mode_runs_a_guest_on_wrong_bytes() {
+    let good = TempDir::new("wrong-bytes");
+    // 16 MiB of RAM of which the guest writes the first 8 MiB: chunks 4.. are zero chunks.
+    snapshot_running_vm(&VmConfig::simple(2, 2 * SIZE, Backend::Anon), SIZE, &good.0);
+    let ram_chunk = |m: &serde_json::Value, i: usize| m["regions"][1]["chunks"][i].clone();
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(good.0.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(manifest["regions"][1]["spec"]["name"], "ram");
+    assert_eq!(ram_chunk(&manifest, 0)["zero"], false);
+    assert_eq!(ram_chunk(&manifest, 5)["zero"], true);
+
+    for mode in ["full", "map", "lazy"] {
+        // A data chunk marked zero in the manifest (which would hand the guest zeros).
+        let d = copy_snapshot(&good.0, &format!("zeroed-{mode}"));
+        edit_manifest(&d.0, |m| m["regions"][1]["chunks"][0]["zero"] = true.into());
+        let e = restore_error(&d.0, mode);
+        assert!(
+            e.contains("manifest.json") && e.contains("do not match its checksum"),
+            "{mode}: {e}"
+        );
+
+        // A chunk list one entry short, sealed again: refused as malformed, not a panic.
+        let d = copy_snapshot(&good.0, &format!("short-{mode}"));
+        edit_and_reseal_manifest(&d.0, |m| {
+            m["regions"][1]["chunks"].as_array_mut().unwrap().pop();
+        });
+        let e = restore_error(&d.0, mode);
+        assert!(e.contains("region 'ram' lists 7 chunks"), "{mode}: {e}");
+    }
+
+    // A byte written into a hole of a zero chunk: map mode would show the guest the file
+    // itself, so it checks zero chunks too, naming the chunk. Full and lazy restores give the
+    // guest zeros for a zero chunk whatever the file holds, so they restore the right bytes.
+    let d = copy_snapshot(&good.0, "hole");
+    common::write_byte_in_ram(&d.0, 5 * (2 << 20) + 123, 0x5a);
+    let e = restore_error(&d.0, "map");
+    assert!(
+        e.contains("region 'ram' chunk 5 (offset 0xa00000)") && e.contains("hole"),
+        "{e}"
+    );
+    let snap = Snapshot::open(&d.0).unwrap();
+    let vm = snapshot::restore(&snap, RestoreMode::Full).unwrap();
+    for (region, image) in vm.memory().regions().iter().zip(&snap.manifest().regions) {
+        let digest = vm.memory().digest(region.gpa(), region.size()).unwrap();
+        assert_eq!(digest, image.digest, "full: region '{}'", region.name());
+    }
+}
+
+/// A snapshot written over an existing one on a file system that fills up fails, and the
+/// previous snapshot is left whole and restorable; a directory holding other files is not
+/// replaced.
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn a_failed_snapshot_write_keeps_the_previous_snapshot() {
+    let mnt = TempDir::new("enospc");
+    let status = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=24m", "guestmem-test"])
+        .arg(&mnt.0)
+        .status()
+        .expect("mount runs");
+    assert!(status.success(), "mounting a 24 MiB tmpfs (needs root)");
+    struct Unmount<'a>(&'a Path);
+    impl Drop for Unmount<'_> {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount").arg(self.0).status();
+        }
+    }
+    let _unmount = Unmount(&mnt.0);
+
+    // 16 MiB of RAM, every page of it written: one snapshot fits in 24 MiB, two do not.
+    let dir = mnt.0.join("snap");
+    let config = VmConfig::simple(2, 2 * SIZE, Backend::Anon);
+    let mut vm = Vm::new(&config).unwrap();
+    let work = dirty_work(2, 2 * SIZE);
+    let running = vm.start(&work).unwrap();
+    wait_for_generation(&running, 1);
+    running.pause().unwrap();
+    snapshot::write(&vm, &dir).unwrap();
+    let at_first = vm.pages_done();
+    let first_manifest = std::fs::read(dir.join("manifest.json")).unwrap();
+
+    let running = vm.resume().unwrap();
+    wait_for_generation(&running, 2);
+    running.pause().unwrap();
+    let e = snapshot::write(&vm, &dir).unwrap_err().to_string();
+    assert!(e.contains("No space left on device"), "{e}");
+
+    // The first snapshot is still there, unchanged, with nothing of the failed write beside it.
+    assert_eq!(
+        std::fs::read(dir.join("manifest.json")).unwrap(),
+        first_manifest
+    );
+    let leftovers: Vec<_> = std::fs::read_dir(&mnt.0)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(leftovers, vec![std::ffi::OsString::from("snap")]);
+    let snap = Snapshot::open(&dir).unwrap();
+    let mut restored = snapshot::restore(&snap, RestoreMode::Full).unwrap();
+    assert_eq!(restored.pages_done(), at_first);
+    resume_and_check_continuation(&mut restored, &work, &at_first);
+
+    // A directory with someone else's file in it is not a snapshot to replace.
+    let other = TempDir::new("not-a-snapshot");
+    std::fs::write(other.0.join("notes.txt"), b"keep me").unwrap();
+    let e = snapshot::write(&vm, &other.0).unwrap_err().to_string();
+    assert!(
+        e.contains("notes.txt") && e.contains("not part of a snapshot"),
+        "{e}"
+    );
+    assert_eq!(
+        std::fs::read(other.0.join("notes.txt")).unwrap(),
+        b"keep me"
     );
 }
 

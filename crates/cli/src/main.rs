@@ -74,9 +74,15 @@ fn main() {
     };
     if let Err(e) = result {
         eprintln!("guestmem: error: {e}");
+        // Causes that the messages above already quote are not printed again.
+        let mut said = e.to_string();
         let mut source = e.source();
         while let Some(s) = source {
-            eprintln!("  caused by: {s}");
+            let text = s.to_string();
+            if !said.contains(&text) {
+                eprintln!("  caused by: {text}");
+                said.push_str(&text);
+            }
             source = s.source();
         }
         std::process::exit(1);

@@ -1,6 +1,6 @@
 //! `guestmem run`: one VM, one workload, and what the guest did.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use guestmem_memory::Backend;
 use guestmem_vm::{layout, RunReport, VcpuWork, Vm, Workload};
@@ -56,9 +56,8 @@ pub fn main(args: Args) -> crate::Result<()> {
     if args.rate == Some(0) {
         return Err("--rate must be at least 1 page/s".into());
     }
-    if !(args.duration.is_finite() && args.duration > 0.0) {
-        return Err("--duration must be a positive number of seconds".into());
-    }
+    let duration = crate::units::seconds(args.duration, "--duration")?;
+    let stall = crate::units::seconds(args.stall_timeout, "--stall-timeout")?;
     let t0 = Instant::now();
     let mut vm = Vm::new(&config)?;
     let setup_ms = t0.elapsed().as_secs_f64() * 1e3;
@@ -85,11 +84,10 @@ pub fn main(args: Args) -> crate::Result<()> {
         )
         .into());
     }
-    let stall = Duration::from_secs_f64(args.stall_timeout);
     let report = {
         let running = vm.start(&work)?;
         if let Workload::Dirty { .. } = workload {
-            std::thread::sleep(Duration::from_secs_f64(args.duration));
+            std::thread::sleep(duration);
             running.stop();
         }
         running.wait(stall)?

@@ -109,12 +109,7 @@ struct WorkingSetOutput {
     faults: u64,
 }
 
-fn seconds(s: f64, flag: &str) -> crate::Result<Duration> {
-    Duration::try_from_secs_f64(s)
-        .ok()
-        .filter(|d| !d.is_zero())
-        .ok_or_else(|| format!("{flag} must be a positive number of seconds, not {s}").into())
-}
+use crate::units::seconds;
 
 pub fn snapshot(args: SnapshotArgs) -> crate::Result<()> {
     let after = seconds(args.after, "--after")?;
@@ -246,6 +241,13 @@ pub fn restore(args: RestoreArgs) -> crate::Result<()> {
             Some(all)
         }
     };
+    if memory_digests_match == Some(false) {
+        return Err(format!(
+            "{}: restored memory differs from the snapshot's digests; the guest was not resumed",
+            args.dir.display()
+        )
+        .into());
+    }
     let before = vm.pages_done();
     let running = vm.resume()?;
     std::thread::sleep(run_for);
@@ -321,9 +323,6 @@ pub fn restore(args: RestoreArgs) -> crate::Result<()> {
             "guest pages written per vCPU: {:?} at the snapshot, {:?} after running {:.1} s",
             out.pages_at_snapshot_per_vcpu, out.pages_after_run_per_vcpu, args.run_for
         );
-    }
-    if out.memory_digests_match == Some(false) {
-        return Err("restored memory differs from the snapshot".into());
     }
     if !out.guest_continued {
         return Err("the restored guest did not go on running".into());

@@ -1,4 +1,21 @@
-//! Parsing of sizes like `512M`, `1G`, `64K`, `4096`.
+//! Parsing of sizes like `512M`, `1G`, `64K`, `4096`, and of durations in seconds.
+
+use std::time::Duration;
+
+/// The longest duration a flag takes: longer ones are refused rather than overflow a clock.
+pub const MAX_SECONDS: f64 = 30.0 * 24.0 * 3600.0;
+
+/// `s` seconds given to `flag` as a duration: a positive, finite number of seconds up to
+/// [`MAX_SECONDS`] (NaN, infinities, zero, negative and absurdly large values are refused,
+/// naming the flag).
+pub fn seconds(s: f64, flag: &str) -> Result<Duration, String> {
+    Duration::try_from_secs_f64(s)
+        .ok()
+        .filter(|d| !d.is_zero() && s <= MAX_SECONDS)
+        .ok_or_else(|| {
+            format!("{flag} must be a positive number of seconds up to {MAX_SECONDS}, not {s:?}")
+        })
+}
 
 /// Parses a byte size with an optional K/M/G/T suffix (binary units, optional trailing `iB`/`B`).
 pub fn parse_size(s: &str) -> Result<u64, String> {
@@ -23,7 +40,21 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_size;
+    use super::{parse_size, seconds};
+    use std::time::Duration;
+
+    #[test]
+    fn durations() {
+        assert_eq!(seconds(1.5, "--x").unwrap(), Duration::from_millis(1500));
+        for bad in [0.0, -1.0, 1e300, f64::NAN, f64::INFINITY, 1e9] {
+            let e = seconds(bad, "--duration").unwrap_err();
+            assert!(
+                e.contains("--duration") && e.contains("positive"),
+                "{bad}: {e}"
+            );
+        }
+    }
+
     #[test]
     fn sizes() {
         assert_eq!(parse_size("4096").unwrap(), 4096);

@@ -104,6 +104,21 @@ fn bad_arguments_are_named() {
     let o = guestmem(&["run", "--memory", "12X"]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("'12X' is not a size"), "{}", stderr(&o));
+    // Durations too long for a clock are refused, not a panic.
+    for (flag, value) in [
+        ("--duration", "1e300"),
+        ("--stall-timeout", "inf"),
+        ("--duration", "0"),
+    ] {
+        let o = guestmem(&["run", "--memory", "64M", flag, value]);
+        assert_eq!(o.status.code(), Some(1), "{flag} {value}: {}", stderr(&o));
+        assert!(
+            stderr(&o).contains(&format!("{flag} must be a positive number of seconds")),
+            "{}",
+            stderr(&o)
+        );
+        assert!(!stderr(&o).contains("panicked"), "{}", stderr(&o));
+    }
 }
 
 #[test]
@@ -165,6 +180,26 @@ fn snapshot_then_restore_continues_the_guest() {
             assert_eq!(v["memory_digests_match"], true);
         }
         assert_eq!(v["guest_continued"], true);
+    }
+    // A manifest edited by hand (a data chunk marked zero): refused before the guest runs.
+    let manifest = dir.join("manifest.json");
+    let text = std::fs::read_to_string(&manifest).unwrap();
+    let edited = text.replacen("\"zero\": false", "\"zero\": true", 1);
+    assert_ne!(edited, text);
+    std::fs::write(&manifest, edited).unwrap();
+    for mode in ["full", "map", "lazy"] {
+        let o = guestmem(&["restore", d, "--mode", mode]);
+        assert_eq!(o.status.code(), Some(1), "{mode}: {}", stdout(&o));
+        assert!(
+            stderr(&o).contains("manifest.json") && stderr(&o).contains("checksum"),
+            "{}",
+            stderr(&o)
+        );
+        assert!(
+            !stdout(&o).contains("guest pages written"),
+            "{}",
+            stdout(&o)
+        );
     }
     let _ = std::fs::remove_dir_all(&dir);
     let o = guestmem(&["restore", d]);

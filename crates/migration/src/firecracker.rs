@@ -373,7 +373,7 @@ pub fn restore_lazy_via_socket(snapshot: &Snapshot, socket: &Path) -> Result<Pee
         return Err(Error::Layout(format!(
             "a diff snapshot spans several memory files (its base is {}), and a page server \
              serves one: restore it in full mode, or lazily in this process",
-            base.display()
+            base.dir.display()
         )));
     }
     let mut vm = snapshot::vm_for_lazy_restore(snapshot, &mut Vec::new())?;

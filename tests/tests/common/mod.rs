@@ -208,6 +208,16 @@ pub fn snapshot_running_vm(config: &VmConfig, size: u64, dir: &Path) -> Vec<u64>
 
 /// Flips the bits `mask` of the byte at `offset` into the "ram" region of the snapshot in `dir`.
 pub fn flip_byte_in_ram(dir: &Path, offset: u64, mask: u8) {
+    update_byte_in_ram(dir, offset, |b| b ^ mask);
+}
+
+/// Writes `value` at `offset` into the "ram" region of the snapshot in `dir` (inside a hole,
+/// this allocates the page).
+pub fn write_byte_in_ram(dir: &Path, offset: u64, value: u8) {
+    update_byte_in_ram(dir, offset, |_| value);
+}
+
+fn update_byte_in_ram(dir: &Path, offset: u64, update: impl FnOnce(u8) -> u8) {
     let manifest: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("manifest.json")).unwrap()).unwrap();
     let ram = manifest["regions"]
@@ -224,5 +234,5 @@ pub fn flip_byte_in_ram(dir: &Path, offset: u64, mask: u8) {
         .unwrap();
     let mut b = [0u8; 1];
     f.read_exact_at(&mut b, at).unwrap();
-    f.write_all_at(&[b[0] ^ mask], at).unwrap();
+    f.write_all_at(&[update(b[0])], at).unwrap();
 }

@@ -101,9 +101,7 @@ pub fn main(args: Args) -> crate::Result<()> {
     if args.send_mib_per_s == 0 {
         return Err("--send-mib-per-s must be at least 1".into());
     }
-    if !(args.loop_seconds.is_finite() && args.loop_seconds > 0.0) {
-        return Err("--loop-seconds must be a positive number".into());
-    }
+    crate::units::seconds(args.loop_seconds, "--loop-seconds")?;
     if args.bytes_per_vcpu < PAGE_SIZE || !args.bytes_per_vcpu.is_multiple_of(PAGE_SIZE) {
         return Err(format!(
             "-b {} is not a positive multiple of 4 KiB",

@@ -1,0 +1,440 @@
+//! `manifest.json`: what a snapshot holds and where, protected as a whole.
+//!
+//! The manifest carries a BLAKE3 checksum over its own canonical form (the compact JSON of the
+//! manifest with `checksum` empty), so an edited manifest (a data chunk marked zero, a chunk
+//! checksum replaced, a region moved in the file) is refused before anything is read from the
+//! memory file. That checksum is also the snapshot's identity: a diff names its base by path
+//! *and* by the base manifest's checksum, and a recorded working set names the manifest it was
+//! recorded for. Every structural rule that the restore paths rely on (one chunk entry per
+//! chunk of a region, regions inside their file and not overlapping, flags that make sense) is
+//! checked by [`Manifest::parse`], so a malformed manifest is an error, never a panic later.
+
+use std::path::{Path, PathBuf};
+
+use guestmem_memory::{RegionSpec, PAGE_SIZE};
+use guestmem_vm::{layout, VmConfig};
+use serde::{Deserialize, Serialize};
+
+use super::sparse::zeros_hasher;
+use crate::{Error, Result};
+
+/// The `format` field of every guestmem snapshot manifest.
+pub const FORMAT: &str = "guestmem-snapshot";
+/// The manifest version this code writes and reads (2: checksummed manifest, diff bound to its
+/// base's checksum, the sys region in its own file).
+pub const VERSION: u32 = 2;
+/// The unit of checksums and of zero detection in the manifest.
+pub const CHUNK_BYTES: u64 = 2 << 20;
+/// How many diff snapshots may stand on one another (a longer chain is refused as malformed).
+pub const MAX_BASE_DEPTH: usize = 64;
+
+/// What `manifest.json` holds.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Manifest {
+    pub format: String,
+    pub version: u32,
+    pub config: VmConfig,
+    /// Every region of guest memory (the sys region included), in memory order.
+    pub regions: Vec<RegionImage>,
+    pub chunk_bytes: u64,
+    pub state_bytes: u64,
+    /// BLAKE3 of `state.json`, hex.
+    pub state_blake3: String,
+    /// Length of the `memory` file: the guest RAM regions back to back, nothing else (so that
+    /// Firecracker's page-server handlers, which expect exactly that, can serve it).
+    pub memory_file_bytes: u64,
+    /// Length of the `sys` file: the sys region (page tables, payload, control blocks).
+    pub sys_file_bytes: u64,
+    /// A diff snapshot: the snapshot this one builds on (chunks marked `inherited` come from
+    /// there).
+    #[serde(default)]
+    pub base: Option<BaseRef>,
+    /// BLAKE3 over the manifest's canonical form with this field empty, hex (see the module
+    /// docs). The snapshot's identity.
+    pub checksum: String,
+}
+
+/// How a diff names its base: where it is and which snapshot it must be.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BaseRef {
+    pub dir: PathBuf,
+    /// The base manifest's `checksum` when the diff was written.
+    pub checksum: String,
+}
+
+/// Which file of the snapshot holds a region's bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RegionFile {
+    Memory,
+    Sys,
+}
+
+impl RegionFile {
+    /// The file's name in the snapshot directory.
+    pub fn name(self) -> &'static str {
+        match self {
+            RegionFile::Memory => "memory",
+            RegionFile::Sys => "sys",
+        }
+    }
+
+    /// The file that holds a region at `gpa`: the sys region has its own.
+    pub fn for_region(spec: &RegionSpec) -> RegionFile {
+        if spec.gpa == layout::SYS_GPA {
+            RegionFile::Sys
+        } else {
+            RegionFile::Memory
+        }
+    }
+}
+
+/// One region in its file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RegionImage {
+    pub spec: RegionSpec,
+    pub file: RegionFile,
+    pub file_offset: u64,
+    /// `guestmem_memory::GuestMemory::digest` of the whole region at snapshot time.
+    pub digest: u64,
+    /// One entry per [`CHUNK_BYTES`] of the region (the last may be shorter).
+    pub chunks: Vec<Chunk>,
+}
+
+impl RegionImage {
+    /// The length of chunk `index` (the last chunk of a region may be shorter).
+    pub fn chunk_len(&self, index: usize) -> u64 {
+        CHUNK_BYTES.min(self.spec.size - index as u64 * CHUNK_BYTES)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Chunk {
+    /// CRC-32 of the chunk's bytes (zero pages included; for a zero chunk, that of zeros).
+    pub crc32: u32,
+    /// The chunk is all zeros: its range of the file must be zeros too (holes).
+    pub zero: bool,
+    /// Diff snapshots: no page of the chunk was written since the base, which holds it.
+    #[serde(default)]
+    pub inherited: bool,
+}
+
+impl Manifest {
+    /// The checksum of `self`'s canonical form (see the module docs).
+    pub fn compute_checksum(&self) -> String {
+        let mut canonical = self.clone();
+        canonical.checksum.clear();
+        let bytes = serde_json::to_vec(&canonical).expect("a manifest serializes");
+        blake3::hash(&bytes).to_hex().to_string()
+    }
+
+    /// Sets `checksum` over everything else; the last step before writing.
+    pub fn seal(&mut self) {
+        self.checksum = self.compute_checksum();
+    }
+
+    /// The length the manifest gives the file `file`.
+    pub fn file_bytes(&self, file: RegionFile) -> u64 {
+        match file {
+            RegionFile::Memory => self.memory_file_bytes,
+            RegionFile::Sys => self.sys_file_bytes,
+        }
+    }
+
+    /// Parses and checks `bytes` read from `path`: format and version first (another version
+    /// is reported as such, not as a parse error), then the shape, the checksum, and every
+    /// structural rule (see [`Manifest::validate`]).
+    pub fn parse(bytes: &[u8], path: &Path) -> Result<Manifest> {
+        #[derive(Deserialize)]
+        struct Head {
+            format: Option<serde_json::Value>,
+            version: Option<serde_json::Value>,
+        }
+        let head: Head = serde_json::from_slice(bytes).map_err(|e| Error::Json {
+            path: path.to_path_buf(),
+            source: e,
+        })?;
+        if head.format.as_ref().and_then(|f| f.as_str()) != Some(FORMAT) {
+            return Err(Error::NotASnapshot {
+                path: path.to_path_buf(),
+                found: head
+                    .format
+                    .map(|f| f.to_string())
+                    .unwrap_or_else(|| "none".into()),
+            });
+        }
+        let version = head.version.and_then(|v| v.as_u64()).unwrap_or(0);
+        if version != u64::from(VERSION) {
+            return Err(Error::Version {
+                path: path.to_path_buf(),
+                found: version,
+                supported: VERSION,
+            });
+        }
+        let manifest: Manifest = serde_json::from_slice(bytes).map_err(|e| Error::Json {
+            path: path.to_path_buf(),
+            source: e,
+        })?;
+        let computed = manifest.compute_checksum();
+        if computed != manifest.checksum {
+            return Err(Error::Corrupt(format!(
+                "{}: the manifest's contents do not match its checksum (computed {computed}, \
+                 it says {}): it was altered or damaged",
+                path.display(),
+                manifest.checksum
+            )));
+        }
+        manifest.validate(path)?;
+        Ok(manifest)
+    }
+
+    /// Checks every rule the restore paths rely on, naming the region and chunk that breaks
+    /// one: the chunk size; vCPUs within what the layout holds; one sys region, in the sys
+    /// file; per region a page-multiple size and offset, one chunk entry per chunk, the
+    /// region inside its file and overlapping no other; the memory file exactly its regions;
+    /// chunk flags that agree (a zero chunk's checksum is that of zeros, an inherited chunk
+    /// needs a base).
+    pub fn validate(&self, path: &Path) -> Result<()> {
+        let bad = |why: String| Err(Error::Corrupt(format!("{}: {why}", path.display())));
+        if self.chunk_bytes != CHUNK_BYTES {
+            return bad(format!(
+                "chunk size {} is not {CHUNK_BYTES}",
+                self.chunk_bytes
+            ));
+        }
+        if self.config.vcpus == 0 || self.config.vcpus > layout::MAX_VCPUS {
+            return bad(format!(
+                "{} vCPUs (this layout holds 1 to {})",
+                self.config.vcpus,
+                layout::MAX_VCPUS
+            ));
+        }
+        if self.regions.len() != self.config.regions.len() + 1 {
+            return bad(format!(
+                "{} regions for a configuration of {} RAM regions plus the sys region",
+                self.regions.len(),
+                self.config.regions.len()
+            ));
+        }
+        let sys = self
+            .regions
+            .iter()
+            .filter(|r| r.spec.gpa == layout::SYS_GPA)
+            .count();
+        if sys != 1 {
+            return bad(format!("{sys} sys regions, not 1"));
+        }
+        let mut extents: Vec<(RegionFile, u64, u64, &str)> = Vec::new();
+        for image in &self.regions {
+            let name = &image.spec.name;
+            let size = image.spec.size;
+            if size == 0 || size % PAGE_SIZE != 0 || image.file_offset % PAGE_SIZE != 0 {
+                return bad(format!(
+                    "region '{name}': size {size:#x} or file offset {:#x} is not a positive \
+                     multiple of the page size",
+                    image.file_offset
+                ));
+            }
+            if image.file != RegionFile::for_region(&image.spec) {
+                return bad(format!(
+                    "region '{name}' is in the {} file, which is not its own",
+                    image.file.name()
+                ));
+            }
+            let expected = size.div_ceil(CHUNK_BYTES);
+            if image.chunks.len() as u64 != expected {
+                return bad(format!(
+                    "region '{name}' lists {} chunks; its {size:#x} bytes make {expected}",
+                    image.chunks.len()
+                ));
+            }
+            let file_len = self.file_bytes(image.file);
+            let end = image.file_offset.checked_add(size);
+            if end.is_none_or(|end| end > file_len) {
+                return bad(format!(
+                    "region '{name}' ({size:#x} bytes at {:#x}) ends beyond its file's \
+                     {file_len:#x} bytes",
+                    image.file_offset
+                ));
+            }
+            extents.push((
+                image.file,
+                image.file_offset,
+                image.file_offset + size,
+                name,
+            ));
+            for (i, chunk) in image.chunks.iter().enumerate() {
+                let at = i as u64 * CHUNK_BYTES;
+                if chunk.zero && chunk.inherited {
+                    return bad(format!(
+                        "region '{name}' chunk at offset {at:#x} is marked both zero and \
+                         inherited"
+                    ));
+                }
+                if chunk.inherited && self.base.is_none() {
+                    return bad(format!(
+                        "region '{name}' chunk at offset {at:#x} is inherited, but the \
+                         snapshot has no base"
+                    ));
+                }
+                if chunk.zero && chunk.crc32 != zeros_hasher(image.chunk_len(i)).finalize() {
+                    return bad(format!(
+                        "region '{name}' chunk at offset {at:#x} is marked zero, but its \
+                         checksum {:#010x} is not that of zeros",
+                        chunk.crc32
+                    ));
+                }
+            }
+        }
+        extents.sort();
+        for pair in extents.windows(2) {
+            let ((fa, _, end_a, a), (fb, start_b, _, b)) = (pair[0], pair[1]);
+            if fa == fb && start_b < end_a {
+                return bad(format!(
+                    "regions '{a}' and '{b}' overlap in the {} file",
+                    fa.name()
+                ));
+            }
+        }
+        for file in [RegionFile::Memory, RegionFile::Sys] {
+            let used: u64 = extents
+                .iter()
+                .filter(|e| e.0 == file)
+                .map(|e| e.2 - e.1)
+                .sum();
+            if used != self.file_bytes(file) {
+                return bad(format!(
+                    "the {} file is {:#x} bytes but its regions hold {used:#x}",
+                    file.name(),
+                    self.file_bytes(file)
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use guestmem_memory::Backend;
+
+    fn manifest() -> Manifest {
+        let config = VmConfig::simple(2, 8 << 20, Backend::Anon);
+        let zero = |len: u64| Chunk {
+            crc32: zeros_hasher(len).finalize(),
+            zero: true,
+            inherited: false,
+        };
+        let mut m = Manifest {
+            format: FORMAT.into(),
+            version: VERSION,
+            regions: vec![
+                RegionImage {
+                    spec: RegionSpec::new("sys", layout::SYS_GPA, layout::SYS_SIZE, Backend::Anon),
+                    file: RegionFile::Sys,
+                    file_offset: 0,
+                    digest: 1,
+                    chunks: vec![
+                        Chunk {
+                            crc32: 7,
+                            zero: false,
+                            inherited: false,
+                        },
+                        zero(CHUNK_BYTES),
+                        zero(CHUNK_BYTES),
+                        zero(layout::SYS_SIZE - 3 * CHUNK_BYTES),
+                    ],
+                },
+                RegionImage {
+                    spec: config.regions[0].clone(),
+                    file: RegionFile::Memory,
+                    file_offset: 0,
+                    digest: 2,
+                    chunks: vec![zero(CHUNK_BYTES); 4],
+                },
+            ],
+            config,
+            chunk_bytes: CHUNK_BYTES,
+            state_bytes: 10,
+            state_blake3: "00".into(),
+            memory_file_bytes: 8 << 20,
+            sys_file_bytes: layout::SYS_SIZE,
+            base: None,
+            checksum: String::new(),
+        };
+        m.seal();
+        m
+    }
+
+    fn parse(m: &Manifest) -> Result<Manifest> {
+        Manifest::parse(&serde_json::to_vec_pretty(m).unwrap(), Path::new("m.json"))
+    }
+
+    #[test]
+    fn a_sealed_manifest_parses_back_equal() {
+        let m = manifest();
+        assert_eq!(parse(&m).unwrap(), m);
+    }
+
+    /// Any edit that keeps the JSON well-formed is caught by the checksum, naming it.
+    #[test]
+    fn an_edited_manifest_is_refused_by_its_checksum() {
+        let mut m = manifest();
+        m.regions[0].chunks[0].zero = true;
+        let e = parse(&m).unwrap_err().to_string();
+        assert!(e.contains("m.json") && e.contains("checksum"), "{e}");
+    }
+
+    /// Structural faults are refused with the region named, even when the checksum was
+    /// recomputed over them (a manifest made by another tool, or forged).
+    #[test]
+    fn structural_faults_are_named_not_panics() {
+        type Edit = fn(&mut Manifest);
+        let cases: [(Edit, &str); 8] = [
+            (
+                |m| {
+                    m.regions[1].chunks.pop();
+                },
+                "lists 3 chunks",
+            ),
+            (|m| m.regions[1].file_offset = 4096, "ends beyond"),
+            (|m| m.regions[1].file = RegionFile::Sys, "not its own"),
+            (|m| m.regions[1].chunks[0].inherited = true, "both zero"),
+            (
+                |m| {
+                    m.regions[1].chunks[0].zero = false;
+                    m.regions[1].chunks[0].inherited = true
+                },
+                "has no base",
+            ),
+            (|m| m.regions[1].chunks[1].crc32 = 5, "not that of zeros"),
+            (|m| m.memory_file_bytes += 4096, "its regions hold"),
+            (|m| m.config.vcpus = 0, "0 vCPUs"),
+        ];
+        for (edit, want) in cases {
+            let mut m = manifest();
+            edit(&mut m);
+            m.seal();
+            let e = parse(&m).unwrap_err().to_string();
+            assert!(e.contains(want), "want '{want}' in: {e}");
+        }
+    }
+
+    #[test]
+    fn another_format_or_version_is_named() {
+        let mut m = manifest();
+        m.version = 1;
+        let e = parse(&m).unwrap_err().to_string();
+        assert!(e.contains("version 1"), "{e}");
+        let e = Manifest::parse(b"{\"format\":\"x\"}", Path::new("m.json"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not a guestmem snapshot"), "{e}");
+        assert!(Manifest::parse(b"[1,2", Path::new("m.json")).is_err());
+    }
+}

@@ -1,0 +1,657 @@
+//! Snapshots: a paused VM written to a directory, and VMs restored from one.
+//!
+//! A snapshot directory holds:
+//! - `manifest.json` ([`Manifest`]): format name and version, the VM configuration, the memory
+//!   layout (each region's file and place in it) with a CRC-32 and a zero flag per 2 MiB chunk,
+//!   a digest per region, the state file's BLAKE3, for a diff its base (path and checksum), and
+//!   a BLAKE3 checksum over the whole manifest;
+//! - `state.json`: the complete vCPU and VM state ([`VmState`]);
+//! - `memory`: the guest RAM regions back to back, zero pages left as holes (a sparse file);
+//!   nothing else, so that a Firecracker page server can be handed it as it is;
+//! - `sys`: the sys region (page tables, payload, control blocks);
+//! - optionally `working-set.json`: the chunks a lazily restored guest faulted on first, in
+//!   that order, recorded by [`LazyVm::record_working_set`] and fetched first by the next
+//!   lazy restore (bound to the manifest by its checksum, and checksummed).
+//!
+//! Every byte a restored guest runs on is checked before it runs on it: the manifest as a whole
+//! (its checksum, then every structural rule), the state (BLAKE3), a diff's base (its manifest
+//! checksum must be the one the diff was written over), and each chunk against its CRC-32 —
+//! full restore as it copies, map restore for every chunk (zero chunks included: their range
+//! of the file must read as zeros) before it maps the file, lazy restore and the page server
+//! as each chunk is first served. A zero chunk is served as zeros whatever its file range
+//! holds. A snapshot is replaced atomically ([`write`]): a failed write leaves the previous one
+//! intact. CRC-32 finds damage, not a forger who also recomputes the manifest's checksum.
+
+mod manifest;
+mod sparse;
+mod working_set;
+mod write;
+
+use std::fs::File;
+use std::io;
+use std::ops::Range;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use guestmem_memory::{Backend, GuestMemory, Region, RegionSpec};
+use guestmem_paging::{PageSource, Pager, PagerConfig};
+use guestmem_vm::{layout, Vm, VmState};
+use serde::{Deserialize, Serialize};
+
+pub use manifest::{
+    BaseRef, Chunk, Manifest, RegionFile, RegionImage, CHUNK_BYTES, FORMAT, MAX_BASE_DEPTH, VERSION,
+};
+use sparse::{nonzero_page_runs, read_sparse};
+pub use working_set::{WorkingSet, WorkingSetRegion, WORKING_SET_FORMAT};
+pub use write::{write, write_diff, WriteReport};
+
+use crate::{Error, Result};
+
+const MANIFEST: &str = "manifest.json";
+const STATE: &str = "state.json";
+const WORKING_SET: &str = "working-set.json";
+
+/// A snapshot whose manifest and state have been read and checked.
+pub struct Snapshot {
+    dir: PathBuf,
+    manifest: Manifest,
+    state: VmState,
+    /// The `memory` and `sys` files, indexed by `RegionFile as usize`.
+    files: [File; 2],
+    /// A diff snapshot's base, opened and checked with it.
+    base: Option<Box<Snapshot>>,
+}
+
+impl Snapshot {
+    /// Reads and checks `dir`: the manifest (format, version, checksum, structure), the state
+    /// (length, BLAKE3, vCPU count), the memory files' lengths, and for a diff its base chain
+    /// (each base must be the very snapshot the diff was written over).
+    pub fn open(dir: &Path) -> Result<Snapshot> {
+        Snapshot::open_checked(dir, None, 0)
+    }
+
+    fn open_checked(dir: &Path, expected: Option<&str>, depth: usize) -> Result<Snapshot> {
+        let manifest_path = dir.join(MANIFEST);
+        let bytes = std::fs::read(&manifest_path).map_err(Error::io(&manifest_path, "read"))?;
+        let manifest = Manifest::parse(&bytes, &manifest_path)?;
+        if let Some(expected) = expected {
+            if manifest.checksum != expected {
+                return Err(Error::Corrupt(format!(
+                    "{}: this is not the base the diff was written over (its manifest checksum \
+                     is {}, the diff's base had {expected}): the base was replaced or rewritten \
+                     since",
+                    manifest_path.display(),
+                    manifest.checksum
+                )));
+            }
+        }
+
+        let state_path = dir.join(STATE);
+        let state_json = std::fs::read(&state_path).map_err(Error::io(&state_path, "read"))?;
+        if state_json.len() as u64 != manifest.state_bytes {
+            return Err(Error::Truncated {
+                path: state_path,
+                expected: manifest.state_bytes,
+                found: state_json.len() as u64,
+            });
+        }
+        let hash = blake3::hash(&state_json).to_hex().to_string();
+        if hash != manifest.state_blake3 {
+            return Err(Error::Corrupt(format!(
+                "{}: BLAKE3 {hash}, the manifest says {}",
+                state_path.display(),
+                manifest.state_blake3
+            )));
+        }
+        let state = parse_state(&state_json, manifest.config.vcpus, &state_path)?;
+
+        let open = |which: RegionFile| -> Result<File> {
+            let path = dir.join(which.name());
+            let file = File::open(&path).map_err(Error::io(&path, "open"))?;
+            let len = file.metadata().map_err(Error::io(&path, "stat"))?.len();
+            if len != manifest.file_bytes(which) {
+                return Err(Error::Truncated {
+                    path,
+                    expected: manifest.file_bytes(which),
+                    found: len,
+                });
+            }
+            Ok(file)
+        };
+        let files = [open(RegionFile::Memory)?, open(RegionFile::Sys)?];
+        let base = match &manifest.base {
+            None => None,
+            Some(base_ref) => {
+                if depth >= MAX_BASE_DEPTH {
+                    return Err(Error::Corrupt(format!(
+                        "{}: more than {MAX_BASE_DEPTH} diff snapshots stand on one another",
+                        manifest_path.display()
+                    )));
+                }
+                let base =
+                    Snapshot::open_checked(&base_ref.dir, Some(&base_ref.checksum), depth + 1)?;
+                let same_layout = base.manifest.config == manifest.config
+                    && base.manifest.regions.len() == manifest.regions.len()
+                    && base
+                        .manifest
+                        .regions
+                        .iter()
+                        .zip(&manifest.regions)
+                        .all(|(b, d)| b.spec == d.spec && b.chunks.len() == d.chunks.len());
+                if !same_layout {
+                    return Err(Error::Corrupt(format!(
+                        "{}: its base {} has another memory layout",
+                        manifest_path.display(),
+                        base_ref.dir.display()
+                    )));
+                }
+                Some(Box::new(base))
+            }
+        };
+        Ok(Snapshot {
+            dir: dir.to_path_buf(),
+            manifest,
+            state,
+            files,
+            base,
+        })
+    }
+
+    /// The open file holding `image`'s bytes.
+    fn file(&self, image: &RegionImage) -> &File {
+        &self.files[image.file as usize]
+    }
+
+    /// The path of the file holding `image`'s bytes.
+    pub fn file_path(&self, image: &RegionImage) -> PathBuf {
+        self.dir.join(image.file.name())
+    }
+
+    /// Puts chunk `index` of region `region` into `buf` from this snapshot or, for an inherited
+    /// chunk, from its base chain, and checks its CRC-32. Only the memory file's data extents
+    /// are read (zero pages are holes): returns the chunk-relative ranges of `buf` that hold
+    /// data (the rest of `buf` is left alone and stands for zeros), or `None` for an all-zero
+    /// chunk.
+    fn chunk(
+        &self,
+        region: usize,
+        index: usize,
+        buf: &mut [u8],
+    ) -> Result<Option<Vec<Range<usize>>>> {
+        let image = &self.manifest.regions[region];
+        let chunk = image.chunks[index];
+        if chunk.inherited {
+            let base = self.base.as_ref().ok_or_else(|| {
+                Error::Corrupt(format!(
+                    "region '{}' chunk {index} is inherited, but the snapshot has no base",
+                    image.spec.name
+                ))
+            })?;
+            return base.chunk(region, index, buf);
+        }
+        if chunk.zero {
+            return Ok(None);
+        }
+        self.read_chunk_data(image, index, buf).map(Some)
+    }
+
+    /// The snapshot (this one or one of its bases) that holds chunk `index` of region
+    /// `region`, or `None` when the chunk is all zeros.
+    fn holder(&self, region: usize, index: usize) -> Result<Option<&Snapshot>> {
+        let image = &self.manifest.regions[region];
+        let chunk = image.chunks[index];
+        if chunk.inherited {
+            return match &self.base {
+                Some(base) => base.holder(region, index),
+                None => Err(Error::Corrupt(format!(
+                    "region '{}' chunk {index} is inherited, but the snapshot has no base",
+                    image.spec.name
+                ))),
+            };
+        }
+        Ok((!chunk.zero).then_some(self))
+    }
+
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    /// The snapshot's directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn state(&self) -> &VmState {
+        &self.state
+    }
+
+    /// Reads chunk `index` of region image `image` into `buf` and checks its CRC-32.
+    pub fn read_chunk(&self, image: &RegionImage, index: usize, buf: &mut [u8]) -> Result<()> {
+        let offset = index as u64 * CHUNK_BYTES;
+        let len = CHUNK_BYTES.min(image.spec.size - offset) as usize;
+        buf[..len].fill(0);
+        self.read_chunk_data(image, index, buf).map(|_| ())
+    }
+
+    /// Reads the data extents of chunk `index` of `image` into `buf` and checks the chunk's
+    /// CRC-32 (holes count as zeros); returns the ranges read.
+    fn read_chunk_data(
+        &self,
+        image: &RegionImage,
+        index: usize,
+        buf: &mut [u8],
+    ) -> Result<Vec<Range<usize>>> {
+        let offset = index as u64 * CHUNK_BYTES;
+        let len = CHUNK_BYTES.min(image.spec.size - offset) as usize;
+        let (crc, ranges) = read_sparse(
+            self.file(image),
+            image.file_offset + offset,
+            &mut buf[..len],
+        )
+        .map_err(Error::io(&self.file_path(image), "read"))?;
+        if crc != image.chunks[index].crc32 {
+            let what = if image.chunks[index].zero {
+                "is all zeros in the manifest, but its range of the file (holes) holds data"
+            } else {
+                "does not match its checksum"
+            };
+            return Err(Error::Corrupt(format!(
+                "{}: region '{}' chunk {index} (offset {offset:#x}) {what}: checksum \
+                 {crc:#010x}, the manifest says {:#010x}",
+                self.dir.display(),
+                image.spec.name,
+                image.chunks[index].crc32
+            )));
+        }
+        Ok(ranges)
+    }
+}
+
+/// Parses `state.json` (read from `path`) for a VM of `vcpus` vCPUs: its shape, and one vCPU
+/// state and one workload per vCPU. Its checksum is the manifest's business
+/// ([`Snapshot::open`] checks it first).
+pub fn parse_state(bytes: &[u8], vcpus: usize, path: &Path) -> Result<VmState> {
+    let state: VmState = serde_json::from_slice(bytes).map_err(|e| Error::Json {
+        path: path.to_path_buf(),
+        source: e,
+    })?;
+    if state.vcpus.len() != vcpus || state.work.len() != vcpus {
+        return Err(Error::Corrupt(format!(
+            "{}: state for {} vCPUs ({} workloads), the configuration has {vcpus}",
+            path.display(),
+            state.vcpus.len(),
+            state.work.len(),
+        )));
+    }
+    Ok(state)
+}
+
+/// How to bring a snapshot's memory back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RestoreMode {
+    /// Copy every non-zero page into fresh memory, then run.
+    Full,
+    /// Map the memory file privately (copy-on-write) over anonymous regions; other backends
+    /// are copied as in `Full`.
+    Map,
+}
+
+/// Builds a VM from `snapshot` with its memory and vCPU state; the caller resumes it. Every
+/// check happens before this returns, so a refused snapshot never runs a vCPU.
+pub fn restore(snapshot: &Snapshot, mode: RestoreMode) -> Result<Vm> {
+    let manifest = &snapshot.manifest;
+    if mode == RestoreMode::Map && snapshot.base.is_some() {
+        return Err(Error::Layout(
+            "a diff snapshot spans several memory files: restore it in full mode (or lazily)"
+                .into(),
+        ));
+    }
+    let mut vm = Vm::new(&manifest.config)?;
+    check_layout(vm.memory(), &manifest.regions)?;
+    let mut buf = vec![0u8; CHUNK_BYTES as usize];
+    for (i, (region, image)) in vm
+        .memory()
+        .regions()
+        .iter()
+        .zip(&manifest.regions)
+        .enumerate()
+    {
+        if mode == RestoreMode::Map && region.backend() == Backend::Anon {
+            // The guest will see the file itself: every chunk of it, zero chunks included
+            // (holes, or zeros), must be what the manifest says.
+            verify_chunks(snapshot, image, &mut buf)?;
+            map_private(region, snapshot.file(image), image.file_offset)
+                .map_err(Error::io(&snapshot.file_path(image), "mmap"))?;
+        } else {
+            copy_chunks(snapshot, vm.memory(), region, i, &mut buf)?;
+        }
+    }
+    vm.restore_state(&snapshot.state)?;
+    Ok(vm)
+}
+
+/// A VM restored lazily: its vCPUs can run at once while its pagers bring the memory in, on
+/// first access and in the background. The pagers are dropped (and their threads joined) before
+/// the VM and its memory, as the field order says.
+pub struct LazyVm {
+    pub pagers: Vec<Pager>,
+    pub vm: Vm,
+    /// Where the restore spent its time, step by step (the VM's build steps included).
+    pub phases: Vec<(String, Duration)>,
+    /// Whether the pagers fetch a recorded working set first.
+    pub prefetched: bool,
+}
+
+/// Builds a VM from `snapshot` whose memory arrives on demand: every guest RAM region gets a
+/// [`Pager`] that serves its pages from the memory file, checking each chunk's CRC-32 the first
+/// time any of it is fetched (a corrupt chunk stops the VM with an error naming the guest
+/// address). The sys region (page tables, payload, control blocks) is small and copied at once.
+/// Backends userfaultfd cannot serve (guest_memfd) are refused, naming the kernel feature.
+/// A diff snapshot's chunks come from the diff where it holds them, else from its base chain.
+/// When the snapshot has a recorded working set ([`LazyVm::record_working_set`]) and
+/// `config.prefetch` is empty, the pagers fetch that working set first.
+pub fn restore_lazy(snapshot: &Snapshot, config: &PagerConfig) -> Result<LazyVm> {
+    let mut phases = Vec::new();
+    let mut vm = vm_for_lazy_restore(snapshot, &mut phases)?;
+    let mut t = Instant::now();
+    let working_set = if config.prefetch.is_empty() {
+        snapshot.working_set()?
+    } else {
+        None
+    };
+    lap(&mut phases, &mut t, "read the working set");
+    let mut pagers = Vec::new();
+    for (i, (region, image)) in vm
+        .memory()
+        .regions()
+        .iter()
+        .zip(&snapshot.manifest.regions)
+        .enumerate()
+    {
+        if region.gpa() == layout::SYS_GPA {
+            continue;
+        }
+        let source = SnapshotSource::new(snapshot, i)?;
+        let mut config = PagerConfig {
+            abort: Some(vm.abort_handle()),
+            // The restored vCPUs wait on their faults from the first instruction on.
+            realtime_handlers: true,
+            ..config.clone()
+        };
+        if let Some(ws) = &working_set {
+            config.prefetch = ws.offsets(&image.spec.name);
+        }
+        pagers.push(Pager::start(region, Arc::new(source), &config)?);
+    }
+    lap(&mut phases, &mut t, "start pagers");
+    vm.restore_state(&snapshot.state)?;
+    lap(&mut phases, &mut t, "restore vCPU state");
+    Ok(LazyVm {
+        pagers,
+        vm,
+        phases,
+        prefetched: working_set.is_some(),
+    })
+}
+
+impl LazyVm {
+    /// Writes the chunks the guest faulted on since the restore, in fault order, beside
+    /// `snapshot` (see [`Snapshot::working_set`]), for the next lazy restore to fetch first.
+    /// Returns how many chunks it lists.
+    pub fn record_working_set(&self, snapshot: &Snapshot) -> Result<usize> {
+        record_working_set(snapshot, &self.vm, &self.pagers)
+    }
+}
+
+/// [`LazyVm::record_working_set`] for a lazy restore taken apart (`pagers` in the order
+/// [`restore_lazy`] made them).
+pub fn record_working_set(snapshot: &Snapshot, vm: &Vm, pagers: &[Pager]) -> Result<usize> {
+    let regions: Vec<WorkingSetRegion> = vm
+        .memory()
+        .regions()
+        .iter()
+        .filter(|r| r.gpa() != layout::SYS_GPA)
+        .zip(pagers)
+        .map(|(region, pager)| WorkingSetRegion {
+            name: region.name().to_string(),
+            chunks: pager.fault_order(),
+        })
+        .collect();
+    let n = regions.iter().map(|r| r.chunks.len()).sum();
+    snapshot.write_working_set(regions)?;
+    Ok(n)
+}
+
+/// Records the step `name` as ending now.
+fn lap(phases: &mut Vec<(String, Duration)>, t: &mut Instant, name: &str) {
+    let now = Instant::now();
+    phases.push((name.to_string(), now - *t));
+    *t = now;
+}
+
+/// The first steps of every lazy restore: build the VM, check its layout, and copy in the sys region (page tables, payload,
+/// control blocks: small, and needed at once). The guest RAM regions are left to a pager.
+pub(crate) fn vm_for_lazy_restore(
+    snapshot: &Snapshot,
+    phases: &mut Vec<(String, Duration)>,
+) -> Result<Vm> {
+    let vm = Vm::new(&snapshot.manifest.config)?;
+    phases.extend(
+        vm.build_phases()
+            .iter()
+            .map(|(name, d)| (format!("Vm::new: {name}"), *d)),
+    );
+    let mut t = Instant::now();
+    check_layout(vm.memory(), &snapshot.manifest.regions)?;
+    let mut buf = vec![0u8; CHUNK_BYTES as usize];
+    for (i, region) in vm.memory().regions().iter().enumerate() {
+        if region.gpa() == layout::SYS_GPA {
+            copy_chunks(snapshot, vm.memory(), region, i, &mut buf)?;
+        }
+    }
+    lap(phases, &mut t, "copy the sys region");
+    Ok(vm)
+}
+
+/// The guest RAM regions of a VM built by [`vm_for_lazy_restore`], with their images.
+pub(crate) fn lazy_regions<'a>(
+    vm: &'a Vm,
+    snapshot: &'a Snapshot,
+) -> impl Iterator<Item = (&'a Region, &'a RegionImage)> {
+    vm.memory()
+        .regions()
+        .iter()
+        .zip(&snapshot.manifest.regions)
+        .filter(|(region, _)| region.gpa() != layout::SYS_GPA)
+        .map(|(region, image)| (&**region, image))
+}
+
+/// One region's bytes in a snapshot's memory file (and, for a diff snapshot, its bases'),
+/// each chunk checked against its CRC-32 before any of it is served.
+pub(crate) struct SnapshotSource {
+    /// The snapshot directory (named in errors).
+    dir: PathBuf,
+    name: String,
+    size: u64,
+    /// The memory files of the snapshot and its bases, each with its image of the region.
+    layers: Vec<(File, RegionImage)>,
+    /// Per chunk, the layer holding it (`None`: all zeros).
+    holders: Vec<Option<usize>>,
+    verified: Vec<AtomicBool>,
+}
+
+impl SnapshotSource {
+    pub(crate) fn new(snapshot: &Snapshot, region: usize) -> Result<SnapshotSource> {
+        let mut chain = vec![snapshot];
+        while let Some(base) = &chain.last().expect("one").base {
+            chain.push(base);
+        }
+        let image = &snapshot.manifest.regions[region];
+        let holders = (0..image.chunks.len())
+            .map(|c| {
+                Ok(snapshot.holder(region, c)?.map(|h| {
+                    chain
+                        .iter()
+                        .position(|s| std::ptr::eq(*s, h))
+                        .expect("the holder is in the chain")
+                }))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let layers = chain
+            .iter()
+            .map(|s| {
+                let image = &s.manifest.regions[region];
+                let file = s
+                    .file(image)
+                    .try_clone()
+                    .map_err(Error::io(&s.file_path(image), "dup"))?;
+                Ok((file, image.clone()))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(SnapshotSource {
+            dir: snapshot.dir.clone(),
+            name: image.spec.name.clone(),
+            size: image.spec.size,
+            verified: holders
+                .iter()
+                .map(|h| AtomicBool::new(h.is_none()))
+                .collect(),
+            layers,
+            holders,
+        })
+    }
+
+    fn verify(&self, index: usize, layer: usize) -> io::Result<()> {
+        if self.verified[index].load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let (file, image) = &self.layers[layer];
+        let offset = index as u64 * CHUNK_BYTES;
+        let mut chunk = vec![0u8; CHUNK_BYTES.min(self.size - offset) as usize];
+        let (crc, _) = read_sparse(file, image.file_offset + offset, &mut chunk)?;
+        if crc != image.chunks[index].crc32 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "corrupt snapshot {}: region '{}' chunk {index} (offset {offset:#x}): \
+                     checksum {crc:#010x}, the manifest says {:#010x}",
+                    self.dir.display(),
+                    self.name,
+                    image.chunks[index].crc32
+                ),
+            ));
+        }
+        self.verified[index].store(true, Ordering::Release);
+        Ok(())
+    }
+}
+
+impl PageSource for SnapshotSource {
+    fn fetch(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        let end = offset + buf.len() as u64;
+        if buf.is_empty() || end > self.size {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("fetch {offset:#x}+{:#x} outside the region", buf.len()),
+            ));
+        }
+        // Chunk by chunk: each may live in another layer.
+        let mut at = offset;
+        while at < end {
+            let index = (at / CHUNK_BYTES) as usize;
+            let piece_end = ((index as u64 + 1) * CHUNK_BYTES).min(end);
+            let piece = &mut buf[(at - offset) as usize..(piece_end - offset) as usize];
+            match self.holders[index] {
+                None => piece.fill(0),
+                Some(layer) => {
+                    self.verify(index, layer)?;
+                    let (file, image) = &self.layers[layer];
+                    file.read_exact_at(piece, image.file_offset + at)?;
+                }
+            }
+            at = piece_end;
+        }
+        Ok(())
+    }
+
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn is_zero(&self, offset: u64, len: u64) -> bool {
+        let end = (offset + len).min(self.size);
+        end > offset
+            && (offset / CHUNK_BYTES..=(end - 1) / CHUNK_BYTES)
+                .all(|c| self.holders[c as usize].is_none())
+    }
+}
+
+pub(crate) fn check_layout(memory: &GuestMemory, images: &[RegionImage]) -> Result<()> {
+    let built: Vec<&RegionSpec> = memory.regions().iter().map(|r| r.spec()).collect();
+    let saved: Vec<&RegionSpec> = images.iter().map(|i| &i.spec).collect();
+    if built != saved {
+        return Err(Error::Layout(format!(
+            "the snapshot's regions {saved:?} differ from those its configuration builds here \
+             {built:?}"
+        )));
+    }
+    Ok(())
+}
+
+fn verify_chunks(snapshot: &Snapshot, image: &RegionImage, buf: &mut [u8]) -> Result<()> {
+    for i in 0..image.chunks.len() {
+        snapshot.read_chunk_data(image, i, buf)?;
+    }
+    Ok(())
+}
+
+pub(crate) fn copy_chunks(
+    snapshot: &Snapshot,
+    memory: &GuestMemory,
+    region: &Region,
+    index: usize,
+    buf: &mut [u8],
+) -> Result<()> {
+    let size = snapshot.manifest.regions[index].spec.size;
+    for i in 0..snapshot.manifest.regions[index].chunks.len() {
+        let offset = i as u64 * CHUNK_BYTES;
+        let len = CHUNK_BYTES.min(size - offset) as usize;
+        let Some(ranges) = snapshot.chunk(index, i, &mut buf[..len])? else {
+            continue;
+        };
+        for r in ranges {
+            for (start, run) in nonzero_page_runs(&buf[r.clone()]) {
+                memory.write(region.gpa() + offset + (r.start + start) as u64, run)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Replaces an anonymous region's mapping, in place, by a private (copy-on-write) mapping of
+/// the memory file. The memslot keeps its host address, so KVM follows the new mapping.
+fn map_private(region: &Region, file: &File, file_offset: u64) -> io::Result<()> {
+    // SAFETY: the range is exactly the region's own anonymous mapping, which the region owns
+    // and which no vCPU has used yet (the VM was built but never run); MAP_FIXED replaces it
+    // atomically with a mapping of the same length and protection, which the region unmaps on
+    // drop as before. The file is at least `file_offset + size` long (checked on open).
+    let addr = unsafe {
+        libc::mmap(
+            region.host_addr() as *mut libc::c_void,
+            region.size() as usize,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_FIXED,
+            file.as_raw_fd(),
+            file_offset as libc::off_t,
+        )
+    };
+    if addr == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}

@@ -1,0 +1,137 @@
+//! `working-set.json`: the chunks a lazily restored guest faulted on first, kept beside the
+//! snapshot for the next lazy restore to fetch first.
+
+use std::io;
+
+use serde::{Deserialize, Serialize};
+
+use super::manifest::{CHUNK_BYTES, VERSION};
+use super::write::write_file;
+use super::{Snapshot, WORKING_SET};
+use crate::{Error, Result};
+
+/// The `format` field of a working-set file.
+pub const WORKING_SET_FORMAT: &str = "guestmem-working-set";
+
+/// `working-set.json`: the chunks a lazily restored guest faulted on first, in fault order,
+/// recorded for the next lazy restore of the same snapshot to fetch first. It is bound to the
+/// snapshot by the manifest's CRC-32, and checksummed itself.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkingSet {
+    pub format: String,
+    pub version: u32,
+    /// The `checksum` of the manifest it was recorded for.
+    pub manifest_checksum: String,
+    pub regions: Vec<WorkingSetRegion>,
+    /// CRC-32 over every region's name and chunk offsets (see `WorkingSet::checksum`).
+    pub crc32: u32,
+}
+
+/// One region's working set: region offsets of chunks, in the order the guest asked for them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkingSetRegion {
+    pub name: String,
+    pub chunks: Vec<u64>,
+}
+
+impl WorkingSet {
+    fn checksum(regions: &[WorkingSetRegion]) -> u32 {
+        let mut h = crc32fast::Hasher::new();
+        for r in regions {
+            h.update(r.name.as_bytes());
+            h.update(&[0]);
+            for c in &r.chunks {
+                h.update(&c.to_le_bytes());
+            }
+        }
+        h.finalize()
+    }
+
+    /// The chunk offsets recorded for region `name` (none if it has no entry).
+    pub fn offsets(&self, name: &str) -> Vec<u64> {
+        self.regions
+            .iter()
+            .find(|r| r.name == name)
+            .map(|r| r.chunks.clone())
+            .unwrap_or_default()
+    }
+
+    /// How many chunks it lists, over all regions.
+    pub fn chunks(&self) -> usize {
+        self.regions.iter().map(|r| r.chunks.len()).sum()
+    }
+}
+
+impl Snapshot {
+    /// The working set recorded beside the snapshot by an earlier lazy restore, if any. One
+    /// recorded for another snapshot (the manifest's checksum differs), with a bad checksum,
+    /// or naming chunks the snapshot does not have is refused with the reason.
+    pub fn working_set(&self) -> Result<Option<WorkingSet>> {
+        let path = self.dir.join(WORKING_SET);
+        let bytes = match std::fs::read(&path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(Error::io(&path, "read")(e)),
+        };
+        let ws: WorkingSet = serde_json::from_slice(&bytes).map_err(|e| Error::Json {
+            path: path.clone(),
+            source: e,
+        })?;
+        let bad = |why: String| Err(Error::Corrupt(format!("{}: {why}", path.display())));
+        if ws.format != WORKING_SET_FORMAT || ws.version != VERSION {
+            return bad(format!(
+                "format {} version {}, not {WORKING_SET_FORMAT} version {VERSION}",
+                ws.format, ws.version
+            ));
+        }
+        if ws.manifest_checksum != self.manifest.checksum {
+            return bad(format!(
+                "recorded for another snapshot (manifest checksum {}, this one's is {}); \
+                 delete it",
+                ws.manifest_checksum, self.manifest.checksum
+            ));
+        }
+        let crc = WorkingSet::checksum(&ws.regions);
+        if crc != ws.crc32 {
+            return bad(format!(
+                "checksum {crc:#010x}, the file says {:#010x}",
+                ws.crc32
+            ));
+        }
+        for r in &ws.regions {
+            let Some(image) = self.manifest.regions.iter().find(|i| i.spec.name == r.name) else {
+                return bad(format!("no region '{}' in the snapshot", r.name));
+            };
+            if let Some(c) = r
+                .chunks
+                .iter()
+                .find(|&&c| c % CHUNK_BYTES != 0 || c >= image.spec.size)
+            {
+                return bad(format!(
+                    "region '{}': {c:#x} is not a chunk of the region",
+                    r.name
+                ));
+            }
+        }
+        Ok(Some(ws))
+    }
+
+    /// Writes `regions` as the snapshot's working set (replacing any).
+    pub(crate) fn write_working_set(&self, regions: Vec<WorkingSetRegion>) -> Result<()> {
+        let ws = WorkingSet {
+            format: WORKING_SET_FORMAT.into(),
+            version: VERSION,
+            manifest_checksum: self.manifest.checksum.clone(),
+            crc32: WorkingSet::checksum(&regions),
+            regions,
+        };
+        let path = self.dir.join(WORKING_SET);
+        let json = serde_json::to_vec(&ws).map_err(|e| Error::Json {
+            path: path.clone(),
+            source: e,
+        })?;
+        let tmp = self.dir.join(format!("{WORKING_SET}.tmp"));
+        write_file(&tmp, &json)?;
+        std::fs::rename(&tmp, &path).map_err(Error::io(&path, "rename"))
+    }
+}

@@ -1,0 +1,294 @@
+//! Writing a snapshot, all or nothing.
+//!
+//! A snapshot is written whole into a new directory beside its destination (same file system)
+//! and becomes visible in one step: `renameat2(RENAME_EXCHANGE)` swaps it with the snapshot it
+//! replaces (or a plain rename when there is none), and only then is the old one deleted. A
+//! write that fails on the way (a full disk, an I/O error, a VM that cannot be read) deletes its
+//! new directory and leaves the previous snapshot where it was, intact and restorable; a
+//! process killed mid-write leaves at most a hidden `.NAME.guestmem-new-*` directory, never a
+//! manifest that looks complete.
+
+use std::ffi::CString;
+use std::fs::File;
+use std::io::{self, Write};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use guestmem_memory::PAGE_SIZE;
+use guestmem_tracking::DirtyBitmap;
+use guestmem_vm::Vm;
+use serde::Serialize;
+
+use super::manifest::{
+    BaseRef, Chunk, Manifest, RegionFile, RegionImage, CHUNK_BYTES, FORMAT, VERSION,
+};
+use super::sparse::nonzero_page_runs;
+use super::{Snapshot, MANIFEST, STATE, WORKING_SET};
+use crate::{Error, Result};
+
+/// The files a snapshot directory may hold; a directory holding anything else is not
+/// replaced (it is not a snapshot, and replacing it would delete someone's files).
+const SNAPSHOT_FILES: [&str; 5] = [MANIFEST, STATE, "memory", "sys", WORKING_SET];
+
+/// How much a snapshot wrote.
+#[derive(Debug, Clone, Serialize)]
+pub struct WriteReport {
+    pub memory_bytes: u64,
+    /// Bytes of memory actually stored (non-zero pages).
+    pub data_bytes: u64,
+    pub zero_chunks: u64,
+    pub chunks: u64,
+}
+
+/// Writes a snapshot of `vm`, which is not running (a [`guestmem_vm::RunningVm`] borrows it
+/// mutably, so holding `&Vm` proves it is paused or stopped), into `dir`. An existing snapshot
+/// there is replaced atomically (see the module docs); a directory holding other files is
+/// refused.
+pub fn write(vm: &Vm, dir: &Path) -> Result<WriteReport> {
+    write_snapshot(vm, dir, None)
+}
+
+/// Writes a diff snapshot of `vm` over the snapshot in `base`: only the chunks holding a page
+/// that `dirty` reports (a [`guestmem_tracking::Tracker`] started when `base` was taken) are
+/// stored; the others are inherited from `base`, which the diff names by path and by its
+/// manifest's checksum (a base replaced since is refused on restore).
+pub fn write_diff(vm: &Vm, dir: &Path, base: &Path, dirty: &[DirtyBitmap]) -> Result<WriteReport> {
+    let base_snapshot = Snapshot::open(base)?;
+    if base_snapshot.manifest.config != *vm.config() {
+        return Err(Error::Layout(format!(
+            "{}: the base snapshot is of another VM configuration",
+            base.display()
+        )));
+    }
+    let base_dir = std::fs::canonicalize(base).map_err(Error::io(base, "resolve"))?;
+    if std::fs::canonicalize(dir).is_ok_and(|d| d == base_dir) {
+        return Err(Error::Layout(format!(
+            "{}: a diff cannot replace its own base",
+            dir.display()
+        )));
+    }
+    let base = BaseRef {
+        dir: base_dir,
+        checksum: base_snapshot.manifest.checksum.clone(),
+    };
+    write_snapshot(vm, dir, Some((base, dirty)))
+}
+
+fn write_snapshot(
+    vm: &Vm,
+    dir: &Path,
+    diff: Option<(BaseRef, &[DirtyBitmap])>,
+) -> Result<WriteReport> {
+    check_replaceable(dir)?;
+    let staging = staging_dir(dir)?;
+    std::fs::create_dir(&staging).map_err(Error::io(&staging, "create directory"))?;
+    let written = write_files(vm, &staging, diff).and_then(|report| {
+        sync_dir(&staging)?;
+        commit(&staging, dir)?;
+        Ok(report)
+    });
+    if written.is_err() {
+        // Nothing of the failed write stays; the previous snapshot (if any) is untouched.
+        let _ = std::fs::remove_dir_all(&staging);
+    }
+    written
+}
+
+/// Refuses to replace `dir` when it is not a directory or holds anything but snapshot files.
+fn check_replaceable(dir: &Path) -> Result<()> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(Error::io(dir, "read directory")(e)),
+    };
+    for entry in entries {
+        let entry = entry.map_err(Error::io(dir, "read directory"))?;
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if !SNAPSHOT_FILES.contains(&name.as_ref()) && !name.ends_with(".tmp") {
+            return Err(Error::Layout(format!(
+                "{}: holds '{name}', which is not part of a snapshot; write the snapshot into \
+                 a new or empty directory (an existing snapshot there is replaced, nothing \
+                 else)",
+                dir.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A fresh hidden directory beside `dir` (the same file system, so the commit is a rename).
+fn staging_dir(dir: &Path) -> Result<PathBuf> {
+    let name = dir.file_name().ok_or_else(|| {
+        Error::Layout(format!(
+            "{}: not a directory name a snapshot can be written to",
+            dir.display()
+        ))
+    })?;
+    let parent = match dir.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    std::fs::create_dir_all(&parent).map_err(Error::io(&parent, "create directory"))?;
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    Ok(parent.join(format!(
+        ".{}.guestmem-new-{}-{nanos:x}",
+        name.to_string_lossy(),
+        std::process::id()
+    )))
+}
+
+/// Makes `staging` the snapshot at `dir` in one step, then deletes what was there.
+fn commit(staging: &Path, dir: &Path) -> Result<()> {
+    let c = |p: &Path| CString::new(p.as_os_str().as_bytes()).expect("paths have no NUL");
+    let (from, to) = (c(staging), c(dir));
+    if dir.exists() {
+        // SAFETY: two NUL-terminated paths that live across the call; renameat2 only reads them.
+        let r = unsafe {
+            libc::renameat2(
+                libc::AT_FDCWD,
+                from.as_ptr(),
+                libc::AT_FDCWD,
+                to.as_ptr(),
+                libc::RENAME_EXCHANGE,
+            )
+        };
+        if r != 0 {
+            return Err(Error::io(
+                dir,
+                "swap in the new snapshot (renameat2 RENAME_EXCHANGE)",
+            )(io::Error::last_os_error()));
+        }
+        // `staging` now holds the replaced snapshot.
+        std::fs::remove_dir_all(staging).map_err(Error::io(staging, "remove the old snapshot"))?;
+    } else {
+        std::fs::rename(staging, dir)
+            .map_err(Error::io(dir, "rename the new snapshot into place"))?;
+    }
+    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        sync_dir(parent)?;
+    }
+    Ok(())
+}
+
+fn sync_dir(dir: &Path) -> Result<()> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(Error::io(dir, "sync directory"))
+}
+
+/// Writes the state, memory, sys and manifest files of a snapshot of `vm` into `dir`.
+fn write_files(
+    vm: &Vm,
+    dir: &Path,
+    diff: Option<(BaseRef, &[DirtyBitmap])>,
+) -> Result<WriteReport> {
+    let state = vm.save_state()?;
+    let state_json = serde_json::to_vec(&state).map_err(|e| Error::Json {
+        path: dir.join(STATE),
+        source: e,
+    })?;
+    write_file(&dir.join(STATE), &state_json)?;
+
+    let create = |f: RegionFile| {
+        let path = dir.join(f.name());
+        File::create(&path)
+            .map(|file| (file, path.clone(), 0u64))
+            .map_err(Error::io(&path, "create"))
+    };
+    // Indexed by `RegionFile as usize`.
+    let mut files = [create(RegionFile::Memory)?, create(RegionFile::Sys)?];
+    let mut report = WriteReport {
+        memory_bytes: 0,
+        data_bytes: 0,
+        zero_chunks: 0,
+        chunks: 0,
+    };
+    let mut regions = Vec::new();
+    let mut buf = vec![0u8; CHUNK_BYTES as usize];
+    for region in vm.memory().regions() {
+        let which = RegionFile::for_region(region.spec());
+        let (file, path, end) = &mut files[which as usize];
+        let file_offset = *end;
+        let mut chunks = Vec::new();
+        for offset in (0..region.size()).step_by(CHUNK_BYTES as usize) {
+            let len = CHUNK_BYTES.min(region.size() - offset) as usize;
+            if let Some((_, dirty)) = &diff {
+                let (first, last) = (region.gpa() + offset, region.gpa() + offset + len as u64);
+                let written = dirty.iter().any(|d| {
+                    (first..last)
+                        .step_by(PAGE_SIZE as usize)
+                        .any(|gpa| d.contains(gpa))
+                });
+                if !written {
+                    chunks.push(Chunk {
+                        crc32: 0,
+                        zero: false,
+                        inherited: true,
+                    });
+                    continue;
+                }
+            }
+            let bytes = &mut buf[..len];
+            vm.memory().read(region.gpa() + offset, bytes)?;
+            let mut zero = true;
+            for (run_start, run) in nonzero_page_runs(bytes) {
+                zero = false;
+                file.write_all_at(run, file_offset + offset + run_start as u64)
+                    .map_err(Error::io(path, "write"))?;
+                report.data_bytes += run.len() as u64;
+            }
+            report.zero_chunks += zero as u64;
+            chunks.push(Chunk {
+                crc32: crc32fast::hash(bytes),
+                zero,
+                inherited: false,
+            });
+        }
+        report.chunks += chunks.len() as u64;
+        report.memory_bytes += region.size();
+        regions.push(RegionImage {
+            spec: region.spec().clone(),
+            file: which,
+            file_offset,
+            digest: vm.memory().digest(region.gpa(), region.size())?,
+            chunks,
+        });
+        *end += region.size();
+    }
+    for (file, path, end) in &files {
+        file.set_len(*end).map_err(Error::io(path, "set length"))?;
+        file.sync_all().map_err(Error::io(path, "sync"))?;
+    }
+
+    let mut manifest = Manifest {
+        format: FORMAT.into(),
+        version: VERSION,
+        config: vm.config().clone(),
+        regions,
+        chunk_bytes: CHUNK_BYTES,
+        state_bytes: state_json.len() as u64,
+        state_blake3: blake3::hash(&state_json).to_hex().to_string(),
+        memory_file_bytes: files[RegionFile::Memory as usize].2,
+        sys_file_bytes: files[RegionFile::Sys as usize].2,
+        base: diff.map(|(base, _)| base),
+        checksum: String::new(),
+    };
+    manifest.seal();
+    let json = serde_json::to_vec_pretty(&manifest).map_err(|e| Error::Json {
+        path: dir.join(MANIFEST),
+        source: e,
+    })?;
+    write_file(&dir.join(MANIFEST), &json)?;
+    Ok(report)
+}
+
+pub(crate) fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut f = File::create(path).map_err(Error::io(path, "create"))?;
+    f.write_all(bytes).map_err(Error::io(path, "write"))?;
+    f.sync_all().map_err(Error::io(path, "sync"))
+}
