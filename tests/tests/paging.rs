@@ -190,6 +190,50 @@ fn failing_source_stops_the_vm_naming_the_guest_address() {
     }
 }
 
+/// A source that panics on every fetch (a bug in a VMM's own source).
+struct PanickingSource(u64);
+
+impl PageSource for PanickingSource {
+    fn fetch(&self, offset: u64, _buf: &mut [u8]) -> io::Result<()> {
+        panic!("source bug at {offset:#x}");
+    }
+    fn size(&self) -> u64 {
+        self.0
+    }
+}
+
+/// A pager thread that panics stops the VM with the reason instead of leaving its vCPUs
+/// waiting forever on faults nobody serves.
+#[test]
+#[cfg_attr(
+    not(all(kvm, uffd)),
+    ignore = "needs a usable /dev/kvm and /dev/userfaultfd"
+)]
+fn a_panicking_source_stops_the_vm_instead_of_hanging_it() {
+    let mut vm = Vm::new(&VmConfig::simple(1, SIZE, Backend::Anon)).unwrap();
+    let config = PagerConfig {
+        abort: Some(vm.abort_handle()),
+        ..config(Backend::Anon, 1)
+    };
+    let source = Arc::new(PanickingSource(SIZE));
+    let pager = Pager::start(vm.memory().region("ram").unwrap(), source, &config).unwrap();
+    let work = VcpuWork::split(Workload::Verify, layout::RAM_GPA, SIZE, 1, 0);
+    let t = std::time::Instant::now();
+    let err = vm.run(&work, STALL).unwrap_err();
+    match &err {
+        guestmem_vm::Error::Aborted(reason) => assert!(
+            reason.contains("'ram'") && reason.contains("panicked: source bug at"),
+            "{reason}"
+        ),
+        other => panic!("expected the pager to abort the run, got {other}"),
+    }
+    assert!(
+        t.elapsed() < STALL,
+        "stopped by the pager, not the watchdog"
+    );
+    assert!(pager.failure().unwrap().contains("panicked"));
+}
+
 #[test]
 #[cfg_attr(
     not(all(kvm, uffd)),

@@ -433,7 +433,12 @@ impl Pager {
     }
 
     fn spawn(&mut self, name: String, f: impl FnOnce() + Send + 'static) -> Result<()> {
-        let handle = spawn_pager_thread(&self.shared.region, name, self.cpus, f)?;
+        let shared = self.shared.clone();
+        let on_panic = move |reason: String| {
+            let region = shared.region.clone();
+            shared.fail(Error::Stopped { region, reason });
+        };
+        let handle = spawn_pager_thread(&self.shared.region, name, self.cpus, f, on_panic)?;
         self.threads.push(handle);
         Ok(())
     }
@@ -1533,7 +1538,17 @@ impl PeerPager {
     }
 
     fn spawn(&mut self, name: String, f: impl FnOnce() + Send + 'static) -> Result<()> {
-        let handle = spawn_pager_thread("peer pager", name, self.cpus, f)?;
+        let ranges = self.ranges.clone();
+        let on_panic = move |reason: String| {
+            for shared in &ranges {
+                let region = shared.region.clone();
+                shared.fail(Error::Stopped {
+                    region,
+                    reason: reason.clone(),
+                });
+            }
+        };
+        let handle = spawn_pager_thread("peer pager", name, self.cpus, f, on_panic)?;
         self.threads.push(handle);
         Ok(())
     }
@@ -1709,14 +1724,28 @@ fn pager_cpus(config: &PagerConfig) -> std::result::Result<Option<CpuSet>, Strin
 
 /// Starts one of a pager's threads (small stacks: they only shuffle pages), pinned to `cpus`
 /// from its start ([`PagerConfig::cpus`]), naming the region in the error if the thread cannot
-/// be created.
+/// be created. Should `f` panic (a bug, or a page source that panics), `on_panic` gets the
+/// reason and fails the pager, which stops its VM (or peer): the guest's faults are then
+/// answered by an error instead of waiting forever on a thread that is gone.
 fn spawn_pager_thread(
     region: &str,
     name: String,
     cpus: Option<CpuSet>,
     f: impl FnOnce() + Send + 'static,
+    on_panic: impl FnOnce(String) + Send + 'static,
 ) -> Result<std::thread::JoinHandle<()>> {
     let region_name = region.to_string();
+    let thread = name.clone();
+    let f = move || {
+        if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+            let message = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "no message".into());
+            on_panic(format!("pager thread '{thread}' panicked: {message}"));
+        }
+    };
     std::thread::Builder::new()
         .name(name)
         .stack_size(256 << 10)
