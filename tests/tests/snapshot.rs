@@ -176,6 +176,19 @@ fn bad_snapshots_are_refused_before_anything_runs() {
     let e = restore_err(&d.0);
     assert!(e.contains("state.json: BLAKE3"), "{e}");
 
+    // A FIFO where a file should be: refused at once, not an open that blocks forever.
+    for f in ["memory", "manifest.json"] {
+        let d = copy(&format!("fifo-{f}"));
+        std::fs::remove_file(d.0.join(f)).unwrap();
+        let status = std::process::Command::new("mkfifo")
+            .arg(d.0.join(f))
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let e = restore_err(&d.0);
+        assert!(e.contains(f) && e.contains("not a regular file"), "{e}");
+    }
+
     let d = copy("missing");
     std::fs::remove_file(d.0.join("manifest.json")).unwrap();
     let e = restore_err(&d.0);

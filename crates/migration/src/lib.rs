@@ -49,6 +49,8 @@ pub enum Error {
     Corrupt(String),
     #[error("cannot restore here: {0}")]
     Layout(String),
+    #[error("cannot write the snapshot: {0}")]
+    Write(String),
     #[error(transparent)]
     Vm(#[from] guestmem_vm::Error),
     #[error(transparent)]

@@ -76,7 +76,7 @@ impl Snapshot {
 
     fn open_checked(dir: &Path, expected: Option<&str>, depth: usize) -> Result<Snapshot> {
         let manifest_path = dir.join(MANIFEST);
-        let bytes = std::fs::read(&manifest_path).map_err(Error::io(&manifest_path, "read"))?;
+        let bytes = read_regular(&manifest_path)?;
         let manifest = Manifest::parse(&bytes, &manifest_path)?;
         if let Some(expected) = expected {
             if manifest.checksum != expected {
@@ -91,7 +91,7 @@ impl Snapshot {
         }
 
         let state_path = dir.join(STATE);
-        let state_json = std::fs::read(&state_path).map_err(Error::io(&state_path, "read"))?;
+        let state_json = read_regular(&state_path)?;
         if state_json.len() as u64 != manifest.state_bytes {
             return Err(Error::Truncated {
                 path: state_path,
@@ -111,7 +111,7 @@ impl Snapshot {
 
         let open = |which: RegionFile| -> Result<File> {
             let path = dir.join(which.name());
-            let file = File::open(&path).map_err(Error::io(&path, "open"))?;
+            let file = open_regular(&path)?;
             let len = file.metadata().map_err(Error::io(&path, "stat"))?.len();
             if len != manifest.file_bytes(which) {
                 return Err(Error::Truncated {
@@ -269,6 +269,35 @@ impl Snapshot {
         }
         Ok(ranges)
     }
+}
+
+/// Opens `path` for reading, refusing anything but a regular file: a FIFO or a device in a
+/// snapshot directory would block the open or never end.
+pub(crate) fn open_regular(path: &Path) -> Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(Error::io(path, "read"))?;
+    let meta = file.metadata().map_err(Error::io(path, "stat"))?;
+    if !meta.is_file() {
+        return Err(Error::Corrupt(format!(
+            "{}: not a regular file",
+            path.display()
+        )));
+    }
+    Ok(file)
+}
+
+/// The whole of the regular file `path` (see [`open_regular`]).
+pub(crate) fn read_regular(path: &Path) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    open_regular(path)?
+        .read_to_end(&mut bytes)
+        .map_err(Error::io(path, "read"))?;
+    Ok(bytes)
 }
 
 /// Parses `state.json` (read from `path`) for a VM of `vcpus` vCPUs: its shape, and one vCPU
@@ -526,14 +555,12 @@ impl SnapshotSource {
         })
     }
 
-    fn verify(&self, index: usize, layer: usize) -> io::Result<()> {
-        if self.verified[index].load(Ordering::Acquire) {
-            return Ok(());
-        }
+    /// Reads chunk `index` from `layer` into `chunk` (the whole chunk) and checks it.
+    fn read_checked(&self, index: usize, layer: usize, chunk: &mut [u8]) -> io::Result<()> {
         let (file, image) = &self.layers[layer];
         let offset = index as u64 * CHUNK_BYTES;
-        let mut chunk = vec![0u8; CHUNK_BYTES.min(self.size - offset) as usize];
-        let (crc, _) = read_sparse(file, image.file_offset + offset, &mut chunk)?;
+        chunk.fill(0);
+        let (crc, _) = read_sparse(file, image.file_offset + offset, chunk)?;
         if crc != image.chunks[index].crc32 {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
@@ -552,6 +579,10 @@ impl SnapshotSource {
 }
 
 impl PageSource for SnapshotSource {
+    /// A whole chunk (what the pager asks for by default) is read once, straight into `buf`,
+    /// and checked there: the bytes served are the bytes checked. A part of a chunk is served
+    /// from a checked read of the whole chunk the first time, and read from the file after
+    /// that.
     fn fetch(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
         let end = offset + buf.len() as u64;
         if buf.is_empty() || end > self.size {
@@ -564,12 +595,23 @@ impl PageSource for SnapshotSource {
         let mut at = offset;
         while at < end {
             let index = (at / CHUNK_BYTES) as usize;
-            let piece_end = ((index as u64 + 1) * CHUNK_BYTES).min(end);
+            let chunk_start = index as u64 * CHUNK_BYTES;
+            let chunk_end = (chunk_start + CHUNK_BYTES).min(self.size);
+            let piece_end = chunk_end.min(end);
             let piece = &mut buf[(at - offset) as usize..(piece_end - offset) as usize];
             match self.holders[index] {
                 None => piece.fill(0),
+                Some(layer) if at == chunk_start && piece_end == chunk_end => {
+                    self.read_checked(index, layer, piece)?;
+                }
+                Some(layer) if !self.verified[index].load(Ordering::Acquire) => {
+                    let mut chunk = vec![0u8; (chunk_end - chunk_start) as usize];
+                    self.read_checked(index, layer, &mut chunk)?;
+                    piece.copy_from_slice(
+                        &chunk[(at - chunk_start) as usize..(piece_end - chunk_start) as usize],
+                    );
+                }
                 Some(layer) => {
-                    self.verify(index, layer)?;
                     let (file, image) = &self.layers[layer];
                     file.read_exact_at(piece, image.file_offset + at)?;
                 }

@@ -1,13 +1,11 @@
 //! `working-set.json`: the chunks a lazily restored guest faulted on first, kept beside the
 //! snapshot for the next lazy restore to fetch first.
 
-use std::io;
-
 use serde::{Deserialize, Serialize};
 
 use super::manifest::{CHUNK_BYTES, VERSION};
 use super::write::write_file;
-use super::{Snapshot, WORKING_SET};
+use super::{read_regular, Snapshot, WORKING_SET};
 use crate::{Error, Result};
 
 /// The `format` field of a working-set file.
@@ -68,11 +66,10 @@ impl Snapshot {
     /// or naming chunks the snapshot does not have is refused with the reason.
     pub fn working_set(&self) -> Result<Option<WorkingSet>> {
         let path = self.dir.join(WORKING_SET);
-        let bytes = match std::fs::read(&path) {
-            Ok(b) => b,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(Error::io(&path, "read")(e)),
-        };
+        if !path.exists() {
+            return Ok(None);
+        }
+        let bytes = read_regular(&path)?;
         let ws: WorkingSet = serde_json::from_slice(&bytes).map_err(|e| Error::Json {
             path: path.clone(),
             source: e,

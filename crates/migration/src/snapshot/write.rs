@@ -56,14 +56,14 @@ pub fn write(vm: &Vm, dir: &Path) -> Result<WriteReport> {
 pub fn write_diff(vm: &Vm, dir: &Path, base: &Path, dirty: &[DirtyBitmap]) -> Result<WriteReport> {
     let base_snapshot = Snapshot::open(base)?;
     if base_snapshot.manifest.config != *vm.config() {
-        return Err(Error::Layout(format!(
+        return Err(Error::Write(format!(
             "{}: the base snapshot is of another VM configuration",
             base.display()
         )));
     }
     let base_dir = std::fs::canonicalize(base).map_err(Error::io(base, "resolve"))?;
     if std::fs::canonicalize(dir).is_ok_and(|d| d == base_dir) {
-        return Err(Error::Layout(format!(
+        return Err(Error::Write(format!(
             "{}: a diff cannot replace its own base",
             dir.display()
         )));
@@ -107,7 +107,7 @@ fn check_replaceable(dir: &Path) -> Result<()> {
         let name = entry.file_name();
         let name = name.to_string_lossy();
         if !SNAPSHOT_FILES.contains(&name.as_ref()) && !name.ends_with(".tmp") {
-            return Err(Error::Layout(format!(
+            return Err(Error::Write(format!(
                 "{}: holds '{name}', which is not part of a snapshot; write the snapshot into \
                  a new or empty directory (an existing snapshot there is replaced, nothing \
                  else)",
@@ -121,7 +121,7 @@ fn check_replaceable(dir: &Path) -> Result<()> {
 /// A fresh hidden directory beside `dir` (the same file system, so the commit is a rename).
 fn staging_dir(dir: &Path) -> Result<PathBuf> {
     let name = dir.file_name().ok_or_else(|| {
-        Error::Layout(format!(
+        Error::Write(format!(
             "{}: not a directory name a snapshot can be written to",
             dir.display()
         ))
