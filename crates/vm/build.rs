@@ -19,6 +19,7 @@ const CONTROL: &[(&str, u64)] = &[
     ("CTL_WRITES", 0x48),
     ("CTL_LOG_GPA", 0x50),
     ("CTL_THROTTLE_AFTER", 0x58),
+    ("CTL_REWRITE", 0x60),
     // Guest -> host
     ("CTL_STATE", 0x80),
     ("CTL_PAGES_DONE", 0x88),

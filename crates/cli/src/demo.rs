@@ -35,6 +35,7 @@ fn run(args: &Args, dir: &std::path::Path) -> crate::Result<()> {
         memory: 1 << 30,
         vcpus: 2,
         backend: Backend::Anon,
+        image: None,
     };
     let rate = 64;
     let socket = dir.join("migrate.sock");

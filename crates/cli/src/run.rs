@@ -12,6 +12,9 @@ use crate::vm_args::VmArgs;
 enum WorkloadArg {
     Touch,
     Dirty,
+    /// `dirty` rewriting 2-33 lines of each page with bytes from another page of the range,
+    /// as a real guest does (with `--image`: on real memory).
+    Rewrite,
     Verify,
 }
 
@@ -25,10 +28,10 @@ pub struct Args {
     /// Seed of the values the guest writes.
     #[arg(long, default_value_t = 1)]
     seed: u64,
-    /// `dirty`: pages per second per vCPU (default: full speed).
+    /// `dirty`, `rewrite`: pages per second per vCPU (default: full speed).
     #[arg(long)]
     rate: Option<u64>,
-    /// `dirty`: how long to keep dirtying, in seconds.
+    /// `dirty`, `rewrite`: how long to keep dirtying, in seconds.
     #[arg(long, default_value_t = 2.0)]
     duration: f64,
     /// A vCPU that makes no progress for this many seconds ends the run with an error.
@@ -61,12 +64,17 @@ pub fn main(args: Args) -> crate::Result<()> {
     let t0 = Instant::now();
     let mut vm = Vm::new(&config)?;
     let setup_ms = t0.elapsed().as_secs_f64() * 1e3;
+    args.vm.load_image(&vm)?;
     let workload = match args.workload {
         WorkloadArg::Touch => Workload::Touch,
         WorkloadArg::Dirty => Workload::Dirty {
             pages_per_s: args.rate,
             passes: None,
             fill_first: false,
+        },
+        WorkloadArg::Rewrite => Workload::Rewrite {
+            pages_per_s: args.rate,
+            passes: None,
         },
         WorkloadArg::Verify => Workload::Verify,
     };
@@ -86,7 +94,7 @@ pub fn main(args: Args) -> crate::Result<()> {
     }
     let report = {
         let running = vm.start(&work)?;
-        if let Workload::Dirty { .. } = workload {
+        if let Workload::Dirty { .. } | Workload::Rewrite { .. } = workload {
             std::thread::sleep(duration);
             running.stop();
         }

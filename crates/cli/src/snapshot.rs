@@ -22,6 +22,10 @@ pub struct SnapshotArgs {
     /// How long the guest runs its `dirty` workload before the snapshot, in seconds.
     #[arg(long, default_value_t = 1.0)]
     after: f64,
+    /// Run the `rewrite` workload instead of `dirty` (2-33 lines of each page rewritten with
+    /// bytes from another page: with `--image`, memory stays as dense as a real guest's).
+    #[arg(long)]
+    rewrite: bool,
     /// Then also write a diff snapshot into this directory: the guest goes on for
     /// `--diff-after` seconds, watched by dirty tracking, and only the chunks it wrote since
     /// the snapshot in `--out` (the diff's base) are stored.
@@ -118,10 +122,18 @@ pub fn snapshot(args: SnapshotArgs) -> crate::Result<()> {
         return Err("--diff must name another directory than --out (the diff's base)".into());
     }
     let mut vm = Vm::new(&args.vm.config()?)?;
-    let dirty = Workload::Dirty {
-        pages_per_s: None,
-        passes: None,
-        fill_first: false,
+    args.vm.load_image(&vm)?;
+    let dirty = if args.rewrite {
+        Workload::Rewrite {
+            pages_per_s: None,
+            passes: None,
+        }
+    } else {
+        Workload::Dirty {
+            pages_per_s: None,
+            passes: None,
+            fill_first: false,
+        }
     };
     let work = VcpuWork::split(dirty, layout::RAM_GPA, args.vm.memory, args.vm.vcpus, 1);
     let running = vm.start(&work)?;

@@ -95,6 +95,11 @@ pub enum Error {
     },
     #[error("guest memory is already registered as memslots")]
     AlreadyRegistered,
+    #[error("memory image {path}: {reason}")]
+    Image {
+        path: std::path::PathBuf,
+        reason: String,
+    },
 }
 
 impl Error {

@@ -7,6 +7,7 @@
 mod dirty_marks;
 mod error;
 mod guest_memory;
+mod image;
 mod mapping_cache;
 mod memslot;
 mod numa;
@@ -16,6 +17,7 @@ mod region;
 pub use dirty_marks::DirtyMarks;
 pub use error::{Error, Result};
 pub use guest_memory::{digest_bytes, GuestMemory, DIGEST_SEED};
+pub use image::{load_image, ImageLoad};
 pub use mapping_cache::CachedMapping;
 pub use memslot::{Memslot, MemslotManager, SlotFlags};
 pub use numa::{node_pages, nodes_with_memory, NumaMode, NumaPolicy};

@@ -21,6 +21,12 @@
 #          With read_percent > 0 (the `mixed` workload, dirty_log_perf_test's -w), page p is
 #          only read, not written, when ((p >> 12) * GOLDEN >> 32) * 100 >> 32 < read_percent:
 #          a fixed pseudo-random share of the pages, the same in every pass.
+#          With rewrite != 0 (the `rewrite` workload), a page write is what a real guest's
+#          re-dirtying looks like instead of one u64: from d = v * GOLDEN (v the u64 above),
+#          2 + (d >> 59) consecutive 64-byte lines (2..33, wrapping in the page) starting at
+#          line (d >> 32) & 63 are copied from the same lines of page
+#          ((d & 0xffffffff) * pages) >> 32 of the range (so the bytes stay as compressible as
+#          the memory's own), then v is stored at the start of the last line rewritten.
 #   VERIFY read every u64 of the range: h = (h ^ word) * FNV_PRIME from FNV_OFFSET; store h.
 #   RANDOM `writes` writes to pages picked by xorshift64 (x ^= x << 13; x ^= x >> 7;
 #          x ^= x << 17) from x = seed | 1: write n stores x at the first byte of page
@@ -129,7 +135,46 @@ write:
         lea     (%r10,%rdi), %rax
         imul    %r15, %rax
         xor     %r11, %rax
+        cmpq    $0, CTL_REWRITE(%rbx)
+        jne     .Lrewrite
         mov     %rax, (%rdi)
+        jmp     .Lcounted
+.Lrewrite:                                      # rdi = page, rax = v (see the header)
+        push    %rcx
+        push    %rax
+        mov     %rax, %rdx
+        imul    %r15, %rdx                      # rdx = d
+        mov     %edx, %eax
+        imul    %r9, %rax                       # < 2^64: fewer than 2^32 pages in a range
+        shr     $32, %rax
+        shl     $12, %rax
+        lea     (%r8,%rax), %rsi                # rsi = the source page
+        mov     %rdx, %rcx
+        shr     $59, %rcx
+        add     $2, %rcx                        # rcx = lines to rewrite
+        shr     $32, %rdx
+        and     $63, %edx                       # rdx = the line
+.Lline:
+        mov     %rdx, %rax
+        shl     $6, %rax
+        movdqu  (%rsi,%rax), %xmm0
+        movdqu  16(%rsi,%rax), %xmm1
+        movdqu  32(%rsi,%rax), %xmm2
+        movdqu  48(%rsi,%rax), %xmm3
+        movdqu  %xmm0, (%rdi,%rax)
+        movdqu  %xmm1, 16(%rdi,%rax)
+        movdqu  %xmm2, 32(%rdi,%rax)
+        movdqu  %xmm3, 48(%rdi,%rax)
+        inc     %edx
+        and     $63, %edx
+        dec     %rcx
+        jnz     .Lline
+        dec     %edx
+        and     $63, %edx
+        shl     $6, %rdx
+        pop     %rax
+        mov     %rax, (%rdi,%rdx)
+        pop     %rcx
 .Lcounted:
         inc     %r12
         mov     %r12, CTL_PAGES_DONE(%rbx)

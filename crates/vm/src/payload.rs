@@ -17,6 +17,46 @@ pub fn page_value(seed: u64, gpa: u64, generation: u64) -> u64 {
     seed.wrapping_add(gpa).wrapping_mul(GOLDEN) ^ generation
 }
 
+/// What the `rewrite` workload does to page `gpa` of the range `[range_gpa, + pages pages)` in
+/// pass `generation` (see payload.S): it copies `lines` consecutive 64-byte lines from
+/// `first_line` on (wrapping within the page) from the same lines of page `source_gpa`, then
+/// stores `value` at the start of the last of those lines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rewrite {
+    pub value: u64,
+    pub first_line: u64,
+    pub lines: u64,
+    pub source_gpa: u64,
+}
+
+/// The `rewrite` workload's write of one page (see [`Rewrite`]).
+pub fn rewrite_of(seed: u64, gpa: u64, generation: u64, range_gpa: u64, pages: u64) -> Rewrite {
+    let value = page_value(seed, gpa, generation);
+    let d = value.wrapping_mul(GOLDEN);
+    Rewrite {
+        value,
+        first_line: (d >> 32) & 63,
+        lines: 2 + (d >> 59),
+        source_gpa: range_gpa + (((d & 0xffff_ffff) * pages) >> 32) * 4096,
+    }
+}
+
+impl Rewrite {
+    /// Applies this write to `memory`, the bytes of the range (`range_gpa` at index 0).
+    pub fn apply(&self, memory: &mut [u8], gpa: u64, range_gpa: u64) {
+        let page = (gpa - range_gpa) as usize;
+        let source = (self.source_gpa - range_gpa) as usize;
+        let mut line = self.first_line as usize;
+        for _ in 0..self.lines {
+            let at = line * 64;
+            memory.copy_within(source + at..source + at + 64, page + at);
+            line = (line + 1) & 63;
+        }
+        let last = page + ((line + 63) & 63) * 64;
+        memory[last..last + 8].copy_from_slice(&self.value.to_le_bytes());
+    }
+}
+
 /// The writes of the `random` workload, in order: (gpa of the page, u64 stored at its start).
 pub fn random_writes(seed: u64, range_gpa: u64, pages: u64, writes: u64) -> Vec<(u64, u64)> {
     let mut x = seed | 1;

@@ -388,6 +388,7 @@ impl Vm {
         }
         let ctl = layout::control_gpa(id);
         let (mut read_percent, mut writes, mut log_gpa, mut throttle_after) = (0, 0, 0, 0);
+        let rewrite = matches!(w.workload, Workload::Rewrite { .. }) as u64;
         let (code, passes, tsc_per_page) = match w.workload {
             Workload::Touch => (WORKLOAD_WRITE, 1, 0),
             Workload::Dirty {
@@ -404,6 +405,14 @@ impl Vm {
                     pages_per_s.map_or(0, |r| (self.tsc_khz * 1000) / r.max(1)),
                 )
             }
+            Workload::Rewrite {
+                pages_per_s,
+                passes,
+            } => (
+                WORKLOAD_WRITE,
+                passes.unwrap_or(0),
+                pages_per_s.map_or(0, |r| (self.tsc_khz * 1000) / r.max(1)),
+            ),
             Workload::Verify => (WORKLOAD_VERIFY, 0, 0),
             Workload::Mixed {
                 write_percent,
@@ -433,6 +442,7 @@ impl Vm {
             (CTL_WRITES, writes),
             (CTL_LOG_GPA, log_gpa),
             (CTL_THROTTLE_AFTER, throttle_after),
+            (CTL_REWRITE, rewrite),
         ] {
             self.memory.write_u64(ctl + field, value)?;
         }

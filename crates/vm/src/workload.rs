@@ -17,6 +17,15 @@ pub enum Workload {
         #[serde(default)]
         fill_first: bool,
     },
+    /// Like `Dirty`, but each page write rewrites 2 to 33 of the page's 64-byte lines with
+    /// the same lines of another page of the range, as a real guest re-dirties memory a few
+    /// lines at a time with bytes like the ones already there (see payload.S). Run over guest
+    /// RAM started from a captured image, the memory stays as dense and compressible as a
+    /// real guest's.
+    Rewrite {
+        pages_per_s: Option<u64>,
+        passes: Option<u64>,
+    },
     /// Read every page and report a digest (see `guestmem_memory::digest_bytes`).
     Verify,
     /// Like `Dirty` at full speed, but only `write_percent` % of the pages (a fixed
@@ -37,6 +46,7 @@ impl Workload {
         match self {
             Workload::Touch => "touch",
             Workload::Dirty { .. } => "dirty",
+            Workload::Rewrite { .. } => "rewrite",
             Workload::Verify => "verify",
             Workload::Mixed { .. } => "mixed",
             Workload::Random { .. } => "random",

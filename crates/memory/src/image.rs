@@ -1,0 +1,143 @@
+//! Guest memory that starts from an image: a raw dump of a guest's RAM (captured from a Linux
+//! guest with QEMU's `pmemsave`, see `scripts/capture-guest-memory.sh`), plain or
+//! zstd-compressed, put into a region by the population engine. Workloads then run on top of
+//! real memory contents instead of an empty guest.
+
+use std::fs::File;
+use std::io::{self, Read};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::populate::{populate, Source};
+use crate::{Error, Region, Result, PAGE_SIZE};
+
+/// The zstd frame magic (little-endian 0xFD2FB528).
+const ZSTD_MAGIC: [u8; 4] = [0x28, 0xb5, 0x2f, 0xfd];
+/// How much of a compressed image is decompressed and populated at a time (bounds the memory
+/// a load needs besides the region itself).
+const PIECE: usize = 64 << 20;
+
+/// What loading an image did.
+#[derive(Debug, Clone, Serialize)]
+pub struct ImageLoad {
+    /// Bytes of the image (decompressed), now the region's first bytes.
+    pub image_bytes: u64,
+    /// Whether the file was zstd-compressed.
+    pub compressed: bool,
+    /// Pages copied, and pages skipped because they were all zero.
+    pub pages_copied: u64,
+    pub zero_pages_skipped: u64,
+    #[serde(skip)]
+    pub elapsed: Duration,
+}
+
+/// Fills `region` from offset 0 with the image at `path` (raw, or zstd-compressed: recognized
+/// by its magic). The image may be smaller than the region (the rest stays zero), not larger,
+/// and must be a whole number of pages. When its size is known up front (a raw file, a zstd
+/// frame that records it) nothing is written to a refused image; a compressed image that turns
+/// out too large or damaged midway fails naming the offset, leaving the region partly written
+/// (the VM it was meant for must not run).
+pub fn load_image(region: &Region, path: &Path) -> Result<ImageLoad> {
+    let start = Instant::now();
+    let bad = |reason: String| Error::Image {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let mut file = File::open(path).map_err(|e| bad(format!("cannot open: {e}")))?;
+    let meta = file
+        .metadata()
+        .map_err(|e| bad(format!("cannot stat: {e}")))?;
+    if !meta.is_file() {
+        return Err(bad("not a regular file".into()));
+    }
+    let mut magic = [0u8; 4];
+    let compressed = meta.len() >= 4 && file.read_exact(&mut magic).is_ok() && magic == ZSTD_MAGIC;
+    // A compressed image's size is in its frame header when the compressor knew it (the zstd
+    // command on a file); otherwise it is found while decompressing.
+    let known = if compressed {
+        let mut head = vec![0u8; 18.min(meta.len() as usize)];
+        read_at(&file, &mut head, 0).map_err(|e| bad(format!("cannot read: {e}")))?;
+        zstd::zstd_safe::get_frame_content_size(&head)
+            .ok()
+            .flatten()
+    } else {
+        Some(meta.len())
+    };
+    if let Some(n) = known {
+        check_size(n, region).map_err(bad)?;
+    }
+    let mut load = ImageLoad {
+        image_bytes: 0,
+        compressed,
+        pages_copied: 0,
+        zero_pages_skipped: 0,
+        elapsed: Duration::ZERO,
+    };
+    if compressed {
+        let file = File::open(path).map_err(|e| bad(format!("cannot open: {e}")))?;
+        let mut decoder = zstd::Decoder::new(file).map_err(|e| bad(format!("zstd: {e}")))?;
+        let mut piece = vec![0u8; PIECE];
+        loop {
+            let offset = load.image_bytes;
+            let len = read_full(&mut decoder, &mut piece)
+                .map_err(|e| bad(format!("decompressing at offset {offset:#x}: {e}")))?;
+            if len == 0 {
+                break;
+            }
+            check_size(offset + len as u64, region).map_err(bad)?;
+            let done = populate(region, offset, len as u64, Source::Bytes(&piece[..len]))?;
+            load.pages_copied += done.pages_copied;
+            load.zero_pages_skipped += done.zero_pages_skipped;
+            load.image_bytes += len as u64;
+        }
+        check_size(load.image_bytes, region).map_err(bad)?;
+    } else {
+        let file = File::open(path).map_err(|e| bad(format!("cannot open: {e}")))?;
+        let size = meta.len();
+        let done = populate(region, 0, size, Source::file(&file))?;
+        load.image_bytes = size;
+        load.pages_copied = done.pages_copied;
+        load.zero_pages_skipped = done.zero_pages_skipped;
+    }
+    load.elapsed = start.elapsed();
+    Ok(load)
+}
+
+/// Whether an image of `n` bytes can start `region`: whole pages, at least one, and no more
+/// than the region holds.
+fn check_size(n: u64, region: &Region) -> std::result::Result<(), String> {
+    if n == 0 || n % PAGE_SIZE != 0 {
+        return Err(format!(
+            "{n} bytes is not a positive whole number of {PAGE_SIZE}-byte pages"
+        ));
+    }
+    if n > region.size() {
+        return Err(format!(
+            "{n:#x} bytes do not fit region '{}' of {:#x} bytes",
+            region.name(),
+            region.size()
+        ));
+    }
+    Ok(())
+}
+
+/// Reads until `buf` is full or the stream ends; returns how much it read.
+fn read_full(r: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match r.read(&mut buf[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(n)
+}
+
+fn read_at(file: &File, buf: &mut [u8], at: u64) -> io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    file.read_exact_at(buf, at)
+}
