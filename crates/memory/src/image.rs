@@ -108,7 +108,7 @@ pub fn load_image(region: &Region, path: &Path) -> Result<ImageLoad> {
 /// Whether an image of `n` bytes can start `region`: whole pages, at least one, and no more
 /// than the region holds.
 fn check_size(n: u64, region: &Region) -> std::result::Result<(), String> {
-    if n == 0 || n % PAGE_SIZE != 0 {
+    if n == 0 || !n.is_multiple_of(PAGE_SIZE) {
         return Err(format!(
             "{n} bytes is not a positive whole number of {PAGE_SIZE}-byte pages"
         ));
