@@ -996,12 +996,17 @@ impl Shared {
 
     fn fail(&self, e: Error) {
         let reason = e.to_string();
-        tracing::error!("{reason}");
         // Recorded before anyone is told, so that whoever sees the VM (or peer) stop finds
-        // the reason.
+        // the reason. Only the first failure is reported: the ones that follow (other chunks
+        // in flight when the VM or peer went away) are its consequences, told once already.
         {
             let mut failure = self.failure.lock().unwrap_or_else(|e| e.into_inner());
-            failure.get_or_insert(reason.clone());
+            if failure.is_some() {
+                tracing::debug!("after the first failure: {reason}");
+                return;
+            }
+            tracing::error!("{reason}");
+            *failure = Some(reason.clone());
             self.changed.notify_all();
         }
         if let Some(abort) = &self.abort {
