@@ -831,7 +831,7 @@ pub(crate) fn lazy_regions<'a>(
 
 /// One region's bytes in a snapshot's memory file (and, for a diff snapshot, its bases'),
 /// each chunk checked against its CRC-32 before any of it is served.
-struct SnapshotSource {
+pub(crate) struct SnapshotSource {
     name: String,
     size: u64,
     /// The memory files of the snapshot and its bases, each with its image of the region.
@@ -842,7 +842,7 @@ struct SnapshotSource {
 }
 
 impl SnapshotSource {
-    fn new(snapshot: &Snapshot, region: usize) -> Result<SnapshotSource> {
+    pub(crate) fn new(snapshot: &Snapshot, region: usize) -> Result<SnapshotSource> {
         let mut chain = vec![snapshot];
         while let Some(base) = &chain.last().expect("one").base {
             chain.push(base);
