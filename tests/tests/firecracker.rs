@@ -507,6 +507,9 @@ fn the_vmm_side_sends_what_firecrackers_handlers_accept() {
 
 const PEER_ENV: &str = "GUESTMEM_FC_TEST_PEER_SOCKET";
 const PEER_UNREGISTERED_ENV: &str = "GUESTMEM_FC_TEST_PEER_UNREGISTERED";
+/// With `PEER_ENV`: the peer unmaps its memory before it sends the handshake (as a VMM shutting
+/// down does while the server still fetches).
+const PEER_UNMAPPED_ENV: &str = "GUESTMEM_FC_TEST_PEER_UNMAPPED";
 /// With `PEER_ENV`: the peer is guestmem's VMM side, restoring the snapshot in this directory.
 const PEER_SNAPSHOT_ENV: &str = "GUESTMEM_FC_TEST_PEER_SNAPSHOT";
 /// The guest RAM offset of the byte `a_corrupt_chunk_is_refused_naming_it` corrupts (in the
@@ -534,7 +537,20 @@ fn peer_process_helper() {
         println!("the VMM read {value:#x} from the corrupt chunk");
         std::process::exit(0);
     }
-    let _stream = if std::env::var_os(PEER_UNREGISTERED_ENV).is_some() {
+    let _stream = if std::env::var_os(PEER_UNMAPPED_ENV).is_some() {
+        // Registered as a VMM does, then unmapped before the server copies anything.
+        let region =
+            Region::create(RegionSpec::new("peer", 0, 4 << 20, Backend::Anon), None).unwrap();
+        let uffd = register_for_peer(&[&region]).unwrap();
+        let mapping = [GuestRegionUffdMapping {
+            base_host_virt_addr: region.host_addr() as u64,
+            size: 4 << 20,
+            offset: 0,
+            page_size: 4096,
+        }];
+        drop(region);
+        send_handshake(Path::new(&socket), &mapping, uffd.as_fd()).unwrap()
+    } else if std::env::var_os(PEER_UNREGISTERED_ENV).is_some() {
         // A mapping inside the file, of memory never registered on the uffd sent: every
         // UFFDIO_COPY the server tries fails.
         // SAFETY: a fresh anonymous mapping, never unmapped (the process is killed).
@@ -750,4 +766,42 @@ fn a_live_peer_is_killed_through_its_pidfd() {
     assert!(peer.kill().unwrap());
     assert!(peer.wait_exit(Duration::from_secs(10)));
     assert_eq!(child.wait().unwrap().signal(), Some(libc::SIGKILL));
+}
+
+/// A range the peer unmapped (a VMM shutting down unmaps its RAM while the server may still be
+/// fetching) ends serving quietly: no failure, and the peer is not killed; the session ends
+/// when the peer exits. (Memory still mapped but not registered is a failure:
+/// `a_fetch_failing_for_good_kills_the_peer`.)
+#[test]
+#[cfg_attr(not(uffd), ignore = "no usable /dev/userfaultfd on this host")]
+fn a_range_the_peer_unmapped_ends_serving_without_a_kill() {
+    let dir = TempDir::new("unmapped");
+    let mem = mem_file(&dir.0, 4 << 20);
+    let socket = dir.0.join("uffd.sock");
+    let listener = UnixListener::bind(&socket).unwrap();
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "peer_process_helper", "--nocapture"])
+        .env(PEER_ENV, &socket)
+        .env(PEER_UNMAPPED_ENV, "1")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let (stream, _) = listener.accept().unwrap();
+    // The background fetch's first UFFDIO_COPY finds the range gone.
+    let session = serve_connection(stream, &mem, &PageServerConfig::default()).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !session.released() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(session.released(), "{:?}", session.stats());
+    assert_eq!(session.failure(), None);
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "the peer was killed for unmapping its memory"
+    );
+    child.kill().unwrap();
+    session.wait().unwrap();
+    child.wait().unwrap();
 }

@@ -27,7 +27,7 @@ use std::time::Duration;
 
 use guestmem_paging::{
     register_for_peer, FileSource, OnFailure, PageSource, PagerConfig, PagerStats, PeerPager,
-    PeerRange, WindowSource,
+    PeerRange, PeerReleased, WindowSource,
 };
 use guestmem_vm::{layout, Vm};
 use serde::{Deserialize, Serialize};
@@ -293,6 +293,35 @@ impl PeerProcess {
     /// Whether the process is still running.
     pub fn alive(&self) -> bool {
         !self.wait_exit(Duration::ZERO)
+    }
+
+    /// Whether the process no longer maps any of `[addr, addr + len)`: it has exited (or is
+    /// exiting), or `/proc/PID/maps` lists nothing there. Read between two looks at the pidfd,
+    /// so that the maps read are this process's, not those of one that got its pid since.
+    pub fn no_longer_maps(&self, addr: u64, len: u64) -> bool {
+        if !self.alive() {
+            return true;
+        }
+        let Ok(maps) = std::fs::read_to_string(format!("/proc/{}/maps", self.pid)) else {
+            return !self.alive();
+        };
+        if !self.alive() {
+            return true;
+        }
+        let end = addr.saturating_add(len);
+        !maps.lines().any(|line| {
+            let range = line.split_whitespace().next().unwrap_or("");
+            let Some((start, stop)) = range.split_once('-') else {
+                return false;
+            };
+            match (
+                u64::from_str_radix(start, 16),
+                u64::from_str_radix(stop, 16),
+            ) {
+                (Ok(start), Ok(stop)) => start < end && addr < stop,
+                _ => false,
+            }
+        })
     }
 }
 
@@ -626,6 +655,12 @@ impl Session {
         self.pager.retired()
     }
 
+    /// Whether the peer let go of every mapping (unmapped it, or is exiting) before it was all
+    /// served: serving has ended without a failure.
+    pub fn released(&self) -> bool {
+        self.pager.released()
+    }
+
     /// Serves until the peer process is gone (`Ok`) or serving fails for good (`Err`). The
     /// peer is watched through its pidfd, so a new process with its pid does not keep it
     /// serving.
@@ -693,8 +728,20 @@ pub fn serve_connection(
         let peer = peer.clone();
         Arc::new(move |reason: &str| kill_peer(&peer, reason)) as OnFailure
     });
-    let pager = PeerPager::start(handshake.uffd, ranges, &config.pager, on_failure)
-        .map_err(|e| fail(e.into()))?;
+    // A VMM unmaps its RAM as it shuts down, maybe while a chunk is being copied: a copy that
+    // finds the range gone is a failure only if the peer still maps it.
+    let released: PeerReleased = {
+        let peer = peer.clone();
+        Arc::new(move |addr, len| peer.no_longer_maps(addr, len))
+    };
+    let pager = PeerPager::start(
+        handshake.uffd,
+        ranges,
+        &config.pager,
+        on_failure,
+        Some(released),
+    )
+    .map_err(|e| fail(e.into()))?;
     tracing::info!(pid = peer_pid, mappings = ?handshake.mappings, "serving");
     Ok(Session {
         peer_pid,
