@@ -73,21 +73,61 @@ fn main() {
         Command::Bench(bench) => bench::main(bench),
     };
     if let Err(e) = result {
-        eprintln!("guestmem: error: {e}");
-        // Causes that the messages above already quote are not printed again.
-        let mut said = e.to_string();
-        let mut source = e.source();
-        while let Some(s) = source {
-            let text = s.to_string();
-            if !said.contains(&text) {
-                eprintln!("  caused by: {text}");
-                said.push_str(&text);
-            }
-            source = s.source();
-        }
+        eprintln!("guestmem: error: {}", error_text(&*e));
         std::process::exit(1);
     }
 }
 
+/// An error and its chain of causes, each cause printed once: a cause whose text the message
+/// (or an earlier cause) already carries is left out (several errors put their source's text
+/// in their message and also return it as `source()`), the others follow on lines of their own.
+pub fn error_text(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let cause = s.to_string();
+        if !text.contains(&cause) {
+            text.push_str("\n  caused by: ");
+            text.push_str(&cause);
+        }
+        source = s.source();
+    }
+    text
+}
+
 /// Errors of any command: each names what went wrong.
 pub type Result<T> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+#[cfg(test)]
+mod tests {
+    use super::error_text;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("outer: {inner}")]
+    struct InMessageAndSource {
+        #[source]
+        inner: std::io::Error,
+    }
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("outer")]
+    struct InSourceOnly {
+        #[source]
+        inner: std::io::Error,
+    }
+
+    #[test]
+    fn each_cause_is_printed_once() {
+        let e = InMessageAndSource {
+            inner: std::io::Error::other("the disk is on fire"),
+        };
+        let text = error_text(&e);
+        assert_eq!(text, "outer: the disk is on fire");
+        assert_eq!(text.matches("the disk is on fire").count(), 1);
+
+        let e = InSourceOnly {
+            inner: std::io::Error::other("the disk is on fire"),
+        };
+        assert_eq!(error_text(&e), "outer\n  caused by: the disk is on fire");
+    }
+}

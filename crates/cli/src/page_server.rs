@@ -1,19 +1,29 @@
-//! `guestmem page-server --firecracker SOCKET --mem-file FILE`: serves the memory of VMMs that
-//! restore a snapshot lazily (Firecracker, or `guestmem restore --mode lazy --uffd-socket`).
+//! `guestmem page-server --firecracker SOCKET --snapshot DIR | --mem-file FILE`: serves the
+//! memory of VMMs that restore a snapshot lazily (Firecracker, or `guestmem restore --mode lazy
+//! --uffd-socket`).
 
 use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 
-use guestmem_migration::firecracker::{self, PageServerConfig};
+use guestmem_migration::firecracker::{self, PageServerConfig, ServedMemory};
 
 #[derive(clap::Args)]
+#[command(group(clap::ArgGroup::new("memory").required(true).args(["snapshot", "mem_file"])))]
 pub struct Args {
     /// The Unix socket to listen on, speaking Firecracker's userfaultfd handshake.
     #[arg(long, value_name = "SOCKET")]
     firecracker: PathBuf,
-    /// The snapshot's memory file (each mapping's bytes are at its `offset`).
+    /// A guestmem snapshot to serve (for `guestmem restore DIR --mode lazy --uffd-socket`):
+    /// its RAM regions back to back from offset 0, each chunk checked against the manifest's
+    /// CRC-32 before any of it is served; a mismatch is refused (and the peer killed), naming
+    /// the snapshot, region and chunk.
+    #[arg(long, value_name = "DIR")]
+    snapshot: Option<PathBuf>,
+    /// A Firecracker memory file: exactly the guest regions back to back (each mapping's bytes
+    /// at its `offset`). Served as is, NOT checked: Firecracker's memory files carry no
+    /// checksums.
     #[arg(long, value_name = "FILE")]
-    mem_file: PathBuf,
+    mem_file: Option<PathBuf>,
     /// Do not kill a peer whose serving failed for good (its vCPUs then stay blocked).
     #[arg(long)]
     keep_peer_on_failure: bool,
@@ -23,7 +33,11 @@ pub struct Args {
 }
 
 pub fn main(args: Args) -> crate::Result<()> {
-    let mem = firecracker::open_mem_file(&args.mem_file)?;
+    let memory = std::sync::Arc::new(match (&args.snapshot, &args.mem_file) {
+        (Some(dir), _) => ServedMemory::snapshot(dir)?,
+        (None, Some(file)) => ServedMemory::file(file)?,
+        (None, None) => unreachable!("clap requires one of --snapshot and --mem-file"),
+    });
     let _ = std::fs::remove_file(&args.firecracker);
     let listener = UnixListener::bind(&args.firecracker)
         .map_err(|e| format!("{}: bind: {e}", args.firecracker.display()))?;
@@ -33,15 +47,15 @@ pub fn main(args: Args) -> crate::Result<()> {
     };
     eprintln!(
         "guestmem page-server: serving {} on {}",
-        args.mem_file.display(),
+        memory.describe(),
         args.firecracker.display()
     );
     let mut threads = Vec::new();
     for (n, stream) in listener.incoming().enumerate() {
         let stream = stream.map_err(|e| format!("{}: accept: {e}", args.firecracker.display()))?;
-        let (mem, config) = (mem.clone(), config.clone());
+        let (memory, config) = (memory.clone(), config.clone());
         threads.push(std::thread::spawn(move || {
-            let result = firecracker::serve_connection(stream, &mem, &config).and_then(|s| {
+            let result = firecracker::serve_connection(stream, &memory, &config).and_then(|s| {
                 eprintln!(
                     "guestmem page-server: serving pid {} ({} mappings)",
                     s.peer_pid,
@@ -50,7 +64,7 @@ pub fn main(args: Args) -> crate::Result<()> {
                 s.wait()
             });
             if let Err(e) = result {
-                eprintln!("guestmem page-server: error: {e}");
+                eprintln!("guestmem page-server: error: {}", crate::error_text(&e));
             }
         }));
         if args.connections.is_some_and(|c| n + 1 >= c) {

@@ -48,8 +48,10 @@ pub struct RestoreArgs {
     #[arg(long, value_enum, default_value = "full")]
     mode: Mode,
     /// With `--mode lazy`: hand the guest's RAM to the page server listening on this socket
-    /// (Firecracker's protocol, e.g. `guestmem page-server --firecracker SOCKET --mem-file
-    /// DIR/memory`) instead of serving it in this process.
+    /// (Firecracker's protocol; the RAM regions back to back from offset 0) instead of serving
+    /// it in this process. This process cannot check the bytes the server installs: serve them
+    /// with `guestmem page-server --firecracker SOCKET --snapshot DIR`, which checks each chunk
+    /// against the snapshot's CRC-32 before the guest can run on it.
     #[arg(long, value_name = "SOCKET")]
     uffd_socket: Option<PathBuf>,
     /// How long to let the restored guest run, in seconds.
@@ -228,6 +230,15 @@ pub fn restore(args: RestoreArgs) -> crate::Result<()> {
         Mode::Lazy if args.uffd_socket.is_some() => {
             let socket = args.uffd_socket.as_deref().expect("checked");
             let restored = firecracker::restore_lazy_via_socket(&snap, socket)?;
+            if args.json {
+                // The text report says it too; JSON readers get it on stderr.
+                eprintln!(
+                    "guestmem restore: the page server on {} must check the RAM's bytes (this \
+                     process cannot): `guestmem page-server --snapshot {}` does",
+                    socket.display(),
+                    args.dir.display()
+                );
+            }
             peer = Some((restored.stream, restored.uffd));
             (restored.vm, Vec::new())
         }
@@ -314,9 +325,12 @@ pub fn restore(args: RestoreArgs) -> crate::Result<()> {
         match out.memory_digests_match {
             Some(true) => println!("memory digests match the snapshot's: yes"),
             Some(false) => println!("memory digests match the snapshot's: NO"),
-            None if args.uffd_socket.is_some() => {
-                println!("memory served by the page server (not checked here)")
-            }
+            None if args.uffd_socket.is_some() => println!(
+                "memory served by the page server: this process cannot check those bytes, the \
+                 server must (`guestmem page-server --snapshot {}` checks each chunk's CRC-32 \
+                 before serving it; a server given only a memory file cannot)",
+                args.dir.display()
+            ),
             None => println!("memory checked chunk by chunk (CRC-32) as it was paged in"),
         }
         if let Some(ms) = out.resident_ms {

@@ -262,3 +262,236 @@ fn diff_snapshot_restores_in_full_and_lazily_and_the_working_set_is_reused() {
     assert!(stderr(&o).contains("--diff must name another directory"));
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// A `guestmem page-server` child process on `socket`, serving one connection; its stderr is
+/// piped (RUST_LOG unset: warnings and errors only).
+/// A child process that is killed if the test ends (or fails) before it does: a server left
+/// behind would hold the test run's output pipe open.
+struct Reaped(std::process::Child);
+
+impl std::ops::Deref for Reaped {
+    type Target = std::process::Child;
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Reaped {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.0
+    }
+}
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+fn page_server(socket: &std::path::Path, memory: &[&str]) -> Reaped {
+    let _ = std::fs::remove_file(socket);
+    let child = Command::new(env!("CARGO_BIN_EXE_guestmem"))
+        .args(["page-server", "--firecracker", socket.to_str().unwrap()])
+        .args(memory)
+        .args(["--connections", "1"])
+        .env_remove("RUST_LOG")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run guestmem page-server");
+    let child = Reaped(child);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !socket.exists() {
+        assert!(std::time::Instant::now() < deadline, "no socket");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    child
+}
+
+/// `restore --mode lazy --uffd-socket` against `page-server --snapshot`: the guest goes on and
+/// the VMM side says the server checks the bytes; then with one byte of a RAM chunk flipped,
+/// the server refuses that chunk, naming it (one error line), and kills the VMM before its
+/// guest runs on it.
+#[test]
+#[cfg_attr(not(all(kvm, uffd)), ignore = "no usable /dev/kvm or /dev/userfaultfd")]
+fn page_server_snapshot_serves_checked_bytes_and_refuses_a_corrupt_chunk() {
+    use std::io::Read;
+    use std::os::unix::fs::FileExt;
+    use std::os::unix::process::ExitStatusExt;
+    let dir = std::env::temp_dir().join(format!("guestmem-cli-fc-{}", std::process::id()));
+    let d = dir.to_str().unwrap();
+    let o = guestmem(&[
+        "snapshot",
+        "--out",
+        d,
+        "--memory",
+        "64M",
+        "--backend",
+        "anon",
+        "--after",
+        "0.3",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let socket = dir.join("uffd.sock");
+
+    let mut server = page_server(&socket, &["--snapshot", d]);
+    let s = socket.to_str().unwrap();
+    let o = guestmem(&[
+        "restore",
+        d,
+        "--mode",
+        "lazy",
+        "--uffd-socket",
+        s,
+        "--run-for",
+        "0.2",
+    ]);
+    server.wait().unwrap();
+    let mut err = String::new();
+    server
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "{:?}: {}{}\nthe server: {err}",
+        o.status,
+        stdout(&o),
+        stderr(&o)
+    );
+    assert!(
+        stdout(&o).contains("this process cannot check those bytes, the server must"),
+        "{}",
+        stdout(&o)
+    );
+    assert!(
+        err.contains("each chunk checked against its CRC-32"),
+        "{err}"
+    );
+    assert!(!err.contains("error"), "{err}");
+
+    // Flip one byte of the RAM's chunk at 0x600000.
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("manifest.json")).unwrap()).unwrap();
+    let ram = manifest["regions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["spec"]["name"] == "ram")
+        .unwrap();
+    let at = ram["file_offset"].as_u64().unwrap() + 0x600000 + 77;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(dir.join("memory"))
+        .unwrap();
+    let mut b = [0u8; 1];
+    f.read_exact_at(&mut b, at).unwrap();
+    f.write_all_at(&[b[0] ^ 1], at).unwrap();
+
+    // The guest, or else the background fetch, reaches the chunk within the run.
+    let mut server = page_server(&socket, &["--snapshot", d]);
+    let o = guestmem(&[
+        "restore",
+        d,
+        "--mode",
+        "lazy",
+        "--uffd-socket",
+        s,
+        "--run-for",
+        "5",
+    ]);
+    assert_eq!(o.status.signal(), Some(9), "{:?}: {}", o.status, stdout(&o));
+    assert!(
+        !stdout(&o).contains("guest pages written"),
+        "{}",
+        stdout(&o)
+    );
+    server.wait().unwrap();
+    let mut err = String::new();
+    server
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    let errors: Vec<&str> = err
+        .lines()
+        .filter(|l| l.starts_with("guestmem page-server: error:"))
+        .collect();
+    assert_eq!(errors.len(), 1, "{err}");
+    assert!(
+        errors[0].contains(&format!("snapshot {d} region 'ram'")),
+        "{err}"
+    );
+    assert!(
+        errors[0].contains("region 'ram' chunk 3 (offset 0x600000)"),
+        "{err}"
+    );
+    assert_eq!(
+        errors[0].matches("page-server protocol:").count(),
+        1,
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `/dev/null` sent in place of the userfaultfd: one error line saying so, and nothing else
+/// (no pager spinning on it, warning each time).
+#[test]
+fn page_server_refuses_a_fd_that_is_not_a_userfaultfd_once() {
+    use std::io::Read;
+    use std::os::fd::AsRawFd;
+    use vmm_sys_util::sock_ctrl_msg::ScmSocket;
+    let dir = std::env::temp_dir().join(format!("guestmem-cli-null-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mem = dir.join("memory");
+    std::fs::File::create(&mem)
+        .unwrap()
+        .set_len(4 << 20)
+        .unwrap();
+    let socket = dir.join("uffd.sock");
+    let mut server = page_server(
+        &socket,
+        &[
+            "--mem-file",
+            mem.to_str().unwrap(),
+            "--keep-peer-on-failure",
+        ],
+    );
+    let stream = std::os::unix::net::UnixStream::connect(&socket).unwrap();
+    let null = std::fs::File::open("/dev/null").unwrap();
+    let message =
+        br#"[{"base_host_virt_addr":1073741824,"size":4194304,"offset":0,"page_size_kib":4096}]"#;
+    stream.send_with_fd(&message[..], null.as_raw_fd()).unwrap();
+    server.wait().unwrap();
+    drop(stream);
+    let mut err = String::new();
+    server
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    let lines: Vec<&str> = err.lines().collect();
+    assert_eq!(
+        lines,
+        [
+            &*format!(
+                "guestmem page-server: serving memory file {} (not checked: it carries no \
+                 checksums) on {}",
+                mem.display(),
+                socket.display()
+            ),
+            "guestmem page-server: error: page-server protocol: the file descriptor attached \
+             to the handshake message is /dev/null, not a userfaultfd",
+        ],
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

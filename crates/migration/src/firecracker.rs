@@ -2,40 +2,45 @@
 //!
 //! - the page server ([`serve_connection`]): accepts a VMM's connection, receives one message (a
 //!   JSON array of [`GuestRegionUffdMapping`] with the userfaultfd attached as `SCM_RIGHTS`),
-//!   reads the peer's pid (`SO_PEERCRED`) and serves its faults from a memory file with the
-//!   demand-paging engine ([`PeerPager`]);
+//!   holds the peer process by a pidfd ([`PeerProcess`]) and serves its faults with the
+//!   demand-paging engine ([`PeerPager`]), from a Firecracker memory file (unchecked: such files
+//!   carry no checksums) or from a guestmem snapshot (each chunk checked against the manifest's
+//!   CRC-32 before any of it is served), see [`ServedMemory`];
 //! - the VMM ([`restore_lazy_via_socket`]): builds a VM from a guestmem snapshot, registers its
-//!   RAM on a fresh userfaultfd and hands it to a page server exactly as Firecracker does.
+//!   RAM on a fresh userfaultfd and hands it to a page server in the form Firecracker's own
+//!   handlers accept (RAM regions back to back from memory-file offset 0; the page size in
+//!   bytes as both `page_size` and `page_size_kib`).
 //!
-//! If serving fails for good after the handshake (a malformed message, a mapping outside the
-//! file, a fetch that keeps failing), the server kills the peer (when
-//! [`PageServerConfig::kill_peer_on_failure`] is set, the default) rather than leave its vCPUs
-//! blocked forever on faults nobody will serve.
+//! If serving fails for good after the handshake (a malformed message, a fd that is not a
+//! userfaultfd, a mapping outside the memory, a chunk whose checksum is wrong, a fetch that
+//! keeps failing), the server kills the peer (when [`PageServerConfig::kill_peer_on_failure`]
+//! is set, the default) rather than leave its vCPUs blocked forever on faults nobody will serve.
 
 use std::fs::File;
 use std::io::{self, Read};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use guestmem_paging::{
     register_for_peer, FileSource, OnFailure, PageSource, PagerConfig, PagerStats, PeerPager,
-    PeerRange, WindowSource,
+    PeerRange, PeerReleased, WindowSource,
 };
-use guestmem_vm::Vm;
+use guestmem_vm::{layout, Vm};
 use serde::{Deserialize, Serialize};
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
-use crate::snapshot::{self, Snapshot};
+use crate::snapshot::{self, Snapshot, SnapshotSource};
 use crate::{Error, Result};
 
 /// Largest handshake message accepted (a VMM has a handful of regions).
 const MAX_MESSAGE: usize = 1 << 20;
 
 /// One guest memory region as Firecracker describes it to its page server.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GuestRegionUffdMapping {
     /// The region's start in the VMM's address space.
     pub base_host_virt_addr: u64,
@@ -43,10 +48,15 @@ pub struct GuestRegionUffdMapping {
     pub size: u64,
     /// Where the region's bytes start in the memory file.
     pub offset: u64,
-    /// The region's page size in bytes (older Firecracker releases send `page_size_kib`).
+    /// The region's page size in bytes (see [`parse_mappings`] for how the message's fields
+    /// are read).
     pub page_size: u64,
 }
 
+/// The page sizes a mapping may have, in bytes: 4 KiB pages, 2 MiB and 1 GiB huge pages.
+pub const PAGE_SIZES: [u64; 3] = [4096, 2 << 20, 1 << 30];
+
+/// What the handshake message holds per mapping, as received (every Firecracker release).
 #[derive(Deserialize)]
 struct WireMapping {
     base_host_virt_addr: u64,
@@ -56,12 +66,71 @@ struct WireMapping {
     page_size_kib: Option<u64>,
 }
 
-/// Parses the handshake's JSON; each problem is named (which mapping, which field).
+/// What guestmem's VMM side sends per mapping: the page size twice, in bytes, as Firecracker
+/// v1.16 does, so that handlers written for any release find the field they read
+/// (`page_size_kib` alone in v1.7-v1.11, where it holds bytes despite its name).
+#[derive(Serialize)]
+struct SentMapping {
+    base_host_virt_addr: u64,
+    size: u64,
+    offset: u64,
+    page_size: u64,
+    page_size_kib: u64,
+}
+
+/// The host's base page size (`sysconf(_SC_PAGESIZE)`).
+fn host_page_size() -> u64 {
+    // SAFETY: sysconf reads a constant; no memory is involved.
+    let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if n > 0 {
+        n as u64
+    } else {
+        4096
+    }
+}
+
+/// Mapping `i`'s page size in bytes, from the fields its release sends:
+///
+/// - `page_size` (newer releases; v1.16 also sends `page_size_kib` with the same value in
+///   bytes): used as is; a `page_size_kib` that differs from it is refused, naming both;
+/// - `page_size_kib` alone (v1.7-v1.11, which put the size in **bytes** into it): bytes when it
+///   is a page size in bytes (4096, 2097152, 1073741824), else KiB when 1024 times it is one
+///   (4, 2048, 1048576; the field's name taken at its word); anything else is refused. The two
+///   readings never collide: no page size in KiB is also a page size in bytes;
+/// - neither (v1.0-v1.6, which had no huge pages): the host's page size.
+///
+/// The result must be one of [`PAGE_SIZES`].
+fn mapping_page_size(i: usize, page_size: Option<u64>, page_size_kib: Option<u64>) -> Result<u64> {
+    let valid = |b: u64| PAGE_SIZES.contains(&b);
+    match (page_size, page_size_kib) {
+        (Some(b), Some(k)) if k != b => Err(Error::Protocol(format!(
+            "mapping {i}: page_size {b} and page_size_kib {k} differ (Firecracker releases \
+             that send both send the same size in bytes in each)"
+        ))),
+        (Some(b), _) if valid(b) => Ok(b),
+        (Some(b), _) => Err(Error::Protocol(format!(
+            "mapping {i}: page_size {b} is not a page size in bytes (4096, 2097152 or \
+             1073741824)"
+        ))),
+        (None, Some(k)) if valid(k) => Ok(k),
+        (None, Some(k)) if k.checked_mul(1024).is_some_and(valid) => Ok(k * 1024),
+        (None, Some(k)) => Err(Error::Protocol(format!(
+            "mapping {i}: page_size_kib {k} is neither a page size in bytes (4096, 2097152 or \
+             1073741824, as Firecracker v1.7-v1.11 send it) nor one in KiB (4, 2048 or 1048576)"
+        ))),
+        (None, None) => Ok(host_page_size()),
+    }
+}
+
+/// Parses the handshake's JSON; each problem is named (which mapping, which field). The page
+/// size is read from whichever fields the sender's release uses (see `mapping_page_size`):
+/// `page_size` (bytes), `page_size_kib` alone (bytes in v1.7-v1.11, or KiB), or none (the
+/// host's page size).
 pub fn parse_mappings(bytes: &[u8]) -> Result<Vec<GuestRegionUffdMapping>> {
     let wire: Vec<WireMapping> = serde_json::from_slice(bytes).map_err(|e| {
         Error::Protocol(format!(
             "the handshake message is not a JSON array of GuestRegionUffdMapping \
-             {{base_host_virt_addr, size, offset, page_size}}: {e}"
+             {{base_host_virt_addr, size, offset[, page_size][, page_size_kib]}}: {e}"
         ))
     })?;
     if wire.is_empty() {
@@ -72,25 +141,30 @@ pub fn parse_mappings(bytes: &[u8]) -> Result<Vec<GuestRegionUffdMapping>> {
     wire.into_iter()
         .enumerate()
         .map(|(i, w)| {
-            let page_size = match (w.page_size, w.page_size_kib) {
-                (Some(b), _) => b,
-                (None, Some(kib)) => kib.checked_mul(1024).ok_or_else(|| {
-                    Error::Protocol(format!("mapping {i}: page_size_kib {kib} overflows"))
-                })?,
-                (None, None) => {
-                    return Err(Error::Protocol(format!(
-                        "mapping {i}: neither page_size nor page_size_kib is given"
-                    )))
-                }
-            };
             Ok(GuestRegionUffdMapping {
                 base_host_virt_addr: w.base_host_virt_addr,
                 size: w.size,
                 offset: w.offset,
-                page_size,
+                page_size: mapping_page_size(i, w.page_size, w.page_size_kib)?,
             })
         })
         .collect()
+}
+
+/// The handshake message guestmem's VMM side sends for `mappings`: a JSON array with both
+/// `page_size` and `page_size_kib` in bytes (see `SentMapping`).
+pub fn handshake_message(mappings: &[GuestRegionUffdMapping]) -> Vec<u8> {
+    let sent: Vec<SentMapping> = mappings
+        .iter()
+        .map(|m| SentMapping {
+            base_host_virt_addr: m.base_host_virt_addr,
+            size: m.size,
+            offset: m.offset,
+            page_size: m.page_size,
+            page_size_kib: m.page_size,
+        })
+        .collect();
+    serde_json::to_vec(&sent).expect("plain integers serialize")
 }
 
 /// Checks that every mapping's bytes lie inside a memory file of `file_len` bytes.
@@ -108,6 +182,147 @@ pub fn check_mappings(mappings: &[GuestRegionUffdMapping], file_len: u64) -> Res
         }
     }
     Ok(())
+}
+
+/// `getsockopt(SO_PEERPIDFD)` (Linux 6.5): a pidfd of the process that connected.
+const SO_PEERPIDFD: libc::c_int = 77;
+
+/// The process at the other end of a page-server connection, held by a pidfd: a signal sent
+/// through it reaches that process or nobody, never another process that got its pid after it
+/// exited (plain `kill(pid)` could).
+#[derive(Debug)]
+pub struct PeerProcess {
+    pid: i32,
+    pidfd: OwnedFd,
+    /// Set by the first [`kill_peer`]: the later ones (other threads failing because the peer
+    /// is gone) neither signal nor log again.
+    killed: AtomicBool,
+}
+
+impl PeerProcess {
+    /// The process that connected `stream`: its pidfd from `SO_PEERPIDFD`, or, on kernels
+    /// without it, `pidfd_open` of its `SO_PEERCRED` pid at once (the peer is waiting for our
+    /// answer then, so the pid is still its own).
+    pub fn of(stream: &UnixStream) -> Result<PeerProcess> {
+        let pid = peer_pid(stream)?;
+        let mut fd: libc::c_int = -1;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: getsockopt writes at most `len` bytes into `fd`, a live c_int.
+        let r = unsafe {
+            libc::getsockopt(
+                stream.as_raw_fd(),
+                libc::SOL_SOCKET,
+                SO_PEERPIDFD,
+                (&mut fd as *mut libc::c_int).cast(),
+                &mut len,
+            )
+        };
+        if r == 0 && fd >= 0 {
+            // SAFETY: the kernel gave us this new pidfd; nobody else owns it.
+            let pidfd = unsafe { OwnedFd::from_raw_fd(fd) };
+            return Ok(PeerProcess {
+                pid,
+                pidfd,
+                killed: AtomicBool::new(false),
+            });
+        }
+        PeerProcess::open(pid)
+    }
+
+    /// The process `pid` now (`pidfd_open`).
+    pub fn open(pid: i32) -> Result<PeerProcess> {
+        // SAFETY: pidfd_open returns a new fd (checked) or -1; no memory is involved.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) } as libc::c_int;
+        if fd < 0 {
+            return Err(Error::Protocol(format!(
+                "pidfd_open of the peer, pid {pid}: {}",
+                io::Error::last_os_error()
+            )));
+        }
+        // SAFETY: the fresh pidfd from above, owned by nobody else.
+        let pidfd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(PeerProcess {
+            pid,
+            pidfd,
+            killed: AtomicBool::new(false),
+        })
+    }
+
+    /// Its pid (as it was when it connected).
+    pub fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    /// `SIGKILL`s the process through its pidfd. `Ok(false)`: it had already exited (then no
+    /// other process is signalled, whoever has its pid now).
+    pub fn kill(&self) -> io::Result<bool> {
+        // SAFETY: pidfd_send_signal on our own pidfd, with no siginfo; no memory is involved.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                self.pidfd.as_raw_fd(),
+                libc::SIGKILL,
+                std::ptr::null::<libc::siginfo_t>(),
+                0,
+            )
+        };
+        if r == 0 {
+            return Ok(true);
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::ESRCH) => Ok(false),
+            _ => Err(e),
+        }
+    }
+
+    /// Waits up to `timeout` for the process to exit; whether it has (a pidfd becomes readable
+    /// when its process exits; a zombie has exited).
+    pub fn wait_exit(&self, timeout: Duration) -> bool {
+        let mut fd = libc::pollfd {
+            fd: self.pidfd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = timeout.as_millis().min(i32::MAX as u128) as libc::c_int;
+        // SAFETY: polls one live pollfd.
+        let n = unsafe { libc::poll(&mut fd, 1, ms) };
+        n > 0 && fd.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0
+    }
+
+    /// Whether the process is still running.
+    pub fn alive(&self) -> bool {
+        !self.wait_exit(Duration::ZERO)
+    }
+
+    /// Whether the process no longer maps any of `[addr, addr + len)`: it has exited (or is
+    /// exiting), or `/proc/PID/maps` lists nothing there. Read between two looks at the pidfd,
+    /// so that the maps read are this process's, not those of one that got its pid since.
+    pub fn no_longer_maps(&self, addr: u64, len: u64) -> bool {
+        if !self.alive() {
+            return true;
+        }
+        let Ok(maps) = std::fs::read_to_string(format!("/proc/{}/maps", self.pid)) else {
+            return !self.alive();
+        };
+        if !self.alive() {
+            return true;
+        }
+        let end = addr.saturating_add(len);
+        !maps.lines().any(|line| {
+            let range = line.split_whitespace().next().unwrap_or("");
+            let Some((start, stop)) = range.split_once('-') else {
+                return false;
+            };
+            match (
+                u64::from_str_radix(start, 16),
+                u64::from_str_radix(stop, 16),
+            ) {
+                (Ok(start), Ok(stop)) => start < end && addr < stop,
+                _ => false,
+            }
+        })
+    }
 }
 
 /// The pid of the process at the other end of `stream` (`SO_PEERCRED`).
@@ -135,6 +350,25 @@ pub fn peer_pid(stream: &UnixStream) -> Result<i32> {
         )));
     }
     Ok(cred.pid)
+}
+
+/// Refuses a descriptor that is not a userfaultfd (e.g. `/dev/null` sent by mistake) with one
+/// error naming what it is: serving it would poll a fd that is always readable and never yields
+/// a fault. A userfaultfd is an anonymous inode named `[userfaultfd]`, whether it came from the
+/// `userfaultfd` syscall or from `/dev/userfaultfd`.
+pub fn check_userfaultfd(fd: BorrowedFd<'_>) -> Result<()> {
+    let link = format!("/proc/self/fd/{}", fd.as_raw_fd());
+    match std::fs::read_link(&link) {
+        Ok(target) if target.as_os_str() == "anon_inode:[userfaultfd]" => Ok(()),
+        Ok(target) => Err(Error::Protocol(format!(
+            "the file descriptor attached to the handshake message is {}, not a userfaultfd",
+            target.display()
+        ))),
+        Err(e) => Err(Error::Protocol(format!(
+            "cannot tell what the file descriptor attached to the handshake message is \
+             (readlink {link}: {e}); a userfaultfd is expected"
+        ))),
+    }
 }
 
 /// What a VMM sent: its regions and the userfaultfd they are registered on.
@@ -191,18 +425,16 @@ pub fn receive_handshake(stream: &UnixStream) -> Result<Handshake> {
     }
 }
 
-/// Connects to the page server at `socket` and sends the handshake, as Firecracker does. The
-/// returned stream is the connection (keep it while the server serves).
+/// Connects to the page server at `socket` and sends the handshake ([`handshake_message`]) with
+/// `uffd` attached, as Firecracker does. The returned stream is the connection (keep it while
+/// the server serves).
 pub fn send_handshake(
     socket: &Path,
     mappings: &[GuestRegionUffdMapping],
     uffd: BorrowedFd<'_>,
 ) -> Result<UnixStream> {
     let stream = UnixStream::connect(socket).map_err(Error::io(socket, "connect"))?;
-    let json = serde_json::to_vec(mappings).map_err(|e| Error::Json {
-        path: socket.to_path_buf(),
-        source: e,
-    })?;
+    let json = handshake_message(mappings);
     let sent = stream
         .send_with_fd(&json[..], uffd.as_raw_fd())
         .map_err(|e| Error::Io {
@@ -240,19 +472,169 @@ impl Default for PageServerConfig {
     }
 }
 
-fn kill_peer(pid: i32, reason: &str) {
+fn kill_peer(peer: &PeerProcess, reason: &str) {
+    if peer.killed.swap(true, Ordering::AcqRel) {
+        return;
+    }
     tracing::error!(
-        pid,
+        pid = peer.pid(),
         "page server failed for good, killing the peer: {reason}"
     );
-    // SAFETY: sends a signal; no memory is involved.
-    unsafe { libc::kill(pid, libc::SIGKILL) };
+    match peer.kill() {
+        Ok(true) => {}
+        Ok(false) => tracing::info!(pid = peer.pid(), "the peer had already exited"),
+        Err(e) => tracing::error!(pid = peer.pid(), "pidfd_send_signal(SIGKILL): {e}"),
+    }
+}
+
+/// What a page server serves its peers' mappings from.
+pub enum ServedMemory {
+    /// A Firecracker memory file: the guest regions back to back, mapping `m` served from
+    /// `file[m.offset..][..m.size]`. Its bytes cannot be checked: Firecracker's memory files
+    /// carry no checksums.
+    File {
+        path: PathBuf,
+        source: Arc<FileSource>,
+    },
+    /// A guestmem snapshot: its RAM regions (the sys region left out) laid back to back in
+    /// manifest order from offset 0, as guestmem's VMM side describes them
+    /// ([`restore_lazy_via_socket`]). Each mapping must be exactly one RAM region; each chunk
+    /// is checked against the manifest's CRC-32 the first time any of it is served, and a
+    /// mismatch fails serving for good, naming the snapshot, region and chunk.
+    Snapshot(Arc<Snapshot>),
+}
+
+impl ServedMemory {
+    /// A Firecracker memory file (see [`ServedMemory::File`]).
+    pub fn file(path: &Path) -> Result<ServedMemory> {
+        Ok(ServedMemory::File {
+            path: path.to_path_buf(),
+            source: open_mem_file(path)?,
+        })
+    }
+
+    /// A guestmem snapshot directory, opened and checked (see [`ServedMemory::Snapshot`]).
+    pub fn snapshot(dir: &Path) -> Result<ServedMemory> {
+        Ok(ServedMemory::Snapshot(Arc::new(Snapshot::open(dir)?)))
+    }
+
+    /// Names it in messages.
+    pub fn describe(&self) -> String {
+        match self {
+            ServedMemory::File { path, .. } => {
+                format!(
+                    "memory file {} (not checked: it carries no checksums)",
+                    path.display()
+                )
+            }
+            ServedMemory::Snapshot(s) => format!(
+                "snapshot {} (each chunk checked against its CRC-32 before it is served)",
+                s.dir().display()
+            ),
+        }
+    }
+
+    /// Each mapping's name and page source, after checking the mappings against the memory.
+    fn sources(
+        &self,
+        mappings: &[GuestRegionUffdMapping],
+        peer_pid: i32,
+    ) -> Result<Vec<(String, Arc<dyn PageSource>)>> {
+        match self {
+            ServedMemory::File { path, source } => {
+                check_mappings(mappings, source.size())?;
+                let total: u64 = mappings.iter().map(|m| m.size).sum();
+                if total != source.size() {
+                    return Err(Error::Protocol(format!(
+                        "the mappings total {total:#x} bytes but the memory file {} holds \
+                         {:#x}: a Firecracker memory file is exactly the guest regions back to \
+                         back (for a guestmem snapshot, serve it with --snapshot DIR, which \
+                         also checks its bytes)",
+                        path.display(),
+                        source.size()
+                    )));
+                }
+                let inner: Arc<dyn PageSource> = source.clone();
+                mappings
+                    .iter()
+                    .enumerate()
+                    .map(|(i, m)| {
+                        let window = WindowSource::new(inner.clone(), m.offset, m.size)
+                            .map_err(|e| Error::Protocol(format!("mapping {i}: {e}")))?;
+                        let name = format!(
+                            "peer {peer_pid} mapping {i} (host {:#x}, file offset {:#x})",
+                            m.base_host_virt_addr, m.offset
+                        );
+                        Ok((name, Arc::new(window) as Arc<dyn PageSource>))
+                    })
+                    .collect()
+            }
+            ServedMemory::Snapshot(snap) => {
+                let ram = ram_layout(snap);
+                mappings
+                    .iter()
+                    .enumerate()
+                    .map(|(i, m)| {
+                        let Some(&(region, _, _)) = ram
+                            .iter()
+                            .find(|&&(_, offset, size)| offset == m.offset && size == m.size)
+                        else {
+                            let regions: Vec<String> = ram
+                                .iter()
+                                .map(|&(r, offset, size)| {
+                                    format!(
+                                        "'{}' {size:#x} bytes at {offset:#x}",
+                                        snap.manifest().regions[r].spec.name
+                                    )
+                                })
+                                .collect();
+                            return Err(Error::Protocol(format!(
+                                "mapping {i} ({:#x} bytes at offset {:#x}) is not one of \
+                                 snapshot {}'s RAM regions laid back to back ({})",
+                                m.size,
+                                m.offset,
+                                snap.dir().display(),
+                                regions.join(", ")
+                            )));
+                        };
+                        let source = SnapshotSource::new(snap, region)?;
+                        let name = format!(
+                            "snapshot {} region '{}' (peer {peer_pid} mapping {i}, host {:#x})",
+                            snap.dir().display(),
+                            snap.manifest().regions[region].spec.name,
+                            m.base_host_virt_addr
+                        );
+                        Ok((name, Arc::new(source) as Arc<dyn PageSource>))
+                    })
+                    .collect()
+            }
+        }
+    }
+}
+
+/// A snapshot's guest RAM regions (all but the sys region) as a page server's peer sees them:
+/// per region, its index in the manifest, its offset in the back-to-back layout, its size.
+fn ram_layout(snapshot: &Snapshot) -> Vec<(usize, u64, u64)> {
+    let mut offset = 0;
+    snapshot
+        .manifest()
+        .regions
+        .iter()
+        .enumerate()
+        .filter(|(_, image)| image.spec.gpa != layout::SYS_GPA)
+        .map(|(i, image)| {
+            let at = offset;
+            offset += image.spec.size;
+            (i, at, image.spec.size)
+        })
+        .collect()
 }
 
 /// One peer being served.
 pub struct Session {
     pub peer_pid: i32,
     pub mappings: Vec<GuestRegionUffdMapping>,
+    peer: Arc<PeerProcess>,
     pager: PeerPager,
     _stream: UnixStream,
 }
@@ -273,80 +655,98 @@ impl Session {
         self.pager.retired()
     }
 
-    /// Serves until the peer process is gone (`Ok`) or serving fails for good (`Err`).
+    /// Whether the peer let go of every mapping (unmapped it, or is exiting) before it was all
+    /// served: serving has ended without a failure.
+    pub fn released(&self) -> bool {
+        self.pager.released()
+    }
+
+    /// Serves until the peer process is gone (`Ok`) or serving fails for good (`Err`). The
+    /// peer is watched through its pidfd, so a new process with its pid does not keep it
+    /// serving.
     pub fn wait(self) -> Result<()> {
         loop {
+            // Looked at after the exit too: a failure is recorded before the peer is killed
+            // for it, so a peer that died of our kill is reported as the failure.
+            let exited = self.peer.wait_exit(Duration::from_millis(100));
             if let Some(reason) = self.failure() {
                 return Err(Error::Protocol(format!(
                     "serving peer pid {}: {reason}",
                     self.peer_pid
                 )));
             }
-            if !process_alive(self.peer_pid) {
+            if exited {
                 tracing::info!(pid = self.peer_pid, stats = ?self.stats(), "peer gone");
                 return Ok(());
             }
-            std::thread::sleep(Duration::from_millis(100));
         }
     }
 }
 
-/// Whether `pid` is a live (not zombie) process.
-fn process_alive(pid: i32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        // The state follows the command name in parentheses.
-        Ok(stat) => stat
-            .rsplit_once(')')
-            .is_some_and(|(_, rest)| !rest.trim_start().starts_with(['Z', 'X'])),
-        Err(_) => false,
-    }
-}
-
-/// The page server's side of one connection: handshake, checks, then serving from `mem_file`
-/// (the snapshot's memory file: mapping `m` is served from `mem_file[m.offset..][..m.size]`).
-/// Failures after the peer is known kill it when the config says so (the error says so too).
+/// The page server's side of one connection: the peer held by its pidfd, the handshake, checks
+/// (the fd is a userfaultfd, the mappings fit `memory`), then serving from `memory`. Failures
+/// after the peer is known kill it when the config says so (the error says so too).
 pub fn serve_connection(
     stream: UnixStream,
-    mem_file: &Arc<FileSource>,
+    memory: &ServedMemory,
     config: &PageServerConfig,
 ) -> Result<Session> {
-    let peer_pid = peer_pid(&stream)?;
+    let peer = Arc::new(PeerProcess::of(&stream)?);
+    let peer_pid = peer.pid();
     tracing::info!(pid = peer_pid, "page-server connection");
     let fail = |e: Error| -> Error {
-        if config.kill_peer_on_failure {
-            kill_peer(peer_pid, &e.to_string());
-            Error::Protocol(format!("{e} (peer pid {peer_pid} killed)"))
-        } else {
-            e
+        if !config.kill_peer_on_failure {
+            return e;
+        }
+        kill_peer(&peer, &e.to_string());
+        // One prefix: a protocol error's text is extended, not wrapped again.
+        match e {
+            Error::Protocol(reason) => {
+                Error::Protocol(format!("{reason} (peer pid {peer_pid} killed)"))
+            }
+            e => Error::Protocol(format!("{e} (peer pid {peer_pid} killed)")),
         }
     };
     let handshake = receive_handshake(&stream).map_err(fail)?;
-    check_mappings(&handshake.mappings, mem_file.size()).map_err(fail)?;
-    let source: Arc<dyn PageSource> = mem_file.clone();
-    let mut ranges = Vec::new();
-    for (i, m) in handshake.mappings.iter().enumerate() {
-        let window = WindowSource::new(source.clone(), m.offset, m.size)
-            .map_err(|e| fail(Error::Protocol(format!("mapping {i}: {e}"))))?;
-        ranges.push(PeerRange {
-            name: format!(
-                "peer {peer_pid} mapping {i} (host {:#x}, file offset {:#x})",
-                m.base_host_virt_addr, m.offset
-            ),
+    let sources = memory
+        .sources(&handshake.mappings, peer_pid)
+        .map_err(fail)?;
+    check_userfaultfd(handshake.uffd.as_fd()).map_err(fail)?;
+    let ranges = handshake
+        .mappings
+        .iter()
+        .zip(sources)
+        .map(|(m, (name, source))| PeerRange {
+            name,
             host_addr: m.base_host_virt_addr,
             size: m.size,
             page_size: m.page_size,
-            source: Arc::new(window),
-        });
-    }
-    let on_failure: Option<OnFailure> = config
-        .kill_peer_on_failure
-        .then(|| Arc::new(move |reason: &str| kill_peer(peer_pid, reason)) as OnFailure);
-    let pager = PeerPager::start(handshake.uffd, ranges, &config.pager, on_failure)
-        .map_err(|e| fail(e.into()))?;
+            source,
+        })
+        .collect();
+    let on_failure: Option<OnFailure> = config.kill_peer_on_failure.then(|| {
+        let peer = peer.clone();
+        Arc::new(move |reason: &str| kill_peer(&peer, reason)) as OnFailure
+    });
+    // A VMM unmaps its RAM as it shuts down, maybe while a chunk is being copied: a copy that
+    // finds the range gone is a failure only if the peer still maps it.
+    let released: PeerReleased = {
+        let peer = peer.clone();
+        Arc::new(move |addr, len| peer.no_longer_maps(addr, len))
+    };
+    let pager = PeerPager::start(
+        handshake.uffd,
+        ranges,
+        &config.pager,
+        on_failure,
+        Some(released),
+    )
+    .map_err(|e| fail(e.into()))?;
     tracing::info!(pid = peer_pid, mappings = ?handshake.mappings, "serving");
     Ok(Session {
         peer_pid,
         mappings: handshake.mappings,
+        peer,
         pager,
         _stream: stream,
     })
@@ -363,30 +763,39 @@ pub struct PeerRestoredVm {
 }
 
 /// Builds a VM from `snapshot` as [`snapshot::restore_lazy`] does, but its RAM is served by the
-/// page server listening on `socket` (e.g. `guestmem page-server --firecracker SOCKET
-/// --mem-file DIR/memory`): every guest RAM region is registered (`MISSING`, with
-/// `UFFD_EVENT_REMOVE`) on a new userfaultfd, which is sent with the mappings (`offset` = the
-/// region's place in the snapshot's memory file). The sys region is copied in at once. The
-/// caller resumes the VM.
+/// page server listening on `socket`: every guest RAM region is registered (`MISSING`, with
+/// `UFFD_EVENT_REMOVE`) on a new userfaultfd, which is sent with the mappings in the form
+/// Firecracker's own handlers accept: the RAM regions back to back from offset 0 (as
+/// Firecracker's memory file holds its regions, which its example handler maps whole and
+/// requires to be exactly the regions' total size), the page size in bytes as both
+/// `page_size` and `page_size_kib`. The sys region is copied in (and checked) at once.
+///
+/// The RAM's bytes are not checked here: they never pass through this process. `guestmem
+/// page-server --firecracker SOCKET --snapshot DIR` checks each chunk against the snapshot's
+/// CRC-32 before it serves it; a server given a plain memory file cannot. The caller resumes
+/// the VM.
 pub fn restore_lazy_via_socket(snapshot: &Snapshot, socket: &Path) -> Result<PeerRestoredVm> {
     if let Some(base) = &snapshot.manifest().base {
         return Err(Error::Layout(format!(
-            "a diff snapshot spans several memory files (its base is {}), and a page server \
-             serves one: restore it in full mode, or lazily in this process",
+            "a diff snapshot's RAM is spread over its memory file and its base's ({}): \
+             restore it in full mode, or lazily in this process",
             base.dir.display()
         )));
     }
     let mut vm = snapshot::vm_for_lazy_restore(snapshot, &mut Vec::new())?;
     let mut ram = Vec::new();
     let mut mappings = Vec::new();
-    for (region, image) in snapshot::lazy_regions(&vm, snapshot) {
+    // The same regions in the same order as `ram_layout`, which the server side uses.
+    let mut offset = 0;
+    for (region, _) in snapshot::lazy_regions(&vm, snapshot) {
         ram.push(region);
         mappings.push(GuestRegionUffdMapping {
             base_host_virt_addr: region.host_addr() as u64,
             size: region.size(),
-            offset: image.file_offset,
+            offset,
             page_size: region.backend().page_size(),
         });
+        offset += region.size();
     }
     let uffd = register_for_peer(&ram)?;
     let stream = send_handshake(socket, &mappings, uffd.as_fd())?;
@@ -399,7 +808,7 @@ pub fn restore_lazy_via_socket(snapshot: &Snapshot, socket: &Path) -> Result<Pee
     })
 }
 
-/// Opens a memory file for [`serve_connection`].
+/// Opens a memory file to serve (see [`ServedMemory::file`]).
 pub fn open_mem_file(path: &Path) -> Result<Arc<FileSource>> {
     let file = File::open(path).map_err(Error::io(path, "open"))?;
     Ok(Arc::new(

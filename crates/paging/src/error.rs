@@ -31,6 +31,10 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
+    /// A peer's range that the peer let go of (see `PeerReleased`): not a failure, serving
+    /// it just ends.
+    #[error("region '{region}': the peer no longer maps it (unmapped, or its process is exiting)")]
+    Released { region: String },
     #[error("region '{region}': the pager stopped: {reason}")]
     Stopped { region: String, reason: String },
     #[error("region '{region}': the page source failed to provide guest address {gpa:#x} (+{len:#x}) after {attempts} attempts: {source}")]

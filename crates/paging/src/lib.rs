@@ -25,5 +25,6 @@ mod source;
 pub use error::{Error, Result};
 pub use pager::{
     register_for_peer, OnFailure, Pager, PagerConfig, PagerStats, PeerPager, PeerRange,
+    PeerReleased,
 };
 pub use source::{FileSource, PageSource, RemoteSource, WindowSource, ZeroSource};

@@ -180,6 +180,11 @@ struct Shared {
     realtime: bool,
     /// Also told when a fetch fails for good (a page server kills its peer VMM with it).
     on_failure: Option<OnFailure>,
+    /// [`PeerPager`] ranges: asked whether the peer let go of a range that a copy found
+    /// unregistered or without an address space (see [`PeerReleased`]).
+    peer_released: Option<PeerReleased>,
+    /// The peer let go of the range: serving it has ended, without a failure.
+    released: AtomicBool,
     /// Readable once the threads must stop.
     stop: OwnedFd,
     faults: AtomicU64,
@@ -590,6 +595,14 @@ struct Layout {
 /// Called with the reason when a fetch fails for good (after the `abort` handle, if any).
 pub type OnFailure = Arc<dyn Fn(&str) + Send + Sync>;
 
+/// Asked by a [`PeerPager`] when `UFFDIO_COPY` into the peer's `[host_addr, host_addr + len)`
+/// fails with `ENOENT` (nothing registered there any more) or `ESRCH` (the peer's address
+/// space is gone): whether the peer let go of that memory (unmapped it, or its process is
+/// exiting; a VMM unmaps its RAM as it shuts down). If so, serving that range ends quietly:
+/// no fault can wait there any more. If not (the memory is still mapped but not registered on
+/// the fd the peer sent), the failure stands: the peer's faults would reach a fd nobody reads.
+pub type PeerReleased = Arc<dyn Fn(u64, u64) -> bool + Send + Sync>;
+
 impl Shared {
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -655,6 +668,8 @@ impl Shared {
             fault_order: Mutex::new(Vec::new()),
             retired: AtomicBool::new(false),
             retired_at: Mutex::new(None),
+            peer_released: None,
+            released: AtomicBool::new(false),
             failure: Mutex::new(None),
             changed: Condvar::new(),
             handlers: config.handlers,
@@ -922,6 +937,11 @@ impl Shared {
                         );
                         return false;
                     }
+                    Err(Error::Released { .. }) => {
+                        self.set_state(chunk, FAILED);
+                        self.release();
+                        return false;
+                    }
                     Err(e) => {
                         self.set_state(chunk, FAILED);
                         self.fail(e);
@@ -1001,12 +1021,17 @@ impl Shared {
 
     fn fail(&self, e: Error) {
         let reason = e.to_string();
-        tracing::error!("{reason}");
         // Recorded before anyone is told, so that whoever sees the VM (or peer) stop finds
-        // the reason.
+        // the reason. Only the first failure is reported: the ones that follow (other chunks
+        // in flight when the VM or peer went away) are its consequences, told once already.
         {
             let mut failure = self.failure.lock().unwrap_or_else(|e| e.into_inner());
-            failure.get_or_insert(reason.clone());
+            if failure.is_some() {
+                tracing::debug!("after the first failure: {reason}");
+                return;
+            }
+            tracing::error!("{reason}");
+            *failure = Some(reason.clone());
             self.changed.notify_all();
         }
         if let Some(abort) = &self.abort {
@@ -1051,15 +1076,16 @@ impl Shared {
                         libc::MADV_POPULATE_READ,
                     )
                 };
-                let copied = self
-                    .copy(uffd, src, start, len)
-                    .map_err(|e| Error::SourceFailed {
+                let copied = self.copy(uffd, src, start, len).map_err(|e| match e {
+                    e @ Error::Released { .. } => e,
+                    e => Error::SourceFailed {
                         region: self.region.clone(),
                         gpa: self.gpa + start,
                         len,
                         attempts: 1,
                         source: io::Error::other(e.to_string()),
-                    })?;
+                    },
+                })?;
                 if copied {
                     uffd.wake(
                         (self.host + start as usize) as *mut libc::c_void,
@@ -1259,10 +1285,37 @@ impl Shared {
                         page_by_page = true;
                     }
                 }
+                Err(userfaultfd::Error::CopyFailed(errno))
+                    if matches!(errno as i32, libc::ENOENT | libc::ESRCH)
+                        && self.peer_let_go(off + done, n) =>
+                {
+                    return Err(Error::Released {
+                        region: self.region.clone(),
+                    })
+                }
                 Err(e) => return Err(self.uffd_error("UFFDIO_COPY", e)),
             }
         }
         Ok(true)
+    }
+
+    /// Whether the peer let go of region offset `[off, off + len)` (see [`PeerReleased`]).
+    fn peer_let_go(&self, off: u64, len: u64) -> bool {
+        self.peer_released
+            .as_ref()
+            .is_some_and(|released| released(self.host as u64 + off, len))
+    }
+
+    /// The peer let go of the range: serving it ends (the background fetch stops), without a
+    /// failure.
+    fn release(&self) {
+        if self.released.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        tracing::info!(region = %self.region, "the peer no longer maps the range: serving it ends");
+        self.signal_stop();
+        let _guard = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+        self.changed.notify_all();
     }
 
     /// `UFFDIO_CONTINUE` over region offset `[off, off + len)` (waking the faulting threads),
@@ -1428,12 +1481,15 @@ fn new_eventfd(region: &str) -> Result<OwnedFd> {
 impl PeerPager {
     /// Serves `ranges`, all registered (`MISSING`) on `uffd`, which must already have gone
     /// through `UFFDIO_API`. `config.uffds` and `config.handlers` are ignored (one fd, one
-    /// handler); `on_failure` is told when a fetch fails for good.
+    /// handler); `on_failure` is told when a fetch fails for good; `released` tells a range
+    /// the peer let go of (it unmapped it, or is exiting) from a failure (see
+    /// [`PeerReleased`]; without it, every failed copy is a failure).
     pub fn start(
         uffd: OwnedFd,
         ranges: Vec<PeerRange>,
         config: &PagerConfig,
         on_failure: Option<OnFailure>,
+        released: Option<PeerReleased>,
     ) -> Result<PeerPager> {
         let cpus = pager_cpus(config).map_err(|reason| Error::Config {
             region: "peer pager".into(),
@@ -1496,7 +1552,7 @@ impl PeerPager {
                 prefetch: Vec::new(),
                 ..config.clone()
             };
-            shareds.push(Arc::new(Shared::new(
+            let mut shared = Shared::new(
                 Layout {
                     region: r.name.clone(),
                     gpa: 0,
@@ -1514,7 +1570,9 @@ impl PeerPager {
                 &config,
                 new_eventfd(&r.name)?,
                 on_failure.clone(),
-            )));
+            );
+            shared.peer_released = released.clone();
+            shareds.push(Arc::new(shared));
         }
         let mut pager = PeerPager {
             stop: new_eventfd("peer pager")?,
@@ -1561,6 +1619,13 @@ impl PeerPager {
     /// The first error that stopped a range, if a fetch failed for good.
     pub fn failure(&self) -> Option<String> {
         self.ranges.iter().find_map(|s| s.failure())
+    }
+
+    /// Whether the peer let go of every range (see [`PeerReleased`]) before it was resident.
+    pub fn released(&self) -> bool {
+        self.ranges
+            .iter()
+            .all(|s| s.released.load(Ordering::Acquire))
     }
 
     /// Whether every range is resident and retired (only with background fetch).
