@@ -80,6 +80,9 @@ fn write_snapshot(
     dir: &Path,
     diff: Option<(BaseRef, &[DirtyBitmap])>,
 ) -> Result<WriteReport> {
+    // A symlink to a snapshot directory: replace the directory it names, not the link.
+    let resolved = std::fs::canonicalize(dir).ok();
+    let dir = resolved.as_deref().unwrap_or(dir);
     check_replaceable(dir)?;
     let staging = staging_dir(dir)?;
     std::fs::create_dir(&staging).map_err(Error::io(&staging, "create directory"))?;
