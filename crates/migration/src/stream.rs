@@ -12,6 +12,13 @@
 //! travels whole, plus its 8-byte mask). Flag [`FRESH`]: the receiver's memory at these pages still holds
 //! zeros (the destination's RAM in round 1), so it need not write the zero lines.
 //!
+//! A PagesZ payload carries one whole Pages frame (header, payload and CRC), compressed:
+//! `codec (u8) | 3 zero bytes | inner length (u32) | compressed bytes`, codec 1 = LZ4 block,
+//! 2 = zstd. The receiver decompresses into a buffer of exactly the announced length (never
+//! more) and decodes the inner frame as any Pages frame, its own CRC included: the pages are
+//! checked end to end, after decompression. A sender compresses a Pages frame only when that
+//! makes it smaller ([`compress_pages`]).
+//!
 //! A decoder checks all of it — magic, kind, reserved bytes, length bound, checksum, and the
 //! payload's own shape — before anything is acted on, and never allocates more than
 //! [`MAX_PAYLOAD`] for a frame, so a malformed or hostile stream is an error, never a crash.
@@ -35,6 +42,75 @@ const LINES: usize = PAGE / LINE;
 /// Pages are checksummed in pieces of this many bytes as they are copied (on both sides), so
 /// that each piece is still in the cache when its CRC is taken.
 pub const CRC_PIECE: usize = 64 << 10;
+
+/// How Pages frames are compressed on the wire (see [`compress_pages`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Codec {
+    /// Sent as encoded (zero lines elided).
+    #[default]
+    None,
+    /// LZ4 block format: about 2x on real guest memory, at a low CPU cost.
+    Lz4,
+    /// zstd at the given level: more compression for more CPU.
+    Zstd(i32),
+}
+
+impl Codec {
+    fn id(self) -> u8 {
+        match self {
+            Codec::None => 0,
+            Codec::Lz4 => 1,
+            Codec::Zstd(_) => 2,
+        }
+    }
+}
+
+/// Compresses the Pages frame in `frame` (as [`Frame::encode_pages_with`] left it) with
+/// `codec`, replacing it by a PagesZ frame when that is smaller; `scratch` is kept between
+/// calls. Returns the frame's length on the wire either way.
+pub fn compress_pages(
+    frame: &mut Vec<u8>,
+    codec: Codec,
+    scratch: &mut Vec<u8>,
+) -> Result<usize, StreamError> {
+    if codec == Codec::None || frame.len() <= HEADER + 4 + Z_HEADER {
+        return Ok(frame.len());
+    }
+    debug_assert_eq!(frame[4], kind::PAGES);
+    let bound = match codec {
+        Codec::Lz4 => lz4_flex::block::get_maximum_output_size(frame.len()),
+        _ => zstd::zstd_safe::compress_bound(frame.len()),
+    };
+    let at = HEADER + Z_HEADER;
+    if scratch.len() < at + bound + 4 {
+        scratch.resize(at + bound + 4, 0);
+    }
+    let n = match codec {
+        Codec::Lz4 => lz4_flex::block::compress_into(frame, &mut scratch[at..at + bound])
+            .map_err(|e| StreamError::Malformed(format!("lz4: {e}")))?,
+        Codec::Zstd(level) => {
+            zstd::bulk::compress_to_buffer(frame, &mut scratch[at..at + bound], level)?
+        }
+        Codec::None => unreachable!("returned above"),
+    };
+    let payload = Z_HEADER + n;
+    if at + n + 4 >= frame.len() || payload > MAX_PAYLOAD as usize {
+        return Ok(frame.len());
+    }
+    scratch[..4].copy_from_slice(&MAGIC);
+    scratch[4..8].copy_from_slice(&[kind::PAGES_Z, 0, 0, 0]);
+    scratch[8..12].copy_from_slice(&(payload as u32).to_le_bytes());
+    scratch[12..16].copy_from_slice(&[codec.id(), 0, 0, 0]);
+    scratch[16..20].copy_from_slice(&(frame.len() as u32).to_le_bytes());
+    let crc = crc32fast::hash(&scratch[..at + n]);
+    scratch[at + n..at + n + 4].copy_from_slice(&crc.to_le_bytes());
+    frame.clear();
+    frame.extend_from_slice(&scratch[..at + n + 4]);
+    Ok(frame.len())
+}
+
+/// A PagesZ payload's own header: codec, reserved, inner length.
+const Z_HEADER: usize = 8;
 
 /// One frame of the stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -108,6 +184,7 @@ mod kind {
     pub const READY: u8 = 9;
     pub const GO: u8 = 10;
     pub const RUNNING: u8 = 11;
+    pub const PAGES_Z: u8 = 12;
 }
 
 /// A frame read by [`Frame::read_into`]: Pages borrow the reader's buffer, or were placed.
@@ -311,6 +388,9 @@ impl Frame {
         place: impl FnOnce(u64, usize) -> Option<&'b mut [u8]>,
     ) -> Result<FrameRef<'b>, StreamError> {
         let (header, len) = Frame::read_header(r)?;
+        if header[4] == kind::PAGES_Z {
+            return Frame::read_compressed(r, &header, len, buf, place);
+        }
         if header[4] != kind::PAGES {
             Frame::read_payload(r, &header, len, buf)?;
             return Frame::decode(header[4], &buf[..len]).map(FrameRef::Frame);
@@ -385,6 +465,54 @@ impl Frame {
                 fresh,
             }
         })
+    }
+
+    /// The rest of a PagesZ frame (see the module docs): its payload is checked and
+    /// decompressed into a buffer of exactly the announced inner length, which must hold one
+    /// whole Pages frame; that frame is then read as any other.
+    fn read_compressed<'b>(
+        r: &mut impl Read,
+        header: &[u8; HEADER],
+        len: usize,
+        buf: &'b mut Vec<u8>,
+        place: impl FnOnce(u64, usize) -> Option<&'b mut [u8]>,
+    ) -> Result<FrameRef<'b>, StreamError> {
+        let malformed = |what: String| Err(StreamError::Malformed(format!("PagesZ frame: {what}")));
+        if len <= Z_HEADER {
+            return malformed(format!("{len} bytes, no room for compressed pages"));
+        }
+        let mut compressed = std::mem::take(buf);
+        Frame::read_payload(r, header, len, &mut compressed)?;
+        let z = &compressed[..len];
+        let codec = z[0];
+        let inner_len = u32::from_le_bytes(z[4..8].try_into().expect("4 bytes")) as usize;
+        if z[1..4] != [0, 0, 0] || !(1..=2).contains(&codec) {
+            return malformed(format!("codec {codec}, reserved bytes {:?}", &z[1..4]));
+        }
+        let max = HEADER + MAX_PAYLOAD as usize + 4;
+        if inner_len <= HEADER + 4 || inner_len > max {
+            return malformed(format!("inner frame of {inner_len} bytes (at most {max})"));
+        }
+        let mut inner = vec![0u8; inner_len];
+        let got = match codec {
+            1 => lz4_flex::block::decompress_into(&z[Z_HEADER..], &mut inner)
+                .map_err(|e| StreamError::Malformed(format!("PagesZ frame: lz4: {e}")))?,
+            _ => zstd::bulk::decompress_to_buffer(&z[Z_HEADER..], &mut inner[..])
+                .map_err(|e| StreamError::Malformed(format!("PagesZ frame: zstd: {e}")))?,
+        };
+        if got != inner_len {
+            return malformed(format!("{got} bytes decompressed, {inner_len} announced"));
+        }
+        if inner[4] != kind::PAGES {
+            return malformed(format!("it holds a frame of kind {}, not Pages", inner[4]));
+        }
+        *buf = compressed;
+        let mut rest = &inner[..];
+        let frame = Frame::read_into(&mut rest, buf, place)?;
+        if !rest.is_empty() {
+            return malformed(format!("{} bytes after its inner frame", rest.len()));
+        }
+        Ok(frame)
     }
 
     /// Reads and checks a frame's header; returns it and the payload length.
@@ -963,6 +1091,141 @@ mod tests {
     }
 
     /// Random bytes never panic the decoder (the fuzz target in fuzz/ does this at scale).
+    /// Text-like pages (every line non-zero, compressible) and a zero page: what compression
+    /// is for.
+    fn dense_pages(count: usize) -> Vec<u8> {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut pages = vec![0u8; count * PAGE];
+        for (p, page) in pages.chunks_mut(PAGE).enumerate() {
+            if p % 5 == 4 {
+                continue;
+            }
+            const WORDS: [&[u8]; 8] = [
+                b"guest ", b"memory ", b"page ", b"kvm ", b"dirty ", b"log\n", b"0x7f3a ", b"ok ",
+            ];
+            let mut at = 0;
+            while at < PAGE {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let word = WORDS[(x % 8) as usize];
+                let n = word.len().min(PAGE - at);
+                page[at..at + n].copy_from_slice(&word[..n]);
+                at += n;
+            }
+        }
+        pages
+    }
+
+    fn compressed_frame(codec: Codec, pages: &[u8], gpa: u64) -> (Vec<u8>, usize) {
+        let mut out = Vec::new();
+        Frame::encode_pages_with(&mut out, gpa, pages.len(), false, false, |at, piece| {
+            piece.copy_from_slice(&pages[at..at + piece.len()]);
+            Ok(())
+        })
+        .unwrap();
+        let plain = out.len();
+        let wire = compress_pages(&mut out, codec, &mut Vec::new()).unwrap();
+        assert_eq!(wire, out.len());
+        (out, plain)
+    }
+
+    /// A compressed Pages frame is smaller and decodes to the same pages, read into the
+    /// reader's buffer or placed; incompressible pages stay a plain Pages frame.
+    #[test]
+    fn compressed_pages_round_trip_and_shrink() {
+        let pages = dense_pages(MAX_FRAME_PAGES);
+        for codec in [Codec::Lz4, Codec::Zstd(1), Codec::Zstd(3)] {
+            let (bytes, plain) = compressed_frame(codec, &pages, 0x4000_0000);
+            assert_eq!(bytes[4], kind::PAGES_Z, "{codec:?}");
+            assert!(
+                bytes.len() * 3 < plain * 2,
+                "{codec:?}: {} of {plain}",
+                bytes.len()
+            );
+            let frame = Frame::read_from(&mut &bytes[..]).unwrap();
+            assert_eq!(
+                frame,
+                Frame::Pages {
+                    gpa: 0x4000_0000,
+                    pages: pages.clone(),
+                    fresh: false
+                }
+            );
+            let mut memory = vec![0xffu8; pages.len()];
+            let mut buf = Vec::new();
+            let got = Frame::read_into(&mut &bytes[..], &mut buf, |_, _| Some(&mut memory[..]));
+            assert!(matches!(got, Ok(FrameRef::Placed { .. })), "{codec:?}");
+            assert!(memory == pages, "{codec:?}: placed pages");
+        }
+        let mut x = 1u64;
+        let random: Vec<u8> = (0..64 * PAGE)
+            .map(|_| {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                (x >> 56) as u8
+            })
+            .collect();
+        let (bytes, plain) = compressed_frame(Codec::Lz4, &random, 0);
+        assert_eq!((bytes[4], bytes.len()), (kind::PAGES, plain));
+    }
+
+    /// Damage anywhere in a compressed frame is an error, and so are frames that lie about
+    /// their inner length, name an unknown codec, or nest a compressed frame.
+    #[test]
+    fn damaged_compressed_frames_are_refused() {
+        let pages = dense_pages(64);
+        let (bytes, _) = compressed_frame(Codec::Lz4, &pages, 0);
+        for at in [5, 13, 17, 40, bytes.len() / 2, bytes.len() - 2] {
+            let mut bad = bytes.clone();
+            bad[at] ^= 0x10;
+            assert!(
+                Frame::read_from(&mut &bad[..]).is_err(),
+                "byte {at} flipped"
+            );
+        }
+        // Re-sealed with a valid outer CRC: the lie is found inside.
+        let reseal = |edit: &dyn Fn(&mut Vec<u8>)| {
+            let mut bad = bytes[..bytes.len() - 4].to_vec();
+            edit(&mut bad);
+            let crc = crc32fast::hash(&bad);
+            bad.extend_from_slice(&crc.to_le_bytes());
+            Frame::read_from(&mut &bad[..]).unwrap_err().to_string()
+        };
+        let e = reseal(&|b| b[12] = 9);
+        assert!(e.contains("codec 9"), "{e}");
+        let e = reseal(&|b| b[16..20].copy_from_slice(&u32::MAX.to_le_bytes()));
+        assert!(e.contains("inner frame"), "{e}");
+        let e = reseal(&|b| {
+            let n = u32::from_le_bytes(b[16..20].try_into().unwrap()) + 4096;
+            b[16..20].copy_from_slice(&n.to_le_bytes());
+        });
+        assert!(e.contains("announced") || e.contains("lz4"), "{e}");
+        let e = reseal(&|b| {
+            let last = b.len() - 1;
+            b[last] ^= 1;
+        });
+        assert!(e.contains("PagesZ") || e.contains("checksum"), "{e}");
+        // A compressed frame inside a compressed frame.
+        let mut nested = bytes.clone();
+        let mut scratch = Vec::new();
+        let inner_len = nested.len();
+        let mut body = vec![0u8; lz4_flex::block::get_maximum_output_size(inner_len)];
+        let n = lz4_flex::block::compress_into(&nested, &mut body).unwrap();
+        scratch.extend_from_slice(&MAGIC);
+        scratch.extend_from_slice(&[kind::PAGES_Z, 0, 0, 0]);
+        scratch.extend_from_slice(&((Z_HEADER + n) as u32).to_le_bytes());
+        scratch.extend_from_slice(&[1, 0, 0, 0]);
+        scratch.extend_from_slice(&(inner_len as u32).to_le_bytes());
+        scratch.extend_from_slice(&body[..n]);
+        let crc = crc32fast::hash(&scratch);
+        scratch.extend_from_slice(&crc.to_le_bytes());
+        nested = scratch;
+        let e = Frame::read_from(&mut &nested[..]).unwrap_err().to_string();
+        assert!(e.contains("not Pages"), "{e}");
+    }
+
     #[test]
     fn random_bytes_never_panic() {
         let mut x = 0x1234_5678_9abc_def0u64;
