@@ -10,7 +10,8 @@ installed.
   image-stats.py --excerpt OUT.raw.zst [--excerpt-size 8M] IMAGE
       cuts a small excerpt for the test suite: IMAGE's 64 KiB chunks, ~80% taken evenly over the
       whole image (its mix of zero, sparse and dense pages) and ~20% as pairs of chunks that hold
-      the same pages (so the excerpt has duplicates), in address order; writes OUT (zstd -19)
+      the same pages, other than pages of one repeated byte (so the excerpt has duplicates), in
+      address order; writes OUT (zstd -19)
       and OUT's metadata beside it (.json: the source, chunk offsets, sha256 and stats).
 
 Terms: a page is zero when all its 4096 bytes are; a non-zero page is dense when all its 64
@@ -233,13 +234,16 @@ def excerpt(path, out, size):
     if size % chunk:
         sys.exit(f"image-stats: --excerpt-size must be a multiple of {chunk >> 10} KiB")
     _, digests = stats(path, keep_digests=True, compress=False)
+    # Pages of one repeated byte (the kernel poisons freed init memory with 0xcc) are common
+    # enough to land in the excerpt anyway; pairs are chosen for other content.
+    uniform = {hashlib.blake2b(bytes([b]) * PAGE, digest_size=16).digest() for b in range(1, 256)}
     nchunks, want = len(digests) // CHUNK_PAGES, size // chunk
     if want > nchunks:
         sys.exit(f"image-stats: {path} is smaller than the excerpt")
     # Pairs of chunks sharing the most equal non-zero pages (first occurrence -> later copy).
     first, shared = {}, {}
     for i, d in enumerate(digests):
-        if d is None:
+        if d is None or d in uniform:
             continue
         if d in first:
             pair = (first[d] // CHUNK_PAGES, i // CHUNK_PAGES)
