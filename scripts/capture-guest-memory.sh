@@ -83,17 +83,22 @@ busybox=/bin/busybox
 [ -x "$busybox" ] || { echo "capture-guest-memory: no $busybox (busybox-static)" >&2; exit 1; }
 qemu_version=$(qemu-system-x86_64 --version | head -n 1)
 
-mkdir -p "$out"
+# The captures are made in a staging directory beside their final place and moved there only
+# when all of them are compressed: an interrupted run leaves the previous captures as they were.
+stage=$out/.linux-$mem.partial
+rm -rf "$stage"
+mkdir -p "$out" "$stage"
 work=$(mktemp -d "${TMPDIR:-/tmp}/guestmem-capture.XXXXXX")
-qemu_pid=""
+qemu_pid="" driver_pid=""
 prefix="linux-$mem"
 cleanup() {
-  if [ -n "$qemu_pid" ] && kill -0 "$qemu_pid" 2>/dev/null; then
-    kill "$qemu_pid" 2>/dev/null || true
-    wait "$qemu_pid" 2>/dev/null || true
-  fi
-  rm -rf "$work"
-  rm -f "$out/$prefix"-*.raw   # uncompressed leftovers of an interrupted run
+  for pid in $driver_pid $qemu_pid; do
+    if kill -0 "$pid" 2>/dev/null; then
+      kill "$pid" 2>/dev/null || true
+      wait "$pid" 2>/dev/null || true
+    fi
+  done
+  rm -rf "$work" "$stage"
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
@@ -289,22 +294,29 @@ qemu-system-x86_64 -accel tcg -cpu max -smp 2 -m "$mem" -nodefaults -display non
   -serial "file:$serial" -monitor none -qmp "unix:$qmp,server,nowait" &
 qemu_pid=$!
 started=$(date +%s)
+# In the background so that a signal reaches this script's trap at once (bash runs traps only
+# between foreground commands, but interrupts `wait`).
 python3 "$here/qmp-capture.py" --qmp "$qmp" --serial "$serial" --ram-bytes $(( ram_mib << 20 )) \
-  --out "$out" --prefix "$prefix" --load-seconds "$load_seconds" --gap "$gap" $no_load2 \
+  --out "$stage" --prefix "$prefix" --load-seconds "$load_seconds" --gap "$gap" $no_load2 \
   --qemu-pid "$qemu_pid" --meta "kernel=$kver" --meta "qemu=$qemu_version" \
   --meta "qemu_args=-accel tcg -cpu max -smp 2 -m $mem" --meta "ram=$mem" \
-  --meta "workload=scripts/capture-guest-memory.sh (busybox init: page cache, heap, random, rewriting loop)" ||
+  --meta "workload=scripts/capture-guest-memory.sh (busybox init: page cache, heap, random, rewriting loop)" &
+driver_pid=$!
+wait "$driver_pid" ||
   { echo "capture-guest-memory: capture failed; the guest's console said:" >&2; tail -n 20 "$serial" >&2; exit 1; }
+driver_pid=""
 wait "$qemu_pid" 2>/dev/null || true
 qemu_pid=""
-cp "$serial" "$out/$prefix-console.log"
+cp "$serial" "$stage/$prefix-console.log"
 grep -a -e GUESTMEM -e guestmem: "$serial" || true
 echo "capture-guest-memory: guest ran $(( $(date +%s) - started )) s; compressing"
 
 names=(boot load); [ -n "$no_load2" ] || names+=(load2)
 for name in "${names[@]}"; do
-  zstd -q -f -3 -T2 --rm "$out/$prefix-$name.raw" -o "$out/$prefix-$name.raw.zst"
+  zstd -q -f -3 -T2 --rm "$stage/$prefix-$name.raw" -o "$stage/$prefix-$name.raw.zst"
 done
+[ -n "$no_load2" ] && rm -f "$out/$prefix-load2.raw.zst" "$out/$prefix-load2.json"
+mv -f "$stage"/* "$out"/
 echo "capture-guest-memory: captures in $out:"
 for name in "${names[@]}"; do
   ls -l "$out/$prefix-$name.raw.zst" "$out/$prefix-$name.json" | awk '{printf "  %12d  %s\n", $5, $9}'
