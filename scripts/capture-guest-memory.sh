@@ -36,13 +36,14 @@ mem=2G load_seconds=40 gap=5 no_load2="" out=${GUESTMEM_IMAGES:-$HOME/.cache/gue
 excerpt_from="" excerpt_to="" excerpt_size=8M
 while [ $# -gt 0 ]; do
   case "$1" in
-    -m|--mem) mem=$2; shift 2 ;;
-    --load-seconds) load_seconds=$2; shift 2 ;;
-    --gap) gap=$2; shift 2 ;;
+    -m|--mem) mem=${2:?-m takes a size}; shift 2 ;;
+    --load-seconds) load_seconds=${2:?--load-seconds takes seconds}; shift 2 ;;
+    --gap) gap=${2:?--gap takes seconds}; shift 2 ;;
     --no-load2) no_load2=--no-load2; shift ;;
-    --out) out=$2; shift 2 ;;
-    --excerpt) excerpt_from=$2; excerpt_to=$3; shift 3 ;;
-    --size) excerpt_size=$2; shift 2 ;;
+    --out) out=${2:?--out takes a directory}; shift 2 ;;
+    --excerpt) excerpt_from=${2:?--excerpt takes FROM.raw.zst TO.raw.zst}
+               excerpt_to=${3:?--excerpt takes FROM.raw.zst TO.raw.zst}; shift 3 ;;
+    --size) excerpt_size=${2:?--size takes a size like 8M}; shift 2 ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "capture-guest-memory: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -319,5 +320,5 @@ done
 mv -f "$stage"/* "$out"/
 echo "capture-guest-memory: captures in $out:"
 for name in "${names[@]}"; do
-  ls -l "$out/$prefix-$name.raw.zst" "$out/$prefix-$name.json" | awk '{printf "  %12d  %s\n", $5, $9}'
+  stat -c '  %12s  %n' "$out/$prefix-$name.raw.zst" "$out/$prefix-$name.json"
 done
