@@ -79,10 +79,11 @@ fn run(args: &Args, dir: &std::path::Path) -> crate::Result<()> {
         verify: matches!(args.mode, ModeArg::Precopy),
         share_memory: false,
         whole_pages: false,
+        compress: Default::default(),
         fault_cpus: None,
     };
     let report = match migrate::run_source(
-        &vm.config()?,
+        &vm,
         &migrate::dirty_work(&vm, rate),
         Duration::from_secs(1),
         &endpoint,

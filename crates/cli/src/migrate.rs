@@ -7,9 +7,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use guestmem_migration::compress::Compress;
 use guestmem_migration::migrate::{self, Links, Mode, ReceiveOptions, Report, SendOptions};
 use guestmem_migration::transport::{generate_credentials, Credentials, Endpoint, Listener, Role};
-use guestmem_vm::{layout, VcpuWork, Vm, VmConfig, Workload};
+use guestmem_vm::{layout, VcpuWork, Vm, Workload};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
@@ -63,6 +64,10 @@ pub struct SendArgs {
     /// How long the guest runs before the migration starts, in seconds.
     #[arg(long, default_value_t = 1.0)]
     pub after: f64,
+    /// Run the `rewrite` workload instead of `dirty`: 2-33 lines of each page rewritten with
+    /// bytes from another page (with `--image`: memory as dense as a real guest's).
+    #[arg(long)]
+    pub rewrite: bool,
     /// Unix socket on which a broken post-copy waits for `guestmem migrate resume`
     /// (default: /tmp/guestmem-migrate-PID.sock).
     #[arg(long)]
@@ -106,6 +111,10 @@ pub struct HowArgs {
     /// 64-byte lines: for comparisons.
     #[arg(long)]
     pub whole_pages: bool,
+    /// Compression of the pages sent: none, lz4, zstd, or auto (whichever moves pages fastest
+    /// as measured while migrating: compressing pays on a slow link, not on a fast one).
+    #[arg(long, default_value = "none")]
+    pub compress: Compress,
     /// Post-copy and hybrid: host CPUs for the threads answering the destination's faults,
     /// e.g. 0. On one host, give the destination's `--fault-cpus` the same CPU.
     #[arg(long, value_delimiter = ',')]
@@ -196,6 +205,7 @@ impl HowArgs {
             verify: self.verify,
             share_memory: self.share_memory,
             whole_pages: self.whole_pages,
+            compress: self.compress,
             fault_cpus: self.fault_cpus.clone(),
             ..Default::default()
         })
@@ -203,14 +213,29 @@ impl HowArgs {
 }
 
 fn send_main(args: SendArgs) -> crate::Result<()> {
-    let config = args.vm.config()?;
+    args.vm.config()?;
     let creds = Credentials::load(&args.keys, Role::Source)?;
     let control = args.control.clone().unwrap_or_else(|| {
         std::env::temp_dir().join(format!("guestmem-migrate-{}.sock", std::process::id()))
     });
-    let work = dirty_work(&args.vm, args.dirty_mib_per_s);
+    let mut work = dirty_work(&args.vm, args.dirty_mib_per_s);
+    if args.rewrite {
+        for w in &mut work {
+            if let Workload::Dirty {
+                pages_per_s,
+                passes,
+                ..
+            } = w.workload
+            {
+                w.workload = Workload::Rewrite {
+                    pages_per_s,
+                    passes,
+                };
+            }
+        }
+    }
     let report = run_source(
-        &config,
+        &args.vm,
         &work,
         seconds(args.after, "--after")?,
         &args.to,
@@ -226,7 +251,7 @@ fn send_main(args: SendArgs) -> crate::Result<()> {
 /// failure the source VM keeps running while the error is reported, then stops.
 #[allow(clippy::too_many_arguments)]
 pub fn run_source(
-    config: &VmConfig,
+    vm_args: &VmArgs,
     work: &[VcpuWork],
     after: Duration,
     to: &Endpoint,
@@ -236,7 +261,8 @@ pub fn run_source(
     show_progress: bool,
 ) -> crate::Result<Report> {
     let mut opts = how.options()?;
-    let mut vm = Vm::new(config)?;
+    let mut vm = Vm::new(&vm_args.config()?)?;
+    vm_args.load_image(&vm)?;
     let running = vm.start(work)?;
     std::thread::sleep(after);
     let bar = show_progress.then(|| {
@@ -494,6 +520,19 @@ pub fn print_report(report: &Report, json: bool, plot: Option<&Path>) -> crate::
             String::new()
         }
     );
+    let c = &report.compression;
+    if c.lz4_frames + c.zstd_frames > 0 {
+        println!(
+            "  compression {:?}: {} frames LZ4, {} zstd, {} plain; compressed frames {:.1} -> \
+             {:.1} MiB",
+            c.mode,
+            c.lz4_frames,
+            c.zstd_frames,
+            c.plain_frames,
+            mib(c.compressed_in_bytes),
+            mib(c.compressed_out_bytes)
+        );
+    }
     println!(
         "  sent {:.1} MiB in {} pages ({:.1} MiB on the wire: non-zero lines); {} zero pages \
          not sent{}{}",

@@ -14,12 +14,13 @@ use guestmem_tracking::{DirtyBitmap, Tracker};
 use guestmem_vm::{layout, RunningVm, Vm};
 use serde::Serialize;
 
+use crate::compress::{Compress, CompressionReport, Compressor};
 use crate::destination::DestinationReport;
 use crate::migrate::{
     frame_name, read_frame, write_frame, Links, Mode, Resume, Setup, StaleChunks, Switchover,
     BLOCK, POSTCOPY_CHUNK,
 };
-use crate::stream::{Frame, StreamError};
+use crate::stream::{compress_pages, Frame, StreamError};
 use crate::transport::{Connection, Cutter};
 use crate::{Error, Result};
 
@@ -59,6 +60,9 @@ pub struct SendOptions {
     /// Send every 64-byte line of every page, zero or not (as QEMU does), instead of only the
     /// non-zero ones: for comparisons.
     pub whole_pages: bool,
+    /// How Pages frames are compressed (see [`crate::compress`]); zero pages and zero lines
+    /// are left out in every mode.
+    pub compress: Compress,
     /// Post-copy and hybrid: host CPUs for the threads that answer the destination's faults
     /// (the urgent connections' servers). When source and destination share a host, giving
     /// these and the destination's fault handlers ([`ReceiveOptions::fault_cpus`]) the same
@@ -86,6 +90,7 @@ impl Default for SendOptions {
             share_memory: false,
             tracking: None,
             whole_pages: false,
+            compress: Compress::None,
             fault_cpus: None,
             progress: None,
             reconnect: None,
@@ -170,6 +175,8 @@ pub struct Report {
     pub source_extra_bytes: u64,
     /// The destination's figures (post-copy faults and their latency).
     pub destination: Option<DestinationReport>,
+    /// What compression the pre-copy Pages frames got.
+    pub compression: CompressionReport,
 }
 
 /// A migration that failed. `vm` is the source VM, still running, when the source kept the
@@ -337,6 +344,7 @@ struct Source<'o> {
     /// Bytes queued to the writers (for the bandwidth limit).
     queued: u64,
     send_started: Instant,
+    compressor: Arc<Compressor>,
 }
 
 /// Pages dirtied and not sent yet when the guest stopped.
@@ -359,6 +367,7 @@ impl<'o> Source<'o> {
             shared: Vec::new(),
             queued: 0,
             send_started: Instant::now(),
+            compressor: Arc::new(Compressor::new(opts.compress)),
             report: Report {
                 mode: opts.mode,
                 guest_bytes,
@@ -383,6 +392,7 @@ impl<'o> Source<'o> {
                 link_breaks: 0,
                 source_extra_bytes: 0,
                 destination: None,
+                compression: CompressionReport::default(),
             },
         }
     }
@@ -491,6 +501,7 @@ impl<'o> Source<'o> {
                 std::mem::take(&mut links.pages),
                 &self.memory,
                 self.opts.whole_pages,
+                self.compressor.clone(),
             );
             let sent = self.send_round(&mut Some(&mut *tracker), &dirty, round, writers, false);
             let (conns, stats) = sent?;
@@ -755,6 +766,7 @@ impl<'o> Source<'o> {
             std::mem::take(&mut links.pages),
             &self.memory,
             self.opts.whole_pages,
+            self.compressor.clone(),
         );
         let (conns, mut stats) = self.send_round(&mut tracker, &dirty, round, writers, true)?;
         links.pages = conns;
@@ -861,6 +873,7 @@ impl<'o> Source<'o> {
 
     fn finish(mut self) -> Report {
         self.report.total_ms = self.ms();
+        self.report.compression = self.compressor.report();
         self.report.tracking = self.tracking.clone();
         self.report
     }
@@ -1101,7 +1114,12 @@ struct Writers {
 }
 
 impl Writers {
-    fn spawn(conns: Vec<Connection>, memory: &Arc<GuestMemory>, whole_pages: bool) -> Writers {
+    fn spawn(
+        conns: Vec<Connection>,
+        memory: &Arc<GuestMemory>,
+        whole_pages: bool,
+        compressor: Arc<Compressor>,
+    ) -> Writers {
         let wire_bytes = Arc::new(AtomicU64::new(0));
         let mut queues = Vec::new();
         let mut threads = Vec::new();
@@ -1109,12 +1127,14 @@ impl Writers {
             let (tx, rx) = sync_channel::<Job>(8);
             let memory = memory.clone();
             let wire_bytes = wire_bytes.clone();
+            let compressor = compressor.clone();
             queues.push(tx);
             threads.push(
                 std::thread::Builder::new()
                     .name(format!("migrate-tx{i}"))
                     .spawn(move || {
                         let mut out = Vec::with_capacity((BLOCK + 64) as usize);
+                        let mut scratch = Vec::new();
                         let mut result = Ok(());
                         for job in rx {
                             let sent = match job {
@@ -1130,10 +1150,25 @@ impl Writers {
                                             .map_err(|e| StreamError::Malformed(e.to_string()))
                                     },
                                 )
-                                .map_err(Error::Stream)
                                 .and_then(|_| {
+                                    let codec = compressor.choose();
+                                    let (encoded, t) = (out.len(), Instant::now());
+                                    compress_pages(&mut out, codec, &mut scratch)?;
+                                    Ok((codec, encoded, t.elapsed()))
+                                })
+                                .map_err(Error::Stream)
+                                .and_then(|(codec, encoded, compress_time)| {
                                     wire_bytes.fetch_add(out.len() as u64, Ordering::Relaxed);
-                                    conn.write_all(&out).map_err(|e| Error::Stream(e.into()))
+                                    let t = Instant::now();
+                                    conn.write_all(&out).map_err(|e| Error::Stream(e.into()))?;
+                                    compressor.record(
+                                        codec,
+                                        encoded,
+                                        out.len(),
+                                        compress_time,
+                                        t.elapsed(),
+                                    );
+                                    Ok(())
                                 }),
                                 Job::Frame(f) => write_frame(&mut conn, &f),
                             };
