@@ -120,7 +120,7 @@ impl Compressor {
                 if let Some(i) = (1..3).find(|&i| figures.compress_ns[i].is_none()) {
                     return CANDIDATES[i];
                 }
-                if n % PROBE_EVERY == 0 {
+                if n.is_multiple_of(PROBE_EVERY) {
                     return CANDIDATES[((n / PROBE_EVERY) % 3) as usize];
                 }
                 best(&figures)
