@@ -339,6 +339,7 @@ fn a_dead_destination_leaves_the_source_running() {
     let dest = std::thread::spawn(move || {
         let mut conn = listener.accept().unwrap();
         let _hello = Frame::read_from(&mut conn).unwrap();
+        answer_hello(&mut conn);
         let _setup = Frame::read_from(&mut conn).unwrap();
         Frame::Hello {
             config_json: b"{}".to_vec(),
@@ -364,6 +365,16 @@ fn a_dead_destination_leaves_the_source_running() {
     runs_on(failure.vm.expect("the source keeps its VM"));
 }
 
+/// What a destination answers a connection's Hello with, to take it.
+fn answer_hello(conn: &mut transport::Connection) {
+    Frame::Hello {
+        config_json: b"{}".to_vec(),
+    }
+    .write_to(conn)
+    .unwrap();
+    std::io::Write::flush(conn).unwrap();
+}
+
 /// A failed migration's source VM is running: its counters move on. Then it is stopped.
 fn runs_on(running: RunningVm) {
     let before: u64 = running.progress().iter().map(|p| p.0).sum();
@@ -387,7 +398,8 @@ fn sharing_memory_over_tcp_is_refused_and_the_source_runs_on() {
     // The destination reads until the source hangs up.
     let dest = std::thread::spawn(move || {
         let mut conn = listener.accept().unwrap();
-        let mut frames = Vec::new();
+        let mut frames = vec![Frame::read_from(&mut conn).unwrap()];
+        answer_hello(&mut conn);
         while let Ok(f) = Frame::read_from(&mut conn) {
             frames.push(f);
         }
@@ -446,40 +458,211 @@ fn a_destination_that_cannot_build_the_vm_refuses_before_anything_moves() {
     running.wait(Duration::from_secs(30)).unwrap();
 }
 
+/// A source's Hello as raw JSON (the protocol's first frame on each connection).
+fn raw_hello(migration: u64, channel: &str, pages: usize) -> Frame {
+    Frame::Hello {
+        config_json: format!(
+            r#"{{"guestmem_version":"0","migration":{migration},"channel":{channel},"pages":{pages},"urgent":0,"resume":false}}"#
+        )
+        .into_bytes(),
+    }
+}
+
+/// Junk before a migration: a connection that says nothing, random bytes, a line of text, a
+/// stranger's certificate, a source certificate sending no Hello, a source presenting the
+/// destination's certificate. Each is refused on its own (the TLS ones told why); the
+/// genuine migration after them goes through, its memory whole.
 #[test]
-fn a_wrong_key_and_a_malformed_stream_are_refused() {
-    let pair = Pair::new("keys");
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn junk_connections_are_refused_and_the_migration_after_them_goes_through() {
+    use std::io::{Read, Write};
+    let pair = Pair::tcp("junk");
+    let dest = destination(pair.listener.clone(), true);
+    let Endpoint::Tcp(addr) = &pair.endpoint else {
+        unreachable!()
+    };
+    let _silent = std::net::TcpStream::connect(addr).unwrap();
+    for junk in [
+        &[0x16u8, 0x03, 0x01, 0xff, 0xff, 0x9a, 0x42][..],
+        b"hello there\n",
+    ] {
+        let mut c = std::net::TcpStream::connect(addr).unwrap();
+        c.write_all(junk).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        // The destination hangs up on it (after a TLS alert, maybe).
+        let mut sink = Vec::new();
+        let _ = c.read_to_end(&mut sink);
+    }
     let stranger = TempDir::new("migrate-stranger");
     generate_credentials(&stranger.0).unwrap();
-    let listener = pair.listener.clone();
-    let dest = std::thread::spawn(move || {
-        let first = migrate::receive(listener.clone(), &ReceiveOptions::default())
-            .err()
-            .expect("a stranger is refused")
-            .to_string();
-        let second = migrate::receive(listener, &ReceiveOptions::default())
-            .err()
-            .expect("garbage is refused")
-            .to_string();
-        (first, second)
-    });
-    let creds = Credentials::load(&stranger.0, Role::Source).unwrap();
-    let e = Links::connect(&pair.endpoint, &creds, Mode::Precopy, 1)
-        .err()
-        .expect("the destination is not ours");
-    assert!(e.to_string().contains("TLS"), "{e}");
-    let mut conn = transport::connect(
+    let e = Links::connect(
         &pair.endpoint,
-        &Credentials::load(&pair.dir.0, Role::Source).unwrap(),
+        &Credentials::load(&stranger.0, Role::Source).unwrap(),
+        Mode::Precopy,
+        1,
     )
-    .unwrap();
-    use std::io::Write;
+    .err()
+    .expect("the destination is not ours");
+    assert!(e.to_string().contains("TLS"), "{e}");
+
+    let source_creds = Credentials::load(&pair.dir.0, Role::Source).unwrap();
+    let mut conn = transport::connect(&pair.endpoint, &source_creds).unwrap();
     conn.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
     conn.flush().unwrap();
-    let (first, second) = dest.join().unwrap();
-    assert!(first.contains("TLS"), "{first}");
+    match Frame::read_from(&mut conn) {
+        Ok(Frame::Abort { reason }) => {
+            assert!(
+                reason.contains("not a guestmem migration stream"),
+                "{reason}"
+            )
+        }
+        other => panic!("expected an Abort, got {other:?}"),
+    }
+
+    // The destination's own certificate, presented by a source.
+    let swapped = TempDir::new("migrate-swapped");
+    std::fs::create_dir_all(&swapped.0).unwrap();
+    std::fs::copy(pair.dir.0.join("ca.pem"), swapped.0.join("ca.pem")).unwrap();
+    for ext in ["pem", "key"] {
+        std::fs::copy(
+            pair.dir.0.join(format!("guestmem-destination.{ext}")),
+            swapped.0.join(format!("guestmem-source.{ext}")),
+        )
+        .unwrap();
+    }
+    let e = Links::connect(
+        &pair.endpoint,
+        &Credentials::load_unchecked(&swapped.0, Role::Source).unwrap(),
+        Mode::Precopy,
+        1,
+    )
+    .err()
+    .expect("a destination's certificate on a source");
     assert!(
-        second.contains("not a guestmem migration stream"),
-        "{second}"
+        e.to_string()
+            .contains("it is a destination certificate (guestmem-destination), where a source one"),
+        "{e}"
+    );
+
+    let mut vm = source_vm(Backend::Anon);
+    let running = start(&mut vm);
+    gate(&running);
+    let report = migrate::send(
+        running,
+        pair.connect(Mode::Precopy, 2),
+        &SendOptions::default(),
+    )
+    .unwrap_or_else(|f| panic!("{f:?}"));
+    let received = dest.join().unwrap();
+    assert_eq!(
+        received.digest,
+        digest(vm.memory()),
+        "the memory came whole"
+    );
+    check(&report, &received, &vm.pages_done());
+}
+
+/// Two sources at once: the first one's migration completes; the second is refused, told
+/// that the destination is busy with another migration, and keeps nothing from trying.
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn a_second_source_is_told_the_destination_is_busy_and_the_first_completes() {
+    let pair = Pair::new("busy");
+    let dest = destination(pair.listener.clone(), false);
+    let mut vm = source_vm(Backend::Anon);
+    let running = start(&mut vm);
+    let first = pair.connect(Mode::Precopy, 2);
+    let creds = Credentials::load(&pair.dir.0, Role::Source).unwrap();
+    let e = Links::connect(&pair.endpoint, &creds, Mode::Precopy, 2)
+        .err()
+        .expect("the second source is refused");
+    assert!(
+        e.to_string()
+            .contains("the destination is busy with another migration"),
+        "{e}"
+    );
+    let report =
+        migrate::send(running, first, &SendOptions::default()).unwrap_or_else(|f| panic!("{f:?}"));
+    let received = dest.join().unwrap();
+    check(&report, &received, &vm.pages_done());
+}
+
+/// A source that opens its first connection of two and no more: the destination gives up
+/// after the handshake timeout, naming the connection that did not come, and tells the source.
+#[test]
+fn a_missing_connection_is_waited_for_the_handshake_timeout_only() {
+    let dir = TempDir::new("migrate-missing");
+    generate_credentials(&dir.0).unwrap();
+    let listener = Arc::new(
+        Listener::bind(
+            &Endpoint::Tcp("127.0.0.1:0".into()),
+            &Credentials::load(&dir.0, Role::Destination).unwrap(),
+        )
+        .unwrap()
+        .with_timeouts(transport::Timeouts {
+            handshake: Duration::from_secs(1),
+            idle: Duration::from_secs(5),
+        }),
+    );
+    let endpoint = Endpoint::Tcp(format!("127.0.0.1:{}", listener.port().unwrap()));
+    let l = listener.clone();
+    let dest = std::thread::spawn(move || {
+        let started = std::time::Instant::now();
+        let e = migrate::receive(l, &ReceiveOptions::default())
+            .err()
+            .expect("refused")
+            .to_string();
+        (e, started.elapsed())
+    });
+    let mut conn =
+        transport::connect(&endpoint, &Credentials::load(&dir.0, Role::Source).unwrap()).unwrap();
+    raw_hello(7, r#"{"pages":0}"#, 2)
+        .write_to(&mut conn)
+        .unwrap();
+    std::io::Write::flush(&mut conn).unwrap();
+    assert!(matches!(
+        Frame::read_from(&mut conn),
+        Ok(Frame::Hello { .. })
+    ));
+    let (e, took) = dest.join().unwrap();
+    assert!(
+        e.contains("pages connection 1 of migration 0x7 did not come within 1 s"),
+        "{e}"
+    );
+    assert!(took < Duration::from_secs(5), "waited {took:?}");
+    match Frame::read_from(&mut conn) {
+        Ok(Frame::Abort { reason }) => assert!(reason.contains("pages connection 1"), "{reason}"),
+        other => panic!("expected an Abort, got {other:?}"),
+    }
+}
+
+/// A bandwidth limit that never lets the migration finish is refused before anything moves,
+/// naming the option; the source keeps its VM running.
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn a_bandwidth_limit_that_never_finishes_is_refused() {
+    let pair = Pair::new("bw0");
+    let listener = pair.listener.clone();
+    let dest = std::thread::spawn(move || migrate::receive(listener, &ReceiveOptions::default()));
+    let mut vm = source_vm(Backend::Anon);
+    let running = start(&mut vm);
+    let opts = SendOptions {
+        max_bandwidth: Some(0),
+        ..Default::default()
+    };
+    let failure = migrate::send(running, pair.connect(Mode::Precopy, 2), &opts)
+        .expect_err("a zero bandwidth is refused");
+    assert!(
+        failure
+            .error
+            .to_string()
+            .contains("max_bandwidth of 0 bytes/s"),
+        "{}",
+        failure.error
+    );
+    runs_on(failure.vm.expect("the source keeps its VM"));
+    assert!(
+        dest.join().unwrap().is_err(),
+        "the destination got nothing to run"
     );
 }

@@ -93,6 +93,32 @@ impl Default for SendOptions {
     }
 }
 
+/// The least bandwidth limit per pages connection: below it, a connection would wait longer
+/// than the destination's idle timeout between two 2 MiB blocks.
+pub const MIN_BANDWIDTH_PER_CONNECTION: u64 = 1 << 20;
+
+impl SendOptions {
+    /// Refuses options with which a migration over `connections` pages connections could never
+    /// finish, naming the option.
+    pub fn check(&self, connections: usize) -> Result<()> {
+        if let Some(bw) = self.max_bandwidth {
+            let least = MIN_BANDWIDTH_PER_CONNECTION * connections.max(1) as u64;
+            if bw < least {
+                return Err(Error::Migration(format!(
+                    "max_bandwidth of {bw} bytes/s is below {least} (1 MiB/s for each of the \
+                     {connections} pages connections): the migration would never finish"
+                )));
+            }
+        }
+        if self.max_rounds == 0 {
+            return Err(Error::Migration(
+                "max_rounds is 0: pre-copy needs at least one round".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Where a migration is, for a progress display.
 #[derive(Debug, Clone, Serialize)]
 pub struct Progress {
@@ -201,6 +227,12 @@ pub fn send<'a>(
     opts: &SendOptions,
 ) -> std::result::Result<Report, Box<Failure<'a>>> {
     let started = Instant::now();
+    if let Err(error) = opts.check(links.pages.len()) {
+        return Err(Box::new(Failure {
+            error,
+            vm: Some(running),
+        }));
+    }
     let fault_cpus = match opts.fault_cpus.as_deref().map(CpuSet::new).transpose() {
         Ok(cpus) => cpus,
         Err(e) => {
@@ -1068,11 +1100,17 @@ fn serve(conn: &mut Connection, memory: &GuestMemory, counters: &ServeCounters) 
                     conn.write_all(&frame_out)
                         .and_then(|()| conn.flush())
                         .map_err(|e| Error::Stream(e.into()))?;
-                    bytes.fetch_add(len as u64, Ordering::Relaxed);
-                    wire.fetch_add(frame_out.len() as u64, Ordering::Relaxed);
+                    if gpa != layout::SYS_GPA {
+                        bytes.fetch_add(len as u64, Ordering::Relaxed);
+                        wire.fetch_add(frame_out.len() as u64, Ordering::Relaxed);
+                    }
                 }
                 out = frame_out;
-                requests.fetch_add(1, Ordering::Relaxed);
+                // The destination's heartbeat (a page of the sys region, which post-copy never
+                // fetches otherwise) is not a transfer.
+                if gpa != layout::SYS_GPA {
+                    requests.fetch_add(1, Ordering::Relaxed);
+                }
             }
             Frame::Complete { report_json } => return Ok(report_json),
             other => return Err(unexpected(&other, "Request or Complete")),
