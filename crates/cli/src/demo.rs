@@ -79,6 +79,7 @@ fn run(args: &Args, dir: &std::path::Path) -> crate::Result<()> {
         share_memory: false,
         whole_pages: false,
         fault_cpus: None,
+        dead_after: guestmem_migration::migrate::DEAD_PEER_TIMEOUT.as_secs_f64(),
     };
     let report = match migrate::run_source(
         &vm.config()?,
