@@ -666,3 +666,121 @@ fn a_bandwidth_limit_that_never_finishes_is_refused() {
         "the destination got nothing to run"
     );
 }
+
+/// A relay to `to` that forwards both ways until frozen, then forwards nothing and keeps its
+/// sockets open: a link cut without a word (no FIN, no RST), as a dead host or a partition.
+fn freezing_relay(to: u16) -> (u16, Arc<std::sync::atomic::AtomicBool>) {
+    use std::io::{Read, Write};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let frozen = Arc::new(AtomicBool::new(false));
+    let f = frozen.clone();
+    std::thread::spawn(move || {
+        for client in listener.incoming() {
+            let Ok(client) = client else { return };
+            let server = std::net::TcpStream::connect(("127.0.0.1", to)).unwrap();
+            for (mut from, mut into) in [
+                (client.try_clone().unwrap(), server.try_clone().unwrap()),
+                (server, client),
+            ] {
+                let f = f.clone();
+                std::thread::spawn(move || {
+                    let mut buf = vec![0u8; 64 << 10];
+                    loop {
+                        if f.load(Ordering::SeqCst) {
+                            // Hold the sockets, say nothing.
+                            std::thread::sleep(Duration::from_secs(60));
+                            return;
+                        }
+                        let n = match from.read(&mut buf) {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => n,
+                        };
+                        if f.load(Ordering::SeqCst) || into.write_all(&buf[..n]).is_err() {
+                            continue;
+                        }
+                    }
+                });
+            }
+        }
+    });
+    (port, frozen)
+}
+
+/// A two-connection pre-copy whose link goes silent after its first round: both sides fail
+/// within their idle timeout, each naming the wait and the peer, and the source keeps its VM.
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn a_link_cut_silently_fails_both_sides_within_the_idle_timeout() {
+    use std::sync::atomic::Ordering;
+    let timeouts = transport::Timeouts {
+        handshake: Duration::from_secs(2),
+        idle: Duration::from_secs(1),
+    };
+    let dir = TempDir::new("migrate-silent-cut");
+    generate_credentials(&dir.0).unwrap();
+    let listener = Arc::new(
+        Listener::bind(
+            &Endpoint::Tcp("127.0.0.1:0".into()),
+            &Credentials::load(&dir.0, Role::Destination).unwrap(),
+        )
+        .unwrap()
+        .with_timeouts(timeouts),
+    );
+    let (relay, frozen) = freezing_relay(listener.port().unwrap());
+    let l = listener.clone();
+    let dest = std::thread::spawn(move || {
+        let e = migrate::receive(l, &ReceiveOptions::default())
+            .err()
+            .expect("the link went silent")
+            .to_string();
+        (e, std::time::Instant::now())
+    });
+    let mut vm = source_vm(Backend::Anon);
+    let running = start(&mut vm);
+    let links = Links::connect_with(
+        &Endpoint::Tcp(format!("127.0.0.1:{relay}")),
+        &Credentials::load(&dir.0, Role::Source).unwrap(),
+        Mode::Precopy,
+        2,
+        timeouts,
+    )
+    .unwrap();
+    let froze = Arc::new(Mutex::new(None));
+    let (f, at) = (frozen.clone(), froze.clone());
+    let opts = SendOptions {
+        // Small rounds, and many: the guest keeps dirtying its memory.
+        downtime: Duration::from_micros(1),
+        auto_converge: false,
+        progress: Some(Arc::new(move |_: &migrate::Progress| {
+            if !f.swap(true, Ordering::SeqCst) {
+                *at.lock().unwrap() = Some(std::time::Instant::now());
+            }
+        })),
+        ..Default::default()
+    };
+    let failure = migrate::send(running, links, &opts).expect_err("the link went silent");
+    let froze = froze.lock().unwrap().expect("the link froze");
+    let source_took = froze.elapsed();
+    let e = failure.error.to_string();
+    assert!(
+        e.contains("the destination at tcp:127.0.0.1:") && e.contains("idle timeout"),
+        "{e}"
+    );
+    runs_on(failure.vm.expect("the source keeps its VM"));
+    let (dest_error, dest_ended) = dest.join().unwrap();
+    assert!(
+        dest_error.contains("the source at 127.0.0.1:") && dest_error.contains("idle timeout"),
+        "{dest_error}"
+    );
+    assert!(
+        source_took < Duration::from_secs(5),
+        "the source waited {source_took:?}"
+    );
+    assert!(
+        dest_ended.duration_since(froze) < Duration::from_secs(5),
+        "the destination waited {:?}",
+        dest_ended.duration_since(froze)
+    );
+}

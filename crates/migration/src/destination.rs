@@ -187,14 +187,24 @@ pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incomin
 
     // The rounds: each pages connection is applied by its own thread, up to its last
     // EndOfRound.
+    // A reader that fails ends the others' reads at once (their connections may be cut
+    // silently): the migration fails now, not after an idle timeout.
+    let cutters = Arc::new(links.cutters()?);
     let readers: Vec<_> = std::mem::take(&mut links.pages)
         .into_iter()
         .enumerate()
         .map(|(i, conn)| {
             let memory = memory.clone();
+            let cutters = cutters.clone();
             std::thread::Builder::new()
                 .name(format!("migrate-rx{i}"))
-                .spawn(move || apply_pages(conn, &memory))
+                .spawn(move || {
+                    let (conn, result) = apply_pages(conn, &memory);
+                    if result.is_err() {
+                        cutters.iter().for_each(Cutter::cut_reads);
+                    }
+                    (conn, result)
+                })
                 .expect("spawning a reader thread")
         })
         .collect();

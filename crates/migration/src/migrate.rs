@@ -208,6 +208,25 @@ impl Links {
         )
     }
 
+    /// [`Links::connect`] with other bounds for the connections' waits.
+    pub fn connect_with(
+        endpoint: &Endpoint,
+        creds: &Credentials,
+        mode: Mode,
+        connections: usize,
+        timeouts: transport::Timeouts,
+    ) -> Result<Links> {
+        Links::open_with(
+            endpoint,
+            creds,
+            new_migration_id(),
+            mode,
+            connections,
+            false,
+            timeouts,
+        )
+    }
+
     fn open(
         endpoint: &Endpoint,
         creds: &Credentials,
@@ -215,6 +234,27 @@ impl Links {
         mode: Mode,
         connections: usize,
         resume: bool,
+    ) -> Result<Links> {
+        let timeouts = transport::Timeouts::default();
+        Links::open_with(
+            endpoint,
+            creds,
+            migration,
+            mode,
+            connections,
+            resume,
+            timeouts,
+        )
+    }
+
+    fn open_with(
+        endpoint: &Endpoint,
+        creds: &Credentials,
+        migration: u64,
+        mode: Mode,
+        connections: usize,
+        resume: bool,
+        timeouts: transport::Timeouts,
     ) -> Result<Links> {
         if connections == 0 || connections > 64 {
             return Err(Error::Migration(format!(
@@ -227,7 +267,7 @@ impl Links {
             0
         };
         let open = |channel| -> Result<Connection> {
-            let mut conn = transport::connect(endpoint, creds)?;
+            let mut conn = transport::connect_with(endpoint, creds, timeouts)?;
             let hello = Hello {
                 guestmem_version: env!("CARGO_PKG_VERSION").into(),
                 migration,

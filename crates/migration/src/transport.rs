@@ -45,7 +45,7 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Every phase of the protocol keeps each connection busy well within it (post-copy's quiet
 /// connections carry heartbeats, [`crate::migrate::HEARTBEAT_INTERVAL`]): a peer silent for
 /// this long is dead, stuck or cut off, and the connection fails naming it.
-pub const IDLE_TIMEOUT: Duration = Duration::from_secs(20);
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// The bounds of a connection's waits (the defaults: [`HANDSHAKE_TIMEOUT`], [`IDLE_TIMEOUT`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -536,6 +536,15 @@ impl Cutter {
         let _ = match &self.0 {
             Socket::Tcp(s) => s.shutdown(std::net::Shutdown::Both),
             Socket::Unix(s) => s.shutdown(std::net::Shutdown::Both),
+        };
+    }
+
+    /// Ends the reads only (a blocked one returns at once); writes still go, e.g. an Abort
+    /// telling the peer why.
+    pub fn cut_reads(&self) {
+        let _ = match &self.0 {
+            Socket::Tcp(s) => s.shutdown(std::net::Shutdown::Read),
+            Socket::Unix(s) => s.shutdown(std::net::Shutdown::Read),
         };
     }
 }
