@@ -16,12 +16,28 @@
 //! (the destination's vCPUs run: the downtime ends) → in post-copy, Requests until all memory is
 //! resident → Complete (with the destination's figures).
 //!
+//! **Admission**: the destination takes the connections of one migration at a time. Each
+//! connection's handshake and Hello run on their own, so a silent or junk connection is
+//! refused alone; the first pages connection of a new migration claims the destination, and
+//! the connections of any other migration are answered Abort ("the destination is busy with
+//! another migration") until it is over. Every connection's Hello is answered (Hello or Abort).
+//!
+//! **Bounds**: every wait on the peer is bounded, and its error names the wait and the peer:
+//! establishing a connection, and the coming of a migration's other connections after its first,
+//! [`transport::HANDSHAKE_TIMEOUT`]; any read or write on an established connection,
+//! [`transport::IDLE_TIMEOUT`] (post-copy's quiet connections carry a heartbeat every
+//! [`HEARTBEAT_INTERVAL`]); after a broken post-copy link, the destination waits for the source
+//! [`RESUME_TIMEOUT`], and `guestmem migrate send` takes a destination whose endpoint refuses
+//! every reconnection for [`DEAD_PEER_TIMEOUT`] for dead.
+//!
 //! **Failure**: before Go the source still owns the guest; any error (destination refused or
-//! died, link broken, digest mismatch) resumes the source VM. After Go the destination owns it;
-//! a link broken during post-copy leaves both sides waiting (the destination's vCPUs wait for the
-//! pages they fault on), until the source reconnects ([`SendOptions::reconnect`], `guestmem
-//! migrate resume`) and the destination accepts it; fetches in flight are retried, so no page is
-//! lost.
+//! died, link broken or silent, digest mismatch) resumes the source VM. After Go the destination
+//! owns it; a link broken during post-copy leaves both sides waiting, within the bounds above
+//! (the destination's vCPUs wait for the pages they fault on), until the source reconnects
+//! ([`SendOptions::reconnect`], `guestmem migrate resume`) and the destination accepts it;
+//! fetches in flight are retried, so no page is lost. A destination that died leaves the guest's
+//! state split: it had the vCPUs and the pages it fetched, the source holds every page not
+//! fetched yet and the VM state at switch-over (its paused VM).
 
 use std::time::Duration;
 
