@@ -189,18 +189,26 @@ pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incomin
     // EndOfRound.
     // A reader that fails ends the others' reads at once (their connections may be cut
     // silently): the migration fails now, not after an idle timeout.
+    // The reader that failed first: its error is the migration's (the others' follow from it).
     let cutters = Arc::new(links.cutters()?);
+    let first_failed = Arc::new(AtomicUsize::new(usize::MAX));
     let readers: Vec<_> = std::mem::take(&mut links.pages)
         .into_iter()
         .enumerate()
         .map(|(i, conn)| {
             let memory = memory.clone();
-            let cutters = cutters.clone();
+            let (cutters, first_failed) = (cutters.clone(), first_failed.clone());
             std::thread::Builder::new()
                 .name(format!("migrate-rx{i}"))
                 .spawn(move || {
                     let (conn, result) = apply_pages(conn, &memory);
                     if result.is_err() {
+                        let _ = first_failed.compare_exchange(
+                            usize::MAX,
+                            i,
+                            Ordering::SeqCst,
+                            Ordering::SeqCst,
+                        );
                         cutters.iter().for_each(Cutter::cut_reads);
                     }
                     (conn, result)
@@ -208,9 +216,9 @@ pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incomin
                 .expect("spawning a reader thread")
         })
         .collect();
-    let mut failure = None;
+    let mut failures = Vec::new();
     let mut last_rounds = Vec::new();
-    for r in readers {
+    for (i, r) in readers.into_iter().enumerate() {
         let (conn, result) = r.join().expect("a reader thread panicked");
         links.pages.push(conn);
         match result {
@@ -219,11 +227,14 @@ pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incomin
                 report.zero_pages_received += stats.zero_pages;
                 last_rounds.push(stats.last_round);
             }
-            Err(e) => {
-                failure.get_or_insert(e);
-            }
+            Err(e) => failures.push((i, e)),
         }
     }
+    let first = first_failed.load(Ordering::SeqCst);
+    let failure = match failures.iter().position(|(i, _)| *i == first) {
+        Some(at) => Some(failures.swap_remove(at).1),
+        None => failures.into_iter().next().map(|(_, e)| e),
+    };
     if let Some(e) = failure {
         return Err(refuse(&mut links, format!("receiving pages: {e}")));
     }

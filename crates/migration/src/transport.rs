@@ -4,10 +4,12 @@
 //! one set); the destination listens and only accepts a source whose certificate the CA signed
 //! for the source's role (`guestmem-source`), and the source only talks to a destination whose
 //! certificate the CA signed for the destination's role (`guestmem-destination`). Anything else
-//! fails the handshake, before a byte of guest memory moves. Each side checks its own
-//! certificate when it loads it (signed by the CA, valid now, of its role), so that a side
-//! whose own certificate expired says so instead of seeing the peer hang up, and a side whose
-//! peer refused it names the TLS alert it received.
+//! fails the handshake, before a byte of guest memory moves (the destination checks the
+//! source's role after the handshake, and answers a wrong one with an Abort naming it). Each
+//! side checks its own certificate when it loads it (signed by the CA, valid now, of its role),
+//! warns of a problem and names it again with any handshake that fails, so that a side whose
+//! own certificate expired says so instead of seeing the peer hang up; a side whose peer
+//! refused it names the TLS alert it received.
 //!
 //! **Bounded waits.** Every wait on a peer is bounded, and its error names the wait and the
 //! peer: connecting and the TLS handshake take at most [`HANDSHAKE_TIMEOUT`] (a peer that
@@ -205,23 +207,33 @@ pub struct Credentials {
     cert: CertificateDer<'static>,
     key: PrivateKeyDer<'static>,
     role: Role,
+    /// What is wrong with our own certificate, if anything (see [`Credentials::load`]).
+    problem: Option<String>,
 }
 
 impl Credentials {
     /// Reads the credentials and checks our own certificate as the peer will: signed by the CA,
-    /// valid now, and of `role`.
+    /// valid now, and of `role`. A problem is warned about at once, and named again in the
+    /// error of any handshake that fails; the peer has the last word (its clock may differ), and
+    /// says why it refuses, so that both sides tell why the handshake failed.
     pub fn load(dir: &Path, role: Role) -> Result<Credentials> {
-        let creds = Credentials::load_unchecked(dir, role)?;
-        creds
-            .check_own()
-            .map_err(|reason| TransportError::Credentials {
-                path: dir.join(format!("{}.pem", role.name())),
-                reason: format!(
-                    "this {}'s own certificate is unusable: {reason}",
-                    role.word()
-                ),
-            })?;
+        let mut creds = Credentials::load_unchecked(dir, role)?;
+        if let Err(reason) = creds.check_own() {
+            let problem = format!(
+                "this {}'s own certificate {} is unusable: {reason}",
+                role.word(),
+                dir.join(format!("{}.pem", role.name())).display()
+            );
+            tracing::warn!("{problem}; the peer will refuse it");
+            creds.problem = Some(problem);
+        }
         Ok(creds)
+    }
+
+    /// What is wrong with our own certificate (expired, not yet valid, of the other role, not
+    /// signed by the CA), if anything.
+    pub fn problem(&self) -> Option<&str> {
+        self.problem.as_deref()
     }
 
     /// [`Credentials::load`] without the check of our own certificate: for tests of what the
@@ -246,6 +258,7 @@ impl Credentials {
             cert: read_cert(cert_path(role.name()))?,
             key,
             role,
+            problem: None,
         })
     }
 
@@ -336,6 +349,8 @@ pub struct Connection {
     idle: Option<Duration>,
     /// The certificate the peer presented.
     peer_cert: Option<CertificateDer<'static>>,
+    /// What is wrong with our own certificate (named with any TLS failure).
+    own_problem: Option<String>,
 }
 
 impl Connection {
@@ -435,7 +450,10 @@ impl Connection {
             );
         }
         match tls_error(&e) {
-            Some(tls) => io::Error::new(e.kind(), explain_tls(tls, &self.peer)),
+            Some(tls) => io::Error::new(
+                e.kind(),
+                with_own(explain_tls(tls, &self.peer), self.own_problem.as_deref()),
+            ),
             None if e.kind() == io::ErrorKind::UnexpectedEof => io::Error::new(
                 e.kind(),
                 format!(
@@ -471,6 +489,14 @@ impl Connection {
     }
 }
 
+/// `reason`, and what is wrong with our own certificate if anything.
+fn with_own(reason: String, own: Option<&str>) -> String {
+    match own {
+        Some(own) => format!("{reason} ({own})"),
+        None => reason,
+    }
+}
+
 /// The rustls error inside an I/O error, if it is one.
 fn tls_error(e: &io::Error) -> Option<&rustls::Error> {
     e.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>())
@@ -492,6 +518,13 @@ fn explain_tls(e: &rustls::Error, peer: &str) -> String {
             };
             format!("{peer} refused the TLS handshake: {why} (TLS alert {a:?})")
         }
+        rustls::Error::InvalidCertificate(
+            c @ (rustls::CertificateError::NotValidForName
+            | rustls::CertificateError::NotValidForNameContext { .. }),
+        ) => format!(
+            "{peer} presented a certificate of the wrong role: {c} (a source must present a \
+             {SOURCE_NAME} certificate, a destination a {DESTINATION_NAME} one)"
+        ),
         rustls::Error::InvalidCertificate(c) => {
             format!("{peer} presented a certificate we refuse: {c}")
         }
@@ -679,7 +712,12 @@ pub fn connect_with(
     let name = ServerName::try_from(peer_role.name()).expect("a valid DNS name");
     let conn = ClientConnection::new(Arc::new(config), name)
         .map_err(|e| TransportError::Setup(e.to_string()))?;
-    handshake(StreamOwned::new(conn, socket), peer, timeouts)
+    handshake(
+        StreamOwned::new(conn, socket),
+        peer,
+        timeouts,
+        creds.problem.clone(),
+    )
 }
 
 /// The destination's listening socket.
@@ -687,6 +725,7 @@ pub struct Listener {
     socket: ListenerSocket,
     config: Arc<ServerConfig>,
     timeouts: Timeouts,
+    own_problem: Option<String>,
     /// The destination's admission of connections (see `destination::Gate`), started by the
     /// first receive.
     pub(crate) gate: OnceLock<Arc<crate::destination::Gate>>,
@@ -703,6 +742,7 @@ pub struct Accepted {
     peer: String,
     config: Arc<ServerConfig>,
     timeouts: Timeouts,
+    own_problem: Option<String>,
 }
 
 impl Accepted {
@@ -725,6 +765,7 @@ impl Accepted {
             StreamOwned::new(conn, self.socket),
             self.peer,
             self.timeouts,
+            self.own_problem,
         )
     }
 }
@@ -754,6 +795,7 @@ impl Listener {
             socket,
             config: Arc::new(config),
             timeouts: Timeouts::default(),
+            own_problem: creds.problem.clone(),
             gate: OnceLock::new(),
         })
     }
@@ -795,6 +837,7 @@ impl Listener {
             peer,
             config: self.config.clone(),
             timeouts: self.timeouts,
+            own_problem: self.own_problem.clone(),
         })
     }
 
@@ -810,6 +853,7 @@ fn handshake<C, D>(
     mut stream: StreamOwned<C, Socket>,
     peer: String,
     timeouts: Timeouts,
+    own_problem: Option<String>,
 ) -> Result<Connection>
 where
     C: std::ops::DerefMut + std::ops::Deref<Target = rustls::ConnectionCommon<D>> + Send + 'static,
@@ -848,6 +892,7 @@ where
                 }
                 None => e.to_string(),
             };
+            let reason = with_own(reason, own_problem.as_deref());
             return Err(TransportError::Tls { peer, reason });
         }
     }
@@ -869,6 +914,7 @@ where
         peer,
         idle: Some(timeouts.idle),
         peer_cert,
+        own_problem,
     })
 }
 
@@ -1060,23 +1106,23 @@ mod tests {
         dir
     }
 
-    /// An expired source certificate: the source says so before connecting; used anyway, the
-    /// destination refuses it saying why, and the source names the alert it received.
+    /// An expired source certificate: the source says so when it loads it; the destination
+    /// refuses it saying why, and the source names the alert it received and its own problem.
     #[test]
     fn an_expired_source_certificate_is_named_by_both_sides() {
         let dir = expired("expired-source", Role::Source);
-        let e = Credentials::load(&dir, Role::Source)
-            .err()
-            .unwrap()
+        let source = Credentials::load(&dir, Role::Source).unwrap();
+        let problem = source
+            .problem()
+            .expect("an expired certificate")
             .to_string();
         assert!(
-            e.contains("guestmem-source.pem") && e.contains("expired"),
-            "{e}"
+            problem.contains("guestmem-source.pem") && problem.contains("expired"),
+            "{problem}"
         );
         let dest = Credentials::load(&dir, Role::Destination).unwrap();
         let (listener, endpoint) = listen(&dir, &dest, Timeouts::default());
         let server = std::thread::spawn(move || listener.accept().map(|_| ()));
-        let source = Credentials::load_unchecked(&dir, Role::Source).unwrap();
         // TLS 1.3: the client's handshake ends before the server checked its certificate; the
         // verdict comes with the first read (or write).
         let e = connect(&endpoint, &source)
@@ -1091,7 +1137,8 @@ mod tests {
             .expect_err("refused")
             .to_string();
         assert!(
-            e.contains("refused the TLS handshake: our certificate has expired"),
+            e.contains("refused the TLS handshake: our certificate has expired")
+                && e.contains(&problem),
             "{e}"
         );
         let e = server.join().unwrap().expect_err("refused").to_string();
@@ -1099,20 +1146,17 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
-    /// An expired destination certificate: the destination says so when it loads it; used
-    /// anyway, the source refuses it saying why, and the destination names the alert.
+    /// An expired destination certificate: the destination says so when it loads it; the
+    /// source refuses it saying why, and the destination names the alert and its own problem.
     #[test]
     fn an_expired_destination_certificate_is_named_by_both_sides() {
         let dir = expired("expired-dest", Role::Destination);
-        let e = Credentials::load(&dir, Role::Destination)
-            .err()
-            .unwrap()
-            .to_string();
+        let dest = Credentials::load(&dir, Role::Destination).unwrap();
+        let problem = dest.problem().expect("an expired certificate").to_string();
         assert!(
-            e.contains("guestmem-destination.pem") && e.contains("expired"),
-            "{e}"
+            problem.contains("guestmem-destination.pem") && problem.contains("expired"),
+            "{problem}"
         );
-        let dest = Credentials::load_unchecked(&dir, Role::Destination).unwrap();
         let (listener, endpoint) = listen(&dir, &dest, Timeouts::default());
         let server = std::thread::spawn(move || listener.accept().map(|_| ()));
         let source = Credentials::load(&dir, Role::Source).unwrap();
@@ -1125,7 +1169,10 @@ mod tests {
             "{e}"
         );
         let e = server.join().unwrap().expect_err("refused").to_string();
-        assert!(e.contains("CertificateExpired"), "{e}");
+        assert!(
+            e.contains("CertificateExpired") && e.contains(&problem),
+            "{e}"
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 
@@ -1145,17 +1192,15 @@ mod tests {
     }
 
     /// A source presenting the destination's certificate is refused by the destination naming
-    /// the roles (and refuses itself first); a destination presenting the source's is refused
-    /// by the source.
+    /// the roles (and warned about when loaded); a destination presenting the source's is
+    /// refused by the source naming the role, and told so by an alert.
     #[test]
     fn each_side_must_present_its_own_role() {
         let dir = temp_dir("roles");
         generate_credentials(&dir).unwrap();
         let fake_source = swapped(&dir, "roles-src", Role::Destination, Role::Source);
-        let e = Credentials::load(&fake_source, Role::Source)
-            .err()
-            .unwrap()
-            .to_string();
+        let fake = Credentials::load(&fake_source, Role::Source).unwrap();
+        let e = fake.problem().expect("the wrong role");
         assert!(
             e.contains(
                 "it is a destination certificate (guestmem-destination), where a source \
@@ -1167,11 +1212,7 @@ mod tests {
         let (listener, endpoint) = listen(&dir, &dest, Timeouts::default());
         let server =
             std::thread::spawn(move || listener.accept().unwrap().check_peer_role(Role::Source));
-        let _conn = connect(
-            &endpoint,
-            &Credentials::load_unchecked(&fake_source, Role::Source).unwrap(),
-        )
-        .unwrap();
+        let _conn = connect(&endpoint, &fake).unwrap();
         let e = server.join().unwrap().expect_err("the wrong role");
         assert!(
             e.contains("the source at 127.0.0.1:")
@@ -1180,20 +1221,22 @@ mod tests {
         );
 
         let fake_dest = swapped(&dir, "roles-dst", Role::Source, Role::Destination);
-        let e = Credentials::load(&fake_dest, Role::Destination)
-            .err()
-            .unwrap()
-            .to_string();
+        let dest = Credentials::load(&fake_dest, Role::Destination).unwrap();
+        let e = dest.problem().expect("the wrong role");
         assert!(e.contains("it is a source certificate"), "{e}");
-        let dest = Credentials::load_unchecked(&fake_dest, Role::Destination).unwrap();
         let (listener, endpoint) = listen(&dir, &dest, Timeouts::default());
         let server = std::thread::spawn(move || listener.accept().map(|_| ()));
         let e = connect(&endpoint, &Credentials::load(&dir, Role::Source).unwrap())
             .err()
             .expect("refused")
             .to_string();
-        assert!(e.contains("guestmem-destination"), "{e}");
-        let _ = server.join();
+        assert!(
+            e.contains("presented a certificate of the wrong role")
+                && e.contains("guestmem-destination"),
+            "{e}"
+        );
+        let e = server.join().unwrap().expect_err("refused").to_string();
+        assert!(e.contains("wrong role or name"), "{e}");
         for d in [dir, fake_source, fake_dest] {
             let _ = std::fs::remove_dir_all(&d);
         }
