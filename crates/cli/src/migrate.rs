@@ -300,6 +300,8 @@ pub fn run_source(
     let links = match Links::connect(to, &creds, opts.mode, how.connections) {
         Ok(l) => l,
         Err(e) => {
+            eprintln!("guestmem: migration failed: {e}; the source VM keeps running");
+            report_source_runs(&running);
             running.stop();
             let _ = running.wait(Duration::from_secs(10));
             return Err(format!(
@@ -325,13 +327,7 @@ pub fn run_source(
                             "guestmem: migration failed: {}; the source VM keeps running",
                             failure.error
                         );
-                        let before: u64 = running.progress().iter().map(|p| p.0).sum();
-                        std::thread::sleep(Duration::from_millis(200));
-                        let now: u64 = running.progress().iter().map(|p| p.0).sum();
-                        eprintln!(
-                            "guestmem: the source guest wrote {} pages in the last 200 ms",
-                            now - before
-                        );
+                        report_source_runs(&running);
                         running.stop();
                         let _ = running.wait(Duration::from_secs(10));
                         Err((failure.error.to_string(), false))
@@ -373,6 +369,18 @@ pub fn run_source(
             Err(format!("{error}; {keeping}").into())
         }
     }
+}
+
+/// Shows that the source VM runs on after a failed migration: the pages its guest wrote in
+/// the last 200 ms.
+fn report_source_runs(running: &guestmem_vm::RunningVm<'_>) {
+    let before: u64 = running.progress().iter().map(|p| p.0).sum();
+    std::thread::sleep(Duration::from_millis(200));
+    let now: u64 = running.progress().iter().map(|p| p.0).sum();
+    eprintln!(
+        "guestmem: the source guest wrote {} pages in the last 200 ms",
+        now - before
+    );
 }
 
 /// What the error of a destination taken for dead says.

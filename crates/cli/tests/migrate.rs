@@ -817,6 +817,7 @@ fn a_second_sender_is_told_the_destination_is_busy() {
         "{}",
         second.stderr
     );
+    assert_source_kept_running(&second);
     let sent = first.wait(LONG).ok_json("first migrate send");
     let received = receive.wait(LONG).ok_json("migrate receive");
     assert_guest_continued(&received);
