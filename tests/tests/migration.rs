@@ -784,3 +784,60 @@ fn a_link_cut_silently_fails_both_sides_within_the_idle_timeout() {
         dest_ended.duration_since(froze)
     );
 }
+
+/// A post-copy destination that has every page but says Complete only seconds later (it is
+/// quiet): its heartbeats keep the link alive through the source's idle timeout, several
+/// times over; nothing breaks.
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn a_quiet_postcopy_destination_keeps_its_link_alive_with_heartbeats() {
+    let timeouts = transport::Timeouts {
+        handshake: Duration::from_secs(2),
+        idle: Duration::from_secs(1),
+    };
+    let dir = TempDir::new("migrate-heartbeat");
+    generate_credentials(&dir.0).unwrap();
+    let listener = Arc::new(
+        Listener::bind(
+            &Endpoint::Unix(dir.0.join("sock")),
+            &Credentials::load(&dir.0, Role::Destination).unwrap(),
+        )
+        .unwrap()
+        .with_timeouts(timeouts),
+    );
+    let l = listener.clone();
+    let dest = std::thread::spawn(move || {
+        let migrate::Incoming {
+            mut vm,
+            mut transfer,
+        } = migrate::receive(l, &ReceiveOptions::default()).unwrap();
+        let running = transfer.resume(&mut vm).unwrap();
+        while transfer.missing_bytes() > 0 {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // Every page is here; the Complete waits three idle timeouts.
+        std::thread::sleep(3 * timeouts.idle);
+        running.stop();
+        running.wait(Duration::from_secs(30)).unwrap();
+        transfer.finish().unwrap()
+    });
+    let mut vm = source_vm(Backend::Anon);
+    let running = start(&mut vm);
+    let links = Links::connect_with(
+        &Endpoint::Unix(dir.0.join("sock")),
+        &Credentials::load(&dir.0, Role::Source).unwrap(),
+        Mode::Postcopy,
+        1,
+        timeouts,
+    )
+    .unwrap();
+    let opts = SendOptions {
+        mode: Mode::Postcopy,
+        ..Default::default()
+    };
+    let report = migrate::send(running, links, &opts).unwrap_or_else(|f| panic!("{f:?}"));
+    let received = dest.join().unwrap();
+    assert_eq!(report.link_breaks, 0, "{report:?}");
+    assert_eq!(received.link_breaks, 0);
+    assert!(report.postcopy_requests > 0);
+}

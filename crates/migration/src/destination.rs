@@ -296,8 +296,10 @@ pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incomin
             ));
         }
     }
+    // Well within the idle timeout (the source's is taken to be the same as ours).
+    let heartbeat = HEARTBEAT_INTERVAL.min(listener.timeouts().idle / 4);
     let postcopy = match &switchover.postcopy {
-        Some(stale) => match arm_postcopy(&vm, &setup.shared, stale, &links, opts) {
+        Some(stale) => match arm_postcopy(&vm, &setup.shared, stale, &links, opts, heartbeat) {
             Ok((link, pagers)) => Some(Postcopy {
                 link,
                 pagers,
@@ -745,11 +747,13 @@ fn arm_postcopy(
     stale: &[StaleChunks],
     links: &Links,
     opts: &ReceiveOptions,
+    heartbeat: Duration,
 ) -> Result<(Arc<PostcopyLink>, Vec<Pager>)> {
     let link = Arc::new(PostcopyLink::new(
         links.pages.len(),
         links.urgent.len(),
         opts.resume_timeout,
+        heartbeat,
     ));
     let mut pagers = Vec::new();
     for region in vm
@@ -927,6 +931,8 @@ struct PostcopyLink {
     state: Mutex<LinkState>,
     changed: Condvar,
     resume_timeout: Duration,
+    /// A connection quiet for this long carries a heartbeat.
+    heartbeat: Duration,
     next_urgent: AtomicUsize,
     /// Fault fetch latencies, in µs.
     latencies: Mutex<Vec<u32>>,
@@ -956,7 +962,12 @@ struct LinkState {
 }
 
 impl PostcopyLink {
-    fn new(pages: usize, urgent: usize, resume_timeout: Duration) -> PostcopyLink {
+    fn new(
+        pages: usize,
+        urgent: usize,
+        resume_timeout: Duration,
+        heartbeat: Duration,
+    ) -> PostcopyLink {
         PostcopyLink {
             slots: (0..pages + urgent)
                 .map(|_| Mutex::new(Slot::default()))
@@ -966,6 +977,7 @@ impl PostcopyLink {
             state: Mutex::new(LinkState::default()),
             changed: Condvar::new(),
             resume_timeout,
+            heartbeat,
             next_urgent: AtomicUsize::new(0),
             latencies: Mutex::new(Vec::new()),
             background_fetches: AtomicU64::new(0),
@@ -1113,7 +1125,7 @@ impl PostcopyLink {
                 }
                 let st = self
                     .changed
-                    .wait_timeout(st, HEARTBEAT_INTERVAL / 2)
+                    .wait_timeout(st, self.heartbeat / 2)
                     .unwrap_or_else(|e| e.into_inner())
                     .0;
                 let up = !st.broken && !st.closed;
@@ -1137,7 +1149,8 @@ impl PostcopyLink {
     }
 
     /// A one-page request (of the sys region, never fetched otherwise: the source does not
-    /// count it) on each connection that carried nothing for [`HEARTBEAT_INTERVAL`] and is
+    /// count it) on each connection that carried nothing for the heartbeat interval
+    /// ([`HEARTBEAT_INTERVAL`], or a quarter of a shorter idle timeout) and is
     /// not in use, so that the source's idle timeout tells a quiet destination from a dead one.
     fn heartbeat(&self) {
         for slot in &self.slots {
@@ -1151,7 +1164,7 @@ impl PostcopyLink {
             let Some(conn) = slot.conn.as_mut() else {
                 continue;
             };
-            if slot.used.is_some_and(|t| t.elapsed() < HEARTBEAT_INTERVAL) {
+            if slot.used.is_some_and(|t| t.elapsed() < self.heartbeat) {
                 continue;
             }
             let mut page = vec![0u8; PAGE_SIZE as usize];

@@ -862,8 +862,11 @@ impl<'o> Source<'o> {
                     tracing::warn!("post-copy link broken: {why}");
                     let Some(reconnect) = &self.opts.reconnect else {
                         return Err(Error::Migration(format!(
-                            "the post-copy link broke ({why}); the destination runs the guest \
-                             and waits for the missing pages, but this source cannot reconnect"
+                            "the post-copy link broke ({why}) and this source cannot reconnect \
+                             (no SendOptions::reconnect): the guest's state is split between \
+                             the destination, which had its vCPUs and the pages it fetched (and \
+                             waits for the others, if it is alive), and this source, which \
+                             holds every page not fetched and the VM state at the switch-over"
                         )));
                     };
                     links = reconnect(&links.resume(why))?;
