@@ -69,19 +69,11 @@ impl Default for Timeouts {
 pub enum TransportError {
     #[error("'{0}' is not an endpoint (expected tcp:HOST:PORT or unix:PATH)")]
     BadEndpoint(String),
-    #[error("{what}: {source}")]
-    Io {
-        what: String,
-        #[source]
-        source: io::Error,
-    },
+    #[error("{what}: {error}")]
+    Io { what: String, error: io::Error },
     /// Nothing listens at the endpoint (connection refused, or no such socket).
-    #[error("connect to {endpoint}: nothing listens there: {source}")]
-    Unreachable {
-        endpoint: String,
-        #[source]
-        source: io::Error,
-    },
+    #[error("connect to {endpoint}: nothing listens there ({error})")]
+    Unreachable { endpoint: String, error: io::Error },
     #[error("{path}: {reason}")]
     Credentials { path: PathBuf, reason: String },
     #[error("TLS with {peer} failed: {reason}")]
@@ -107,7 +99,7 @@ type Result<T> = std::result::Result<T, TransportError>;
 
 fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> TransportError {
     let what = what.into();
-    move |source| TransportError::Io { what, source }
+    move |error| TransportError::Io { what, error }
 }
 
 /// Where a peer listens.
@@ -662,7 +654,7 @@ pub fn connect_with(
         ) {
             TransportError::Unreachable {
                 endpoint: endpoint.to_string(),
-                source,
+                error: source,
             }
         } else if matches!(
             source.kind(),
@@ -676,7 +668,7 @@ pub fn connect_with(
         } else {
             TransportError::Io {
                 what: format!("connect to {endpoint}"),
-                source,
+                error: source,
             }
         }
     };
