@@ -588,15 +588,14 @@ impl Gate {
                         })
                         .collect();
                     let main = slots[0].as_mut().expect("the first connection");
-                    return Err(fail(
-                        main,
-                        format!(
-                            "{} of migration {id:#x} did not come within {} s of its first \
-                             connection (the handshake timeout)",
-                            missing.join(", "),
-                            timeouts.handshake.as_secs_f64()
-                        ),
-                    ));
+                    let why = format!(
+                        "{} of migration {id:#x} did not come within {} s of its first \
+                         connection (the handshake timeout; from {})",
+                        missing.join(", "),
+                        timeouts.handshake.as_secs_f64(),
+                        main.peer()
+                    );
+                    return Err(fail(main, why));
                 }
                 st = self
                     .changed
