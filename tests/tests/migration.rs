@@ -841,3 +841,82 @@ fn a_quiet_postcopy_destination_keeps_its_link_alive_with_heartbeats() {
     assert_eq!(received.link_breaks, 0);
     assert!(report.postcopy_requests > 0);
 }
+
+/// Post-copy over a link that goes silent (no FIN, no RST: a dead host, a partition): the
+/// source misses the destination's heartbeats and reports the broken link within its idle
+/// timeout (here without a way to reconnect: it gives up, saying what it holds); the
+/// destination gives up after its resume timeout.
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn a_silent_postcopy_link_is_noticed_within_the_idle_timeout() {
+    use std::sync::atomic::Ordering;
+    let timeouts = transport::Timeouts {
+        handshake: Duration::from_secs(2),
+        idle: Duration::from_secs(1),
+    };
+    let dir = TempDir::new("migrate-silent-postcopy");
+    generate_credentials(&dir.0).unwrap();
+    let listener = Arc::new(
+        Listener::bind(
+            &Endpoint::Tcp("127.0.0.1:0".into()),
+            &Credentials::load(&dir.0, Role::Destination).unwrap(),
+        )
+        .unwrap()
+        .with_timeouts(timeouts),
+    );
+    let (relay, frozen) = freezing_relay(listener.port().unwrap());
+    let l = listener.clone();
+    let dest = std::thread::spawn(move || {
+        let opts = ReceiveOptions {
+            resume_timeout: Duration::from_secs(2),
+            ..Default::default()
+        };
+        let migrate::Incoming {
+            mut vm,
+            mut transfer,
+        } = migrate::receive(l, &opts).unwrap();
+        let running = transfer.resume(&mut vm).unwrap();
+        let finished = transfer.finish();
+        running.stop();
+        let _ = running.wait(Duration::from_secs(30));
+        finished.map(|_| ()).map_err(|e| e.to_string())
+    });
+    let mut vm = source_vm(Backend::Anon);
+    let running = start(&mut vm);
+    let links = Links::connect_with(
+        &Endpoint::Tcp(format!("127.0.0.1:{relay}")),
+        &Credentials::load(&dir.0, Role::Source).unwrap(),
+        Mode::Postcopy,
+        1,
+        timeouts,
+    )
+    .unwrap();
+    let froze = Arc::new(Mutex::new(None));
+    let (f, at) = (frozen.clone(), froze.clone());
+    let opts = SendOptions {
+        mode: Mode::Postcopy,
+        // The moment post-copy starts, the link goes silent.
+        progress: Some(Arc::new(move |p: &migrate::Progress| {
+            if p.phase == "post-copy" && !f.swap(true, Ordering::SeqCst) {
+                *at.lock().unwrap() = Some(std::time::Instant::now());
+            }
+        })),
+        ..Default::default()
+    };
+    let failure = migrate::send(running, links, &opts).expect_err("the link went silent");
+    let took = froze.lock().unwrap().expect("the link froze").elapsed();
+    let e = failure.error.to_string();
+    assert!(
+        e.contains("the post-copy link broke")
+            && e.contains("idle timeout")
+            && e.contains("holds every page not fetched and the VM state at the switch-over"),
+        "{e}"
+    );
+    assert!(took < Duration::from_secs(5), "noticed after {took:?}");
+    assert!(failure.vm.is_none(), "after Go the source VM is not ours");
+    let dest_error = dest
+        .join()
+        .unwrap()
+        .expect_err("the source never came back");
+    assert!(dest_error.contains("post-copy"), "{dest_error}");
+}

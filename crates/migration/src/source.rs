@@ -2,7 +2,7 @@
 
 use std::io::Write;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -842,9 +842,15 @@ impl<'o> Source<'o> {
         let (requests, bytes, wire) = (&counters.requests, &counters.bytes, &counters.wire);
         loop {
             self.progress("post-copy", 0, 0, None, 0.0, 0);
-            let results = servers.serve(&mut links)?;
+            counters.first_failed.store(usize::MAX, Ordering::SeqCst);
+            let mut results = servers.serve(&mut links)?;
             self.report.postcopy_requests = requests.load(Ordering::Relaxed);
             self.report.postcopy_bytes = bytes.load(Ordering::Relaxed);
+            // The error of the connection that broke first, if one did.
+            let first = counters.first_failed.load(Ordering::SeqCst);
+            if first < results.len() {
+                results.swap(0, first);
+            }
             let mut results = results.into_iter();
             match results.next().expect("at least one connection") {
                 Ok(report) if results.all(|r| r.is_ok()) => {
@@ -928,6 +934,9 @@ struct ServeCounters {
     requests: AtomicU64,
     bytes: AtomicU64,
     wire: AtomicU64,
+    /// The server whose connection broke first (`usize::MAX`: none): its error is the
+    /// break's, the others' follow from the cut.
+    first_failed: AtomicUsize,
 }
 
 impl PostcopyServers {
@@ -937,7 +946,10 @@ impl PostcopyServers {
         memory: &Arc<GuestMemory>,
         fault_cpus: Option<CpuSet>,
     ) -> Result<PostcopyServers> {
-        let counters = Arc::new(ServeCounters::default());
+        let counters = Arc::new(ServeCounters {
+            first_failed: AtomicUsize::new(usize::MAX),
+            ..Default::default()
+        });
         let (done_tx, done) = std::sync::mpsc::channel();
         let mut jobs = Vec::new();
         let mut threads = Vec::new();
@@ -965,6 +977,12 @@ impl PostcopyServers {
                     for (mut conn, cutters) in rx {
                         let r = serve(&mut conn, &memory, &counters);
                         if r.is_err() {
+                            let _ = counters.first_failed.compare_exchange(
+                                usize::MAX,
+                                i,
+                                Ordering::SeqCst,
+                                Ordering::SeqCst,
+                            );
                             // One connection broke: cut the others so that all of them are
                             // re-established together.
                             cutters.iter().for_each(|c| c.cut());
@@ -1071,6 +1089,7 @@ fn serve(conn: &mut Connection, memory: &GuestMemory, counters: &ServeCounters) 
         requests,
         bytes,
         wire,
+        ..
     } = counters;
     let mut out = Vec::with_capacity(crate::stream::MAX_REQUEST as usize + 64);
     loop {
