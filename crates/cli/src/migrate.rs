@@ -180,7 +180,8 @@ fn seconds(s: f64, flag: &str) -> crate::Result<Duration> {
 
 /// The `dirty` workload at `mib_per_s` over all vCPUs, memory filled first.
 pub fn dirty_work(vm: &VmArgs, mib_per_s: u64) -> Vec<VcpuWork> {
-    let pages_per_s = (mib_per_s > 0).then(|| ((mib_per_s << 20) / 4096 / vm.vcpus as u64).max(1));
+    let pages_per_s =
+        (mib_per_s > 0).then(|| (mib_per_s.saturating_mul(256) / (vm.vcpus as u64).max(1)).max(1));
     let dirty = Workload::Dirty {
         pages_per_s,
         passes: None,
