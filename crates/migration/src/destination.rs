@@ -109,7 +109,10 @@ struct Postcopy {
 }
 
 /// Accepts one migration on `listener` and receives it up to the switch-over. Any refusal is
-/// told to the source (which keeps its VM running) and returned.
+/// told to the source (which keeps its VM running) and returned. Connections that fail their
+/// handshake or Hello are refused on their own (logged) while it waits, which is unbounded:
+/// waiting for a migration is its job. One migration at a time: until the [`Transfer`] is
+/// dropped (or this fails), other sources are told that the destination is busy.
 pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incoming> {
     if let Some(cpus) = &opts.fault_cpus {
         CpuSet::new(cpus).map_err(|e| Error::Migration(format!("fault CPUs: {e}")))?;
