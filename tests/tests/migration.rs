@@ -339,6 +339,7 @@ fn a_dead_destination_leaves_the_source_running() {
     let dest = std::thread::spawn(move || {
         let mut conn = listener.accept().unwrap();
         let _hello = Frame::read_from(&mut conn).unwrap();
+        answer_hello(&mut conn);
         let _setup = Frame::read_from(&mut conn).unwrap();
         Frame::Hello {
             config_json: b"{}".to_vec(),
@@ -364,6 +365,16 @@ fn a_dead_destination_leaves_the_source_running() {
     runs_on(failure.vm.expect("the source keeps its VM"));
 }
 
+/// What a destination answers a connection's Hello with, to take it.
+fn answer_hello(conn: &mut transport::Connection) {
+    Frame::Hello {
+        config_json: b"{}".to_vec(),
+    }
+    .write_to(conn)
+    .unwrap();
+    std::io::Write::flush(conn).unwrap();
+}
+
 /// A failed migration's source VM is running: its counters move on. Then it is stopped.
 fn runs_on(running: RunningVm) {
     let before: u64 = running.progress().iter().map(|p| p.0).sum();
@@ -387,7 +398,8 @@ fn sharing_memory_over_tcp_is_refused_and_the_source_runs_on() {
     // The destination reads until the source hangs up.
     let dest = std::thread::spawn(move || {
         let mut conn = listener.accept().unwrap();
-        let mut frames = Vec::new();
+        let mut frames = vec![Frame::read_from(&mut conn).unwrap()];
+        answer_hello(&mut conn);
         while let Ok(f) = Frame::read_from(&mut conn) {
             frames.push(f);
         }
@@ -446,40 +458,465 @@ fn a_destination_that_cannot_build_the_vm_refuses_before_anything_moves() {
     running.wait(Duration::from_secs(30)).unwrap();
 }
 
+/// A source's Hello as raw JSON (the protocol's first frame on each connection).
+fn raw_hello(migration: u64, channel: &str, pages: usize) -> Frame {
+    Frame::Hello {
+        config_json: format!(
+            r#"{{"guestmem_version":"0","migration":{migration},"channel":{channel},"pages":{pages},"urgent":0,"resume":false}}"#
+        )
+        .into_bytes(),
+    }
+}
+
+/// Junk before a migration: a connection that says nothing, random bytes, a line of text, a
+/// stranger's certificate, a source certificate sending no Hello, a source presenting the
+/// destination's certificate. Each is refused on its own (the TLS ones told why); the
+/// genuine migration after them goes through, its memory whole.
 #[test]
-fn a_wrong_key_and_a_malformed_stream_are_refused() {
-    let pair = Pair::new("keys");
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn junk_connections_are_refused_and_the_migration_after_them_goes_through() {
+    use std::io::{Read, Write};
+    let pair = Pair::tcp("junk");
+    let dest = destination(pair.listener.clone(), true);
+    let Endpoint::Tcp(addr) = &pair.endpoint else {
+        unreachable!()
+    };
+    let _silent = std::net::TcpStream::connect(addr).unwrap();
+    for junk in [
+        &[0x16u8, 0x03, 0x01, 0xff, 0xff, 0x9a, 0x42][..],
+        b"hello there\n",
+    ] {
+        let mut c = std::net::TcpStream::connect(addr).unwrap();
+        c.write_all(junk).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        // The destination hangs up on it (after a TLS alert, maybe).
+        let mut sink = Vec::new();
+        let _ = c.read_to_end(&mut sink);
+    }
     let stranger = TempDir::new("migrate-stranger");
     generate_credentials(&stranger.0).unwrap();
-    let listener = pair.listener.clone();
-    let dest = std::thread::spawn(move || {
-        let first = migrate::receive(listener.clone(), &ReceiveOptions::default())
-            .err()
-            .expect("a stranger is refused")
-            .to_string();
-        let second = migrate::receive(listener, &ReceiveOptions::default())
-            .err()
-            .expect("garbage is refused")
-            .to_string();
-        (first, second)
-    });
-    let creds = Credentials::load(&stranger.0, Role::Source).unwrap();
-    let e = Links::connect(&pair.endpoint, &creds, Mode::Precopy, 1)
-        .err()
-        .expect("the destination is not ours");
-    assert!(e.to_string().contains("TLS"), "{e}");
-    let mut conn = transport::connect(
+    let e = Links::connect(
         &pair.endpoint,
-        &Credentials::load(&pair.dir.0, Role::Source).unwrap(),
+        &Credentials::load(&stranger.0, Role::Source).unwrap(),
+        Mode::Precopy,
+        1,
     )
-    .unwrap();
-    use std::io::Write;
+    .err()
+    .expect("the destination is not ours");
+    assert!(e.to_string().contains("TLS"), "{e}");
+
+    let source_creds = Credentials::load(&pair.dir.0, Role::Source).unwrap();
+    let mut conn = transport::connect(&pair.endpoint, &source_creds).unwrap();
     conn.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
     conn.flush().unwrap();
-    let (first, second) = dest.join().unwrap();
-    assert!(first.contains("TLS"), "{first}");
+    match Frame::read_from(&mut conn) {
+        Ok(Frame::Abort { reason }) => {
+            assert!(
+                reason.contains("not a guestmem migration stream"),
+                "{reason}"
+            )
+        }
+        other => panic!("expected an Abort, got {other:?}"),
+    }
+
+    // The destination's own certificate, presented by a source.
+    let swapped = TempDir::new("migrate-swapped");
+    std::fs::create_dir_all(&swapped.0).unwrap();
+    std::fs::copy(pair.dir.0.join("ca.pem"), swapped.0.join("ca.pem")).unwrap();
+    for ext in ["pem", "key"] {
+        std::fs::copy(
+            pair.dir.0.join(format!("guestmem-destination.{ext}")),
+            swapped.0.join(format!("guestmem-source.{ext}")),
+        )
+        .unwrap();
+    }
+    let e = Links::connect(
+        &pair.endpoint,
+        &Credentials::load_unchecked(&swapped.0, Role::Source).unwrap(),
+        Mode::Precopy,
+        1,
+    )
+    .err()
+    .expect("a destination's certificate on a source");
     assert!(
-        second.contains("not a guestmem migration stream"),
-        "{second}"
+        e.to_string()
+            .contains("it is a destination certificate (guestmem-destination), where a source one"),
+        "{e}"
     );
+
+    let mut vm = source_vm(Backend::Anon);
+    let running = start(&mut vm);
+    gate(&running);
+    let report = migrate::send(
+        running,
+        pair.connect(Mode::Precopy, 2),
+        &SendOptions::default(),
+    )
+    .unwrap_or_else(|f| panic!("{f:?}"));
+    let received = dest.join().unwrap();
+    assert_eq!(
+        received.digest,
+        digest(vm.memory()),
+        "the memory came whole"
+    );
+    check(&report, &received, &vm.pages_done());
+}
+
+/// Two sources at once: the first one's migration completes; the second is refused, told
+/// that the destination is busy with another migration, and keeps nothing from trying.
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn a_second_source_is_told_the_destination_is_busy_and_the_first_completes() {
+    let pair = Pair::new("busy");
+    let dest = destination(pair.listener.clone(), false);
+    let mut vm = source_vm(Backend::Anon);
+    let running = start(&mut vm);
+    let first = pair.connect(Mode::Precopy, 2);
+    let creds = Credentials::load(&pair.dir.0, Role::Source).unwrap();
+    let e = Links::connect(&pair.endpoint, &creds, Mode::Precopy, 2)
+        .err()
+        .expect("the second source is refused");
+    assert!(
+        e.to_string()
+            .contains("the destination is busy with another migration"),
+        "{e}"
+    );
+    let report =
+        migrate::send(running, first, &SendOptions::default()).unwrap_or_else(|f| panic!("{f:?}"));
+    let received = dest.join().unwrap();
+    check(&report, &received, &vm.pages_done());
+}
+
+/// A source that opens its first connection of two and no more: the destination gives up
+/// after the handshake timeout, naming the connection that did not come, and tells the source.
+#[test]
+fn a_missing_connection_is_waited_for_the_handshake_timeout_only() {
+    let dir = TempDir::new("migrate-missing");
+    generate_credentials(&dir.0).unwrap();
+    let listener = Arc::new(
+        Listener::bind(
+            &Endpoint::Tcp("127.0.0.1:0".into()),
+            &Credentials::load(&dir.0, Role::Destination).unwrap(),
+        )
+        .unwrap()
+        .with_timeouts(transport::Timeouts {
+            handshake: Duration::from_secs(1),
+            idle: Duration::from_secs(5),
+        }),
+    );
+    let endpoint = Endpoint::Tcp(format!("127.0.0.1:{}", listener.port().unwrap()));
+    let l = listener.clone();
+    let dest = std::thread::spawn(move || {
+        let started = std::time::Instant::now();
+        let e = migrate::receive(l, &ReceiveOptions::default())
+            .err()
+            .expect("refused")
+            .to_string();
+        (e, started.elapsed())
+    });
+    let mut conn =
+        transport::connect(&endpoint, &Credentials::load(&dir.0, Role::Source).unwrap()).unwrap();
+    raw_hello(7, r#"{"pages":0}"#, 2)
+        .write_to(&mut conn)
+        .unwrap();
+    std::io::Write::flush(&mut conn).unwrap();
+    assert!(matches!(
+        Frame::read_from(&mut conn),
+        Ok(Frame::Hello { .. })
+    ));
+    let (e, took) = dest.join().unwrap();
+    assert!(
+        e.contains("pages connection 1 of migration 0x7 did not come within 1 s"),
+        "{e}"
+    );
+    assert!(took < Duration::from_secs(5), "waited {took:?}");
+    match Frame::read_from(&mut conn) {
+        Ok(Frame::Abort { reason }) => assert!(reason.contains("pages connection 1"), "{reason}"),
+        other => panic!("expected an Abort, got {other:?}"),
+    }
+}
+
+/// A bandwidth limit that never lets the migration finish is refused before anything moves,
+/// naming the option; the source keeps its VM running.
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn a_bandwidth_limit_that_never_finishes_is_refused() {
+    let pair = Pair::new("bw0");
+    let listener = pair.listener.clone();
+    let dest = std::thread::spawn(move || migrate::receive(listener, &ReceiveOptions::default()));
+    let mut vm = source_vm(Backend::Anon);
+    let running = start(&mut vm);
+    let opts = SendOptions {
+        max_bandwidth: Some(0),
+        ..Default::default()
+    };
+    let failure = migrate::send(running, pair.connect(Mode::Precopy, 2), &opts)
+        .expect_err("a zero bandwidth is refused");
+    assert!(
+        failure
+            .error
+            .to_string()
+            .contains("max_bandwidth of 0 bytes/s"),
+        "{}",
+        failure.error
+    );
+    runs_on(failure.vm.expect("the source keeps its VM"));
+    assert!(
+        dest.join().unwrap().is_err(),
+        "the destination got nothing to run"
+    );
+}
+
+/// A relay to `to` that forwards both ways until frozen, then forwards nothing and keeps its
+/// sockets open: a link cut without a word (no FIN, no RST), as a dead host or a partition.
+fn freezing_relay(to: u16) -> (u16, Arc<std::sync::atomic::AtomicBool>) {
+    use std::io::{Read, Write};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let frozen = Arc::new(AtomicBool::new(false));
+    let f = frozen.clone();
+    std::thread::spawn(move || {
+        for client in listener.incoming() {
+            let Ok(client) = client else { return };
+            let server = std::net::TcpStream::connect(("127.0.0.1", to)).unwrap();
+            for (mut from, mut into) in [
+                (client.try_clone().unwrap(), server.try_clone().unwrap()),
+                (server, client),
+            ] {
+                let f = f.clone();
+                std::thread::spawn(move || {
+                    let mut buf = vec![0u8; 64 << 10];
+                    loop {
+                        if f.load(Ordering::SeqCst) {
+                            // Hold the sockets, say nothing.
+                            std::thread::sleep(Duration::from_secs(60));
+                            return;
+                        }
+                        let n = match from.read(&mut buf) {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => n,
+                        };
+                        if f.load(Ordering::SeqCst) || into.write_all(&buf[..n]).is_err() {
+                            continue;
+                        }
+                    }
+                });
+            }
+        }
+    });
+    (port, frozen)
+}
+
+/// A two-connection pre-copy whose link goes silent after its first round: both sides fail
+/// within their idle timeout, each naming the wait and the peer, and the source keeps its VM.
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn a_link_cut_silently_fails_both_sides_within_the_idle_timeout() {
+    use std::sync::atomic::Ordering;
+    let timeouts = transport::Timeouts {
+        handshake: Duration::from_secs(2),
+        idle: Duration::from_secs(1),
+    };
+    let dir = TempDir::new("migrate-silent-cut");
+    generate_credentials(&dir.0).unwrap();
+    let listener = Arc::new(
+        Listener::bind(
+            &Endpoint::Tcp("127.0.0.1:0".into()),
+            &Credentials::load(&dir.0, Role::Destination).unwrap(),
+        )
+        .unwrap()
+        .with_timeouts(timeouts),
+    );
+    let (relay, frozen) = freezing_relay(listener.port().unwrap());
+    let l = listener.clone();
+    let dest = std::thread::spawn(move || {
+        let e = migrate::receive(l, &ReceiveOptions::default())
+            .err()
+            .expect("the link went silent")
+            .to_string();
+        (e, std::time::Instant::now())
+    });
+    let mut vm = source_vm(Backend::Anon);
+    let running = start(&mut vm);
+    let links = Links::connect_with(
+        &Endpoint::Tcp(format!("127.0.0.1:{relay}")),
+        &Credentials::load(&dir.0, Role::Source).unwrap(),
+        Mode::Precopy,
+        2,
+        timeouts,
+    )
+    .unwrap();
+    let froze = Arc::new(Mutex::new(None));
+    let (f, at) = (frozen.clone(), froze.clone());
+    let opts = SendOptions {
+        // Small rounds, and many: the guest keeps dirtying its memory.
+        downtime: Duration::from_micros(1),
+        auto_converge: false,
+        progress: Some(Arc::new(move |_: &migrate::Progress| {
+            if !f.swap(true, Ordering::SeqCst) {
+                *at.lock().unwrap() = Some(std::time::Instant::now());
+            }
+        })),
+        ..Default::default()
+    };
+    let failure = migrate::send(running, links, &opts).expect_err("the link went silent");
+    let froze = froze.lock().unwrap().expect("the link froze");
+    let source_took = froze.elapsed();
+    let e = failure.error.to_string();
+    assert!(
+        e.contains("the destination at tcp:127.0.0.1:") && e.contains("idle timeout"),
+        "{e}"
+    );
+    runs_on(failure.vm.expect("the source keeps its VM"));
+    let (dest_error, dest_ended) = dest.join().unwrap();
+    assert!(
+        dest_error.contains("the source at 127.0.0.1:") && dest_error.contains("idle timeout"),
+        "{dest_error}"
+    );
+    assert!(
+        source_took < Duration::from_secs(5),
+        "the source waited {source_took:?}"
+    );
+    assert!(
+        dest_ended.duration_since(froze) < Duration::from_secs(5),
+        "the destination waited {:?}",
+        dest_ended.duration_since(froze)
+    );
+}
+
+/// A post-copy destination that has every page but says Complete only seconds later (it is
+/// quiet): its heartbeats keep the link alive through the source's idle timeout, several
+/// times over; nothing breaks.
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn a_quiet_postcopy_destination_keeps_its_link_alive_with_heartbeats() {
+    let timeouts = transport::Timeouts {
+        handshake: Duration::from_secs(2),
+        idle: Duration::from_secs(1),
+    };
+    let dir = TempDir::new("migrate-heartbeat");
+    generate_credentials(&dir.0).unwrap();
+    let listener = Arc::new(
+        Listener::bind(
+            &Endpoint::Unix(dir.0.join("sock")),
+            &Credentials::load(&dir.0, Role::Destination).unwrap(),
+        )
+        .unwrap()
+        .with_timeouts(timeouts),
+    );
+    let l = listener.clone();
+    let dest = std::thread::spawn(move || {
+        let migrate::Incoming {
+            mut vm,
+            mut transfer,
+        } = migrate::receive(l, &ReceiveOptions::default()).unwrap();
+        let running = transfer.resume(&mut vm).unwrap();
+        while transfer.missing_bytes() > 0 {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // Every page is here; the Complete waits three idle timeouts.
+        std::thread::sleep(3 * timeouts.idle);
+        running.stop();
+        running.wait(Duration::from_secs(30)).unwrap();
+        transfer.finish().unwrap()
+    });
+    let mut vm = source_vm(Backend::Anon);
+    let running = start(&mut vm);
+    let links = Links::connect_with(
+        &Endpoint::Unix(dir.0.join("sock")),
+        &Credentials::load(&dir.0, Role::Source).unwrap(),
+        Mode::Postcopy,
+        1,
+        timeouts,
+    )
+    .unwrap();
+    let opts = SendOptions {
+        mode: Mode::Postcopy,
+        ..Default::default()
+    };
+    let report = migrate::send(running, links, &opts).unwrap_or_else(|f| panic!("{f:?}"));
+    let received = dest.join().unwrap();
+    assert_eq!(report.link_breaks, 0, "{report:?}");
+    assert_eq!(received.link_breaks, 0);
+    assert!(report.postcopy_requests > 0);
+}
+
+/// Post-copy over a link that goes silent (no FIN, no RST: a dead host, a partition): the
+/// source misses the destination's heartbeats and reports the broken link within its idle
+/// timeout (here without a way to reconnect: it gives up, saying what it holds); the
+/// destination gives up after its resume timeout.
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn a_silent_postcopy_link_is_noticed_within_the_idle_timeout() {
+    use std::sync::atomic::Ordering;
+    let timeouts = transport::Timeouts {
+        handshake: Duration::from_secs(2),
+        idle: Duration::from_secs(1),
+    };
+    let dir = TempDir::new("migrate-silent-postcopy");
+    generate_credentials(&dir.0).unwrap();
+    let listener = Arc::new(
+        Listener::bind(
+            &Endpoint::Tcp("127.0.0.1:0".into()),
+            &Credentials::load(&dir.0, Role::Destination).unwrap(),
+        )
+        .unwrap()
+        .with_timeouts(timeouts),
+    );
+    let (relay, frozen) = freezing_relay(listener.port().unwrap());
+    let l = listener.clone();
+    let dest = std::thread::spawn(move || {
+        let opts = ReceiveOptions {
+            resume_timeout: Duration::from_secs(2),
+            ..Default::default()
+        };
+        let migrate::Incoming {
+            mut vm,
+            mut transfer,
+        } = migrate::receive(l, &opts).unwrap();
+        let running = transfer.resume(&mut vm).unwrap();
+        let finished = transfer.finish();
+        running.stop();
+        let _ = running.wait(Duration::from_secs(30));
+        finished.map(|_| ()).map_err(|e| e.to_string())
+    });
+    let mut vm = source_vm(Backend::Anon);
+    let running = start(&mut vm);
+    let links = Links::connect_with(
+        &Endpoint::Tcp(format!("127.0.0.1:{relay}")),
+        &Credentials::load(&dir.0, Role::Source).unwrap(),
+        Mode::Postcopy,
+        1,
+        timeouts,
+    )
+    .unwrap();
+    let froze = Arc::new(Mutex::new(None));
+    let (f, at) = (frozen.clone(), froze.clone());
+    let opts = SendOptions {
+        mode: Mode::Postcopy,
+        // The moment post-copy starts, the link goes silent.
+        progress: Some(Arc::new(move |p: &migrate::Progress| {
+            if p.phase == "post-copy" && !f.swap(true, Ordering::SeqCst) {
+                *at.lock().unwrap() = Some(std::time::Instant::now());
+            }
+        })),
+        ..Default::default()
+    };
+    let failure = migrate::send(running, links, &opts).expect_err("the link went silent");
+    let took = froze.lock().unwrap().expect("the link froze").elapsed();
+    let e = failure.error.to_string();
+    assert!(
+        e.contains("the post-copy link broke")
+            && e.contains("idle timeout")
+            && e.contains("holds every page not fetched and the VM state at the switch-over"),
+        "{e}"
+    );
+    assert!(took < Duration::from_secs(5), "noticed after {took:?}");
+    assert!(failure.vm.is_none(), "after Go the source VM is not ours");
+    let dest_error = dest
+        .join()
+        .unwrap()
+        .expect_err("the source never came back");
+    assert!(dest_error.contains("post-copy"), "{dest_error}");
 }

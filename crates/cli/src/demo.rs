@@ -81,6 +81,7 @@ fn run(args: &Args, dir: &std::path::Path) -> crate::Result<()> {
         whole_pages: false,
         compress: Default::default(),
         fault_cpus: None,
+        dead_after: guestmem_migration::migrate::DEAD_PEER_TIMEOUT.as_secs_f64(),
     };
     let report = match migrate::run_source(
         &vm,

@@ -119,6 +119,12 @@ pub struct HowArgs {
     /// e.g. 0. On one host, give the destination's `--fault-cpus` the same CPU.
     #[arg(long, value_delimiter = ',')]
     pub fault_cpus: Option<Vec<usize>>,
+    /// Post-copy and hybrid, after the link broke: seconds during which nothing may listen at
+    /// the destination's endpoint before the destination is taken for dead (twice this, when it
+    /// listens but no reconnection succeeds); the source then keeps what it holds in a snapshot
+    /// and exits with an error.
+    #[arg(long, default_value_t = migrate::DEAD_PEER_TIMEOUT.as_secs_f64())]
+    pub dead_after: f64,
 }
 
 #[derive(clap::Args)]
@@ -183,7 +189,8 @@ fn seconds(s: f64, flag: &str) -> crate::Result<Duration> {
 
 /// The `dirty` workload at `mib_per_s` over all vCPUs, memory filled first.
 pub fn dirty_work(vm: &VmArgs, mib_per_s: u64) -> Vec<VcpuWork> {
-    let pages_per_s = (mib_per_s > 0).then(|| ((mib_per_s << 20) / 4096 / vm.vcpus as u64).max(1));
+    let pages_per_s =
+        (mib_per_s > 0).then(|| (mib_per_s.saturating_mul(256) / (vm.vcpus as u64).max(1)).max(1));
     let dirty = Workload::Dirty {
         pages_per_s,
         passes: None,
@@ -197,11 +204,25 @@ impl HowArgs {
         if self.connections == 0 || self.connections > 64 {
             return Err(format!("--connections must be 1 to 64, not {}", self.connections).into());
         }
+        let max_bandwidth = match self.max_bandwidth_mib_per_s {
+            None => None,
+            Some(m) if m < self.connections as u64 => {
+                return Err(format!(
+                    "--max-bandwidth-mib-per-s {m} is refused: at least 1 MiB/s per connection \
+                     ({} with --connections {}) is needed, or the migration never finishes",
+                    self.connections, self.connections
+                )
+                .into())
+            }
+            Some(m) => Some(m.checked_mul(1 << 20).ok_or_else(|| {
+                format!("--max-bandwidth-mib-per-s {m} is refused: more bytes/s than 64 bits hold")
+            })?),
+        };
         Ok(SendOptions {
             mode: self.mode.into(),
             downtime: Duration::from_millis(self.downtime_ms),
             auto_converge: !self.no_auto_converge,
-            max_bandwidth: self.max_bandwidth_mib_per_s.map(|m| m << 20),
+            max_bandwidth,
             verify: self.verify,
             share_memory: self.share_memory,
             whole_pages: self.whole_pages,
@@ -296,100 +317,208 @@ pub fn run_source(
         }));
     }
     let creds = Arc::new(creds);
+    let dead_after = seconds(how.dead_after, "--dead-after")?;
     if let Some(control) = control {
         let (creds, to) = (creds.clone(), to.clone());
         opts.reconnect = Some(Arc::new(move |resume: &migrate::Resume| {
-            wait_for_resume(&control, resume, &to, &creds)
+            wait_for_resume(&control, resume, &to, &creds, dead_after)
         }));
     }
     let links = match Links::connect(to, &creds, opts.mode, how.connections) {
         Ok(l) => l,
         Err(e) => {
+            eprintln!("guestmem: migration failed: {e}; the source VM keeps running");
+            report_source_runs(&running);
             running.stop();
             let _ = running.wait(Duration::from_secs(10));
-            return Err(
-                format!("cannot reach the destination ({e}); the VM was not migrated").into(),
-            );
+            return Err(format!(
+                "the migration to {to} did not start ({e}); the VM was not migrated"
+            )
+            .into());
         }
     };
-    let result = migrate::send(running, links, &opts);
-    if let Some(bar) = bar {
-        bar.finish_and_clear();
-    }
-    match result {
-        Ok(report) => Ok(report),
-        Err(failure) => {
-            let failure = *failure;
-            match failure.vm {
-                Some(running) => {
-                    eprintln!(
-                        "guestmem: migration failed: {}; the source VM keeps running",
-                        failure.error
-                    );
-                    let before: u64 = running.progress().iter().map(|p| p.0).sum();
-                    std::thread::sleep(Duration::from_millis(200));
-                    let now: u64 = running.progress().iter().map(|p| p.0).sum();
-                    eprintln!(
-                        "guestmem: the source guest wrote {} pages in the last 200 ms",
-                        now - before
-                    );
-                    running.stop();
-                    let _ = running.wait(Duration::from_secs(10));
-                    Err(failure.error.into())
+    // The outcome, once nothing borrows the source VM any more: a report, or the error and
+    // whether the destination was taken for dead.
+    let outcome = {
+        let result = migrate::send(running, links, &opts);
+        if let Some(bar) = bar {
+            bar.finish_and_clear();
+        }
+        match result {
+            Ok(report) => Ok(report),
+            Err(failure) => {
+                let failure = *failure;
+                match failure.vm {
+                    Some(running) => {
+                        eprintln!(
+                            "guestmem: migration failed: {}; the source VM keeps running",
+                            failure.error
+                        );
+                        report_source_runs(&running);
+                        running.stop();
+                        let _ = running.wait(Duration::from_secs(10));
+                        Err((failure.error.to_string(), false))
+                    }
+                    None => {
+                        let error = failure.error.to_string();
+                        if error.contains(DEAD) || error.contains(UNRESPONSIVE) {
+                            Err((error, true))
+                        } else {
+                            Err((
+                                format!(
+                                    "{error} (the destination had taken the VM over; the source \
+                                     is stopped)"
+                                ),
+                                false,
+                            ))
+                        }
+                    }
                 }
-                None => Err(format!(
-                    "{} (the destination had taken the VM over; the source is stopped)",
-                    failure.error
-                )
-                .into()),
             }
+        }
+    };
+    match outcome {
+        Ok(report) => Ok(report),
+        Err((error, false)) => Err(error.into()),
+        Err((error, true)) => {
+            // The source VM, paused at the switch-over, holds the pages the dead destination
+            // had not fetched and the vCPU state of that moment: keep them.
+            let kept =
+                std::env::temp_dir().join(format!("guestmem-migrate-{}-kept", std::process::id()));
+            let keeping = match guestmem_migration::snapshot::write(&vm, &kept) {
+                Ok(_) => format!(
+                    "they are kept in the snapshot {} (the source's memory and vCPU state at the \
+                     switch-over; `guestmem restore` can start it)",
+                    kept.display()
+                ),
+                Err(e) => format!("keeping them in a snapshot failed ({e})"),
+            };
+            Err(format!("{error}; {keeping}").into())
         }
     }
 }
 
-/// Waits on the control socket for `guestmem migrate resume`, then reconnects.
+/// Shows that the source VM runs on after a failed migration: the pages its guest wrote in
+/// the last 200 ms.
+fn report_source_runs(running: &guestmem_vm::RunningVm<'_>) {
+    let before: u64 = running.progress().iter().map(|p| p.0).sum();
+    std::thread::sleep(Duration::from_millis(200));
+    let now: u64 = running.progress().iter().map(|p| p.0).sum();
+    eprintln!(
+        "guestmem: the source guest wrote {} pages in the last 200 ms",
+        now - before
+    );
+}
+
+/// What the error of a destination taken for dead says.
+const DEAD: &str = "the destination is dead";
+/// What the error of a destination given up as unresponsive says.
+const UNRESPONSIVE: &str = "the destination does not answer";
+
+/// After a broken post-copy link: reconnects to `to` by itself (every second), or where
+/// `guestmem migrate resume` on the control socket says. While nothing listens at `to`
+/// (connection refused, no such socket, or a new destination there that knows nothing of this
+/// migration) for `dead_after`, the destination is taken for dead and an error says so.
 fn wait_for_resume(
     control: &Path,
     resume: &migrate::Resume,
     to: &Endpoint,
     creds: &Credentials,
+    dead_after: Duration,
 ) -> guestmem_migration::Result<Links> {
     let fail = |what: &str, e: std::io::Error| {
         guestmem_migration::Error::Migration(format!("{}: {what}: {e}", control.display()))
     };
     let _ = std::fs::remove_file(control);
     let listener = UnixListener::bind(control).map_err(|e| fail("bind", e))?;
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| fail("non-blocking", e))?;
     eprintln!(
-        "guestmem: the post-copy link broke ({}). The destination runs the guest and waits for \
-         its missing pages. To go on: guestmem migrate resume --control {} [--to ENDPOINT]",
+        "guestmem: the post-copy link broke ({}). If the destination is alive, it runs the guest \
+         and waits for its missing pages: this source reconnects to {to} by itself, or where \
+         `guestmem migrate resume --control {} [--to ENDPOINT]` says. If nothing listens at {to} \
+         for {} s, the destination is taken for dead.",
         resume.reason,
-        control.display()
+        control.display(),
+        dead_after.as_secs_f64()
     );
+    let broke = Instant::now();
+    let mut refused_since: Option<Instant> = None;
+    let split = "The guest's state is split between the destination, which had its vCPUs and the \
+                 pages it had fetched, and this source, which holds every page the destination \
+                 had not fetched and the VM state at the switch-over";
+    let mut last_try: Option<Instant> = None;
     loop {
-        let (stream, _) = listener.accept().map_err(|e| fail("accept", e))?;
-        let mut line = String::new();
-        let mut reader = BufReader::new(&stream);
-        if reader.read_line(&mut line).is_err() {
-            continue;
-        }
-        let endpoint = match line.trim() {
-            "" => Ok(to.clone()),
-            other => other.parse::<Endpoint>(),
-        };
-        let outcome = endpoint
-            .map_err(guestmem_migration::Error::from)
-            .and_then(|ep| resume.connect(&ep, creds).map(|links| (links, ep)));
-        let mut stream = &stream;
-        match outcome {
-            Ok((links, ep)) => {
-                let _ = writeln!(stream, "reconnected to {ep}; post-copy goes on");
-                let _ = std::fs::remove_file(control);
-                return Ok(links);
+        match listener.accept() {
+            Ok((stream, _)) => {
+                let _ = stream.set_nonblocking(false);
+                let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
+                let mut line = String::new();
+                let mut reader = BufReader::new(&stream);
+                if reader.read_line(&mut line).is_err() {
+                    continue;
+                }
+                let endpoint = match line.trim() {
+                    "" => Ok(to.clone()),
+                    other => other.parse::<Endpoint>(),
+                };
+                let outcome = endpoint
+                    .map_err(guestmem_migration::Error::from)
+                    .and_then(|ep| resume.connect(&ep, creds).map(|links| (links, ep)));
+                let mut stream = &stream;
+                match outcome {
+                    Ok((links, ep)) => {
+                        let _ = writeln!(stream, "reconnected to {ep}; post-copy goes on");
+                        let _ = std::fs::remove_file(control);
+                        return Ok(links);
+                    }
+                    Err(e) => {
+                        let _ = writeln!(stream, "error: {e}");
+                    }
+                }
+                continue;
             }
-            Err(e) => {
-                let _ = writeln!(stream, "error: {e}");
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(fail("accept", e)),
+        }
+        if last_try.is_none_or(|t| t.elapsed() >= Duration::from_secs(1)) {
+            last_try = Some(Instant::now());
+            match resume.connect(to, creds) {
+                Ok(links) => {
+                    eprintln!("guestmem: reconnected to {to}; post-copy goes on");
+                    let _ = std::fs::remove_file(control);
+                    return Ok(links);
+                }
+                Err(e) if e.is_unreachable() || e.to_string().contains("is not running") => {
+                    let since = *refused_since.get_or_insert_with(Instant::now);
+                    if since.elapsed() >= dead_after {
+                        let _ = std::fs::remove_file(control);
+                        return Err(guestmem_migration::Error::Migration(format!(
+                            "{DEAD}: nothing has listened at {to} for {:.0} s since the \
+                             post-copy link broke {:.0} s ago ({}; last attempt: {e}). {split}",
+                            since.elapsed().as_secs_f64(),
+                            broke.elapsed().as_secs_f64(),
+                            resume.reason
+                        )));
+                    }
+                }
+                Err(e) => {
+                    refused_since = None;
+                    tracing::info!("reconnecting to {to}: {e}");
+                    if broke.elapsed() >= 2 * dead_after {
+                        let _ = std::fs::remove_file(control);
+                        return Err(guestmem_migration::Error::Migration(format!(
+                            "{UNRESPONSIVE}: no reconnection to {to} succeeded in the {:.0} s \
+                             since the post-copy link broke ({}; last attempt: {e}). {split}",
+                            broke.elapsed().as_secs_f64(),
+                            resume.reason
+                        )));
+                    }
+                }
             }
         }
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
 
@@ -449,6 +578,12 @@ fn receive_main(args: ReceiveArgs) -> crate::Result<()> {
     let before = vm.pages_done();
     let started = Instant::now();
     let running = transfer.resume(&mut vm)?;
+    // On stderr even with --json: when the guest moved (a post-copy goes on after it).
+    eprintln!(
+        "guestmem: the guest runs here now ({}); it runs for {} s",
+        transfer.mode(),
+        run_for.as_secs_f64()
+    );
     std::thread::sleep(run_for);
     running.stop();
     let run = running.wait(Duration::from_secs(30));

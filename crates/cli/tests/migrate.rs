@@ -694,24 +694,45 @@ fn a_cut_postcopy_link_is_resumed_from_the_cli() {
     assert!(!Path::new(&control).exists(), "the control socket is gone");
 }
 
-/// Keys from another `migrate keys`: neither side takes the other, both say TLS.
-#[test]
-#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
-fn keys_of_another_ca_are_refused_by_both_sides() {
-    let dir = TempDir::new("keys");
-    let (ours, theirs) = (dir.keys("ours"), dir.keys("theirs"));
-    let sock = dir.path("sock");
-    let to = format!("unix:{sock}");
-    let receive = Proc::receive_on("migrate receive", &sock, &ours, &[]);
-    let sent = Proc::spawn(
-        "migrate send",
+/// `migrate receive` on TCP with `--run-for 1 --json`.
+fn receive_tcp(name: &str, keys: &str) -> (Proc, String) {
+    let receive = Proc::spawn(
+        name,
         &[],
         &[
-            "migrate", "send", "--to", &to, "--keys", &theirs, "--memory", "64M", "--after", "0.1",
+            "migrate",
+            "receive",
+            "--listen",
+            "tcp:127.0.0.1:0",
+            "--keys",
+            keys,
+            "--run-for",
+            "1",
+            "--json",
         ],
-    )
-    .wait(LONG);
-    let received = receive.wait(LONG);
+    );
+    let to = format!("tcp:127.0.0.1:{}", receive.listening());
+    (receive, to)
+}
+
+fn send_args<'a>(to: &'a str, keys: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec![
+        "migrate", "send", "--to", to, "--keys", keys, "--memory", "64M", "--after", "0.2",
+    ];
+    args.extend_from_slice(extra);
+    args
+}
+
+/// Keys from another `migrate keys`, a connection that says nothing, random bytes, a line of
+/// text: each is refused (the TLS one says TLS on both sides), `migrate receive` goes on
+/// waiting, and the genuine migration after them completes with equal digests.
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn junk_and_strangers_are_refused_and_the_genuine_migration_goes_through() {
+    let dir = TempDir::new("keys");
+    let (ours, theirs) = (dir.keys("ours"), dir.keys("theirs"));
+    let (receive, to) = receive_tcp("migrate receive", &ours);
+    let sent = Proc::spawn("migrate send", &[], &send_args(&to, &theirs, &[])).wait(LONG);
     assert!(!sent.status.success(), "{}", sent.stdout);
     assert!(sent.stderr.contains("TLS"), "{}", sent.stderr);
     assert!(
@@ -719,8 +740,232 @@ fn keys_of_another_ca_are_refused_by_both_sides() {
         "{}",
         sent.stderr
     );
-    assert!(!received.status.success(), "{}", received.stdout);
-    assert!(received.stderr.contains("TLS"), "{}", received.stderr);
+    receive
+        .stderr
+        .wait_for("refused a migration connection", LONG, "migrate receive");
+    assert!(
+        receive.stderr.text().contains("TLS"),
+        "{}",
+        receive.stderr.text()
+    );
+    let addr = to.strip_prefix("tcp:").unwrap();
+    // Held open, silent, for the whole genuine migration.
+    let _silent = TcpStream::connect(addr).unwrap();
+    for junk in [
+        &b"\x16\x03\x01\xff\xff\x00\x13junk"[..],
+        b"GET / HTTP/1.0\r\n\r\n",
+    ] {
+        let mut c = TcpStream::connect(addr).unwrap();
+        c.write_all(junk).unwrap();
+    }
+    let started = Instant::now();
+    let sent = Proc::spawn(
+        "migrate send",
+        &[],
+        &send_args(&to, &ours, &["--verify", "--json"]),
+    )
+    .wait(LONG)
+    .ok_json("migrate send");
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "the silent connection held the migration up: {:?}",
+        started.elapsed()
+    );
+    let received = receive.wait(LONG).ok_json("migrate receive");
+    assert_guest_continued(&received);
+    assert_digests_equal(&sent, &received);
+}
+
+/// Two sources at once: the first migration completes, the second is refused, told that the
+/// destination is busy with another migration, and its VM was not migrated.
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn a_second_sender_is_told_the_destination_is_busy() {
+    let dir = TempDir::new("busy");
+    let keys = dir.keys("keys");
+    let (receive, to) = receive_tcp("migrate receive", &keys);
+    // 64 MiB, filled, at 24 MiB/s (and little dirtied meanwhile): the first migration takes
+    // a few seconds.
+    let first = Proc::spawn(
+        "first migrate send",
+        &[],
+        &send_args(
+            &to,
+            &keys,
+            &[
+                "--max-bandwidth-mib-per-s",
+                "24",
+                "--dirty-mib-per-s",
+                "2",
+                "--verify",
+                "--json",
+            ],
+        ),
+    );
+    std::thread::sleep(Duration::from_millis(1000));
+    let second = Proc::spawn("second migrate send", &[], &send_args(&to, &keys, &[])).wait(LONG);
+    assert!(!second.status.success(), "{}", second.stdout);
+    assert!(
+        second
+            .stderr
+            .contains("the destination is busy with another migration"),
+        "{}",
+        second.stderr
+    );
+    assert!(
+        second.stderr.contains("the VM was not migrated"),
+        "{}",
+        second.stderr
+    );
+    assert_source_kept_running(&second);
+    let sent = first.wait(LONG).ok_json("first migrate send");
+    let received = receive.wait(LONG).ok_json("migrate receive");
+    assert_guest_continued(&received);
+    assert_digests_equal(&sent, &received);
+}
+
+/// A bandwidth limit that never finishes: refused at once, naming the option. A source holding
+/// the destination's certificate: refused by the destination, both sides naming the role.
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn options_and_certificates_that_cannot_work_are_refused_naming_them() {
+    let dir = TempDir::new("refused");
+    let keys = dir.keys("keys");
+    for (bw, connections) in [("0", "2"), ("1", "2")] {
+        let sent = Proc::spawn(
+            "migrate send",
+            &[],
+            &send_args(
+                "unix:/nonexistent",
+                &keys,
+                &[
+                    "--max-bandwidth-mib-per-s",
+                    bw,
+                    "--connections",
+                    connections,
+                ],
+            ),
+        )
+        .wait(LONG);
+        assert!(!sent.status.success());
+        assert!(
+            sent.stderr
+                .contains(&format!("--max-bandwidth-mib-per-s {bw} is refused")),
+            "{}",
+            sent.stderr
+        );
+    }
+    let swapped = dir.path("swapped");
+    std::fs::create_dir_all(&swapped).unwrap();
+    std::fs::copy(format!("{keys}/ca.pem"), format!("{swapped}/ca.pem")).unwrap();
+    for ext in ["pem", "key"] {
+        std::fs::copy(
+            format!("{keys}/guestmem-destination.{ext}"),
+            format!("{swapped}/guestmem-source.{ext}"),
+        )
+        .unwrap();
+    }
+    let (receive, to) = receive_tcp("migrate receive", &keys);
+    let sent = Proc::spawn("migrate send", &[], &send_args(&to, &swapped, &[])).wait(LONG);
+    assert!(!sent.status.success());
+    let role = "it is a destination certificate (guestmem-destination), where a source one \
+                (guestmem-source) is required";
+    assert!(
+        sent.stderr.contains("refused the migration") && sent.stderr.contains(role),
+        "{}",
+        sent.stderr
+    );
+    receive
+        .stderr
+        .wait_for(role, LONG, "migrate receive (which goes on waiting)");
+}
+
+/// The destination killed during post-copy: the source finds nothing listening where it was,
+/// says within a bound that the destination is dead and what it keeps (in a snapshot), and
+/// exits with an error.
+#[test]
+#[cfg_attr(
+    not(all(kvm, uffd)),
+    ignore = "no usable /dev/kvm and /dev/userfaultfd on this host"
+)]
+fn a_destination_killed_during_postcopy_is_reported_dead() {
+    let dir = TempDir::new("dead");
+    let keys = dir.keys("keys");
+    let mut receive = Proc::spawn(
+        "migrate receive",
+        &[],
+        &[
+            "migrate",
+            "receive",
+            "--listen",
+            "tcp:127.0.0.1:0",
+            "--keys",
+            &keys,
+            "--run-for",
+            "60",
+            "--json",
+        ],
+    );
+    let to = format!("tcp:127.0.0.1:{}", receive.listening());
+    let control = dir.path("control.sock");
+    let send = Proc::spawn(
+        "migrate send",
+        &[],
+        &[
+            "migrate",
+            "send",
+            "--to",
+            &to,
+            "--keys",
+            &keys,
+            "--mode",
+            "postcopy",
+            "--memory",
+            "256M",
+            "--after",
+            "0.2",
+            "--control",
+            &control,
+            "--dead-after",
+            "2",
+            "--json",
+        ],
+    );
+    receive
+        .stderr
+        .wait_for("the guest runs here now", LONG, "migrate receive");
+    receive.child.kill().unwrap();
+    let killed = Instant::now();
+    let _ = receive.wait(LONG);
+    let sent = send.wait(LONG);
+    assert!(
+        killed.elapsed() < Duration::from_secs(15),
+        "the source took {:?} to give up",
+        killed.elapsed()
+    );
+    assert!(!sent.status.success(), "{}", sent.stdout);
+    for said in [
+        "the destination is dead: nothing has listened at",
+        "this source, which holds every page the destination had not fetched and the VM state \
+         at the switch-over",
+        "they are kept in the snapshot ",
+    ] {
+        assert!(
+            sent.stderr.contains(said),
+            "{said:?} not in:\n{}",
+            sent.stderr
+        );
+    }
+    let kept = sent
+        .stderr
+        .split("they are kept in the snapshot ")
+        .nth(1)
+        .and_then(|s| s.split(' ').next())
+        .unwrap()
+        .to_string();
+    let exists = Path::new(&kept).join("manifest.json").exists();
+    let _ = std::fs::remove_dir_all(&kept);
+    assert!(exists, "no snapshot in {kept}");
 }
 
 /// A CPU the host lacks as `--fault-cpus`: each side refuses it, naming it; the source's VM

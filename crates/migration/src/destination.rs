@@ -12,19 +12,26 @@ use guestmem_vm::{layout, RunningVm, Vm};
 use serde::{Deserialize, Serialize};
 
 use crate::migrate::{
-    frame_name, percentile, read_frame, read_json, write_frame, Links, Mode, Setup, StaleChunks,
-    Switchover, BLOCK, POSTCOPY_CHUNK,
+    frame_name, percentile, read_frame, read_hello, read_json, write_frame, ChannelRole, Hello,
+    Links, Mode, Setup, StaleChunks, Switchover, BLOCK, HEARTBEAT_INTERVAL, POSTCOPY_CHUNK,
 };
 use crate::source::memory_digest;
 use crate::stream::{Frame, FrameRef, MAX_REQUEST};
-use crate::transport::{Connection, Cutter, Listener};
+use crate::transport::{Accepted, Connection, Cutter, Listener, Role, Timeouts};
 use crate::{Error, Result};
+
+/// Post-copy, after the link broke: how long the destination's vCPUs wait for the source to
+/// reconnect (it tries every second by itself, and `guestmem migrate resume` can point it
+/// elsewhere) before the VM stops with an error. Longer than the source takes to give up on an
+/// unresponsive destination (twice [`crate::migrate::DEAD_PEER_TIMEOUT`]), so that the side
+/// that holds the missing pages gives up first.
+pub const RESUME_TIMEOUT: Duration = Duration::from_secs(45);
 
 /// How to receive.
 #[derive(Debug, Clone)]
 pub struct ReceiveOptions {
     /// How long a post-copy waits for the source to come back after the link broke, before
-    /// the VM stops with an error naming the guest address it needed.
+    /// the VM stops with an error naming the guest address it needed ([`RESUME_TIMEOUT`]).
     pub resume_timeout: Duration,
     /// Post-copy: fault handler threads per region.
     pub handlers: usize,
@@ -39,7 +46,7 @@ pub struct ReceiveOptions {
 impl Default for ReceiveOptions {
     fn default() -> Self {
         ReceiveOptions {
-            resume_timeout: Duration::from_secs(600),
+            resume_timeout: RESUME_TIMEOUT,
             handlers: 2,
             fault_cpus: None,
         }
@@ -87,6 +94,9 @@ pub struct Transfer {
     report: DestinationReport,
     /// When the vCPUs ran (post-copy's residency is timed from there).
     running_at: Option<Instant>,
+    /// The destination is this migration's until the transfer is dropped: other sources are
+    /// told it is busy.
+    _claim: Claim,
     // Dropped last: the pagers' regions stay mapped while they live.
     _memory: Arc<GuestMemory>,
 }
@@ -99,12 +109,19 @@ struct Postcopy {
 }
 
 /// Accepts one migration on `listener` and receives it up to the switch-over. Any refusal is
-/// told to the source (which keeps its VM running) and returned.
+/// told to the source (which keeps its VM running) and returned. Connections that fail their
+/// handshake or Hello are refused on their own (logged) while it waits, which is unbounded:
+/// waiting for a migration is its job. One migration at a time: until the [`Transfer`] is
+/// dropped (or this fails), other sources are told that the destination is busy.
 pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incoming> {
     if let Some(cpus) = &opts.fault_cpus {
         CpuSet::new(cpus).map_err(|e| Error::Migration(format!("fault CPUs: {e}")))?;
     }
-    let mut links = Links::accept(&listener, None)?;
+    let gate = Gate::of(&listener);
+    let (mut links, claim) = gate
+        .collect(None, listener.timeouts(), &|| false)?
+        .expect("a receive is never stopped");
+    let claim = claim.expect("a new migration claims the destination");
     let setup: Setup = read_json(&mut links.pages[0], "VM setup")?;
     let refuse = |links: &mut Links, reason: String| {
         let _ = write_frame(
@@ -173,20 +190,38 @@ pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incomin
 
     // The rounds: each pages connection is applied by its own thread, up to its last
     // EndOfRound.
+    // A reader that fails ends the others' reads at once (their connections may be cut
+    // silently): the migration fails now, not after an idle timeout.
+    // The reader that failed first: its error is the migration's (the others' follow from it).
+    let cutters = Arc::new(links.cutters()?);
+    let first_failed = Arc::new(AtomicUsize::new(usize::MAX));
     let readers: Vec<_> = std::mem::take(&mut links.pages)
         .into_iter()
         .enumerate()
         .map(|(i, conn)| {
             let memory = memory.clone();
+            let (cutters, first_failed) = (cutters.clone(), first_failed.clone());
             std::thread::Builder::new()
                 .name(format!("migrate-rx{i}"))
-                .spawn(move || apply_pages(conn, &memory))
+                .spawn(move || {
+                    let (conn, result) = apply_pages(conn, &memory);
+                    if result.is_err() {
+                        let _ = first_failed.compare_exchange(
+                            usize::MAX,
+                            i,
+                            Ordering::SeqCst,
+                            Ordering::SeqCst,
+                        );
+                        cutters.iter().for_each(Cutter::cut_reads);
+                    }
+                    (conn, result)
+                })
                 .expect("spawning a reader thread")
         })
         .collect();
-    let mut failure = None;
+    let mut failures = Vec::new();
     let mut last_rounds = Vec::new();
-    for r in readers {
+    for (i, r) in readers.into_iter().enumerate() {
         let (conn, result) = r.join().expect("a reader thread panicked");
         links.pages.push(conn);
         match result {
@@ -195,11 +230,14 @@ pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incomin
                 report.zero_pages_received += stats.zero_pages;
                 last_rounds.push(stats.last_round);
             }
-            Err(e) => {
-                failure.get_or_insert(e);
-            }
+            Err(e) => failures.push((i, e)),
         }
     }
+    let first = first_failed.load(Ordering::SeqCst);
+    let failure = match failures.iter().position(|(i, _)| *i == first) {
+        Some(at) => Some(failures.swap_remove(at).1),
+        None => failures.into_iter().next().map(|(_, e)| e),
+    };
     if let Some(e) = failure {
         return Err(refuse(&mut links, format!("receiving pages: {e}")));
     }
@@ -261,8 +299,10 @@ pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incomin
             ));
         }
     }
+    // Well within the idle timeout (the source's is taken to be the same as ours).
+    let heartbeat = HEARTBEAT_INTERVAL.min(listener.timeouts().idle / 4);
     let postcopy = match &switchover.postcopy {
-        Some(stale) => match arm_postcopy(&vm, &setup.shared, stale, &links, opts) {
+        Some(stale) => match arm_postcopy(&vm, &setup.shared, stale, &links, opts, heartbeat) {
             Ok((link, pagers)) => Some(Postcopy {
                 link,
                 pagers,
@@ -292,9 +332,326 @@ pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incomin
             postcopy,
             report,
             running_at: None,
+            _claim: claim,
             _memory: memory,
         },
     })
+}
+
+/// Connections in their handshake at once, at most: more are dropped as they come (a flood of
+/// junk connections costs a thread each for at most the handshake timeout).
+const MAX_HANDSHAKES: usize = 64;
+
+/// The destination's admission of connections on a listener. Each accepted socket's TLS
+/// handshake and Hello run in a thread of their own, bounded by the handshake timeout, so a
+/// silent or junk connection holds nobody up and ends nothing but itself (it is refused, and
+/// the refusal logged). The first pages connection of a new migration claims the destination;
+/// connections of any other migration are answered Abort (the destination is busy) until the
+/// claim ends with the migration.
+pub(crate) struct Gate {
+    state: Mutex<GateState>,
+    changed: Condvar,
+    handshakes: AtomicUsize,
+}
+
+#[derive(Default)]
+struct GateState {
+    /// The migration this destination serves.
+    current: Option<u64>,
+    /// Connections of it, taken in (their Hello answered), not collected yet.
+    arrived: Vec<Arrival>,
+}
+
+struct Arrival {
+    conn: Connection,
+    hello: Hello,
+    at: Instant,
+}
+
+/// A migration's hold on the destination, released when dropped.
+pub(crate) struct Claim {
+    gate: Arc<Gate>,
+    migration: u64,
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        let mut st = self.gate.lock();
+        if st.current == Some(self.migration) {
+            st.current = None;
+        }
+        st.arrived.retain(|a| a.hello.migration != self.migration);
+    }
+}
+
+impl Gate {
+    /// The listener's gate, started (with its accepting thread) on first use.
+    pub(crate) fn of(listener: &Arc<Listener>) -> Arc<Gate> {
+        listener
+            .gate
+            .get_or_init(|| {
+                let gate = Arc::new(Gate {
+                    state: Mutex::new(GateState::default()),
+                    changed: Condvar::new(),
+                    handshakes: AtomicUsize::new(0),
+                });
+                let (g, l) = (gate.clone(), listener.clone());
+                std::thread::Builder::new()
+                    .name("migrate-accept".into())
+                    .spawn(move || g.accept_loop(&l))
+                    .expect("spawning the accepting thread");
+                gate
+            })
+            .clone()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, GateState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn accept_loop(self: &Arc<Self>, listener: &Listener) {
+        loop {
+            let accepted = match listener.accept_socket() {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::warn!("accepting a migration connection: {e}");
+                    std::thread::sleep(Duration::from_millis(100));
+                    continue;
+                }
+            };
+            if self.handshakes.fetch_add(1, Ordering::SeqCst) >= MAX_HANDSHAKES {
+                self.handshakes.fetch_sub(1, Ordering::SeqCst);
+                tracing::warn!(
+                    "refused a connection from {}: {MAX_HANDSHAKES} connections are in their \
+                     handshake already",
+                    accepted.peer()
+                );
+                continue;
+            }
+            let gate = self.clone();
+            let spawned = std::thread::Builder::new()
+                .name("migrate-admit".into())
+                .spawn(move || {
+                    gate.admit(accepted);
+                    gate.handshakes.fetch_sub(1, Ordering::SeqCst);
+                });
+            if let Err(e) = spawned {
+                self.handshakes.fetch_sub(1, Ordering::SeqCst);
+                tracing::warn!("refused a migration connection: no thread for it: {e}");
+            }
+        }
+    }
+
+    /// One connection: its handshake, its certificate's role, its Hello, and whether this
+    /// destination takes it.
+    fn admit(&self, accepted: Accepted) {
+        let handshake = accepted.timeouts();
+        let mut conn = match accepted.handshake() {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!("refused a migration connection: {e}");
+                return;
+            }
+        };
+        if let Err(why) = conn.check_peer_role(Role::Source) {
+            return refuse(&mut conn, why);
+        }
+        // The Hello is part of the connection's establishment: bounded as the handshake.
+        let _ = conn.set_idle_timeout(Some(handshake.handshake));
+        let hello = match read_hello(&mut conn) {
+            Ok(h) => h,
+            Err(e) => {
+                let why = format!("{} sent no valid Hello: {e}", conn.peer());
+                return refuse(&mut conn, why);
+            }
+        };
+        let _ = conn.set_idle_timeout(Some(handshake.idle));
+        let verdict = {
+            let mut st = self.lock();
+            match st.current {
+                Some(id) if id == hello.migration => Ok(()),
+                Some(id) => Err(format!(
+                    "the destination is busy with another migration ({id:#x}); migration {:#x} \
+                     is refused (try again once that one is over)",
+                    hello.migration
+                )),
+                None if hello.resume => Err(format!(
+                    "the source resumes migration {:#x}, which this destination is not running",
+                    hello.migration
+                )),
+                None if hello.channel != ChannelRole::Pages(0) => Err(format!(
+                    "connection {:?} of migration {:#x} came before its first pages connection",
+                    hello.channel, hello.migration
+                )),
+                None => {
+                    st.current = Some(hello.migration);
+                    Ok(())
+                }
+            }
+        };
+        if let Err(why) = verdict {
+            return refuse(&mut conn, why);
+        }
+        // Before the answer: the source opens its next connection only once it has it.
+        let at = Instant::now();
+        let answer = serde_json::json!({ "guestmem_version": env!("CARGO_PKG_VERSION") });
+        if let Err(e) = write_frame(
+            &mut conn,
+            &Frame::Hello {
+                config_json: answer.to_string().into_bytes(),
+            },
+        ) {
+            tracing::warn!("a migration connection broke as it was taken in: {e}");
+        }
+        self.lock().arrived.push(Arrival { conn, hello, at });
+        self.changed.notify_all();
+    }
+
+    /// Waits for the first pages connection of a new migration (`resume_of` `None`: the one
+    /// that claimed the destination) or of the resumption of `resume_of`, then for its other
+    /// connections, which must all come within the handshake timeout of the first. `None` when
+    /// `stop` says so first.
+    pub(crate) fn collect(
+        self: &Arc<Self>,
+        resume_of: Option<u64>,
+        timeouts: Timeouts,
+        stop: &dyn Fn() -> bool,
+    ) -> Result<Option<(Links, Option<Claim>)>> {
+        let resume = resume_of.is_some();
+        let mut st = self.lock();
+        let first = loop {
+            if stop() {
+                return Ok(None);
+            }
+            let want = resume_of.or(st.current);
+            if let Some(id) = want {
+                if let Some(i) = st.arrived.iter().rposition(|a| {
+                    a.hello.migration == id
+                        && a.hello.channel == ChannelRole::Pages(0)
+                        && a.hello.resume == resume
+                }) {
+                    break st.arrived.remove(i);
+                }
+            }
+            st = self
+                .changed
+                .wait_timeout(st, Duration::from_millis(200))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        };
+        let id = first.hello.migration;
+        // Older arrivals of a resumption belong to an attempt that was given up.
+        if resume {
+            st.arrived
+                .retain(|a| a.hello.migration != id || a.at >= first.at);
+        }
+        drop(st);
+        // A resumption goes on under the claim of the migration it resumes.
+        let claim = (!resume).then(|| Claim {
+            gate: self.clone(),
+            migration: id,
+        });
+        let (pages, urgent) = (first.hello.pages, first.hello.urgent);
+        let mut main = first.conn;
+        let fail = |main: &mut Connection, reason: String| {
+            let _ = write_frame(
+                main,
+                &Frame::Abort {
+                    reason: reason.clone(),
+                },
+            );
+            Error::Migration(reason)
+        };
+        if pages == 0 || pages > 64 || urgent > 64 {
+            return Err(fail(
+                &mut main,
+                format!("{pages} pages and {urgent} urgent connections announced"),
+            ));
+        }
+        let mut slots: Vec<Option<Connection>> = (0..pages + urgent).map(|_| None).collect();
+        slots[0] = Some(main);
+        let deadline = Instant::now() + timeouts.handshake;
+        let mut st = self.lock();
+        while slots.iter().any(Option::is_none) {
+            let next = st.arrived.iter().position(|a| a.hello.migration == id);
+            let Some(i) = next else {
+                let now = Instant::now();
+                if now >= deadline {
+                    drop(st);
+                    let missing: Vec<String> = slots
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, s)| s.is_none())
+                        .map(|(i, _)| {
+                            if i < pages {
+                                format!("pages connection {i}")
+                            } else {
+                                format!("urgent connection {}", i - pages)
+                            }
+                        })
+                        .collect();
+                    let main = slots[0].as_mut().expect("the first connection");
+                    let why = format!(
+                        "{} of migration {id:#x} did not come within {} s of its first \
+                         connection (the handshake timeout; from {})",
+                        missing.join(", "),
+                        timeouts.handshake.as_secs_f64(),
+                        main.peer()
+                    );
+                    return Err(fail(main, why));
+                }
+                st = self
+                    .changed
+                    .wait_timeout(st, deadline - now)
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
+                continue;
+            };
+            let Arrival { conn, hello: h, .. } = st.arrived.remove(i);
+            let slot = match h.channel {
+                ChannelRole::Pages(i) if i < pages => Some(i),
+                ChannelRole::Urgent(i) if i < urgent => Some(pages + i),
+                _ => None,
+            };
+            let why = match slot {
+                None => Some(format!(
+                    "connection {:?} is outside the {pages} + {urgent} announced",
+                    h.channel
+                )),
+                Some(s) if slots[s].is_some() || h.resume != resume => Some(format!(
+                    "connection {:?} of migration {id:#x} came twice",
+                    h.channel
+                )),
+                Some(_) => None,
+            };
+            if let Some(why) = why {
+                drop(st);
+                let main = slots[0].as_mut().expect("the first connection");
+                return Err(fail(main, why));
+            }
+            slots[slot.expect("checked")] = Some(conn);
+        }
+        drop(st);
+        let mut all = slots.into_iter().map(|s| s.expect("every slot filled"));
+        let links = Links {
+            pages: all.by_ref().take(pages).collect(),
+            urgent: all.collect(),
+            migration: id,
+            mode: Mode::Precopy,
+        };
+        Ok(Some((links, claim)))
+    }
+}
+
+/// Tells a refused connection why (an Abort), and lets it read that before the socket closes
+/// (closing with its data unread would reset the connection, and the Abort could be lost).
+fn refuse(conn: &mut Connection, why: String) {
+    tracing::warn!("refused a migration connection: {why}");
+    if write_frame(conn, &Frame::Abort { reason: why }).is_ok() {
+        let _ = conn.set_idle_timeout(Some(Duration::from_secs(2)));
+        let mut sink = [0u8; 4096];
+        while matches!(io::Read::read(conn, &mut sink), Ok(n) if n > 0) {}
+    }
 }
 
 fn refused_by_source(frame: &Frame, wanted: &str) -> Error {
@@ -392,11 +749,13 @@ fn arm_postcopy(
     stale: &[StaleChunks],
     links: &Links,
     opts: &ReceiveOptions,
+    heartbeat: Duration,
 ) -> Result<(Arc<PostcopyLink>, Vec<Pager>)> {
     let link = Arc::new(PostcopyLink::new(
         links.pages.len(),
         links.urgent.len(),
         opts.resume_timeout,
+        heartbeat,
     ));
     let mut pagers = Vec::new();
     for region in vm
@@ -574,6 +933,8 @@ struct PostcopyLink {
     state: Mutex<LinkState>,
     changed: Condvar,
     resume_timeout: Duration,
+    /// A connection quiet for this long carries a heartbeat.
+    heartbeat: Duration,
     next_urgent: AtomicUsize,
     /// Fault fetch latencies, in µs.
     latencies: Mutex<Vec<u32>>,
@@ -590,6 +951,8 @@ struct Slot {
     /// each answer afresh cost two 128 KiB allocations, one zeroed, and a copy: the first
     /// fetches of a connection paid for fresh mappings too).
     frame: Vec<u8>,
+    /// When the connection last carried a request (a quiet one carries a heartbeat).
+    used: Option<Instant>,
 }
 
 #[derive(Default)]
@@ -601,7 +964,12 @@ struct LinkState {
 }
 
 impl PostcopyLink {
-    fn new(pages: usize, urgent: usize, resume_timeout: Duration) -> PostcopyLink {
+    fn new(
+        pages: usize,
+        urgent: usize,
+        resume_timeout: Duration,
+        heartbeat: Duration,
+    ) -> PostcopyLink {
         PostcopyLink {
             slots: (0..pages + urgent)
                 .map(|_| Mutex::new(Slot::default()))
@@ -611,6 +979,7 @@ impl PostcopyLink {
             state: Mutex::new(LinkState::default()),
             changed: Condvar::new(),
             resume_timeout,
+            heartbeat,
             next_urgent: AtomicUsize::new(0),
             latencies: Mutex::new(Vec::new()),
             background_fetches: AtomicU64::new(0),
@@ -634,7 +1003,9 @@ impl PostcopyLink {
             .iter()
             .zip(links.pages.into_iter().chain(links.urgent))
         {
-            slot.lock().unwrap_or_else(|e| e.into_inner()).conn = Some(conn);
+            let mut slot = slot.lock().unwrap_or_else(|e| e.into_inner());
+            slot.conn = Some(conn);
+            slot.used = Some(Instant::now());
         }
         *self.cutters.lock().unwrap_or_else(|e| e.into_inner()) = cutters;
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
@@ -661,7 +1032,9 @@ impl PostcopyLink {
                 let slot = &mut *guard;
                 if let Some(conn) = slot.conn.as_mut() {
                     let asked = Instant::now();
-                    match request(conn, &mut slot.frame, gpa, buf) {
+                    let answered = request(conn, &mut slot.frame, gpa, buf);
+                    slot.used = Some(Instant::now());
+                    match answered {
                         Ok(()) => {
                             self.bytes.fetch_add(buf.len() as u64, Ordering::Relaxed);
                             if urgent {
@@ -741,20 +1114,69 @@ impl PostcopyLink {
     }
 
     /// The keeper: after each break, accepts the source's new connections and opens them.
-    fn keep(&self, listener: &Listener, migration: u64) {
+    fn keep(&self, listener: &Arc<Listener>, migration: u64) {
         loop {
-            {
-                let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-                while !st.broken && !st.closed {
-                    st = self.changed.wait(st).unwrap_or_else(|e| e.into_inner());
-                }
+            // While the link is up: heartbeats on its quiet connections.
+            loop {
+                let st = self.state.lock().unwrap_or_else(|e| e.into_inner());
                 if st.closed {
                     return;
                 }
+                if st.broken {
+                    break;
+                }
+                let st = self
+                    .changed
+                    .wait_timeout(st, self.heartbeat / 2)
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
+                let up = !st.broken && !st.closed;
+                drop(st);
+                if up {
+                    self.heartbeat();
+                }
             }
-            match Links::accept(listener, Some(migration)).and_then(|links| self.open(links)) {
+            let gate = Gate::of(listener);
+            let closed = || self.state.lock().unwrap_or_else(|e| e.into_inner()).closed;
+            match gate
+                .collect(Some(migration), listener.timeouts(), &closed)
+                .and_then(|links| match links {
+                    Some((links, _)) => self.open(links),
+                    None => Ok(()),
+                }) {
                 Ok(()) => tracing::info!("post-copy link re-established"),
                 Err(e) => tracing::warn!("a connection while resuming post-copy: {e}"),
+            }
+        }
+    }
+
+    /// A one-page request (of the sys region, never fetched otherwise: the source does not
+    /// count it) on each connection that carried nothing for the heartbeat interval
+    /// ([`HEARTBEAT_INTERVAL`], or a quarter of a shorter idle timeout) and is
+    /// not in use, so that the source's idle timeout tells a quiet destination from a dead one.
+    fn heartbeat(&self) {
+        for slot in &self.slots {
+            let mut guard = match slot.try_lock() {
+                Ok(g) => g,
+                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+                // A fetch is in flight: not quiet.
+                Err(std::sync::TryLockError::WouldBlock) => continue,
+            };
+            let slot = &mut *guard;
+            let Some(conn) = slot.conn.as_mut() else {
+                continue;
+            };
+            if slot.used.is_some_and(|t| t.elapsed() < self.heartbeat) {
+                continue;
+            }
+            let mut page = vec![0u8; PAGE_SIZE as usize];
+            let answered = request(conn, &mut slot.frame, layout::SYS_GPA, &mut page);
+            slot.used = Some(Instant::now());
+            if let Err(e) = answered {
+                slot.conn = None;
+                drop(guard);
+                self.break_link(&e);
+                return;
             }
         }
     }
@@ -781,6 +1203,7 @@ impl PostcopyLink {
     /// Says Complete on every connection (waiting out a broken link), then closes the link.
     fn close(&self, report_json: &[u8]) -> Result<()> {
         let started = Instant::now();
+        let mut done = Vec::new();
         for slot in &self.slots {
             loop {
                 let generation = self.generation();
@@ -791,7 +1214,11 @@ impl PostcopyLink {
                             report_json: report_json.to_vec(),
                         };
                         match write_frame(conn, &frame) {
-                            Ok(()) => break,
+                            Ok(()) => {
+                                // Out of the slot: no heartbeat follows the Complete.
+                                done.extend(s.conn.take());
+                                break;
+                            }
                             Err(e) => {
                                 s.conn = None;
                                 drop(s);
@@ -811,10 +1238,8 @@ impl PostcopyLink {
         st.closed = true;
         self.changed.notify_all();
         drop(st);
-        for slot in &self.slots {
-            if let Some(mut conn) = slot.lock().unwrap_or_else(|e| e.into_inner()).conn.take() {
-                let _ = conn.flush();
-            }
+        for mut conn in done {
+            let _ = conn.flush();
         }
         Ok(())
     }

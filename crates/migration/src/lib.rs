@@ -69,6 +69,11 @@ pub enum Error {
 }
 
 impl Error {
+    /// Whether nothing listens at the peer's endpoint (connection refused, no such socket).
+    pub fn is_unreachable(&self) -> bool {
+        matches!(self, Error::Transport(e) if e.is_unreachable())
+    }
+
     pub(crate) fn io(path: &Path, op: &'static str) -> impl FnOnce(io::Error) -> Error {
         let path = path.to_path_buf();
         move |source| Error::Io { path, op, source }

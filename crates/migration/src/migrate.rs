@@ -16,12 +16,28 @@
 //! (the destination's vCPUs run: the downtime ends) → in post-copy, Requests until all memory is
 //! resident → Complete (with the destination's figures).
 //!
+//! **Admission**: the destination takes the connections of one migration at a time. Each
+//! connection's handshake and Hello run on their own, so a silent or junk connection is
+//! refused alone; the first pages connection of a new migration claims the destination, and
+//! the connections of any other migration are answered Abort ("the destination is busy with
+//! another migration") until it is over. Every connection's Hello is answered (Hello or Abort).
+//!
+//! **Bounds**: every wait on the peer is bounded, and its error names the wait and the peer:
+//! establishing a connection, and the coming of a migration's other connections after its first,
+//! [`transport::HANDSHAKE_TIMEOUT`]; any read or write on an established connection,
+//! [`transport::IDLE_TIMEOUT`] (post-copy's quiet connections carry a heartbeat every
+//! [`HEARTBEAT_INTERVAL`]); after a broken post-copy link, the destination waits for the source
+//! [`RESUME_TIMEOUT`], and `guestmem migrate send` takes a destination whose endpoint refuses
+//! every reconnection for [`DEAD_PEER_TIMEOUT`] for dead.
+//!
 //! **Failure**: before Go the source still owns the guest; any error (destination refused or
-//! died, link broken, digest mismatch) resumes the source VM. After Go the destination owns it;
-//! a link broken during post-copy leaves both sides waiting (the destination's vCPUs wait for the
-//! pages they fault on), until the source reconnects ([`SendOptions::reconnect`], `guestmem
-//! migrate resume`) and the destination accepts it; fetches in flight are retried, so no page is
-//! lost.
+//! died, link broken or silent, digest mismatch) resumes the source VM. After Go the destination
+//! owns it; a link broken during post-copy leaves both sides waiting, within the bounds above
+//! (the destination's vCPUs wait for the pages they fault on), until the source reconnects
+//! ([`SendOptions::reconnect`], `guestmem migrate resume`) and the destination accepts it;
+//! fetches in flight are retried, so no page is lost. A destination that died leaves the guest's
+//! state split: it had the vCPUs and the pages it fetched, the source holds every page not
+//! fetched yet and the VM state at switch-over (its paused VM).
 
 use std::time::Duration;
 
@@ -29,10 +45,12 @@ use guestmem_vm::{VmConfig, VmState};
 use serde::{Deserialize, Serialize};
 
 use crate::stream::{Frame, StreamError};
-use crate::transport::{self, Connection, Credentials, Endpoint, Listener};
+use crate::transport::{self, Connection, Credentials, Endpoint};
 use crate::{Error, Result};
 
-pub use crate::destination::{receive, DestinationReport, Incoming, ReceiveOptions, Transfer};
+pub use crate::destination::{
+    receive, DestinationReport, Incoming, ReceiveOptions, Transfer, RESUME_TIMEOUT,
+};
 pub use crate::source::{
     send, Failure, Progress, ProgressFn, Reconnect, Report, Round, SendOptions,
 };
@@ -80,6 +98,20 @@ pub(crate) const BLOCK: u64 = 2 << 20;
 /// bound by its receiving thread (decrypt, check, copy into guest memory), and a second one
 /// overlaps it (4 GiB pre-copy at 64 MiB/s: 8.3-9.6 s against 12.5 s with one).
 pub const DEFAULT_CONNECTIONS: usize = 2;
+
+/// Post-copy: the destination sends a one-page request on each connection of the link that
+/// carried nothing for this long, so that a quiet destination (every page resident, or a guest
+/// that faults rarely) is told from a dead one by the source's idle timeout
+/// ([`crate::transport::IDLE_TIMEOUT`], several of these intervals).
+pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(2);
+
+/// Post-copy, after the link broke: how long the source tries to reconnect to the destination's
+/// endpoint while nothing listens there (connection refused, no such socket, or a new
+/// destination that knows nothing of the migration) before it takes the destination for dead,
+/// says so and gives up. A destination that is alive keeps listening, and a reconnection to it
+/// goes on with the migration. A destination that listens but never completes a reconnection
+/// (stuck, or cut off) is given up after twice this.
+pub const DEAD_PEER_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// Urgent connections opened for post-copy (one fault fetch in flight on each).
 pub(crate) const URGENT_CONNECTIONS: usize = 2;
@@ -192,6 +224,25 @@ impl Links {
         )
     }
 
+    /// [`Links::connect`] with other bounds for the connections' waits.
+    pub fn connect_with(
+        endpoint: &Endpoint,
+        creds: &Credentials,
+        mode: Mode,
+        connections: usize,
+        timeouts: transport::Timeouts,
+    ) -> Result<Links> {
+        Links::open_with(
+            endpoint,
+            creds,
+            new_migration_id(),
+            mode,
+            connections,
+            false,
+            timeouts,
+        )
+    }
+
     fn open(
         endpoint: &Endpoint,
         creds: &Credentials,
@@ -199,6 +250,27 @@ impl Links {
         mode: Mode,
         connections: usize,
         resume: bool,
+    ) -> Result<Links> {
+        let timeouts = transport::Timeouts::default();
+        Links::open_with(
+            endpoint,
+            creds,
+            migration,
+            mode,
+            connections,
+            resume,
+            timeouts,
+        )
+    }
+
+    fn open_with(
+        endpoint: &Endpoint,
+        creds: &Credentials,
+        migration: u64,
+        mode: Mode,
+        connections: usize,
+        resume: bool,
+        timeouts: transport::Timeouts,
     ) -> Result<Links> {
         if connections == 0 || connections > 64 {
             return Err(Error::Migration(format!(
@@ -211,7 +283,7 @@ impl Links {
             0
         };
         let open = |channel| -> Result<Connection> {
-            let mut conn = transport::connect(endpoint, creds)?;
+            let mut conn = transport::connect_with(endpoint, creds, timeouts)?;
             let hello = Hello {
                 guestmem_version: env!("CARGO_PKG_VERSION").into(),
                 migration,
@@ -222,7 +294,17 @@ impl Links {
             };
             let json = serde_json::to_vec(&hello).expect("a Hello serializes");
             write_frame(&mut conn, &Frame::Hello { config_json: json })?;
-            Ok(conn)
+            // The destination answers each connection: Hello (taken) or Abort (why not).
+            match read_frame(&mut conn)? {
+                Frame::Hello { .. } => Ok(conn),
+                Frame::Abort { reason } => Err(Error::Migration(format!(
+                    "the destination at {endpoint} refused the migration: {reason}"
+                ))),
+                other => Err(Error::Migration(format!(
+                    "the destination at {endpoint} answered the Hello with {}",
+                    frame_name(&other)
+                ))),
+            }
         };
         Ok(Links {
             pages: (0..connections)
@@ -254,73 +336,9 @@ impl Links {
             connections: self.pages.len(),
         }
     }
-
-    /// The destination side: accepts the connections of one migration (its first must be the
-    /// first pages connection), or of the resumption of migration `resume_of`.
-    pub(crate) fn accept(listener: &Listener, resume_of: Option<u64>) -> Result<Links> {
-        let mut first = listener.accept()?;
-        let hello = read_hello(&mut first)?;
-        if hello.channel != ChannelRole::Pages(0) {
-            return Err(Error::Migration(format!(
-                "the first connection says it is {:?}, not the first pages connection",
-                hello.channel
-            )));
-        }
-        match resume_of {
-            None if hello.resume => {
-                return Err(Error::Migration(format!(
-                    "the source resumes migration {:#x}, which this destination is not running",
-                    hello.migration
-                )))
-            }
-            Some(id) if !hello.resume || hello.migration != id => {
-                return Err(Error::Migration(format!(
-                    "expected the resumption of migration {id:#x}, got migration {:#x}{}",
-                    hello.migration,
-                    if hello.resume { "" } else { " (a new one)" }
-                )))
-            }
-            _ => {}
-        }
-        let (pages, urgent) = (hello.pages, hello.urgent);
-        if pages == 0 || pages > 64 || urgent > 64 {
-            return Err(Error::Migration(format!(
-                "{pages} pages and {urgent} urgent connections announced"
-            )));
-        }
-        let mut slots: Vec<Option<Connection>> = (0..pages + urgent).map(|_| None).collect();
-        slots[0] = Some(first);
-        for _ in 1..pages + urgent {
-            let mut conn = listener.accept()?;
-            let h = read_hello(&mut conn)?;
-            let slot = match h.channel {
-                ChannelRole::Pages(i) if i < pages => i,
-                ChannelRole::Urgent(i) if i < urgent => pages + i,
-                other => {
-                    return Err(Error::Migration(format!(
-                        "connection {other:?} is outside the {pages} + {urgent} announced"
-                    )))
-                }
-            };
-            if h.migration != hello.migration || slots[slot].is_some() {
-                return Err(Error::Migration(format!(
-                    "connection {:?} belongs to another migration or came twice",
-                    h.channel
-                )));
-            }
-            slots[slot] = Some(conn);
-        }
-        let mut all = slots.into_iter().map(|s| s.expect("every slot filled"));
-        Ok(Links {
-            pages: all.by_ref().take(pages).collect(),
-            urgent: all.collect(),
-            migration: hello.migration,
-            mode: Mode::Precopy,
-        })
-    }
 }
 
-fn read_hello(conn: &mut Connection) -> Result<Hello> {
+pub(crate) fn read_hello(conn: &mut Connection) -> Result<Hello> {
     read_json(conn, "Hello")
 }
 

@@ -2,7 +2,7 @@
 
 use std::io::Write;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -95,6 +95,32 @@ impl Default for SendOptions {
             progress: None,
             reconnect: None,
         }
+    }
+}
+
+/// The least bandwidth limit per pages connection: below it, a connection would wait longer
+/// than the destination's idle timeout between two 2 MiB blocks.
+pub const MIN_BANDWIDTH_PER_CONNECTION: u64 = 1 << 20;
+
+impl SendOptions {
+    /// Refuses options with which a migration over `connections` pages connections could never
+    /// finish, naming the option.
+    pub fn check(&self, connections: usize) -> Result<()> {
+        if let Some(bw) = self.max_bandwidth {
+            let least = MIN_BANDWIDTH_PER_CONNECTION * connections.max(1) as u64;
+            if bw < least {
+                return Err(Error::Migration(format!(
+                    "max_bandwidth of {bw} bytes/s is below {least} (1 MiB/s for each of the \
+                     {connections} pages connections): the migration would never finish"
+                )));
+            }
+        }
+        if self.max_rounds == 0 {
+            return Err(Error::Migration(
+                "max_rounds is 0: pre-copy needs at least one round".into(),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -208,6 +234,12 @@ pub fn send<'a>(
     opts: &SendOptions,
 ) -> std::result::Result<Report, Box<Failure<'a>>> {
     let started = Instant::now();
+    if let Err(error) = opts.check(links.pages.len()) {
+        return Err(Box::new(Failure {
+            error,
+            vm: Some(running),
+        }));
+    }
     let fault_cpus = match opts.fault_cpus.as_deref().map(CpuSet::new).transpose() {
         Ok(cpus) => cpus,
         Err(e) => {
@@ -822,9 +854,15 @@ impl<'o> Source<'o> {
         let (requests, bytes, wire) = (&counters.requests, &counters.bytes, &counters.wire);
         loop {
             self.progress("post-copy", 0, 0, None, 0.0, 0);
-            let results = servers.serve(&mut links)?;
+            counters.first_failed.store(usize::MAX, Ordering::SeqCst);
+            let mut results = servers.serve(&mut links)?;
             self.report.postcopy_requests = requests.load(Ordering::Relaxed);
             self.report.postcopy_bytes = bytes.load(Ordering::Relaxed);
+            // The error of the connection that broke first, if one did.
+            let first = counters.first_failed.load(Ordering::SeqCst);
+            if first < results.len() {
+                results.swap(0, first);
+            }
             let mut results = results.into_iter();
             match results.next().expect("at least one connection") {
                 Ok(report) if results.all(|r| r.is_ok()) => {
@@ -842,8 +880,11 @@ impl<'o> Source<'o> {
                     tracing::warn!("post-copy link broken: {why}");
                     let Some(reconnect) = &self.opts.reconnect else {
                         return Err(Error::Migration(format!(
-                            "the post-copy link broke ({why}); the destination runs the guest \
-                             and waits for the missing pages, but this source cannot reconnect"
+                            "the post-copy link broke ({why}) and this source cannot reconnect \
+                             (no SendOptions::reconnect): the guest's state is split between \
+                             the destination, which had its vCPUs and the pages it fetched (and \
+                             waits for the others, if it is alive), and this source, which \
+                             holds every page not fetched and the VM state at the switch-over"
                         )));
                     };
                     links = reconnect(&links.resume(why))?;
@@ -906,6 +947,9 @@ struct ServeCounters {
     requests: AtomicU64,
     bytes: AtomicU64,
     wire: AtomicU64,
+    /// The server whose connection broke first (`usize::MAX`: none): its error is the
+    /// break's, the others' follow from the cut.
+    first_failed: AtomicUsize,
 }
 
 impl PostcopyServers {
@@ -915,7 +959,10 @@ impl PostcopyServers {
         memory: &Arc<GuestMemory>,
         fault_cpus: Option<CpuSet>,
     ) -> Result<PostcopyServers> {
-        let counters = Arc::new(ServeCounters::default());
+        let counters = Arc::new(ServeCounters {
+            first_failed: AtomicUsize::new(usize::MAX),
+            ..Default::default()
+        });
         let (done_tx, done) = std::sync::mpsc::channel();
         let mut jobs = Vec::new();
         let mut threads = Vec::new();
@@ -943,6 +990,12 @@ impl PostcopyServers {
                     for (mut conn, cutters) in rx {
                         let r = serve(&mut conn, &memory, &counters);
                         if r.is_err() {
+                            let _ = counters.first_failed.compare_exchange(
+                                usize::MAX,
+                                i,
+                                Ordering::SeqCst,
+                                Ordering::SeqCst,
+                            );
                             // One connection broke: cut the others so that all of them are
                             // re-established together.
                             cutters.iter().for_each(|c| c.cut());
@@ -1049,6 +1102,7 @@ fn serve(conn: &mut Connection, memory: &GuestMemory, counters: &ServeCounters) 
         requests,
         bytes,
         wire,
+        ..
     } = counters;
     let mut out = Vec::with_capacity(crate::stream::MAX_REQUEST as usize + 64);
     loop {
@@ -1081,11 +1135,17 @@ fn serve(conn: &mut Connection, memory: &GuestMemory, counters: &ServeCounters) 
                     conn.write_all(&frame_out)
                         .and_then(|()| conn.flush())
                         .map_err(|e| Error::Stream(e.into()))?;
-                    bytes.fetch_add(len as u64, Ordering::Relaxed);
-                    wire.fetch_add(frame_out.len() as u64, Ordering::Relaxed);
+                    if gpa != layout::SYS_GPA {
+                        bytes.fetch_add(len as u64, Ordering::Relaxed);
+                        wire.fetch_add(frame_out.len() as u64, Ordering::Relaxed);
+                    }
                 }
                 out = frame_out;
-                requests.fetch_add(1, Ordering::Relaxed);
+                // The destination's heartbeat (a page of the sys region, which post-copy never
+                // fetches otherwise) is not a transfer.
+                if gpa != layout::SYS_GPA {
+                    requests.fetch_add(1, Ordering::Relaxed);
+                }
             }
             Frame::Complete { report_json } => return Ok(report_json),
             other => return Err(unexpected(&other, "Request or Complete")),

@@ -1,19 +1,34 @@
 //! Migration channels: TCP or Unix stream sockets inside mutually authenticated TLS.
 //!
 //! Both peers hold a certificate signed by the same migration CA ([`generate_credentials`] makes
-//! one set); the destination listens and only accepts a source whose certificate the CA signed,
-//! and the source only talks to a destination whose certificate it signed. Anything else fails
-//! the handshake, before a byte of guest memory moves.
+//! one set); the destination listens and only accepts a source whose certificate the CA signed
+//! for the source's role (`guestmem-source`), and the source only talks to a destination whose
+//! certificate the CA signed for the destination's role (`guestmem-destination`). Anything else
+//! fails the handshake, before a byte of guest memory moves (the destination checks the
+//! source's role after the handshake, and answers a wrong one with an Abort naming it). Each
+//! side checks its own certificate when it loads it (signed by the CA, valid now, of its role),
+//! warns of a problem and names it again with any handshake that fails, so that a side whose
+//! own certificate expired says so instead of seeing the peer hang up; a side whose peer
+//! refused it names the TLS alert it received.
+//!
+//! **Bounded waits.** Every wait on a peer is bounded, and its error names the wait and the
+//! peer: connecting and the TLS handshake take at most [`HANDSHAKE_TIMEOUT`] (a peer that
+//! connects and says nothing is dropped after it), and a read or write on an established
+//! connection waits at most [`IDLE_TIMEOUT`] for the peer ([`Timeouts`] changes both, e.g. for
+//! tests).
 
 use std::io::{self, Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::{TcpListener, TcpStream, ToSocketAddrs};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
+use rustls::client::danger::ServerCertVerifier;
+use rustls::client::WebPkiServerVerifier;
 use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
 use rustls::server::WebPkiClientVerifier;
 use rustls::{
     ClientConfig, ClientConnection, RootCertStore, ServerConfig, ServerConnection, StreamOwned,
@@ -23,27 +38,68 @@ use rustls::{
 pub const SOURCE_NAME: &str = "guestmem-source";
 pub const DESTINATION_NAME: &str = "guestmem-destination";
 
+/// How long establishing one migration connection may take: the TCP (or Unix) connect, the TLS
+/// handshake and the peer's first frame (its Hello, and the answer to it). A peer that connects
+/// and then sends nothing, or dribbles, is dropped once it is over, so it holds nobody up.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long a read or a write on an established migration connection may wait for the peer.
+/// Every phase of the protocol keeps each connection busy well within it (post-copy's quiet
+/// connections carry heartbeats, [`crate::migrate::HEARTBEAT_INTERVAL`]): a peer silent for
+/// this long is dead, stuck or cut off, and the connection fails naming it.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// The bounds of a connection's waits (the defaults: [`HANDSHAKE_TIMEOUT`], [`IDLE_TIMEOUT`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timeouts {
+    pub handshake: Duration,
+    pub idle: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Timeouts {
+            handshake: HANDSHAKE_TIMEOUT,
+            idle: IDLE_TIMEOUT,
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum TransportError {
     #[error("'{0}' is not an endpoint (expected tcp:HOST:PORT or unix:PATH)")]
     BadEndpoint(String),
-    #[error("{what}: {source}")]
-    Io {
-        what: String,
-        #[source]
-        source: io::Error,
-    },
+    #[error("{what}: {error}")]
+    Io { what: String, error: io::Error },
+    /// Nothing listens at the endpoint (connection refused, or no such socket).
+    #[error("connect to {endpoint}: nothing listens there ({error})")]
+    Unreachable { endpoint: String, error: io::Error },
     #[error("{path}: {reason}")]
     Credentials { path: PathBuf, reason: String },
-    #[error("TLS with the peer failed: {0}")]
-    Tls(String),
+    #[error("TLS with {peer} failed: {reason}")]
+    Tls { peer: String, reason: String },
+    #[error("{wait} with {peer} did not end within {} s (the bound of that wait)", .after.as_secs_f64())]
+    Timeout {
+        wait: &'static str,
+        peer: String,
+        after: Duration,
+    },
+    #[error("TLS setup: {0}")]
+    Setup(String),
+}
+
+impl TransportError {
+    /// Whether nothing listens at the peer's endpoint (as opposed to a peer that answered).
+    pub fn is_unreachable(&self) -> bool {
+        matches!(self, TransportError::Unreachable { .. })
+    }
 }
 
 type Result<T> = std::result::Result<T, TransportError>;
 
 fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> TransportError {
     let what = what.into();
-    move |source| TransportError::Io { what, source }
+    move |error| TransportError::Io { what, error }
 }
 
 /// Where a peer listens.
@@ -94,6 +150,46 @@ impl Role {
             Role::Destination => DESTINATION_NAME,
         }
     }
+
+    /// The role on the other end.
+    pub fn peer(self) -> Role {
+        match self {
+            Role::Source => Role::Destination,
+            Role::Destination => Role::Source,
+        }
+    }
+
+    fn word(self) -> &'static str {
+        match self {
+            Role::Source => "source",
+            Role::Destination => "destination",
+        }
+    }
+}
+
+/// Whether `cert` names `role` (the peer's role, or our own).
+fn names_role(cert: &CertificateDer<'_>, role: Role) -> std::result::Result<(), String> {
+    let ee = webpki::EndEntityCert::try_from(cert)
+        .map_err(|e| format!("the certificate does not parse: {e}"))?;
+    let name = |r: Role| ServerName::try_from(r.name()).expect("a valid DNS name");
+    if ee.verify_is_valid_for_subject_name(&name(role)).is_ok() {
+        return Ok(());
+    }
+    let other = role.peer();
+    if ee.verify_is_valid_for_subject_name(&name(other)).is_ok() {
+        return Err(format!(
+            "it is a {} certificate ({}), where a {} one ({}) is required",
+            other.word(),
+            other.name(),
+            role.word(),
+            role.name()
+        ));
+    }
+    Err(format!(
+        "it names neither role, where a {} certificate ({}) is required",
+        role.word(),
+        role.name()
+    ))
 }
 
 /// One peer's credentials: the migration CA's certificate and its own certificate and key, read
@@ -103,10 +199,39 @@ pub struct Credentials {
     cert: CertificateDer<'static>,
     key: PrivateKeyDer<'static>,
     role: Role,
+    /// What is wrong with our own certificate, if anything (see [`Credentials::load`]).
+    problem: Option<String>,
 }
 
 impl Credentials {
+    /// Reads the credentials and checks our own certificate as the peer will: signed by the CA,
+    /// valid now, and of `role`. A problem is warned about at once, and named again in the
+    /// error of any handshake that fails; the peer has the last word (its clock may differ), and
+    /// says why it refuses, so that both sides tell why the handshake failed.
     pub fn load(dir: &Path, role: Role) -> Result<Credentials> {
+        let mut creds = Credentials::load_unchecked(dir, role)?;
+        if let Err(reason) = creds.check_own() {
+            let problem = format!(
+                "this {}'s own certificate {} is unusable: {reason}",
+                role.word(),
+                dir.join(format!("{}.pem", role.name())).display()
+            );
+            tracing::warn!("{problem}; the peer will refuse it");
+            creds.problem = Some(problem);
+        }
+        Ok(creds)
+    }
+
+    /// What is wrong with our own certificate (expired, not yet valid, of the other role, not
+    /// signed by the CA), if anything.
+    pub fn problem(&self) -> Option<&str> {
+        self.problem.as_deref()
+    }
+
+    /// [`Credentials::load`] without the check of our own certificate: for tests of what the
+    /// peer does with a bad one.
+    #[doc(hidden)]
+    pub fn load_unchecked(dir: &Path, role: Role) -> Result<Credentials> {
         let cert_path = |name: &str| dir.join(format!("{name}.pem"));
         let read_cert = |path: PathBuf| {
             CertificateDer::from_pem_file(&path).map_err(|e| TransportError::Credentials {
@@ -125,21 +250,57 @@ impl Credentials {
             cert: read_cert(cert_path(role.name()))?,
             key,
             role,
+            problem: None,
         })
+    }
+
+    fn check_own(&self) -> std::result::Result<(), String> {
+        names_role(&self.cert, self.role)?;
+        let roots = self.roots().map_err(|e| e.to_string())?;
+        let now = UnixTime::now();
+        let checked = match self.role {
+            Role::Source => WebPkiClientVerifier::builder_with_provider(roots, provider())
+                .build()
+                .map_err(|e| e.to_string())?
+                .verify_client_cert(&self.cert, &[], now)
+                .map(|_| ()),
+            Role::Destination => WebPkiServerVerifier::builder_with_provider(roots, provider())
+                .build()
+                .map_err(|e| e.to_string())?
+                .verify_server_cert(
+                    &self.cert,
+                    &[],
+                    &ServerName::try_from(DESTINATION_NAME).expect("a valid DNS name"),
+                    &[],
+                    now,
+                )
+                .map(|_| ()),
+        };
+        checked.map_err(|e| e.to_string())
     }
 
     fn roots(&self) -> Result<Arc<RootCertStore>> {
         let mut roots = RootCertStore::empty();
         roots
             .add(self.ca.clone())
-            .map_err(|e| TransportError::Tls(format!("the CA certificate is unusable: {e}")))?;
+            .map_err(|e| TransportError::Setup(format!("the CA certificate is unusable: {e}")))?;
         Ok(Arc::new(roots))
     }
 }
 
 /// Writes a fresh migration CA and a certificate and key for each role into `dir`.
 pub fn generate_credentials(dir: &Path) -> Result<()> {
-    let tls = |e: rcgen::Error| TransportError::Tls(format!("generating credentials: {e}"));
+    write_credentials(dir, |_, _| {})
+}
+
+/// [`generate_credentials`], with `tweak` applied to each role's certificate parameters (tests
+/// make expired certificates with it).
+#[doc(hidden)]
+pub fn write_credentials(
+    dir: &Path,
+    tweak: impl Fn(Role, &mut rcgen::CertificateParams),
+) -> Result<()> {
+    let tls = |e: rcgen::Error| TransportError::Setup(format!("generating credentials: {e}"));
     std::fs::create_dir_all(dir).map_err(io_err(format!("{}: create", dir.display())))?;
     let ca_key = rcgen::KeyPair::generate().map_err(tls)?;
     let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).map_err(tls)?;
@@ -156,7 +317,9 @@ pub fn generate_credentials(dir: &Path) -> Result<()> {
     write("ca.pem", ca_cert.pem())?;
     for role in [Role::Source, Role::Destination] {
         let key = rcgen::KeyPair::generate().map_err(tls)?;
-        let params = rcgen::CertificateParams::new(vec![role.name().to_string()]).map_err(tls)?;
+        let mut params =
+            rcgen::CertificateParams::new(vec![role.name().to_string()]).map_err(tls)?;
+        tweak(role, &mut params);
         let cert = params.signed_by(&key, &issuer).map_err(tls)?;
         write(&format!("{}.pem", role.name()), cert.pem())?;
         write(&format!("{}.key", role.name()), key.serialize_pem())?;
@@ -168,10 +331,18 @@ pub fn generate_credentials(dir: &Path) -> Result<()> {
 pub trait Channel: Read + Write + Send {}
 impl<T: Read + Write + Send> Channel for T {}
 
-/// One TLS connection to the peer, with a handle that can cut it from another thread.
+/// One TLS connection to the peer, with a handle that can cut it from another thread. Its reads
+/// and writes wait at most the idle timeout for the peer; the error then names the peer.
 pub struct Connection {
     tls: Box<dyn Channel>,
     socket: Socket,
+    /// Who is on the other end, for errors ("the destination at tcp:...").
+    peer: String,
+    idle: Option<Duration>,
+    /// The certificate the peer presented.
+    peer_cert: Option<CertificateDer<'static>>,
+    /// What is wrong with our own certificate (named with any TLS failure).
+    own_problem: Option<String>,
 }
 
 impl Connection {
@@ -184,6 +355,26 @@ impl Connection {
     /// Whether the peer is on this host (a Unix socket): only then can fds be handed over.
     pub fn is_local(&self) -> bool {
         matches!(self.socket, Socket::Unix(_))
+    }
+
+    /// Who is on the other end ("the source at 127.0.0.1:40000").
+    pub fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    /// Checks that the peer's certificate is of `role` (the destination checks that a source
+    /// connects, not another destination).
+    pub fn check_peer_role(&self, role: Role) -> std::result::Result<(), String> {
+        let cert = self
+            .peer_cert
+            .as_ref()
+            .ok_or_else(|| format!("{} presented no certificate", self.peer))?;
+        names_role(cert, role).map_err(|why| {
+            format!(
+                "{} presented a certificate of the wrong role: {why}",
+                self.peer
+            )
+        })
     }
 
     /// Hands `fds` to the peer over the Unix socket, one `SCM_RIGHTS` message of one byte each,
@@ -213,7 +404,10 @@ impl Connection {
         (0..count)
             .map(|i| {
                 let mut byte = [0u8; 1];
-                match s.recv_with_fd(&mut byte).map_err(io::Error::other)? {
+                match s
+                    .recv_with_fd(&mut byte)
+                    .map_err(|e| self.explain(io::Error::other(e), "sent no memory file"))?
+                {
                     (1, Some(file)) => Ok(std::os::fd::OwnedFd::from(file)),
                     _ => Err(io::Error::other(format!(
                         "file descriptor {} of {count} did not come",
@@ -224,27 +418,138 @@ impl Connection {
             .collect()
     }
 
-    /// Bounds how long a read waits for the peer (`None`: forever).
-    pub fn set_read_timeout(&self, timeout: Option<std::time::Duration>) -> io::Result<()> {
-        match &self.socket {
-            Socket::Tcp(s) => s.set_read_timeout(timeout),
-            Socket::Unix(s) => s.set_read_timeout(timeout),
+    /// Bounds how long a read or a write waits for the peer (`None`: forever).
+    pub fn set_idle_timeout(&mut self, timeout: Option<Duration>) -> io::Result<()> {
+        self.socket.set_timeouts(timeout)?;
+        self.idle = timeout;
+        Ok(())
+    }
+
+    /// Turns a socket timeout into an error naming the wait and the peer, and a TLS failure
+    /// into one naming the alert.
+    fn explain(&self, e: io::Error, what: &str) -> io::Error {
+        if matches!(
+            e.kind(),
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+        ) {
+            return io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!(
+                    "{} {what} for {} s (the idle timeout of a migration connection)",
+                    self.peer,
+                    self.idle.unwrap_or_default().as_secs_f64()
+                ),
+            );
         }
+        match tls_error(&e) {
+            Some(tls) => io::Error::new(
+                e.kind(),
+                with_own(explain_tls(tls, &self.peer), self.own_problem.as_deref()),
+            ),
+            None if e.kind() == io::ErrorKind::UnexpectedEof => io::Error::new(
+                e.kind(),
+                format!(
+                    "{} closed the connection in the middle of the stream (it ended, died or \
+                     was cut off)",
+                    self.peer
+                ),
+            ),
+            None => e,
+        }
+    }
+
+    /// After a write failed because the peer hung up: the TLS alert it may have sent first
+    /// (it refused our certificate), read within a second.
+    fn alert_after(&mut self, e: io::Error) -> io::Error {
+        if !matches!(
+            e.kind(),
+            io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset
+        ) {
+            return e;
+        }
+        let _ = self.socket.set_timeouts(Some(Duration::from_secs(1)));
+        let mut byte = [0u8; 1];
+        let alert = match self.tls.read(&mut byte) {
+            Err(r) if tls_error(&r).is_some() => Some(r),
+            _ => None,
+        };
+        let _ = self.socket.set_timeouts(self.idle);
+        match alert {
+            Some(r) => self.explain(r, "sent nothing"),
+            None => e,
+        }
+    }
+}
+
+/// `reason`, and what is wrong with our own certificate if anything.
+fn with_own(reason: String, own: Option<&str>) -> String {
+    match own {
+        Some(own) => format!("{reason} ({own})"),
+        None => reason,
+    }
+}
+
+/// The rustls error inside an I/O error, if it is one.
+fn tls_error(e: &io::Error) -> Option<&rustls::Error> {
+    e.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>())
+}
+
+/// What a TLS failure means, in the terms of a migration.
+fn explain_tls(e: &rustls::Error, peer: &str) -> String {
+    use rustls::AlertDescription as A;
+    match e {
+        rustls::Error::AlertReceived(a) => {
+            let why = match a {
+                A::CertificateExpired => "our certificate has expired (or is not valid yet)",
+                A::UnknownCA => "our certificate is signed by a CA it does not trust",
+                A::BadCertificate | A::CertificateUnknown => {
+                    "our certificate is not one it accepts (wrong role or name)"
+                }
+                A::CertificateRequired => "it requires a certificate",
+                _ => "it refused the session",
+            };
+            format!("{peer} refused the TLS handshake: {why} (TLS alert {a:?})")
+        }
+        rustls::Error::InvalidCertificate(
+            c @ (rustls::CertificateError::NotValidForName
+            | rustls::CertificateError::NotValidForNameContext { .. }),
+        ) => format!(
+            "{peer} presented a certificate of the wrong role: {c} (a source must present a \
+             {SOURCE_NAME} certificate, a destination a {DESTINATION_NAME} one)"
+        ),
+        rustls::Error::InvalidCertificate(c) => {
+            format!("{peer} presented a certificate we refuse: {c}")
+        }
+        other => format!("TLS with {peer}: {other}"),
     }
 }
 
 impl Read for Connection {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        self.tls.read(buf)
+        self.tls
+            .read(buf)
+            .map_err(|e| self.explain(e, "sent nothing"))
     }
 }
 
 impl Write for Connection {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.tls.write(buf)
+        match self.tls.write(buf) {
+            Ok(n) => Ok(n),
+            Err(e) => {
+                let e = self.alert_after(e);
+                Err(self.explain(e, "took no data"))
+            }
+        }
     }
     fn flush(&mut self) -> io::Result<()> {
-        self.tls.flush()
+        match self.tls.flush() {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                let e = self.alert_after(e);
+                Err(self.explain(e, "took no data"))
+            }
+        }
     }
 }
 
@@ -256,6 +561,15 @@ impl Cutter {
         let _ = match &self.0 {
             Socket::Tcp(s) => s.shutdown(std::net::Shutdown::Both),
             Socket::Unix(s) => s.shutdown(std::net::Shutdown::Both),
+        };
+    }
+
+    /// Ends the reads only (a blocked one returns at once); writes still go, e.g. an Abort
+    /// telling the peer why.
+    pub fn cut_reads(&self) {
+        let _ = match &self.0 {
+            Socket::Tcp(s) => s.shutdown(std::net::Shutdown::Read),
+            Socket::Unix(s) => s.shutdown(std::net::Shutdown::Read),
         };
     }
 }
@@ -271,6 +585,16 @@ impl Socket {
             Socket::Tcp(s) => Socket::Tcp(s.try_clone()?),
             Socket::Unix(s) => Socket::Unix(s.try_clone()?),
         })
+    }
+
+    /// Read and write timeouts (shared by every clone of the socket).
+    fn set_timeouts(&self, t: Option<Duration>) -> io::Result<()> {
+        // A zero duration means "forever" to std; the smallest bound instead.
+        let t = t.map(|d| d.max(Duration::from_millis(1)));
+        match self {
+            Socket::Tcp(s) => s.set_read_timeout(t).and_then(|()| s.set_write_timeout(t)),
+            Socket::Unix(s) => s.set_read_timeout(t).and_then(|()| s.set_write_timeout(t)),
+        }
     }
 }
 
@@ -309,43 +633,133 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(provider)
 }
 
-/// Connects to the destination at `endpoint` as the source, and completes the TLS handshake.
+/// Connects to the destination at `endpoint` as the source, and completes the TLS handshake
+/// (with the default [`Timeouts`]).
 pub fn connect(endpoint: &Endpoint, creds: &Credentials) -> Result<Connection> {
+    connect_with(endpoint, creds, Timeouts::default())
+}
+
+/// [`connect`] with other bounds.
+pub fn connect_with(
+    endpoint: &Endpoint,
+    creds: &Credentials,
+    timeouts: Timeouts,
+) -> Result<Connection> {
+    let peer_role = creds.role.peer();
+    let peer = format!("the {} at {endpoint}", peer_role.word());
+    let unreachable = |source: io::Error| {
+        if matches!(
+            source.kind(),
+            io::ErrorKind::ConnectionRefused | io::ErrorKind::NotFound
+        ) {
+            TransportError::Unreachable {
+                endpoint: endpoint.to_string(),
+                error: source,
+            }
+        } else if matches!(
+            source.kind(),
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+        ) {
+            TransportError::Timeout {
+                wait: "connecting",
+                peer: peer.clone(),
+                after: timeouts.handshake,
+            }
+        } else {
+            TransportError::Io {
+                what: format!("connect to {endpoint}"),
+                error: source,
+            }
+        }
+    };
     let socket = match endpoint {
         Endpoint::Tcp(addr) => {
-            let s = TcpStream::connect(addr).map_err(io_err(format!("connect to {endpoint}")))?;
+            let addrs: Vec<_> = addr
+                .to_socket_addrs()
+                .map_err(io_err(format!("resolve {endpoint}")))?
+                .collect();
+            let mut last = io::Error::new(io::ErrorKind::NotFound, "no address");
+            let mut stream = None;
+            for a in addrs {
+                match TcpStream::connect_timeout(&a, timeouts.handshake) {
+                    Ok(s) => {
+                        stream = Some(s);
+                        break;
+                    }
+                    Err(e) => last = e,
+                }
+            }
+            let s = stream.ok_or_else(|| unreachable(last))?;
             s.set_nodelay(true).map_err(io_err("TCP_NODELAY"))?;
             Socket::Tcp(s)
         }
-        Endpoint::Unix(path) => Socket::Unix(
-            UnixStream::connect(path).map_err(io_err(format!("connect to {endpoint}")))?,
-        ),
-    };
-    let peer = match creds.role {
-        Role::Source => Role::Destination,
-        Role::Destination => Role::Source,
+        Endpoint::Unix(path) => Socket::Unix(UnixStream::connect(path).map_err(unreachable)?),
     };
     let config = ClientConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
-        .map_err(|e| TransportError::Tls(e.to_string()))?
+        .map_err(|e| TransportError::Setup(e.to_string()))?
         .with_root_certificates(creds.roots()?)
         .with_client_auth_cert(vec![creds.cert.clone()], creds.key.clone_key())
-        .map_err(|e| TransportError::Tls(format!("our certificate or key is unusable: {e}")))?;
-    let name = ServerName::try_from(peer.name()).expect("a valid DNS name");
+        .map_err(|e| TransportError::Setup(format!("our certificate or key is unusable: {e}")))?;
+    let name = ServerName::try_from(peer_role.name()).expect("a valid DNS name");
     let conn = ClientConnection::new(Arc::new(config), name)
-        .map_err(|e| TransportError::Tls(e.to_string()))?;
-    handshake(StreamOwned::new(conn, socket))
+        .map_err(|e| TransportError::Setup(e.to_string()))?;
+    handshake(
+        StreamOwned::new(conn, socket),
+        peer,
+        timeouts,
+        creds.problem.clone(),
+    )
 }
 
 /// The destination's listening socket.
 pub struct Listener {
     socket: ListenerSocket,
     config: Arc<ServerConfig>,
+    timeouts: Timeouts,
+    own_problem: Option<String>,
+    /// The destination's admission of connections (see `destination::Gate`), started by the
+    /// first receive.
+    pub(crate) gate: OnceLock<Arc<crate::destination::Gate>>,
 }
 
 enum ListenerSocket {
     Tcp(TcpListener),
     Unix(UnixListener),
+}
+
+/// A socket accepted by a [`Listener`], before its TLS handshake.
+pub struct Accepted {
+    socket: Socket,
+    peer: String,
+    config: Arc<ServerConfig>,
+    timeouts: Timeouts,
+    own_problem: Option<String>,
+}
+
+impl Accepted {
+    /// Who connected ("the source at 127.0.0.1:40000").
+    pub fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    /// The bounds of the connection's waits.
+    pub fn timeouts(&self) -> Timeouts {
+        self.timeouts
+    }
+
+    /// Completes the TLS handshake (which refuses an unauthenticated peer) within the
+    /// handshake timeout.
+    pub fn handshake(self) -> Result<Connection> {
+        let conn =
+            ServerConnection::new(self.config).map_err(|e| TransportError::Setup(e.to_string()))?;
+        handshake(
+            StreamOwned::new(conn, self.socket),
+            self.peer,
+            self.timeouts,
+            self.own_problem,
+        )
+    }
 }
 
 impl Listener {
@@ -360,17 +774,33 @@ impl Listener {
         };
         let verifier = WebPkiClientVerifier::builder_with_provider(creds.roots()?, provider())
             .build()
-            .map_err(|e| TransportError::Tls(e.to_string()))?;
+            .map_err(|e| TransportError::Setup(e.to_string()))?;
         let config = ServerConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
-            .map_err(|e| TransportError::Tls(e.to_string()))?
+            .map_err(|e| TransportError::Setup(e.to_string()))?
             .with_client_cert_verifier(verifier)
             .with_single_cert(vec![creds.cert.clone()], creds.key.clone_key())
-            .map_err(|e| TransportError::Tls(format!("our certificate or key is unusable: {e}")))?;
+            .map_err(|e| {
+                TransportError::Setup(format!("our certificate or key is unusable: {e}"))
+            })?;
         Ok(Listener {
             socket,
             config: Arc::new(config),
+            timeouts: Timeouts::default(),
+            own_problem: creds.problem.clone(),
+            gate: OnceLock::new(),
         })
+    }
+
+    /// The same listener with other bounds for its connections' waits.
+    pub fn with_timeouts(mut self, timeouts: Timeouts) -> Listener {
+        self.timeouts = timeouts;
+        self
+    }
+
+    /// The bounds of its connections' waits.
+    pub fn timeouts(&self) -> Timeouts {
+        self.timeouts
     }
 
     /// The TCP port actually bound (for `tcp:HOST:0`).
@@ -381,42 +811,102 @@ impl Listener {
         }
     }
 
+    /// Accepts one socket, without its handshake (see [`Accepted::handshake`]).
+    pub fn accept_socket(&self) -> Result<Accepted> {
+        let (socket, peer) = match &self.socket {
+            ListenerSocket::Tcp(l) => {
+                let (s, addr) = l.accept().map_err(io_err("accept"))?;
+                s.set_nodelay(true).map_err(io_err("TCP_NODELAY"))?;
+                (Socket::Tcp(s), format!("the source at {addr}"))
+            }
+            ListenerSocket::Unix(l) => (
+                Socket::Unix(l.accept().map_err(io_err("accept"))?.0),
+                "the source on the Unix socket".to_string(),
+            ),
+        };
+        Ok(Accepted {
+            socket,
+            peer,
+            config: self.config.clone(),
+            timeouts: self.timeouts,
+            own_problem: self.own_problem.clone(),
+        })
+    }
+
     /// Accepts one source and completes the TLS handshake (which refuses an unauthenticated one).
     pub fn accept(&self) -> Result<Connection> {
-        let socket = match &self.socket {
-            ListenerSocket::Tcp(l) => {
-                let (s, _) = l.accept().map_err(io_err("accept"))?;
-                s.set_nodelay(true).map_err(io_err("TCP_NODELAY"))?;
-                Socket::Tcp(s)
-            }
-            ListenerSocket::Unix(l) => Socket::Unix(l.accept().map_err(io_err("accept"))?.0),
-        };
-        let conn = ServerConnection::new(self.config.clone())
-            .map_err(|e| TransportError::Tls(e.to_string()))?;
-        handshake(StreamOwned::new(conn, socket))
+        self.accept_socket()?.handshake()
     }
 }
 
-/// Drives the handshake to its end now, so that a refused peer is an error here, not at the
-/// first read or write.
-fn handshake<C, D>(mut stream: StreamOwned<C, Socket>) -> Result<Connection>
+/// Drives the handshake to its end now (within the handshake timeout), so that a refused peer
+/// is an error here, not at the first read or write.
+fn handshake<C, D>(
+    mut stream: StreamOwned<C, Socket>,
+    peer: String,
+    timeouts: Timeouts,
+    own_problem: Option<String>,
+) -> Result<Connection>
 where
     C: std::ops::DerefMut + std::ops::Deref<Target = rustls::ConnectionCommon<D>> + Send + 'static,
     D: rustls::SideData + 'static,
 {
+    let deadline = Instant::now() + timeouts.handshake;
     while stream.conn.is_handshaking() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let timed_out = || TransportError::Timeout {
+            wait: "the TLS handshake",
+            peer: peer.clone(),
+            after: timeouts.handshake,
+        };
+        if left.is_zero() {
+            return Err(timed_out());
+        }
         stream
-            .conn
-            .complete_io(&mut stream.sock)
-            .map_err(|e| TransportError::Tls(e.to_string()))?;
+            .sock
+            .set_timeouts(Some(left))
+            .map_err(io_err("socket timeout"))?;
+        if let Err(e) = stream.conn.complete_io(&mut stream.sock) {
+            if matches!(
+                e.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+            ) {
+                return Err(timed_out());
+            }
+            // Tell the peer why before hanging up (rustls queued the alert).
+            let _ = stream.conn.write_tls(&mut stream.sock);
+            let reason = match tls_error(&e) {
+                Some(tls) => explain_tls(tls, &peer),
+                None if e.kind() == io::ErrorKind::UnexpectedEof => {
+                    format!(
+                        "{peer} hung up during the handshake (it may have refused our certificate)"
+                    )
+                }
+                None => e.to_string(),
+            };
+            let reason = with_own(reason, own_problem.as_deref());
+            return Err(TransportError::Tls { peer, reason });
+        }
     }
+    let peer_cert = stream
+        .conn
+        .peer_certificates()
+        .and_then(|c| c.first())
+        .map(|c| c.clone().into_owned());
     let socket = stream
         .sock
         .try_clone()
         .map_err(io_err("dup of the connection's socket"))?;
+    socket
+        .set_timeouts(Some(timeouts.idle))
+        .map_err(io_err("socket timeout"))?;
     Ok(Connection {
         tls: Box::new(stream),
         socket,
+        peer,
+        idle: Some(timeouts.idle),
+        peer_cert,
+        own_problem,
     })
 }
 
@@ -533,6 +1023,215 @@ mod tests {
         ch.flush().unwrap();
         assert_eq!(server.join().unwrap(), request);
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    fn short() -> Timeouts {
+        Timeouts {
+            handshake: Duration::from_millis(300),
+            idle: Duration::from_millis(300),
+        }
+    }
+
+    fn listen(dir: &Path, creds: &Credentials, timeouts: Timeouts) -> (Listener, Endpoint) {
+        let _ = dir;
+        let listener = Listener::bind(&"tcp:127.0.0.1:0".parse().unwrap(), creds)
+            .unwrap()
+            .with_timeouts(timeouts);
+        let endpoint = format!("tcp:127.0.0.1:{}", listener.port().unwrap())
+            .parse()
+            .unwrap();
+        (listener, endpoint)
+    }
+
+    /// A peer that connects and says nothing is dropped once the handshake timeout is over, on
+    /// either side, and the error names the wait and the peer.
+    #[test]
+    fn a_silent_peer_ends_the_handshake_wait_naming_it() {
+        let dir = temp_dir("silent");
+        generate_credentials(&dir).unwrap();
+        let dest = Credentials::load(&dir, Role::Destination).unwrap();
+        let (listener, endpoint) = listen(&dir, &dest, short());
+        let Endpoint::Tcp(addr) = &endpoint else {
+            unreachable!()
+        };
+        let _silent = TcpStream::connect(addr).unwrap();
+        let started = Instant::now();
+        let e = listener.accept().err().expect("a silent peer").to_string();
+        assert!(started.elapsed() < Duration::from_secs(3), "{e}");
+        assert!(
+            e.contains("the TLS handshake with the source at 127.0.0.1:")
+                && e.contains("within 0.3 s"),
+            "{e}"
+        );
+
+        // A destination that accepts and says nothing.
+        let mute = TcpListener::bind("127.0.0.1:0").unwrap();
+        let endpoint: Endpoint = format!("tcp:{}", mute.local_addr().unwrap())
+            .parse()
+            .unwrap();
+        let source = Credentials::load(&dir, Role::Source).unwrap();
+        let e = connect_with(&endpoint, &source, short())
+            .err()
+            .expect("a mute destination")
+            .to_string();
+        assert!(
+            e.contains("the TLS handshake with the destination at tcp:127.0.0.1:"),
+            "{e}"
+        );
+        drop(mute);
+        // Nothing listens there any more: said as such.
+        let e = connect_with(&endpoint, &source, short()).err().unwrap();
+        assert!(e.is_unreachable(), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Credentials whose `expired` role's certificate ended in 2021.
+    fn expired(name: &str, expired: Role) -> PathBuf {
+        let dir = temp_dir(name);
+        write_credentials(&dir, |role, params| {
+            if role == expired {
+                params.not_before = rcgen::date_time_ymd(2020, 1, 1);
+                params.not_after = rcgen::date_time_ymd(2021, 1, 1);
+            }
+        })
+        .unwrap();
+        dir
+    }
+
+    /// An expired source certificate: the source says so when it loads it; the destination
+    /// refuses it saying why, and the source names the alert it received and its own problem.
+    #[test]
+    fn an_expired_source_certificate_is_named_by_both_sides() {
+        let dir = expired("expired-source", Role::Source);
+        let source = Credentials::load(&dir, Role::Source).unwrap();
+        let problem = source
+            .problem()
+            .expect("an expired certificate")
+            .to_string();
+        assert!(
+            problem.contains("guestmem-source.pem") && problem.contains("expired"),
+            "{problem}"
+        );
+        let dest = Credentials::load(&dir, Role::Destination).unwrap();
+        let (listener, endpoint) = listen(&dir, &dest, Timeouts::default());
+        let server = std::thread::spawn(move || listener.accept().map(|_| ()));
+        // TLS 1.3: the client's handshake ends before the server checked its certificate; the
+        // verdict comes with the first read (or write).
+        let e = connect(&endpoint, &source)
+            .and_then(|mut c| {
+                let mut byte = [0u8; 1];
+                Frame::Go
+                    .write_to(&mut c)
+                    .map_err(|e| TransportError::Setup(e.to_string()))?;
+                c.read(&mut byte).map_err(io_err("read"))?;
+                Ok(())
+            })
+            .expect_err("refused")
+            .to_string();
+        assert!(
+            e.contains("refused the TLS handshake: our certificate has expired")
+                && e.contains(&problem),
+            "{e}"
+        );
+        let e = server.join().unwrap().expect_err("refused").to_string();
+        assert!(e.contains("the source at") && e.contains("expired"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// An expired destination certificate: the destination says so when it loads it; the
+    /// source refuses it saying why, and the destination names the alert and its own problem.
+    #[test]
+    fn an_expired_destination_certificate_is_named_by_both_sides() {
+        let dir = expired("expired-dest", Role::Destination);
+        let dest = Credentials::load(&dir, Role::Destination).unwrap();
+        let problem = dest.problem().expect("an expired certificate").to_string();
+        assert!(
+            problem.contains("guestmem-destination.pem") && problem.contains("expired"),
+            "{problem}"
+        );
+        let (listener, endpoint) = listen(&dir, &dest, Timeouts::default());
+        let server = std::thread::spawn(move || listener.accept().map(|_| ()));
+        let source = Credentials::load(&dir, Role::Source).unwrap();
+        let e = connect(&endpoint, &source)
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(
+            e.contains("the destination at tcp:127.0.0.1:") && e.contains("expired"),
+            "{e}"
+        );
+        let e = server.join().unwrap().expect_err("refused").to_string();
+        assert!(
+            e.contains("CertificateExpired") && e.contains(&problem),
+            "{e}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// `dir`'s `from` certificate and key, copied as the `to` role's.
+    fn swapped(dir: &Path, name: &str, from: Role, to: Role) -> PathBuf {
+        let out = temp_dir(name);
+        std::fs::create_dir_all(&out).unwrap();
+        std::fs::copy(dir.join("ca.pem"), out.join("ca.pem")).unwrap();
+        for ext in ["pem", "key"] {
+            std::fs::copy(
+                dir.join(format!("{}.{ext}", from.name())),
+                out.join(format!("{}.{ext}", to.name())),
+            )
+            .unwrap();
+        }
+        out
+    }
+
+    /// A source presenting the destination's certificate is refused by the destination naming
+    /// the roles (and warned about when loaded); a destination presenting the source's is
+    /// refused by the source naming the role, and told so by an alert.
+    #[test]
+    fn each_side_must_present_its_own_role() {
+        let dir = temp_dir("roles");
+        generate_credentials(&dir).unwrap();
+        let fake_source = swapped(&dir, "roles-src", Role::Destination, Role::Source);
+        let fake = Credentials::load(&fake_source, Role::Source).unwrap();
+        let e = fake.problem().expect("the wrong role");
+        assert!(
+            e.contains(
+                "it is a destination certificate (guestmem-destination), where a source \
+                 one (guestmem-source) is required"
+            ),
+            "{e}"
+        );
+        let dest = Credentials::load(&dir, Role::Destination).unwrap();
+        let (listener, endpoint) = listen(&dir, &dest, Timeouts::default());
+        let server =
+            std::thread::spawn(move || listener.accept().unwrap().check_peer_role(Role::Source));
+        let _conn = connect(&endpoint, &fake).unwrap();
+        let e = server.join().unwrap().expect_err("the wrong role");
+        assert!(
+            e.contains("the source at 127.0.0.1:")
+                && e.contains("it is a destination certificate (guestmem-destination)"),
+            "{e}"
+        );
+
+        let fake_dest = swapped(&dir, "roles-dst", Role::Source, Role::Destination);
+        let dest = Credentials::load(&fake_dest, Role::Destination).unwrap();
+        let e = dest.problem().expect("the wrong role");
+        assert!(e.contains("it is a source certificate"), "{e}");
+        let (listener, endpoint) = listen(&dir, &dest, Timeouts::default());
+        let server = std::thread::spawn(move || listener.accept().map(|_| ()));
+        let e = connect(&endpoint, &Credentials::load(&dir, Role::Source).unwrap())
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(
+            e.contains("presented a certificate of the wrong role")
+                && e.contains("guestmem-destination"),
+            "{e}"
+        );
+        let e = server.join().unwrap().expect_err("refused").to_string();
+        assert!(e.contains("wrong role or name"), "{e}");
+        for d in [dir, fake_source, fake_dest] {
+            let _ = std::fs::remove_dir_all(&d);
+        }
     }
 
     #[test]
