@@ -181,10 +181,13 @@ pub fn main(cmd: Migrate) -> crate::Result<()> {
     }
 }
 
+/// `s` seconds given to `flag`: zero, or what [`crate::units::seconds`] accepts (a value a
+/// clock cannot hold is refused, naming the flag).
 fn seconds(s: f64, flag: &str) -> crate::Result<Duration> {
-    Duration::try_from_secs_f64(s)
-        .ok()
-        .ok_or_else(|| format!("{flag} must be a number of seconds, not {s}").into())
+    if s == 0.0 {
+        return Ok(Duration::ZERO);
+    }
+    Ok(crate::units::seconds(s, flag)?)
 }
 
 /// The `dirty` workload at `mib_per_s` over all vCPUs, memory filled first.
