@@ -24,6 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use guestmem_memory::{Backend, GuestMemory};
+use guestmem_migration::compress::{Compress, CompressionReport};
 use guestmem_migration::migrate::{
     self, DestinationReport, Links, Mode, ReceiveOptions, Report, SendOptions,
 };
@@ -127,6 +128,17 @@ pub struct Args {
     /// non-zero 64-byte lines).
     #[arg(long)]
     whole_pages: bool,
+    /// Compression modes to run guestmem with, each a row: none, lz4, zstd, auto.
+    #[arg(long, default_value = "none", value_delimiter = ',')]
+    compress: Vec<Compress>,
+    /// Start guest RAM from this memory image (e.g. a capture of a Linux guest, see
+    /// scripts/capture-guest-memory.sh) instead of letting the guest fill it first.
+    #[arg(long, value_name = "FILE")]
+    image: Option<PathBuf>,
+    /// Run the `rewrite` workload (2-33 lines of a page rewritten with another page's) at the
+    /// rate instead of `dirty` (one u64 per page).
+    #[arg(long)]
+    rewrite: bool,
     /// Loopback transport: tcp (127.0.0.1) or unix (a socket in the temporary directory).
     #[arg(long, value_enum, default_value = "tcp")]
     transport: Transport,
@@ -200,6 +212,7 @@ struct Row {
     /// None: idle (16 pages/s).
     dirty_mib_per_s: Option<u64>,
     mode: Mode,
+    compress: Compress,
     runs: usize,
     total_ms: f64,
     downtime_ms: f64,
@@ -208,6 +221,10 @@ struct Row {
     sent_mib: f64,
     /// What the pages took on the wire (non-zero lines and masks), all phases.
     wire_mib: f64,
+    /// What the first round's pages took on the wire, per byte of guest memory.
+    first_pass_wire_bytes_per_guest_byte: f64,
+    /// Of the (first run's) frames: how many each codec compressed, and the bytes in and out.
+    compression: CompressionReport,
     rounds: f64,
     /// Pre-copy rounds that converged (the rest hit the round limit).
     converged_runs: usize,
@@ -357,7 +374,7 @@ pub fn main(args: Args) -> crate::Result<()> {
         return Err("--qemu-channels: name at least one of tls, plain (or pass --no-qemu)".into());
     }
     let qemu_cases = if qemu_ok { args.qemu_channels.len() } else { 0 };
-    let total = cases * (modes.len() + qemu_cases) * args.repeat;
+    let total = cases * (modes.len() * args.compress.len() + qemu_cases) * args.repeat;
     let bar = if args.json {
         ProgressBar::hidden()
     } else {
@@ -373,18 +390,20 @@ pub fn main(args: Args) -> crate::Result<()> {
     for &size in &args.sizes {
         for &rate in &args.rates {
             for &mode in &modes {
-                let mut runs = Vec::new();
-                for i in 0..args.repeat {
-                    bar.set_message(format!(
-                        "{} MiB, {}, {mode}: run {}",
-                        size >> 20,
-                        rate.label(),
-                        i + 1
-                    ));
-                    runs.push(run_once(&args, size, rate, mode)?);
-                    bar.inc(1);
+                for &compress in &args.compress {
+                    let mut runs = Vec::new();
+                    for i in 0..args.repeat {
+                        bar.set_message(format!(
+                            "{} MiB, {}, {mode}, compress {compress:?}: run {}",
+                            size >> 20,
+                            rate.label(),
+                            i + 1
+                        ));
+                        runs.push(run_once(&args, size, rate, mode, compress)?);
+                        bar.inc(1);
+                    }
+                    rows.push(median_row(size, rate, mode, compress, &runs));
                 }
-                rows.push(median_row(size, rate, mode, &runs));
             }
             for &channel in args.qemu_channels.iter().filter(|_| qemu_ok) {
                 let mut runs = Vec::new();
@@ -540,14 +559,22 @@ impl Drop for TempDir {
     }
 }
 
-/// The `dirty` workload: a first pass at full speed, then `rate` over all vCPUs.
-fn work(size: u64, vcpus: usize, rate: Rate) -> Vec<VcpuWork> {
+/// The `dirty` workload: a first pass at full speed, then `rate` over all vCPUs; or `rewrite`
+/// at `rate` from the start.
+fn work(size: u64, vcpus: usize, rate: Rate, rewrite: bool) -> Vec<VcpuWork> {
     let per_vcpu = (rate.pages_per_s() / vcpus as u64).max(1);
     VcpuWork::split(
-        Workload::Dirty {
-            pages_per_s: Some(per_vcpu),
-            passes: None,
-            fill_first: true,
+        if rewrite {
+            Workload::Rewrite {
+                pages_per_s: Some(per_vcpu),
+                passes: None,
+            }
+        } else {
+            Workload::Dirty {
+                pages_per_s: Some(per_vcpu),
+                passes: None,
+                fill_first: true,
+            }
         },
         layout::RAM_GPA,
         size,
@@ -610,7 +637,13 @@ fn destination(
 static RUN_ID: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// One migration of a fresh `size`-byte VM dirtying at `rate`, in `mode`.
-fn run_once(args: &Args, size: u64, rate: Rate, mode: Mode) -> crate::Result<Run> {
+fn run_once(
+    args: &Args,
+    size: u64,
+    rate: Rate,
+    mode: Mode,
+    compress: Compress,
+) -> crate::Result<Run> {
     let n = RUN_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let dir = TempDir(
         std::env::temp_dir().join(format!("guestmem-bench-migrate-{}-{n}", std::process::id())),
@@ -639,10 +672,19 @@ fn run_once(args: &Args, size: u64, rate: Rate, mode: Mode) -> crate::Result<Run
         .spawn(move || destination(listener, vcpus, fault_cpus))?;
 
     let mut vm = Vm::new(&VmConfig::simple(vcpus, size, Backend::Anon))?;
+    if let Some(image) = &args.image {
+        let ram = vm
+            .memory()
+            .region("ram")
+            .ok_or("the VM has no region 'ram'")?;
+        guestmem_memory::load_image(ram, image)?;
+    }
     let memory = vm.memory().clone();
-    let running = vm.start(&work(size, vcpus, rate))?;
+    let running = vm.start(&work(size, vcpus, rate, args.rewrite))?;
     let deadline = Instant::now() + FILL_TIMEOUT;
-    while running.progress().iter().any(|&(_, g)| g < 1) {
+    // `dirty` fills the memory with a first pass at full speed; `rewrite` runs on the image
+    // (or zeros) at the rate from the start.
+    while !args.rewrite && running.progress().iter().any(|&(_, g)| g < 1) {
         if Instant::now() > deadline {
             running.stop();
             let _ = running.wait(Duration::from_secs(10));
@@ -662,6 +704,7 @@ fn run_once(args: &Args, size: u64, rate: Rate, mode: Mode) -> crate::Result<Run
         downtime: Duration::from_millis(args.downtime_ms),
         verify: false,
         whole_pages: args.whole_pages,
+        compress,
         fault_cpus: args.fault_cpus.0.clone(),
         ..Default::default()
     };
@@ -720,7 +763,7 @@ fn slowdown(steady: f64, during: f64) -> f64 {
     ((1.0 - during / steady) * 100.0).max(0.0)
 }
 
-fn median_row(size: u64, rate: Rate, mode: Mode, runs: &[Run]) -> Row {
+fn median_row(size: u64, rate: Rate, mode: Mode, compress: Compress, runs: &[Run]) -> Row {
     let m = |f: &dyn Fn(&Run) -> f64| median(runs.iter().map(f).collect());
     let opt = |f: &dyn Fn(&DestinationReport) -> f64| -> Option<f64> {
         if mode == Mode::Precopy {
@@ -739,6 +782,7 @@ fn median_row(size: u64, rate: Rate, mode: Mode, runs: &[Run]) -> Row {
         memory_bytes: size,
         dirty_mib_per_s: rate.mib_per_s(),
         mode,
+        compress,
         runs: runs.len(),
         total_ms: m(&|r| r.report.total_ms),
         downtime_ms: m(&|r| r.report.downtime_ms),
@@ -746,6 +790,14 @@ fn median_row(size: u64, rate: Rate, mode: Mode, runs: &[Run]) -> Row {
         downtime_ms_runs: runs.iter().map(|r| r.report.downtime_ms).collect(),
         sent_mib: m(&|r| r.report.bytes as f64 / (1 << 20) as f64),
         wire_mib: m(&|r| r.report.wire_bytes as f64 / (1 << 20) as f64),
+        first_pass_wire_bytes_per_guest_byte: m(&|r| {
+            r.report.rounds.first().map_or(0.0, |x| x.wire_bytes as f64)
+                / r.report.guest_bytes.max(1) as f64
+        }),
+        compression: runs
+            .first()
+            .map(|r| r.report.compression.clone())
+            .unwrap_or_default(),
         rounds: m(&|r| r.report.rounds.len() as f64),
         converged_runs: runs.iter().filter(|r| r.report.converged).count(),
         max_throttle_percent: m(&|r| r.report.max_throttle_percent as f64),
@@ -881,7 +933,10 @@ fn print_table(out: &Output) {
             "{:>8} {:>9} {:>14} {:>9.1} {:>9.1} {:>8.1} {:>8.1} {:>6.0} {:>7.0}% {:>8.0} {:>15} {:>11} {:>19} {:>7.1}% {:>6}",
             format!("{} MiB", r.memory_bytes >> 20),
             rate(r.dirty_mib_per_s),
-            r.mode.name(),
+            match r.compress {
+                Compress::None => r.mode.name().to_string(),
+                c => format!("{} {c:?}", r.mode.name()),
+            },
             r.total_ms,
             r.downtime_ms,
             r.sent_mib,
