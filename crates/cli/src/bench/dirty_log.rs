@@ -143,7 +143,7 @@ pub fn main(args: Args) -> crate::Result<()> {
         sparse,
     };
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        super::envelope::print(&out)?;
     } else {
         print_table(&out);
     }

@@ -432,7 +432,7 @@ pub fn main(args: Args) -> crate::Result<()> {
     bar.finish_and_clear();
     let out = output(&args, rows, qemu_rows, qemu_note, load_before);
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        super::envelope::print(&out)?;
     } else {
         print_table(&out);
     }

@@ -5,6 +5,7 @@ use clap::Subcommand;
 
 mod demand_paging;
 mod dirty_log;
+pub(crate) mod envelope;
 mod memslots;
 mod migrate;
 mod populate;
@@ -33,6 +34,7 @@ pub enum Bench {
 }
 
 pub fn main(bench: Bench) -> crate::Result<()> {
+    envelope::start();
     match bench {
         Bench::Populate(args) => populate::main(args),
         Bench::DemandPaging(args) => demand_paging::main(args),

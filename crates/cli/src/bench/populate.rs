@@ -8,6 +8,8 @@ use std::time::Instant;
 use guestmem_memory::{populate_with, Backend, GuestMemory, Method, Populated, RegionSpec, Source};
 use serde::Serialize;
 
+use super::envelope::Figure;
+
 use crate::units::parse_size;
 
 #[derive(clap::Args)]
@@ -33,6 +35,8 @@ pub struct Args {
 struct MethodResult {
     method: Method,
     ms: f64,
+    /// Every run of this method, with median (= `ms`), min and max.
+    ms_figure: Figure,
     ratio_vs_memcpy: f64,
     pages_copied: u64,
     zero_pages_skipped: u64,
@@ -46,6 +50,7 @@ struct Output {
     zero_percent: u8,
     runs: u32,
     memcpy_ms: f64,
+    memcpy_ms_figure: Figure,
     methods: Vec<MethodResult>,
     /// Methods that could not run here, with the reason.
     unavailable: Vec<(Method, String)>,
@@ -124,8 +129,9 @@ pub fn main(args: Args) -> crate::Result<()> {
             last[i] = Some(done);
         }
     }
-    let memcpy_ms = median(memcpy_runs);
-    let floor_ms = median(floor_runs);
+    let memcpy = figure(&memcpy_runs);
+    let memcpy_ms = memcpy.median;
+    let floor_ms = figure(&floor_runs).median;
 
     let mut methods = Vec::new();
     let mut unavailable = Vec::new();
@@ -135,10 +141,12 @@ pub fn main(args: Args) -> crate::Result<()> {
             unavailable.push((method, done.fallback_reason.unwrap_or_default()));
             continue;
         }
-        let ms = median(runs);
+        let ms_figure = figure(&runs);
+        let ms = ms_figure.median;
         methods.push(MethodResult {
             method,
             ms,
+            ms_figure,
             ratio_vs_memcpy: ms / memcpy_ms,
             pages_copied: done.pages_copied,
             zero_pages_skipped: done.zero_pages_skipped,
@@ -155,6 +163,7 @@ pub fn main(args: Args) -> crate::Result<()> {
         zero_percent: args.zero_percent,
         runs: args.runs,
         memcpy_ms,
+        memcpy_ms_figure: memcpy,
         best_method: best.method,
         best_ms: best.ms,
         ratio_vs_memcpy: best.ratio_vs_memcpy,
@@ -164,7 +173,7 @@ pub fn main(args: Args) -> crate::Result<()> {
         unavailable,
     };
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        super::envelope::print(&out)?;
         return Ok(());
     }
     println!(
@@ -219,7 +228,6 @@ fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+fn figure(runs: &[f64]) -> Figure {
+    Figure::of(runs).expect("--runs is at least 1 and times are not NaN")
 }

@@ -208,7 +208,7 @@ pub fn main(args: Args) -> crate::Result<()> {
         ratios,
     };
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        super::envelope::print(&out)?;
     } else {
         print_table(&out);
     }
