@@ -12,11 +12,32 @@ use serde::Serialize;
 use super::Steal;
 
 /// When the bench process started measuring: set once by `bench::main`.
-static STARTED: OnceLock<(Steal, SystemTime)> = OnceLock::new();
+static STARTED: OnceLock<Started> = OnceLock::new();
 
-/// Marks the start of the run whose steal time the envelope reports.
+struct Started {
+    steal: Steal,
+    at: SystemTime,
+    load_average: Option<String>,
+}
+
+fn started() -> &'static Started {
+    STARTED.get_or_init(|| Started {
+        steal: Steal::start(),
+        at: SystemTime::now(),
+        load_average: load_average(),
+    })
+}
+
+/// Marks the start of the run whose steal time and load the envelope reports.
 pub(crate) fn start() {
-    STARTED.get_or_init(|| (Steal::start(), SystemTime::now()));
+    started();
+}
+
+/// `/proc/loadavg`'s 1, 5 and 15 minute figures: how much else wanted the CPUs.
+pub(crate) fn load_average() -> Option<String> {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
 }
 
 /// The envelope itself.
@@ -34,6 +55,11 @@ pub(crate) struct Run {
     pub cores: usize,
     /// Steal over the whole bench run, percent of all CPUs' time.
     pub host_steal_percent: Option<f64>,
+    /// The load average when the bench started and when it printed its results: on this
+    /// 2-core machine, anything much above the bench's own threads means figures taken beside
+    /// other work.
+    pub load_average_start: Option<String>,
+    pub load_average_end: Option<String>,
     pub started_unix_s: u64,
     pub duration_s: f64,
     pub command_line: Vec<String>,
@@ -42,7 +68,7 @@ pub(crate) struct Run {
 impl Run {
     /// The envelope of this process's run so far.
     pub(crate) fn now() -> Run {
-        let (steal, started) = STARTED.get_or_init(|| (Steal::start(), SystemTime::now()));
+        let started = started();
         Run {
             commit: env!("GUESTMEM_COMMIT").to_string(),
             tree_dirty: env!("GUESTMEM_TREE_DIRTY") == "true",
@@ -52,11 +78,14 @@ impl Run {
                 .unwrap_or_else(|_| "unknown".into()),
             cpu_model: cpu_model().unwrap_or_else(|| "unknown".into()),
             cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
-            host_steal_percent: steal.percent().map(|p| (p * 100.0).round() / 100.0),
+            host_steal_percent: started.steal.percent().map(|p| (p * 100.0).round() / 100.0),
+            load_average_start: started.load_average.clone(),
+            load_average_end: load_average(),
             started_unix_s: started
+                .at
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
-            duration_s: started.elapsed().map_or(0.0, |d| d.as_secs_f64()),
+            duration_s: started.at.elapsed().map_or(0.0, |d| d.as_secs_f64()),
             command_line: std::env::args().collect(),
         }
     }

@@ -384,7 +384,7 @@ pub fn main(args: Args) -> crate::Result<()> {
         ProgressStyle::with_template("{bar:30} {pos}/{len} {elapsed_precise} {msg}")
             .expect("valid template"),
     );
-    let load_before = load_average();
+    let load_before = super::envelope::load_average();
     let mut rows = Vec::new();
     let mut qemu_rows = Vec::new();
     for &size in &args.sizes {
@@ -514,7 +514,7 @@ fn output(
         downtime_target_ms: args.downtime_ms,
         idle_pages_per_s: qemu_peer::IDLE_PAGES_PER_S,
         load_average_before: load_before,
-        load_average_after: load_average(),
+        load_average_after: super::envelope::load_average(),
         rows,
         qemu_rows,
         qemu_note,
@@ -542,12 +542,6 @@ fn qemu_available() -> Result<(), String> {
             "{qemu} cannot run ({e}); install qemu-system-x86 or name it in GUESTMEM_QEMU"
         )),
     }
-}
-
-fn load_average() -> Option<String> {
-    std::fs::read_to_string("/proc/loadavg")
-        .ok()
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
 }
 
 /// A directory removed (with what it holds) when dropped.
