@@ -1,0 +1,575 @@
+//! The pager: userfaultfds over a region, handler threads, and the background fetcher.
+
+mod config;
+mod install;
+mod peer;
+mod serve;
+
+use std::collections::VecDeque;
+use std::io;
+use std::ops::Range;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use guestmem_memory::{Backend, Region};
+use guestmem_sys::uapi::{
+    UFFD_FEATURE_EVENT_REMOVE, UFFD_FEATURE_MINOR_SHMEM, UFFD_FEATURE_MISSING_HUGETLBFS,
+    UFFD_FEATURE_MISSING_SHMEM,
+};
+use guestmem_vm::AbortHandle;
+use userfaultfd::{FeatureFlags, RegisterMode, Uffd, UffdBuilder};
+
+use crate::affinity::CpuSet;
+use crate::{Error, PageSource, Result};
+
+pub use config::{PagerConfig, PagerStats};
+pub use peer::{register_for_peer, PeerPager, PeerRange};
+
+/// How faults are resolved, by backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// `MISSING` faults, `UFFDIO_COPY` from a bounce buffer (anon, hugetlb).
+    Copy,
+    /// The page cache is filled through `alias`, then `UFFDIO_CONTINUE` maps it (memfd).
+    Continue,
+}
+
+/// Who installs a chunk (for the stats; only a fault waits for a chunk someone else holds).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum By {
+    Fault,
+    Readahead,
+    Background,
+    Prefetch,
+}
+
+// Chunk states.
+const ABSENT: u8 = 0;
+const FETCHING: u8 = 1;
+const RESIDENT: u8 = 2;
+const FAILED: u8 = 3;
+
+/// Largest bounce buffer of `Mode::Copy` (bigger chunks are copied in pieces), which keeps
+/// the pager's own memory small.
+const BOUNCE_MAX: u64 = 128 << 10;
+/// All threads' bounce buffers together take at most this share of the region (smaller
+/// buffers for small regions served by many threads).
+const BOUNCE_SHARE: u64 = 200;
+/// How long the background sweep waits for the guest's first fault before it starts anyway.
+const SWEEP_DELAY: Duration = Duration::from_millis(10);
+/// Events read per `read()` from a userfaultfd.
+const EVENT_BATCH: usize = 64;
+
+/// Demand paging of one region from a [`PageSource`]. Start it after the region exists and
+/// before the guest (or anyone) touches it; dropping it stops its threads and unregisters, after
+/// which missing pages fill with zeros: keep it until it has retired or the guest has stopped.
+pub struct Pager {
+    shared: Arc<Shared>,
+    threads: Vec<JoinHandle<()>>,
+    cpus: Option<CpuSet>,
+}
+
+struct Shared {
+    region: String,
+    gpa: u64,
+    host: usize,
+    size: u64,
+    page: u64,
+    chunk: u64,
+    bounce: u64,
+    mode: Mode,
+    /// A second shared mapping of the memfd (`Mode::Continue`), not registered with uffd.
+    alias: usize,
+    /// The memfd itself (`Mode::Continue`; -1 otherwise): a mapped source is written into its
+    /// page cache with `pwrite`, which fills whole pages without zeroing them first.
+    memfd: RawFd,
+    uffds: Vec<Uffd>,
+    /// The chunks each userfaultfd covers.
+    shards: Vec<Range<usize>>,
+    states: Vec<AtomicU8>,
+    source: Arc<dyn PageSource>,
+    fetch_attempts: u32,
+    retry_delay: Duration,
+    abort: Option<AbortHandle>,
+    /// The fault handlers run under `SCHED_FIFO` ([`PagerConfig::realtime_handlers`]).
+    realtime: bool,
+    /// Also told when a fetch fails for good (a page server kills its peer VMM with it).
+    on_failure: Option<OnFailure>,
+    /// [`PeerPager`] ranges: asked whether the peer let go of a range that a copy found
+    /// unregistered or without an address space (see [`PeerReleased`]).
+    peer_released: Option<PeerReleased>,
+    /// The peer let go of the range: serving it has ended, without a failure.
+    released: AtomicBool,
+    /// Readable once the threads must stop.
+    stop: OwnedFd,
+    faults: AtomicU64,
+    /// Handler threads busy with a batch of events right now (the background fetcher waits,
+    /// see [`Shared::wait_for_idle_handlers`]).
+    busy_handlers: AtomicU64,
+    fault_chunks: AtomicU64,
+    readahead_chunks: AtomicU64,
+    background_chunks: AtomicU64,
+    prefetch_chunks: AtomicU64,
+    discarded_chunks: AtomicU64,
+    resident_chunks: AtomicU64,
+    /// Chunks to fetch first, and whether that is done.
+    prefetch: Vec<usize>,
+    prefetch_done: AtomicBool,
+    /// The chunks the guest asked for (faults, and readahead after them), in that order.
+    fault_order: Mutex<Vec<u32>>,
+    retired: AtomicBool,
+    /// When it retired.
+    retired_at: Mutex<Option<Instant>>,
+    failure: Mutex<Option<String>>,
+    changed: Condvar,
+    handlers: usize,
+    readahead: usize,
+    readahead_threads: usize,
+    /// Chunks (and their shard) queued for the readahead threads, newest last.
+    readahead_queue: Mutex<VecDeque<(usize, usize)>>,
+    readahead_queued: Condvar,
+    background: bool,
+}
+
+// SAFETY: `host` and `alias` are addresses of mappings that outlive the pager's threads (the
+// region's, which the caller keeps alive, and the alias, unmapped in `Drop` after the threads
+// are joined); everything else is Sync already.
+unsafe impl Send for Shared {}
+// SAFETY: as above.
+unsafe impl Sync for Shared {}
+
+impl Pager {
+    /// Registers `region` with userfaultfd and starts serving its faults from `source`.
+    ///
+    /// `region` must stay mapped while the pager lives; the pager must be dropped before it.
+    pub fn start(
+        region: &Region,
+        source: Arc<dyn PageSource>,
+        config: &PagerConfig,
+    ) -> Result<Pager> {
+        Pager::start_partial(region, source, config, &|_| false)
+    }
+
+    /// Like [`Pager::start`] over a region whose contents are already right, except in the
+    /// chunks (of `config.fault_around` bytes) for which `resident(offset)` is false: those
+    /// must have been discarded by the caller (so that they fault) and are fetched from
+    /// `source` (post-copy after a pre-copy round: only the pages dirtied since are fetched).
+    pub fn start_partial(
+        region: &Region,
+        source: Arc<dyn PageSource>,
+        config: &PagerConfig,
+        resident: &dyn Fn(u64) -> bool,
+    ) -> Result<Pager> {
+        let name = region.name().to_string();
+        let bad = |reason: String| Error::Config {
+            region: name.clone(),
+            reason,
+        };
+        let backend = region.backend();
+        let mode = match backend {
+            Backend::Anon | Backend::MemfdHugetlb | Backend::Hugetlbfs => Mode::Copy,
+            Backend::Memfd => Mode::Continue,
+            Backend::GuestMemfd => {
+                return Err(Error::Unsupported {
+                    region: name,
+                    backend,
+                    reason: "userfaultfd cannot register guest_memfd mappings; post-copy of \
+                             guest_memfd needs KVM Userfault (the KVM_MEM_USERFAULT memslot \
+                             flag, KVM_CAP_USERFAULT), which guestmem does not drive yet"
+                        .into(),
+                })
+            }
+        };
+        let page = backend.page_size();
+        let size = region.size();
+        let chunk = config.fault_around;
+        if !chunk.is_power_of_two() || chunk < page {
+            return Err(bad(format!(
+                "fault-around {chunk:#x} must be a power of two of at least the {backend} \
+                 backend's page size ({page:#x})"
+            )));
+        }
+        let chunks = size.div_ceil(chunk) as usize;
+        if config.uffds == 0 || config.uffds > chunks {
+            return Err(bad(format!(
+                "{} userfaultfds requested; 1 to {chunks} (one per {chunk:#x}-byte chunk) are \
+                 possible",
+                config.uffds
+            )));
+        }
+        if config.handlers == 0 {
+            return Err(bad(
+                "0 handler threads requested; at least 1 is needed".into()
+            ));
+        }
+        if config.fetch_attempts == 0 {
+            return Err(bad(
+                "0 fetch attempts requested; at least 1 is needed".into()
+            ));
+        }
+        if source.size() < size {
+            return Err(bad(format!(
+                "the page source holds {:#x} bytes, less than the region's {size:#x}",
+                source.size()
+            )));
+        }
+        let cpus = pager_cpus(config).map_err(bad)?;
+
+        let mut features = UFFD_FEATURE_EVENT_REMOVE;
+        features |= match backend {
+            Backend::Memfd => UFFD_FEATURE_MISSING_SHMEM | UFFD_FEATURE_MINOR_SHMEM,
+            Backend::MemfdHugetlb | Backend::Hugetlbfs => UFFD_FEATURE_MISSING_HUGETLBFS,
+            _ => 0,
+        };
+        let register_mode = match mode {
+            Mode::Copy => RegisterMode::MISSING,
+            Mode::Continue => RegisterMode::MISSING | RegisterMode::MINOR,
+        };
+        let uffd_err = |op, source| Error::Uffd {
+            region: name.clone(),
+            op,
+            source,
+        };
+        let host = region.host_addr() as usize;
+        let shards: Vec<Range<usize>> = (0..config.uffds)
+            .map(|i| i * chunks / config.uffds..(i + 1) * chunks / config.uffds)
+            .collect();
+        let mut uffds = Vec::with_capacity(shards.len());
+        for shard in &shards {
+            let uffd = UffdBuilder::new()
+                .close_on_exec(true)
+                .non_blocking(true)
+                .user_mode_only(false)
+                .require_features(FeatureFlags::from_bits_retain(features))
+                .create()
+                .map_err(|e| uffd_err("userfaultfd / UFFDIO_API", e))?;
+            let start = shard.start as u64 * chunk;
+            let end = (shard.end as u64 * chunk).min(size);
+            uffd.register_with_mode(
+                (host + start as usize) as *mut libc::c_void,
+                (end - start) as usize,
+                register_mode,
+            )
+            .map_err(|e| uffd_err("UFFDIO_REGISTER", e))?;
+            uffds.push(uffd);
+        }
+
+        let memfd = match mode {
+            Mode::Copy => -1,
+            Mode::Continue => region.fd().expect("memfd regions have an fd").as_raw_fd(),
+        };
+        let alias = match mode {
+            Mode::Copy => 0,
+            Mode::Continue => {
+                let fd = memfd;
+                // SAFETY: a fresh shared mapping of the region's own fd and size; it aliases
+                // the region's memory only through the page cache, which is what we want.
+                let addr = unsafe {
+                    libc::mmap(
+                        std::ptr::null_mut(),
+                        size as usize,
+                        libc::PROT_READ | libc::PROT_WRITE,
+                        libc::MAP_SHARED,
+                        fd,
+                        0,
+                    )
+                };
+                if addr == libc::MAP_FAILED {
+                    return Err(Error::Os {
+                        region: name,
+                        op: "mmap of the memfd's second mapping",
+                        source: io::Error::last_os_error(),
+                    });
+                }
+                addr as usize
+            }
+        };
+        // SAFETY: eventfd returns a new fd (checked below) that nobody else owns.
+        let stop = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+        if stop < 0 {
+            return Err(Error::Os {
+                region: name,
+                op: "eventfd",
+                source: io::Error::last_os_error(),
+            });
+        }
+        let shared = Arc::new(Shared::new(
+            Layout {
+                region: name,
+                gpa: region.gpa(),
+                host,
+                size,
+                page,
+                chunk,
+                mode,
+                alias,
+                memfd,
+            },
+            uffds,
+            shards,
+            source,
+            config,
+            // SAFETY: `stop` is the fresh eventfd from above.
+            unsafe { OwnedFd::from_raw_fd(stop) },
+            None,
+        ));
+        for (c, state) in shared.states.iter().enumerate() {
+            if resident(c as u64 * chunk) {
+                state.store(RESIDENT, Ordering::Release);
+                shared.count_resident();
+            }
+        }
+        let mut pager = Pager {
+            shared: shared.clone(),
+            threads: Vec::new(),
+            cpus,
+        };
+        let n_uffds = shared.uffds.len();
+        for t in 0..config.handlers {
+            // Thread t serves uffd t % n when there are more threads than uffds, else every
+            // handlers-th uffd starting at t.
+            let served: Vec<usize> = if config.handlers >= n_uffds {
+                vec![t % n_uffds]
+            } else {
+                (t..n_uffds).step_by(config.handlers).collect()
+            };
+            let shared = shared.clone();
+            pager.spawn(format!("uffd-handler{t}"), move || {
+                shared.serve_faults(&served)
+            })?;
+        }
+        for t in 0..config.readahead_threads {
+            let shared = shared.clone();
+            pager.spawn(format!("uffd-readahead{t}"), move || {
+                shared.serve_readahead()
+            })?;
+        }
+        if config.background || !config.prefetch.is_empty() {
+            let shared = shared.clone();
+            pager.spawn("uffd-background".into(), move || shared.fetch_everything())?;
+        }
+        tracing::debug!(region = %pager.shared.region, ?mode, uffds = n_uffds, handlers = config.handlers, chunk, "pager started");
+        Ok(pager)
+    }
+
+    fn spawn(&mut self, name: String, f: impl FnOnce() + Send + 'static) -> Result<()> {
+        let shared = self.shared.clone();
+        let on_panic = move |reason: String| {
+            let region = shared.region.clone();
+            shared.fail(Error::Stopped { region, reason });
+        };
+        let handle = spawn_pager_thread(&self.shared.region, name, self.cpus, f, on_panic)?;
+        self.threads.push(handle);
+        Ok(())
+    }
+
+    pub fn stats(&self) -> PagerStats {
+        self.shared.stats()
+    }
+
+    /// When the whole region became resident and the pager retired (`None` until then).
+    pub fn retired_at(&self) -> Option<Instant> {
+        *self
+            .shared
+            .retired_at
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Bytes of the region it serves.
+    pub fn size(&self) -> u64 {
+        self.shared.size
+    }
+
+    /// The pager's own memory: chunk states, bounce buffers, event buffers and the readahead
+    /// queue (thread stacks are 256 KiB of address space each, touched only a few pages deep).
+    pub fn memory_bytes(&self) -> u64 {
+        let s = &self.shared;
+        let threads = (s.handlers + s.readahead_threads + usize::from(s.background)) as u64;
+        let bounce = if s.mode == Mode::Copy && s.source.mapped().is_none() {
+            s.bounce
+        } else {
+            0
+        };
+        let event_buffers = s.handlers as u64 * EVENT_BATCH as u64 * 32;
+        let queue = s
+            .readahead_queue
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .capacity() as u64
+            * std::mem::size_of::<(usize, usize)>() as u64;
+        s.states.len() as u64 + threads * bounce + event_buffers + queue
+    }
+
+    /// Waits until the whole region is resident and the pager retired (`Ok(true)`), or
+    /// `timeout` passes (`Ok(false)`); a failed fetch is returned as its error. Only a pager
+    /// with background fetch retires.
+    pub fn wait_resident(&self, timeout: Duration) -> Result<bool> {
+        let s = &self.shared;
+        let deadline = Instant::now() + timeout;
+        let mut failure = s.failure.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(reason) = failure.as_ref() {
+                return Err(Error::Stopped {
+                    region: s.region.clone(),
+                    reason: reason.clone(),
+                });
+            }
+            if s.retired.load(Ordering::Acquire) {
+                return Ok(true);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Ok(false);
+            }
+            failure = s
+                .changed
+                .wait_timeout(failure, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    /// Region offsets of the chunks the guest asked for, in the order it did (each once):
+    /// chunks installed for a fault, and the readahead that followed a sequential one. Chunks
+    /// the background sweep brought in before anyone touched them are not in it.
+    pub fn fault_order(&self) -> Vec<u64> {
+        let s = &self.shared;
+        s.fault_order
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|&c| c as u64 * s.chunk)
+            .collect()
+    }
+
+    /// The chunk size (fault-around) this pager works in.
+    pub fn chunk_bytes(&self) -> u64 {
+        self.shared.chunk
+    }
+
+    /// Whether every chunk overlapping `[offset, offset + len)` of the region is resident.
+    pub fn is_resident(&self, offset: u64, len: u64) -> bool {
+        let s = &self.shared;
+        if s.retired.load(Ordering::Acquire) {
+            return true;
+        }
+        let end = (offset + len).min(s.size);
+        if end <= offset {
+            return true;
+        }
+        let chunks = (offset / s.chunk) as usize..=((end - 1) / s.chunk) as usize;
+        chunks
+            .into_iter()
+            .all(|c| s.states[c].load(Ordering::Acquire) == RESIDENT)
+    }
+
+    /// The error that stopped the pager, if a fetch failed for good.
+    pub fn failure(&self) -> Option<String> {
+        self.shared
+            .failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}
+
+impl Drop for Pager {
+    fn drop(&mut self) {
+        self.shared.signal_stop();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+        self.shared.unregister();
+        if self.shared.alias != 0 {
+            // SAFETY: the alias mapping made in `start`, of `size` bytes; no thread uses it
+            // any more (all joined).
+            unsafe {
+                libc::munmap(
+                    self.shared.alias as *mut libc::c_void,
+                    self.shared.size as usize,
+                )
+            };
+        }
+    }
+}
+
+/// Where a [`Shared`] serves: the region's name, addresses and fault-resolution mode.
+struct Layout {
+    region: String,
+    gpa: u64,
+    host: usize,
+    size: u64,
+    page: u64,
+    chunk: u64,
+    mode: Mode,
+    alias: usize,
+    memfd: RawFd,
+}
+
+/// Called with the reason when a fetch fails for good (after the `abort` handle, if any).
+pub type OnFailure = Arc<dyn Fn(&str) + Send + Sync>;
+
+/// Asked by a [`PeerPager`] when `UFFDIO_COPY` into the peer's `[host_addr, host_addr + len)`
+/// fails with `ENOENT` (nothing registered there any more) or `ESRCH` (the peer's address
+/// space is gone): whether the peer let go of that memory (unmapped it, or its process is
+/// exiting; a VMM unmaps its RAM as it shuts down). If so, serving that range ends quietly:
+/// no fault can wait there any more. If not (the memory is still mapped but not registered on
+/// the fd the peer sent), the failure stands: the peer's faults would reach a fd nobody reads.
+pub type PeerReleased = Arc<dyn Fn(u64, u64) -> bool + Send + Sync>;
+
+/// [`PagerConfig::cpus`], checked against the CPUs this process may run on.
+fn pager_cpus(config: &PagerConfig) -> std::result::Result<Option<CpuSet>, String> {
+    config
+        .cpus
+        .as_deref()
+        .map(|cpus| CpuSet::new(cpus).map_err(|e| format!("pager CPUs {cpus:?}: {e}")))
+        .transpose()
+}
+
+/// Starts one of a pager's threads (small stacks: they only shuffle pages), pinned to `cpus`
+/// from its start ([`PagerConfig::cpus`]), naming the region in the error if the thread cannot
+/// be created. Should `f` panic (a bug, or a page source that panics), `on_panic` gets the
+/// reason and fails the pager, which stops its VM (or peer): the guest's faults are then
+/// answered by an error instead of waiting forever on a thread that is gone.
+fn spawn_pager_thread(
+    region: &str,
+    name: String,
+    cpus: Option<CpuSet>,
+    f: impl FnOnce() + Send + 'static,
+    on_panic: impl FnOnce(String) + Send + 'static,
+) -> Result<std::thread::JoinHandle<()>> {
+    let region_name = region.to_string();
+    let thread = name.clone();
+    let f = move || {
+        if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+            let message = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "no message".into());
+            on_panic(format!("pager thread '{thread}' panicked: {message}"));
+        }
+    };
+    std::thread::Builder::new()
+        .name(name)
+        .stack_size(256 << 10)
+        .spawn(move || {
+            if let Some(cpus) = cpus {
+                // The CPUs were checked at the pager's start; this fails only if the process
+                // lost them since (its cpuset changed): the thread then runs where it may.
+                if let Err(e) = cpus.pin_current_thread() {
+                    tracing::warn!(region = %region_name, "pinning a pager thread to {cpus:?}: {e}");
+                }
+            }
+            f()
+        })
+        .map_err(|source| Error::Os {
+            region: region.into(),
+            op: "spawning a pager thread",
+            source,
+        })
+}
