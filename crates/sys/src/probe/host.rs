@@ -1,0 +1,40 @@
+//! Item 7: the host (kernel release, page size, memory).
+
+use std::ffi::CStr;
+
+use libc::c_int;
+
+use super::util::{errno_name, last_errno};
+use super::Host;
+
+/// Kernel release, page size and online CPUs.
+pub fn host() -> Host {
+    Host {
+        kernel_release: kernel_release(),
+        page_size_bytes: sysconf(libc::_SC_PAGESIZE, "_SC_PAGESIZE"),
+        online_cpus: sysconf(libc::_SC_NPROCESSORS_ONLN, "_SC_NPROCESSORS_ONLN"),
+    }
+}
+
+pub(super) fn kernel_release() -> Result<String, String> {
+    // SAFETY: `utsname` is plain old data (arrays of c_char); all-zero is a valid value.
+    let mut uts: libc::utsname = unsafe { std::mem::zeroed() };
+    // SAFETY: `uts` is a valid, writable `utsname` that lives across the call.
+    if unsafe { libc::uname(&mut uts) } != 0 {
+        return Err(format!("uname: {}", errno_name(last_errno())));
+    }
+    // SAFETY: on success the kernel filled `release` with a NUL-terminated string that fits in
+    // the array (and the array was zeroed, so a NUL is there in any case).
+    let release = unsafe { CStr::from_ptr(uts.release.as_ptr()) };
+    Ok(release.to_string_lossy().into_owned())
+}
+
+pub(super) fn sysconf(name: c_int, what: &str) -> Result<u64, String> {
+    // SAFETY: sysconf only reads its integer argument.
+    let v = unsafe { libc::sysconf(name) };
+    if v <= 0 {
+        Err(format!("sysconf({what}) = {v}"))
+    } else {
+        Ok(v as u64)
+    }
+}
