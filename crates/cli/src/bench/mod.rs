@@ -3,8 +3,10 @@
 
 use clap::Subcommand;
 
+mod cpu;
 mod demand_paging;
 mod dirty_log;
+pub mod link;
 mod memslots;
 mod migrate;
 mod populate;
