@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
 # Installs what guestmem needs to build and test on a fresh Debian machine of this project's kind:
 # libclang (userfaultfd-sys generates its bindings at build time), binutils (the guest payload is
-# assembled at build time) and the Rust components the checks use. Safe to run again.
+# assembled at build time), iproute2 (`ip` and `tc`: `bench migrate --link` runs the two sides in
+# network namespaces joined by a shaped veth pair), QEMU and zstd (the QEMU peer of
+# `bench migrate`, and scripts/capture-guest-memory.sh) and the Rust components the checks use.
+# Safe to run again.
 set -euo pipefail
 need=()
 command -v as >/dev/null 2>&1 || need+=(binutils)
 command -v ld >/dev/null 2>&1 || need+=(binutils)
 ls /usr/lib/llvm-*/lib/libclang.so >/dev/null 2>&1 || need+=(libclang-dev)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
+command -v tc >/dev/null 2>&1 || need+=(iproute2)
+command -v qemu-system-x86_64 >/dev/null 2>&1 || need+=(qemu-system-x86)
+command -v zstd >/dev/null 2>&1 || need+=(zstd)
 if [ ${#need[@]} -gt 0 ]; then
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
   $SUDO apt-get update -qq

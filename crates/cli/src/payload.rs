@@ -20,6 +20,9 @@ pub enum PvhWorkload {
     Dirty,
     /// Write every page once, then stop (the guest then spins on its done signal).
     Touch,
+    /// As `dirty`, each page write the `rewrite` workload's: 2-33 of its 64-byte lines copied
+    /// from another page of the range (re-dirtying as a real guest does).
+    Rewrite,
 }
 
 #[derive(clap::Args)]
@@ -85,7 +88,7 @@ pub fn params(
     Ok(PvhParams {
         workload: payload::WORKLOAD_WRITE,
         passes: match workload {
-            PvhWorkload::Dirty => 0,
+            PvhWorkload::Dirty | PvhWorkload::Rewrite => 0,
             PvhWorkload::Touch => 1,
         },
         range_start,
@@ -94,6 +97,7 @@ pub fn params(
         tsc_per_page: pages_per_s.map_or(0, |r| PvhParams::tsc_per_page(tsc_khz, r)),
         fill_first,
         read_percent: 0,
+        rewrite: workload == PvhWorkload::Rewrite,
     })
 }
 

@@ -294,6 +294,7 @@ pvh_seed:           .quad PVH_SEED
 pvh_tsc_per_page:   .quad 0                     # 0 = full speed
 pvh_fill_first:     .quad 0                     # 1: throttle only after a first pass
 pvh_read_percent:   .quad 0
+pvh_rewrite:        .quad 0                     # 1: the `rewrite` page write
 
         .code32
 pvh_entry:
@@ -422,6 +423,8 @@ pvh_long:
         mov     %rax, CTL_THROTTLE_AFTER(%rdi)
         mov     pvh_read_percent, %rax
         mov     %rax, CTL_READ_PERCENT(%rdi)
+        mov     pvh_rewrite, %rax
+        mov     %rax, CTL_REWRITE(%rdi)
         movq    $-1, CTL_GEN_LIMIT(%rdi)
         pushq   $0x13                           # SS: user data
         pushq   $(VCPU_BLOCKS_GPA + VCPU_BLOCK_SIZE)

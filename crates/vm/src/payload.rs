@@ -91,6 +91,9 @@ pub struct PvhParams {
     pub fill_first: bool,
     /// The `mixed` workload's share of pages only read (0: all written).
     pub read_percent: u64,
+    /// Each page write is the `rewrite` workload's (lines copied from another page of the
+    /// range) instead of one u64.
+    pub rewrite: bool,
 }
 
 impl Default for PvhParams {
@@ -106,6 +109,7 @@ impl Default for PvhParams {
             tsc_per_page: 0,
             fill_first: false,
             read_percent: 0,
+            rewrite: false,
         }
     }
 }
@@ -114,7 +118,7 @@ impl Default for PvhParams {
 const PVH_PARAMS_MAGIC: &[u8; 16] = b"guestmem-pvh-p1\0";
 
 impl PvhParams {
-    fn fields(&self) -> [u64; 8] {
+    fn fields(&self) -> [u64; 9] {
         [
             self.workload,
             self.passes,
@@ -124,6 +128,7 @@ impl PvhParams {
             self.tsc_per_page,
             self.fill_first as u64,
             self.read_percent,
+            self.rewrite as u64,
         ]
     }
 
@@ -168,6 +173,7 @@ pub fn pvh_params(elf: &[u8]) -> PvhParams {
         tsc_per_page: f(5),
         fill_first: f(6) != 0,
         read_percent: f(7),
+        rewrite: f(8) != 0,
     }
 }
 
@@ -186,6 +192,7 @@ mod tests {
             seed: 7,
             tsc_per_page: 12345,
             fill_first: true,
+            rewrite: true,
             ..PvhParams::default()
         };
         let elf = pvh_elf(&p);

@@ -3,9 +3,11 @@
 
 use clap::Subcommand;
 
+mod cpu;
 mod demand_paging;
 mod dirty_log;
 pub(crate) mod envelope;
+pub mod link;
 mod memslots;
 mod migrate;
 mod populate;

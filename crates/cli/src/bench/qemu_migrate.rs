@@ -21,6 +21,12 @@ pub struct Args {
     /// The migration channel: plain TCP, or TLS with both peers verified.
     #[arg(long, value_enum, default_value = "tls")]
     channel: qemu_peer::Channel,
+    /// Migrate with multifd over this many channels (default: QEMU's single stream).
+    #[arg(long)]
+    multifd_channels: Option<usize>,
+    /// With --multifd-channels: QEMU's multifd-compression.
+    #[arg(long, value_enum, default_value = "none")]
+    multifd_compression: qemu_peer::MultifdCompression,
     /// Print one JSON object instead of the text.
     #[arg(long)]
     json: bool,
@@ -37,13 +43,20 @@ pub fn main(args: Args) -> crate::Result<()> {
             args.size >> 20
         );
     }
-    let f = qemu_peer::precopy(
-        args.size,
-        pages_per_s,
-        args.downtime_limit_ms,
-        args.vcpus,
-        args.channel,
-    )?;
+    let f = qemu_peer::precopy(&qemu_peer::Config {
+        mem: args.size,
+        dirty_pages_per_s: pages_per_s,
+        downtime_limit_ms: args.downtime_limit_ms,
+        vcpus: args.vcpus,
+        channel: args.channel,
+        multifd: args.multifd_channels.map(|channels| qemu_peer::Multifd {
+            channels,
+            compression: args.multifd_compression,
+        }),
+        image: None,
+        rewrite: false,
+        link: None,
+    })?;
     if args.json {
         println!("{}", serde_json::to_string(&f)?);
         return Ok(());
@@ -53,12 +66,12 @@ pub fn main(args: Args) -> crate::Result<()> {
         None => format!("idle ({} pages/s)", qemu_peer::IDLE_PAGES_PER_S),
     };
     println!(
-        "{}: {} MiB, {} vCPU(s), dirtying {rate}, downtime limit {} ms, {} channel",
+        "{}: {} MiB, {} vCPU(s), dirtying {rate}, downtime limit {} ms, {}",
         f.qemu_version,
         f.mem_bytes >> 20,
         f.vcpus,
         f.downtime_limit_ms,
-        f.channel.name()
+        f.config
     );
     println!(
         "boot {:.0} ms, fill of {} pages {:.0} ms",

@@ -2,15 +2,29 @@
 //! on loopback with QEMU's own pre-copy, and the figures QEMU reports.
 //!
 //! [`precopy`] bakes the workload into guestmem's PVH payload (`guestmem payload`), boots it in
-//! a source QEMU (`-accel kvm -cpu host -machine pc`), waits until the guest has filled its
-//! range once at full speed and is dirtying it at the asked rate, starts a destination QEMU
-//! listening on `tcp:127.0.0.1:PORT`, migrates with `downtime-limit` set and the bandwidth
+//! a source QEMU (`-accel kvm -cpu host,-arch-capabilities -machine pc`), waits until the guest
+//! has filled its range once at full speed and is dirtying it at the asked rate (or, with the
+//! `rewrite` workload, until it runs), starts a destination QEMU listening on
+//! `tcp:127.0.0.1:PORT` (or, over a shaped [`Link`], each QEMU in its own namespace and the
+//! destination on the link's address), optionally with multifd (channels and
+//! `multifd-compression`), migrates with `downtime-limit` set and the bandwidth
 //! unthrottled, over plain TCP or over TLS with both peers verified (QEMU's `tls-creds-x509`
 //! with certificates from guestmem's own `generate_credentials`: the channel guestmem always
 //! uses), and polls `query-migrate` until it completes; then it checks that the guest
 //! carries on in the destination (its pages-done counter grows there). Both QEMUs are killed on
 //! every path. It speaks QMP (JSON lines over a Unix socket) and reads the guest's control
 //! block with the monitor's `xp` (`human-monitor-command`).
+//!
+//! `-cpu host` alone does not start on AMD hosts under this KVM: QEMU sets
+//! `IA32_ARCH_CAPABILITIES` (MSR 0x10a) there, which KVM refuses (QEMU then aborts in
+//! `kvm_buf_set_msrs`); `-arch-capabilities` leaves that MSR out, and the guest, which does not
+//! read it, is the same on Intel and AMD.
+//!
+//! With an image ([`QemuImage`]), the guest's RAM is a private mapping of a file holding the
+//! image at the start of the workload's range (8 MiB; the payload area below it is zeros), so
+//! the range holds the image's bytes as guestmem's guest RAM does from its start: QEMU does not
+//! get to skip pages that guestmem sends. The guest's words at a few addresses are checked
+//! against the image before migrating.
 //!
 //! Only vCPU 0 runs the workload under QEMU (the PVH entry starts the bootstrap processor; the
 //! others stay parked in wait-for-SIPI): a multi-vCPU QEMU guest dirties at the same total
@@ -29,6 +43,8 @@ use guestmem_vm::payload::{
 use serde::Serialize;
 use serde_json::{json, Value};
 
+use super::cpu;
+use super::link::{Link, Side};
 use crate::payload::{self, PvhWorkload, MIN_RANGE_START};
 use guestmem_migration::transport::{generate_credentials, Role};
 
@@ -64,6 +80,71 @@ impl Channel {
     }
 }
 
+/// QEMU's `multifd-compression`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum MultifdCompression {
+    None,
+    Zlib,
+    Zstd,
+}
+
+impl MultifdCompression {
+    pub fn name(self) -> &'static str {
+        match self {
+            MultifdCompression::None => "none",
+            MultifdCompression::Zlib => "zlib",
+            MultifdCompression::Zstd => "zstd",
+        }
+    }
+}
+
+/// Multifd: pages over `channels` connections, compressed with `compression`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Multifd {
+    pub channels: usize,
+    pub compression: MultifdCompression,
+}
+
+/// One QEMU migration to run.
+pub struct Config<'a> {
+    /// Guest RAM without an image; with one, the workload's range (RAM is 8 MiB more).
+    pub mem: u64,
+    /// The guest's rate after its fill (or from the start with `rewrite`), pages per second
+    /// (None: idle, [`IDLE_PAGES_PER_S`]).
+    pub dirty_pages_per_s: Option<u64>,
+    pub downtime_limit_ms: u64,
+    pub vcpus: usize,
+    pub channel: Channel,
+    /// None: QEMU's single migration stream.
+    pub multifd: Option<Multifd>,
+    pub image: Option<&'a QemuImage>,
+    /// The `rewrite` workload (no fill first) instead of `dirty`.
+    pub rewrite: bool,
+    /// None: loopback.
+    pub link: Option<&'a Link>,
+}
+
+impl Config<'_> {
+    /// The configuration's name in tables and JSON, e.g. `multifd4-zstd-plain`.
+    pub fn name(&self) -> String {
+        config_name(self.multifd, self.channel)
+    }
+}
+
+/// The name of a QEMU configuration, e.g. `multifd4-zstd-plain` or `single-tls`.
+pub fn config_name(multifd: Option<Multifd>, channel: Channel) -> String {
+    match multifd {
+        Some(m) => format!(
+            "multifd{}-{}-{}",
+            m.channels,
+            m.compression.name(),
+            channel.name()
+        ),
+        None => format!("single-{}", channel.name()),
+    }
+}
+
 /// What one pre-copy migration under QEMU took, as QEMU reports it (`query-migrate`), plus the
 /// costs around it. Field names carry their units.
 #[derive(Debug, Clone, Serialize)]
@@ -78,6 +159,18 @@ pub struct QemuFigures {
     pub dirty_pages_per_s: Option<u64>,
     pub downtime_limit_ms: u64,
     pub channel: Channel,
+    /// [`config_name`].
+    pub config: String,
+    pub multifd: Option<Multifd>,
+    /// The guest's words at sampled addresses that matched the image (of how many).
+    pub image_words_matched: Option<(usize, usize)>,
+    /// CPU time of the source's and the destination's QEMU during the migration, their vCPU
+    /// threads left out.
+    pub source_cpu_s: f64,
+    pub destination_cpu_s: f64,
+    /// `ram.transferred` when the first pass ended (the first poll, every 100 ms, that saw a
+    /// second dirty sync): approximate.
+    pub first_pass_bytes: Option<u64>,
     /// Pages of the workload's range (guest RAM from 8 MiB, holes skipped).
     pub range_pages: u64,
     /// From starting the source QEMU to the guest workload running (firmware and PVH entry).
@@ -108,23 +201,31 @@ pub struct QemuFigures {
     pub dest_pages_per_s: f64,
 }
 
-/// Runs the workload under QEMU with `mem` bytes of guest RAM and `vcpus` vCPUs (vCPU 0 runs
-/// it): a full-speed first pass over all RAM from 8 MiB, then `dirty_pages_per_s` pages per
-/// second (None: idle), and migrates it with QEMU's pre-copy on loopback, `downtime-limit`
-/// `downtime_limit_ms`, bandwidth unthrottled, over `channel`. Returns QEMU's figures; errors name the step
-/// that failed, with QEMU's reason or its stderr.
-pub fn precopy(
-    mem: u64,
-    dirty_pages_per_s: Option<u64>,
-    downtime_limit_ms: u64,
-    vcpus: usize,
-    channel: Channel,
-) -> crate::Result<QemuFigures> {
+/// Runs the workload under QEMU as `config` says (vCPU 0 runs it): a full-speed first pass
+/// over all RAM from 8 MiB, then `dirty_pages_per_s` pages per second (None: idle), or the
+/// `rewrite` workload at that rate from the start; migrates it with QEMU's pre-copy,
+/// `downtime-limit`, bandwidth unthrottled, over the channel, link and multifd setting asked.
+/// Returns QEMU's figures; errors name the step that failed, with QEMU's reason or its stderr.
+pub fn precopy(config: &Config) -> crate::Result<QemuFigures> {
+    let Config {
+        mem,
+        dirty_pages_per_s,
+        downtime_limit_ms,
+        vcpus,
+        channel,
+        multifd,
+        image,
+        rewrite,
+        link,
+    } = *config;
     if vcpus == 0 {
         return Err("a QEMU guest needs at least one vCPU".into());
     }
     if mem < MIN_RANGE_START + (2 << 20) {
         return Err(format!("{mem} bytes of guest RAM leave no room for the workload").into());
+    }
+    if multifd.is_some_and(|m| m.channels == 0 || m.channels > 255) {
+        return Err("QEMU's multifd-channels must be 1 to 255".into());
     }
     let qemu = std::env::var("GUESTMEM_QEMU").unwrap_or_else(|_| QEMU.to_string());
     let qemu_version = qemu_version(&qemu)?;
@@ -134,9 +235,13 @@ pub fn precopy(
         guestmem_vm::host_tsc_khz().map_err(|e| format!("cannot ask KVM for the TSC rate: {e}"))?;
     let rate = dirty_pages_per_s.unwrap_or(IDLE_PAGES_PER_S);
     let params = payload::params(
-        PvhWorkload::Dirty,
+        if rewrite {
+            PvhWorkload::Rewrite
+        } else {
+            PvhWorkload::Dirty
+        },
         Some(rate),
-        true,
+        !rewrite,
         tsc_khz,
         MIN_RANGE_START,
         0,
@@ -144,14 +249,26 @@ pub fn precopy(
     )?;
     payload::write_elf(&elf, &params)?;
 
+    // With an image, RAM is the payload area plus the range, the image's size.
+    let mem = match image {
+        Some(i) => {
+            if i.range_bytes != mem {
+                return Err(format!(
+                    "the QEMU image file holds {} bytes of range, not {mem}",
+                    i.range_bytes
+                )
+                .into());
+            }
+            MIN_RANGE_START + mem
+        }
+        None => mem,
+    };
     let mem_mib = mem.div_ceil(1 << 20);
     let common: Vec<String> = [
         "-accel",
         "kvm",
         "-cpu",
-        "host",
-        "-machine",
-        "pc",
+        "host,-arch-capabilities",
         "-m",
         &format!("{mem_mib}M"),
         "-smp",
@@ -169,6 +286,29 @@ pub fn precopy(
     .iter()
     .map(|s| s.to_string())
     .collect();
+    // RAM: the image file mapped privately (the source), or anonymous memory under the same
+    // name (the destination: migration matches RAM blocks by name).
+    let machine = |side: Side| -> Vec<String> {
+        match (image, side) {
+            (None, _) => vec!["-machine".into(), "pc".into()],
+            (Some(i), Side::Source) => vec![
+                "-object".into(),
+                format!(
+                    "memory-backend-file,id=ram0,size={mem_mib}M,mem-path={},share=off,\
+                     prealloc=on",
+                    i.path.display()
+                ),
+                "-machine".into(),
+                "pc,memory-backend=ram0".into(),
+            ],
+            (Some(_), Side::Destination) => vec![
+                "-object".into(),
+                format!("memory-backend-ram,id=ram0,size={mem_mib}M"),
+                "-machine".into(),
+                "pc,memory-backend=ram0".into(),
+            ],
+        }
+    };
 
     // TLS: the credentials guestmem uses, laid out as QEMU's x509 directories want them.
     let tls = |endpoint: &str| -> Vec<String> {
@@ -188,7 +328,9 @@ pub fn precopy(
     }
 
     let booted = Instant::now();
-    let mut src = Qemu::start(&qemu, "source", &common, &tls("client"), dir.path())?;
+    let mut src_args = machine(Side::Source);
+    src_args.extend(tls("client"));
+    let mut src = Qemu::start(&qemu, link, Side::Source, &common, &src_args, dir.path())?;
     src.wait_for(BOOT_TIMEOUT, "the guest workload to start", |c| {
         if c.state == STATE_BAD_WORKLOAD {
             return Err("the payload found no RAM above 8 MiB in QEMU's e820 map".into());
@@ -196,20 +338,78 @@ pub fn precopy(
         Ok(c.state == STATE_RUNNING)
     })?;
     let boot_ms = booted.elapsed().as_secs_f64() * 1e3;
+    let image_words_matched = match image {
+        Some(i) => {
+            let mut matched = 0;
+            for &(gpa, word) in &i.samples {
+                let text = src.qmp.hmp(&format!("xp /1gx {gpa:#x}"))?;
+                if parse_xp(&text)?.first() == Some(&word) {
+                    matched += 1;
+                }
+            }
+            // The workload may have rewritten a sampled line since it started; most must
+            // still hold the image's words.
+            if matched * 2 < i.samples.len() {
+                return Err(format!(
+                    "the QEMU guest does not hold the image: {matched} of {} sampled words match",
+                    i.samples.len()
+                )
+                .into());
+            }
+            Some((matched, i.samples.len()))
+        }
+        None => None,
+    };
     let range_pages = src.read(CTL_RANGE_PAGES, 1)?[0];
-    let fill_timeout = Duration::from_secs(60) + Duration::from_millis(range_pages / 20);
     let filled = Instant::now();
-    src.wait_for(fill_timeout, "the guest to fill its range", |c| {
-        Ok(c.pages_done >= range_pages)
-    })?;
+    if rewrite {
+        // No fill: the workload rewrites the image at the rate from the start; let it run.
+        std::thread::sleep(Duration::from_secs(1));
+    } else {
+        let fill_timeout = Duration::from_secs(60) + Duration::from_millis(range_pages / 20);
+        src.wait_for(fill_timeout, "the guest to fill its range", |c| {
+            Ok(c.pages_done >= range_pages)
+        })?;
+    }
     let fill_ms = filled.elapsed().as_secs_f64() * 1e3;
     tracing::info!(boot_ms, fill_ms, range_pages, "QEMU source guest running");
 
-    let port = free_port()?;
-    let incoming = format!("tcp:127.0.0.1:{port}");
+    let incoming = match link {
+        None => format!("tcp:127.0.0.1:{}", free_port()?),
+        // A fresh namespace: any port is free; vary it so that no earlier run's lingering
+        // connections can matter.
+        Some(_) => format!(
+            "tcp:{}:{}",
+            Link::ip(Side::Destination),
+            20000 + std::process::id() % 20000 + (booted.elapsed().subsec_micros() % 1000)
+        ),
+    };
     let mut incoming_args = vec!["-incoming".to_string(), "defer".to_string()];
+    incoming_args.extend(machine(Side::Destination));
     incoming_args.extend(tls("server"));
-    let mut dst = Qemu::start(&qemu, "destination", &common, &incoming_args, dir.path())?;
+    let mut dst = Qemu::start(
+        &qemu,
+        link,
+        Side::Destination,
+        &common,
+        &incoming_args,
+        dir.path(),
+    )?;
+    if let Some(m) = multifd {
+        for q in [&mut src.qmp, &mut dst.qmp] {
+            q.execute(
+                "migrate-set-capabilities",
+                Some(json!({ "capabilities": [{ "capability": "multifd", "state": true }] })),
+            )?;
+            q.execute(
+                "migrate-set-parameters",
+                Some(json!({
+                    "multifd-channels": m.channels,
+                    "multifd-compression": m.compression.name(),
+                })),
+            )?;
+        }
+    }
     let mut src_params =
         json!({ "downtime-limit": downtime_limit_ms, "max-bandwidth": MAX_BANDWIDTH });
     if channel == Channel::Tls {
@@ -226,11 +426,18 @@ pub fn precopy(
     src.qmp
         .execute("migrate-set-parameters", Some(src_params))?;
     let before = src.control()?;
+    let pids = vec![src.child.id(), dst.child.id()];
+    // vCPU threads are "CPU n/KVM" (`debug-threads=on`).
+    let sampler = cpu::Sampler::start(pids, 2, |i, name| (!name.starts_with("CPU ")).then_some(i));
     let started = Instant::now();
     src.qmp
         .execute("migrate", Some(json!({ "uri": incoming })))?;
+    let mut first_pass_bytes = None;
     let info = loop {
         let info = src.qmp.execute("query-migrate", None)?;
+        if first_pass_bytes.is_none() && info["ram"]["dirty-sync-count"].as_u64() >= Some(2) {
+            first_pass_bytes = info["ram"]["transferred"].as_u64();
+        }
         match info["status"].as_str() {
             Some("completed") => break info,
             Some("failed") | Some("cancelled") => {
@@ -257,6 +464,7 @@ pub fn precopy(
         std::thread::sleep(POLL);
     };
     let migrate_s = started.elapsed().as_secs_f64();
+    let cpu_s = sampler.stop();
     let figures = MigrateInfo::parse(&info)?;
 
     // The destination runs the guest on (QEMU starts it after an incoming migration).
@@ -289,6 +497,12 @@ pub fn precopy(
         dirty_pages_per_s,
         downtime_limit_ms,
         channel,
+        config: config.name(),
+        multifd,
+        image_words_matched,
+        source_cpu_s: cpu_s[0],
+        destination_cpu_s: cpu_s[1],
+        first_pass_bytes,
         range_pages,
         boot_ms,
         fill_ms,
@@ -304,6 +518,121 @@ pub fn precopy(
         guest_pages_per_s_during,
         dest_pages_per_s,
     })
+}
+
+/// A memory image laid out for QEMU's guest RAM: a file of the payload area (8 MiB of zeros)
+/// and then the image, padded with zeros to the range's size; removed when dropped. Made once
+/// and mapped privately by every source QEMU that runs from it (its writes stay its own).
+pub struct QemuImage {
+    path: PathBuf,
+    /// The workload range's size, bytes: the file is 8 MiB more.
+    range_bytes: u64,
+    /// Guest-physical addresses and the image's (non-zero) words there, to check the guest by.
+    samples: Vec<(u64, u64)>,
+}
+
+/// How many of the image's words [`QemuImage`] keeps to check a guest by.
+const IMAGE_SAMPLES: usize = 8;
+
+impl QemuImage {
+    /// Writes `image` (raw, or zstd-compressed: recognized by its magic) into a file in `dir`
+    /// for a range of `range_bytes`; an image larger than the range, or not a whole number
+    /// of 4 KiB pages, is refused.
+    pub fn prepare(image: &Path, range_bytes: u64, dir: &Path) -> crate::Result<QemuImage> {
+        use std::io::Read;
+        let bad = |what: String| format!("{}: {what}", image.display());
+        let mut file = std::fs::File::open(image).map_err(|e| bad(format!("cannot open: {e}")))?;
+        let mut magic = [0u8; 4];
+        let compressed = file.read_exact(&mut magic).is_ok() && magic == [0x28, 0xb5, 0x2f, 0xfd];
+        drop(file);
+        let file = std::fs::File::open(image).map_err(|e| bad(format!("cannot open: {e}")))?;
+        let mut reader: Box<dyn Read> = if compressed {
+            Box::new(
+                zstd::stream::read::Decoder::new(file)
+                    .map_err(|e| bad(format!("not a zstd stream: {e}")))?,
+            )
+        } else {
+            Box::new(file)
+        };
+        let path = dir.join(format!("guestmem-qemu-image-{}.raw", std::process::id()));
+        let out = QemuImage {
+            path: path.clone(),
+            range_bytes,
+            samples: Vec::new(),
+        };
+        let to = std::fs::File::create(&path)
+            .map_err(|e| format!("{}: cannot create: {e}", path.display()))?;
+        let total = MIN_RANGE_START + range_bytes;
+        to.set_len(total)
+            .map_err(|e| format!("{}: cannot size to {total} bytes: {e}", path.display()))?;
+        let mut out = out;
+        let mut buf = vec![0u8; 4 << 20];
+        let mut offset = 0u64;
+        let every = range_bytes / IMAGE_SAMPLES as u64;
+        loop {
+            let mut n = 0;
+            while n < buf.len() {
+                match reader.read(&mut buf[n..]) {
+                    Ok(0) => break,
+                    Ok(k) => n += k,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(e) => {
+                        return Err(
+                            bad(format!("cannot read at byte {}: {e}", offset + n as u64)).into(),
+                        )
+                    }
+                }
+            }
+            if n == 0 {
+                break;
+            }
+            if offset + n as u64 > range_bytes {
+                return Err(bad(format!(
+                    "larger than the guest's {range_bytes} bytes of memory"
+                ))
+                .into());
+            }
+            let chunk = &buf[..n];
+            // Zero chunks stay holes of the sparse file.
+            if chunk.iter().any(|&b| b != 0) {
+                use std::os::unix::fs::FileExt;
+                to.write_all_at(chunk, MIN_RANGE_START + offset)
+                    .map_err(|e| format!("{}: cannot write: {e}", path.display()))?;
+            }
+            // The first non-zero word at or after each sample point in this chunk.
+            while out.samples.len() < IMAGE_SAMPLES {
+                let want = out.samples.len() as u64 * every;
+                if want >= offset + n as u64 {
+                    break;
+                }
+                let from = (want.saturating_sub(offset) as usize) & !7;
+                let Some(k) = chunk[from..]
+                    .chunks_exact(8)
+                    .position(|w| w.iter().any(|&b| b != 0))
+                else {
+                    break;
+                };
+                let at = from + 8 * k;
+                let word = u64::from_le_bytes(chunk[at..at + 8].try_into().expect("8 bytes"));
+                out.samples
+                    .push((MIN_RANGE_START + offset + at as u64, word));
+            }
+            offset += n as u64;
+        }
+        if offset == 0 || !offset.is_multiple_of(4096) {
+            return Err(bad(format!(
+                "{offset} bytes is not a positive whole number of 4 KiB pages"
+            ))
+            .into());
+        }
+        Ok(out)
+    }
+}
+
+impl Drop for QemuImage {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
 }
 
 /// Generates a CA and both peers' certificates in `dir/keys` and lays them out for QEMU:
@@ -418,18 +747,29 @@ struct Qemu {
 }
 
 impl Qemu {
+    /// Starts QEMU as the `side` of a migration, in `link`'s namespace of that side if any.
     fn start(
         qemu: &str,
-        name: &'static str,
+        link: Option<&Link>,
+        side: Side,
         common: &[String],
         extra: &[String],
         dir: &Path,
     ) -> crate::Result<Qemu> {
+        let name = match side {
+            Side::Source => "source",
+            Side::Destination => "destination",
+        };
         let socket = dir.join(format!("{name}.qmp"));
         let stderr = dir.join(format!("{name}.stderr"));
         let log = std::fs::File::create(&stderr)
             .map_err(|e| format!("{}: cannot create: {e}", stderr.display()))?;
-        let child = Command::new(qemu)
+        let mut command = match link {
+            Some(l) => l.command(side, qemu),
+            None => Command::new(qemu),
+        };
+        let child = command
+            .args(["-name", &format!("guestmem-{name},debug-threads=on")])
             .args(common)
             .args(extra)
             .arg("-qmp")
