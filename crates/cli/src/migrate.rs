@@ -658,7 +658,10 @@ pub fn print_report(report: &Report, json: bool, plot: Option<&Path>) -> crate::
             ", round limit reached"
         },
         if report.verify_ms > 0.0 {
-            format!(", of which {:.1} ms digest checks", report.verify_ms)
+            format!(
+                ", of which {:.1} ms the source's digest work",
+                report.verify_ms
+            )
         } else {
             String::new()
         }

@@ -564,8 +564,8 @@ impl<'o> Source<'o> {
             let (conns, stats) = sent?;
             links.pages = conns;
             dirty = tracker.harvest()?;
-            // Every page the log reports was written after the digest of its chunk, or before
-            // the block was cleared: either way its chunk is hashed again (see chunk_digests).
+            // A page the log reports may have been written after its chunk was hashed: the
+            // chunk is hashed again once its block is sent next (see chunk_digests).
             if let Some(chunks) = &self.chunks {
                 chunks.mark_dirty(&dirty);
             }
