@@ -873,10 +873,19 @@ fn apply_pages(
                     let swept = open
                         .take()
                         .map_or(Ok(0), |(start, len)| d.chunks.refresh(memory, start, len))
-                        .and_then(|_| d.sweep(memory));
-                    hashing += t.elapsed();
-                    if let Err(e) = swept {
-                        break Err(e);
+                        .and_then(|a| d.sweep(memory).map(|b| a + b));
+                    let took = t.elapsed();
+                    hashing += took;
+                    match swept {
+                        Ok(bytes) => tracing::debug!(
+                            round,
+                            reader = d.reader,
+                            in_round_ms = (hashing - took).as_secs_f64() * 1e3,
+                            after_mib = bytes >> 20,
+                            after_ms = took.as_secs_f64() * 1e3,
+                            "chunk digests hashed"
+                        ),
+                        Err(e) => break Err(e),
                     }
                 }
                 if last {

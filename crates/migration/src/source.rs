@@ -714,6 +714,13 @@ impl<'o> Source<'o> {
         }
         let ms = start.elapsed().as_secs_f64() * 1e3;
         self.round_digest = digest_time;
+        if self.chunks.is_some() {
+            tracing::debug!(
+                round,
+                busiest_writer_ms = digest_time.as_secs_f64() * 1e3,
+                "chunk digests hashed"
+            );
+        }
         self.report.bytes += bytes;
         self.report.wire_bytes += wire_bytes;
         self.report.pages_sent += pages - zero_pages;
