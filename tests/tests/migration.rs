@@ -365,6 +365,37 @@ fn a_dead_destination_leaves_the_source_running() {
     runs_on(failure.vm.expect("the source keeps its VM"));
 }
 
+/// A destination whose receive path misplaces a word: the digest check at switch-over refuses
+/// the migration, naming the guest range that differs, and the source runs on.
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn a_destination_with_wrong_bytes_is_refused_and_the_source_runs_on() {
+    let pair = Pair::new("corrupt");
+    let listener = pair.listener.clone();
+    let at = layout::RAM_GPA + SIZE / 2 + 64;
+    let dest = std::thread::spawn(move || {
+        let opts = ReceiveOptions {
+            corrupt_landing_at: Some(at),
+            ..Default::default()
+        };
+        migrate::receive(listener, &opts).map(|_| ()).unwrap_err()
+    });
+    let mut vm = source_vm(Backend::Anon);
+    let running = start(&mut vm);
+    let opts = SendOptions {
+        verify: true,
+        ..Default::default()
+    };
+    let failure = migrate::send(running, pair.connect(Mode::Precopy, 2), &opts)
+        .expect_err("a migration with wrong bytes at the destination fails");
+    let refused = dest.join().unwrap().to_string();
+    let range = format!("{:#x}..{:#x}", layout::RAM_GPA, layout::RAM_GPA + SIZE);
+    for e in [failure.error.to_string(), refused] {
+        assert!(e.contains("digest") && e.contains(&range), "{e}");
+    }
+    runs_on(failure.vm.expect("the source keeps its VM"));
+}
+
 /// What a destination answers a connection's Hello with, to take it.
 fn answer_hello(conn: &mut transport::Connection) {
     Frame::Hello {

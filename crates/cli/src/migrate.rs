@@ -99,8 +99,9 @@ pub struct HowArgs {
     /// Never throttle the guest's vCPUs to make pre-copy converge.
     #[arg(long)]
     pub no_auto_converge: bool,
-    /// Check at switch-over that both sides' memory digests are equal (adds their time to the
-    /// downtime).
+    /// Check at switch-over that both sides' memory digests are equal (each side keeps a digest
+    /// per chunk of memory as the rounds go: the downtime grows by the re-hashing of the chunks
+    /// the last round writes).
     #[arg(long)]
     pub verify: bool,
     /// Local migration (unix: endpoint): hand the memfd / hugetlbfs memory files to the
@@ -617,7 +618,11 @@ pub fn print_received(r: &Received) {
         r.pages_at_switchover_per_vcpu, r.pages_after_run_per_vcpu, r.run_ms
     );
     if let Some(d) = r.report.digest {
-        println!("destination: memory digest at switch-over {d:#018x}, equal to the source's");
+        println!(
+            "destination: memory digest at switch-over {d:#018x}, equal to the source's ({:.1} ms \
+             of digest work after the last round's pages)",
+            r.report.verify_ms
+        );
     }
 }
 
@@ -653,7 +658,10 @@ pub fn print_report(report: &Report, json: bool, plot: Option<&Path>) -> crate::
             ", round limit reached"
         },
         if report.verify_ms > 0.0 {
-            format!(", of which {:.1} ms digest checks", report.verify_ms)
+            format!(
+                ", of which {:.1} ms the source's digest work",
+                report.verify_ms
+            )
         } else {
             String::new()
         }

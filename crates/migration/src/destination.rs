@@ -11,9 +11,11 @@ use guestmem_paging::{PageSource, Pager, PagerConfig};
 use guestmem_vm::{layout, RunningVm, Vm};
 use serde::{Deserialize, Serialize};
 
+use crate::chunk_digests::{self, ChunkDigests, RegionDigest};
 use crate::migrate::{
-    frame_name, percentile, read_frame, read_hello, read_json, write_frame, ChannelRole, Hello,
-    Links, Mode, Setup, StaleChunks, Switchover, BLOCK, HEARTBEAT_INTERVAL, POSTCOPY_CHUNK,
+    block_connection, frame_name, percentile, read_frame, read_hello, read_json, write_frame,
+    ChannelRole, Hello, Links, Mode, Setup, StaleChunks, Switchover, BLOCK, HEARTBEAT_INTERVAL,
+    POSTCOPY_CHUNK,
 };
 use crate::source::memory_digest;
 use crate::stream::{Frame, FrameRef, MAX_REQUEST};
@@ -41,6 +43,11 @@ pub struct ReceiveOptions {
     ///
     /// [`SendOptions::fault_cpus`]: crate::migrate::SendOptions::fault_cpus
     pub fault_cpus: Option<Vec<usize>>,
+    /// Test hook, never set outside tests: each pre-copy Pages frame that lands on this guest
+    /// address has the word there flipped, as a receive path that misplaces bytes would (the
+    /// digest check must then refuse the migration).
+    #[doc(hidden)]
+    pub corrupt_landing_at: Option<u64>,
 }
 
 impl Default for ReceiveOptions {
@@ -49,6 +56,7 @@ impl Default for ReceiveOptions {
             resume_timeout: RESUME_TIMEOUT,
             handlers: 2,
             fault_cpus: None,
+            corrupt_landing_at: None,
         }
     }
 }
@@ -60,8 +68,10 @@ pub struct DestinationReport {
     pub rounds: u32,
     pub pages_received: u64,
     pub zero_pages_received: u64,
-    /// The memory digest check at switch-over: its time, and the digest (equal to the source's,
-    /// or the migration would have been refused).
+    /// The memory digest check at switch-over: the time it added after the last round's pages
+    /// (re-hashing the chunks that round wrote, on the busiest pages connection, then any
+    /// chunk still stale, and the comparison), and the digest (equal to the source's, or the
+    /// migration would have been refused).
     pub verify_ms: f64,
     pub digest: Option<u64>,
     /// Post-copy: fault events the pagers read, fetches on behalf of faults (and their
@@ -187,6 +197,28 @@ pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incomin
         mode: Some(setup.mode),
         ..Default::default()
     };
+    // Chunk digests of the regions that travel, kept by the readers as pages land.
+    let chunks = match (setup.verify, setup.verify_chunk) {
+        (true, Some(chunk)) if chunk_digests::valid_chunk(chunk, BLOCK) => {
+            Some(Arc::new(ChunkDigests::new(
+                memory
+                    .regions()
+                    .iter()
+                    .filter(|r| !setup.shared.iter().any(|n| n == r.name()))
+                    .map(|r| (r.gpa(), r.size())),
+                chunk,
+            )))
+        }
+        (true, Some(chunk)) => {
+            return Err(refuse(
+                &mut links,
+                format!(
+                    "digest chunks of {chunk} bytes: a power of two from {PAGE_SIZE} to {BLOCK}                      is needed"
+                ),
+            ))
+        }
+        _ => None,
+    };
 
     // The rounds: each pages connection is applied by its own thread, up to its last
     // EndOfRound.
@@ -195,16 +227,23 @@ pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incomin
     // The reader that failed first: its error is the migration's (the others' follow from it).
     let cutters = Arc::new(links.cutters()?);
     let first_failed = Arc::new(AtomicUsize::new(usize::MAX));
+    let connections = links.pages.len();
     let readers: Vec<_> = std::mem::take(&mut links.pages)
         .into_iter()
         .enumerate()
         .map(|(i, conn)| {
             let memory = memory.clone();
             let (cutters, first_failed) = (cutters.clone(), first_failed.clone());
+            let digests = chunks.clone().map(|chunks| ReaderDigests {
+                chunks,
+                reader: i,
+                connections,
+            });
+            let corrupt = opts.corrupt_landing_at;
             std::thread::Builder::new()
                 .name(format!("migrate-rx{i}"))
                 .spawn(move || {
-                    let (conn, result) = apply_pages(conn, &memory);
+                    let (conn, result) = apply_pages(conn, &memory, digests.as_ref(), corrupt);
                     if result.is_err() {
                         let _ = first_failed.compare_exchange(
                             usize::MAX,
@@ -221,6 +260,7 @@ pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incomin
         .collect();
     let mut failures = Vec::new();
     let mut last_rounds = Vec::new();
+    let mut last_round_hashing = Duration::ZERO;
     for (i, r) in readers.into_iter().enumerate() {
         let (conn, result) = r.join().expect("a reader thread panicked");
         links.pages.push(conn);
@@ -229,6 +269,7 @@ pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incomin
                 report.pages_received += stats.pages;
                 report.zero_pages_received += stats.zero_pages;
                 last_rounds.push(stats.last_round);
+                last_round_hashing = last_round_hashing.max(stats.last_round_hashing);
             }
             Err(e) => failures.push((i, e)),
         }
@@ -241,14 +282,23 @@ pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incomin
     if let Some(e) = failure {
         return Err(refuse(&mut links, format!("receiving pages: {e}")));
     }
-    // The memory is complete: digest it now, while the source digests its own.
-    let verified = setup
-        .verify
-        .then(|| {
-            let started = Instant::now();
-            memory_digest(&memory).map(|d| (d, started.elapsed()))
-        })
-        .transpose()?;
+    // The memory is complete. With chunk digests, the readers hashed what they wrote; any
+    // chunk still stale (written on a connection that does not carry its block) is hashed
+    // now. Without (a source that predates them), all of memory is digested now, while the
+    // source digests its own.
+    let started = Instant::now();
+    let verified = match &chunks {
+        Some(chunks) => {
+            chunks.refresh_where(&memory, |_, _| true)?;
+            let regions = chunks
+                .summary()
+                .ok_or_else(|| Error::Migration("memory digests: chunks still stale".into()))?;
+            let took = last_round_hashing + started.elapsed();
+            Some((chunk_digests::combine(&regions), Some(regions), took))
+        }
+        None if setup.verify => Some((memory_digest(&memory)?, None, started.elapsed())),
+        None => None,
+    };
 
     let switchover: Switchover = match read_frame(&mut links.pages[0])? {
         Frame::State { state_json } => match serde_json::from_slice(&state_json) {
@@ -279,22 +329,23 @@ pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incomin
         ));
     }
     if let Some(expected) = switchover.digest {
-        let (digest, took) = match verified {
+        let (digest, regions, took) = match verified {
             Some(v) => v,
             // A source that did not say so in its setup.
             None => {
                 let started = Instant::now();
-                (memory_digest(&memory)?, started.elapsed())
+                (memory_digest(&memory)?, None, started.elapsed())
             }
         };
         report.verify_ms = took.as_secs_f64() * 1e3;
         report.digest = Some(digest);
         if digest != expected {
+            let which = differing_regions(regions.as_deref(), switchover.region_digests.as_deref());
             return Err(refuse(
                 &mut links,
                 format!(
                     "the destination's memory digest {digest:#018x} differs from the source's \
-                     {expected:#018x}"
+                     {expected:#018x}{which}"
                 ),
             ));
         }
@@ -666,19 +717,92 @@ fn refused_by_source(frame: &Frame, wanted: &str) -> Error {
     }
 }
 
+/// `: ` and the guest ranges of the regions whose digests differ, when both sides' region
+/// digests are known.
+fn differing_regions(ours: Option<&[RegionDigest]>, theirs: Option<&[RegionDigest]>) -> String {
+    let (Some(ours), Some(theirs)) = (ours, theirs) else {
+        return String::new();
+    };
+    let differ: Vec<String> = ours
+        .iter()
+        .filter(|r| !theirs.contains(r))
+        .map(|r| format!("{:#x}..{:#x}", r.gpa, r.gpa + r.size))
+        .collect();
+    if differ.is_empty() {
+        return String::new();
+    }
+    format!(" (guest memory differs in {})", differ.join(", "))
+}
+
 struct ReaderStats {
     pages: u64,
     zero_pages: u64,
     last_round: u32,
+    /// Time spent hashing chunks during the last round and after it.
+    last_round_hashing: Duration,
 }
 
-/// Applies one pages connection's frames to guest memory up to its last EndOfRound.
-fn apply_pages(mut conn: Connection, memory: &GuestMemory) -> (Connection, Result<ReaderStats>) {
+/// A reader's part of the chunk digests: the chunks of the blocks its connection carries.
+struct ReaderDigests {
+    chunks: Arc<ChunkDigests>,
+    reader: usize,
+    connections: usize,
+}
+
+impl ReaderDigests {
+    /// Hashes the stale chunks this reader owns.
+    fn sweep(&self, memory: &GuestMemory) -> Result<u64> {
+        self.chunks.refresh_where(memory, |region, offset| {
+            block_connection(region, offset, self.connections) == self.reader
+        })
+    }
+}
+
+/// The 2 MiB block (counted from its region's start, as the source sends them) holding `gpa`.
+fn block_of(memory: &GuestMemory, gpa: u64) -> Option<(u64, u64)> {
+    let r = memory
+        .regions()
+        .iter()
+        .find(|r| gpa >= r.gpa() && gpa - r.gpa() < r.size())?;
+    let start = r.gpa() + (gpa - r.gpa()) / BLOCK * BLOCK;
+    Some((start, BLOCK.min(r.gpa() + r.size() - start)))
+}
+
+/// Applies one pages connection's frames to guest memory up to its last EndOfRound. With
+/// `digests`, it marks the chunks each frame writes stale, and hashes them once the source has
+/// moved past their block (a block's frames of one round come together on one connection),
+/// and after each round every stale chunk of its blocks (in the first round, those no page was
+/// sent to). `corrupt`: see [`ReceiveOptions::corrupt_landing_at`].
+fn apply_pages(
+    mut conn: Connection,
+    memory: &GuestMemory,
+    digests: Option<&ReaderDigests>,
+    corrupt: Option<u64>,
+) -> (Connection, Result<ReaderStats>) {
     let zeros = vec![0u8; BLOCK as usize];
     let mut stats = ReaderStats {
         pages: 0,
         zero_pages: 0,
         last_round: 0,
+        last_round_hashing: Duration::ZERO,
+    };
+    // The block the frames are landing in, and the hashing time of the round so far.
+    let mut open: Option<(u64, u64)> = None;
+    let mut hashing = Duration::ZERO;
+    let landed = |gpa: u64, len: u64, open: &mut Option<(u64, u64)>| -> Result<Duration> {
+        let Some(d) = digests else {
+            return Ok(Duration::ZERO);
+        };
+        d.chunks.mark(gpa, len);
+        let block = block_of(memory, gpa);
+        let t = Instant::now();
+        if block != *open {
+            if let Some((start, len)) = *open {
+                d.chunks.refresh(memory, start, len)?;
+            }
+            *open = block;
+        }
+        Ok(t.elapsed())
     };
     // Pages are read from the connection straight into guest memory; the other frames into
     // one buffer kept for all of them.
@@ -692,8 +816,18 @@ fn apply_pages(mut conn: Connection, memory: &GuestMemory) -> (Connection, Resul
             unsafe { memory.bytes_mut(gpa, len as u64) }.ok()
         };
         let frame = match Frame::read_into(&mut conn, &mut buf, place) {
-            Ok(FrameRef::Placed { len, .. }) => {
+            Ok(FrameRef::Placed { gpa, len, .. }) => {
                 stats.pages += len as u64 / PAGE_SIZE;
+                if let Some(at) = corrupt.filter(|&at| at >= gpa && at - gpa < len as u64) {
+                    let flipped = memory.read_u64(at).map(|w| w ^ 1);
+                    if let Err(e) = flipped.and_then(|w| memory.write_u64(at, w)) {
+                        break Err(e.into());
+                    }
+                }
+                match landed(gpa, len as u64, &mut open) {
+                    Ok(t) => hashing += t,
+                    Err(e) => break Err(e),
+                }
                 continue;
             }
             Ok(FrameRef::Pages { gpa, pages, .. }) => {
@@ -716,18 +850,49 @@ fn apply_pages(mut conn: Connection, memory: &GuestMemory) -> (Connection, Resul
                     r = memory.write(gpa + done, &zeros[..n as usize]);
                     done += n;
                 }
+                if r.is_ok() {
+                    match landed(gpa, count * PAGE_SIZE, &mut open) {
+                        Ok(t) => hashing += t,
+                        Err(e) => break Err(e),
+                    }
+                }
                 r
             }
             Frame::EndOfRound { round, last } => {
                 stats.last_round = round;
+                // Everything before it is in guest memory: say so (unless it is the last), so
+                // that the source times its rounds (and pauses the guest) on what is applied,
+                // not what is buffered; then hash what is stale, while the next round comes.
+                if !last {
+                    if let Err(e) = write_frame(&mut conn, &Frame::EndOfRound { round, last }) {
+                        break Err(e);
+                    }
+                }
+                if let Some(d) = digests {
+                    let t = Instant::now();
+                    let swept = open
+                        .take()
+                        .map_or(Ok(0), |(start, len)| d.chunks.refresh(memory, start, len))
+                        .and_then(|a| d.sweep(memory).map(|b| a + b));
+                    let took = t.elapsed();
+                    hashing += took;
+                    match swept {
+                        Ok(bytes) => tracing::debug!(
+                            round,
+                            reader = d.reader,
+                            in_round_ms = (hashing - took).as_secs_f64() * 1e3,
+                            after_mib = bytes >> 20,
+                            after_ms = took.as_secs_f64() * 1e3,
+                            "chunk digests hashed"
+                        ),
+                        Err(e) => break Err(e),
+                    }
+                }
                 if last {
+                    stats.last_round_hashing = hashing;
                     break Ok(());
                 }
-                // Everything before it is in guest memory: say so, so that the source times
-                // its rounds (and pauses the guest) on what is applied, not what is buffered.
-                if let Err(e) = write_frame(&mut conn, &Frame::EndOfRound { round, last }) {
-                    break Err(e);
-                }
+                hashing = Duration::ZERO;
                 Ok(())
             }
             other => break Err(refused_by_source(&other, "pages")),

@@ -1,6 +1,7 @@
 //! Moving a guestmem VM through time and space: snapshots and restore (live migration comes on
 //! top of the same pieces).
 
+pub mod chunk_digests;
 pub mod compress;
 mod destination;
 pub mod firecracker;

@@ -44,6 +44,7 @@ use std::time::Duration;
 use guestmem_vm::{VmConfig, VmState};
 use serde::{Deserialize, Serialize};
 
+use crate::chunk_digests::RegionDigest;
 use crate::stream::{Frame, StreamError};
 use crate::transport::{self, Connection, Credentials, Endpoint};
 use crate::{Error, Result};
@@ -93,6 +94,12 @@ pub const POSTCOPY_CHUNK: u64 = 128 << 10;
 
 /// The guest block that always travels on the same pages connection.
 pub(crate) const BLOCK: u64 = 2 << 20;
+
+/// The pages connection (of `connections`) that carries the block at `offset` of the region at
+/// `region_gpa`: blocks are counted from each region's start.
+pub(crate) fn block_connection(region_gpa: u64, offset: u64, connections: usize) -> usize {
+    ((region_gpa / BLOCK + offset / BLOCK) % connections as u64) as usize
+}
 
 /// Pages connections a migration opens unless told otherwise: on loopback one connection is
 /// bound by its receiving thread (decrypt, check, copy into guest memory), and a second one
@@ -147,11 +154,18 @@ pub(crate) struct Setup {
     /// answers Ready, the fds follow outside TLS (in this order), then its Hello.
     #[serde(default)]
     pub shared: Vec<String>,
-    /// Pre-copy with a digest check at switch-over: the destination digests its memory as
-    /// soon as the last round is in, while the source digests its own (the State then brings
-    /// the source's to compare with).
+    /// Pre-copy with a digest check at switch-over (the State brings the source's digest to
+    /// compare with).
     #[serde(default)]
     pub verify: bool,
+    /// With `verify`: the chunk size of the digests both sides keep as the rounds land
+    /// ([`crate::chunk_digests`]), so that only the chunks written since are hashed at
+    /// switch-over. `None` (a source that predates chunk digests): the destination digests all
+    /// of its memory with [`memory_digest`] once the last round is in.
+    ///
+    /// [`memory_digest`]: crate::source::memory_digest
+    #[serde(default)]
+    pub verify_chunk: Option<u64>,
 }
 
 /// The State frame's JSON: everything the destination needs at switch-over.
@@ -160,8 +174,14 @@ pub(crate) struct Switchover {
     pub state: VmState,
     /// The round whose EndOfRound closed the pages (the destination waits for it everywhere).
     pub last_round: u32,
-    /// FNV digest of all guest memory at switch-over (pre-copy, when asked to verify).
+    /// Digest of guest memory at switch-over (pre-copy, when asked to verify): the regions'
+    /// chunk digests combined ([`crate::chunk_digests::combine`]) when the setup named a
+    /// `verify_chunk`, else the FNV digest of all of it.
     pub digest: Option<u64>,
+    /// The regions' digests that `digest` combines (chunk digests): the destination names the
+    /// regions that differ.
+    #[serde(default)]
+    pub region_digests: Option<Vec<RegionDigest>>,
     /// Post-copy: per region (by guest address), the chunks of [`POSTCOPY_CHUNK`] bytes still
     /// to fetch, one bit each; `None` for all of them.
     pub postcopy: Option<Vec<StaleChunks>>,

@@ -14,11 +14,12 @@ use guestmem_tracking::{DirtyBitmap, Tracker};
 use guestmem_vm::{layout, RunningVm, Vm};
 use serde::Serialize;
 
+use crate::chunk_digests::{self, ChunkDigests, DIGEST_CHUNK};
 use crate::compress::{Compress, CompressionReport, Compressor};
 use crate::destination::DestinationReport;
 use crate::migrate::{
-    frame_name, read_frame, write_frame, Links, Mode, Resume, Setup, StaleChunks, Switchover,
-    BLOCK, POSTCOPY_CHUNK,
+    block_connection, frame_name, read_frame, write_frame, Links, Mode, Resume, Setup, StaleChunks,
+    Switchover, BLOCK, POSTCOPY_CHUNK,
 };
 use crate::stream::{compress_pages, Frame, StreamError};
 use crate::transport::{Connection, Cutter};
@@ -48,8 +49,10 @@ pub struct SendOptions {
     pub auto_converge: bool,
     /// Bytes per second the transfer may use (`None`: as fast as it goes).
     pub max_bandwidth: Option<u64>,
-    /// Check at switch-over that the destination's memory digest equals the source's (both
-    /// sides read all guest memory while the guest is stopped: it lengthens the downtime).
+    /// Check at switch-over that the destination's memory digest equals the source's. Both
+    /// sides keep a digest per chunk of guest memory as the rounds go
+    /// ([`crate::chunk_digests`]): the downtime grows by the re-hashing of the chunks the last
+    /// round writes, not of all guest memory.
     pub verify: bool,
     /// Local migration over a Unix socket: hand the memfd / hugetlbfs files of the RAM regions
     /// to the destination instead of copying them (guest_memfd and anonymous regions are
@@ -173,10 +176,12 @@ pub struct Report {
     /// Running frame: one link latency more than the truth).
     pub downtime_ms: f64,
     pub downtime_target_ms: f64,
-    /// Of the downtime: the memory digest check (`verify`), from the source's digest to the
-    /// destination's Ready (the destination digests its memory meanwhile), and the source's
-    /// digest.
+    /// Of the downtime: the source's share of the memory digest check (`verify`): re-hashing
+    /// the chunks the last round sent (on the busiest pages connection, beside its sending),
+    /// then any chunk still stale, and combining the digests. The destination's share is in
+    /// its report.
     pub verify_ms: f64,
+    /// The memory digest at switch-over (`verify`): the regions' chunk digests combined.
     pub digest: Option<u64>,
     /// The last estimate fitted the target (else the round limit forced the switch).
     pub converged: bool,
@@ -377,6 +382,11 @@ struct Source<'o> {
     queued: u64,
     send_started: Instant,
     compressor: Arc<Compressor>,
+    /// `verify`: the digest of each chunk of the regions that travel, taken by the writers
+    /// after each block they send, and marked stale by every harvest of the dirty log.
+    chunks: Option<Arc<ChunkDigests>>,
+    /// Time the busiest writer spent hashing chunks in the last round sent.
+    round_digest: Duration,
 }
 
 /// Pages dirtied and not sent yet when the guest stopped.
@@ -400,6 +410,8 @@ impl<'o> Source<'o> {
             queued: 0,
             send_started: Instant::now(),
             compressor: Arc::new(Compressor::new(opts.compress)),
+            chunks: None,
+            round_digest: Duration::ZERO,
             report: Report {
                 mode: opts.mode,
                 guest_bytes,
@@ -458,11 +470,23 @@ impl<'o> Source<'o> {
         };
         self.shared = shared.iter().map(|r| r.gpa()).collect();
         self.report.shared_bytes = shared.iter().map(|r| r.size()).sum();
+        // Shared regions are the destination's memory too: there is nothing to compare.
+        self.chunks = self.verifies().then(|| {
+            Arc::new(ChunkDigests::new(
+                self.memory
+                    .regions()
+                    .iter()
+                    .filter(|r| !self.shared.contains(&r.gpa()))
+                    .map(|r| (r.gpa(), r.size())),
+                DIGEST_CHUNK,
+            ))
+        });
         let setup = Setup {
             config: vm.config().clone(),
             mode: self.opts.mode,
             shared: shared.iter().map(|r| r.name().to_string()).collect(),
             verify: self.verifies(),
+            verify_chunk: self.chunks.as_ref().map(|c| c.chunk()),
         };
         let json = serde_json::to_vec(&setup).expect("a setup serializes");
         write_frame(&mut links.pages[0], &Frame::Hello { config_json: json })?;
@@ -534,11 +558,17 @@ impl<'o> Source<'o> {
                 &self.memory,
                 self.opts.whole_pages,
                 self.compressor.clone(),
+                self.chunks.clone(),
             );
             let sent = self.send_round(&mut Some(&mut *tracker), &dirty, round, writers, false);
             let (conns, stats) = sent?;
             links.pages = conns;
             dirty = tracker.harvest()?;
+            // A page the log reports may have been written after its chunk was hashed: the
+            // chunk is hashed again once its block is sent next (see chunk_digests).
+            if let Some(chunks) = &self.chunks {
+                chunks.mark_dirty(&dirty);
+            }
             dirty.retain(|b| tracked_gpa(&self.memory, b.gpa) && !self.shared.contains(&b.gpa));
             let n: u64 = dirty.iter().map(|b| b.count()).sum();
             let mut stats = stats;
@@ -617,7 +647,7 @@ impl<'o> Source<'o> {
                     if let Some(t) = tracker.as_mut().filter(|_| tracked) {
                         t.clear(b, first, count)?;
                     }
-                    let conn = ((b.gpa / BLOCK + first / block_pages) % n) as usize;
+                    let conn = block_connection(b.gpa, first * PAGE_SIZE, n as usize);
                     // Runs of dirty pages in the block, split into zero and non-zero runs.
                     let skip_zero = round == 1 && !sys;
                     let mut run: Option<(u64, u64, bool)> = None; // (first page, pages, zero)
@@ -652,6 +682,12 @@ impl<'o> Source<'o> {
                     if let Some(r) = run.take() {
                         self.queue_run(&mut writers, conn, b.gpa, r, skip_zero, &mut bytes)?;
                     }
+                    // The block's dirty pages are cleared: its stale chunks can be hashed, by
+                    // the writer that sends it, once it has.
+                    if self.chunks.is_some() {
+                        let (gpa, len) = (b.gpa + first * PAGE_SIZE, count * PAGE_SIZE);
+                        writers.queue(conn, Job::Digest { gpa, len })?;
+                    }
                     first += count;
                 }
             }
@@ -660,7 +696,7 @@ impl<'o> Source<'o> {
             }
             Ok(())
         })();
-        let (mut conns, wire_bytes) = match (queued, writers.join()) {
+        let (mut conns, wire_bytes, digest_time) = match (queued, writers.join()) {
             (Ok(()), Ok(joined)) => joined,
             // A writer's own error says why its queue closed ("pages connection N failed" does
             // not): it goes first.
@@ -677,6 +713,14 @@ impl<'o> Source<'o> {
             }
         }
         let ms = start.elapsed().as_secs_f64() * 1e3;
+        self.round_digest = digest_time;
+        if self.chunks.is_some() {
+            tracing::debug!(
+                round,
+                busiest_writer_ms = digest_time.as_secs_f64() * 1e3,
+                "chunk digests hashed"
+            );
+        }
         self.report.bytes += bytes;
         self.report.wire_bytes += wire_bytes;
         self.report.pages_sent += pages - zero_pages;
@@ -772,6 +816,9 @@ impl<'o> Source<'o> {
             _ => Vec::new(),
         };
         dirty.retain(|b| !self.shared.contains(&b.gpa));
+        if let Some(chunks) = &self.chunks {
+            chunks.mark_dirty(&dirty);
+        }
         let round = self.report.rounds.len() as u32 + 1;
         let postcopy = if self.opts.mode.has_postcopy() {
             // Only the sys region goes now; the RAM regions' dirty chunks are fetched later.
@@ -799,6 +846,7 @@ impl<'o> Source<'o> {
             &self.memory,
             self.opts.whole_pages,
             self.compressor.clone(),
+            self.chunks.clone(),
         );
         let (conns, mut stats) = self.send_round(&mut tracker, &dirty, round, writers, true)?;
         links.pages = conns;
@@ -806,16 +854,27 @@ impl<'o> Source<'o> {
         self.report.rounds.push(stats);
 
         let state = vm.save_state()?;
-        let verify_started = Instant::now();
-        let digest = self
-            .verifies()
-            .then(|| memory_digest(&self.memory))
-            .transpose()?;
+        let region_digests = match &self.chunks {
+            Some(chunks) => {
+                // The writers hashed the last round's chunks; anything still stale (nothing,
+                // unless a chunk was marked and its block not sent) is hashed here.
+                let started = Instant::now();
+                chunks.refresh_where(&self.memory, |_, _| true)?;
+                let summary = chunks
+                    .summary()
+                    .ok_or_else(|| Error::Migration("memory digests: chunks still stale".into()))?;
+                self.report.verify_ms = (self.round_digest + started.elapsed()).as_secs_f64() * 1e3;
+                Some(summary)
+            }
+            None => None,
+        };
+        let digest = region_digests.as_deref().map(chunk_digests::combine);
         self.report.digest = digest;
         let switchover = Switchover {
             state,
             last_round: round,
             digest,
+            region_digests,
             postcopy,
         };
         let json = serde_json::to_vec(&switchover).expect("the switch-over state serializes");
@@ -824,11 +883,6 @@ impl<'o> Source<'o> {
         match read_frame(main)? {
             Frame::Ready => {}
             other => return Err(unexpected(&other, "Ready")),
-        }
-        if digest.is_some() {
-            // Both digests, computed side by side, and the comparison: what the check added
-            // to the downtime.
-            self.report.verify_ms = verify_started.elapsed().as_secs_f64() * 1e3;
         }
         self.committed = true;
         write_frame(main, &Frame::Go)?;
@@ -909,7 +963,9 @@ impl<'o> Source<'o> {
             .iter()
             .map(|r| r.size() / PAGE_SIZE)
             .sum();
-        connections as u64 * (BLOCK + 4096) + 4 * pages / 8
+        connections as u64 * (BLOCK + 4096)
+            + 4 * pages / 8
+            + self.chunks.as_ref().map_or(0, |c| c.bytes())
     }
 
     fn finish(mut self) -> Report {
@@ -1163,12 +1219,19 @@ enum Job {
         fresh: bool,
     },
     Frame(Frame),
+    /// Hash the stale chunks of `[gpa, gpa + len)` (a block whose dirty pages were cleared and
+    /// queued before), into the writers' [`ChunkDigests`].
+    Digest {
+        gpa: u64,
+        len: u64,
+    },
 }
 
 /// One thread per pages connection, each encoding and writing its jobs in order.
 struct Writers {
     queues: Vec<SyncSender<Job>>,
-    threads: Vec<JoinHandle<(Connection, Result<()>)>>,
+    /// Each ends with its connection, how it went, and its time spent hashing chunks.
+    threads: Vec<JoinHandle<(Connection, Result<()>, Duration)>>,
     /// Bytes of Pages frames written.
     wire_bytes: Arc<AtomicU64>,
 }
@@ -1179,6 +1242,7 @@ impl Writers {
         memory: &Arc<GuestMemory>,
         whole_pages: bool,
         compressor: Arc<Compressor>,
+        chunks: Option<Arc<ChunkDigests>>,
     ) -> Writers {
         let wire_bytes = Arc::new(AtomicU64::new(0));
         let mut queues = Vec::new();
@@ -1188,6 +1252,7 @@ impl Writers {
             let memory = memory.clone();
             let wire_bytes = wire_bytes.clone();
             let compressor = compressor.clone();
+            let chunks = chunks.clone();
             queues.push(tx);
             threads.push(
                 std::thread::Builder::new()
@@ -1196,6 +1261,7 @@ impl Writers {
                         let mut out = Vec::with_capacity((BLOCK + 64) as usize);
                         let mut scratch = Vec::new();
                         let mut result = Ok(());
+                        let mut hashing = Duration::ZERO;
                         for job in rx {
                             let sent = match job {
                                 Job::Pages { gpa, len, fresh } => Frame::encode_pages_with(
@@ -1231,13 +1297,21 @@ impl Writers {
                                     Ok(())
                                 }),
                                 Job::Frame(f) => write_frame(&mut conn, &f),
+                                Job::Digest { gpa, len } => {
+                                    let t = Instant::now();
+                                    let hashed = chunks
+                                        .as_ref()
+                                        .map_or(Ok(0), |c| c.refresh(&memory, gpa, len));
+                                    hashing += t.elapsed();
+                                    hashed.map(|_| ())
+                                }
                             };
                             if let Err(e) = sent {
                                 result = Err(e);
                                 break;
                             }
                         }
-                        (conn, result)
+                        (conn, result, hashing)
                     })
                     .expect("spawning a writer thread"),
             );
@@ -1256,15 +1330,17 @@ impl Writers {
     }
 
     /// Waits for the writers to send everything queued, and takes the connections back, with
-    /// the bytes of pages they wrote.
-    fn join(self) -> Result<(Vec<Connection>, u64)> {
+    /// the bytes of pages they wrote and the longest time one of them spent hashing chunks.
+    fn join(self) -> Result<(Vec<Connection>, u64, Duration)> {
         drop(self.queues);
         let mut conns = Vec::new();
         let mut failure = None;
+        let mut hashing = Duration::ZERO;
         for t in self.threads {
             match t.join() {
-                Ok((conn, result)) => {
+                Ok((conn, result, hashed)) => {
                     conns.push(conn);
+                    hashing = hashing.max(hashed);
                     if let Err(e) = result {
                         failure.get_or_insert(e);
                     }
@@ -1276,7 +1352,7 @@ impl Writers {
         }
         match failure {
             Some(e) => Err(e),
-            None => Ok((conns, self.wire_bytes.load(Ordering::Relaxed))),
+            None => Ok((conns, self.wire_bytes.load(Ordering::Relaxed), hashing)),
         }
     }
 }
@@ -1354,7 +1430,8 @@ fn stale_chunks(dirty: &[DirtyBitmap], gpa: u64, size: u64) -> Vec<u64> {
     bits
 }
 
-/// One digest per region, in order (see [`GuestMemory::digest`]).
+/// One digest per region, in order (see [`GuestMemory::digest`]): the digest check of a source
+/// that predates chunk digests (see [`Setup::verify_chunk`]).
 pub(crate) fn memory_digest(memory: &GuestMemory) -> Result<u64> {
     let mut h = guestmem_memory::DIGEST_SEED;
     for r in memory.regions() {
