@@ -2,6 +2,7 @@
 //! top of the same pieces).
 
 pub mod compress;
+pub mod delta;
 mod destination;
 pub mod firecracker;
 pub mod migrate;

@@ -15,12 +15,13 @@ use guestmem_vm::{layout, RunningVm, Vm};
 use serde::Serialize;
 
 use crate::compress::{Compress, CompressionReport, Compressor};
+use crate::delta::{DeltaCache, DeltaReport, Partition};
 use crate::destination::DestinationReport;
 use crate::migrate::{
     frame_name, read_frame, write_frame, Links, Mode, Resume, Setup, StaleChunks, Switchover,
     BLOCK, POSTCOPY_CHUNK,
 };
-use crate::stream::{compress_pages, Frame, StreamError};
+use crate::stream::{compress_pages, Frame, StreamError, MAX_FRAME_PAGES};
 use crate::transport::{Connection, Cutter};
 use crate::{Error, Result};
 
@@ -63,6 +64,12 @@ pub struct SendOptions {
     /// How Pages frames are compressed (see [`crate::compress`]); zero pages and zero lines
     /// are left out in every mode.
     pub compress: Compress,
+    /// Pre-copy: bytes of the cache of pages' last versions sent, against which re-dirtied
+    /// pages travel as deltas (see [`crate::delta`]); `None`: [`DEFAULT_DELTA_CACHE_PERCENT`]
+    /// of guest memory; `Some(0)`: no delta encoding. Post-copy and hybrid never send deltas
+    /// (their destination's pages also come from fault answers, which the cache does not
+    /// see).
+    pub delta_cache_bytes: Option<u64>,
     /// Post-copy and hybrid: host CPUs for the threads that answer the destination's faults
     /// (the urgent connections' servers). When source and destination share a host, giving
     /// these and the destination's fault handlers ([`ReceiveOptions::fault_cpus`]) the same
@@ -91,12 +98,17 @@ impl Default for SendOptions {
             tracking: None,
             whole_pages: false,
             compress: Compress::None,
+            delta_cache_bytes: None,
             fault_cpus: None,
             progress: None,
             reconnect: None,
         }
     }
 }
+
+/// The delta cache's default size, in percent of guest memory: with the frame buffers and
+/// bitmaps, the source's extra memory stays under 5 % of the guest's.
+pub const DEFAULT_DELTA_CACHE_PERCENT: u64 = 4;
 
 /// The least bandwidth limit per pages connection: below it, a connection would wait longer
 /// than the destination's idle timeout between two 2 MiB blocks.
@@ -203,6 +215,8 @@ pub struct Report {
     pub destination: Option<DestinationReport>,
     /// What compression the pre-copy Pages frames got.
     pub compression: CompressionReport,
+    /// The delta cache: its size, hits and misses, and the pages it turned into deltas.
+    pub delta: DeltaReport,
 }
 
 /// A migration that failed. `vm` is the source VM, still running, when the source kept the
@@ -377,6 +391,8 @@ struct Source<'o> {
     queued: u64,
     send_started: Instant,
     compressor: Arc<Compressor>,
+    /// Pre-copy with delta encoding: the last versions sent.
+    delta: Option<Arc<DeltaCache>>,
 }
 
 /// Pages dirtied and not sent yet when the guest stopped.
@@ -390,6 +406,13 @@ impl<'o> Source<'o> {
         started: Instant,
     ) -> Self {
         let guest_bytes: u64 = memory.regions().iter().map(|r| r.size()).sum();
+        let delta_bytes = opts
+            .delta_cache_bytes
+            .unwrap_or(guest_bytes / 100 * DEFAULT_DELTA_CACHE_PERCENT);
+        let delta = (opts.mode == Mode::Precopy && !opts.whole_pages && delta_bytes > 0)
+            .then(|| DeltaCache::new(delta_bytes, links.pages.len(), BLOCK))
+            .filter(|c| c.pages() > 0)
+            .map(Arc::new);
         Source {
             memory: memory.clone(),
             opts,
@@ -400,6 +423,7 @@ impl<'o> Source<'o> {
             queued: 0,
             send_started: Instant::now(),
             compressor: Arc::new(Compressor::new(opts.compress)),
+            delta,
             report: Report {
                 mode: opts.mode,
                 guest_bytes,
@@ -425,6 +449,7 @@ impl<'o> Source<'o> {
                 source_extra_bytes: 0,
                 destination: None,
                 compression: CompressionReport::default(),
+                delta: DeltaReport::default(),
             },
         }
     }
@@ -534,6 +559,8 @@ impl<'o> Source<'o> {
                 &self.memory,
                 self.opts.whole_pages,
                 self.compressor.clone(),
+                self.delta.clone(),
+                (round, false),
             );
             let sent = self.send_round(&mut Some(&mut *tracker), &dirty, round, writers, false);
             let (conns, stats) = sent?;
@@ -600,6 +627,16 @@ impl<'o> Source<'o> {
         let start_ms = self.ms();
         let (mut pages, mut zero_pages, mut bytes) = (0u64, 0u64, 0u64);
         let n = writers.queues.len() as u64;
+        // Round 1 fills the delta cache with the last pages it sends only (the others would
+        // be evicted before the round ends); later rounds look every page up.
+        let total: u64 = dirty.iter().map(|b| b.count()).sum();
+        let cache_pages = self.delta.as_ref().map_or(0, |c| c.pages());
+        let delta_use = |pages: u64| match (cache_pages, round) {
+            (0, _) => DeltaUse::Off,
+            (_, 1) if pages + cache_pages < total => DeltaUse::Off,
+            (_, 1) => DeltaUse::Admit,
+            _ => DeltaUse::Try,
+        };
         let queued = (|| -> Result<()> {
             for b in dirty {
                 let sys = b.gpa == layout::SYS_GPA;
@@ -630,6 +667,7 @@ impl<'o> Source<'o> {
                                     b.gpa,
                                     r,
                                     skip_zero,
+                                    delta_use(pages),
                                     &mut bytes,
                                 )?;
                             }
@@ -645,12 +683,14 @@ impl<'o> Source<'o> {
                             }
                         }
                         if let Some(r) = run.take() {
-                            self.queue_run(&mut writers, conn, b.gpa, r, skip_zero, &mut bytes)?;
+                            let d = delta_use(pages);
+                            self.queue_run(&mut writers, conn, b.gpa, r, skip_zero, d, &mut bytes)?;
                         }
                         run = Some((p, 1, zero));
                     }
                     if let Some(r) = run.take() {
-                        self.queue_run(&mut writers, conn, b.gpa, r, skip_zero, &mut bytes)?;
+                        let d = delta_use(pages);
+                        self.queue_run(&mut writers, conn, b.gpa, r, skip_zero, d, &mut bytes)?;
                     }
                     first += count;
                 }
@@ -722,6 +762,7 @@ impl<'o> Source<'o> {
         slot_gpa: u64,
         (first, count, zero): (u64, u64, bool),
         skip_zero: bool,
+        delta: DeltaUse,
         bytes: &mut u64,
     ) -> Result<()> {
         let gpa = slot_gpa + first * PAGE_SIZE;
@@ -739,6 +780,7 @@ impl<'o> Source<'o> {
                 gpa,
                 len,
                 fresh: skip_zero,
+                delta,
             },
         )?;
         *bytes += len;
@@ -799,6 +841,8 @@ impl<'o> Source<'o> {
             &self.memory,
             self.opts.whole_pages,
             self.compressor.clone(),
+            self.delta.clone(),
+            (round, true),
         );
         let (conns, mut stats) = self.send_round(&mut tracker, &dirty, round, writers, true)?;
         links.pages = conns;
@@ -909,12 +953,20 @@ impl<'o> Source<'o> {
             .iter()
             .map(|r| r.size() / PAGE_SIZE)
             .sum();
-        connections as u64 * (BLOCK + 4096) + 4 * pages / 8
+        // With delta encoding: the cache, and a page buffer per connection.
+        let delta = self
+            .delta
+            .as_ref()
+            .map_or(0, |c| c.bytes() + connections as u64 * BLOCK);
+        connections as u64 * (BLOCK + 4096) + 4 * pages / 8 + delta
     }
 
     fn finish(mut self) -> Report {
         self.report.total_ms = self.ms();
         self.report.compression = self.compressor.report();
+        if let Some(d) = &self.delta {
+            self.report.delta = d.report();
+        }
         self.report.tracking = self.tracking.clone();
         self.report
     }
@@ -1161,8 +1213,72 @@ enum Job {
         gpa: u64,
         len: u64,
         fresh: bool,
+        delta: DeltaUse,
     },
     Frame(Frame),
+}
+
+/// What a writer does with the delta cache for a Pages job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum DeltaUse {
+    /// Nothing.
+    Off,
+    /// Stores the pages as sent, without looking them up (their first sending).
+    Admit,
+    /// Sends the pages whose last version is cached as deltas, and stores them all.
+    Try,
+}
+
+/// Encodes the `len` bytes of pages at `gpa` into `out` through the delta cache: read into
+/// `pages`, sent as a PagesD frame if `try_delta` and any of them is cached (else as a Pages
+/// frame), and stored in `part` as sent in `round` (unless it is the `last`).
+#[allow(clippy::too_many_arguments)]
+fn encode_cached(
+    out: &mut Vec<u8>,
+    pages: &mut Vec<u8>,
+    memory: &GuestMemory,
+    part: &mut Partition,
+    gpa: u64,
+    len: usize,
+    fresh: bool,
+    (try_delta, round, last): (bool, u32, bool),
+) -> std::result::Result<(), StreamError> {
+    if pages.len() < len {
+        pages.resize(len, 0);
+    }
+    let pages = &mut pages[..len];
+    memory
+        .read(gpa, pages)
+        .map_err(|e| StreamError::Malformed(e.to_string()))?;
+    let page = PAGE_SIZE as usize;
+    let at = |p: usize| gpa + (p * page) as u64;
+    let cached = try_delta && (0..len / page).any(|p| part.contains(at(p)));
+    if cached {
+        let (n, delta_bytes) = Frame::encode_delta_with(out, gpa, pages, |p, new, out| {
+            part.lookup(at(p))
+                .is_some_and(|old| crate::delta::encode(old, new, out, page - 1))
+        })?;
+        part.sent_deltas(n, delta_bytes);
+    } else {
+        if try_delta {
+            // Counted as misses.
+            (0..len / page).for_each(|p| {
+                part.lookup(at(p));
+            });
+        }
+        Frame::encode_pages_with(out, gpa, len, fresh, false, |o, piece| {
+            piece.copy_from_slice(&pages[o..o + piece.len()]);
+            Ok(())
+        })?;
+    }
+    debug_assert!(len / page <= MAX_FRAME_PAGES);
+    // After the last round nothing is sent again.
+    if !last {
+        for (p, new) in pages.chunks_exact(page).enumerate() {
+            part.store(at(p), new, round);
+        }
+    }
+    Ok(())
 }
 
 /// One thread per pages connection, each encoding and writing its jobs in order.
@@ -1179,6 +1295,8 @@ impl Writers {
         memory: &Arc<GuestMemory>,
         whole_pages: bool,
         compressor: Arc<Compressor>,
+        delta: Option<Arc<DeltaCache>>,
+        (round, last): (u32, bool),
     ) -> Writers {
         let wire_bytes = Arc::new(AtomicU64::new(0));
         let mut queues = Vec::new();
@@ -1188,6 +1306,7 @@ impl Writers {
             let memory = memory.clone();
             let wire_bytes = wire_bytes.clone();
             let compressor = compressor.clone();
+            let delta = delta.clone();
             queues.push(tx);
             threads.push(
                 std::thread::Builder::new()
@@ -1195,22 +1314,41 @@ impl Writers {
                     .spawn(move || {
                         let mut out = Vec::with_capacity((BLOCK + 64) as usize);
                         let mut scratch = Vec::new();
+                        let mut pages = Vec::new();
                         let mut result = Ok(());
                         for job in rx {
                             let sent = match job {
-                                Job::Pages { gpa, len, fresh } => Frame::encode_pages_with(
-                                    &mut out,
+                                Job::Pages {
                                     gpa,
-                                    len as usize,
+                                    len,
                                     fresh,
-                                    whole_pages,
-                                    |at, piece| {
-                                        memory
-                                            .read(gpa + at as u64, piece)
-                                            .map_err(|e| StreamError::Malformed(e.to_string()))
-                                    },
-                                )
-                                .and_then(|_| {
+                                    delta: d,
+                                } => match delta.as_ref().filter(|_| d != DeltaUse::Off) {
+                                    Some(cache) => encode_cached(
+                                        &mut out,
+                                        &mut pages,
+                                        &memory,
+                                        &mut cache.part(i),
+                                        gpa,
+                                        len as usize,
+                                        fresh,
+                                        (d == DeltaUse::Try, round, last),
+                                    ),
+                                    None => Frame::encode_pages_with(
+                                        &mut out,
+                                        gpa,
+                                        len as usize,
+                                        fresh,
+                                        whole_pages,
+                                        |at, piece| {
+                                            memory.read(gpa + at as u64, piece).map_err(|e| {
+                                                StreamError::Malformed(e.to_string())
+                                            })
+                                        },
+                                    )
+                                    .map(|_| ()),
+                                }
+                                .and_then(|()| {
                                     let codec = compressor.choose();
                                     let (encoded, t) = (out.len(), Instant::now());
                                     compress_pages(&mut out, codec, &mut scratch)?;
@@ -1230,7 +1368,15 @@ impl Writers {
                                     );
                                     Ok(())
                                 }),
-                                Job::Frame(f) => write_frame(&mut conn, &f),
+                                Job::Frame(f) => {
+                                    // A page sent another way is no longer the version a
+                                    // delta could be made against.
+                                    if let (Some(cache), Frame::Zero { gpa, count }) = (&delta, &f)
+                                    {
+                                        cache.part(i).forget(*gpa, *count);
+                                    }
+                                    write_frame(&mut conn, &f)
+                                }
                             };
                             if let Err(e) = sent {
                                 result = Err(e);

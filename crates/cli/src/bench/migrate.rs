@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 
 use guestmem_memory::{Backend, GuestMemory};
 use guestmem_migration::compress::{Compress, CompressionReport};
+use guestmem_migration::delta::DeltaReport;
 use guestmem_migration::migrate::{
     self, DestinationReport, Links, Mode, ReceiveOptions, Report, SendOptions,
 };
@@ -131,6 +132,10 @@ pub struct Args {
     /// Compression modes to run guestmem with, each a row: none, lz4, zstd, auto.
     #[arg(long, default_value = "none", value_delimiter = ',')]
     compress: Vec<Compress>,
+    /// Delta cache sizes to run guestmem with (pre-copy), each a row per compression mode:
+    /// MiB, or `auto` (4 % of guest memory); 0 sends no deltas.
+    #[arg(long, default_value = "auto", value_delimiter = ',')]
+    delta_cache_mib: Vec<DeltaCacheArg>,
     /// Start guest RAM from this memory image (e.g. a capture of a Linux guest, see
     /// scripts/capture-guest-memory.sh) instead of letting the guest fill it first.
     #[arg(long, value_name = "FILE")]
@@ -206,6 +211,38 @@ struct Run {
     steal_percent: Option<f64>,
 }
 
+/// A delta cache size for the bench: MiB, or the default share of guest memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+enum DeltaCacheArg {
+    Auto,
+    Mib(u64),
+}
+
+impl std::str::FromStr for DeltaCacheArg {
+    type Err = String;
+    fn from_str(s: &str) -> Result<DeltaCacheArg, String> {
+        match s {
+            "auto" => Ok(DeltaCacheArg::Auto),
+            n => n
+                .parse::<u64>()
+                .ok()
+                .filter(|m| m.checked_mul(1 << 20).is_some())
+                .map(DeltaCacheArg::Mib)
+                .ok_or_else(|| format!("delta cache '{s}': MiB (0 for none) or auto")),
+        }
+    }
+}
+
+impl DeltaCacheArg {
+    fn bytes(self) -> Option<u64> {
+        match self {
+            DeltaCacheArg::Auto => None,
+            DeltaCacheArg::Mib(m) => Some(m << 20),
+        }
+    }
+}
+
 #[derive(Serialize)]
 struct Row {
     memory_bytes: u64,
@@ -213,6 +250,8 @@ struct Row {
     dirty_mib_per_s: Option<u64>,
     mode: Mode,
     compress: Compress,
+    /// The delta cache asked for (`auto`: 4 % of guest memory).
+    delta_cache: DeltaCacheArg,
     runs: usize,
     total_ms: f64,
     downtime_ms: f64,
@@ -225,6 +264,15 @@ struct Row {
     first_pass_wire_bytes_per_guest_byte: f64,
     /// Of the (first run's) frames: how many each codec compressed, and the bytes in and out.
     compression: CompressionReport,
+    /// What the pages of the rounds after the first took on the wire.
+    later_rounds_wire_mib: f64,
+    /// The delta cache's size, and its hit rate over the re-sent pages looked up.
+    delta_cache_bytes: u64,
+    delta_hit_rate: f64,
+    /// Page bytes that travelled as deltas instead, less the deltas (before compression).
+    delta_saved_mib: f64,
+    /// The (first run's) delta cache figures.
+    delta: DeltaReport,
     rounds: f64,
     /// Pre-copy rounds that converged (the rest hit the round limit).
     converged_runs: usize,
@@ -374,7 +422,8 @@ pub fn main(args: Args) -> crate::Result<()> {
         return Err("--qemu-channels: name at least one of tls, plain (or pass --no-qemu)".into());
     }
     let qemu_cases = if qemu_ok { args.qemu_channels.len() } else { 0 };
-    let total = cases * (modes.len() * args.compress.len() + qemu_cases) * args.repeat;
+    let variants = args.compress.len() * args.delta_cache_mib.len();
+    let total = cases * (modes.len() * variants + qemu_cases) * args.repeat;
     let bar = if args.json {
         ProgressBar::hidden()
     } else {
@@ -390,19 +439,23 @@ pub fn main(args: Args) -> crate::Result<()> {
     for &size in &args.sizes {
         for &rate in &args.rates {
             for &mode in &modes {
-                for &compress in &args.compress {
+                let variants = args
+                    .compress
+                    .iter()
+                    .flat_map(|&c| args.delta_cache_mib.iter().map(move |&d| (c, d)));
+                for (compress, delta) in variants {
                     let mut runs = Vec::new();
                     for i in 0..args.repeat {
                         bar.set_message(format!(
-                            "{} MiB, {}, {mode}, compress {compress:?}: run {}",
+                            "{} MiB, {}, {mode}, compress {compress:?}, delta {delta:?}: run {}",
                             size >> 20,
                             rate.label(),
                             i + 1
                         ));
-                        runs.push(run_once(&args, size, rate, mode, compress)?);
+                        runs.push(run_once(&args, size, rate, mode, compress, delta)?);
                         bar.inc(1);
                     }
-                    rows.push(median_row(size, rate, mode, compress, &runs));
+                    rows.push(median_row(size, rate, mode, compress, delta, &runs));
                 }
             }
             for &channel in args.qemu_channels.iter().filter(|_| qemu_ok) {
@@ -643,6 +696,7 @@ fn run_once(
     rate: Rate,
     mode: Mode,
     compress: Compress,
+    delta: DeltaCacheArg,
 ) -> crate::Result<Run> {
     let n = RUN_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let dir = TempDir(
@@ -705,6 +759,7 @@ fn run_once(
         verify: false,
         whole_pages: args.whole_pages,
         compress,
+        delta_cache_bytes: delta.bytes(),
         fault_cpus: args.fault_cpus.0.clone(),
         ..Default::default()
     };
@@ -763,7 +818,14 @@ fn slowdown(steady: f64, during: f64) -> f64 {
     ((1.0 - during / steady) * 100.0).max(0.0)
 }
 
-fn median_row(size: u64, rate: Rate, mode: Mode, compress: Compress, runs: &[Run]) -> Row {
+fn median_row(
+    size: u64,
+    rate: Rate,
+    mode: Mode,
+    compress: Compress,
+    delta: DeltaCacheArg,
+    runs: &[Run],
+) -> Row {
     let m = |f: &dyn Fn(&Run) -> f64| median(runs.iter().map(f).collect());
     let opt = |f: &dyn Fn(&DestinationReport) -> f64| -> Option<f64> {
         if mode == Mode::Precopy {
@@ -783,6 +845,7 @@ fn median_row(size: u64, rate: Rate, mode: Mode, compress: Compress, runs: &[Run
         dirty_mib_per_s: rate.mib_per_s(),
         mode,
         compress,
+        delta_cache: delta,
         runs: runs.len(),
         total_ms: m(&|r| r.report.total_ms),
         downtime_ms: m(&|r| r.report.downtime_ms),
@@ -797,6 +860,17 @@ fn median_row(size: u64, rate: Rate, mode: Mode, compress: Compress, runs: &[Run
         compression: runs
             .first()
             .map(|r| r.report.compression.clone())
+            .unwrap_or_default(),
+        later_rounds_wire_mib: m(&|r| {
+            r.report.rounds.iter().skip(1).map(|x| x.wire_bytes).sum::<u64>() as f64
+                / (1 << 20) as f64
+        }),
+        delta_cache_bytes: runs.first().map_or(0, |r| r.report.delta.cache_bytes),
+        delta_hit_rate: m(&|r| r.report.delta.hit_rate()),
+        delta_saved_mib: m(&|r| r.report.delta.bytes_saved() as f64 / (1 << 20) as f64),
+        delta: runs
+            .first()
+            .map(|r| r.report.delta.clone())
             .unwrap_or_default(),
         rounds: m(&|r| r.report.rounds.len() as f64),
         converged_runs: runs.iter().filter(|r| r.report.converged).count(),
@@ -936,7 +1010,7 @@ fn print_table(out: &Output) {
             match r.compress {
                 Compress::None => r.mode.name().to_string(),
                 c => format!("{} {c:?}", r.mode.name()),
-            },
+            } + if r.delta_cache_bytes > 0 { " +d" } else { "" },
             r.total_ms,
             r.downtime_ms,
             r.sent_mib,
