@@ -169,7 +169,10 @@ pub fn check(delta: &[u8]) -> Result<(), DeltaError> {
 /// was made against.
 pub fn apply(delta: &[u8], page: &mut [u8]) -> Result<(), DeltaError> {
     if page.len() != PAGE {
-        return Err(DeltaError(format!("applied to {} bytes, not a page", page.len())));
+        return Err(DeltaError(format!(
+            "applied to {} bytes, not a page",
+            page.len()
+        )));
     }
     check(delta)?;
     for span in spans(delta) {
@@ -223,8 +226,8 @@ impl Partition {
         let page = gpa / PAGE as u64;
         // This connection's pages, numbered consecutively (it carries every n-th block): the
         // last pages sent fill distinct slots.
-        let local = page / self.block_pages / self.connections * self.block_pages
-            + page % self.block_pages;
+        let local =
+            page / self.block_pages / self.connections * self.block_pages + page % self.block_pages;
         (local % self.tags.len() as u64) as usize
     }
 
@@ -421,19 +424,18 @@ mod tests {
     /// deltas as large as a page, and pages of the wrong size are refused, the page untouched.
     #[test]
     fn malformed_deltas_are_refused() {
-        let span = |skip: &[u8], len: &[u8], bytes: usize| {
-            [skip, len, &vec![7u8; bytes][..]].concat()
-        };
+        let span =
+            |skip: &[u8], len: &[u8], bytes: usize| [skip, len, &vec![7u8; bytes][..]].concat();
         for bad in [
-            span(&[0], &[0], 0),                       // empty span
-            span(&[0x80, 0x04], &[1], 8),              // word 512: past the end
-            span(&[0xff, 0x03], &[2], 16),             // words 511-512
-            span(&[0], &[0x81, 0x04], 8),              // 513 words
-            span(&[0x80, 0x00], &[1], 8),              // overlong varint
-            span(&[0x80, 0x80, 0x01], &[1], 8),        // three-byte varint
-            span(&[0], &[2], 15),                      // truncated bytes
-            vec![0x80],                                // truncated varint
-            [span(&[0], &[1], 8), vec![0]].concat(),   // a header cut short
+            span(&[0], &[0], 0),                                               // empty span
+            span(&[0x80, 0x04], &[1], 8),       // word 512: past the end
+            span(&[0xff, 0x03], &[2], 16),      // words 511-512
+            span(&[0], &[0x81, 0x04], 8),       // 513 words
+            span(&[0x80, 0x00], &[1], 8),       // overlong varint
+            span(&[0x80, 0x80, 0x01], &[1], 8), // three-byte varint
+            span(&[0], &[2], 15),               // truncated bytes
+            vec![0x80],                         // truncated varint
+            [span(&[0], &[1], 8), vec![0]].concat(), // a header cut short
             [span(&[10], &[0xf4, 0x03], 4000), span(&[0], &[3], 24)].concat(), // second one past the end
         ] {
             assert!(check(&bad).is_err(), "{:?}", &bad[..bad.len().min(6)]);

@@ -1286,7 +1286,7 @@ fn request(
                             FrameRef::Patched { .. } => "PagesD",
                             FrameRef::Frame(f) => frame_name(f),
                         }
-                    )))
+                    )));
                 }
             }
         };

@@ -21,7 +21,7 @@ use crate::migrate::{
     frame_name, read_frame, write_frame, Links, Mode, Resume, Setup, StaleChunks, Switchover,
     BLOCK, POSTCOPY_CHUNK,
 };
-use crate::stream::{compress_pages, Frame, StreamError, MAX_FRAME_PAGES};
+use crate::stream::{compress_pages, Frame, StreamError};
 use crate::transport::{Connection, Cutter};
 use crate::{Error, Result};
 
@@ -66,7 +66,8 @@ pub struct SendOptions {
     pub compress: Compress,
     /// Pre-copy: bytes of the cache of pages' last versions sent, against which re-dirtied
     /// pages travel as deltas (see [`crate::delta`]); `None`: [`DEFAULT_DELTA_CACHE_PERCENT`]
-    /// of guest memory; `Some(0)`: no delta encoding. Post-copy and hybrid never send deltas
+    /// of guest memory less a 2 MiB page buffer per pages connection (none for a guest too
+    /// small for that); `Some(0)`: no delta encoding. Post-copy and hybrid never send deltas
     /// (their destination's pages also come from fault answers, which the cache does not
     /// see).
     pub delta_cache_bytes: Option<u64>,
@@ -106,8 +107,9 @@ impl Default for SendOptions {
     }
 }
 
-/// The delta cache's default size, in percent of guest memory: with the frame buffers and
-/// bitmaps, the source's extra memory stays under 5 % of the guest's.
+/// The delta cache's default size with its writers' page buffers, in percent of guest
+/// memory: with the frame buffers and bitmaps, the source's extra memory stays under 5 % of
+/// the guest's.
 pub const DEFAULT_DELTA_CACHE_PERCENT: u64 = 4;
 
 /// The least bandwidth limit per pages connection: below it, a connection would wait longer
@@ -406,9 +408,11 @@ impl<'o> Source<'o> {
         started: Instant,
     ) -> Self {
         let guest_bytes: u64 = memory.regions().iter().map(|r| r.size()).sum();
-        let delta_bytes = opts
-            .delta_cache_bytes
-            .unwrap_or(guest_bytes / 100 * DEFAULT_DELTA_CACHE_PERCENT);
+        // By default the cache and the writers' page buffers share the percentage.
+        let delta_bytes = opts.delta_cache_bytes.unwrap_or(
+            (guest_bytes / 100 * DEFAULT_DELTA_CACHE_PERCENT)
+                .saturating_sub(links.pages.len() as u64 * BLOCK),
+        );
         let delta = (opts.mode == Mode::Precopy && !opts.whole_pages && delta_bytes > 0)
             .then(|| DeltaCache::new(delta_bytes, links.pages.len(), BLOCK))
             .filter(|c| c.pages() > 0)
@@ -1271,7 +1275,6 @@ fn encode_cached(
             Ok(())
         })?;
     }
-    debug_assert!(len / page <= MAX_FRAME_PAGES);
     // After the last round nothing is sent again.
     if !last {
         for (p, new) in pages.chunks_exact(page).enumerate() {
@@ -1341,9 +1344,9 @@ impl Writers {
                                         fresh,
                                         whole_pages,
                                         |at, piece| {
-                                            memory.read(gpa + at as u64, piece).map_err(|e| {
-                                                StreamError::Malformed(e.to_string())
-                                            })
+                                            memory
+                                                .read(gpa + at as u64, piece)
+                                                .map_err(|e| StreamError::Malformed(e.to_string()))
                                         },
                                     )
                                     .map(|_| ()),
@@ -1355,19 +1358,22 @@ impl Writers {
                                     Ok((codec, encoded, t.elapsed()))
                                 })
                                 .map_err(Error::Stream)
-                                .and_then(|(codec, encoded, compress_time)| {
-                                    wire_bytes.fetch_add(out.len() as u64, Ordering::Relaxed);
-                                    let t = Instant::now();
-                                    conn.write_all(&out).map_err(|e| Error::Stream(e.into()))?;
-                                    compressor.record(
-                                        codec,
-                                        encoded,
-                                        out.len(),
-                                        compress_time,
-                                        t.elapsed(),
-                                    );
-                                    Ok(())
-                                }),
+                                .and_then(
+                                    |(codec, encoded, compress_time)| {
+                                        wire_bytes.fetch_add(out.len() as u64, Ordering::Relaxed);
+                                        let t = Instant::now();
+                                        conn.write_all(&out)
+                                            .map_err(|e| Error::Stream(e.into()))?;
+                                        compressor.record(
+                                            codec,
+                                            encoded,
+                                            out.len(),
+                                            compress_time,
+                                            t.elapsed(),
+                                        );
+                                        Ok(())
+                                    },
+                                ),
                                 Job::Frame(f) => {
                                     // A page sent another way is no longer the version a
                                     // delta could be made against.

@@ -217,7 +217,10 @@ pub enum FrameRef<'b> {
         fresh: bool,
     },
     /// A PagesD frame applied to the slice `place` lent (its `len` bytes of pages at `gpa`).
-    Patched { gpa: u64, len: usize },
+    Patched {
+        gpa: u64,
+        len: usize,
+    },
     Frame(Frame),
 }
 
@@ -937,6 +940,20 @@ mod tests {
             Frame::Ready,
             Frame::Go,
             Frame::Running,
+            // One page whole, one as a delta (word 3 changed), one unchanged.
+            Frame::Delta {
+                gpa: 0x5000,
+                count: 3,
+                body: [
+                    &(PAGE as u16).to_le_bytes()[..],
+                    &10u16.to_le_bytes(),
+                    &0u16.to_le_bytes(),
+                    &[6u8; PAGE],
+                    &[3, 1],
+                    &[9u8; 8],
+                ]
+                .concat(),
+            },
         ]
     }
 
@@ -1406,6 +1423,196 @@ mod tests {
         nested = scratch;
         let e = Frame::read_from(&mut &nested[..]).unwrap_err().to_string();
         assert!(e.contains("not Pages"), "{e}");
+    }
+
+    /// `count` pages of real-looking content, and the same pages re-dirtied a few lines at a
+    /// time (page 1 not at all, page 2 rewritten whole).
+    fn redirtied_pages(count: usize) -> (Vec<u8>, Vec<u8>) {
+        let old = dense_pages(count);
+        let mut new = old.clone();
+        let other = dense_pages(count + 7);
+        for (p, page) in new.chunks_mut(PAGE).enumerate() {
+            match p % 4 {
+                1 => {}
+                2 => page.copy_from_slice(&other[(count + 6) * PAGE..(count + 7) * PAGE]),
+                _ => {
+                    for l in [p % 64, (p + 1) % 64, (p * 7 + 30) % 64] {
+                        let from = ((p + 3) % count) * PAGE + l * LINE;
+                        page[l * LINE..(l + 1) * LINE].copy_from_slice(&old[from..from + LINE]);
+                        page[l * LINE] ^= 0x5a;
+                    }
+                }
+            }
+        }
+        (old, new)
+    }
+
+    /// A PagesD frame of `new` against `old` (every page a delta when it is worth one).
+    fn delta_frame(old: &[u8], new: &[u8], gpa: u64) -> (Vec<u8>, usize) {
+        let mut out = vec![0xcc; 3];
+        let (deltas, _) = Frame::encode_delta_with(&mut out, gpa, new, |p, page, out| {
+            crate::delta::encode(&old[p * PAGE..(p + 1) * PAGE], page, out, PAGE - 1)
+        })
+        .unwrap();
+        (out, deltas)
+    }
+
+    /// A PagesD frame rebuilds the new pages from the old ones, applied in place or returned
+    /// and applied; it re-encodes to the same bytes; compressed (LZ4 or zstd) it does the
+    /// same, smaller still; re-dirtied pages cost a fraction of themselves.
+    #[test]
+    fn delta_frames_round_trip_plain_and_compressed() {
+        let count = 64;
+        let (old, new) = redirtied_pages(count);
+        let (bytes, deltas) = delta_frame(&old, &new, 0x20_0000);
+        assert_eq!(bytes[4], kind::PAGES_D);
+        // Pages re-dirtied a few lines at a time, or not at all, go as deltas (a page
+        // rewritten whole may too, when some of its words happen to be unchanged).
+        assert!(deltas >= count - count / 4, "{deltas} deltas");
+        assert!(bytes.len() < new.len() / 2, "{} bytes", bytes.len());
+        let mut plain = Vec::new();
+        Frame::encode_pages_with(&mut plain, 0x20_0000, new.len(), false, false, |at, p| {
+            p.copy_from_slice(&new[at..at + p.len()]);
+            Ok(())
+        })
+        .unwrap();
+        let mut scratch = Vec::new();
+        for codec in [Codec::None, Codec::Lz4, Codec::Zstd(1)] {
+            let mut frame = bytes.clone();
+            compress_pages(&mut frame, codec, &mut scratch).unwrap();
+            if codec != Codec::None {
+                assert_eq!(frame[4], kind::PAGES_Z, "{codec:?}");
+                let mut z = plain.clone();
+                compress_pages(&mut z, codec, &mut scratch).unwrap();
+                assert!(
+                    frame.len() * 2 < z.len(),
+                    "{codec:?}: {} vs {}",
+                    frame.len(),
+                    z.len()
+                );
+            }
+            let mut memory = old.clone();
+            let mut buf = Vec::new();
+            let got = Frame::read_into(&mut &frame[..], &mut buf, |gpa, len| {
+                assert_eq!((gpa, len), (0x20_0000, new.len()));
+                Some(&mut memory[..])
+            });
+            assert_eq!(
+                got.unwrap(),
+                FrameRef::Patched {
+                    gpa: 0x20_0000,
+                    len: new.len()
+                }
+            );
+            assert!(memory == new, "{codec:?}: patched pages");
+            let decoded = Frame::read_from(&mut &frame[..]).unwrap();
+            let mut memory = old.clone();
+            decoded.apply_delta(&mut memory).unwrap();
+            assert!(memory == new, "{codec:?}: applied pages");
+            assert_eq!(decoded.encode().unwrap(), bytes, "{codec:?}: re-encoded");
+            assert!(decoded.apply_delta(&mut memory[..PAGE]).is_err());
+        }
+        assert!(Frame::Go.apply_delta(&mut []).is_err());
+        for len in [0, 100, 513 * PAGE] {
+            let pages = vec![0u8; len];
+            assert!(Frame::encode_delta_with(&mut Vec::new(), 0, &pages, |_, _, _| false).is_err());
+        }
+        // A delta the size of a page or more goes whole instead.
+        let (mut out, page) = (Vec::new(), vec![1u8; PAGE]);
+        let (n, _) = Frame::encode_delta_with(&mut out, 0, &page, |_, _, out| {
+            out.resize(out.len() + PAGE, 0);
+            true
+        })
+        .unwrap();
+        assert_eq!(n, 0);
+        assert_eq!(
+            Frame::read_from(&mut &out[..]).unwrap().encode().unwrap(),
+            out
+        );
+    }
+
+    /// Damage anywhere in a PagesD frame, plain or compressed, is an error; so are frames
+    /// whose sizes do not add up, whose pages are larger than a page, whose deltas leave the
+    /// page, and ill-shaped headers. Memory lent for a refused frame is left as it was.
+    #[test]
+    fn damaged_delta_frames_are_refused() {
+        let (old, new) = redirtied_pages(8);
+        let (bytes, _) = delta_frame(&old, &new, 0x4000);
+        let refused = |bad: &[u8]| {
+            let mut memory = old.clone();
+            let slot = &mut memory[..];
+            let e = Frame::read_into(&mut &bad[..], &mut Vec::new(), move |_, len| {
+                (len == slot.len()).then_some(slot)
+            })
+            .unwrap_err();
+            assert!(memory == old, "memory written by a refused frame: {e}");
+            e.to_string()
+        };
+        for bit in (0..bytes.len() * 8).step_by(61) {
+            let mut bad = bytes.clone();
+            bad[bit / 8] ^= 1 << (bit % 8);
+            refused(&bad);
+        }
+        for len in (1..bytes.len()).step_by(7) {
+            refused(&bytes[..len]);
+        }
+        let mut z = bytes.clone();
+        compress_pages(&mut z, Codec::Lz4, &mut Vec::new()).unwrap();
+        assert_eq!(z[4], kind::PAGES_Z);
+        for at in [13, 17, 30, z.len() / 2, z.len() - 1] {
+            let mut bad = z.clone();
+            bad[at] ^= 0x20;
+            assert!(Frame::read_from(&mut &bad[..]).is_err(), "byte {at}");
+        }
+        // Well-checksummed PagesD frames of the wrong shape.
+        let forge = |gpa: u64, count: u32, flags: u32, sizes: &[u16], bodies: &[u8]| {
+            let mut f = MAGIC.to_vec();
+            f.extend_from_slice(&[kind::PAGES_D, 0, 0, 0, 0, 0, 0, 0]);
+            f.extend_from_slice(&gpa.to_le_bytes());
+            f.extend_from_slice(&count.to_le_bytes());
+            f.extend_from_slice(&flags.to_le_bytes());
+            sizes
+                .iter()
+                .for_each(|s| f.extend_from_slice(&s.to_le_bytes()));
+            f.extend_from_slice(bodies);
+            let len = (f.len() - HEADER) as u32;
+            f[8..12].copy_from_slice(&len.to_le_bytes());
+            let crc = crc32fast::hash(&f);
+            f.extend_from_slice(&crc.to_le_bytes());
+            f
+        };
+        let span = [0u8, 1, 1, 2, 3, 4, 5, 6, 7, 8]; // word 0 := 1..=8
+        assert!(Frame::read_from(&mut &forge(0x1000, 1, 0, &[10], &span)[..]).is_ok());
+        for (bad, why) in [
+            (forge(0x1000, 1, 0, &[10], &span[..9]), "page 0 of 10 bytes"),
+            (
+                forge(0x1000, 1, 0, &[10], &[&span[..], &[0]].concat()),
+                "after its pages",
+            ),
+            (forge(0x1000, 1, 0, &[9], &span), "truncated"),
+            (forge(0x1000, 2, 0, &[10], &span), "page 0"),
+            (forge(0x1000, 1, 0, &[4097], &[0; 4097]), "at most"),
+            (forge(0x1000, 0, 0, &[], &[]), "1 to 512"),
+            (forge(0x1001, 1, 0, &[10], &span), "page-aligned"),
+            (forge(0x1000, 1, 1, &[10], &span), "flags"),
+            (
+                forge(0x1000, 1, 0, &[10], &[0x80, 0x04, 1, 1, 2, 3, 4, 5, 6, 7]),
+                "not inside the page",
+            ),
+            (forge(0x1000, 1, 0, &[2], &[0, 0]), "not inside the page"),
+            (forge(0, 513, 0, &[0; 513], &[]), "1 to 512"),
+        ] {
+            let e = refused(&bad);
+            assert!(e.contains(why), "{why}: {e}");
+            assert!(Frame::read_from(&mut &bad[..]).is_err());
+        }
+        // A short header.
+        let mut short = MAGIC.to_vec();
+        short.extend_from_slice(&[kind::PAGES_D, 0, 0, 0, 8, 0, 0, 0]);
+        short.extend_from_slice(&[0; 8]);
+        let crc = crc32fast::hash(&short);
+        short.extend_from_slice(&crc.to_le_bytes());
+        assert!(refused(&short).contains("shorter than its header"));
     }
 
     #[test]

@@ -862,7 +862,12 @@ fn median_row(
             .map(|r| r.report.compression.clone())
             .unwrap_or_default(),
         later_rounds_wire_mib: m(&|r| {
-            r.report.rounds.iter().skip(1).map(|x| x.wire_bytes).sum::<u64>() as f64
+            r.report
+                .rounds
+                .iter()
+                .skip(1)
+                .map(|x| x.wire_bytes)
+                .sum::<u64>() as f64
                 / (1 << 20) as f64
         }),
         delta_cache_bytes: runs.first().map_or(0, |r| r.report.delta.cache_bytes),
