@@ -1,8 +1,9 @@
 //! Feeds arbitrary bytes to the migration stream decoder: it must return frames or errors, never
-//! panic, hang, or allocate past its bound. Run: `cargo +nightly fuzz run stream_decode`.
+//! panic, hang, or allocate past its bound. Run: `cargo +nightly fuzz run stream_decode
+//! fuzz/seeds/stream_decode` (the seeds hold Pages, PagesZ and PagesD frames).
 #![no_main]
 
-use guestmem_migration::stream::Frame;
+use guestmem_migration::stream::{Frame, FrameRef};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -12,5 +13,16 @@ fuzz_target!(|data: &[u8]| {
         // Whatever decodes must encode back to the very bytes it came from.
         let again = frame.encode().expect("a decoded frame encodes");
         assert_eq!(Frame::read_from(&mut &again[..]).expect("re-decode"), frame);
+        // A delta that decodes applies to any pages of its size, and placed, patches them
+        // the same way.
+        if let Frame::Delta { count, .. } = &frame {
+            let mut pages = vec![0x5au8; *count as usize * 4096];
+            frame.apply_delta(&mut pages).expect("a decoded delta applies");
+            let mut placed = vec![0x5au8; pages.len()];
+            let (slot, mut buf) = (&mut placed[..], Vec::new());
+            let got = Frame::read_into(&mut &again[..], &mut buf, move |_, _| Some(slot));
+            assert!(matches!(got, Ok(FrameRef::Patched { .. })));
+            assert!(placed == pages);
+        }
     }
 });

@@ -1,7 +1,8 @@
 //! Live migration of a guest started from real Linux memory (an excerpt of a capture, see
 //! scripts/capture-guest-memory.sh) that re-dirties it as a real guest does, with every
-//! compression mode: the memory arrives whole (the destination's digest equals the source's
-//! at switch-over) and compression shrinks what crosses the wire.
+//! compression mode, with and without delta encoding of re-dirtied pages: the memory arrives
+//! whole (the destination's digest equals the source's at switch-over), compression shrinks
+//! what crosses the wire, and re-dirtied pages travel as deltas.
 
 mod common;
 
@@ -24,14 +25,21 @@ fn image() -> PathBuf {
 
 #[test]
 #[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
-fn real_memory_migrates_whole_with_every_compression() {
-    for compress in [
-        Compress::None,
-        Compress::Lz4,
-        Compress::Zstd,
-        Compress::Auto,
+fn real_memory_migrates_whole_with_every_compression_and_delta() {
+    // Delta cache: none, all of guest memory (every re-dirtied page has its last version),
+    // and a small one (slots shared by many pages); the default is none for a guest this
+    // small.
+    for (compress, delta_cache) in [
+        (Compress::None, Some(0)),
+        (Compress::Lz4, Some(0)),
+        (Compress::Zstd, Some(0)),
+        (Compress::Auto, Some(0)),
+        (Compress::None, Some(SIZE)),
+        (Compress::Lz4, Some(SIZE)),
+        (Compress::Zstd, Some(SIZE / 32)),
+        (Compress::Lz4, None),
     ] {
-        let dir = TempDir::new(&format!("real-{compress:?}"));
+        let dir = TempDir::new(&format!("real-{compress:?}-{delta_cache:?}"));
         generate_credentials(&dir.0).unwrap();
         let endpoint = Endpoint::Unix(dir.0.join("sock"));
         let listener = Arc::new(
@@ -67,14 +75,15 @@ fn real_memory_migrates_whole_with_every_compression() {
         let opts = SendOptions {
             verify: true,
             compress,
+            delta_cache_bytes: delta_cache,
             ..Default::default()
         };
         let creds = Credentials::load(&dir.0, Role::Source).unwrap();
         let links = Links::connect(&endpoint, &creds, Mode::Precopy, 2).unwrap();
         // `verify`: the destination compared its memory digest with the source's at
         // switch-over, or the migration failed.
-        let report =
-            migrate::send(running, links, &opts).unwrap_or_else(|f| panic!("{compress:?}: {f:?}"));
+        let report = migrate::send(running, links, &opts)
+            .unwrap_or_else(|f| panic!("{compress:?}, delta {delta_cache:?}: {f:?}"));
         dest.join().unwrap();
         assert!(report.verify_ms > 0.0 && report.digest.is_some());
         let c = &report.compression;
@@ -85,6 +94,18 @@ fn real_memory_migrates_whole_with_every_compression() {
             Compress::Lz4 => assert!(c.lz4_frames > 0 && c.zstd_frames == 0, "{c:?}"),
             Compress::Zstd => assert!(c.zstd_frames > 0 && c.lz4_frames == 0, "{c:?}"),
             Compress::Auto => {}
+        }
+        let d = &report.delta;
+        match delta_cache {
+            Some(0) => assert_eq!(*d, Default::default()),
+            Some(SIZE) => {
+                // Pages re-dirtied between rounds were all cached: most went as deltas.
+                assert_eq!(d.cache_bytes, SIZE, "{d:?}");
+                assert!(d.hits > 0 && d.delta_pages * 2 > d.hits, "{d:?}");
+                assert!(d.delta_bytes * 2 < d.delta_pages * 4096, "{d:?}");
+            }
+            Some(bytes) => assert!(d.cache_bytes == bytes && d.hits + d.misses > 0, "{d:?}"),
+            None => assert_eq!(d.cache_bytes, 0, "{d:?}"),
         }
         if matches!(compress, Compress::Lz4 | Compress::Zstd) {
             // Real memory compresses (about 2x with LZ4): the wire carries much less.

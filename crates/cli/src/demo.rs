@@ -80,6 +80,7 @@ fn run(args: &Args, dir: &std::path::Path) -> crate::Result<()> {
         share_memory: false,
         whole_pages: false,
         compress: Default::default(),
+        delta_cache_mib: None,
         fault_cpus: None,
         dead_after: guestmem_migration::migrate::DEAD_PEER_TIMEOUT.as_secs_f64(),
     };

@@ -811,12 +811,12 @@ fn apply_pages(
         let place = |gpa: u64, len: usize| {
             // SAFETY: the VM does not run before the rounds end, and each 2 MiB block travels
             // on one connection only (a frame never crosses a block), so no other thread
-            // touches these bytes while they are read; a damaged frame fails the migration,
-            // and this memory is thrown away with the VM.
+            // touches these bytes while they are read (or patched by a delta); a damaged
+            // frame fails the migration, and this memory is thrown away with the VM.
             unsafe { memory.bytes_mut(gpa, len as u64) }.ok()
         };
         let frame = match Frame::read_into(&mut conn, &mut buf, place) {
-            Ok(FrameRef::Placed { gpa, len, .. }) => {
+            Ok(FrameRef::Placed { gpa, len, .. } | FrameRef::Patched { gpa, len }) => {
                 stats.pages += len as u64 / PAGE_SIZE;
                 if let Some(at) = corrupt.filter(|&at| at >= gpa && at - gpa < len as u64) {
                     let flipped = memory.read_u64(at).map(|w| w ^ 1);
@@ -1446,9 +1446,12 @@ fn request(
                         match &other {
                             FrameRef::Placed { fresh: true, .. } => "fresh Pages",
                             FrameRef::Pages { .. } | FrameRef::Placed { .. } => "Pages",
+                            // An answer is never a delta: the pager's buffer is not the
+                            // version one would be made against.
+                            FrameRef::Patched { .. } => "PagesD",
                             FrameRef::Frame(f) => frame_name(f),
                         }
-                    )))
+                    )));
                 }
             }
         };

@@ -3,6 +3,7 @@
 
 pub mod chunk_digests;
 pub mod compress;
+pub mod delta;
 mod destination;
 pub mod firecracker;
 pub mod migrate;

@@ -402,6 +402,7 @@ pub(crate) fn frame_name(frame: &Frame) -> &'static str {
         Frame::Ready => "Ready",
         Frame::Go => "Go",
         Frame::Running => "Running",
+        Frame::Delta { .. } => "PagesD",
     }
 }
 

@@ -16,6 +16,7 @@ use serde::Serialize;
 
 use crate::chunk_digests::{self, ChunkDigests, DIGEST_CHUNK};
 use crate::compress::{Compress, CompressionReport, Compressor};
+use crate::delta::{DeltaCache, DeltaReport, Partition};
 use crate::destination::DestinationReport;
 use crate::migrate::{
     block_connection, frame_name, read_frame, write_frame, Links, Mode, Resume, Setup, StaleChunks,
@@ -66,6 +67,14 @@ pub struct SendOptions {
     /// How Pages frames are compressed (see [`crate::compress`]); zero pages and zero lines
     /// are left out in every mode.
     pub compress: Compress,
+    /// Pre-copy: bytes of the cache of pages' last versions sent, against which re-dirtied
+    /// pages travel as deltas (see [`crate::delta`]); `None`: [`DEFAULT_DELTA_CACHE_PERCENT`]
+    /// of guest memory less a 2 MiB page buffer per pages connection (none for a guest too
+    /// small for that); `Some(0)`, the default: no delta encoding (the cache costs source
+    /// memory and pays only when the guest re-dirties the same pages between rounds, which a
+    /// guest sweeping its memory does not). Post-copy and hybrid never send deltas (their
+    /// destination's pages also come from fault answers, which the cache does not see).
+    pub delta_cache_bytes: Option<u64>,
     /// Post-copy and hybrid: host CPUs for the threads that answer the destination's faults
     /// (the urgent connections' servers). When source and destination share a host, giving
     /// these and the destination's fault handlers ([`ReceiveOptions::fault_cpus`]) the same
@@ -94,12 +103,18 @@ impl Default for SendOptions {
             tracking: None,
             whole_pages: false,
             compress: Compress::None,
+            delta_cache_bytes: Some(0),
             fault_cpus: None,
             progress: None,
             reconnect: None,
         }
     }
 }
+
+/// The delta cache's default size with its writers' page buffers, in percent of guest
+/// memory: with the frame buffers and bitmaps, the source's extra memory stays under 5 % of
+/// the guest's.
+pub const DEFAULT_DELTA_CACHE_PERCENT: u64 = 4;
 
 /// The least bandwidth limit per pages connection: below it, a connection would wait longer
 /// than the destination's idle timeout between two 2 MiB blocks.
@@ -208,6 +223,8 @@ pub struct Report {
     pub destination: Option<DestinationReport>,
     /// What compression the pre-copy Pages frames got.
     pub compression: CompressionReport,
+    /// The delta cache: its size, hits and misses, and the pages it turned into deltas.
+    pub delta: DeltaReport,
 }
 
 /// A migration that failed. `vm` is the source VM, still running, when the source kept the
@@ -387,6 +404,8 @@ struct Source<'o> {
     chunks: Option<Arc<ChunkDigests>>,
     /// Time the busiest writer spent hashing chunks in the last round sent.
     round_digest: Duration,
+    /// Pre-copy with delta encoding: the last versions sent.
+    delta: Option<Arc<DeltaCache>>,
 }
 
 /// Pages dirtied and not sent yet when the guest stopped.
@@ -400,6 +419,15 @@ impl<'o> Source<'o> {
         started: Instant,
     ) -> Self {
         let guest_bytes: u64 = memory.regions().iter().map(|r| r.size()).sum();
+        // By default the cache and the writers' page buffers share the percentage.
+        let delta_bytes = opts.delta_cache_bytes.unwrap_or(
+            (guest_bytes / 100 * DEFAULT_DELTA_CACHE_PERCENT)
+                .saturating_sub(links.pages.len() as u64 * BLOCK),
+        );
+        let delta = (opts.mode == Mode::Precopy && !opts.whole_pages && delta_bytes > 0)
+            .then(|| DeltaCache::new(delta_bytes, links.pages.len(), BLOCK))
+            .filter(|c| c.pages() > 0)
+            .map(Arc::new);
         Source {
             memory: memory.clone(),
             opts,
@@ -412,6 +440,7 @@ impl<'o> Source<'o> {
             compressor: Arc::new(Compressor::new(opts.compress)),
             chunks: None,
             round_digest: Duration::ZERO,
+            delta,
             report: Report {
                 mode: opts.mode,
                 guest_bytes,
@@ -437,6 +466,7 @@ impl<'o> Source<'o> {
                 source_extra_bytes: 0,
                 destination: None,
                 compression: CompressionReport::default(),
+                delta: DeltaReport::default(),
             },
         }
     }
@@ -559,6 +589,8 @@ impl<'o> Source<'o> {
                 self.opts.whole_pages,
                 self.compressor.clone(),
                 self.chunks.clone(),
+                self.delta.clone(),
+                (round, false),
             );
             let sent = self.send_round(&mut Some(&mut *tracker), &dirty, round, writers, false);
             let (conns, stats) = sent?;
@@ -630,6 +662,16 @@ impl<'o> Source<'o> {
         let start_ms = self.ms();
         let (mut pages, mut zero_pages, mut bytes) = (0u64, 0u64, 0u64);
         let n = writers.queues.len() as u64;
+        // Round 1 fills the delta cache with the last pages it sends only (the others would
+        // be evicted before the round ends); later rounds look every page up.
+        let total: u64 = dirty.iter().map(|b| b.count()).sum();
+        let cache_pages = self.delta.as_ref().map_or(0, |c| c.pages());
+        let delta_use = |pages: u64| match (cache_pages, round) {
+            (0, _) => DeltaUse::Off,
+            (_, 1) if pages + cache_pages < total => DeltaUse::Off,
+            (_, 1) => DeltaUse::Admit,
+            _ => DeltaUse::Try,
+        };
         let queued = (|| -> Result<()> {
             for b in dirty {
                 let sys = b.gpa == layout::SYS_GPA;
@@ -660,6 +702,7 @@ impl<'o> Source<'o> {
                                     b.gpa,
                                     r,
                                     skip_zero,
+                                    delta_use(pages),
                                     &mut bytes,
                                 )?;
                             }
@@ -675,12 +718,14 @@ impl<'o> Source<'o> {
                             }
                         }
                         if let Some(r) = run.take() {
-                            self.queue_run(&mut writers, conn, b.gpa, r, skip_zero, &mut bytes)?;
+                            let d = delta_use(pages);
+                            self.queue_run(&mut writers, conn, b.gpa, r, skip_zero, d, &mut bytes)?;
                         }
                         run = Some((p, 1, zero));
                     }
                     if let Some(r) = run.take() {
-                        self.queue_run(&mut writers, conn, b.gpa, r, skip_zero, &mut bytes)?;
+                        let d = delta_use(pages);
+                        self.queue_run(&mut writers, conn, b.gpa, r, skip_zero, d, &mut bytes)?;
                     }
                     // The block's dirty pages are cleared: its stale chunks can be hashed, by
                     // the writer that sends it, once it has.
@@ -766,6 +811,7 @@ impl<'o> Source<'o> {
         slot_gpa: u64,
         (first, count, zero): (u64, u64, bool),
         skip_zero: bool,
+        delta: DeltaUse,
         bytes: &mut u64,
     ) -> Result<()> {
         let gpa = slot_gpa + first * PAGE_SIZE;
@@ -783,6 +829,7 @@ impl<'o> Source<'o> {
                 gpa,
                 len,
                 fresh: skip_zero,
+                delta,
             },
         )?;
         *bytes += len;
@@ -847,6 +894,8 @@ impl<'o> Source<'o> {
             self.opts.whole_pages,
             self.compressor.clone(),
             self.chunks.clone(),
+            self.delta.clone(),
+            (round, true),
         );
         let (conns, mut stats) = self.send_round(&mut tracker, &dirty, round, writers, true)?;
         links.pages = conns;
@@ -963,14 +1012,23 @@ impl<'o> Source<'o> {
             .iter()
             .map(|r| r.size() / PAGE_SIZE)
             .sum();
+        // With delta encoding: the cache, and a page buffer per connection.
+        let delta = self
+            .delta
+            .as_ref()
+            .map_or(0, |c| c.bytes() + connections as u64 * BLOCK);
         connections as u64 * (BLOCK + 4096)
             + 4 * pages / 8
             + self.chunks.as_ref().map_or(0, |c| c.bytes())
+            + delta
     }
 
     fn finish(mut self) -> Report {
         self.report.total_ms = self.ms();
         self.report.compression = self.compressor.report();
+        if let Some(d) = &self.delta {
+            self.report.delta = d.report();
+        }
         self.report.tracking = self.tracking.clone();
         self.report
     }
@@ -1217,6 +1275,7 @@ enum Job {
         gpa: u64,
         len: u64,
         fresh: bool,
+        delta: DeltaUse,
     },
     Frame(Frame),
     /// Hash the stale chunks of `[gpa, gpa + len)` (a block whose dirty pages were cleared and
@@ -1225,6 +1284,68 @@ enum Job {
         gpa: u64,
         len: u64,
     },
+}
+
+/// What a writer does with the delta cache for a Pages job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum DeltaUse {
+    /// Nothing.
+    Off,
+    /// Stores the pages as sent, without looking them up (their first sending).
+    Admit,
+    /// Sends the pages whose last version is cached as deltas, and stores them all.
+    Try,
+}
+
+/// Encodes the `len` bytes of pages at `gpa` into `out` through the delta cache: read into
+/// `pages`, sent as a PagesD frame if `try_delta` and any of them is cached (else as a Pages
+/// frame), and stored in `part` as sent in `round` (unless it is the `last`).
+#[allow(clippy::too_many_arguments)]
+fn encode_cached(
+    out: &mut Vec<u8>,
+    pages: &mut Vec<u8>,
+    memory: &GuestMemory,
+    part: &mut Partition,
+    gpa: u64,
+    len: usize,
+    fresh: bool,
+    (try_delta, round, last): (bool, u32, bool),
+) -> std::result::Result<(), StreamError> {
+    if pages.len() < len {
+        pages.resize(len, 0);
+    }
+    let pages = &mut pages[..len];
+    memory
+        .read(gpa, pages)
+        .map_err(|e| StreamError::Malformed(e.to_string()))?;
+    let page = PAGE_SIZE as usize;
+    let at = |p: usize| gpa + (p * page) as u64;
+    let cached = try_delta && (0..len / page).any(|p| part.contains(at(p)));
+    if cached {
+        let (n, delta_bytes) = Frame::encode_delta_with(out, gpa, pages, |p, new, out| {
+            part.lookup(at(p))
+                .is_some_and(|old| crate::delta::encode(old, new, out, page - 1))
+        })?;
+        part.sent_deltas(n, delta_bytes);
+    } else {
+        if try_delta {
+            // Counted as misses.
+            (0..len / page).for_each(|p| {
+                part.lookup(at(p));
+            });
+        }
+        Frame::encode_pages_with(out, gpa, len, fresh, false, |o, piece| {
+            piece.copy_from_slice(&pages[o..o + piece.len()]);
+            Ok(())
+        })?;
+    }
+    // After the last round nothing is sent again.
+    if !last {
+        for (p, new) in pages.chunks_exact(page).enumerate() {
+            part.store(at(p), new, round);
+        }
+    }
+    Ok(())
 }
 
 /// One thread per pages connection, each encoding and writing its jobs in order.
@@ -1243,6 +1364,8 @@ impl Writers {
         whole_pages: bool,
         compressor: Arc<Compressor>,
         chunks: Option<Arc<ChunkDigests>>,
+        delta: Option<Arc<DeltaCache>>,
+        (round, last): (u32, bool),
     ) -> Writers {
         let wire_bytes = Arc::new(AtomicU64::new(0));
         let mut queues = Vec::new();
@@ -1253,6 +1376,7 @@ impl Writers {
             let wire_bytes = wire_bytes.clone();
             let compressor = compressor.clone();
             let chunks = chunks.clone();
+            let delta = delta.clone();
             queues.push(tx);
             threads.push(
                 std::thread::Builder::new()
@@ -1260,43 +1384,73 @@ impl Writers {
                     .spawn(move || {
                         let mut out = Vec::with_capacity((BLOCK + 64) as usize);
                         let mut scratch = Vec::new();
+                        let mut pages = Vec::new();
                         let mut result = Ok(());
                         let mut hashing = Duration::ZERO;
                         for job in rx {
                             let sent = match job {
-                                Job::Pages { gpa, len, fresh } => Frame::encode_pages_with(
-                                    &mut out,
+                                Job::Pages {
                                     gpa,
-                                    len as usize,
+                                    len,
                                     fresh,
-                                    whole_pages,
-                                    |at, piece| {
-                                        memory
-                                            .read(gpa + at as u64, piece)
-                                            .map_err(|e| StreamError::Malformed(e.to_string()))
-                                    },
-                                )
-                                .and_then(|_| {
+                                    delta: d,
+                                } => match delta.as_ref().filter(|_| d != DeltaUse::Off) {
+                                    Some(cache) => encode_cached(
+                                        &mut out,
+                                        &mut pages,
+                                        &memory,
+                                        &mut cache.part(i),
+                                        gpa,
+                                        len as usize,
+                                        fresh,
+                                        (d == DeltaUse::Try, round, last),
+                                    ),
+                                    None => Frame::encode_pages_with(
+                                        &mut out,
+                                        gpa,
+                                        len as usize,
+                                        fresh,
+                                        whole_pages,
+                                        |at, piece| {
+                                            memory
+                                                .read(gpa + at as u64, piece)
+                                                .map_err(|e| StreamError::Malformed(e.to_string()))
+                                        },
+                                    )
+                                    .map(|_| ()),
+                                }
+                                .and_then(|()| {
                                     let codec = compressor.choose();
                                     let (encoded, t) = (out.len(), Instant::now());
                                     compress_pages(&mut out, codec, &mut scratch)?;
                                     Ok((codec, encoded, t.elapsed()))
                                 })
                                 .map_err(Error::Stream)
-                                .and_then(|(codec, encoded, compress_time)| {
-                                    wire_bytes.fetch_add(out.len() as u64, Ordering::Relaxed);
-                                    let t = Instant::now();
-                                    conn.write_all(&out).map_err(|e| Error::Stream(e.into()))?;
-                                    compressor.record(
-                                        codec,
-                                        encoded,
-                                        out.len(),
-                                        compress_time,
-                                        t.elapsed(),
-                                    );
-                                    Ok(())
-                                }),
-                                Job::Frame(f) => write_frame(&mut conn, &f),
+                                .and_then(
+                                    |(codec, encoded, compress_time)| {
+                                        wire_bytes.fetch_add(out.len() as u64, Ordering::Relaxed);
+                                        let t = Instant::now();
+                                        conn.write_all(&out)
+                                            .map_err(|e| Error::Stream(e.into()))?;
+                                        compressor.record(
+                                            codec,
+                                            encoded,
+                                            out.len(),
+                                            compress_time,
+                                            t.elapsed(),
+                                        );
+                                        Ok(())
+                                    },
+                                ),
+                                Job::Frame(f) => {
+                                    // A page sent another way is no longer the version a
+                                    // delta could be made against.
+                                    if let (Some(cache), Frame::Zero { gpa, count }) = (&delta, &f)
+                                    {
+                                        cache.part(i).forget(*gpa, *count);
+                                    }
+                                    write_frame(&mut conn, &f)
+                                }
                                 Job::Digest { gpa, len } => {
                                     let t = Instant::now();
                                     let hashed = chunks

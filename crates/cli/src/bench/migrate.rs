@@ -37,6 +37,7 @@ use std::time::{Duration, Instant};
 
 use guestmem_memory::{Backend, GuestMemory};
 use guestmem_migration::compress::{Compress, CompressionReport};
+use guestmem_migration::delta::DeltaReport;
 use guestmem_migration::migrate::{
     self, DestinationReport, Links, Mode, ReceiveOptions, Report, SendOptions,
 };
@@ -144,6 +145,10 @@ pub struct Args {
     /// Compression modes to run guestmem with, each a row: none, lz4, zstd, auto.
     #[arg(long, default_value = "none", value_delimiter = ',')]
     compress: Vec<Compress>,
+    /// Delta cache sizes to run guestmem with (pre-copy), each a row per compression mode:
+    /// MiB, or `auto` (4 % of guest memory); 0, the default, sends no deltas.
+    #[arg(long, default_value = "0", value_delimiter = ',')]
+    delta_cache_mib: Vec<DeltaCacheArg>,
     /// Start guest RAM from this memory image (e.g. a capture of a Linux guest, see
     /// scripts/capture-guest-memory.sh) instead of letting the guest fill it first.
     #[arg(long, value_name = "FILE")]
@@ -230,6 +235,38 @@ struct Run {
     destination_cpu_s: f64,
 }
 
+/// A delta cache size for the bench: MiB, or the default share of guest memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+enum DeltaCacheArg {
+    Auto,
+    Mib(u64),
+}
+
+impl std::str::FromStr for DeltaCacheArg {
+    type Err = String;
+    fn from_str(s: &str) -> Result<DeltaCacheArg, String> {
+        match s {
+            "auto" => Ok(DeltaCacheArg::Auto),
+            n => n
+                .parse::<u64>()
+                .ok()
+                .filter(|m| m.checked_mul(1 << 20).is_some())
+                .map(DeltaCacheArg::Mib)
+                .ok_or_else(|| format!("delta cache '{s}': MiB (0 for none) or auto")),
+        }
+    }
+}
+
+impl DeltaCacheArg {
+    fn bytes(self) -> Option<u64> {
+        match self {
+            DeltaCacheArg::Auto => None,
+            DeltaCacheArg::Mib(m) => Some(m << 20),
+        }
+    }
+}
+
 #[derive(Serialize)]
 struct Row {
     link: link::Speed,
@@ -238,6 +275,8 @@ struct Row {
     dirty_mib_per_s: Option<u64>,
     mode: Mode,
     compress: Compress,
+    /// The delta cache asked for (`auto`: 4 % of guest memory).
+    delta_cache: DeltaCacheArg,
     runs: usize,
     total_ms: f64,
     downtime_ms: f64,
@@ -254,12 +293,18 @@ struct Row {
     compression: CompressionReport,
     /// The codec that compressed most of the (first run's) frames: none, lz4, zstd.
     compression_chosen: &'static str,
-    /// Delta encoding's cache, once guestmem has one (None until then).
-    delta_cache_bytes: Option<u64>,
-    delta_cache_hit_rate: Option<f64>,
     /// CPU seconds of the source's and the destination's threads, vCPUs left out.
     source_cpu_s: f64,
     destination_cpu_s: f64,
+    /// What the pages of the rounds after the first took on the wire.
+    later_rounds_wire_mib: f64,
+    /// The delta cache's size, and its hit rate over the re-sent pages looked up.
+    delta_cache_bytes: u64,
+    delta_hit_rate: f64,
+    /// Page bytes that travelled as deltas instead, less the deltas (before compression).
+    delta_saved_mib: f64,
+    /// The (first run's) delta cache figures.
+    delta: DeltaReport,
     rounds: f64,
     /// Pre-copy rounds that converged (the rest hit the round limit).
     converged_runs: usize,
@@ -486,7 +531,8 @@ pub fn main(args: Args) -> crate::Result<()> {
         })
         .collect();
     let qemu_cases = if qemu_ok { qemu_configs.len() } else { 0 };
-    let total = cases * (modes.len() * args.compress.len() + qemu_cases) * args.repeat;
+    let variants = args.compress.len() * args.delta_cache_mib.len();
+    let total = cases * (modes.len() * variants + qemu_cases) * args.repeat;
     let bar = if args.json {
         ProgressBar::hidden()
     } else {
@@ -502,19 +548,33 @@ pub fn main(args: Args) -> crate::Result<()> {
     for &size in &args.sizes {
         for &rate in &args.rates {
             for &mode in &modes {
-                for &compress in &args.compress {
+                let variants = args
+                    .compress
+                    .iter()
+                    .flat_map(|&c| args.delta_cache_mib.iter().map(move |&d| (c, d)));
+                for (compress, delta) in variants {
                     let mut runs = Vec::new();
                     for i in 0..args.repeat {
                         bar.set_message(format!(
-                            "{} MiB, {}, {mode}, compress {compress:?}: run {}",
+                            "{} MiB, {}, {mode}, compress {compress:?}, delta {delta:?}: run {}",
                             size >> 20,
                             rate.label(),
                             i + 1
                         ));
-                        runs.push(run_once(&args, link.as_ref(), size, rate, mode, compress)?);
+                        runs.push(run_once(
+                            &args,
+                            link.as_ref(),
+                            size,
+                            rate,
+                            mode,
+                            compress,
+                            delta,
+                        )?);
                         bar.inc(1);
                     }
-                    rows.push(median_row(args.link, size, rate, mode, compress, &runs));
+                    rows.push(median_row(
+                        args.link, size, rate, mode, compress, delta, &runs,
+                    ));
                 }
             }
             // The image laid out for QEMU, once per size.
@@ -826,6 +886,7 @@ fn run_once(
     rate: Rate,
     mode: Mode,
     compress: Compress,
+    delta: DeltaCacheArg,
 ) -> crate::Result<Run> {
     let n = RUN_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let dir = TempDir(
@@ -904,6 +965,7 @@ fn run_once(
         verify: false,
         whole_pages: args.whole_pages,
         compress,
+        delta_cache_bytes: delta.bytes(),
         fault_cpus: args.fault_cpus.0.clone(),
         ..Default::default()
     };
@@ -999,6 +1061,7 @@ fn median_row(
     rate: Rate,
     mode: Mode,
     compress: Compress,
+    delta: DeltaCacheArg,
     runs: &[Run],
 ) -> Row {
     let m = |f: &dyn Fn(&Run) -> f64| median(runs.iter().map(f).collect());
@@ -1033,6 +1096,7 @@ fn median_row(
         dirty_mib_per_s: rate.mib_per_s(),
         mode,
         compress,
+        delta_cache: delta,
         runs: runs.len(),
         total_ms: m(&|r| r.report.total_ms),
         downtime_ms: m(&|r| r.report.downtime_ms),
@@ -1049,10 +1113,24 @@ fn median_row(
         }),
         compression,
         compression_chosen,
-        delta_cache_bytes: None,
-        delta_cache_hit_rate: None,
         source_cpu_s: m(&|r| r.source_cpu_s),
         destination_cpu_s: m(&|r| r.destination_cpu_s),
+        later_rounds_wire_mib: m(&|r| {
+            r.report
+                .rounds
+                .iter()
+                .skip(1)
+                .map(|x| x.wire_bytes)
+                .sum::<u64>() as f64
+                / (1 << 20) as f64
+        }),
+        delta_cache_bytes: runs.first().map_or(0, |r| r.report.delta.cache_bytes),
+        delta_hit_rate: m(&|r| r.report.delta.hit_rate()),
+        delta_saved_mib: m(&|r| r.report.delta.bytes_saved() as f64 / (1 << 20) as f64),
+        delta: runs
+            .first()
+            .map(|r| r.report.delta.clone())
+            .unwrap_or_default(),
         rounds: m(&|r| r.report.rounds.len() as f64),
         converged_runs: runs.iter().filter(|r| r.report.converged).count(),
         max_throttle_percent: m(&|r| r.report.max_throttle_percent as f64),
@@ -1227,7 +1305,7 @@ fn print_table(out: &Output) {
             "{:>8} {:>9} {:>26} {:>9.1} {:>9.1} {:>8.1} {:>9.0} {:>7.2} {:>6.0} {:>11} {:>6} {:>11} {:>15} {:>9} {:>7.1}% {:>6}",
             format!("{} MiB", r.memory_bytes >> 20),
             rate(r.dirty_mib_per_s),
-            format!("guestmem {} {:?}", r.mode.name(), r.compress),
+            format!("guestmem {} {:?}", r.mode.name(), r.compress) + if r.delta_cache_bytes > 0 { " +d" } else { "" },
             r.total_ms,
             r.downtime_ms,
             r.wire_mib,
@@ -1236,9 +1314,10 @@ fn print_table(out: &Output) {
             r.rounds,
             format!("{:.1}/{:.1}", r.source_cpu_s, r.destination_cpu_s),
             r.compression_chosen,
-            match (r.delta_cache_bytes, r.delta_cache_hit_rate) {
-                (Some(b), Some(h)) => format!("{}M {:.0}%", b >> 20, h * 100.0),
-                _ => "-".into(),
+            if r.delta_cache_bytes > 0 {
+                format!("{}M {:.1}%", r.delta_cache_bytes >> 20, r.delta_hit_rate * 100.0)
+            } else {
+                "-".into()
             },
             match (r.fault_p50_us, r.fault_p99_us) {
                 (Some(a), Some(b)) => format!("{a:.0}/{b:.0}"),
