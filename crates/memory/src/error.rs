@@ -50,6 +50,8 @@ pub enum Error {
     NoSuchSlot { slot: usize, slots: usize },
     #[error("region '{region}': cannot populate: {reason}")]
     Populate { region: String, reason: String },
+    #[error("region '{region}': cannot be used as vm-memory memory: {reason}")]
+    VmMemory { region: String, reason: String },
     #[error("region '{region}': NUMA policy: {reason}")]
     Numa { region: String, reason: String },
     #[error("guest range {gpa:#x}+{len:#x} is not inside one region")]

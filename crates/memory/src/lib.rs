@@ -13,6 +13,7 @@ mod memslot;
 mod numa;
 mod populate;
 mod region;
+pub mod vmm_compat;
 
 pub use dirty_marks::DirtyMarks;
 pub use error::{Error, Result};
