@@ -28,6 +28,8 @@ use guestmem_vm::{layout, RunningVm, VcpuWork, Vm, VmConfig, Workload};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
+use super::envelope::Figure;
+
 use crate::units::parse_size;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum, Serialize)]
@@ -94,6 +96,10 @@ struct Row {
     latency_ms: f64,
     resident_ms: Option<f64>,
     retired_ms: Option<f64>,
+    /// The runs behind `ready_ms`, `latency_ms` and `resident_ms`, with median, min and max.
+    ready_ms_figure: Figure,
+    latency_ms_figure: Figure,
+    resident_ms_figure: Option<Figure>,
     /// Lazy modes: page-fault events the pagers saw, and chunks installed by each path.
     faults: Option<u64>,
     fault_chunks: Option<u64>,
@@ -432,9 +438,9 @@ fn finish(running: RunningVm<'_>) -> crate::Result<()> {
     Ok(())
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+/// The median as the figures report it (the mean of the middle two for an even count).
+fn median(v: Vec<f64>) -> f64 {
+    Figure::of(&v).map_or(f64::NAN, |f| f.median)
 }
 
 fn median_row(memory_bytes: u64, vcpus: usize, mode: Mode, runs: Vec<Run>) -> Row {
@@ -450,10 +456,18 @@ fn median_row(memory_bytes: u64, vcpus: usize, mode: Mode, runs: Vec<Run>) -> Ro
         v.sort_unstable();
         v.get(v.len() / 2).copied()
     };
+    let figure = |v: Vec<f64>| Figure::of(&v);
+    let ready = figure(runs.iter().map(|r| r.ready_ms).collect());
+    let latency = figure(runs.iter().map(|r| r.latency_ms).collect());
+    let ready_ms_figure = ready.expect("--runs is at least 1 and times are not NaN");
+    let latency_ms_figure = latency.expect("--runs is at least 1 and times are not NaN");
     Row {
         memory_bytes,
         vcpus,
         mode,
+        ready_ms_figure,
+        latency_ms_figure,
+        resident_ms_figure: figure(runs.iter().filter_map(|r| r.resident_ms).collect()),
         ready_ms: median(runs.iter().map(|r| r.ready_ms).collect()),
         latency_ms: median(runs.iter().map(|r| r.latency_ms).collect()),
         resident_ms: opt(&|r| r.resident_ms),
