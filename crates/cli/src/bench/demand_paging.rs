@@ -19,6 +19,8 @@ use guestmem_vm::{layout, VcpuWork, Vm, VmConfig, Workload};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
+use super::envelope::Figure;
+
 use crate::units::parse_size;
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
@@ -86,6 +88,11 @@ struct Column {
     first_touch_pages_per_s: f64,
     demand_paging_pages_per_s: f64,
     ratio_vs_prepopulated: f64,
+    /// Every run of the three rates (the columns above are each the best run, as the kernel's
+    /// demand_paging_test reports), with median, min and max.
+    prepopulated_pages_per_s_figure: Figure,
+    first_touch_pages_per_s_figure: Figure,
+    demand_paging_pages_per_s_figure: Figure,
     /// With `-d`: the mean delay the peer really waited per request (a sleep overshoots).
     observed_delay_us: Option<f64>,
     pager_memory_bytes: u64,
@@ -145,6 +152,7 @@ pub fn main(args: Args) -> crate::Result<()> {
         let mut stats = PagerStats::default();
         let mut pager_memory = 0;
         let mut observed_delay = None;
+        let mut rates = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..args.repeat {
             let (prepopulated, _) = touch_rate(vcpus, size, backend, vcpu_cpus, |vm| {
                 populate(vm, &file, size)?;
@@ -163,6 +171,9 @@ pub fn main(args: Args) -> crate::Result<()> {
                 (stats, pager_memory) = pager.expect("the demand-paging run has a pager");
                 observed_delay = remote.and_then(|r| r.observed_delay());
             }
+            rates.0.push(prepopulated);
+            rates.1.push(first_touch);
+            rates.2.push(demand);
             best = (
                 best.0.max(prepopulated),
                 best.1.max(first_touch),
@@ -170,8 +181,12 @@ pub fn main(args: Args) -> crate::Result<()> {
             );
         }
         let (prepopulated, first_touch, demand) = best;
+        let figure = |v: &[f64]| Figure::of(v).expect("--repeat is at least 1, rates are not NaN");
         let column = Column {
             vcpus,
+            prepopulated_pages_per_s_figure: figure(&rates.0),
+            first_touch_pages_per_s_figure: figure(&rates.1),
+            demand_paging_pages_per_s_figure: figure(&rates.2),
             prepopulated_pages_per_s: prepopulated,
             first_touch_pages_per_s: first_touch,
             demand_paging_pages_per_s: demand,
