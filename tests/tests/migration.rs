@@ -30,6 +30,25 @@ fn digest(memory: &GuestMemory) -> Vec<u64> {
         .collect()
 }
 
+/// Fresh credentials in `dir`, and a destination listening at `endpoint` (with `timeouts`, or
+/// the defaults).
+fn listen(
+    dir: &TempDir,
+    endpoint: &Endpoint,
+    timeouts: Option<transport::Timeouts>,
+) -> Arc<Listener> {
+    generate_credentials(&dir.0).unwrap();
+    let listener = Listener::bind(
+        endpoint,
+        &Credentials::load(&dir.0, Role::Destination).unwrap(),
+    )
+    .unwrap();
+    Arc::new(match timeouts {
+        Some(t) => listener.with_timeouts(t),
+        None => listener,
+    })
+}
+
 struct Pair {
     dir: TempDir,
     endpoint: Endpoint,
@@ -49,18 +68,11 @@ impl Pair {
 
     fn bind(name: &str, tcp: bool) -> Pair {
         let dir = TempDir::new(&format!("migrate-{name}"));
-        generate_credentials(&dir.0).unwrap();
         let endpoint = match tcp {
             true => Endpoint::Tcp("127.0.0.1:0".into()),
             false => Endpoint::Unix(dir.0.join("sock")),
         };
-        let listener = Arc::new(
-            Listener::bind(
-                &endpoint,
-                &Credentials::load(&dir.0, Role::Destination).unwrap(),
-            )
-            .unwrap(),
-        );
+        let listener = listen(&dir, &endpoint, None);
         let endpoint = match listener.port() {
             Some(port) => Endpoint::Tcp(format!("127.0.0.1:{port}")),
             None => endpoint,
@@ -623,18 +635,11 @@ fn a_second_source_is_told_the_destination_is_busy_and_the_first_completes() {
 #[test]
 fn a_missing_connection_is_waited_for_the_handshake_timeout_only() {
     let dir = TempDir::new("migrate-missing");
-    generate_credentials(&dir.0).unwrap();
-    let listener = Arc::new(
-        Listener::bind(
-            &Endpoint::Tcp("127.0.0.1:0".into()),
-            &Credentials::load(&dir.0, Role::Destination).unwrap(),
-        )
-        .unwrap()
-        .with_timeouts(transport::Timeouts {
-            handshake: Duration::from_secs(1),
-            idle: Duration::from_secs(5),
-        }),
-    );
+    let timeouts = transport::Timeouts {
+        handshake: Duration::from_secs(1),
+        idle: Duration::from_secs(5),
+    };
+    let listener = listen(&dir, &Endpoint::Tcp("127.0.0.1:0".into()), Some(timeouts));
     let endpoint = Endpoint::Tcp(format!("127.0.0.1:{}", listener.port().unwrap()));
     let l = listener.clone();
     let dest = std::thread::spawn(move || {
@@ -750,15 +755,7 @@ fn a_link_cut_silently_fails_both_sides_within_the_idle_timeout() {
         idle: Duration::from_secs(1),
     };
     let dir = TempDir::new("migrate-silent-cut");
-    generate_credentials(&dir.0).unwrap();
-    let listener = Arc::new(
-        Listener::bind(
-            &Endpoint::Tcp("127.0.0.1:0".into()),
-            &Credentials::load(&dir.0, Role::Destination).unwrap(),
-        )
-        .unwrap()
-        .with_timeouts(timeouts),
-    );
+    let listener = listen(&dir, &Endpoint::Tcp("127.0.0.1:0".into()), Some(timeouts));
     let (relay, frozen) = freezing_relay(listener.port().unwrap());
     let l = listener.clone();
     let dest = std::thread::spawn(move || {
@@ -827,15 +824,7 @@ fn a_quiet_postcopy_destination_keeps_its_link_alive_with_heartbeats() {
         idle: Duration::from_secs(1),
     };
     let dir = TempDir::new("migrate-heartbeat");
-    generate_credentials(&dir.0).unwrap();
-    let listener = Arc::new(
-        Listener::bind(
-            &Endpoint::Unix(dir.0.join("sock")),
-            &Credentials::load(&dir.0, Role::Destination).unwrap(),
-        )
-        .unwrap()
-        .with_timeouts(timeouts),
-    );
+    let listener = listen(&dir, &Endpoint::Unix(dir.0.join("sock")), Some(timeouts));
     let l = listener.clone();
     let dest = std::thread::spawn(move || {
         let migrate::Incoming {
@@ -886,15 +875,7 @@ fn a_silent_postcopy_link_is_noticed_within_the_idle_timeout() {
         idle: Duration::from_secs(1),
     };
     let dir = TempDir::new("migrate-silent-postcopy");
-    generate_credentials(&dir.0).unwrap();
-    let listener = Arc::new(
-        Listener::bind(
-            &Endpoint::Tcp("127.0.0.1:0".into()),
-            &Credentials::load(&dir.0, Role::Destination).unwrap(),
-        )
-        .unwrap()
-        .with_timeouts(timeouts),
-    );
+    let listener = listen(&dir, &Endpoint::Tcp("127.0.0.1:0".into()), Some(timeouts));
     let (relay, frozen) = freezing_relay(listener.port().unwrap());
     let l = listener.clone();
     let dest = std::thread::spawn(move || {
