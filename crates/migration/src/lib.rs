@@ -6,6 +6,7 @@ pub mod compress;
 pub mod delta;
 mod destination;
 pub mod firecracker;
+mod landing;
 pub mod migrate;
 pub mod snapshot;
 mod source;
