@@ -143,7 +143,7 @@ pub fn main(args: Args) -> crate::Result<()> {
         sparse,
     };
     if args.json {
-        super::envelope::print(&out)?;
+        crate::envelope::print(&out)?;
     } else {
         print_table(&out);
     }

@@ -8,8 +8,7 @@ use std::time::Instant;
 use guestmem_memory::{populate_with, Backend, GuestMemory, Method, Populated, RegionSpec, Source};
 use serde::Serialize;
 
-use super::envelope::Figure;
-
+use crate::envelope::Figure;
 use crate::units::parse_size;
 
 #[derive(clap::Args)]
@@ -173,7 +172,7 @@ pub fn main(args: Args) -> crate::Result<()> {
         unavailable,
     };
     if args.json {
-        super::envelope::print(&out)?;
+        crate::envelope::print(&out)?;
         return Ok(());
     }
     println!(

@@ -9,9 +9,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
 
-use super::Steal;
+use crate::Steal;
 
-/// When the bench process started measuring: set once by `bench::main`.
+/// When the bench process started measuring: set once by [`crate::main`].
 static STARTED: OnceLock<Started> = OnceLock::new();
 
 struct Started {

@@ -64,7 +64,7 @@ pub fn main(args: Args) -> crate::Result<()> {
         access.push(access_test(n, args.accesses)?);
     }
     if args.json {
-        super::envelope::print(&json!({ "perf": perf, "access": access }))?;
+        crate::envelope::print(&json!({ "perf": perf, "access": access }))?;
     } else {
         println!("\none device access (8 bytes): cached handle vs fresh lookup (manager: slot table, indexed) vs GuestMemory (linear over all regions)");
         println!(
