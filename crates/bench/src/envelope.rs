@@ -147,6 +147,12 @@ impl Figure {
             max: sorted[n - 1],
         })
     }
+
+    /// [`Figure::of`] the runs a bench took: at least one (its `--runs` is checked before it
+    /// starts) and none NaN (times and rates).
+    pub(crate) fn measured(runs: &[f64]) -> Figure {
+        Figure::of(runs).expect("a bench takes at least one run, and times and rates are not NaN")
+    }
 }
 
 #[cfg(test)]
