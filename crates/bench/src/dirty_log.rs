@@ -69,19 +69,10 @@ struct ModeResult {
     mode: String,
     /// Once per mode.
     populate_ms: f64,
-    /// The median run (0 without tracking).
-    enable_ms: f64,
-    /// Per iteration, run after run: guest time to dirty its memory once.
-    dirty_ms: Vec<f64>,
-    /// Per iteration, run after run: harvest (get) time and clear time of all pages dirtied.
-    get_ms: Vec<f64>,
-    clear_ms: Vec<f64>,
-    /// The median run (0 without tracking).
-    disable_ms: f64,
-    /// The guest's dirty rate in the migration-like loop, the median run.
-    rate_pages_per_s: f64,
-    /// Pages harvested and consumed in that loop, the median run.
-    loop_harvested_pages: u64,
+    /// The median run's figures (enable and disable 0 without tracking), every iteration of
+    /// every run.
+    #[serde(flatten)]
+    phases: Phases,
     /// The median rates' ratio.
     ratio_vs_bitmap: Option<f64>,
     ring_full_exits: u64,
@@ -95,14 +86,19 @@ struct ModeResult {
     loop_harvested_pages_figure: Figure,
 }
 
-/// One run of a mode's measurements on its populated VM.
-struct Run {
+/// What one run of a mode on its populated VM measures.
+#[derive(Serialize)]
+struct Phases {
     enable_ms: f64,
+    /// Per iteration: guest time to dirty its memory once.
     dirty_ms: Vec<f64>,
+    /// Per iteration: harvest (get) time and clear time of all pages dirtied.
     get_ms: Vec<f64>,
     clear_ms: Vec<f64>,
     disable_ms: f64,
+    /// The guest's dirty rate in the migration-like loop.
     rate_pages_per_s: f64,
+    /// Pages harvested and consumed in that loop.
     loop_harvested_pages: u64,
 }
 
@@ -157,9 +153,9 @@ pub fn main(args: Args) -> crate::Result<()> {
     let bitmap_rate = results
         .iter()
         .find(|r| r.mode == "bitmap")
-        .map(|r| r.rate_pages_per_s);
+        .map(|r| r.phases.rate_pages_per_s);
     for r in &mut results {
-        r.ratio_vs_bitmap = bitmap_rate.map(|b| r.rate_pages_per_s / b);
+        r.ratio_vs_bitmap = bitmap_rate.map(|b| r.phases.rate_pages_per_s / b);
     }
     let mut sparse = Vec::new();
     if args.sparse > 0 {
@@ -221,8 +217,8 @@ fn measure(
         let name = format!("{name} (run {run}/{})", args.runs);
         runs.push(measure_run(&mut vm, mode, args, &name, progress)?);
     }
-    let figure = |f: fn(&Run) -> f64| Figure::measured(&runs.iter().map(f).collect::<Vec<_>>());
-    let all = |f: fn(&Run) -> &Vec<f64>| runs.iter().flat_map(f).copied().collect::<Vec<_>>();
+    let figure = |f: fn(&Phases) -> f64| Figure::measured(&runs.iter().map(f).collect::<Vec<_>>());
+    let all = |f: fn(&Phases) -> &Vec<f64>| runs.iter().flat_map(f).copied().collect::<Vec<_>>();
     let tracked = |f: Figure| mode.is_some().then_some(f);
     let (dirty_ms, get_ms, clear_ms) = (
         all(|r| &r.dirty_ms),
@@ -236,16 +232,18 @@ fn measure(
     Ok(ModeResult {
         mode: name,
         populate_ms,
-        enable_ms: enable.as_ref().map_or(0.0, |f| f.median),
         dirty_ms_figure: Figure::measured(&dirty_ms),
         get_ms_figure: Figure::of(&get_ms),
         clear_ms_figure: Figure::of(&clear_ms),
-        dirty_ms,
-        get_ms,
-        clear_ms,
-        disable_ms: disable.as_ref().map_or(0.0, |f| f.median),
-        rate_pages_per_s: rate.median,
-        loop_harvested_pages: harvested.median.round() as u64,
+        phases: Phases {
+            enable_ms: enable.as_ref().map_or(0.0, |f| f.median),
+            dirty_ms,
+            get_ms,
+            clear_ms,
+            disable_ms: disable.as_ref().map_or(0.0, |f| f.median),
+            rate_pages_per_s: rate.median,
+            loop_harvested_pages: harvested.median.round() as u64,
+        },
         ratio_vs_bitmap: None,
         ring_full_exits: vm.dirty_ring_full_exits(),
         enable_ms_figure: enable,
@@ -263,7 +261,7 @@ fn measure_run(
     args: &Args,
     name: &str,
     progress: &indicatif::ProgressBar,
-) -> crate::Result<Run> {
+) -> crate::Result<Phases> {
     let size = args.bytes_per_vcpu * args.vcpus as u64;
     let stall = STALL;
     let work = |workload| VcpuWork::split(workload, layout::RAM_GPA, size, args.vcpus, 1);
@@ -387,7 +385,7 @@ fn measure_run(
     if let Some(tracker) = tracker {
         tracker.stop()?;
     }
-    Ok(Run {
+    Ok(Phases {
         enable_ms,
         dirty_ms,
         get_ms,
@@ -536,12 +534,12 @@ fn print_table(out: &Output) {
             "{:>7} {:>11.1} {:>10.3} {:>13} {:>11} {:>13} {:>11.3} {:>16.0} {:>9} {:>10}",
             r.mode,
             r.populate_ms,
-            r.enable_ms,
-            mean(&r.dirty_ms),
-            mean(&r.get_ms),
-            mean(&r.clear_ms),
-            r.disable_ms,
-            r.rate_pages_per_s,
+            r.phases.enable_ms,
+            mean(&r.phases.dirty_ms),
+            mean(&r.phases.get_ms),
+            mean(&r.phases.clear_ms),
+            r.phases.disable_ms,
+            r.phases.rate_pages_per_s,
             r.ratio_vs_bitmap.map_or("-".into(), |x| format!("{x:.2}x")),
             r.ring_full_exits
         );
