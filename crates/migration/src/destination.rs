@@ -12,10 +12,11 @@ use guestmem_vm::{layout, RunningVm, Vm};
 use serde::{Deserialize, Serialize};
 
 use crate::chunk_digests::{self, ChunkDigests, RegionDigest};
+use crate::component::{payload_state, Components};
 use crate::migrate::{
     block_connection, frame_name, percentile, read_frame, read_hello, read_json, write_frame,
-    ChannelRole, Hello, Links, Mode, Setup, StaleChunks, Switchover, BLOCK, HEARTBEAT_INTERVAL,
-    POSTCOPY_CHUNK,
+    ChannelRole, Hello, Links, Mode, Setup, StaleChunks, Switchover, BLOCK, FORMAT,
+    HEARTBEAT_INTERVAL, POSTCOPY_CHUNK,
 };
 use crate::source::memory_digest;
 use crate::stream::{Frame, FrameRef, MAX_REQUEST};
@@ -123,7 +124,21 @@ struct Postcopy {
 /// handshake or Hello are refused on their own (logged) while it waits, which is unbounded:
 /// waiting for a migration is its job. One migration at a time: until the [`Transfer`] is
 /// dropped (or this fails), other sources are told that the destination is busy.
+///
+/// The source's components' states must be none: [`receive_components`] receives a VM with
+/// components.
 pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incoming> {
+    receive_components(listener, opts, &mut Components::none())
+}
+
+/// [`receive`] for a VM with `components`: each is handed the state its namesake had on the
+/// source before the destination says Ready, so that a state refused (or missing, or of an
+/// unknown component) refuses the migration and the source keeps the guest.
+pub fn receive_components(
+    listener: Arc<Listener>,
+    opts: &ReceiveOptions,
+    components: &mut Components<'_>,
+) -> Result<Incoming> {
     if let Some(cpus) = &opts.fault_cpus {
         CpuSet::new(cpus).map_err(|e| Error::Migration(format!("fault CPUs: {e}")))?;
     }
@@ -142,6 +157,15 @@ pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incomin
         );
         Error::Migration(reason)
     };
+    if setup.format != FORMAT {
+        return Err(refuse(
+            &mut links,
+            format!(
+                "the source's switch-over state is of format {}, this destination reads {FORMAT}:                  run the same guestmem on both sides",
+                setup.format
+            ),
+        ));
+    }
     if setup.mode.has_postcopy() {
         if let Some(r) = setup
             .config
@@ -322,7 +346,10 @@ pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incomin
         ));
     }
     report.rounds = switchover.last_round;
-    if let Err(e) = vm.restore_state(&switchover.state) {
+    let restored = payload_state(&switchover.state)
+        .map_err(|e| e.to_string())
+        .and_then(|state| vm.restore_state(&state).map_err(|e| e.to_string()));
+    if let Err(e) = restored {
         return Err(refuse(
             &mut links,
             format!("the vCPU state does not load: {e}"),
@@ -365,6 +392,9 @@ pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incomin
         None => None,
     };
 
+    if let Err(e) = components.restore(&switchover.components) {
+        return Err(refuse(&mut links, format!("the components' states: {e}")));
+    }
     write_frame(&mut links.pages[0], &Frame::Ready)?;
     match read_frame(&mut links.pages[0]) {
         Ok(Frame::Go) => {}

@@ -2,9 +2,11 @@
 //! top of the same pieces).
 
 pub mod chunk_digests;
+pub mod component;
 pub mod compress;
 pub mod delta;
 mod destination;
+pub mod driver;
 pub mod firecracker;
 pub mod migrate;
 pub mod snapshot;
@@ -64,6 +66,41 @@ pub enum Error {
     Tracking(#[from] guestmem_tracking::Error),
     #[error("migration: {0}")]
     Migration(String),
+    /// A component's own operation failed.
+    #[error("component '{name}': {op} failed")]
+    Component {
+        /// The component's name.
+        name: String,
+        /// The operation: pause, resume, save, restore or dirty_log.
+        op: &'static str,
+        /// The component's error.
+        #[source]
+        source: component::ComponentError,
+    },
+    /// Two components of one VM have the same name.
+    #[error("two components are named '{name}': names must be unique")]
+    DuplicateComponent {
+        /// The name.
+        name: String,
+    },
+    /// A saved state names a component the restoring VM does not have.
+    #[error("the saved state holds component '{name}', which this VM does not have")]
+    UnknownComponent {
+        /// The saved component's name.
+        name: String,
+    },
+    /// A component of the restoring VM has no saved state.
+    #[error("the saved state holds nothing for component '{name}'")]
+    MissingComponentState {
+        /// The component's name.
+        name: String,
+    },
+    /// The machine must be paused for this (saving its state).
+    #[error("the VM is running: pause it first")]
+    MachineRunning,
+    /// A pause or resume of the machine failed half-way and its vCPUs are gone.
+    #[error("the VM's vCPUs were lost by a failed pause or resume")]
+    MachineLost,
     #[error(transparent)]
     Stream(#[from] stream::StreamError),
     #[error(transparent)]

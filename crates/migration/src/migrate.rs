@@ -41,19 +41,22 @@
 
 use std::time::Duration;
 
-use guestmem_vm::{VmConfig, VmState};
+use guestmem_vm::VmConfig;
 use serde::{Deserialize, Serialize};
 
 use crate::chunk_digests::RegionDigest;
+use crate::component::ComponentState;
 use crate::stream::{Frame, StreamError};
 use crate::transport::{self, Connection, Credentials, Endpoint};
 use crate::{Error, Result};
 
 pub use crate::destination::{
-    receive, DestinationReport, Incoming, ReceiveOptions, Transfer, RESUME_TIMEOUT,
+    receive, receive_components, DestinationReport, Incoming, ReceiveOptions, Transfer,
+    RESUME_TIMEOUT,
 };
 pub use crate::source::{
-    send, Failure, Progress, ProgressFn, Reconnect, Report, Round, SendOptions,
+    send, send_machine, Failure, MachineFailure, Progress, ProgressFn, Reconnect, Report, Round,
+    SendOptions,
 };
 
 /// How the memory moves.
@@ -149,6 +152,9 @@ pub(crate) enum ChannelRole {
 pub(crate) struct Setup {
     pub config: VmConfig,
     pub mode: Mode,
+    /// The State frame's format ([`FORMAT`]); a destination refuses another.
+    #[serde(default)]
+    pub format: u32,
     /// Regions whose backing files the source hands over (local migration): the destination
     /// maps the same memory, so their pages never travel. When not empty, the destination
     /// answers Ready, the fds follow outside TLS (in this order), then its Hello.
@@ -168,10 +174,19 @@ pub(crate) struct Setup {
     pub verify_chunk: Option<u64>,
 }
 
+/// The format of the switch-over's State: 2 since the machine's state and the components'
+/// travel as opaque blobs (1, unnamed, carried the payload VM's state as JSON). Both sides
+/// must speak the same.
+pub const FORMAT: u32 = 2;
+
 /// The State frame's JSON: everything the destination needs at switch-over.
 #[derive(Serialize, Deserialize)]
 pub(crate) struct Switchover {
-    pub state: VmState,
+    /// The machine's state ([`crate::component::Machine::save`]), hex in JSON.
+    #[serde(with = "crate::component::hex_bytes")]
+    pub state: Vec<u8>,
+    /// The components' states.
+    pub components: Vec<ComponentState>,
     /// The round whose EndOfRound closed the pages (the destination waits for it everywhere).
     pub last_round: u32,
     /// Digest of guest memory at switch-over (pre-copy, when asked to verify): the regions'

@@ -11,10 +11,11 @@ use std::time::{Duration, Instant};
 use guestmem_memory::{GuestMemory, Region, PAGE_SIZE};
 use guestmem_paging::affinity::CpuSet;
 use guestmem_tracking::{DirtyBitmap, Tracker};
-use guestmem_vm::{layout, RunningVm, Vm};
+use guestmem_vm::{layout, RunningVm, VmConfig};
 use serde::Serialize;
 
 use crate::chunk_digests::{self, ChunkDigests, DIGEST_CHUNK};
+use crate::component::{Components, Machine, PayloadVm};
 use crate::compress::{Compress, CompressionReport, Compressor};
 use crate::delta::{DeltaCache, DeltaReport, Partition};
 use crate::destination::DestinationReport;
@@ -249,55 +250,81 @@ impl std::fmt::Debug for Failure<'_> {
     }
 }
 
-/// Migrates the running VM over `links` (see [`Links::connect`]).
+/// Migrates the running VM over `links` (see [`Links::connect`]): guestmem's own VM and
+/// payload, with no other components ([`send_machine`] with a [`PayloadVm`]).
 pub fn send<'a>(
-    mut running: RunningVm<'a>,
-    mut links: Links,
+    running: RunningVm<'a>,
+    links: Links,
     opts: &SendOptions,
 ) -> std::result::Result<Report, Box<Failure<'a>>> {
+    let mut machine = PayloadVm::running(running);
+    send_machine(&mut machine, &mut Components::none(), links, opts).map_err(|e| {
+        Box::new(Failure {
+            error: e.error,
+            vm: machine.into_running(),
+        })
+    })
+}
+
+/// A migration of a [`Machine`] that failed: `kept` when the source kept the guest (any
+/// failure before Go: the machine and its components were resumed), else the destination owns
+/// it (the source's machine and components stay paused).
+#[derive(Debug)]
+pub struct MachineFailure {
+    /// Why it failed.
+    pub error: Error,
+    /// Whether the source still runs the guest.
+    pub kept: bool,
+}
+
+/// Migrates a running `machine` and its `components` over `links`: the driver of a live
+/// migration (pre-copy, post-copy or hybrid, as `opts.mode` says). The components' writes to
+/// guest memory are tracked as the guest's ([`Component::dirty_log`] is merged before each
+/// harvest); at switch-over they are paused with the vCPUs, before the last harvest, and their
+/// states travel in the State frame with the machine's. Any failure before Go resumes both.
+///
+/// [`Component::dirty_log`]: crate::component::Component::dirty_log
+pub fn send_machine(
+    machine: &mut dyn Machine,
+    components: &mut Components<'_>,
+    mut links: Links,
+    opts: &SendOptions,
+) -> std::result::Result<Report, MachineFailure> {
     let started = Instant::now();
-    if let Err(error) = opts.check(links.pages.len()) {
-        return Err(Box::new(Failure {
-            error,
-            vm: Some(running),
-        }));
-    }
-    let fault_cpus = match opts.fault_cpus.as_deref().map(CpuSet::new).transpose() {
-        Ok(cpus) => cpus,
-        Err(e) => {
-            return Err(Box::new(Failure {
-                error: Error::Migration(format!("fault CPUs: {e}")),
-                vm: Some(running),
-            }))
-        }
-    };
-    let memory = running.memory().clone();
+    let kept = |error| MachineFailure { error, kept: true };
+    opts.check(links.pages.len()).map_err(kept)?;
+    let fault_cpus = opts
+        .fault_cpus
+        .as_deref()
+        .map(CpuSet::new)
+        .transpose()
+        .map_err(|e| kept(Error::Migration(format!("fault CPUs: {e}"))))?;
+    let memory = machine.memory().clone();
     let mut source = Source::new(&memory, opts, &links, started);
     let mut tracker = None;
     // While the guest runs: hello, then pre-copy rounds (one for hybrid, none for post-copy).
-    let precopy = source.handshake(&mut links, running.vm()).and_then(|()| {
-        if opts.mode == Mode::Postcopy {
-            return Ok(None);
-        }
-        let mode = match opts.tracking {
-            Some(m) => m,
-            None => guestmem_tracking::Mode::best()?,
-        };
-        source.tracking = mode.name().to_string();
-        let t = tracker.insert(Tracker::start(running.vm(), mode)?);
-        source.precopy(&mut running, t, &mut links).map(Some)
-    });
+    let precopy = source
+        .handshake(&mut links, machine.config())
+        .and_then(|()| {
+            if opts.mode == Mode::Postcopy {
+                return Ok(None);
+            }
+            let mode = match opts.tracking {
+                Some(m) => m,
+                None => guestmem_tracking::Mode::best()?,
+            };
+            source.tracking = mode.name().to_string();
+            let t = tracker.insert(machine.start_tracking(mode)?);
+            source.precopy(machine, components, t, &mut links).map(Some)
+        });
     let pending = match precopy {
         Ok(p) => p,
         Err(error) => {
-            let _ = running.set_throttle(0);
+            let _ = machine.set_throttle(0);
             if let Some(t) = tracker {
                 let _ = t.stop();
             }
-            return Err(Box::new(Failure {
-                error,
-                vm: Some(running),
-            }));
+            return Err(kept(error));
         }
     };
 
@@ -312,37 +339,38 @@ pub fn send<'a>(
             if let Some(t) = tracker {
                 let _ = t.stop();
             }
-            return Err(Box::new(Failure {
-                error,
-                vm: Some(running),
-            }));
+            return Err(kept(error));
         }
         servers => servers.map(|s| s.expect("checked")),
     };
 
-    // Switch-over: the guest stops here.
+    // Switch-over: the guest and its devices stop here.
     let paused = Instant::now();
-    let vm = match running.pause() {
-        Ok(vm) => vm,
-        Err(e) => {
-            return Err(Box::new(Failure {
-                error: e.into(),
-                vm: None,
-            }))
-        }
-    };
-    let switched = source.switch_over(vm, tracker.as_mut(), pending, &mut links, paused);
+    if let Err(error) = machine.pause() {
+        return Err(MachineFailure { error, kept: false });
+    }
+    let switched = components.pause().and_then(|()| {
+        source.switch_over(
+            machine,
+            components,
+            tracker.as_mut(),
+            pending,
+            &mut links,
+            paused,
+        )
+    });
     if let Err(error) = switched {
         if let Some(t) = tracker {
             let _ = t.stop();
         }
         if source.committed {
-            return Err(Box::new(Failure { error, vm: None }));
+            return Err(MachineFailure { error, kept: false });
         }
-        return Err(Box::new(Failure {
+        let resumed = machine.resume().and_then(|()| components.resume());
+        return Err(MachineFailure {
             error,
-            vm: Vm::resume(vm).ok(),
-        }));
+            kept: resumed.is_ok(),
+        });
     }
 
     // After Go: the destination runs the guest; serve post-copy, then the Complete. Dirty
@@ -372,7 +400,7 @@ pub fn send<'a>(
             }
             Ok(source.finish())
         }
-        Err(error) => Err(Box::new(Failure { error, vm: None })),
+        Err(error) => Err(MachineFailure { error, kept: false }),
     }
 }
 
@@ -475,7 +503,7 @@ impl<'o> Source<'o> {
         self.started.elapsed().as_secs_f64() * 1e3
     }
 
-    fn handshake(&mut self, links: &mut Links, vm: &Vm) -> Result<()> {
+    fn handshake(&mut self, links: &mut Links, config: &VmConfig) -> Result<()> {
         if self.opts.mode != links.mode {
             return Err(Error::Migration(format!(
                 "the links were opened for {}, the migration is {}: connect with \
@@ -512,8 +540,9 @@ impl<'o> Source<'o> {
             ))
         });
         let setup = Setup {
-            config: vm.config().clone(),
+            config: config.clone(),
             mode: self.opts.mode,
+            format: crate::migrate::FORMAT,
             shared: shared.iter().map(|r| r.name().to_string()).collect(),
             verify: self.verifies(),
             verify_chunk: self.chunks.as_ref().map(|c| c.chunk()),
@@ -568,13 +597,15 @@ impl<'o> Source<'o> {
     /// one round for hybrid). Returns the pages dirtied since the last round.
     fn precopy(
         &mut self,
-        running: &mut RunningVm<'_>,
+        machine: &mut dyn Machine,
+        components: &mut Components<'_>,
         tracker: &mut Tracker,
         links: &mut Links,
     ) -> Result<Pending> {
         // Manual mode reports every page at its first harvest; the others only what was
         // written since the start, so the first round adds every page itself.
         // guest_memfd regions cannot be tracked: they go whole at switch-over.
+        components.mark_dirty(&self.memory)?;
         let mut dirty = merge(
             tracker.harvest()?,
             full_bitmaps(&self.memory, guestmem_tracking::tracked),
@@ -595,6 +626,7 @@ impl<'o> Source<'o> {
             let sent = self.send_round(&mut Some(&mut *tracker), &dirty, round, writers, false);
             let (conns, stats) = sent?;
             links.pages = conns;
+            components.mark_dirty(&self.memory)?;
             dirty = tracker.harvest()?;
             // A page the log reports may have been written after its chunk was hashed: the
             // chunk is hashed again once its block is sent next (see chunk_digests).
@@ -605,10 +637,10 @@ impl<'o> Source<'o> {
             let n: u64 = dirty.iter().map(|b| b.count()).sum();
             let mut stats = stats;
             stats.dirty_pages_after = n;
-            stats.throttle_percent = running.throttle();
+            stats.throttle_percent = machine.throttle();
             // Time per page of this round, pages to go: the downtime if we stopped now.
             let est = n as f64 * stats.ms / stats.pages.max(1) as f64;
-            self.progress("pre-copy", round, n, Some(&stats), est, running.throttle());
+            self.progress("pre-copy", round, n, Some(&stats), est, machine.throttle());
             tracing::info!(
                 round,
                 pages = stats.pages,
@@ -635,9 +667,9 @@ impl<'o> Source<'o> {
                 return Ok(dirty);
             }
             if self.opts.auto_converge && strikes >= 2 {
-                let t = running.throttle();
+                let t = machine.throttle();
                 let next = if t == 0 { 20 } else { (t + 10).min(99) };
-                running.set_throttle(next)?;
+                machine.set_throttle(next)?;
                 self.report.max_throttle_percent = self.report.max_throttle_percent.max(next);
                 strikes = 0;
                 tracing::info!(throttle = next, "auto-converge: throttling the vCPUs");
@@ -848,13 +880,15 @@ impl<'o> Source<'o> {
     /// Running). Before Go any error leaves the guest ours (`committed` false).
     fn switch_over(
         &mut self,
-        vm: &mut Vm,
+        machine: &mut dyn Machine,
+        components: &mut Components<'_>,
         tracker: Option<&mut Tracker>,
         pending: Option<Pending>,
         links: &mut Links,
         paused: Instant,
     ) -> Result<()> {
         let mut tracker = tracker;
+        components.mark_dirty(&self.memory)?;
         let mut dirty = match (&mut tracker, pending) {
             (Some(t), Some(p)) => merge(
                 merge(p, t.harvest()?),
@@ -902,7 +936,8 @@ impl<'o> Source<'o> {
         stats.throttle_percent = 0;
         self.report.rounds.push(stats);
 
-        let state = vm.save_state()?;
+        let state = machine.save()?;
+        let saved_components = components.save()?;
         let region_digests = match &self.chunks {
             Some(chunks) => {
                 // The writers hashed the last round's chunks; anything still stale (nothing,
@@ -921,6 +956,7 @@ impl<'o> Source<'o> {
         self.report.digest = digest;
         let switchover = Switchover {
             state,
+            components: saved_components,
             last_round: round,
             digest,
             region_digests,

@@ -248,11 +248,23 @@ impl Tracker {
     /// them (`KVM_MEM_LOG_DIRTY_PAGES` is not a valid flag beside `KVM_MEM_GUEST_MEMFD`), so
     /// whoever needs their changes copies them with the guest stopped.
     pub fn start(vm: &Vm, mode: Mode) -> Result<Tracker> {
+        Tracker::start_on(vm.fd(), vm.memory(), vm.dirty_rings(), mode)
+    }
+
+    /// [`Tracker::start`] for any VMM's VM: its KVM VM fd, the guest memory registered in it
+    /// (memslot `i` is region `i`), and its vCPUs' dirty rings (vCPU `i` at index `i`; empty
+    /// when the VM has none).
+    pub fn start_on(
+        vm_fd: &VmFd,
+        memory: &Arc<GuestMemory>,
+        rings: &Arc<Vec<DirtyRing>>,
+        mode: Mode,
+    ) -> Result<Tracker> {
         let kvm = Kvm::new().map_err(Error::Kvm)?;
         if let Some(reason) = mode.unavailable(&kvm) {
             return Err(Error::Unavailable { mode, reason });
         }
-        let has_rings = !vm.dirty_rings().is_empty();
+        let has_rings = !rings.is_empty();
         if (mode == Mode::Ring) != has_rings {
             let reason = if has_rings {
                 "the VM has dirty rings, and KVM refuses KVM_GET_DIRTY_LOG on such a VM"
@@ -265,7 +277,7 @@ impl Tracker {
             });
         }
         // SAFETY: `dup` of a valid open fd; the result is checked and then owned by the VmFd.
-        let fd = unsafe { libc::dup(vm.fd().as_raw_fd()) };
+        let fd = unsafe { libc::dup(vm_fd.as_raw_fd()) };
         if fd < 0 {
             return Err(Error::Vm {
                 op: "dup of the VM fd",
@@ -274,7 +286,7 @@ impl Tracker {
         }
         // SAFETY: `fd` is a fresh duplicate of a KVM VM fd that nothing else owns.
         let vm_fd = unsafe { kvm.create_vmfd_from_rawfd(fd) }.map_err(Error::Kvm)?;
-        let memory = vm.memory().clone();
+        let memory = memory.clone();
         if mode == Mode::Manual {
             let mut cap = kvm_bindings::kvm_enable_cap {
                 cap: KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2,
@@ -298,7 +310,7 @@ impl Tracker {
         let slots = memory.regions().len();
         Ok(Tracker {
             mode,
-            rings: vm.dirty_rings().clone(),
+            rings: rings.clone(),
             scratch: vec![Vec::new(); slots],
             pending: vec![Vec::new(); slots],
             vm: vm_fd,

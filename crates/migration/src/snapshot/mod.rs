@@ -47,8 +47,9 @@ pub use manifest::{
 };
 use sparse::{nonzero_page_runs, read_sparse};
 pub use working_set::{WorkingSet, WorkingSetRegion, WORKING_SET_FORMAT};
-pub use write::{write, write_diff, WriteReport};
+pub use write::{write, write_diff, write_with_components, WriteReport};
 
+use crate::component::ComponentState;
 use crate::{Error, Result};
 
 const MANIFEST: &str = "manifest.json";
@@ -60,6 +61,8 @@ pub struct Snapshot {
     dir: PathBuf,
     manifest: Manifest,
     state: VmState,
+    /// The components' states, saved with the VM's.
+    components: Vec<ComponentState>,
     /// The `memory` and `sys` files, indexed by `RegionFile as usize`.
     files: [File; 2],
     /// A diff snapshot's base, opened and checked with it.
@@ -107,7 +110,10 @@ impl Snapshot {
                 manifest.state_blake3
             )));
         }
-        let state = parse_state(&state_json, manifest.config.vcpus, &state_path)?;
+        let SavedState {
+            vm: state,
+            components,
+        } = parse_saved_state(&state_json, manifest.config.vcpus, &state_path)?;
 
         let open = |which: RegionFile| -> Result<File> {
             let path = dir.join(which.name());
@@ -156,6 +162,7 @@ impl Snapshot {
             dir: dir.to_path_buf(),
             manifest,
             state,
+            components,
             files,
             base,
         })
@@ -229,6 +236,12 @@ impl Snapshot {
         &self.state
     }
 
+    /// The states of the components saved with the VM ([`write_with_components`]), for the
+    /// restored VM's components of the same names.
+    pub fn components(&self) -> &[ComponentState] {
+        &self.components
+    }
+
     /// Reads chunk `index` of region image `image` into `buf` and checks its CRC-32.
     pub fn read_chunk(&self, image: &RegionImage, index: usize, buf: &mut [u8]) -> Result<()> {
         let offset = index as u64 * CHUNK_BYTES;
@@ -300,14 +313,29 @@ pub(crate) fn read_regular(path: &Path) -> Result<Vec<u8>> {
     Ok(bytes)
 }
 
+/// What `state.json` holds: the VM's state and, beside its fields, the components' states
+/// (absent when there are none, as in snapshots written before components).
+#[derive(Serialize, Deserialize)]
+pub(crate) struct SavedState {
+    #[serde(flatten)]
+    pub vm: VmState,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub components: Vec<ComponentState>,
+}
+
 /// Parses `state.json` (read from `path`) for a VM of `vcpus` vCPUs: its shape, and one vCPU
 /// state and one workload per vCPU. Its checksum is the manifest's business
 /// ([`Snapshot::open`] checks it first).
 pub fn parse_state(bytes: &[u8], vcpus: usize, path: &Path) -> Result<VmState> {
-    let state: VmState = serde_json::from_slice(bytes).map_err(|e| Error::Json {
+    parse_saved_state(bytes, vcpus, path).map(|s| s.vm)
+}
+
+fn parse_saved_state(bytes: &[u8], vcpus: usize, path: &Path) -> Result<SavedState> {
+    let saved: SavedState = serde_json::from_slice(bytes).map_err(|e| Error::Json {
         path: path.to_path_buf(),
         source: e,
     })?;
+    let state = &saved.vm;
     if state.vcpus.len() != vcpus || state.work.len() != vcpus {
         return Err(Error::Corrupt(format!(
             "{}: state for {} vCPUs ({} workloads), the configuration has {vcpus}",
@@ -316,7 +344,7 @@ pub fn parse_state(bytes: &[u8], vcpus: usize, path: &Path) -> Result<VmState> {
             state.work.len(),
         )));
     }
-    Ok(state)
+    Ok(saved)
 }
 
 /// How to bring a snapshot's memory back.
