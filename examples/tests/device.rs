@@ -1,0 +1,74 @@
+//! The example VMM's device keeps writing guest memory while the VM moves: every page it wrote
+//! arrives (the digest of its region at the switch-over is the same on both sides), and its
+//! state goes on at the destination (its counters continue, and every buffer holds its last
+//! fill after it ran there). On the real /dev/kvm and userfaultfd.
+
+use guestmem_examples::rng::QUEUE_SIZE;
+use guestmem_examples::vmm::{self, How, Outcome};
+use guestmem_migration::migrate::Mode;
+
+fn run(how: How, name: &str) -> Outcome {
+    let scratch =
+        std::env::temp_dir().join(format!("guestmem-examples-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch).unwrap();
+    let outcome = vmm::run(how, &scratch);
+    let _ = std::fs::remove_dir_all(&scratch);
+    let o = outcome.unwrap_or_else(|e| panic!("{name}: {e}"));
+    // Every device-written page arrived.
+    assert_eq!(o.source_digest, o.restored_digest, "{name}: {o:?}");
+    // The device's state resumed where the source stopped it, and it went on.
+    assert_eq!(o.restored_device, o.source_device, "{name}");
+    assert!(o.source_device.seq > u64::from(QUEUE_SIZE), "{name}: {o:?}");
+    assert!(
+        o.final_device.seq > o.source_device.seq + 500,
+        "{name}: {o:?}"
+    );
+    assert_eq!(o.verified_buffers, usize::from(QUEUE_SIZE), "{name}");
+    // So did the guest.
+    assert!(o.guest_pages.1 > o.guest_pages.0, "{name}: {o:?}");
+    o
+}
+
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn precopy_with_a_writing_device() {
+    let o = run(How::Migrate(Mode::Precopy), "precopy");
+    assert!(o.downtime_ms > 0.0);
+    // The device wrote while the pages moved.
+    assert!(o.source_device.seq > o.moving_device.seq, "{o:?}");
+}
+
+#[test]
+#[cfg_attr(
+    any(not(kvm), not(uffd)),
+    ignore = "no usable /dev/kvm or /dev/userfaultfd"
+)]
+fn postcopy_with_a_writing_device() {
+    let o = run(How::Migrate(Mode::Postcopy), "postcopy");
+    assert!(o.source_device.seq >= o.moving_device.seq, "{o:?}");
+}
+
+#[test]
+#[cfg_attr(
+    any(not(kvm), not(uffd)),
+    ignore = "no usable /dev/kvm or /dev/userfaultfd"
+)]
+fn hybrid_with_a_writing_device() {
+    let o = run(How::Migrate(Mode::Hybrid), "hybrid");
+    assert!(o.source_device.seq > o.moving_device.seq, "{o:?}");
+}
+
+#[test]
+#[cfg_attr(
+    any(not(kvm), not(uffd)),
+    ignore = "no usable /dev/kvm or /dev/userfaultfd"
+)]
+fn lazy_snapshot_restore_with_a_writing_device() {
+    run(How::Snapshot("lazy"), "lazy");
+}
+
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn full_snapshot_restore_with_a_writing_device() {
+    run(How::Snapshot("full"), "full");
+}
