@@ -12,6 +12,7 @@
 //! The integration code (the component traits implemented, the driver's calls) is
 //! `examples/src/rng.rs` and `examples/src/vmm.rs`.
 
+use guestmem_examples::rng::Writes;
 use guestmem_examples::vmm::{self, How};
 use guestmem_migration::migrate::Mode;
 
@@ -31,7 +32,7 @@ fn main() {
     };
     let scratch = std::env::temp_dir().join(format!("guestmem-device-vmm-{}", std::process::id()));
     std::fs::create_dir_all(&scratch).expect("a scratch directory");
-    let outcome = vmm::run(how, &scratch);
+    let outcome = vmm::run(how, Writes::Queue, &scratch);
     let _ = std::fs::remove_dir_all(&scratch);
     match outcome {
         Ok(o) => {

@@ -27,7 +27,7 @@ use serde::{Deserialize, Serialize};
 use virtio_queue::desc::split::Descriptor;
 use virtio_queue::desc::RawDescriptor;
 use virtio_queue::{Queue, QueueState, QueueT};
-use vm_memory::{Bytes, GuestAddress};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 
 /// Descriptors in the queue (and buffers posted).
 pub const QUEUE_SIZE: u16 = 256;
@@ -81,8 +81,24 @@ struct Inner {
     seq_of: Vec<u64>,
 }
 
+/// How the device writes its buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Writes {
+    /// Through virtio-queue's `Writer` over the vm-memory view: marked dirty as they happen.
+    Queue,
+    /// Through raw host pointers, which nothing tracks, each buffer then reported by
+    /// [`Component::dirty_log`] (as a device whose DMA guestmem does not see must).
+    RawReported,
+    /// Through raw host pointers, never reported: pages a migration would lose (the check that
+    /// the tracking is what makes the other two correct).
+    RawUnreported,
+}
+
 struct Shared {
     inner: Mutex<Inner>,
+    writes: Writes,
+    /// The buffers written through raw pointers since the last [`Component::dirty_log`].
+    raw_written: Mutex<Vec<(u64, u64)>>,
     paused: AtomicBool,
     stop: AtomicBool,
 }
@@ -141,9 +157,19 @@ impl RngDevice {
                 }),
                 paused: AtomicBool::new(true),
                 stop: AtomicBool::new(false),
+                writes: Writes::Queue,
+                raw_written: Mutex::new(Vec::new()),
             }),
             thread: None,
         }
+    }
+
+    /// The device, writing its buffers as `writes` says (before it first runs).
+    pub fn with_writes(mut self, writes: Writes) -> RngDevice {
+        Arc::get_mut(&mut self.shared)
+            .expect("set before the device runs")
+            .writes = writes;
+        self
     }
 
     /// Gives the device the VM's memory (its vm-memory view: every write is marked dirty).
@@ -237,7 +263,7 @@ impl RngDevice {
                         let mut inner = lock(&shared.inner);
                         // A pause waits for this lock: once it has it, nothing is written.
                         if !shared.paused.load(Ordering::Acquire) {
-                            if let Err(e) = serve(&mut inner, &mem, base, batch) {
+                            if let Err(e) = serve(&mut inner, &shared, &mem, base, batch) {
                                 eprintln!("rng device: {e}");
                                 shared.paused.store(true, Ordering::Release);
                             }
@@ -255,6 +281,7 @@ impl RngDevice {
 /// its last turn goes back on the avail ring.
 fn serve(
     inner: &mut Inner,
+    shared: &Shared,
     mem: &VmGuestMemory,
     base: u64,
     batch: usize,
@@ -264,10 +291,28 @@ fn serve(
             break;
         };
         let head = chain.head_index();
-        let mut writer = chain.writer(mem)?;
         inner.seq += 1;
-        let bytes = fill(inner.seq, writer.available_bytes());
-        writer.write_all(&bytes)?;
+        let bytes = if shared.writes == Writes::Queue {
+            let mut writer = chain.writer(mem)?;
+            let bytes = fill(inner.seq, writer.available_bytes());
+            writer.write_all(&bytes)?;
+            bytes
+        } else {
+            let desc = chain.clone().next().ok_or("an empty descriptor chain")?;
+            let bytes = fill(inner.seq, desc.len() as usize);
+            let slice = mem.get_slice(desc.addr(), bytes.len())?;
+            let guard = slice.ptr_guard_mut();
+            // SAFETY: `get_slice` checked that the buffer's `bytes.len()` bytes lie in one
+            // region's live mapping, which `mem` keeps mapped; the guest does not touch a
+            // buffer it posted until it is used. This bypasses the slice's dirty bitmap on
+            // purpose (see `Writes`).
+            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), guard.as_ptr(), bytes.len()) };
+            if shared.writes == Writes::RawReported {
+                let mut log = shared.raw_written.lock().unwrap_or_else(|e| e.into_inner());
+                log.push((desc.addr().0, bytes.len() as u64));
+            }
+            bytes
+        };
         inner.queue.add_used(mem, head, bytes.len() as u32)?;
         inner.seq_of[head as usize] = inner.seq;
         inner.bytes += bytes.len() as u64;
@@ -356,6 +401,15 @@ impl Component for RngDevice {
             seq_of: s.seq_of,
         };
         Ok(())
+    }
+
+    fn dirty_log(&mut self) -> Result<Vec<(u64, u64)>, ComponentError> {
+        let mut log = self
+            .shared
+            .raw_written
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        Ok(std::mem::take(&mut *log))
     }
 }
 

@@ -21,7 +21,7 @@ use guestmem_migration::transport::{generate_credentials, Credentials, Endpoint,
 use guestmem_paging::PagerConfig;
 use guestmem_vm::{layout, RunningVm, VcpuWork, Vm, VmConfig, Workload};
 
-use crate::rng::{self, RngDevice, Stats};
+use crate::rng::{self, RngDevice, Stats, Writes};
 
 /// Guest RAM the payload dirties, and vCPUs.
 pub const RAM: u64 = 32 << 20;
@@ -137,15 +137,16 @@ fn run_on(
     Ok((dev.stats(), dev.verify()?, (before, after)))
 }
 
-/// Runs the example: the VM and device start, move as `how` says, and go on.
-pub fn run(how: How, scratch: &Path) -> Result<Outcome, Error> {
+/// Runs the example: the VM and device start, move as `how` says, and go on. The source's
+/// device writes its buffers as `writes` says.
+pub fn run(how: How, writes: Writes, scratch: &Path) -> Result<Outcome, Error> {
     match how {
-        How::Migrate(mode) => migrate(mode, scratch),
+        How::Migrate(mode) => migrate(mode, writes, scratch),
         How::Snapshot(restore) => snapshot(restore, scratch),
     }
 }
 
-fn migrate(mode: Mode, scratch: &Path) -> Result<Outcome, Error> {
+fn migrate(mode: Mode, writes: Writes, scratch: &Path) -> Result<Outcome, Error> {
     generate_credentials(scratch)?;
     let endpoint = Endpoint::Unix(scratch.join("sock"));
     let listener = Arc::new(Listener::bind(
@@ -181,7 +182,7 @@ fn migrate(mode: Mode, scratch: &Path) -> Result<Outcome, Error> {
 
     let mut vm = Vm::new(&config())?;
     let memory = vm.memory().clone();
-    let mut dev = device();
+    let mut dev = device().with_writes(writes);
     let running = start(&mut vm, &mut dev)?;
     let moving_device = dev.stats();
     let links = Links::connect(
