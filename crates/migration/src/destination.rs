@@ -14,14 +14,15 @@ use serde::{Deserialize, Serialize};
 use crate::chunk_digests::{self, ChunkDigests, RegionDigest};
 use crate::component::{payload_state, Components};
 use crate::migrate::{
-    block_connection, frame_name, percentile, read_frame, read_hello, read_json, write_frame,
-    ChannelRole, Hello, Links, Mode, Setup, StaleChunks, Switchover, BLOCK, FORMAT,
+    block_connection, frame_name, link_error, percentile, read_frame, read_hello, read_json,
+    write_frame, ChannelRole, Hello, Links, Mode, Setup, StaleChunks, Switchover, BLOCK, FORMAT,
     HEARTBEAT_INTERVAL, POSTCOPY_CHUNK,
 };
+use crate::migration_error::chain_text;
 use crate::source::memory_digest;
 use crate::stream::{Frame, FrameRef, MAX_REQUEST};
 use crate::transport::{Accepted, Connection, Cutter, Listener, Role, Timeouts};
-use crate::{Error, Result};
+use crate::{Error, MigrationError, Peer, Result};
 
 /// Post-copy, after the link broke: how long the destination's vCPUs wait for the source to
 /// reconnect (it tries every second by itself, and `guestmem migrate resume` can point it
@@ -140,7 +141,10 @@ pub fn receive_components(
     components: &mut Components<'_>,
 ) -> Result<Incoming> {
     if let Some(cpus) = &opts.fault_cpus {
-        CpuSet::new(cpus).map_err(|e| Error::Migration(format!("fault CPUs: {e}")))?;
+        CpuSet::new(cpus).map_err(|e| MigrationError::BadOption {
+            option: "fault_cpus",
+            reason: e.to_string(),
+        })?;
     }
     let gate = Gate::of(&listener);
     let (mut links, claim) = gate
@@ -148,22 +152,20 @@ pub fn receive_components(
         .expect("a receive is never stopped");
     let claim = claim.expect("a new migration claims the destination");
     let setup: Setup = read_json(&mut links.pages[0], "VM setup")?;
-    let refuse = |links: &mut Links, reason: String| {
-        let _ = write_frame(
-            &mut links.pages[0],
-            &Frame::Abort {
-                reason: reason.clone(),
-            },
-        );
-        Error::Migration(reason)
+    // Refusals are told to the source (which keeps the guest), causes included.
+    let refuse = |links: &mut Links, e: MigrationError| {
+        let reason = chain_text(&e);
+        let _ = write_frame(&mut links.pages[0], &Frame::Abort { reason });
+        Error::Migration(e)
     };
+    let unsupported = |reason: String| MigrationError::Unsupported { reason };
     if setup.format != FORMAT {
         return Err(refuse(
             &mut links,
-            format!(
-                "the source's switch-over state is of format {}, this destination reads {FORMAT}:                  run the same guestmem on both sides",
-                setup.format
-            ),
+            MigrationError::Format {
+                found: setup.format,
+                supported: FORMAT,
+            },
         ));
     }
     if setup.mode.has_postcopy() {
@@ -175,11 +177,11 @@ pub fn receive_components(
         {
             return Err(refuse(
                 &mut links,
-                format!(
+                unsupported(format!(
                     "{} of guest_memfd region '{}' needs KVM Userfault (KVM_MEM_USERFAULT, \
                      KVM_CAP_USERFAULT), which this kernel lacks: migrate it with pre-copy",
                     setup.mode, r.name
-                ),
+                )),
             ));
         }
     }
@@ -188,7 +190,7 @@ pub fn receive_components(
         write_frame(&mut links.pages[0], &Frame::Ready)?;
         let fds = links.pages[0]
             .recv_fds(setup.shared.len())
-            .map_err(|e| Error::Migration(format!("receiving the source's memory files: {e}")))?;
+            .map_err(|e| link_error("receiving the source's memory files", e))?;
         shared.extend(setup.shared.iter().cloned().zip(fds));
     }
     let mut vm = match Vm::new_on(&setup.config, shared) {
@@ -196,7 +198,7 @@ pub fn receive_components(
         Err(e) => {
             return Err(refuse(
                 &mut links,
-                format!("the destination cannot build this VM: {e}"),
+                unsupported(format!("it cannot be built here: {e}")),
             ))
         }
     };
@@ -206,7 +208,7 @@ pub fn receive_components(
         if let Err(e) = region.advise_huge_pages() {
             return Err(refuse(
                 &mut links,
-                format!("the destination cannot prepare its memory: {e}"),
+                unsupported(format!("its memory cannot be prepared here: {e}")),
             ));
         }
     }
@@ -236,9 +238,10 @@ pub fn receive_components(
         (true, Some(chunk)) => {
             return Err(refuse(
                 &mut links,
-                format!(
-                    "digest chunks of {chunk} bytes: a power of two from {PAGE_SIZE} to {BLOCK}                      is needed"
-                ),
+                unsupported(format!(
+                    "digest chunks of {chunk} bytes: a power of two from {PAGE_SIZE} to {BLOCK} \
+                     is needed"
+                )),
             ))
         }
         _ => None,
@@ -304,7 +307,12 @@ pub fn receive_components(
         None => failures.into_iter().next().map(|(_, e)| e),
     };
     if let Some(e) = failure {
-        return Err(refuse(&mut links, format!("receiving pages: {e}")));
+        return Err(refuse(
+            &mut links,
+            MigrationError::Receiving {
+                source: Box::new(e),
+            },
+        ));
     }
     // The memory is complete. With chunk digests, the readers hashed what they wrote; any
     // chunk still stale (written on a connection that does not carry its block) is hashed
@@ -314,9 +322,7 @@ pub fn receive_components(
     let verified = match &chunks {
         Some(chunks) => {
             chunks.refresh_where(&memory, |_, _| true)?;
-            let regions = chunks
-                .summary()
-                .ok_or_else(|| Error::Migration("memory digests: chunks still stale".into()))?;
+            let regions = chunks.summary().ok_or(MigrationError::StaleDigests)?;
             let took = last_round_hashing + started.elapsed();
             Some((chunk_digests::combine(&regions), Some(regions), took))
         }
@@ -327,10 +333,14 @@ pub fn receive_components(
     let switchover: Switchover = match read_frame(&mut links.pages[0])? {
         Frame::State { state_json } => match serde_json::from_slice(&state_json) {
             Ok(s) => s,
-            Err(e) => {
+            Err(source) => {
                 return Err(refuse(
                     &mut links,
-                    format!("the State is not understood: {e}"),
+                    MigrationError::BadMessage {
+                        peer: Peer::Source,
+                        what: "State",
+                        source,
+                    },
                 ))
             }
         },
@@ -339,10 +349,10 @@ pub fn receive_components(
     if let Some(r) = last_rounds.iter().find(|&&r| r != switchover.last_round) {
         return Err(refuse(
             &mut links,
-            format!(
+            unsupported(format!(
                 "a pages connection ended at round {r}, the State says {}",
                 switchover.last_round
-            ),
+            )),
         ));
     }
     report.rounds = switchover.last_round;
@@ -352,7 +362,7 @@ pub fn receive_components(
     if let Err(e) = restored {
         return Err(refuse(
             &mut links,
-            format!("the vCPU state does not load: {e}"),
+            unsupported(format!("the vCPU state does not load: {e}")),
         ));
     }
     if let Some(expected) = switchover.digest {
@@ -370,10 +380,11 @@ pub fn receive_components(
             let which = differing_regions(regions.as_deref(), switchover.region_digests.as_deref());
             return Err(refuse(
                 &mut links,
-                format!(
-                    "the destination's memory digest {digest:#018x} differs from the source's \
-                     {expected:#018x}{which}"
-                ),
+                MigrationError::DigestMismatch {
+                    found: digest,
+                    expected,
+                    regions: which,
+                },
             ));
         }
     }
@@ -387,22 +398,31 @@ pub fn receive_components(
                 listener,
                 migration: links.migration,
             }),
-            Err(e) => return Err(refuse(&mut links, format!("arming post-copy: {e}"))),
+            Err(e) => {
+                return Err(refuse(
+                    &mut links,
+                    unsupported(format!("post-copy cannot be armed: {e}")),
+                ))
+            }
         },
         None => None,
     };
 
     if let Err(e) = components.restore(&switchover.components) {
-        return Err(refuse(&mut links, format!("the components' states: {e}")));
+        return Err(refuse(
+            &mut links,
+            unsupported(format!("the components' states: {e}")),
+        ));
     }
     write_frame(&mut links.pages[0], &Frame::Ready)?;
     match read_frame(&mut links.pages[0]) {
         Ok(Frame::Go) => {}
         Ok(other) => return Err(refused_by_source(&other, "Go")),
         Err(e) => {
-            return Err(Error::Migration(format!(
-                "the link broke before the source let go ({e}); the source keeps the VM"
-            )))
+            return Err(MigrationError::BrokeBeforeGo {
+                source: Box::new(e),
+            }
+            .into())
         }
     }
     Ok(Incoming {
@@ -641,7 +661,7 @@ impl Gate {
                     reason: reason.clone(),
                 },
             );
-            Error::Migration(reason)
+            Error::Migration(MigrationError::Connections { reason })
         };
         if pages == 0 || pages > 64 || urgent > 64 {
             return Err(fail(
@@ -735,15 +755,19 @@ fn refuse(conn: &mut Connection, why: String) {
     }
 }
 
-fn refused_by_source(frame: &Frame, wanted: &str) -> Error {
+fn refused_by_source(frame: &Frame, wanted: &'static str) -> Error {
     match frame {
-        Frame::Abort { reason } => {
-            Error::Migration(format!("the source gave up (and keeps the VM): {reason}"))
+        Frame::Abort { reason } => MigrationError::PeerGaveUp {
+            peer: Peer::Source,
+            reason: reason.clone(),
         }
-        other => Error::Migration(format!(
-            "expected {wanted} from the source, got {}",
-            frame_name(other)
-        )),
+        .into(),
+        other => MigrationError::UnexpectedFrame {
+            peer: Peer::Source,
+            expected: wanted,
+            got: frame_name(other),
+        }
+        .into(),
     }
 }
 
@@ -862,10 +886,13 @@ fn apply_pages(
             }
             Ok(FrameRef::Pages { gpa, pages, .. }) => {
                 // `place` declined them: they are not inside this VM's memory.
-                break Err(Error::Migration(format!(
-                    "the source sent {} bytes of pages at {gpa:#x}, outside this VM's memory",
-                    pages.len()
-                )));
+                break Err(MigrationError::Unsupported {
+                    reason: format!(
+                        "the source sent {} bytes of pages at {gpa:#x}, outside this VM's memory",
+                        pages.len()
+                    ),
+                }
+                .into());
             }
             Ok(FrameRef::Frame(f)) => f,
             Err(e) => break Err(Error::Stream(e)),
@@ -928,9 +955,10 @@ fn apply_pages(
             other => break Err(refused_by_source(&other, "pages")),
         };
         if let Err(e) = applied {
-            break Err(Error::Migration(format!(
-                "the source sent pages outside this VM's memory: {e}"
-            )));
+            break Err(MigrationError::Unsupported {
+                reason: format!("the source sent pages outside this VM's memory: {e}"),
+            }
+            .into());
         }
     };
     (conn, result.map(|()| stats))
@@ -962,11 +990,8 @@ fn arm_postcopy(
         let bits = stale
             .iter()
             .find(|s| s.gpa == region.gpa())
-            .ok_or_else(|| {
-                Error::Migration(format!(
-                    "the State says nothing of region '{}'",
-                    region.name()
-                ))
+            .ok_or_else(|| MigrationError::Unsupported {
+                reason: format!("the State says nothing of region '{}'", region.name()),
             })?
             .bits
             .as_deref();
@@ -1032,10 +1057,7 @@ impl Transfer {
     /// Runs the received VM's vCPUs, tells the source (the downtime ends), and, in post-copy,
     /// opens the link to the pagers.
     pub fn resume<'v>(&mut self, vm: &'v mut Vm) -> Result<RunningVm<'v>> {
-        let mut links = self
-            .links
-            .take()
-            .ok_or_else(|| Error::Migration("this transfer was already resumed".into()))?;
+        let mut links = self.links.take().ok_or(MigrationError::AlreadyResumed)?;
         let running = vm.resume()?;
         self.running_at = Some(Instant::now());
         write_frame(&mut links.pages[0], &Frame::Running)?;
@@ -1052,7 +1074,7 @@ impl Transfer {
                 std::thread::Builder::new()
                     .name("postcopy-keeper".into())
                     .spawn(move || link.keep(&listener, migration))
-                    .map_err(|e| Error::Migration(format!("spawning the link keeper: {e}")))?;
+                    .map_err(|e| link_error("spawning the link keeper", e))?;
             }
         }
         Ok(running)
@@ -1186,12 +1208,12 @@ impl PostcopyLink {
     fn open(&self, links: Links) -> Result<()> {
         let cutters = links.cutters()?;
         if links.pages.len() + links.urgent.len() != self.slots.len() {
-            return Err(Error::Migration(format!(
-                "the source came back with {} + {} connections, not {} in all",
-                links.pages.len(),
-                links.urgent.len(),
-                self.slots.len()
-            )));
+            return Err(MigrationError::Reconnection {
+                pages: links.pages.len(),
+                urgent: links.urgent.len(),
+                expected: self.slots.len(),
+            }
+            .into());
         }
         for (slot, conn) in self
             .slots
@@ -1422,11 +1444,8 @@ impl PostcopyLink {
                         }
                     }
                 }
-                self.wait_for_new_link(generation, started).map_err(|e| {
-                    Error::Migration(format!(
-                        "every page is here, but the source never came back to hear it: {e}"
-                    ))
-                })?;
+                self.wait_for_new_link(generation, started)
+                    .map_err(|source| MigrationError::SourceGone { source })?;
             }
         }
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
@@ -1471,17 +1490,19 @@ fn request(
                     true
                 }
                 other => {
-                    return Err(Error::Migration(format!(
-                        "asked for {at:#x}+{want:#x}, the source answered {}",
-                        match &other {
+                    return Err(MigrationError::BadAnswer {
+                        gpa: at,
+                        len: want as u64,
+                        got: match &other {
                             FrameRef::Placed { fresh: true, .. } => "fresh Pages",
                             FrameRef::Pages { .. } | FrameRef::Placed { .. } => "Pages",
                             // An answer is never a delta: the pager's buffer is not the
                             // version one would be made against.
                             FrameRef::Patched { .. } => "PagesD",
                             FrameRef::Frame(f) => frame_name(f),
-                        }
-                    )));
+                        },
+                    }
+                    .into());
                 }
             }
         };

@@ -9,6 +9,7 @@ mod destination;
 pub mod driver;
 pub mod firecracker;
 pub mod migrate;
+mod migration_error;
 pub mod snapshot;
 mod source;
 pub mod stream;
@@ -16,6 +17,8 @@ pub mod transport;
 
 use std::io;
 use std::path::{Path, PathBuf};
+
+pub use migration_error::{MigrationError, Peer};
 
 pub type Result<T> = std::result::Result<T, Error>;
 
@@ -64,8 +67,9 @@ pub enum Error {
     Paging(#[from] guestmem_paging::Error),
     #[error(transparent)]
     Tracking(#[from] guestmem_tracking::Error),
-    #[error("migration: {0}")]
-    Migration(String),
+    /// A live migration failed (see [`MigrationError`] for why).
+    #[error(transparent)]
+    Migration(#[from] MigrationError),
     /// A component's own operation failed.
     #[error("component '{name}': {op} failed")]
     Component {

@@ -48,7 +48,7 @@ use crate::chunk_digests::RegionDigest;
 use crate::component::ComponentState;
 use crate::stream::{Frame, StreamError};
 use crate::transport::{self, Connection, Credentials, Endpoint};
-use crate::{Error, Result};
+use crate::{Error, MigrationError, Peer, Result};
 
 pub use crate::destination::{
     receive, receive_components, DestinationReport, Incoming, ReceiveOptions, Transfer,
@@ -308,9 +308,11 @@ impl Links {
         timeouts: transport::Timeouts,
     ) -> Result<Links> {
         if connections == 0 || connections > 64 {
-            return Err(Error::Migration(format!(
-                "{connections} connections requested; 1 to 64 are possible"
-            )));
+            return Err(MigrationError::BadOption {
+                option: "connections",
+                reason: format!("{connections} requested; 1 to 64 are possible"),
+            }
+            .into());
         }
         let urgent = if mode.has_postcopy() {
             URGENT_CONNECTIONS
@@ -332,13 +334,17 @@ impl Links {
             // The destination answers each connection: Hello (taken) or Abort (why not).
             match read_frame(&mut conn)? {
                 Frame::Hello { .. } => Ok(conn),
-                Frame::Abort { reason } => Err(Error::Migration(format!(
-                    "the destination at {endpoint} refused the migration: {reason}"
-                ))),
-                other => Err(Error::Migration(format!(
-                    "the destination at {endpoint} answered the Hello with {}",
-                    frame_name(&other)
-                ))),
+                Frame::Abort { reason } => Err(MigrationError::Refused {
+                    endpoint: endpoint.to_string(),
+                    reason,
+                }
+                .into()),
+                other => Err(MigrationError::UnexpectedFrame {
+                    peer: Peer::Destination,
+                    expected: "Hello",
+                    got: frame_name(&other),
+                }
+                .into()),
             }
         };
         Ok(Links {
@@ -377,19 +383,22 @@ pub(crate) fn read_hello(conn: &mut Connection) -> Result<Hello> {
     read_json(conn, "Hello")
 }
 
-/// Reads a Hello frame carrying `what` as JSON.
+/// Reads a Hello frame of the source carrying `what` as JSON.
 pub(crate) fn read_json<T: serde::de::DeserializeOwned>(
     conn: &mut Connection,
-    what: &str,
+    what: &'static str,
 ) -> Result<T> {
+    let peer = Peer::Source;
     match read_frame(conn)? {
         Frame::Hello { config_json } => serde_json::from_slice(&config_json)
-            .map_err(|e| Error::Migration(format!("the source's {what} is not understood: {e}"))),
-        Frame::Abort { reason } => Err(Error::Migration(format!("the peer gave up: {reason}"))),
-        other => Err(Error::Migration(format!(
-            "expected a {what}, got {}",
-            frame_name(&other)
-        ))),
+            .map_err(|source| MigrationError::BadMessage { peer, what, source }.into()),
+        Frame::Abort { reason } => Err(MigrationError::PeerGaveUp { peer, reason }.into()),
+        other => Err(MigrationError::UnexpectedFrame {
+            peer,
+            expected: what,
+            got: frame_name(&other),
+        }
+        .into()),
     }
 }
 
@@ -421,8 +430,12 @@ pub(crate) fn frame_name(frame: &Frame) -> &'static str {
     }
 }
 
-pub(crate) fn link_error(what: &str, e: std::io::Error) -> Error {
-    Error::Migration(format!("{what}: {e}"))
+pub(crate) fn link_error(what: &str, source: std::io::Error) -> Error {
+    MigrationError::Link {
+        what: what.into(),
+        source,
+    }
+    .into()
 }
 
 /// A random migration id.

@@ -20,12 +20,12 @@ use crate::compress::{Compress, CompressionReport, Compressor};
 use crate::delta::{DeltaCache, DeltaReport, Partition};
 use crate::destination::DestinationReport;
 use crate::migrate::{
-    block_connection, frame_name, read_frame, write_frame, Links, Mode, Resume, Setup, StaleChunks,
-    Switchover, BLOCK, POSTCOPY_CHUNK,
+    block_connection, frame_name, link_error, read_frame, write_frame, Links, Mode, Resume, Setup,
+    StaleChunks, Switchover, BLOCK, POSTCOPY_CHUNK,
 };
 use crate::stream::{compress_pages, Frame, StreamError};
 use crate::transport::{Connection, Cutter};
-use crate::{Error, Result};
+use crate::{Error, MigrationError, Peer, Result};
 
 /// Pre-copy goes on below the downtime target while rounds keep halving the dirty set, until
 /// the estimate is this fraction of the target (50 ms: about 1.6 ms).
@@ -128,16 +128,22 @@ impl SendOptions {
         if let Some(bw) = self.max_bandwidth {
             let least = MIN_BANDWIDTH_PER_CONNECTION * connections.max(1) as u64;
             if bw < least {
-                return Err(Error::Migration(format!(
-                    "max_bandwidth of {bw} bytes/s is below {least} (1 MiB/s for each of the \
-                     {connections} pages connections): the migration would never finish"
-                )));
+                return Err(MigrationError::BadOption {
+                    option: "max_bandwidth",
+                    reason: format!(
+                        "{bw} bytes/s is below {least} (1 MiB/s for each of the {connections} \
+                         pages connections): the migration would never finish"
+                    ),
+                }
+                .into());
             }
         }
         if self.max_rounds == 0 {
-            return Err(Error::Migration(
-                "max_rounds is 0: pre-copy needs at least one round".into(),
-            ));
+            return Err(MigrationError::BadOption {
+                option: "max_rounds",
+                reason: "0: pre-copy needs at least one round".into(),
+            }
+            .into());
         }
         Ok(())
     }
@@ -298,7 +304,15 @@ pub fn send_machine(
         .as_deref()
         .map(CpuSet::new)
         .transpose()
-        .map_err(|e| kept(Error::Migration(format!("fault CPUs: {e}"))))?;
+        .map_err(|e| {
+            kept(
+                MigrationError::BadOption {
+                    option: "fault_cpus",
+                    reason: e.to_string(),
+                }
+                .into(),
+            )
+        })?;
     let memory = machine.memory().clone();
     let mut source = Source::new(&memory, opts, &links, started);
     let mut tracker = None;
@@ -404,13 +418,19 @@ pub fn send_machine(
     }
 }
 
-fn unexpected(frame: &Frame, wanted: &str) -> Error {
+fn unexpected(frame: &Frame, wanted: &'static str) -> Error {
     match frame {
-        Frame::Abort { reason } => Error::Migration(format!("the destination gave up: {reason}")),
-        other => Error::Migration(format!(
-            "expected {wanted} from the destination, got {}",
-            frame_name(other)
-        )),
+        Frame::Abort { reason } => MigrationError::PeerGaveUp {
+            peer: Peer::Destination,
+            reason: reason.clone(),
+        }
+        .into(),
+        other => MigrationError::UnexpectedFrame {
+            peer: Peer::Destination,
+            expected: wanted,
+            got: frame_name(other),
+        }
+        .into(),
     }
 }
 
@@ -505,17 +525,24 @@ impl<'o> Source<'o> {
 
     fn handshake(&mut self, links: &mut Links, config: &VmConfig) -> Result<()> {
         if self.opts.mode != links.mode {
-            return Err(Error::Migration(format!(
-                "the links were opened for {}, the migration is {}: connect with \
-                 Links::connect(.., Mode::{:?}, ..)",
-                links.mode, self.opts.mode, self.opts.mode
-            )));
+            return Err(MigrationError::BadOption {
+                option: "mode",
+                reason: format!(
+                    "the links were opened for {}, the migration is {}: connect with \
+                     Links::connect(.., Mode::{:?}, ..)",
+                    links.mode, self.opts.mode, self.opts.mode
+                ),
+            }
+            .into());
         }
         let shared: Vec<&Region> = if self.opts.share_memory {
             if !links.pages[0].is_local() {
-                return Err(Error::Migration(
-                    "sharing memory needs the destination on this host: a unix: endpoint".into(),
-                ));
+                return Err(MigrationError::BadOption {
+                    option: "share_memory",
+                    reason: "sharing memory needs the destination on this host: a unix: endpoint"
+                        .into(),
+                }
+                .into());
             }
             self.memory
                 .regions()
@@ -560,7 +587,7 @@ impl<'o> Source<'o> {
                 .collect();
             links.pages[0]
                 .send_fds(&fds)
-                .map_err(|e| Error::Migration(format!("handing over the memory files: {e}")))?;
+                .map_err(|e| link_error("handing over the memory files", e))?;
         }
         match read_frame(&mut links.pages[0])? {
             Frame::Hello { .. } => Ok(()),
@@ -944,9 +971,7 @@ impl<'o> Source<'o> {
                 // unless a chunk was marked and its block not sent) is hashed here.
                 let started = Instant::now();
                 chunks.refresh_where(&self.memory, |_, _| true)?;
-                let summary = chunks
-                    .summary()
-                    .ok_or_else(|| Error::Migration("memory digests: chunks still stale".into()))?;
+                let summary = chunks.summary().ok_or(MigrationError::StaleDigests)?;
                 self.report.verify_ms = (self.round_digest + started.elapsed()).as_secs_f64() * 1e3;
                 Some(summary)
             }
@@ -1018,13 +1043,7 @@ impl<'o> Source<'o> {
                     self.report.link_breaks += 1;
                     tracing::warn!("post-copy link broken: {why}");
                     let Some(reconnect) = &self.opts.reconnect else {
-                        return Err(Error::Migration(format!(
-                            "the post-copy link broke ({why}) and this source cannot reconnect \
-                             (no SendOptions::reconnect): the guest's state is split between \
-                             the destination, which had its vCPUs and the pages it fetched (and \
-                             waits for the others, if it is alive), and this source, which \
-                             holds every page not fetched and the VM state at the switch-over"
-                        )));
+                        return Err(MigrationError::PostcopySplit { why }.into());
                     };
                     links = reconnect(&links.resume(why))?;
                     tracing::info!("post-copy link re-established");
@@ -1155,7 +1174,7 @@ impl PostcopyServers {
                         }
                     }
                 })
-                .map_err(|e| Error::Migration(format!("starting a post-copy server: {e}")))?;
+                .map_err(|e| link_error("starting a post-copy server", e))?;
             jobs.push(tx);
             threads.push(thread);
         }
@@ -1177,12 +1196,15 @@ impl PostcopyServers {
             Some(c) => c.clone(),
             None => {
                 if links.pages.len() + links.urgent.len() != self.jobs.len() {
-                    return Err(Error::Migration(format!(
-                        "{} + {} connections for {} post-copy servers",
-                        links.pages.len(),
-                        links.urgent.len(),
-                        self.jobs.len()
-                    )));
+                    return Err(MigrationError::Thread {
+                        what: format!(
+                            "{} + {} connections for {} post-copy servers",
+                            links.pages.len(),
+                            links.urgent.len(),
+                            self.jobs.len()
+                        ),
+                    }
+                    .into());
                 }
                 self.pages = links.pages.len();
                 self.cutters.insert(Arc::new(links.cutters()?)).clone()
@@ -1200,7 +1222,7 @@ impl PostcopyServers {
         for (i, conn) in urgent.chain(pages.into_iter().enumerate()) {
             self.jobs[i]
                 .send((conn, cutters.clone()))
-                .map_err(|_| Error::Migration("a post-copy server thread ended".into()))?;
+                .map_err(|_| thread_failed("a post-copy server thread ended"))?;
             self.handed += 1;
         }
         Ok(())
@@ -1216,7 +1238,7 @@ impl PostcopyServers {
             let (i, conn, r) = self
                 .done
                 .recv()
-                .map_err(|_| Error::Migration("a post-copy server thread panicked".into()))?;
+                .map_err(|_| thread_failed("a post-copy server thread panicked"))?;
             ended[i] = Some((conn, r));
             self.handed -= 1;
         }
@@ -1516,7 +1538,7 @@ impl Writers {
     fn queue(&mut self, conn: usize, job: Job) -> Result<()> {
         self.queues[conn]
             .send(job)
-            .map_err(|_| Error::Migration(format!("pages connection {conn} failed")))
+            .map_err(|_| thread_failed(&format!("pages connection {conn} failed")))
     }
 
     /// Waits for the writers to send everything queued, and takes the connections back, with
@@ -1536,7 +1558,7 @@ impl Writers {
                     }
                 }
                 Err(_) => {
-                    failure.get_or_insert(Error::Migration("a writer thread panicked".into()));
+                    failure.get_or_insert(thread_failed("a writer thread panicked"));
                 }
             }
         }
@@ -1545,6 +1567,10 @@ impl Writers {
             None => Ok((conns, self.wire_bytes.load(Ordering::Relaxed), hashing)),
         }
     }
+}
+
+fn thread_failed(what: &str) -> Error {
+    MigrationError::Thread { what: what.into() }.into()
 }
 
 /// Whether a region's memory can be handed to a local destination as a file.
