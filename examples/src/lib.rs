@@ -2,5 +2,7 @@
 //! ([`rng::RngDevice`], `virtio-queue` over guestmem memory) that keeps writing guest memory,
 //! saved, restored and migrated through the component traits ([`vmm`]).
 
+#![warn(missing_docs)]
+
 pub mod rng;
 pub mod vmm;

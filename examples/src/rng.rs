@@ -51,8 +51,9 @@ pub struct Stats {
     pub seq: u64,
     /// Bytes written into buffers.
     pub bytes: u64,
-    /// The queue's next avail and next used indices.
+    /// The queue's next avail index.
     pub next_avail: u16,
+    /// The queue's next used index.
     pub next_used: u16,
 }
 

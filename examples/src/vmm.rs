@@ -23,8 +23,9 @@ use guestmem_vm::{layout, RunningVm, VcpuWork, Vm, VmConfig, Workload};
 
 use crate::rng::{self, RngDevice, Stats, Writes};
 
-/// Guest RAM the payload dirties, and vCPUs.
+/// Guest RAM the payload dirties.
 pub const RAM: u64 = 32 << 20;
+/// The VM's vCPUs.
 pub const VCPUS: usize = 2;
 /// Where the device's queue and buffers live: a region of their own after RAM.
 pub const DEVICE_GPA: u64 = layout::RAM_GPA + RAM;
@@ -47,15 +48,15 @@ pub struct Outcome {
     /// The device's counters when the move began (the migration connected, or the snapshot
     /// was asked for).
     pub moving_device: Stats,
-    /// The device's counters when the source stopped it, and when the destination (restored)
-    /// got it, before it ran there.
+    /// The device's counters when the source stopped it.
     pub source_device: Stats,
+    /// Its counters when the destination (restored) got it, before it ran there.
     pub restored_device: Stats,
     /// Its counters after it ran on at the destination.
     pub final_device: Stats,
-    /// Digest of the device's region on the source when stopped, and on the destination before
-    /// anything ran.
+    /// Digest of the device's region on the source when stopped.
     pub source_digest: u64,
+    /// Digest of the device's region on the destination before the device ran there.
     pub restored_digest: u64,
     /// Buffers the destination's device checked (each holds its last fill) after running on.
     pub verified_buffers: usize,

@@ -507,10 +507,12 @@ impl<'a> SourceBytes<'a> {
     fn as_slice(&self) -> &[u8] {
         match self {
             SourceBytes::Borrowed(b) => b,
-            // SAFETY: the mapping is `map_len = skip + len` readable bytes, alive until drop.
             SourceBytes::Mapped {
                 addr, skip, len, ..
-            } => unsafe { std::slice::from_raw_parts((*addr as *const u8).add(*skip), *len) },
+            } => {
+                // SAFETY: the mapping is `map_len = skip + len` readable bytes, alive until drop.
+                unsafe { std::slice::from_raw_parts((*addr as *const u8).add(*skip), *len) }
+            }
             SourceBytes::Read(v) => v,
         }
     }

@@ -18,6 +18,8 @@
 //! The protocol, in every mode: `harvest`, then for each chunk of each [`DirtyBitmap`]: `clear`
 //! the chunk, then consume (read and send) its pages.
 
+#![warn(missing_docs)]
+
 use std::io;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
@@ -34,36 +36,68 @@ use kvm_ioctls::{Kvm, VmFd};
 use serde::Serialize;
 use vmm_sys_util::ioctl::{ioctl, ioctl_with_ref};
 
+/// What tracking returns.
 pub type Result<T> = std::result::Result<T, Error>;
 
+/// Why dirty tracking failed.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// The kernel or the VM cannot do this mode.
     #[error("dirty tracking mode '{mode}' is not available: {reason}")]
-    Unavailable { mode: Mode, reason: String },
+    Unavailable {
+        /// The mode asked for.
+        mode: Mode,
+        /// What is missing.
+        reason: String,
+    },
+    /// A mode name that is not one.
     #[error("unknown dirty tracking mode {0:?} (expected ring, manual or bitmap)")]
     UnknownMode(String),
     #[error(
         "memslot {slot}: chunk of {pages} pages at page {first_page} cannot be cleared: it must \
          start at a multiple of 64 pages, be non-empty and lie inside the slot's {slot_pages} pages"
     )]
+    /// A chunk given to [`Tracker::clear`] that KVM cannot clear.
     BadChunk {
+        /// The memslot.
         slot: u32,
+        /// The chunk's first page, within the slot.
         first_page: u64,
+        /// Its pages.
         pages: u64,
+        /// The slot's pages.
         slot_pages: u64,
     },
+    /// A dirty ring entry names a memslot the VM does not have.
     #[error("dirty ring of vCPU {vcpu} holds an entry for memslot {slot}, which does not exist")]
-    BadRingEntry { vcpu: usize, slot: u32 },
-    #[error("{op} failed: {source}")]
-    Vm { op: &'static str, source: io::Error },
-    #[error("memslot {slot}: {op} failed: {source}")]
-    Ioctl {
+    BadRingEntry {
+        /// The vCPU whose ring holds it.
+        vcpu: usize,
+        /// The memslot it names.
         slot: u32,
+    },
+    /// A VM ioctl failed.
+    #[error("{op} failed")]
+    Vm {
+        /// The ioctl.
         op: &'static str,
+        /// The kernel's error.
         source: io::Error,
     },
-    #[error("cannot open /dev/kvm: {0}")]
+    /// A memslot's ioctl failed.
+    #[error("memslot {slot}: {op} failed")]
+    Ioctl {
+        /// The memslot.
+        slot: u32,
+        /// The ioctl.
+        op: &'static str,
+        /// The kernel's error.
+        source: io::Error,
+    },
+    /// /dev/kvm cannot be opened.
+    #[error("cannot open /dev/kvm")]
     Kvm(#[source] kvm_ioctls::Error),
+    /// A memslot update failed.
     #[error(transparent)]
     Memory(#[from] guestmem_memory::Error),
 }
@@ -72,8 +106,11 @@ pub enum Error {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Mode {
+    /// Per-vCPU dirty rings.
     Ring,
+    /// The dirty log with manual protection (`KVM_CLEAR_DIRTY_LOG`), every page dirty at first.
     Manual,
+    /// The classic dirty log (`KVM_GET_DIRTY_LOG`).
     Bitmap,
 }
 
@@ -87,8 +124,10 @@ pub fn ring_bytes(entries: u32) -> u32 {
 }
 
 impl Mode {
+    /// Every mode.
     pub const ALL: [Mode; 3] = [Mode::Ring, Mode::Manual, Mode::Bitmap];
 
+    /// The mode's name (as parsed).
     pub fn name(self) -> &'static str {
         match self {
             Mode::Ring => "ring",
@@ -154,11 +193,13 @@ impl std::str::FromStr for Mode {
 /// The dirty pages of one memslot: bit `i` of `bits[i / 64]` is page `i` of the slot.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DirtyBitmap {
+    /// The memslot.
     pub slot: u32,
     /// Guest address of the slot's first page.
     pub gpa: u64,
     /// Pages in the slot.
     pub pages: u64,
+    /// One bit per page of the slot.
     pub bits: Vec<u64>,
 }
 
@@ -318,6 +359,7 @@ impl Tracker {
         })
     }
 
+    /// The tracking mode.
     pub fn mode(&self) -> Mode {
         self.mode
     }
