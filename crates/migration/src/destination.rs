@@ -143,7 +143,7 @@ pub fn receive_components(
     if let Some(cpus) = &opts.fault_cpus {
         CpuSet::new(cpus).map_err(|e| MigrationError::BadOption {
             option: "fault_cpus",
-            reason: e.to_string(),
+            reason: format!("fault CPUs: {e}"),
         })?;
     }
     let gate = Gate::of(&listener);

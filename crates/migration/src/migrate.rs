@@ -310,7 +310,7 @@ impl Links {
         if connections == 0 || connections > 64 {
             return Err(MigrationError::BadOption {
                 option: "connections",
-                reason: format!("{connections} requested; 1 to 64 are possible"),
+                reason: format!("{connections} connections requested; 1 to 64 are possible"),
             }
             .into());
         }

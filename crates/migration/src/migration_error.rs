@@ -26,11 +26,11 @@ impl fmt::Display for Peer {
 #[derive(Debug, thiserror::Error)]
 pub enum MigrationError {
     /// An option with which the migration could never work, refused before anything starts.
-    #[error("{option}: {reason}")]
+    #[error("{reason}")]
     BadOption {
         /// The option's name.
         option: &'static str,
-        /// What is wrong with it.
+        /// What is wrong with it, naming it.
         reason: String,
     },
     /// The destination refused a connection of the migration (busy with another one, a

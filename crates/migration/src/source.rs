@@ -131,8 +131,8 @@ impl SendOptions {
                 return Err(MigrationError::BadOption {
                     option: "max_bandwidth",
                     reason: format!(
-                        "{bw} bytes/s is below {least} (1 MiB/s for each of the {connections} \
-                         pages connections): the migration would never finish"
+                        "max_bandwidth of {bw} bytes/s is below {least} (1 MiB/s for each of \
+                         the {connections} pages connections): the migration would never finish"
                     ),
                 }
                 .into());
@@ -141,7 +141,7 @@ impl SendOptions {
         if self.max_rounds == 0 {
             return Err(MigrationError::BadOption {
                 option: "max_rounds",
-                reason: "0: pre-copy needs at least one round".into(),
+                reason: "max_rounds is 0: pre-copy needs at least one round".into(),
             }
             .into());
         }
@@ -308,7 +308,7 @@ pub fn send_machine(
             kept(
                 MigrationError::BadOption {
                     option: "fault_cpus",
-                    reason: e.to_string(),
+                    reason: format!("fault CPUs: {e}"),
                 }
                 .into(),
             )
