@@ -23,9 +23,13 @@ pub fn page_value(seed: u64, gpa: u64, generation: u64) -> u64 {
 /// stores `value` at the start of the last of those lines.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Rewrite {
+    /// The value stored at the start of the last line copied.
     pub value: u64,
+    /// The first line copied.
     pub first_line: u64,
+    /// How many lines are copied.
     pub lines: u64,
+    /// The page the lines come from.
     pub source_gpa: u64,
 }
 
@@ -84,6 +88,7 @@ pub struct PvhParams {
     pub range_start: u64,
     /// At most this many bytes of RAM from `range_start`, holes skipped (0: all of it).
     pub range_bytes: u64,
+    /// The seed of the values the workload writes.
     pub seed: u64,
     /// Throttle: TSC ticks per page written (0: full speed).
     pub tsc_per_page: u64,
