@@ -66,34 +66,48 @@ impl Default for ReceiveOptions {
 /// What the destination saw (sent back to the source in the Complete).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct DestinationReport {
+    /// The migration's mode.
     pub mode: Option<Mode>,
+    /// Rounds received (the last one's number).
     pub rounds: u32,
+    /// Pages received in the rounds.
     pub pages_received: u64,
+    /// Of them, zero pages.
     pub zero_pages_received: u64,
     /// The memory digest check at switch-over: the time it added after the last round's pages
     /// (re-hashing the chunks that round wrote, on the busiest pages connection, then any
     /// chunk still stale, and the comparison), and the digest (equal to the source's, or the
     /// migration would have been refused).
     pub verify_ms: f64,
+    /// The destination's memory digest.
     pub digest: Option<u64>,
     /// Post-copy: fault events the pagers read, fetches on behalf of faults (and their
     /// readahead) with their latency (request sent → pages in hand), background fetches.
     pub faults: u64,
+    /// Fetches on behalf of faults.
     pub fault_fetches: u64,
+    /// Their latency's median.
     pub fault_latency_p50_us: f64,
+    /// Their latency's 99th percentile.
     pub fault_latency_p99_us: f64,
+    /// Their latency's maximum.
     pub fault_latency_max_us: f64,
+    /// Fetches of the background transfer.
     pub background_fetches: u64,
+    /// Bytes fetched in post-copy.
     pub postcopy_bytes: u64,
     /// Running → every page resident.
     pub resident_ms: f64,
+    /// Post-copy links that broke and were resumed.
     pub link_breaks: u32,
 }
 
 /// A VM received up to the switch-over: its memory (or, in post-copy, its pagers) and vCPU
 /// state are in place. Resume it with [`Transfer::resume`], then [`Transfer::finish`].
 pub struct Incoming {
+    /// The VM, not running yet.
     pub vm: Vm,
+    /// The rest of the migration.
     pub transfer: Transfer,
 }
 

@@ -72,6 +72,7 @@ pub enum Mode {
 }
 
 impl Mode {
+    /// The mode's name (as the CLI takes it).
     pub fn name(self) -> &'static str {
         match self {
             Mode::Precopy => "precopy",
@@ -219,6 +220,7 @@ pub struct Links {
 /// Why and how to re-establish a broken post-copy link (given to [`SendOptions::reconnect`]).
 #[derive(Debug, Clone)]
 pub struct Resume {
+    /// Why the link broke.
     pub reason: String,
     migration: u64,
     mode: Mode,

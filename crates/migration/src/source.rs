@@ -40,6 +40,7 @@ pub type Reconnect = Arc<dyn Fn(&Resume) -> Result<Links> + Send + Sync>;
 /// How to migrate.
 #[derive(Clone)]
 pub struct SendOptions {
+    /// Pre-copy, post-copy or hybrid.
     pub mode: Mode,
     /// Pre-copy stops the guest once the rest fits in this (the estimated downtime).
     pub downtime: Duration,
@@ -152,29 +153,40 @@ impl SendOptions {
 /// Where a migration is, for a progress display.
 #[derive(Debug, Clone, Serialize)]
 pub struct Progress {
+    /// `pre-copy` or `post-copy`.
     pub phase: &'static str,
+    /// The pre-copy round (0 in post-copy).
     pub round: u32,
+    /// Since the migration started.
     pub elapsed_ms: f64,
     /// Page bytes sent so far.
     pub bytes: u64,
+    /// Bytes of guest memory.
     pub guest_bytes: u64,
     /// Pages dirtied during the last round, and their rate.
     pub dirty_pages: u64,
+    /// The dirty rate of the last round.
     pub dirty_rate_pages_per_s: f64,
+    /// The last round's bandwidth.
     pub bandwidth_mib_per_s: f64,
+    /// The downtime if the guest stopped now.
     pub estimated_downtime_ms: f64,
+    /// The vCPUs' throttle.
     pub throttle_percent: u64,
 }
 
 /// One pre-copy round (the last one runs with the guest stopped).
 #[derive(Debug, Clone, Serialize)]
 pub struct Round {
+    /// Its number, from 1.
     pub round: u32,
     /// When it started, from the migration's start.
     pub start_ms: f64,
+    /// How long it took.
     pub ms: f64,
     /// Dirty pages it went through: sent with contents, or as zero.
     pub pages: u64,
+    /// Of them, zero pages.
     pub zero_pages: u64,
     /// Page bytes sent.
     pub bytes: u64,
@@ -182,21 +194,29 @@ pub struct Round {
     pub wire_bytes: u64,
     /// Pages the guest dirtied meanwhile (what the next round has to send).
     pub dirty_pages_after: u64,
+    /// Its bandwidth.
     pub bandwidth_mib_per_s: f64,
+    /// The vCPUs' throttle at its end.
     pub throttle_percent: u64,
 }
 
 /// What a migration did, seen from the source.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
+    /// Pre-copy, post-copy or hybrid.
     pub mode: Mode,
+    /// Bytes of guest memory.
     pub guest_bytes: u64,
+    /// Pages connections.
     pub connections: usize,
+    /// The dirty tracking mode.
     pub tracking: String,
+    /// From start to the destination's Complete.
     pub total_ms: f64,
     /// Source vCPUs stopped → destination vCPUs running (as the source sees the destination's
     /// Running frame: one link latency more than the truth).
     pub downtime_ms: f64,
+    /// The downtime target.
     pub downtime_target_ms: f64,
     /// Of the downtime: the source's share of the memory digest check (`verify`): re-hashing
     /// the chunks the last round sent (on the busiest pages connection, beside its sending),
@@ -207,20 +227,25 @@ pub struct Report {
     pub digest: Option<u64>,
     /// The last estimate fitted the target (else the round limit forced the switch).
     pub converged: bool,
+    /// The highest throttle auto-converge set.
     pub max_throttle_percent: u64,
     /// Page bytes sent, all phases.
     pub bytes: u64,
     /// What the pages took on the wire (their non-zero lines and masks), all phases.
     pub wire_bytes: u64,
+    /// Non-zero pages sent, all phases.
     pub pages_sent: u64,
     /// Zero pages not sent.
     pub zero_pages_skipped: u64,
     /// Bytes of guest memory handed over as files (local migration), never sent.
     pub shared_bytes: u64,
+    /// The pre-copy rounds (the last with the guest stopped).
     pub rounds: Vec<Round>,
     /// Post-copy: pages served on request, their bytes, and how long until all was resident.
     pub postcopy_requests: u64,
+    /// Their bytes.
     pub postcopy_bytes: u64,
+    /// From Running to every page resident.
     pub postcopy_ms: f64,
     /// Post-copy links that broke and were resumed.
     pub link_breaks: u32,
@@ -237,7 +262,9 @@ pub struct Report {
 /// A migration that failed. `vm` is the source VM, still running, when the source kept the
 /// guest (any failure before Go); `None` once the destination owns it.
 pub struct Failure<'a> {
+    /// Why it failed.
     pub error: Error,
+    /// The source VM, still running, if the source kept the guest.
     pub vm: Option<RunningVm<'a>>,
 }
 

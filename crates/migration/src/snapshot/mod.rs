@@ -223,6 +223,7 @@ impl Snapshot {
         Ok((!chunk.zero).then_some(self))
     }
 
+    /// Its manifest.
     pub fn manifest(&self) -> &Manifest {
         &self.manifest
     }
@@ -232,6 +233,7 @@ impl Snapshot {
         &self.dir
     }
 
+    /// The VM's state.
     pub fn state(&self) -> &VmState {
         &self.state
     }
@@ -396,7 +398,9 @@ pub fn restore(snapshot: &Snapshot, mode: RestoreMode) -> Result<Vm> {
 /// first access and in the background. The pagers are dropped (and their threads joined) before
 /// the VM and its memory, as the field order says.
 pub struct LazyVm {
+    /// The pagers bringing the memory in, one per RAM region.
     pub pagers: Vec<Pager>,
+    /// The VM, not running yet.
     pub vm: Vm,
     /// Where the restore spent its time, step by step (the VM's build steps included).
     pub phases: Vec<(String, Duration)>,

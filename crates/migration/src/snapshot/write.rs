@@ -35,10 +35,13 @@ const SNAPSHOT_FILES: [&str; 5] = [MANIFEST, STATE, "memory", "sys", WORKING_SET
 /// How much a snapshot wrote.
 #[derive(Debug, Clone, Serialize)]
 pub struct WriteReport {
+    /// Bytes of guest memory the snapshot covers.
     pub memory_bytes: u64,
     /// Bytes of memory actually stored (non-zero pages).
     pub data_bytes: u64,
+    /// Chunks that were all zeros (holes).
     pub zero_chunks: u64,
+    /// Chunks in all.
     pub chunks: u64,
 }
 
