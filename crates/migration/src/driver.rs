@@ -1,7 +1,7 @@
 //! The driver: snapshot, restore (full, map, lazy) and live migration (pre-copy, post-copy,
 //! hybrid) of a VM with its [`Components`], in the order each step needs.
 //!
-//! - [`snapshot`]: pauses the vCPUs, then the components; writes the memory, the VM's state and
+//! - [`snapshot()`]: pauses the vCPUs, then the components; writes the memory, the VM's state and
 //!   the components' states. Both stay paused ([`resume`] lets them go on).
 //! - [`restore`]: builds the VM from a snapshot (memory copied, mapped or paged in lazily), puts
 //!   its vCPU state back and hands each component its state. Nothing runs until [`resume`].

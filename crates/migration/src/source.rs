@@ -70,7 +70,7 @@ pub struct SendOptions {
     /// are left out in every mode.
     pub compress: Compress,
     /// Pre-copy: bytes of the cache of pages' last versions sent, against which re-dirtied
-    /// pages travel as deltas (see [`crate::delta`]); `None`: [`DEFAULT_DELTA_CACHE_PERCENT`]
+    /// pages travel as deltas (see [`crate::delta`]); `None`: `DEFAULT_DELTA_CACHE_PERCENT`
     /// of guest memory less a 2 MiB page buffer per pages connection (none for a guest too
     /// small for that); `Some(0)`, the default: no delta encoding (the cache costs source
     /// memory and pays only when the guest re-dirties the same pages between rounds, which a

@@ -490,7 +490,7 @@ impl<'a> RunningVm<'a> {
     }
 
     /// Throttles the vCPUs (auto-converge): each spends `percent` % (at most 99) of every
-    /// [`THROTTLE_PERIOD`] out of the guest; 0 lets them run freely again.
+    /// `THROTTLE_PERIOD` out of the guest; 0 lets them run freely again.
     pub fn set_throttle(&mut self, percent: u64) -> Result<()> {
         self.vm.throttle.store(percent.min(99), Ordering::Release);
         if percent == 0 || self.ticker.is_some() {

@@ -19,7 +19,7 @@
 //! full restore as it copies, map restore for every chunk (zero chunks included: their range
 //! of the file must read as zeros) before it maps the file, lazy restore and the page server
 //! as each chunk is first served. A zero chunk is served as zeros whatever its file range
-//! holds. A snapshot is replaced atomically ([`write`]): a failed write leaves the previous one
+//! holds. A snapshot is replaced atomically ([`write()`]): a failed write leaves the previous one
 //! intact. CRC-32 finds damage, not a forger who also recomputes the manifest's checksum.
 
 mod manifest;

@@ -53,7 +53,7 @@ pub fn write(vm: &Vm, dir: &Path) -> Result<WriteReport> {
     write_snapshot(vm, dir, None, &[])
 }
 
-/// [`write`] with the states of the VM's components beside the VM's (in `state.json`), for
+/// [`write()`] with the states of the VM's components beside the VM's (in `state.json`), for
 /// [`super::Snapshot::components`] to hand back on restore.
 pub fn write_with_components(
     vm: &Vm,
