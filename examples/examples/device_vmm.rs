@@ -39,13 +39,13 @@ fn main() {
             println!("{arg}: downtime {:.1} ms", o.downtime_ms);
             println!(
                 "device at the source's stop: {} buffers filled ({} bytes); restored: {}",
-                o.source_device.seq, o.source_device.bytes, o.restored_device.seq
+                o.source.stopped.seq, o.source.stopped.bytes, o.arrived.restored.seq
             );
             println!(
                 "device region digest: source {:#018x}, destination {:#018x} ({})",
-                o.source_digest,
-                o.restored_digest,
-                if o.source_digest == o.restored_digest {
+                o.source.digest,
+                o.arrived.digest,
+                if o.source.digest == o.arrived.digest {
                     "equal"
                 } else {
                     "DIFFERENT"
@@ -54,7 +54,10 @@ fn main() {
             println!(
                 "then at the destination: {} buffers filled, all {} buffers hold their last \
                  fill; the guest went on from {} to {} pages",
-                o.final_device.seq, o.verified_buffers, o.guest_pages.0, o.guest_pages.1
+                o.arrived.after.seq,
+                o.arrived.verified_buffers,
+                o.arrived.guest_pages.0,
+                o.arrived.guest_pages.1
             );
         }
         Err(e) => {

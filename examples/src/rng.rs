@@ -23,6 +23,7 @@ use std::time::Duration;
 use guestmem_memory::vmm_compat::VmGuestMemory;
 use guestmem_memory::GuestMemory;
 use guestmem_migration::component::{Component, ComponentError};
+use guestmem_vm::payload::page_value;
 use serde::{Deserialize, Serialize};
 use virtio_queue::desc::split::Descriptor;
 use virtio_queue::desc::RawDescriptor;
@@ -123,16 +124,15 @@ fn lock(inner: &Mutex<Inner>) -> MutexGuard<'_, Inner> {
     inner.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// The bytes of the fill with sequence number `seq`: the number, then xorshift64* from it.
+/// The bytes of the fill with sequence number `seq`: the number, then the values the
+/// payload's `dirty` workload would write with `seq` as its seed (one per word).
 pub fn fill(seq: u64, len: usize) -> Vec<u8> {
     let mut out = Vec::with_capacity(len + 8);
     out.extend_from_slice(&seq.to_le_bytes());
-    let mut x = seq.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut word = 1;
     while out.len() < len {
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        out.extend_from_slice(&x.wrapping_mul(0x2545_f491_4f6c_dd1d).to_le_bytes());
+        out.extend_from_slice(&page_value(seq, word, 0).to_le_bytes());
+        word += 1;
     }
     out.truncate(len);
     out

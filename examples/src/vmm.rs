@@ -45,25 +45,39 @@ pub enum How {
 /// What a run saw.
 #[derive(Debug)]
 pub struct Outcome {
+    /// At the source.
+    pub source: Left,
+    /// At the destination (or in the restored VM).
+    pub arrived: Arrived,
+    /// The migration's downtime (0 for a snapshot).
+    pub downtime_ms: f64,
+}
+
+/// What the source saw.
+#[derive(Debug)]
+pub struct Left {
     /// The device's counters when the move began (the migration connected, or the snapshot
     /// was asked for).
-    pub moving_device: Stats,
-    /// The device's counters when the source stopped it.
-    pub source_device: Stats,
-    /// Its counters when the destination (restored) got it, before it ran there.
-    pub restored_device: Stats,
-    /// Its counters after it ran on at the destination.
-    pub final_device: Stats,
-    /// Digest of the device's region on the source when stopped.
-    pub source_digest: u64,
-    /// Digest of the device's region on the destination before the device ran there.
-    pub restored_digest: u64,
-    /// Buffers the destination's device checked (each holds its last fill) after running on.
+    pub moving: Stats,
+    /// Its counters when the source stopped it.
+    pub stopped: Stats,
+    /// Digest of the device's region then.
+    pub digest: u64,
+}
+
+/// What the destination saw.
+#[derive(Debug)]
+pub struct Arrived {
+    /// The device's counters when it got its state, before it ran.
+    pub restored: Stats,
+    /// Digest of the device's region then.
+    pub digest: u64,
+    /// Its counters after it ran on.
+    pub after: Stats,
+    /// Buffers it checked (each holds its last fill) after running on.
     pub verified_buffers: usize,
     /// Pages the payload's vCPUs had done at the switch-over, and after running on.
     pub guest_pages: (u64, u64),
-    /// The migration's downtime (0 for a snapshot).
-    pub downtime_ms: f64,
 }
 
 /// The VM: the payload's RAM, and the device's region.
@@ -120,22 +134,27 @@ fn start<'v>(vm: &'v mut Vm, dev: &mut RngDevice) -> Result<RunningVm<'v>, Error
     Ok(running)
 }
 
-/// Lets the restored VM and its device run on (the guest had done `before` pages), then
-/// stops both and checks the device's buffers.
+/// Lets the restored VM and its device run on (the device was restored as `restored`, and
+/// its region's digest was `digest`; the guest had done `before` pages), then stops both and
+/// checks the device's buffers.
 fn run_on(
     running: RunningVm<'_>,
     dev: &mut RngDevice,
-    restored: Stats,
-    before: u64,
-) -> Result<(Stats, usize, (u64, u64)), Error> {
+    (restored, digest, before): (Stats, u64, u64),
+) -> Result<Arrived, Error> {
     let pages = |r: &RunningVm<'_>| r.progress().iter().map(|p| p.0).sum::<u64>();
     wait("the device and the guest to go on", || {
         dev.stats().seq > restored.seq + 500 && pages(&running) > before + 1000
     })?;
     dev.pause()?;
     let vm = running.pause()?;
-    let after = vm.pages_done().iter().sum();
-    Ok((dev.stats(), dev.verify()?, (before, after)))
+    Ok(Arrived {
+        restored,
+        digest,
+        after: dev.stats(),
+        verified_buffers: dev.verify()?,
+        guest_pages: (before, vm.pages_done().iter().sum()),
+    })
 }
 
 /// Runs the example: the VM and device start, move as `how` says, and go on. The source's
@@ -175,17 +194,17 @@ fn migrate(mode: Mode, writes: Writes, scratch: &Path) -> Result<Outcome, Error>
         let running = transfer.resume(&mut vm)?;
         let digest = device_digest(&running.memory().clone())?;
         Components::new(vec![&mut dev as &mut dyn Component])?.resume()?;
-        let (last, verified, pages) = run_on(running, &mut dev, restored, before)?;
+        let arrived = run_on(running, &mut dev, (restored, digest, before))?;
         // Post-copy: every page arrived (the source is told, and ends its send).
         transfer.finish()?;
-        Ok((restored, digest, last, verified, pages))
+        Ok(arrived)
     });
 
     let mut vm = Vm::new(&config())?;
     let memory = vm.memory().clone();
     let mut dev = device().with_writes(writes);
     let running = start(&mut vm, &mut dev)?;
-    let moving_device = dev.stats();
+    let moving = dev.stats();
     let links = Links::connect(
         &endpoint,
         &Credentials::load(scratch, Role::Source)?,
@@ -216,42 +235,41 @@ fn migrate(mode: Mode, writes: Writes, scratch: &Path) -> Result<Outcome, Error>
             .into());
         }
     };
-    let source_device = dev.stats();
     dev.verify()?;
-    let source_digest = device_digest(&memory)?;
-    let (restored_device, restored_digest, final_device, verified_buffers, guest_pages) =
-        destination
-            .join()
-            .map_err(|_| "the destination panicked")??;
+    let source = Left {
+        moving,
+        stopped: dev.stats(),
+        digest: device_digest(&memory)?,
+    };
+    let arrived = destination
+        .join()
+        .map_err(|_| "the destination panicked")??;
     Ok(Outcome {
-        moving_device,
-        source_device,
-        restored_device,
-        final_device,
-        source_digest,
-        restored_digest,
-        verified_buffers,
-        guest_pages,
+        source,
+        arrived,
         downtime_ms: report.downtime_ms,
     })
 }
 
 fn snapshot(restore: &str, scratch: &Path) -> Result<Outcome, Error> {
     let dir: PathBuf = scratch.join("snapshot");
-    let moving_device;
-    let (source_device, source_digest) = {
+    let source = {
         let mut vm = Vm::new(&config())?;
         let mut dev = device();
         let running = start(&mut vm, &mut dev)?;
         let memory = running.memory().clone();
-        moving_device = dev.stats();
+        let moving = dev.stats();
         let mut machine = PayloadVm::running(running);
         driver::snapshot(
             &mut machine,
             &mut Components::new(vec![&mut dev as &mut dyn Component])?,
             &dir,
         )?;
-        (dev.stats(), device_digest(&memory)?)
+        Left {
+            moving,
+            stopped: dev.stats(),
+            digest: device_digest(&memory)?,
+        }
     };
 
     let snap = Snapshot::open(&dir)?;
@@ -269,23 +287,15 @@ fn snapshot(restore: &str, scratch: &Path) -> Result<Outcome, Error> {
     )?;
     dev.attach(restored.vm.memory())?;
     let restored_device = dev.stats();
-    let restored_digest = device_digest(restored.vm.memory())?;
+    let digest = device_digest(restored.vm.memory())?;
     let before = restored.vm.pages_done().iter().sum();
     let running = driver::resume(
         &mut restored.vm,
         &mut Components::new(vec![&mut dev as &mut dyn Component])?,
     )?;
-    let (final_device, verified_buffers, guest_pages) =
-        run_on(running, &mut dev, restored_device, before)?;
     Ok(Outcome {
-        moving_device,
-        source_device,
-        restored_device,
-        final_device,
-        source_digest,
-        restored_digest,
-        verified_buffers,
-        guest_pages,
+        source,
+        arrived: run_on(running, &mut dev, (restored_device, digest, before))?,
         downtime_ms: 0.0,
     })
 }

@@ -15,14 +15,13 @@ use crate::chunk_digests::{self, ChunkDigests, RegionDigest};
 use crate::component::{payload_state, Components};
 use crate::migrate::{
     block_connection, frame_name, link_error, percentile, read_frame, read_hello, read_json,
-    write_frame, ChannelRole, Hello, Links, Mode, Setup, StaleChunks, Switchover, BLOCK, FORMAT,
-    HEARTBEAT_INTERVAL, POSTCOPY_CHUNK,
+    unexpected_frame, write_frame, ChannelRole, Hello, Links, Mode, Setup, StaleChunks, Switchover,
+    BLOCK, FORMAT, HEARTBEAT_INTERVAL, POSTCOPY_CHUNK,
 };
-use crate::migration_error::chain_text;
 use crate::source::memory_digest;
 use crate::stream::{Frame, FrameRef, MAX_REQUEST};
 use crate::transport::{Accepted, Connection, Cutter, Listener, Role, Timeouts};
-use crate::{Error, MigrationError, Peer, Result};
+use crate::{error_chain, Error, MigrationError, Peer, Result};
 
 /// Post-copy, after the link broke: how long the destination's vCPUs wait for the source to
 /// reconnect (it tries every second by itself, and `guestmem migrate resume` can point it
@@ -168,7 +167,7 @@ pub fn receive_components(
     let setup: Setup = read_json(&mut links.pages[0], "VM setup")?;
     // Refusals are told to the source (which keeps the guest), causes included.
     let refuse = |links: &mut Links, e: MigrationError| {
-        let reason = chain_text(&e);
+        let reason = error_chain(&e, ": ");
         let _ = write_frame(&mut links.pages[0], &Frame::Abort { reason });
         Error::Migration(e)
     };
@@ -770,19 +769,7 @@ fn refuse(conn: &mut Connection, why: String) {
 }
 
 fn refused_by_source(frame: &Frame, wanted: &'static str) -> Error {
-    match frame {
-        Frame::Abort { reason } => MigrationError::PeerGaveUp {
-            peer: Peer::Source,
-            reason: reason.clone(),
-        }
-        .into(),
-        other => MigrationError::UnexpectedFrame {
-            peer: Peer::Source,
-            expected: wanted,
-            got: frame_name(other),
-        }
-        .into(),
-    }
+    unexpected_frame(Peer::Source, frame, wanted)
 }
 
 /// `: ` and the guest ranges of the regions whose digests differ, when both sides' region

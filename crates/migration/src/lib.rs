@@ -20,7 +20,7 @@ pub mod transport;
 use std::io;
 use std::path::{Path, PathBuf};
 
-pub use migration_error::{MigrationError, Peer};
+pub use migration_error::{error_chain, MigrationError, Peer};
 
 /// What snapshot and migration operations return.
 pub type Result<T> = std::result::Result<T, Error>;

@@ -432,6 +432,23 @@ pub(crate) fn frame_name(frame: &Frame) -> &'static str {
     }
 }
 
+/// What `peer` sent instead of `wanted`: its Abort's reason, or the frame that came.
+pub(crate) fn unexpected_frame(peer: Peer, frame: &Frame, wanted: &'static str) -> Error {
+    match frame {
+        Frame::Abort { reason } => MigrationError::PeerGaveUp {
+            peer,
+            reason: reason.clone(),
+        }
+        .into(),
+        other => MigrationError::UnexpectedFrame {
+            peer,
+            expected: wanted,
+            got: frame_name(other),
+        }
+        .into(),
+    }
+}
+
 pub(crate) fn link_error(what: &str, source: std::io::Error) -> Error {
     MigrationError::Link {
         what: what.into(),

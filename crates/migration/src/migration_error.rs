@@ -191,15 +191,16 @@ pub enum MigrationError {
     StaleDigests,
 }
 
-/// `e` and its causes on one line, each once (a cause whose text is already there is left
-/// out): what a side tells its peer when it refuses.
-pub(crate) fn chain_text(e: &(dyn std::error::Error + 'static)) -> String {
+/// `e` and its chain of causes, each once: a cause whose text is already there (an error that
+/// also prints its source) is left out, the others follow after `separator`. What a side tells
+/// its peer when it refuses (`": "`), and how the CLI prints an error.
+pub fn error_chain(e: &(dyn std::error::Error + 'static), separator: &str) -> String {
     let mut text = e.to_string();
     let mut source = e.source();
     while let Some(s) = source {
         let cause = s.to_string();
         if !text.contains(&cause) {
-            text.push_str(": ");
+            text.push_str(separator);
             text.push_str(&cause);
         }
         source = s.source();
@@ -222,7 +223,7 @@ mod tests {
         });
         assert_eq!(e.to_string(), "receiving pages");
         assert_eq!(
-            chain_text(&e),
+            error_chain(&e, ": "),
             "receiving pages: reading pages connection 1: connection reset"
         );
         assert!(matches!(

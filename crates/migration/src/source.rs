@@ -20,8 +20,8 @@ use crate::compress::{Compress, CompressionReport, Compressor};
 use crate::delta::{DeltaCache, DeltaReport, Partition};
 use crate::destination::DestinationReport;
 use crate::migrate::{
-    block_connection, frame_name, link_error, read_frame, write_frame, Links, Mode, Resume, Setup,
-    StaleChunks, Switchover, BLOCK, POSTCOPY_CHUNK,
+    block_connection, link_error, read_frame, unexpected_frame, write_frame, Links, Mode, Resume,
+    Setup, StaleChunks, Switchover, BLOCK, POSTCOPY_CHUNK,
 };
 use crate::stream::{compress_pages, Frame, StreamError};
 use crate::transport::{Connection, Cutter};
@@ -446,19 +446,7 @@ pub fn send_machine(
 }
 
 fn unexpected(frame: &Frame, wanted: &'static str) -> Error {
-    match frame {
-        Frame::Abort { reason } => MigrationError::PeerGaveUp {
-            peer: Peer::Destination,
-            reason: reason.clone(),
-        }
-        .into(),
-        other => MigrationError::UnexpectedFrame {
-            peer: Peer::Destination,
-            expected: wanted,
-            got: frame_name(other),
-        }
-        .into(),
-    }
+    unexpected_frame(Peer::Destination, frame, wanted)
 }
 
 struct Source<'o> {
