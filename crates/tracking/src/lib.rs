@@ -251,6 +251,45 @@ impl DirtyBitmap {
     }
 }
 
+/// Every page of every region that `pick` selects.
+pub fn full_bitmaps(memory: &GuestMemory, pick: impl Fn(&Region) -> bool) -> Vec<DirtyBitmap> {
+    memory
+        .regions()
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| pick(r))
+        .map(|(slot, r)| {
+            let pages = r.size() / PAGE_SIZE;
+            let mut bits = vec![u64::MAX; pages.div_ceil(64) as usize];
+            if !pages.is_multiple_of(64) {
+                *bits.last_mut().expect("a region has pages") = (1 << (pages % 64)) - 1;
+            }
+            DirtyBitmap {
+                slot: slot as u32,
+                gpa: r.gpa(),
+                pages,
+                bits,
+            }
+        })
+        .collect()
+}
+
+/// The union of two harvests.
+pub fn merge(mut a: Vec<DirtyBitmap>, b: Vec<DirtyBitmap>) -> Vec<DirtyBitmap> {
+    for other in b {
+        match a.iter_mut().find(|x| x.slot == other.slot) {
+            Some(x) => x
+                .bits
+                .iter_mut()
+                .zip(&other.bits)
+                .for_each(|(x, y)| *x |= y),
+            None => a.push(other),
+        }
+    }
+    a.sort_by_key(|b| b.gpa);
+    a
+}
+
 /// Whether the guest's writes to `region` can be tracked (see [`Tracker::start`]).
 pub fn tracked(region: &Region) -> bool {
     region.backend() != guestmem_memory::Backend::GuestMemfd
@@ -553,6 +592,38 @@ mod tests {
         assert!(b.contains(page(65)) && !b.contains(page(66)));
         assert!(!b.contains(page(200)) && !b.contains(0x3fff_f000));
         assert_eq!(DirtyBitmap::new(0, 0, 64).ranges().count(), 0);
+    }
+
+    #[test]
+    fn full_bitmaps_cover_every_page_and_merge_is_a_union() {
+        use guestmem_memory::{Backend, RegionSpec};
+        let memory = GuestMemory::new(
+            &[
+                RegionSpec::new("a", 0, 70 * PAGE_SIZE, Backend::Anon),
+                RegionSpec::new("b", 1 << 30, 64 * PAGE_SIZE, Backend::Anon),
+            ],
+            None,
+        )
+        .unwrap();
+        let full = full_bitmaps(&memory, |_| true);
+        assert_eq!(full.iter().map(|b| b.count()).collect::<Vec<_>>(), [70, 64]);
+        assert_eq!(full[0].bits, [u64::MAX, (1 << 6) - 1]);
+        let only_b = full_bitmaps(&memory, |r| r.name() == "b");
+        assert_eq!((only_b.len(), only_b[0].slot), (1, 1));
+
+        let mut one = DirtyBitmap::new(0, 0, 70);
+        one.bits[1] = 0b100;
+        let mut other = DirtyBitmap::new(0, 0, 70);
+        other.bits[0] = 0b1;
+        let merged = merge(only_b.clone(), vec![one]);
+        let merged = merge(merged, vec![other]);
+        // Sorted by address, slot 0's pages 0 and 66 beside all of slot 1.
+        assert_eq!(merged.len(), 2);
+        assert_eq!(
+            (merged[0].slot, merged[0].bits.clone()),
+            (0, vec![1, 0b100])
+        );
+        assert_eq!(merged[1], only_b[0]);
     }
 
     #[test]
