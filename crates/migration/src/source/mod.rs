@@ -288,6 +288,20 @@ impl<'o> Source<'o> {
         }
     }
 
+    /// Writer threads for round `round` (`last`: the one with the guest stopped), on the pages
+    /// connections of `links` (taken out until they are joined).
+    fn writers(&self, links: &mut Links, round: u32, last: bool) -> Writers {
+        Writers::spawn(
+            std::mem::take(&mut links.pages),
+            &self.memory,
+            self.opts.whole_pages,
+            self.compressor.clone(),
+            self.chunks.clone(),
+            self.delta.clone(),
+            (round, last),
+        )
+    }
+
     fn ms(&self) -> f64 {
         self.started.elapsed().as_secs_f64() * 1e3
     }
@@ -410,15 +424,7 @@ impl<'o> Source<'o> {
         let mut round = 1;
         let mut strikes = 0;
         loop {
-            let writers = Writers::spawn(
-                std::mem::take(&mut links.pages),
-                &self.memory,
-                self.opts.whole_pages,
-                self.compressor.clone(),
-                self.chunks.clone(),
-                self.delta.clone(),
-                (round, false),
-            );
+            let writers = self.writers(links, round, false);
             let sent = self.send_round(&mut Some(&mut *tracker), &dirty, round, writers, false);
             let (conns, stats) = sent?;
             links.pages = conns;
@@ -718,15 +724,7 @@ impl<'o> Source<'o> {
         } else {
             None
         };
-        let writers = Writers::spawn(
-            std::mem::take(&mut links.pages),
-            &self.memory,
-            self.opts.whole_pages,
-            self.compressor.clone(),
-            self.chunks.clone(),
-            self.delta.clone(),
-            (round, true),
-        );
+        let writers = self.writers(links, round, true);
         let (conns, mut stats) = self.send_round(&mut tracker, &dirty, round, writers, true)?;
         links.pages = conns;
         stats.throttle_percent = 0;
