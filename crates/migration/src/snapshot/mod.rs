@@ -316,13 +316,22 @@ pub(crate) fn read_regular(path: &Path) -> Result<Vec<u8>> {
 }
 
 /// What `state.json` holds: the VM's state and, beside its fields, the components' states
-/// (absent when there are none, as in snapshots written before components).
-#[derive(Serialize, Deserialize)]
+/// (absent when there are none, as in snapshots written before components). Read in two
+/// passes ([`VmState`] ignores the components, [`SavedComponents`] everything else), not
+/// through `flatten`, which would buffer every byte of the vCPU state first.
+#[derive(Serialize)]
 pub(crate) struct SavedState {
     #[serde(flatten)]
     pub vm: VmState,
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(skip_serializing_if = "Vec::is_empty")]
     pub components: Vec<ComponentState>,
+}
+
+/// The components' states of a `state.json` (see [`SavedState`]).
+#[derive(Deserialize)]
+struct SavedComponents {
+    #[serde(default)]
+    components: Vec<ComponentState>,
 }
 
 /// Parses `state.json` (read from `path`) for a VM of `vcpus` vCPUs: its shape, and one vCPU
@@ -333,10 +342,16 @@ pub fn parse_state(bytes: &[u8], vcpus: usize, path: &Path) -> Result<VmState> {
 }
 
 fn parse_saved_state(bytes: &[u8], vcpus: usize, path: &Path) -> Result<SavedState> {
-    let saved: SavedState = serde_json::from_slice(bytes).map_err(|e| Error::Json {
+    let json = |source| Error::Json {
         path: path.to_path_buf(),
-        source: e,
-    })?;
+        source,
+    };
+    let saved = SavedState {
+        vm: serde_json::from_slice(bytes).map_err(json)?,
+        components: serde_json::from_slice::<SavedComponents>(bytes)
+            .map_err(json)?
+            .components,
+    };
     let state = &saved.vm;
     if state.vcpus.len() != vcpus || state.work.len() != vcpus {
         return Err(Error::Corrupt(format!(
@@ -728,4 +743,48 @@ fn map_private(region: &Region, file: &File, file_offset: u64) -> io::Result<()>
         return Err(io::Error::last_os_error());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn component_states_sit_beside_the_vm_state_and_older_states_read_as_none() {
+        let vm = || VmState {
+            vcpus: Vec::new(),
+            clock: Default::default(),
+            work: Vec::new(),
+        };
+        let path = Path::new("state.json");
+        let components = vec![ComponentState {
+            name: "rng0".into(),
+            data: vec![1, 2, 0xff],
+        }];
+        let with = serde_json::to_vec(&SavedState {
+            vm: vm(),
+            components: components.clone(),
+        })
+        .unwrap();
+        assert_eq!(
+            parse_saved_state(&with, 0, path).unwrap().components,
+            components
+        );
+        // The VM state alone, as every snapshot before components: no key, no components.
+        let without = serde_json::to_vec(&SavedState {
+            vm: vm(),
+            components: Vec::new(),
+        })
+        .unwrap();
+        assert_eq!(without, serde_json::to_vec(&vm()).unwrap());
+        assert!(parse_saved_state(&without, 0, path)
+            .unwrap()
+            .components
+            .is_empty());
+        // A state for another vCPU count is refused, components or not.
+        assert!(matches!(
+            parse_saved_state(&with, 1, path),
+            Err(Error::Corrupt(_))
+        ));
+    }
 }
