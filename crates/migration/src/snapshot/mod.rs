@@ -316,9 +316,7 @@ pub(crate) fn read_regular(path: &Path) -> Result<Vec<u8>> {
 }
 
 /// What `state.json` holds: the VM's state and, beside its fields, the components' states
-/// (absent when there are none, as in snapshots written before components). Read in two
-/// passes ([`VmState`] ignores the components, [`SavedComponents`] everything else), not
-/// through `flatten`, which would buffer every byte of the vCPU state first.
+/// (absent when there are none, as in snapshots written before components).
 #[derive(Serialize)]
 pub(crate) struct SavedState {
     #[serde(flatten)]
@@ -327,9 +325,14 @@ pub(crate) struct SavedState {
     pub components: Vec<ComponentState>,
 }
 
-/// The components' states of a `state.json` (see [`SavedState`]).
+/// `state.json` as read: [`VmState`]'s fields (built into one at once, so a field added there
+/// must be added here) and the components', in one pass; `flatten` would buffer every byte of
+/// the vCPU state first, and lazy restore waits for this.
 #[derive(Deserialize)]
-struct SavedComponents {
+struct SavedFields {
+    vcpus: Vec<guestmem_vm::VcpuState>,
+    clock: kvm_bindings::kvm_clock_data,
+    work: Vec<guestmem_vm::VcpuWork>,
     #[serde(default)]
     components: Vec<ComponentState>,
 }
@@ -342,15 +345,17 @@ pub fn parse_state(bytes: &[u8], vcpus: usize, path: &Path) -> Result<VmState> {
 }
 
 fn parse_saved_state(bytes: &[u8], vcpus: usize, path: &Path) -> Result<SavedState> {
-    let json = |source| Error::Json {
+    let fields: SavedFields = serde_json::from_slice(bytes).map_err(|e| Error::Json {
         path: path.to_path_buf(),
-        source,
-    };
+        source: e,
+    })?;
     let saved = SavedState {
-        vm: serde_json::from_slice(bytes).map_err(json)?,
-        components: serde_json::from_slice::<SavedComponents>(bytes)
-            .map_err(json)?
-            .components,
+        vm: VmState {
+            vcpus: fields.vcpus,
+            clock: fields.clock,
+            work: fields.work,
+        },
+        components: fields.components,
     };
     let state = &saved.vm;
     if state.vcpus.len() != vcpus || state.work.len() != vcpus {
