@@ -1,6 +1,5 @@
 //! `guestmem`: the command-line face of the guestmem engine.
 
-mod bench;
 mod demo;
 mod migrate;
 mod numa;
@@ -10,8 +9,9 @@ mod populate;
 mod probe;
 mod run;
 mod snapshot;
-mod units;
 mod vm_args;
+
+use guestmem_bench::units;
 
 use clap::{Parser, Subcommand};
 
@@ -47,7 +47,7 @@ enum Command {
     Numa(numa::Args),
     /// Benchmarks that reproduce the seeds' tables.
     #[command(subcommand)]
-    Bench(bench::Bench),
+    Bench(guestmem_bench::Bench),
 }
 
 fn main() {
@@ -70,7 +70,7 @@ fn main() {
         Command::Payload(args) => payload::main(args),
         Command::Populate(args) => populate::main(args),
         Command::Numa(args) => numa::main(args),
-        Command::Bench(bench) => bench::main(bench),
+        Command::Bench(bench) => guestmem_bench::main(bench),
     };
     if let Err(e) = result {
         eprintln!("guestmem: error: {}", error_text(&*e));

@@ -29,23 +29,6 @@ pub enum Migrate {
     Keys(KeysArgs),
 }
 
-#[derive(Clone, Copy, clap::ValueEnum)]
-pub enum ModeArg {
-    Precopy,
-    Postcopy,
-    Hybrid,
-}
-
-impl From<ModeArg> for Mode {
-    fn from(m: ModeArg) -> Mode {
-        match m {
-            ModeArg::Precopy => Mode::Precopy,
-            ModeArg::Postcopy => Mode::Postcopy,
-            ModeArg::Hybrid => Mode::Hybrid,
-        }
-    }
-}
-
 #[derive(clap::Args)]
 pub struct SendArgs {
     /// Where the destination listens: tcp:HOST:PORT or unix:PATH.
@@ -86,8 +69,8 @@ pub struct SendArgs {
 pub struct HowArgs {
     /// precopy: rounds while the guest runs; postcopy: switch at once, pages on demand;
     /// hybrid: one pre-copy round, then post-copy.
-    #[arg(long, value_enum, default_value = "precopy")]
-    pub mode: ModeArg,
+    #[arg(long, default_value = "precopy")]
+    pub mode: Mode,
     /// Pre-copy stops the guest once the rest fits in this many milliseconds.
     #[arg(long, default_value_t = 50)]
     pub downtime_ms: u64,
@@ -229,7 +212,7 @@ impl HowArgs {
             })?),
         };
         Ok(SendOptions {
-            mode: self.mode.into(),
+            mode: self.mode,
             downtime: Duration::from_millis(self.downtime_ms),
             auto_converge: !self.no_auto_converge,
             max_bandwidth,

@@ -92,6 +92,16 @@ impl std::fmt::Display for Mode {
     }
 }
 
+impl std::str::FromStr for Mode {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Mode, String> {
+        [Mode::Precopy, Mode::Postcopy, Mode::Hybrid]
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| format!("unknown migration mode '{s}' (precopy, postcopy or hybrid)"))
+    }
+}
+
 /// Bytes per post-copy chunk: what one fault fetches (small enough to keep the fault latency
 /// well under a millisecond on a local link; see docs/benchmarks.md).
 pub const POSTCOPY_CHUNK: u64 = 128 << 10;
@@ -477,4 +487,18 @@ pub(crate) fn percentile(sorted: &[Duration], p: f64) -> Duration {
     }
     let i = ((sorted.len() - 1) as f64 * p / 100.0).round() as usize;
     sorted[i.min(sorted.len() - 1)]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Mode;
+
+    #[test]
+    fn modes_parse_by_their_names() {
+        for m in [Mode::Precopy, Mode::Postcopy, Mode::Hybrid] {
+            assert_eq!(m.name().parse::<Mode>(), Ok(m));
+        }
+        let e = "lazy".parse::<Mode>().unwrap_err();
+        assert!(e.contains("'lazy'") && e.contains("hybrid"), "{e}");
+    }
 }
