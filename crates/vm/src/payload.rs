@@ -158,9 +158,11 @@ pub enum PvhWorkload {
 }
 
 impl PvhWorkload {
+    /// Every PVH workload.
     pub const ALL: [PvhWorkload; 3] =
         [PvhWorkload::Dirty, PvhWorkload::Touch, PvhWorkload::Rewrite];
 
+    /// The workload's name (as the CLI takes it).
     pub fn name(self) -> &'static str {
         match self {
             PvhWorkload::Dirty => "dirty",
@@ -187,12 +189,15 @@ pub const MIN_RANGE_START: u64 = crate::layout::SYS_GPA + crate::layout::SYS_SIZ
 /// Parameters no PVH payload can run with.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PvhParamsError {
+    /// A range that starts inside the payload area.
     #[error(
         "range start {0:#x} is inside the payload area; use {MIN_RANGE_START:#x} (8 MiB) or above"
     )]
     RangeStartInPayloadArea(u64),
+    /// A throttle for the `touch` workload, which runs at full speed.
     #[error("--pages-per-s throttles the `dirty` workload; `touch` runs at full speed")]
     TouchThrottled,
+    /// A throttle of zero pages per second.
     #[error("--pages-per-s must be at least 1")]
     ZeroRate,
 }
