@@ -82,17 +82,7 @@ fn main() {
 /// (or an earlier cause) already carries is left out (several errors put their source's text
 /// in their message and also return it as `source()`), the others follow on lines of their own.
 pub fn error_text(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        let cause = s.to_string();
-        if !text.contains(&cause) {
-            text.push_str("\n  caused by: ");
-            text.push_str(&cause);
-        }
-        source = s.source();
-    }
-    text
+    guestmem_migration::error_chain(e, "\n  caused by: ")
 }
 
 /// Errors of any command: each names what went wrong.

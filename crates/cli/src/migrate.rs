@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use guestmem_migration::compress::Compress;
 use guestmem_migration::migrate::{self, Links, Mode, ReceiveOptions, Report, SendOptions};
 use guestmem_migration::transport::{generate_credentials, Credentials, Endpoint, Listener, Role};
+use guestmem_migration::MigrationError;
 use guestmem_vm::{layout, VcpuWork, Vm, Workload};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
@@ -424,8 +425,11 @@ fn wait_for_resume(
     creds: &Credentials,
     dead_after: Duration,
 ) -> guestmem_migration::Result<Links> {
-    let fail = |what: &str, e: std::io::Error| {
-        guestmem_migration::Error::Migration(format!("{}: {what}: {e}", control.display()))
+    let fail = |what: &str, source: std::io::Error| {
+        guestmem_migration::Error::from(MigrationError::Link {
+            what: format!("{}: {what}", control.display()),
+            source,
+        })
     };
     let _ = std::fs::remove_file(control);
     let listener = UnixListener::bind(control).map_err(|e| fail("bind", e))?;
@@ -492,13 +496,17 @@ fn wait_for_resume(
                     let since = *refused_since.get_or_insert_with(Instant::now);
                     if since.elapsed() >= dead_after {
                         let _ = std::fs::remove_file(control);
-                        return Err(guestmem_migration::Error::Migration(format!(
-                            "{DEAD}: nothing has listened at {to} for {:.0} s since the \
-                             post-copy link broke {:.0} s ago ({}; last attempt: {e}). {split}",
-                            since.elapsed().as_secs_f64(),
-                            broke.elapsed().as_secs_f64(),
-                            resume.reason
-                        )));
+                        return Err(MigrationError::Dead {
+                            reason: format!(
+                                "{DEAD}: nothing has listened at {to} for {:.0} s since the \
+                                 post-copy link broke {:.0} s ago ({}; last attempt: {e}). \
+                                 {split}",
+                                since.elapsed().as_secs_f64(),
+                                broke.elapsed().as_secs_f64(),
+                                resume.reason
+                            ),
+                        }
+                        .into());
                     }
                 }
                 Err(e) => {
@@ -506,12 +514,16 @@ fn wait_for_resume(
                     tracing::info!("reconnecting to {to}: {e}");
                     if broke.elapsed() >= 2 * dead_after {
                         let _ = std::fs::remove_file(control);
-                        return Err(guestmem_migration::Error::Migration(format!(
-                            "{UNRESPONSIVE}: no reconnection to {to} succeeded in the {:.0} s \
-                             since the post-copy link broke ({}; last attempt: {e}). {split}",
-                            broke.elapsed().as_secs_f64(),
-                            resume.reason
-                        )));
+                        return Err(MigrationError::Dead {
+                            reason: format!(
+                                "{UNRESPONSIVE}: no reconnection to {to} succeeded in the {:.0} \
+                                 s since the post-copy link broke ({}; last attempt: {e}). \
+                                 {split}",
+                                broke.elapsed().as_secs_f64(),
+                                resume.reason
+                            ),
+                        }
+                        .into());
                     }
                 }
             }

@@ -21,7 +21,16 @@ use guestmem_memory::{Backend, GuestMemory};
 use userfaultfd::{Event, FeatureFlags, Uffd, UffdBuilder};
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::{Error, Result};
+use crate::destination::outside_memory;
+use crate::{Error, MigrationError, Result};
+
+fn failure(op: &str, e: impl std::error::Error + Send + Sync + 'static) -> Error {
+    MigrationError::Landing {
+        op: op.to_string(),
+        source: Box::new(e),
+    }
+    .into()
+}
 
 const PAGE: usize = 4096;
 /// A fault on a page not landed yet zero-maps up to this many bytes from it (stopping at the
@@ -68,9 +77,7 @@ impl Landing {
         if regions.iter().any(|r| r.backend() == Backend::Memfd) {
             features |= FeatureFlags::MISSING_SHMEM;
         }
-        let failed = |op: &str, e: userfaultfd::Error| {
-            Error::Migration(format!("landing pages with userfaultfd: {op}: {e}"))
-        };
+        let failed = |op: &str, e: userfaultfd::Error| failure(op, e);
         let uffd = UffdBuilder::new()
             .close_on_exec(true)
             .non_blocking(true)
@@ -86,10 +93,7 @@ impl Landing {
             ranges.push((host, len));
         }
         let uffd = Arc::new(uffd);
-        let stop = Arc::new(
-            EventFd::new(libc::EFD_CLOEXEC)
-                .map_err(|e| Error::Migration(format!("landing pages: eventfd: {e}")))?,
-        );
+        let stop = Arc::new(EventFd::new(libc::EFD_CLOEXEC).map_err(|e| failure("eventfd", e))?);
         let zero_faults = Arc::new(AtomicU64::new(0));
         let mut landing = Landing {
             uffd: uffd.clone(),
@@ -103,7 +107,7 @@ impl Landing {
         let answerer = std::thread::Builder::new()
             .name("migrate-land".into())
             .spawn(move || answer_faults(&uffd, &ranges, &stop, &zero_faults))
-            .map_err(|e| Error::Migration(format!("landing pages: spawning a thread: {e}")))?;
+            .map_err(|e| failure("spawning a thread", e))?;
         landing.answerer = Some(answerer);
         Ok(Some(landing))
     }
@@ -153,10 +157,10 @@ impl Landing {
                     done += PAGE;
                 }
                 Err(e) => {
-                    return Err(Error::Migration(format!(
-                        "landing pages at {:#x}: UFFDIO_COPY: {e}",
-                        gpa + done as u64
-                    )))
+                    return Err(failure(
+                        &format!("UFFDIO_COPY at {:#x}", gpa + done as u64),
+                        e,
+                    ))
                 }
             }
         }
@@ -166,11 +170,7 @@ impl Landing {
     /// Makes `len` bytes at `gpa` (whole pages, inside one region of `memory`) read zero:
     /// zero pages mapped where pages are missing, zeros written where present.
     pub(crate) fn zero(&self, memory: &GuestMemory, gpa: u64, len: u64) -> Result<()> {
-        let (_, host) = memory.find(gpa, len).map_err(|e| {
-            Error::Migration(format!(
-                "the source sent pages outside this VM's memory: {e}"
-            ))
-        })?;
+        let (_, host) = memory.find(gpa, len).map_err(outside_memory)?;
         let (host, len) = (host as usize, len as usize);
         if !self.registered(host, len) {
             // SAFETY: `find` checked the range; only this reader writes its block.
@@ -230,9 +230,10 @@ impl Landing {
                 self.overwritten.fetch_add(PAGE as u64, Ordering::Relaxed);
                 Ok(())
             }
-            Err(e) => Err(Error::Migration(format!(
-                "landing a page at host {dst:#x}: UFFDIO_COPY: {e}"
-            ))),
+            Err(e) => Err(failure(
+                &format!("UFFDIO_COPY of one page at host {dst:#x}"),
+                e,
+            )),
         }
     }
 
@@ -243,7 +244,7 @@ impl Landing {
         for &(host, len) in &self.ranges {
             self.uffd
                 .unregister(host as *mut libc::c_void, len)
-                .map_err(|e| Error::Migration(format!("landing pages: UFFDIO_UNREGISTER: {e}")))?;
+                .map_err(|e| failure("UFFDIO_UNREGISTER", e))?;
         }
         self.ranges.clear();
         Ok(self.stats())

@@ -23,9 +23,13 @@ pub fn page_value(seed: u64, gpa: u64, generation: u64) -> u64 {
 /// stores `value` at the start of the last of those lines.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Rewrite {
+    /// The value stored at the start of the last line copied.
     pub value: u64,
+    /// The first line copied.
     pub first_line: u64,
+    /// How many lines are copied.
     pub lines: u64,
+    /// The page the lines come from.
     pub source_gpa: u64,
 }
 
@@ -84,6 +88,7 @@ pub struct PvhParams {
     pub range_start: u64,
     /// At most this many bytes of RAM from `range_start`, holes skipped (0: all of it).
     pub range_bytes: u64,
+    /// The seed of the values the workload writes.
     pub seed: u64,
     /// Throttle: TSC ticks per page written (0: full speed).
     pub tsc_per_page: u64,
@@ -153,9 +158,11 @@ pub enum PvhWorkload {
 }
 
 impl PvhWorkload {
+    /// Every PVH workload.
     pub const ALL: [PvhWorkload; 3] =
         [PvhWorkload::Dirty, PvhWorkload::Touch, PvhWorkload::Rewrite];
 
+    /// The workload's name (as the CLI takes it).
     pub fn name(self) -> &'static str {
         match self {
             PvhWorkload::Dirty => "dirty",
@@ -182,12 +189,15 @@ pub const MIN_RANGE_START: u64 = crate::layout::SYS_GPA + crate::layout::SYS_SIZ
 /// Parameters no PVH payload can run with.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PvhParamsError {
+    /// A range that starts inside the payload area.
     #[error(
         "range start {0:#x} is inside the payload area; use {MIN_RANGE_START:#x} (8 MiB) or above"
     )]
     RangeStartInPayloadArea(u64),
+    /// A throttle for the `touch` workload, which runs at full speed.
     #[error("--pages-per-s throttles the `dirty` workload; `touch` runs at full speed")]
     TouchThrottled,
+    /// A throttle of zero pages per second.
     #[error("--pages-per-s must be at least 1")]
     ZeroRate,
 }
