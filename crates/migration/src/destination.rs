@@ -977,7 +977,7 @@ fn apply_pages(
                         Some(l) => l.zero(memory, gpa + done, n),
                         None => memory
                             .write(gpa + done, &zeros[..n as usize])
-                            .map_err(|e| outside_memory(e)),
+                            .map_err(outside_memory),
                     };
                     done += n;
                 }

@@ -192,6 +192,8 @@ impl Landing {
                     // else written (only this reader writes its block).
                     if unsafe { self.uffd.zeropage(dst as *mut libc::c_void, PAGE, true) }.is_err()
                     {
+                        // SAFETY: the page is present, inside a live mapping, and only this
+                        // reader writes its block.
                         unsafe { std::ptr::write_bytes(dst as *mut u8, 0, PAGE) };
                     }
                     done += PAGE;
