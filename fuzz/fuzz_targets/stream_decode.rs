@@ -20,7 +20,7 @@ fuzz_target!(|data: &[u8]| {
             frame.apply_delta(&mut pages).expect("a decoded delta applies");
             let mut placed = vec![0x5au8; pages.len()];
             let (slot, mut buf) = (&mut placed[..], Vec::new());
-            let got = Frame::read_into(&mut &again[..], &mut buf, move |_, _| Some(slot));
+            let got = Frame::read_into(&mut &again[..], &mut buf, move |_, _, _| Some(slot));
             assert!(matches!(got, Ok(FrameRef::Patched { .. })));
             assert!(placed == pages);
         }

@@ -13,13 +13,14 @@ use serde::{Deserialize, Serialize};
 
 use crate::chunk_digests::{self, ChunkDigests, RegionDigest};
 use crate::component::{payload_state, Components};
+use crate::landing::Landing;
 use crate::migrate::{
     block_connection, frame_name, link_error, percentile, read_frame, read_hello, read_json,
     unexpected_frame, write_frame, ChannelRole, Hello, Links, Mode, Setup, StaleChunks, Switchover,
     BLOCK, FORMAT, HEARTBEAT_INTERVAL, POSTCOPY_CHUNK,
 };
 use crate::source::memory_digest;
-use crate::stream::{Frame, FrameRef, MAX_REQUEST};
+use crate::stream::{Frame, FrameRef, Lend, MAX_REQUEST};
 use crate::transport::{Accepted, Connection, Cutter, Listener, Role, Timeouts};
 use crate::{error_chain, Error, MigrationError, Peer, Result};
 
@@ -260,6 +261,20 @@ pub fn receive_components(
         _ => None,
     };
 
+    // Pre-copy's rounds land in fresh memory with UFFDIO_COPY where the kernel lets us (a
+    // refusal only costs speed: the pages are then written in place).
+    let landing = if setup.mode == Mode::Postcopy {
+        None
+    } else {
+        match Landing::arm(&memory, &setup.shared) {
+            Ok(l) => l.map(Arc::new),
+            Err(e) => {
+                tracing::warn!("pages land by plain writes: {e}");
+                None
+            }
+        }
+    };
+
     // The rounds: each pages connection is applied by its own thread, up to its last
     // EndOfRound.
     // A reader that fails ends the others' reads at once (their connections may be cut
@@ -280,10 +295,12 @@ pub fn receive_components(
                 connections,
             });
             let corrupt = opts.corrupt_landing_at;
+            let landing = landing.clone();
             std::thread::Builder::new()
                 .name(format!("migrate-rx{i}"))
                 .spawn(move || {
-                    let (conn, result) = apply_pages(conn, &memory, digests.as_ref(), corrupt);
+                    let (conn, result) =
+                        apply_pages(conn, &memory, landing.as_deref(), digests.as_ref(), corrupt);
                     if result.is_err() {
                         let _ = first_failed.compare_exchange(
                             usize::MAX,
@@ -326,6 +343,20 @@ pub fn receive_components(
                 source: Box::new(e),
             },
         ));
+    }
+    // Every reader is done with it: the memory goes back to behaving as unregistered.
+    if let Some(landing) = landing.and_then(Arc::into_inner) {
+        match landing.disarm() {
+            Ok(stats) => tracing::debug!(?stats, "pages landed"),
+            Err(e) => {
+                return Err(refuse(
+                    &mut links,
+                    MigrationError::Receiving {
+                        source: Box::new(e),
+                    },
+                ))
+            }
+        }
     }
     // The memory is complete. With chunk digests, the readers hashed what they wrote; any
     // chunk still stale (written on a connection that does not carry its block) is hashed
@@ -813,6 +844,14 @@ impl ReaderDigests {
     }
 }
 
+/// The error of a frame whose pages fall outside this VM's memory.
+pub(crate) fn outside_memory(e: impl std::fmt::Display) -> Error {
+    MigrationError::Unsupported {
+        reason: format!("the source sent pages outside this VM's memory: {e}"),
+    }
+    .into()
+}
+
 /// The 2 MiB block (counted from its region's start, as the source sends them) holding `gpa`.
 fn block_of(memory: &GuestMemory, gpa: u64) -> Option<(u64, u64)> {
     let r = memory
@@ -823,7 +862,8 @@ fn block_of(memory: &GuestMemory, gpa: u64) -> Option<(u64, u64)> {
     Some((start, BLOCK.min(r.gpa() + r.size() - start)))
 }
 
-/// Applies one pages connection's frames to guest memory up to its last EndOfRound. With
+/// Applies one pages connection's frames to guest memory up to its last EndOfRound, Pages
+/// frames through `landing` where one is armed (see [`crate::landing`]). With
 /// `digests`, it marks the chunks each frame writes stale, and hashes them once the source has
 /// moved past their block (a block's frames of one round come together on one connection),
 /// and after each round every stale chunk of its blocks (in the first round, those no page was
@@ -831,10 +871,17 @@ fn block_of(memory: &GuestMemory, gpa: u64) -> Option<(u64, u64)> {
 fn apply_pages(
     mut conn: Connection,
     memory: &GuestMemory,
+    landing: Option<&Landing>,
     digests: Option<&ReaderDigests>,
     corrupt: Option<u64>,
 ) -> (Connection, Result<ReaderStats>) {
     let zeros = vec![0u8; BLOCK as usize];
+    // Where a landing is armed, Pages frames are read here and landed from here.
+    let mut staging = if landing.is_some() {
+        vec![0u8; BLOCK as usize]
+    } else {
+        Vec::new()
+    };
     let mut stats = ReaderStats {
         pages: 0,
         zero_pages: 0,
@@ -863,7 +910,23 @@ fn apply_pages(
     // one buffer kept for all of them.
     let mut buf = Vec::new();
     let result = loop {
-        let place = |gpa: u64, len: usize| {
+        let staged = std::cell::Cell::new(false);
+        let (slot, staged_ref) = (&mut staging, &staged);
+        let place = move |gpa: u64, len: usize, lend: Lend| {
+            // Taken out of the closure, which is called once: the slice may outlive the call.
+            let slot = slot;
+            if let (Some(_), Lend::Pages { fresh }) = (landing, lend) {
+                // Pages that overwrite what is there are read into the staging buffer and
+                // landed from it (the range checked first: outside memory, they are declined).
+                if len <= slot.len() && memory.find(gpa, len as u64).is_ok() {
+                    let s = &mut slot[..len];
+                    if fresh {
+                        s.fill(0);
+                    }
+                    staged_ref.set(true);
+                    return Some(s);
+                }
+            }
             // SAFETY: the VM does not run before the rounds end, and each 2 MiB block travels
             // on one connection only (a frame never crosses a block), so no other thread
             // touches these bytes while they are read (or patched by a delta); a damaged
@@ -872,6 +935,11 @@ fn apply_pages(
         };
         let frame = match Frame::read_into(&mut conn, &mut buf, place) {
             Ok(FrameRef::Placed { gpa, len, .. } | FrameRef::Patched { gpa, len }) => {
+                if let (true, Some(landing)) = (staged.get(), landing) {
+                    if let Err(e) = landing.land(memory, gpa, &staging[..len]) {
+                        break Err(e);
+                    }
+                }
                 stats.pages += len as u64 / PAGE_SIZE;
                 if let Some(at) = corrupt.filter(|&at| at >= gpa && at - gpa < len as u64) {
                     let flipped = memory.read_u64(at).map(|w| w ^ 1);
@@ -905,7 +973,12 @@ fn apply_pages(
                 let mut r = Ok(());
                 while done < count * PAGE_SIZE && r.is_ok() {
                     let n = (count * PAGE_SIZE - done).min(BLOCK);
-                    r = memory.write(gpa + done, &zeros[..n as usize]);
+                    r = match landing {
+                        Some(l) => l.zero(memory, gpa + done, n),
+                        None => memory
+                            .write(gpa + done, &zeros[..n as usize])
+                            .map_err(outside_memory),
+                    };
                     done += n;
                 }
                 if r.is_ok() {
@@ -956,10 +1029,7 @@ fn apply_pages(
             other => break Err(refused_by_source(&other, "pages")),
         };
         if let Err(e) = applied {
-            break Err(MigrationError::Unsupported {
-                reason: format!("the source sent pages outside this VM's memory: {e}"),
-            }
-            .into());
+            break Err(e);
         }
     };
     (conn, result.map(|()| stats))
@@ -1481,7 +1551,9 @@ fn request(
         let want = piece.len();
         let zero = {
             let slot = &mut *piece;
-            let place = move |gpa: u64, len: usize| (gpa == at && len == want).then_some(slot);
+            let place = move |gpa: u64, len: usize, lend: Lend| {
+                (gpa == at && len == want && lend != Lend::Patch).then_some(slot)
+            };
             match Frame::read_into(conn, frame, place).map_err(Error::Stream)? {
                 // Fresh pages would have left `piece`'s older bytes in their zero lines.
                 FrameRef::Placed { fresh: false, .. } => false,

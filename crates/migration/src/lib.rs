@@ -10,6 +10,7 @@ pub mod delta;
 mod destination;
 pub mod driver;
 pub mod firecracker;
+mod landing;
 pub mod migrate;
 mod migration_error;
 pub mod snapshot;

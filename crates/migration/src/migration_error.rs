@@ -102,6 +102,15 @@ pub enum MigrationError {
         /// The regions that differ, when the digests say (", regions …"), else empty.
         regions: String,
     },
+    /// Landing received pages in fresh memory with userfaultfd failed (see `landing`).
+    #[error("landing pages: {op}")]
+    Landing {
+        /// The operation, and where.
+        op: String,
+        /// Why.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// Receiving the source's pages failed (the connection that failed first says why).
     #[error("receiving pages")]
     Receiving {

@@ -97,9 +97,10 @@ pub fn compress_pages(
     let n = match codec {
         Codec::Lz4 => lz4_flex::block::compress_into(frame, &mut scratch[at..at + bound])
             .map_err(|e| StreamError::Malformed(format!("lz4: {e}")))?,
-        Codec::Zstd(level) => {
-            zstd::bulk::compress_to_buffer(frame, &mut scratch[at..at + bound], level)?
-        }
+        Codec::Zstd(level) => ZSTD_CONTEXTS.with_borrow_mut(|(c, _)| {
+            c.set_compression_level(level)?;
+            c.compress_to_buffer(frame.as_slice(), &mut scratch[at..at + bound])
+        })?,
         Codec::None => unreachable!("returned above"),
     };
     let payload = Z_HEADER + n;
@@ -120,6 +121,18 @@ pub fn compress_pages(
 
 /// A PagesZ payload's own header: codec, reserved, inner length.
 const Z_HEADER: usize = 8;
+
+thread_local! {
+    /// Each connection thread's zstd contexts, kept between frames: making them per frame
+    /// costs an allocation and a table reset each time.
+    static ZSTD_CONTEXTS: std::cell::RefCell<(zstd::bulk::Compressor<'static>, zstd::bulk::Decompressor<'static>)> =
+        std::cell::RefCell::new((
+            zstd::bulk::Compressor::new(1).expect("a zstd compression context"),
+            zstd::bulk::Decompressor::new().expect("a zstd decompression context"),
+        ));
+    /// Each reader thread's buffer for decompressed frames.
+    static INFLATED: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
+}
 
 /// One frame of the stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -247,6 +260,19 @@ mod kind {
     pub const RUNNING: u8 = 11;
     pub const PAGES_Z: u8 = 12;
     pub const PAGES_D: u8 = 13;
+}
+
+/// What a frame does to the slice [`Frame::read_into`]'s `place` lends it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lend {
+    /// A Pages frame writes its pages there: every byte, or with `fresh` only the non-zero
+    /// lines (the slice must then hold zeros elsewhere).
+    Pages {
+        /// The frame's FRESH flag: its zero lines are left unwritten.
+        fresh: bool,
+    },
+    /// A PagesD frame patches the versions already there.
+    Patch,
 }
 
 /// A frame read by [`Frame::read_into`]: Pages borrow the reader's buffer, or were placed.
@@ -552,7 +578,7 @@ impl Frame {
     /// [`StreamError::Closed`]; one in the middle of a frame is an I/O error.
     pub fn read_from(r: &mut impl Read) -> Result<Frame, StreamError> {
         let mut buf = Vec::new();
-        Ok(match Frame::read_into(r, &mut buf, |_, _| None)? {
+        Ok(match Frame::read_into(r, &mut buf, |_, _, _| None)? {
             FrameRef::Pages { gpa, pages, fresh } => Frame::Pages {
                 gpa,
                 pages: pages.to_vec(),
@@ -569,8 +595,8 @@ impl Frame {
     /// Pages frame's pages from it: a receiver applying rounds of 2 MiB frames allocates, zeroes
     /// and frees nothing per frame.
     ///
-    /// `place` may take a Pages frame's pages where they belong: asked with the frame's gpa and
-    /// length, it lends a slice of exactly that length (guest memory) or declines (`None`).
+    /// `place` may take a Pages frame's pages where they belong: asked with the frame's gpa,
+    /// length and what the frame does there ([`Lend`]), it lends a slice of exactly that length (guest memory) or declines (`None`).
     /// Taken pages are written straight into it (runs of whole pages read there from `r`,
     /// saving a copy; a fresh frame's zero lines left unwritten), and come back as
     /// [`FrameRef::Placed`] once the CRC matched. A frame whose CRC does not match has already
@@ -583,7 +609,7 @@ impl Frame {
     pub fn read_into<'b>(
         r: &mut impl Read,
         buf: &'b mut Vec<u8>,
-        place: impl FnOnce(u64, usize) -> Option<&'b mut [u8]>,
+        place: impl FnOnce(u64, usize, Lend) -> Option<&'b mut [u8]>,
     ) -> Result<FrameRef<'b>, StreamError> {
         let (header, len) = Frame::read_header(r)?;
         if header[4] == kind::PAGES_Z {
@@ -636,7 +662,7 @@ impl Frame {
         }
         let fresh = flags & FRESH != 0;
         let size = count * PAGE;
-        let placed = match place(gpa, size) {
+        let placed = match place(gpa, size, Lend::Pages { fresh }) {
             Some(dst) => {
                 assert_eq!(dst.len(), size, "`place` lent a slice of another length");
                 read_lines(r, &mut hasher, &masks, dst, !fresh)?;
@@ -675,7 +701,7 @@ impl Frame {
         header: &[u8; HEADER],
         len: usize,
         buf: &'b mut Vec<u8>,
-        place: impl FnOnce(u64, usize) -> Option<&'b mut [u8]>,
+        place: impl FnOnce(u64, usize, Lend) -> Option<&'b mut [u8]>,
     ) -> Result<FrameRef<'b>, StreamError> {
         if len < DELTA_HEADER {
             return Err(StreamError::Malformed(format!(
@@ -694,7 +720,7 @@ impl Frame {
         }
         let parts = delta_parts(&p[DELTA_HEADER..], count as usize)?;
         let size = count as usize * PAGE;
-        match place(gpa, size) {
+        match place(gpa, size, Lend::Patch) {
             Some(dst) => {
                 assert_eq!(dst.len(), size, "`place` lent a slice of another length");
                 apply_parts(&parts, dst)?;
@@ -716,7 +742,7 @@ impl Frame {
         header: &[u8; HEADER],
         len: usize,
         buf: &'b mut Vec<u8>,
-        place: impl FnOnce(u64, usize) -> Option<&'b mut [u8]>,
+        place: impl FnOnce(u64, usize, Lend) -> Option<&'b mut [u8]>,
     ) -> Result<FrameRef<'b>, StreamError> {
         let malformed = |what: String| Err(StreamError::Malformed(format!("PagesZ frame: {what}")));
         if len <= Z_HEADER {
@@ -734,11 +760,15 @@ impl Frame {
         if inner_len <= HEADER + 4 || inner_len > max {
             return malformed(format!("inner frame of {inner_len} bytes (at most {max})"));
         }
-        let mut inner = vec![0u8; inner_len];
+        // The thread's buffer for decompressed frames, taken while this one is read (an inner
+        // frame is never compressed again, so nothing below asks for it).
+        let mut inner = INFLATED.take();
+        inner.resize(inner_len, 0);
         let got = match codec {
             1 => lz4_flex::block::decompress_into(&z[Z_HEADER..], &mut inner)
                 .map_err(|e| StreamError::Malformed(format!("PagesZ frame: lz4: {e}")))?,
-            _ => zstd::bulk::decompress_to_buffer(&z[Z_HEADER..], &mut inner[..])
+            _ => ZSTD_CONTEXTS
+                .with_borrow_mut(|(_, d)| d.decompress_to_buffer(&z[Z_HEADER..], &mut inner[..]))
                 .map_err(|e| StreamError::Malformed(format!("PagesZ frame: zstd: {e}")))?,
         };
         if got != inner_len {
@@ -752,9 +782,12 @@ impl Frame {
         }
         *buf = compressed;
         let mut rest = &inner[..];
-        let frame = Frame::read_into(&mut rest, buf, place)?;
-        if !rest.is_empty() {
-            return malformed(format!("{} bytes after its inner frame", rest.len()));
+        let frame = Frame::read_into(&mut rest, buf, place);
+        let left = rest.len();
+        INFLATED.set(inner);
+        let frame = frame?;
+        if left != 0 {
+            return malformed(format!("{left} bytes after its inner frame"));
         }
         Ok(frame)
     }
@@ -1057,7 +1090,7 @@ mod tests {
         let mut r = &bytes[..];
         let mut buf = Vec::new();
         for (i, pages) in [3, 1, 2].into_iter().enumerate() {
-            match Frame::read_into(&mut r, &mut buf, |_, _| None).unwrap() {
+            match Frame::read_into(&mut r, &mut buf, |_, _, _| None).unwrap() {
                 FrameRef::Pages { gpa, pages: p, .. } => {
                     assert_eq!(gpa, 0x1000 * i as u64);
                     assert_eq!(p, vec![i as u8 + 1; pages * PAGE]);
@@ -1066,7 +1099,7 @@ mod tests {
             }
         }
         for f in samples() {
-            let got = match Frame::read_into(&mut r, &mut buf, |_, _| None).unwrap() {
+            let got = match Frame::read_into(&mut r, &mut buf, |_, _, _| None).unwrap() {
                 FrameRef::Pages { gpa, pages, fresh } => Frame::Pages {
                     gpa,
                     pages: pages.to_vec(),
@@ -1078,13 +1111,13 @@ mod tests {
             assert_eq!(got, f);
         }
         assert!(matches!(
-            Frame::read_into(&mut r, &mut buf, |_, _| None),
+            Frame::read_into(&mut r, &mut buf, |_, _, _| None),
             Err(StreamError::Closed)
         ));
         let mut bad = out.clone();
         bad[HEADER + 100] ^= 1;
         assert!(matches!(
-            Frame::read_into(&mut &bad[..], &mut buf, |_, _| None),
+            Frame::read_into(&mut &bad[..], &mut buf, |_, _, _| None),
             Err(StreamError::Checksum { .. })
         ));
     }
@@ -1108,7 +1141,7 @@ mod tests {
         let mut r = &bytes[..];
         let mut buf = Vec::new();
         let mut asked = None;
-        let got = Frame::read_into(&mut r, &mut buf, |gpa, len| {
+        let got = Frame::read_into(&mut r, &mut buf, |gpa, len, _| {
             asked = Some((gpa, len));
             Some(&mut target[..])
         })
@@ -1123,7 +1156,7 @@ mod tests {
         );
         assert_eq!(asked, Some((0x3000, 2 * PAGE)));
         assert_eq!(target, vec![7u8; 2 * PAGE]);
-        match Frame::read_into(&mut r, &mut buf, |_, _| None).unwrap() {
+        match Frame::read_into(&mut r, &mut buf, |_, _, _| None).unwrap() {
             FrameRef::Pages { gpa, pages, .. } => {
                 assert_eq!(gpa, 0x9000);
                 assert_eq!(pages, vec![9u8; 2 * PAGE]);
@@ -1132,14 +1165,14 @@ mod tests {
         }
         let mut never = vec![0u8; 2 * PAGE];
         assert_eq!(
-            Frame::read_into(&mut r, &mut buf, |_, _| Some(&mut never[..])).unwrap(),
+            Frame::read_into(&mut r, &mut buf, |_, _, _| Some(&mut never[..])).unwrap(),
             FrameRef::Frame(Frame::Go)
         );
         assert_eq!(never, vec![0u8; 2 * PAGE], "only Pages are placed");
         let mut bad = out.clone();
         bad[HEADER + PAGES_HEADER + 16 + 100] ^= 1;
         assert!(matches!(
-            Frame::read_into(&mut &bad[..], &mut buf, |_, _| Some(&mut target[..])),
+            Frame::read_into(&mut &bad[..], &mut buf, |_, _, _| Some(&mut target[..])),
             Err(StreamError::Checksum { .. })
         ));
     }
@@ -1310,7 +1343,7 @@ mod tests {
             );
             // Over older contents, every byte comes out as sent.
             let mut old = vec![0xaau8; pages.len()];
-            let got = Frame::read_into(&mut &bytes[..], &mut buf, |_, _| Some(&mut old[..]));
+            let got = Frame::read_into(&mut &bytes[..], &mut buf, |_, _, _| Some(&mut old[..]));
             assert!(matches!(got, Ok(FrameRef::Placed { fresh: false, .. })));
             assert_eq!(old, pages);
         }
@@ -1318,11 +1351,11 @@ mod tests {
         // (to show what it skipped) over older contents those stay.
         let (fresh, _) = encode(true, false);
         let mut zeros = vec![0u8; pages.len()];
-        let got = Frame::read_into(&mut &fresh[..], &mut buf, |_, _| Some(&mut zeros[..]));
+        let got = Frame::read_into(&mut &fresh[..], &mut buf, |_, _, _| Some(&mut zeros[..]));
         assert!(matches!(got, Ok(FrameRef::Placed { fresh: true, .. })));
         assert_eq!(zeros, pages);
         let mut old = vec![0xaau8; pages.len()];
-        Frame::read_into(&mut &fresh[..], &mut buf, |_, _| Some(&mut old[..])).unwrap();
+        Frame::read_into(&mut &fresh[..], &mut buf, |_, _, _| Some(&mut old[..])).unwrap();
         assert_eq!(old[0], pages[0]);
         assert_eq!(
             old[LINE], 0xaa,
@@ -1330,7 +1363,7 @@ mod tests {
         );
         // Declined, a fresh frame still comes back whole (the reader's buffer is not fresh).
         let mut buf = vec![0xaau8; 8 * PAGE];
-        match Frame::read_into(&mut &fresh[..], &mut buf, |_, _| None).unwrap() {
+        match Frame::read_into(&mut &fresh[..], &mut buf, |_, _, _| None).unwrap() {
             FrameRef::Pages {
                 pages: got, fresh, ..
             } => {
@@ -1412,7 +1445,7 @@ mod tests {
             );
             let mut memory = vec![0xffu8; pages.len()];
             let mut buf = Vec::new();
-            let got = Frame::read_into(&mut &bytes[..], &mut buf, |_, _| Some(&mut memory[..]));
+            let got = Frame::read_into(&mut &bytes[..], &mut buf, |_, _, _| Some(&mut memory[..]));
             assert!(matches!(got, Ok(FrameRef::Placed { .. })), "{codec:?}");
             assert!(memory == pages, "{codec:?}: placed pages");
         }
@@ -1552,7 +1585,7 @@ mod tests {
             }
             let mut memory = old.clone();
             let mut buf = Vec::new();
-            let got = Frame::read_into(&mut &frame[..], &mut buf, |gpa, len| {
+            let got = Frame::read_into(&mut &frame[..], &mut buf, |gpa, len, _| {
                 assert_eq!((gpa, len), (0x20_0000, new.len()));
                 Some(&mut memory[..])
             });
@@ -1600,7 +1633,7 @@ mod tests {
         let refused = |bad: &[u8]| {
             let mut memory = old.clone();
             let slot = &mut memory[..];
-            let e = Frame::read_into(&mut &bad[..], &mut Vec::new(), move |_, len| {
+            let e = Frame::read_into(&mut &bad[..], &mut Vec::new(), move |_, len, _| {
                 (len == slot.len()).then_some(slot)
             })
             .unwrap_err();
