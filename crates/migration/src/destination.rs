@@ -346,8 +346,13 @@ pub fn receive_components(
     }
     // Every reader is done with it: the memory goes back to behaving as unregistered.
     if let Some(landing) = landing.and_then(Arc::into_inner) {
+        let t = Instant::now();
         match landing.disarm() {
-            Ok(stats) => tracing::debug!(?stats, "pages landed"),
+            Ok(stats) => tracing::debug!(
+                ?stats,
+                disarm_ms = t.elapsed().as_secs_f64() * 1e3,
+                "pages landed"
+            ),
             Err(e) => {
                 return Err(refuse(
                     &mut links,
