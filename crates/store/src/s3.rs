@@ -39,6 +39,42 @@ fn loopback(endpoint: &str) -> bool {
             .is_ok_and(|ip| ip.is_loopback())
 }
 
+/// Where an S3 store is and who asks: what the AWS environment variables say.
+#[derive(Debug, Clone, Default)]
+pub struct S3Config {
+    /// `AWS_ENDPOINT_URL` (none: AWS itself).
+    pub endpoint: Option<String>,
+    pub access_key_id: String,
+    pub secret_access_key: String,
+    /// `AWS_REGION` (default `us-east-1`).
+    pub region: Option<String>,
+}
+
+impl S3Config {
+    /// From `AWS_ENDPOINT_URL` (or `AWS_ENDPOINT`), `AWS_ACCESS_KEY_ID`,
+    /// `AWS_SECRET_ACCESS_KEY` and `AWS_REGION` (or `AWS_DEFAULT_REGION`); missing credentials
+    /// are refused naming the variables.
+    pub fn from_env(url: &str) -> Result<S3Config> {
+        let var = |n: &str| std::env::var(n).ok().filter(|v| !v.is_empty());
+        let missing: Vec<&str> = ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"]
+            .into_iter()
+            .filter(|v| var(v).is_none())
+            .collect();
+        if !missing.is_empty() {
+            return Err(Error::Location(format!(
+                "{url}: no credentials: set {}",
+                missing.join(" and ")
+            )));
+        }
+        Ok(S3Config {
+            endpoint: var("AWS_ENDPOINT_URL").or_else(|| var("AWS_ENDPOINT")),
+            access_key_id: var("AWS_ACCESS_KEY_ID").expect("checked"),
+            secret_access_key: var("AWS_SECRET_ACCESS_KEY").expect("checked"),
+            region: var("AWS_REGION").or_else(|| var("AWS_DEFAULT_REGION")),
+        })
+    }
+}
+
 impl S3Backend {
     /// The store at `s3://bucket/prefix`, with the endpoint, region and credentials of the
     /// usual AWS environment variables (`AWS_ENDPOINT_URL`, `AWS_REGION`,
@@ -50,21 +86,22 @@ impl S3Backend {
         } else {
             format!("s3://{bucket}/{prefix}")
         };
-        let missing: Vec<&str> = ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"]
-            .into_iter()
-            .filter(|v| std::env::var_os(v).is_none())
-            .collect();
-        if !missing.is_empty() {
-            return Err(Error::Location(format!(
-                "{url}: no credentials: set {}",
-                missing.join(" and ")
-            )));
-        }
-        let endpoint = std::env::var("AWS_ENDPOINT_URL")
-            .or_else(|_| std::env::var("AWS_ENDPOINT"))
-            .ok();
-        let mut builder = AmazonS3Builder::from_env()
+        S3Backend::new(bucket, prefix, &S3Config::from_env(&url)?)
+    }
+
+    /// The store at `s3://bucket/prefix` as `config` says.
+    pub fn new(bucket: &str, prefix: &str, config: &S3Config) -> Result<S3Backend> {
+        let url = if prefix.is_empty() {
+            format!("s3://{bucket}")
+        } else {
+            format!("s3://{bucket}/{prefix}")
+        };
+        let endpoint = config.endpoint.clone();
+        let mut builder = AmazonS3Builder::new()
             .with_bucket_name(bucket)
+            .with_access_key_id(&config.access_key_id)
+            .with_secret_access_key(&config.secret_access_key)
+            .with_region(config.region.as_deref().unwrap_or("us-east-1"))
             .with_retry(RetryConfig {
                 max_retries: 2,
                 retry_timeout: Duration::from_secs(10),
@@ -75,10 +112,8 @@ impl S3Backend {
                     .with_connect_timeout(Duration::from_secs(5))
                     .with_timeout(Duration::from_secs(60)),
             );
-        if std::env::var_os("AWS_REGION").is_none()
-            && std::env::var_os("AWS_DEFAULT_REGION").is_none()
-        {
-            builder = builder.with_region("us-east-1");
+        if let Some(endpoint) = &endpoint {
+            builder = builder.with_endpoint(endpoint);
         }
         if let Some(endpoint) = &endpoint {
             if endpoint.starts_with("http://") {
