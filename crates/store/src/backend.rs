@@ -23,6 +23,16 @@ pub trait Backend: Send + Sync {
     /// Stores `bytes` as `key`, replacing any object there. Atomic: a reader sees the old
     /// object, or none, or the whole new one — never part of it.
     fn put(&self, key: &str, bytes: &[u8]) -> Result<()>;
+    /// Stores a chunk object: like [`Backend::put`] (atomic), but it need not be durable until
+    /// [`Backend::sync`] returns (a local store syncs its file system once instead of once per
+    /// chunk).
+    fn put_chunk(&self, key: &str, bytes: &[u8]) -> Result<()> {
+        self.put(key, bytes)
+    }
+    /// Makes every object put so far durable.
+    fn sync(&self) -> Result<()> {
+        Ok(())
+    }
     /// Whether `key` exists.
     fn exists(&self, key: &str) -> Result<bool>;
     /// Every object whose key starts with `prefix` (a directory-like prefix ending in `/`).

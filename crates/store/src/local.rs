@@ -52,13 +52,21 @@ pub(crate) fn temp_name(path: &Path) -> PathBuf {
 
 /// Writes `bytes` to `path` atomically (temporary file, sync, rename), creating its directory.
 pub(crate) fn put_file(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    put_file_sync(path, bytes, true)
+}
+
+/// [`put_file`], syncing the file before the rename only when `sync` says so.
+fn put_file_sync(path: &Path, bytes: &[u8], sync: bool) -> io::Result<()> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;
     }
     let tmp = temp_name(path);
     let written = File::create(&tmp).and_then(|mut f| {
         f.write_all(bytes)?;
-        f.sync_all()
+        if sync {
+            f.sync_all()?;
+        }
+        Ok(())
     });
     let renamed = written.and_then(|()| std::fs::rename(&tmp, path));
     if renamed.is_err() {
@@ -85,6 +93,20 @@ impl Backend for LocalBackend {
 
     fn put(&self, key: &str, bytes: &[u8]) -> Result<()> {
         put_file(&self.path(key), bytes).map_err(self.err(key, "write"))
+    }
+
+    fn put_chunk(&self, key: &str, bytes: &[u8]) -> Result<()> {
+        put_file_sync(&self.path(key), bytes, false).map_err(self.err(key, "write"))
+    }
+
+    fn sync(&self) -> Result<()> {
+        use std::os::fd::AsRawFd;
+        let dir = File::open(&self.root).map_err(self.err("", "open"))?;
+        // SAFETY: syncfs on a file descriptor this function owns for the call.
+        if unsafe { libc::syncfs(dir.as_raw_fd()) } != 0 {
+            return Err(self.err("", "sync")(io::Error::last_os_error()));
+        }
+        Ok(())
     }
 
     fn exists(&self, key: &str) -> Result<bool> {

@@ -184,7 +184,7 @@ pub fn write(
                     };
                     if claimed {
                         let stored = chunk::encode(c, bytes);
-                        backend.put(&chunk::key(&h), &stored)?;
+                        backend.put_chunk(&chunk::key(&h), &stored)?;
                         known
                             .lock()
                             .expect("not poisoned")
@@ -298,6 +298,7 @@ pub fn stored_bytes(manifest: &StoreManifest) -> u64 {
 
 /// Puts the state object, then the manifest (the last step: the snapshot exists from here).
 pub(crate) fn commit(backend: &dyn Backend, manifest: &StoreManifest, state: &[u8]) -> Result<()> {
+    backend.sync()?;
     backend.put(&state_key(&manifest.name), state)?;
     let json = serde_json::to_vec_pretty(manifest).expect("a manifest serializes");
     backend.put(&manifest_key(&manifest.name), &json)
