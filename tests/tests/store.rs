@@ -393,3 +393,69 @@ fn minio_wrong_credentials_and_unreachable_store_are_named() {
     assert!(e.to_string().contains("unreachable"), "{e}");
     assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
 }
+
+/// A store on a full disk: the write fails naming the store, the object and the cause, and
+/// leaves no manifest (no snapshot that looks complete); a restore says the snapshot is not
+/// there or its write did not finish. Needs root, for a small tmpfs.
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn local_store_on_a_full_disk_fails_and_leaves_no_manifest() {
+    // SAFETY: geteuid has no preconditions.
+    assert_eq!(
+        unsafe { libc::geteuid() },
+        0,
+        "this test mounts a small tmpfs and needs root"
+    );
+    let tmp = TempDir::new("store-full");
+    let mnt = tmp.0.join("small");
+    std::fs::create_dir_all(&mnt).unwrap();
+    let ok = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=4m", "tmpfs"])
+        .arg(&mnt)
+        .status()
+        .unwrap();
+    assert!(ok.success(), "mount a 4 MiB tmpfs on {}", mnt.display());
+    struct Unmount(std::path::PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount").arg(&self.0).status();
+        }
+    }
+    let _unmount = Unmount(mnt.clone());
+
+    // 32 MiB of incompressible guest memory.
+    let vm = Vm::new(&VmConfig::simple(1, SIZE, MemBackend::Anon)).unwrap();
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let bytes: Vec<u8> = (0..SIZE / 8)
+        .flat_map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x.to_le_bytes()
+        })
+        .collect();
+    vm.memory()
+        .write(guestmem_vm::layout::RAM_GPA, &bytes)
+        .unwrap();
+    let backend: Arc<dyn Backend> = Arc::new(LocalBackend::new(&mnt.join("store")));
+    let e = write(&*backend, "full", &vm, None).unwrap_err();
+    let mut text = e.to_string();
+    let mut source = std::error::Error::source(&e);
+    while let Some(s) = source {
+        text.push_str(&format!(": {s}"));
+        source = s.source();
+    }
+    assert!(
+        text.contains("store:") && text.contains("chunks/") && text.contains("No space left"),
+        "{text}"
+    );
+    assert!(!backend.exists(&manifest_key("full")).unwrap());
+    let e = StoreSnapshot::open(backend, "full", None)
+        .err()
+        .expect("no snapshot")
+        .to_string();
+    assert!(
+        e.contains("no snapshot 'full'") && e.contains("did not finish"),
+        "{e}"
+    );
+}

@@ -46,9 +46,7 @@ pub enum StoreOp {
         json: bool,
     },
     /// Delete a snapshot from its store (its chunks go at the next gc).
-    Delete {
-        snapshot: String,
-    },
+    Delete { snapshot: String },
 }
 
 pub fn run_op(op: StoreOp) -> crate::Result<()> {
@@ -293,7 +291,10 @@ pub(super) fn restore(args: &RestoreArgs) -> crate::Result<()> {
     } else if prefetched {
         Some(super::WorkingSetOutput {
             action: "fetched first",
-            chunks: pagers.iter().map(|p| p.stats().prefetch_chunks).sum::<u64>() as usize,
+            chunks: pagers
+                .iter()
+                .map(|p| p.stats().prefetch_chunks)
+                .sum::<u64>() as usize,
             faults: pagers.iter().map(|p| p.stats().faults).sum(),
         })
     } else {
@@ -310,7 +311,11 @@ pub(super) fn restore(args: &RestoreArgs) -> crate::Result<()> {
             Mode::Map => "map",
             Mode::Lazy => "lazy",
         },
-        store: if snap.backend().remote() { "s3" } else { "local" },
+        store: if snap.backend().remote() {
+            "s3"
+        } else {
+            "local"
+        },
         snapshot: text,
         restore_ms,
         resident_ms,
