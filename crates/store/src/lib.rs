@@ -59,7 +59,7 @@ pub enum Error {
         key: String,
         op: &'static str,
         #[source]
-        source: object_store::Error,
+        source: Box<object_store::Error>,
     },
     #[error(
         "{store}: the store is unreachable ({op} {key}); check AWS_ENDPOINT_URL and that the \
@@ -70,7 +70,7 @@ pub enum Error {
         key: String,
         op: &'static str,
         #[source]
-        source: object_store::Error,
+        source: Box<object_store::Error>,
     },
     #[error(
         "{store}: the store refused the credentials ({op} {key}); check AWS_ACCESS_KEY_ID and \
@@ -81,13 +81,13 @@ pub enum Error {
         key: String,
         op: &'static str,
         #[source]
-        source: object_store::Error,
+        source: Box<object_store::Error>,
     },
     #[error("{store}: cannot set up the store")]
     Setup {
         store: String,
         #[source]
-        source: object_store::Error,
+        source: Box<object_store::Error>,
     },
     #[error("{0}")]
     Location(String),

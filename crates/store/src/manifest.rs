@@ -199,7 +199,7 @@ impl StoreManifest {
     /// multiples, `base` entries only in a diff.
     pub fn validate(&self) -> std::result::Result<(), String> {
         let cb = self.chunk_bytes;
-        if cb < PAGE_SIZE || cb > MAX_CHUNK_BYTES || !cb.is_power_of_two() {
+        if !(PAGE_SIZE..=MAX_CHUNK_BYTES).contains(&cb) || !cb.is_power_of_two() {
             return Err(format!(
                 "chunk size {cb} is not a power of two from {PAGE_SIZE} to {MAX_CHUNK_BYTES}"
             ));

@@ -128,7 +128,7 @@ impl S3Backend {
         }
         let store = builder.build().map_err(|source| Error::Setup {
             store: url.clone(),
-            source,
+            source: Box::new(source),
         })?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -162,6 +162,7 @@ impl S3Backend {
         let (store, key) = (self.describe(), key.to_string());
         move |source| {
             let text = crate::chain_text(&source);
+            let boxed = |s: object_store::Error| Box::new(s);
             match source {
                 object_store::Error::NotFound { .. } => Error::Missing { store, key },
                 object_store::Error::Unauthenticated { .. }
@@ -169,7 +170,7 @@ impl S3Backend {
                     store,
                     key,
                     op,
-                    source,
+                    source: boxed(source),
                 },
                 _ if [
                     "InvalidAccessKeyId",
@@ -184,7 +185,7 @@ impl S3Backend {
                         store,
                         key,
                         op,
-                        source,
+                        source: boxed(source),
                     }
                 }
                 _ if [
@@ -201,14 +202,14 @@ impl S3Backend {
                         store,
                         key,
                         op,
-                        source,
+                        source: boxed(source),
                     }
                 }
                 _ => Error::Object {
                     store,
                     key,
                     op,
-                    source,
+                    source: boxed(source),
                 },
             }
         }

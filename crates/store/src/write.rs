@@ -175,11 +175,12 @@ pub fn write(
                     let h = chunk::hash(bytes);
                     let claimed = {
                         let mut k = known.lock().expect("not poisoned");
-                        if k.contains_key(&h) {
-                            false
-                        } else {
-                            k.insert(h, 0);
-                            true
+                        match k.entry(h) {
+                            std::collections::hash_map::Entry::Occupied(_) => false,
+                            std::collections::hash_map::Entry::Vacant(v) => {
+                                v.insert(0);
+                                true
+                            }
                         }
                     };
                     if claimed {
