@@ -48,7 +48,11 @@ fn main() {
         .and_then(|l| l.parse().ok())
         .unwrap_or(1);
     println!("zstd level {level}; {} and {}", args[0], args[1]);
-    for size in [64 << 10, 256 << 10, 1 << 20, 2 << 20] {
+    let sizes: Vec<usize> = std::env::var("SIZES_KIB")
+        .ok()
+        .map(|s| s.split(',').map(|k| k.parse::<usize>().expect("KiB") << 10).collect())
+        .unwrap_or_else(|| vec![64 << 10, 256 << 10, 1 << 20, 2 << 20]);
+    for size in sizes {
         let t = Instant::now();
         let ca = chunks(&a, size, level);
         let secs = t.elapsed().as_secs_f64();

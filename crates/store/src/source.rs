@@ -215,10 +215,67 @@ impl StoreSource {
     }
 }
 
+fn io_error(e: Error) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, crate::chain_text(&e))
+}
+
 impl PageSource for StoreSource {
     fn fetch(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
-        self.fill(offset, buf)
-            .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, crate::chain_text(&e)))
+        self.fill(offset, buf).map_err(io_error)
+    }
+
+    /// A range is fetched [`IN_FLIGHT`] chunks at a time, each chunk fetched and decoded once
+    /// (however small the pager's pieces), and handed over in order.
+    fn fetch_pieces(
+        &self,
+        offset: u64,
+        len: u64,
+        buf: &mut [u8],
+        _urgent: bool,
+        sink: &mut dyn FnMut(u64, &[u8]) -> bool,
+    ) -> io::Result<()> {
+        let end = offset + len;
+        if len == 0 || end > self.size || buf.is_empty() {
+            return Err(io_error(Error::Layout(format!(
+                "{}: fetch {offset:#x}+{len:#x} outside the region",
+                self.label
+            ))));
+        }
+        let cb = self.chunk_bytes;
+        let max_piece = buf.len();
+        let mut at = offset;
+        while at < end {
+            // The next window of chunks, fetched at once.
+            let first = at / cb;
+            let last = ((end - 1) / cb).min(first + IN_FLIGHT as u64 - 1);
+            let window_end = ((last + 1) * cb).min(self.size).min(end);
+            let mut chunks: Vec<Vec<u8>> = (first..=last)
+                .map(|i| vec![0u8; cb.min(self.size - i * cb) as usize])
+                .collect();
+            let jobs: Vec<(u64, &mut Vec<u8>)> = (first..=last)
+                .zip(chunks.iter_mut())
+                .filter(|(i, _)| self.chunks[*i as usize].is_some())
+                .collect();
+            parallel(jobs, IN_FLIGHT, |(i, out)| {
+                let (hash, stored) = self.chunks[i as usize].expect("filtered");
+                let what = format!("{} chunk {i} (offset {:#x})", self.label, i * cb);
+                self.fetcher.chunk_into(&hash, stored, out, &what)
+            })
+            .map_err(io_error)?;
+            while at < window_end {
+                let i = at / cb;
+                let chunk = &chunks[(i - first) as usize];
+                let from = (at - i * cb) as usize;
+                let n = (chunk.len() - from)
+                    .min(max_piece)
+                    .min((window_end - at) as usize);
+                if !sink(at, &chunk[from..from + n]) {
+                    return Ok(());
+                }
+                at += n as u64;
+            }
+        }
+        Ok(())
     }
 
     fn size(&self) -> u64 {
