@@ -50,7 +50,11 @@ fn main() {
     println!("zstd level {level}; {} and {}", args[0], args[1]);
     let sizes: Vec<usize> = std::env::var("SIZES_KIB")
         .ok()
-        .map(|s| s.split(',').map(|k| k.parse::<usize>().expect("KiB") << 10).collect())
+        .map(|s| {
+            s.split(',')
+                .map(|k| k.parse::<usize>().expect("KiB") << 10)
+                .collect()
+        })
         .unwrap_or_else(|| vec![64 << 10, 256 << 10, 1 << 20, 2 << 20]);
     for size in sizes {
         let t = Instant::now();

@@ -14,6 +14,7 @@ mod populate;
 mod qemu_migrate;
 pub mod qemu_peer;
 mod restore;
+mod snapshot_store;
 
 #[derive(Subcommand)]
 pub enum Bench {
@@ -33,6 +34,9 @@ pub enum Bench {
     /// Snapshot restore latency and time to a resident working set, per mode (Firecracker's
     /// restore-latency test).
     Restore(restore::Args),
+    /// Issue 15: a snapshot of a guest from a real memory image in the chunk store (stored
+    /// size, write rate, clones, restores from the store).
+    Snapshot(snapshot_store::Args),
 }
 
 pub fn main(bench: Bench) -> crate::Result<()> {
@@ -45,6 +49,7 @@ pub fn main(bench: Bench) -> crate::Result<()> {
         Bench::Migrate(args) => migrate::main(args),
         Bench::QemuMigrate(args) => qemu_migrate::main(args),
         Bench::Restore(args) => restore::main(args),
+        Bench::Snapshot(args) => snapshot_store::main(args),
     }
 }
 
