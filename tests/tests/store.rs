@@ -459,3 +459,47 @@ fn local_store_on_a_full_disk_fails_and_leaves_no_manifest() {
         "{e}"
     );
 }
+
+/// A lazily restored guest stops on a damaged chunk when it first touches it, with the error
+/// naming the chunk and the guest address, instead of running on its bytes (MinIO).
+#[test]
+#[cfg_attr(
+    not(all(kvm, uffd)),
+    ignore = "no usable /dev/kvm and /dev/userfaultfd on this host"
+)]
+fn minio_lazy_restore_stops_on_a_damaged_chunk() {
+    let m = Minio::start("snapshots");
+    let backend = s3(&m, "lazy-bad");
+    let vm = paused_vm();
+    write(&*backend, "vm", &vm, None).unwrap();
+    drop(vm);
+    let manifest = StoreManifest::load(&*backend, "vm").unwrap();
+    let ChunkRef::Data { hash, .. } = manifest.regions[1].chunks[0] else {
+        panic!("the guest wrote the first chunk of RAM");
+    };
+    let key = chunk::key(&hash);
+    let mut bytes = backend.get(&key).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 1;
+    backend.put(&key, &bytes).unwrap();
+    let snap = StoreSnapshot::open(backend.clone(), "vm", None).unwrap();
+    let quiet = PagerConfig {
+        background: false,
+        ..PagerConfig::default()
+    };
+    let mut lazy = snap.restore_lazy(&quiet).unwrap();
+    let running = lazy.vm.resume().unwrap();
+    let e = running
+        .wait(Duration::from_secs(30))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("corrupt store snapshot") && e.contains("region 'ram' chunk 0 (offset 0x0)"),
+        "{e}"
+    );
+    assert!(e.contains(&chunk::hex(&hash)), "{e}");
+    assert!(
+        e.contains(&format!("{:#x}", guestmem_vm::layout::RAM_GPA)),
+        "{e}"
+    );
+}

@@ -234,3 +234,48 @@ pub fn merge(backend: &dyn Backend, name: &str, into: &str) -> Result<StoreManif
     crate::write::commit(backend, &merged, &state)?;
     Ok(merged)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::local::LocalBackend;
+
+    /// A writer waits for a live collection's lease to go; a collection refuses while a
+    /// writer's lease is live; leases older than the TTL count for nothing.
+    #[test]
+    fn writers_and_collections_exclude_each_other() {
+        let dir = std::env::temp_dir().join(format!("guestmem-lease-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let b = LocalBackend::new(&dir);
+        b.put("leases/gc-other-1-1", b"gc\n").unwrap();
+        let t = Instant::now();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(500));
+                b.delete("leases/gc-other-1-1").unwrap();
+            });
+            let lease = Lease::acquire(&b, "write", "x").unwrap();
+            assert!(
+                t.elapsed() >= Duration::from_millis(500),
+                "{:?}",
+                t.elapsed()
+            );
+            let e = gc(&b, Duration::ZERO).unwrap_err().to_string();
+            assert!(e.contains("write is under way"), "{e}");
+            drop(lease);
+        });
+        assert!(b.list("leases/").unwrap().is_empty(), "both leases removed");
+        // A crashed writer's lease, older than the TTL, does not block a collection forever.
+        b.put("leases/write-crashed-1-1", b"write y\n").unwrap();
+        let old = SystemTime::now() - LEASE_TTL - Duration::from_secs(60);
+        std::fs::File::options()
+            .write(true)
+            .open(dir.join("leases/write-crashed-1-1"))
+            .unwrap()
+            .set_modified(old)
+            .unwrap();
+        let r = gc(&b, Duration::ZERO).unwrap();
+        assert_eq!(r.stale_leases, 1);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
