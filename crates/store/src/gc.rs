@@ -8,8 +8,8 @@
 //! it to go; a collection that sees a live write lease removes nothing. Both put before they
 //! read, on a store with read-after-write consistency (S3, MinIO, a local directory), so at
 //! least one of two concurrent parties sees the other: a collection never removes a chunk a
-//! writer counted on finding. A lease older than [`LEASE_TTL`] is a crashed party's and is
-//! ignored (and removed by the next collection). On top, a collection leaves chunks younger
+//! writer counted on finding. A lease older than [`LEASE_TTL`], or taken by a process of this
+//! host that is gone, is a crashed party's and is ignored (and removed by the next collection). On top, a collection leaves chunks younger
 //! than its grace period alone.
 
 use std::collections::HashSet;
@@ -33,20 +33,46 @@ pub struct Lease<'a> {
     key: String,
 }
 
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .unwrap_or_default()
+        .trim()
+        .to_string()
+}
+
 fn lease_key(kind: &str) -> String {
     let nanos = SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)
         .map(|d| d.as_nanos())
         .unwrap_or(0);
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
     format!(
         "leases/{kind}-{}-{}-{nanos}",
-        host.trim(),
+        hostname(),
         std::process::id()
     )
 }
 
-/// The live leases of `kind` other than `own`.
+/// Whether the lease `key` was taken by a process of this host that is gone (a crashed or
+/// killed writer): `leases/KIND-HOST-PID-NANOS`.
+fn holder_is_gone(key: &str) -> bool {
+    let mut parts = key.rsplitn(3, '-');
+    let (Some(_nanos), Some(pid), Some(rest)) = (parts.next(), parts.next(), parts.next()) else {
+        return false;
+    };
+    let Ok(pid) = pid.parse::<i32>() else {
+        return false;
+    };
+    let host = hostname();
+    if host.is_empty() || !rest.ends_with(&format!("-{host}")) || pid <= 0 {
+        return false;
+    }
+    // SAFETY: signal 0 only asks whether the process exists; nothing is sent.
+    let r = unsafe { libc::kill(pid, 0) };
+    r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+}
+
+/// The live leases of `kind` other than `own`: younger than [`LEASE_TTL`] and not held by a
+/// process of this host that is gone.
 fn live(backend: &dyn Backend, kind: &str, own: &str) -> Result<Vec<String>> {
     let now = SystemTime::now();
     Ok(backend
@@ -54,6 +80,7 @@ fn live(backend: &dyn Backend, kind: &str, own: &str) -> Result<Vec<String>> {
         .into_iter()
         .filter(|o| o.key != own && o.key.starts_with(&format!("leases/{kind}-")))
         .filter(|o| now.duration_since(o.modified).unwrap_or_default() < LEASE_TTL)
+        .filter(|o| !holder_is_gone(&o.key))
         .map(|o| o.key)
         .collect())
 }
@@ -162,7 +189,10 @@ pub fn gc(backend: &dyn Backend, grace: Duration) -> Result<GcReport> {
         report.removed_bytes += o.size;
     }
     for o in backend.list("leases/")? {
-        if o.key != lease.key && now.duration_since(o.modified).unwrap_or_default() >= LEASE_TTL {
+        if o.key != lease.key
+            && (now.duration_since(o.modified).unwrap_or_default() >= LEASE_TTL
+                || holder_is_gone(&o.key))
+        {
             backend.delete(&o.key)?;
             report.stale_leases += 1;
         }
