@@ -12,6 +12,9 @@ use crate::chunk::{self, Hash};
 use crate::local::put_file;
 use crate::{Error, Result};
 
+/// `used` before the cache was counted.
+const UNKNOWN: u64 = u64::MAX;
+
 /// The default bound: 8 GiB.
 pub const DEFAULT_LIMIT: u64 = 8 << 30;
 
@@ -29,14 +32,13 @@ impl ChunkCache {
             op: "create",
             source,
         })?;
-        let cache = ChunkCache {
+        // What it holds is counted at the first put: a restore served from the cache alone
+        // does not pay for a scan of it.
+        Ok(ChunkCache {
             dir: dir.to_path_buf(),
             limit,
-            used: AtomicU64::new(0),
-        };
-        let used = cache.entries().iter().map(|e| e.1).sum();
-        cache.used.store(used, Ordering::Relaxed);
-        Ok(cache)
+            used: AtomicU64::new(UNKNOWN),
+        })
     }
 
     /// The host's cache: `$GUESTMEM_CHUNK_CACHE` or `$XDG_CACHE_HOME/guestmem/chunks`
@@ -63,7 +65,18 @@ impl ChunkCache {
 
     /// Bytes held (as this process counts them).
     pub fn used(&self) -> u64 {
-        self.used.load(Ordering::Relaxed)
+        let used = self.used.load(Ordering::Relaxed);
+        if used != UNKNOWN {
+            return used;
+        }
+        let scanned = self.entries().iter().map(|e| e.1).sum();
+        match self
+            .used
+            .compare_exchange(UNKNOWN, scanned, Ordering::Relaxed, Ordering::Relaxed)
+        {
+            Ok(_) => scanned,
+            Err(now) => now,
+        }
     }
 
     fn path(&self, hash: &Hash) -> PathBuf {
@@ -101,6 +114,7 @@ impl ChunkCache {
             op: "write",
             source,
         })?;
+        self.used();
         if self.used.fetch_add(bytes.len() as u64, Ordering::Relaxed) + bytes.len() as u64
             > self.limit
         {

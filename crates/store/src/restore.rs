@@ -203,7 +203,10 @@ impl StoreSnapshot {
             let mut config = PagerConfig {
                 abort: Some(vm.abort_handle()),
                 realtime_handlers: true,
-                // Several chunks in flight: each fetch waits on the store.
+                // A fault waits for one store chunk, not a 2 MiB window of them (the guest
+                // runs sooner); readahead and the background sweep keep several in flight.
+                fault_around: config.fault_around.min(self.manifest.chunk_bytes),
+                readahead_chunks: config.readahead_chunks.max(8),
                 readahead_threads: config.readahead_threads.max(2),
                 ..config.clone()
             };
