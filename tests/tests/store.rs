@@ -377,6 +377,20 @@ fn minio_wrong_credentials_and_unreachable_store_are_named() {
     assert!(matches!(e, Error::Credentials { .. }), "{e:?}");
     assert!(e.to_string().contains("refused the credentials"), "{e}");
 
+    let good = S3Config {
+        secret_access_key: minio::PASSWORD.into(),
+        ..config.clone()
+    };
+    let e = S3Backend::new("no-such-bucket", "x", &good)
+        .unwrap()
+        .get("snapshots/a/manifest.json")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("s3://no-such-bucket/x: the bucket does not exist"),
+        "{e}"
+    );
+
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()

@@ -83,6 +83,14 @@ pub enum Error {
         #[source]
         source: Box<object_store::Error>,
     },
+    #[error("{store}: the bucket does not exist ({op} {key})")]
+    NoBucket {
+        store: String,
+        key: String,
+        op: &'static str,
+        #[source]
+        source: Box<object_store::Error>,
+    },
     #[error("{store}: cannot set up the store")]
     Setup {
         store: String,

@@ -164,6 +164,12 @@ impl S3Backend {
             let text = crate::chain_text(&source);
             let boxed = |s: object_store::Error| Box::new(s);
             match source {
+                _ if text.contains("NoSuchBucket") => Error::NoBucket {
+                    store,
+                    key,
+                    op,
+                    source: boxed(source),
+                },
                 object_store::Error::NotFound { .. } => Error::Missing { store, key },
                 object_store::Error::Unauthenticated { .. }
                 | object_store::Error::PermissionDenied { .. } => Error::Credentials {
