@@ -263,5 +263,6 @@ fn a_killed_snapshot_write_leaves_no_manifest_and_gc_collects_its_chunks() {
     ));
     assert!(v["removed_chunks"].as_u64().unwrap() >= 20, "{v}");
     assert_eq!(v["stale_leases"], 1, "{v}");
+    // What the killed put was writing is gone too.
     assert_eq!(count(), 0);
 }

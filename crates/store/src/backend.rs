@@ -39,6 +39,12 @@ pub trait Backend: Send + Sync {
     fn list(&self, prefix: &str) -> Result<Vec<ObjectInfo>>;
     /// Removes `key`; removing an object that is not there is no error.
     fn delete(&self, key: &str) -> Result<()>;
+    /// Removes what interrupted puts left behind (a local store's temporary files of writers
+    /// that are gone, or older than `older_than`); returns how many. Object stores leave
+    /// nothing (a put is whole or absent).
+    fn remove_stale_temporaries(&self, _older_than: std::time::Duration) -> Result<usize> {
+        Ok(0)
+    }
     /// Whether reading is slow enough to be worth a local chunk cache (a remote store).
     fn remote(&self) -> bool;
 }

@@ -129,8 +129,10 @@ pub struct GcReport {
     pub removed_bytes: u64,
     /// Unreferenced chunks left alone because they are younger than the grace period.
     pub young_chunks: usize,
-    /// Stale leases (older than [`LEASE_TTL`]) removed.
+    /// Stale leases (older than [`LEASE_TTL`], or of a gone process of this host) removed.
     pub stale_leases: usize,
+    /// Temporary files of interrupted puts removed (a local store's).
+    pub stale_temporaries: usize,
 }
 
 /// Removes the chunks no snapshot manifest of the store references and that are older than
@@ -188,6 +190,7 @@ pub fn gc(backend: &dyn Backend, grace: Duration) -> Result<GcReport> {
         report.removed_chunks += 1;
         report.removed_bytes += o.size;
     }
+    report.stale_temporaries = backend.remove_stale_temporaries(LEASE_TTL)?;
     for o in backend.list("leases/")? {
         if o.key != lease.key
             && (now.duration_since(o.modified).unwrap_or_default() >= LEASE_TTL

@@ -158,6 +158,45 @@ impl Backend for LocalBackend {
         }
     }
 
+    fn remove_stale_temporaries(&self, older_than: std::time::Duration) -> Result<usize> {
+        let now = std::time::SystemTime::now();
+        let mut removed = 0;
+        let mut stack = vec![self.root.clone()];
+        while let Some(dir) = stack.pop() {
+            let Ok(entries) = std::fs::read_dir(&dir) else {
+                continue;
+            };
+            for entry in entries.flatten() {
+                let path = entry.path();
+                let Ok(meta) = entry.metadata() else { continue };
+                if meta.is_dir() {
+                    stack.push(path);
+                    continue;
+                }
+                let name = entry.file_name().to_string_lossy().into_owned();
+                let Some((_, tail)) = name.rsplit_once(".tmp-") else {
+                    continue;
+                };
+                let pid = tail.split('-').next().and_then(|p| p.parse::<i32>().ok());
+                // SAFETY: signal 0 only asks whether the process exists.
+                let gone = pid.is_some_and(|pid| {
+                    pid > 0
+                        && unsafe { libc::kill(pid, 0) } != 0
+                        && io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+                });
+                let old = meta
+                    .modified()
+                    .ok()
+                    .and_then(|m| now.duration_since(m).ok())
+                    .is_some_and(|age| age >= older_than);
+                if (gone || old) && std::fs::remove_file(&path).is_ok() {
+                    removed += 1;
+                }
+            }
+        }
+        Ok(removed)
+    }
+
     fn remote(&self) -> bool {
         false
     }
