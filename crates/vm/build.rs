@@ -79,7 +79,12 @@ fn main() {
     std::fs::write(out.join("control.inc"), inc).unwrap();
     let rs: String = CONTROL
         .iter()
-        .map(|(n, v)| format!("pub const {n}: u64 = {v:#x};\n"))
+        .map(|(n, v)| {
+            format!(
+                "/// The payload's `{n}` (one definition for host and guest: crates/vm/build.rs).\n\
+                 pub const {n}: u64 = {v:#x};\n"
+            )
+        })
         .collect();
     std::fs::write(out.join("control.rs"), rs).unwrap();
 

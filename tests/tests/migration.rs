@@ -21,6 +21,18 @@ use guestmem_vm::{layout, RunningVm, Vm, VmConfig};
 const SIZE: u64 = 32 << 20;
 const VCPUS: usize = 2;
 
+/// An error with its causes (each a `source()`, not repeated in the message).
+fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
 /// Digest of every region, in order.
 fn digest(memory: &GuestMemory) -> Vec<u64> {
     memory
@@ -761,9 +773,8 @@ fn a_link_cut_silently_fails_both_sides_within_the_idle_timeout() {
     let dest = std::thread::spawn(move || {
         let e = migrate::receive(l, &ReceiveOptions::default())
             .err()
-            .expect("the link went silent")
-            .to_string();
-        (e, std::time::Instant::now())
+            .expect("the link went silent");
+        (chain(&e), std::time::Instant::now())
     });
     let mut vm = source_vm(Backend::Anon);
     let running = start(&mut vm);

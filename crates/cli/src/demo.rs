@@ -6,16 +6,17 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use guestmem_memory::Backend;
+use guestmem_migration::migrate::Mode;
 use guestmem_migration::transport::{generate_credentials, Credentials, Endpoint, Role};
 
-use crate::migrate::{self, HowArgs, ModeArg, Received};
+use crate::migrate::{self, HowArgs, Received};
 use crate::vm_args::VmArgs;
 
 #[derive(clap::Args)]
 pub struct Args {
     /// How to migrate.
-    #[arg(long, value_enum, default_value = "precopy")]
-    mode: ModeArg,
+    #[arg(long, default_value = "precopy")]
+    mode: Mode,
     /// Draw dirty pages and bandwidth per round over time into this SVG file.
     #[arg(long, value_name = "FILE")]
     plot: Option<PathBuf>,
@@ -67,7 +68,7 @@ fn run(args: &Args, dir: &std::path::Path) -> crate::Result<()> {
          live ({}) to a second guestmem process (pid {}) over mutually authenticated TLS",
         vm.memory >> 20,
         vm.vcpus,
-        migrate_mode_name(args.mode),
+        args.mode,
         child.id()
     );
     let how = HowArgs {
@@ -76,7 +77,7 @@ fn run(args: &Args, dir: &std::path::Path) -> crate::Result<()> {
         connections: guestmem_migration::migrate::DEFAULT_CONNECTIONS,
         max_bandwidth_mib_per_s: None,
         no_auto_converge: false,
-        verify: matches!(args.mode, ModeArg::Precopy),
+        verify: args.mode == Mode::Precopy,
         share_memory: false,
         whole_pages: false,
         compress: Default::default(),
@@ -128,8 +129,4 @@ fn run(args: &Args, dir: &std::path::Path) -> crate::Result<()> {
     }
     println!("the workload continued on the destination: migration complete");
     Ok(())
-}
-
-fn migrate_mode_name(m: ModeArg) -> &'static str {
-    guestmem_migration::migrate::Mode::from(m).name()
 }

@@ -1,6 +1,5 @@
 //! `guestmem`: the command-line face of the guestmem engine.
 
-mod bench;
 mod demo;
 mod migrate;
 mod numa;
@@ -10,8 +9,9 @@ mod populate;
 mod probe;
 mod run;
 mod snapshot;
-mod units;
 mod vm_args;
+
+use guestmem_bench::units;
 
 use clap::{Parser, Subcommand};
 
@@ -49,7 +49,7 @@ enum Command {
     Numa(numa::Args),
     /// Benchmarks that reproduce the seeds' tables.
     #[command(subcommand)]
-    Bench(bench::Bench),
+    Bench(guestmem_bench::Bench),
 }
 
 fn main() {
@@ -72,7 +72,7 @@ fn main() {
         Command::Payload(args) => payload::main(args),
         Command::Populate(args) => populate::main(args),
         Command::Numa(args) => numa::main(args),
-        Command::Bench(bench) => bench::main(bench),
+        Command::Bench(bench) => guestmem_bench::main(bench),
     };
     if let Err(e) = result {
         eprintln!("guestmem: error: {}", error_text(&*e));
@@ -84,17 +84,7 @@ fn main() {
 /// (or an earlier cause) already carries is left out (several errors put their source's text
 /// in their message and also return it as `source()`), the others follow on lines of their own.
 pub fn error_text(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        let cause = s.to_string();
-        if !text.contains(&cause) {
-            text.push_str("\n  caused by: ");
-            text.push_str(&cause);
-        }
-        source = s.source();
-    }
-    text
+    guestmem_migration::error_chain(e, "\n  caused by: ")
 }
 
 /// Errors of any command: each names what went wrong.

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use guestmem_migration::compress::Compress;
 use guestmem_migration::migrate::{self, Links, Mode, ReceiveOptions, Report, SendOptions};
 use guestmem_migration::transport::{generate_credentials, Credentials, Endpoint, Listener, Role};
+use guestmem_migration::MigrationError;
 use guestmem_vm::{layout, VcpuWork, Vm, Workload};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
@@ -26,23 +27,6 @@ pub enum Migrate {
     Resume(ResumeArgs),
     /// Write a migration CA and a certificate and key for each side into a directory.
     Keys(KeysArgs),
-}
-
-#[derive(Clone, Copy, clap::ValueEnum)]
-pub enum ModeArg {
-    Precopy,
-    Postcopy,
-    Hybrid,
-}
-
-impl From<ModeArg> for Mode {
-    fn from(m: ModeArg) -> Mode {
-        match m {
-            ModeArg::Precopy => Mode::Precopy,
-            ModeArg::Postcopy => Mode::Postcopy,
-            ModeArg::Hybrid => Mode::Hybrid,
-        }
-    }
 }
 
 #[derive(clap::Args)]
@@ -85,8 +69,8 @@ pub struct SendArgs {
 pub struct HowArgs {
     /// precopy: rounds while the guest runs; postcopy: switch at once, pages on demand;
     /// hybrid: one pre-copy round, then post-copy.
-    #[arg(long, value_enum, default_value = "precopy")]
-    pub mode: ModeArg,
+    #[arg(long, default_value = "precopy")]
+    pub mode: Mode,
     /// Pre-copy stops the guest once the rest fits in this many milliseconds.
     #[arg(long, default_value_t = 50)]
     pub downtime_ms: u64,
@@ -228,7 +212,7 @@ impl HowArgs {
             })?),
         };
         Ok(SendOptions {
-            mode: self.mode.into(),
+            mode: self.mode,
             downtime: Duration::from_millis(self.downtime_ms),
             auto_converge: !self.no_auto_converge,
             max_bandwidth,
@@ -441,8 +425,11 @@ fn wait_for_resume(
     creds: &Credentials,
     dead_after: Duration,
 ) -> guestmem_migration::Result<Links> {
-    let fail = |what: &str, e: std::io::Error| {
-        guestmem_migration::Error::Migration(format!("{}: {what}: {e}", control.display()))
+    let fail = |what: &str, source: std::io::Error| {
+        guestmem_migration::Error::from(MigrationError::Link {
+            what: format!("{}: {what}", control.display()),
+            source,
+        })
     };
     let _ = std::fs::remove_file(control);
     let listener = UnixListener::bind(control).map_err(|e| fail("bind", e))?;
@@ -509,13 +496,17 @@ fn wait_for_resume(
                     let since = *refused_since.get_or_insert_with(Instant::now);
                     if since.elapsed() >= dead_after {
                         let _ = std::fs::remove_file(control);
-                        return Err(guestmem_migration::Error::Migration(format!(
-                            "{DEAD}: nothing has listened at {to} for {:.0} s since the \
-                             post-copy link broke {:.0} s ago ({}; last attempt: {e}). {split}",
-                            since.elapsed().as_secs_f64(),
-                            broke.elapsed().as_secs_f64(),
-                            resume.reason
-                        )));
+                        return Err(MigrationError::Dead {
+                            reason: format!(
+                                "{DEAD}: nothing has listened at {to} for {:.0} s since the \
+                                 post-copy link broke {:.0} s ago ({}; last attempt: {e}). \
+                                 {split}",
+                                since.elapsed().as_secs_f64(),
+                                broke.elapsed().as_secs_f64(),
+                                resume.reason
+                            ),
+                        }
+                        .into());
                     }
                 }
                 Err(e) => {
@@ -523,12 +514,16 @@ fn wait_for_resume(
                     tracing::info!("reconnecting to {to}: {e}");
                     if broke.elapsed() >= 2 * dead_after {
                         let _ = std::fs::remove_file(control);
-                        return Err(guestmem_migration::Error::Migration(format!(
-                            "{UNRESPONSIVE}: no reconnection to {to} succeeded in the {:.0} s \
-                             since the post-copy link broke ({}; last attempt: {e}). {split}",
-                            broke.elapsed().as_secs_f64(),
-                            resume.reason
-                        )));
+                        return Err(MigrationError::Dead {
+                            reason: format!(
+                                "{UNRESPONSIVE}: no reconnection to {to} succeeded in the {:.0} \
+                                 s since the post-copy link broke ({}; last attempt: {e}). \
+                                 {split}",
+                                broke.elapsed().as_secs_f64(),
+                                resume.reason
+                            ),
+                        }
+                        .into());
                     }
                 }
             }

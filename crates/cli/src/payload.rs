@@ -8,30 +8,20 @@
 //! 4 GiB; the e820 map the PVH entry gets says so, and the payload skips the hole. The payload
 //! area (page tables, control blocks) is [1 MiB, 8 MiB); vCPU 0's control block is at 0x400000.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-use guestmem_vm::payload::{self, PvhParams};
+use guestmem_vm::payload::{self, PvhParams, PvhWorkload};
 
 use crate::units::parse_size;
-
-#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum PvhWorkload {
-    /// Rewrite every page, pass after pass, until stopped (optionally throttled).
-    Dirty,
-    /// Write every page once, then stop (the guest then spins on its done signal).
-    Touch,
-    /// As `dirty`, each page write the `rewrite` workload's: 2-33 of its 64-byte lines copied
-    /// from another page of the range (re-dirtying as a real guest does).
-    Rewrite,
-}
 
 #[derive(clap::Args)]
 pub struct Args {
     /// Where to write the payload as an ELF with a PVH entry (`qemu-system-x86_64 -kernel FILE`).
     #[arg(long)]
     pvh_elf: PathBuf,
-    /// The workload vCPU 0 runs.
-    #[arg(long, value_enum, default_value = "dirty")]
+    /// The workload vCPU 0 runs: dirty (rewrite every page until stopped), touch (every page
+    /// once) or rewrite (as dirty, 2-33 of each page's 64-byte lines copied from another page).
+    #[arg(long, default_value = "dirty")]
     workload: PvhWorkload,
     /// Throttle `dirty` to this many pages of 4 KiB per second (default: full speed).
     #[arg(long)]
@@ -56,57 +46,6 @@ pub struct Args {
     seed: u64,
 }
 
-/// The lowest range start: the end of the payload area (page tables, control blocks).
-pub const MIN_RANGE_START: u64 = guestmem_vm::layout::SYS_GPA + guestmem_vm::layout::SYS_SIZE;
-
-/// The baked parameters for `workload`, `range_start` and `range_bytes` (0: all RAM), throttled
-/// to `pages_per_s` on a guest TSC of `tsc_khz` (`fill_first`: after a full-speed first pass).
-pub fn params(
-    workload: PvhWorkload,
-    pages_per_s: Option<u64>,
-    fill_first: bool,
-    tsc_khz: u64,
-    range_start: u64,
-    range_bytes: u64,
-    seed: u64,
-) -> crate::Result<PvhParams> {
-    if range_start < MIN_RANGE_START {
-        return Err(format!(
-            "range start {range_start:#x} is inside the payload area; use {MIN_RANGE_START:#x} \
-             (8 MiB) or above"
-        )
-        .into());
-    }
-    if workload == PvhWorkload::Touch && pages_per_s.is_some() {
-        return Err(
-            "--pages-per-s throttles the `dirty` workload; `touch` runs at full speed".into(),
-        );
-    }
-    if pages_per_s == Some(0) {
-        return Err("--pages-per-s must be at least 1".into());
-    }
-    Ok(PvhParams {
-        workload: payload::WORKLOAD_WRITE,
-        passes: match workload {
-            PvhWorkload::Dirty | PvhWorkload::Rewrite => 0,
-            PvhWorkload::Touch => 1,
-        },
-        range_start,
-        range_bytes,
-        seed,
-        tsc_per_page: pages_per_s.map_or(0, |r| PvhParams::tsc_per_page(tsc_khz, r)),
-        fill_first,
-        read_percent: 0,
-        rewrite: workload == PvhWorkload::Rewrite,
-    })
-}
-
-/// Writes the PVH ELF with `params` baked in to `path`.
-pub fn write_elf(path: &Path, params: &PvhParams) -> crate::Result<()> {
-    std::fs::write(path, payload::pvh_elf(params))
-        .map_err(|e| format!("{}: cannot write the payload: {e}", path.display()).into())
-}
-
 pub fn main(args: Args) -> crate::Result<()> {
     let tsc_khz = match (args.pages_per_s, args.tsc_khz) {
         (_, Some(khz)) => khz,
@@ -117,7 +56,7 @@ pub fn main(args: Args) -> crate::Result<()> {
     if args.fill_first && args.pages_per_s.is_none() {
         return Err("--fill-first goes with --pages-per-s".into());
     }
-    let params = params(
+    let params = PvhParams::for_workload(
         args.workload,
         args.pages_per_s,
         args.fill_first,
@@ -126,7 +65,7 @@ pub fn main(args: Args) -> crate::Result<()> {
         args.range_bytes.unwrap_or(0),
         args.seed,
     )?;
-    write_elf(&args.pvh_elf, &params)?;
+    payload::write_pvh_elf(&args.pvh_elf, &params)?;
     println!(
         "{}: {} bytes; boot it with: qemu-system-x86_64 -accel kvm -cpu host -m 2G -kernel {}",
         args.pvh_elf.display(),

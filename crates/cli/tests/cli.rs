@@ -92,6 +92,50 @@ fn probe_json_reports_this_kernels_guest_memory_features() {
     );
 }
 
+/// `guestmem bench` hands over to the bench crate, whose `--json` carries the commit the binary
+/// was built from and each figure's runs, median, min and max.
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn bench_json_names_its_commit_and_carries_every_run() {
+    let o = guestmem(&[
+        "bench",
+        "memslots",
+        "--slots",
+        "2",
+        "--seconds",
+        "0.01",
+        "--access-slots",
+        "1",
+        "--accesses",
+        "100",
+        "--runs",
+        "2",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    let head = Command::new("git")
+        .args(["rev-parse", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| stdout(&o).trim().to_string());
+    let commit = v["run"]["commit"].as_str().unwrap();
+    assert_eq!(commit, head.as_deref().unwrap_or("unknown"));
+    assert!(v["run"]["tree_dirty"].is_boolean(), "{}", v["run"]);
+    let test = &v["perf"][0]["tests"][0];
+    let figure = &test["s_per_iteration_figure"];
+    assert_eq!(figure["runs"].as_array().unwrap().len(), 2, "{test}");
+    assert!(figure["min"].as_f64().unwrap() <= figure["median"].as_f64().unwrap());
+    assert!(figure["median"].as_f64().unwrap() <= figure["max"].as_f64().unwrap());
+    let access = &v["access"][0];
+    assert_eq!(
+        access["cached_read_ns"], access["cached_read_ns_figure"]["min"],
+        "{access}"
+    );
+}
+
 #[test]
 fn bad_arguments_are_named() {
     let o = guestmem(&["run", "--backend", "floppy"]);

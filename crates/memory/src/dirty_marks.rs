@@ -16,6 +16,7 @@ pub struct DirtyMarks {
 }
 
 impl DirtyMarks {
+    /// No marks, for a region of `bytes`.
     pub fn new(bytes: u64) -> DirtyMarks {
         let pages = bytes.div_ceil(PAGE_SIZE);
         let words = pages.div_ceil(64);
@@ -78,6 +79,7 @@ impl DirtyMarks {
             && self.words[(page / 64) as usize].load(Ordering::Acquire) & (1 << (page % 64)) != 0
     }
 
+    /// Pages the marks cover.
     pub fn pages(&self) -> u64 {
         self.pages
     }

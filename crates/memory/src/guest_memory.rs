@@ -64,10 +64,12 @@ impl GuestMemory {
         })
     }
 
+    /// The regions, in guest address order (memslot `i` is region `i`).
     pub fn regions(&self) -> &[Arc<Region>] {
         &self.regions
     }
 
+    /// The region named `name`.
     pub fn region(&self, name: &str) -> Option<&Region> {
         self.regions.iter().find(|r| r.name() == name).map(|r| &**r)
     }

@@ -28,8 +28,10 @@ pub struct ImageLoad {
     pub compressed: bool,
     /// Pages copied, and pages skipped because they were all zero.
     pub pages_copied: u64,
+    /// Pages skipped because they were all zero.
     pub zero_pages_skipped: u64,
     #[serde(skip)]
+    /// How long it took.
     pub elapsed: Duration,
 }
 

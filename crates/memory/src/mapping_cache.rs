@@ -122,6 +122,7 @@ impl CachedMapping {
         self.state.len
     }
 
+    /// Whether it holds no mapping.
     pub fn is_empty(&self) -> bool {
         self.state.len == 0
     }

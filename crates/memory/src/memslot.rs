@@ -42,15 +42,22 @@ pub struct SlotFlags {
 /// One KVM memslot: a window of a region's host mapping placed at a guest physical address.
 #[derive(Debug, Clone)]
 pub struct Memslot {
+    /// The KVM slot number.
     pub id: u32,
+    /// Its guest physical address.
     pub gpa: u64,
+    /// Its bytes.
     pub size: u64,
+    /// The region whose mapping it shows.
     pub region: Arc<Region>,
+    /// Where in the region the window starts.
     pub region_offset: u64,
+    /// Its KVM flags.
     pub flags: SlotFlags,
 }
 
 impl Memslot {
+    /// Its end guest address (exclusive).
     pub fn end(&self) -> u64 {
         self.gpa + self.size
     }
@@ -212,6 +219,7 @@ impl MemslotManager {
         self.table().by_gpa.len()
     }
 
+    /// Whether there is no memslot.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

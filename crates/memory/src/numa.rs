@@ -58,6 +58,7 @@ impl NumaMode {
         .find(|m| m.mpol() == mode)
     }
 
+    /// The mode's name (as parsed).
     pub fn name(self) -> &'static str {
         match self {
             NumaMode::Default => "default",
@@ -71,7 +72,9 @@ impl NumaMode {
 /// A region's NUMA policy: a mode and the host nodes it names (none for `default`).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NumaPolicy {
+    /// The policy's mode.
     pub mode: NumaMode,
+    /// The host nodes it names.
     pub nodes: Vec<u32>,
 }
 

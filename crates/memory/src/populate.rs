@@ -33,10 +33,16 @@ pub enum Source<'a> {
     Bytes(&'a [u8]),
     /// `len` bytes of a file or any other fd (pipe, memfd, socket) starting at `offset`
     /// (`offset` must be 0 for fds that cannot seek).
-    Fd { fd: BorrowedFd<'a>, offset: u64 },
+    Fd {
+        /// The fd.
+        fd: BorrowedFd<'a>,
+        /// Where its bytes start.
+        offset: u64,
+    },
 }
 
 impl<'a> Source<'a> {
+    /// A whole file, from its start.
     pub fn file(file: &'a File) -> Source<'a> {
         Source::Fd {
             fd: file.as_fd(),
@@ -61,6 +67,7 @@ pub enum Method {
 }
 
 impl Method {
+    /// The method's name (as reported).
     pub fn name(self) -> &'static str {
         match self {
             Method::GmemWrite => "gmem write",
@@ -92,15 +99,20 @@ impl std::fmt::Display for Method {
 /// What one population did.
 #[derive(Debug, Clone, Serialize)]
 pub struct Populated {
+    /// How the region was filled.
     pub method: Method,
     /// Why a faster method was not used (e.g. guest_memfd `write()` absent), if one was passed.
     pub fallback_reason: Option<String>,
+    /// Bytes filled.
     pub bytes: u64,
     /// Pages (of the backend's page size) copied, and skipped because they were all zero.
     pub pages_copied: u64,
+    /// Pages skipped because they were all zero.
     pub zero_pages_skipped: u64,
+    /// Threads that copied.
     pub threads: usize,
     #[serde(skip)]
+    /// How long it took.
     pub elapsed: Duration,
 }
 
@@ -507,10 +519,12 @@ impl<'a> SourceBytes<'a> {
     fn as_slice(&self) -> &[u8] {
         match self {
             SourceBytes::Borrowed(b) => b,
-            // SAFETY: the mapping is `map_len = skip + len` readable bytes, alive until drop.
             SourceBytes::Mapped {
                 addr, skip, len, ..
-            } => unsafe { std::slice::from_raw_parts((*addr as *const u8).add(*skip), *len) },
+            } => {
+                // SAFETY: the mapping is `map_len = skip + len` readable bytes, alive until drop.
+                unsafe { std::slice::from_raw_parts((*addr as *const u8).add(*skip), *len) }
+            }
             SourceBytes::Read(v) => v,
         }
     }

@@ -37,6 +37,7 @@ pub enum Backend {
 }
 
 impl Backend {
+    /// Every backend.
     pub const ALL: [Backend; 5] = [
         Backend::Anon,
         Backend::Memfd,
@@ -96,9 +97,13 @@ impl std::str::FromStr for Backend {
 /// What a region should be: its name (used in every message about it), place, size and backend.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RegionSpec {
+    /// The region's name: unique in a VM, used in every message about it.
     pub name: String,
+    /// Its guest physical address.
     pub gpa: u64,
+    /// Its bytes.
     pub size: u64,
+    /// What memory backs it.
     pub backend: Backend,
     /// Where on the host its pages go (applied before the first page is allocated).
     #[serde(default)]
@@ -106,6 +111,7 @@ pub struct RegionSpec {
 }
 
 impl RegionSpec {
+    /// A region of `size` bytes at `gpa` on `backend`, with the default NUMA policy.
     pub fn new(name: impl Into<String>, gpa: u64, size: u64, backend: Backend) -> Self {
         RegionSpec {
             name: name.into(),
@@ -116,6 +122,7 @@ impl RegionSpec {
         }
     }
 
+    /// Its end guest address (exclusive).
     pub fn end(&self) -> u64 {
         self.gpa + self.size
     }
@@ -282,18 +289,23 @@ impl Region {
         })
     }
 
+    /// What it was made from.
     pub fn spec(&self) -> &RegionSpec {
         &self.spec
     }
+    /// Its name.
     pub fn name(&self) -> &str {
         &self.spec.name
     }
+    /// Its guest physical address.
     pub fn gpa(&self) -> u64 {
         self.spec.gpa
     }
+    /// Its bytes.
     pub fn size(&self) -> u64 {
         self.spec.size
     }
+    /// Its backend.
     pub fn backend(&self) -> Backend {
         self.spec.backend
     }
@@ -309,6 +321,7 @@ impl Region {
     pub fn vmm_dirty(&self) -> &DirtyMarks {
         &self.vmm_dirty
     }
+    /// Whether guest address `gpa` is inside it.
     pub fn contains(&self, gpa: u64) -> bool {
         gpa >= self.spec.gpa && gpa < self.spec.end()
     }

@@ -39,8 +39,11 @@ pub const DIGEST_CHUNK: u64 = 64 << 10;
 /// The digest of one region: its chunk digests combined, in address order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RegionDigest {
+    /// The region's guest address.
     pub gpa: u64,
+    /// Its bytes.
     pub size: u64,
+    /// Its chunks' digests, combined.
     pub digest: u64,
 }
 
@@ -116,6 +119,7 @@ impl ChunkDigests {
         ChunkDigests { chunk, regions }
     }
 
+    /// Bytes per chunk.
     pub fn chunk(&self) -> u64 {
         self.chunk
     }

@@ -33,7 +33,9 @@ pub enum Compress {
     /// Never (zero pages and zero lines are still left out).
     #[default]
     None,
+    /// LZ4, always.
     Lz4,
+    /// zstd, always.
     Zstd,
     /// Whichever of none, LZ4 and zstd moves pages fastest, as measured while migrating.
     Auto,
@@ -60,13 +62,17 @@ const CANDIDATES: [Codec; 3] = [Codec::None, Codec::Lz4, Codec::Zstd(ZSTD_LEVEL)
 /// What the frames of one migration got, for its report.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct CompressionReport {
+    /// The mode asked for.
     pub mode: Compress,
     /// Pages frames sent plain, with LZ4, with zstd.
     pub plain_frames: u64,
+    /// Frames sent LZ4-compressed.
     pub lz4_frames: u64,
+    /// Frames sent zstd-compressed.
     pub zstd_frames: u64,
     /// Frame bytes before compression, and on the wire, over the compressed frames.
     pub compressed_in_bytes: u64,
+    /// What the compressed frames took.
     pub compressed_out_bytes: u64,
 }
 
@@ -91,6 +97,7 @@ fn average(old: Option<f64>, new: f64) -> Option<f64> {
 }
 
 impl Compressor {
+    /// A compressor for `mode`, with nothing measured yet.
     pub fn new(mode: Compress) -> Compressor {
         Compressor {
             mode,
@@ -166,6 +173,7 @@ impl Compressor {
         }
     }
 
+    /// What it did so far.
     pub fn report(&self) -> CompressionReport {
         self.state
             .lock()

@@ -189,10 +189,12 @@ pub struct DeltaReport {
     pub cache_bytes: u64,
     /// Re-sent pages looked up: found with their last version, or not.
     pub hits: u64,
+    /// Re-sent pages whose last version was not cached.
     pub misses: u64,
     /// Pages sent as a delta (hits whose delta was smaller than the page), and the bytes of
     /// those deltas before frame compression.
     pub delta_pages: u64,
+    /// Bytes of those deltas.
     pub delta_bytes: u64,
 }
 
@@ -346,6 +348,7 @@ impl DeltaCache {
             .unwrap_or_else(|e| e.into_inner())
     }
 
+    /// What the cache did so far.
     pub fn report(&self) -> DeltaReport {
         let mut r = DeltaReport {
             cache_bytes: self.bytes,

@@ -12,15 +12,16 @@ use guestmem_vm::{layout, RunningVm, Vm};
 use serde::{Deserialize, Serialize};
 
 use crate::chunk_digests::{self, ChunkDigests, RegionDigest};
+use crate::component::{payload_state, Components};
 use crate::migrate::{
-    block_connection, frame_name, percentile, read_frame, read_hello, read_json, write_frame,
-    ChannelRole, Hello, Links, Mode, Setup, StaleChunks, Switchover, BLOCK, HEARTBEAT_INTERVAL,
-    POSTCOPY_CHUNK,
+    block_connection, frame_name, link_error, percentile, read_frame, read_hello, read_json,
+    unexpected_frame, write_frame, ChannelRole, Hello, Links, Mode, Setup, StaleChunks, Switchover,
+    BLOCK, FORMAT, HEARTBEAT_INTERVAL, POSTCOPY_CHUNK,
 };
 use crate::source::memory_digest;
 use crate::stream::{Frame, FrameRef, MAX_REQUEST};
 use crate::transport::{Accepted, Connection, Cutter, Listener, Role, Timeouts};
-use crate::{Error, Result};
+use crate::{error_chain, Error, MigrationError, Peer, Result};
 
 /// Post-copy, after the link broke: how long the destination's vCPUs wait for the source to
 /// reconnect (it tries every second by itself, and `guestmem migrate resume` can point it
@@ -64,34 +65,48 @@ impl Default for ReceiveOptions {
 /// What the destination saw (sent back to the source in the Complete).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct DestinationReport {
+    /// The migration's mode.
     pub mode: Option<Mode>,
+    /// Rounds received (the last one's number).
     pub rounds: u32,
+    /// Pages received in the rounds.
     pub pages_received: u64,
+    /// Of them, zero pages.
     pub zero_pages_received: u64,
     /// The memory digest check at switch-over: the time it added after the last round's pages
     /// (re-hashing the chunks that round wrote, on the busiest pages connection, then any
     /// chunk still stale, and the comparison), and the digest (equal to the source's, or the
     /// migration would have been refused).
     pub verify_ms: f64,
+    /// The destination's memory digest.
     pub digest: Option<u64>,
     /// Post-copy: fault events the pagers read, fetches on behalf of faults (and their
     /// readahead) with their latency (request sent → pages in hand), background fetches.
     pub faults: u64,
+    /// Fetches on behalf of faults.
     pub fault_fetches: u64,
+    /// Their latency's median.
     pub fault_latency_p50_us: f64,
+    /// Their latency's 99th percentile.
     pub fault_latency_p99_us: f64,
+    /// Their latency's maximum.
     pub fault_latency_max_us: f64,
+    /// Fetches of the background transfer.
     pub background_fetches: u64,
+    /// Bytes fetched in post-copy.
     pub postcopy_bytes: u64,
     /// Running → every page resident.
     pub resident_ms: f64,
+    /// Post-copy links that broke and were resumed.
     pub link_breaks: u32,
 }
 
 /// A VM received up to the switch-over: its memory (or, in post-copy, its pagers) and vCPU
 /// state are in place. Resume it with [`Transfer::resume`], then [`Transfer::finish`].
 pub struct Incoming {
+    /// The VM, not running yet.
     pub vm: Vm,
+    /// The rest of the migration.
     pub transfer: Transfer,
 }
 
@@ -123,9 +138,26 @@ struct Postcopy {
 /// handshake or Hello are refused on their own (logged) while it waits, which is unbounded:
 /// waiting for a migration is its job. One migration at a time: until the [`Transfer`] is
 /// dropped (or this fails), other sources are told that the destination is busy.
+///
+/// The source's components' states must be none: [`receive_components`] receives a VM with
+/// components.
 pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incoming> {
+    receive_components(listener, opts, &mut Components::none())
+}
+
+/// [`receive`] for a VM with `components`: each is handed the state its namesake had on the
+/// source before the destination says Ready, so that a state refused (or missing, or of an
+/// unknown component) refuses the migration and the source keeps the guest.
+pub fn receive_components(
+    listener: Arc<Listener>,
+    opts: &ReceiveOptions,
+    components: &mut Components<'_>,
+) -> Result<Incoming> {
     if let Some(cpus) = &opts.fault_cpus {
-        CpuSet::new(cpus).map_err(|e| Error::Migration(format!("fault CPUs: {e}")))?;
+        CpuSet::new(cpus).map_err(|e| MigrationError::BadOption {
+            option: "fault_cpus",
+            reason: format!("fault CPUs: {e}"),
+        })?;
     }
     let gate = Gate::of(&listener);
     let (mut links, claim) = gate
@@ -133,15 +165,22 @@ pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incomin
         .expect("a receive is never stopped");
     let claim = claim.expect("a new migration claims the destination");
     let setup: Setup = read_json(&mut links.pages[0], "VM setup")?;
-    let refuse = |links: &mut Links, reason: String| {
-        let _ = write_frame(
-            &mut links.pages[0],
-            &Frame::Abort {
-                reason: reason.clone(),
-            },
-        );
-        Error::Migration(reason)
+    // Refusals are told to the source (which keeps the guest), causes included.
+    let refuse = |links: &mut Links, e: MigrationError| {
+        let reason = error_chain(&e, ": ");
+        let _ = write_frame(&mut links.pages[0], &Frame::Abort { reason });
+        Error::Migration(e)
     };
+    let unsupported = |reason: String| MigrationError::Unsupported { reason };
+    if setup.format != FORMAT {
+        return Err(refuse(
+            &mut links,
+            MigrationError::Format {
+                found: setup.format,
+                supported: FORMAT,
+            },
+        ));
+    }
     if setup.mode.has_postcopy() {
         if let Some(r) = setup
             .config
@@ -151,11 +190,11 @@ pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incomin
         {
             return Err(refuse(
                 &mut links,
-                format!(
+                unsupported(format!(
                     "{} of guest_memfd region '{}' needs KVM Userfault (KVM_MEM_USERFAULT, \
                      KVM_CAP_USERFAULT), which this kernel lacks: migrate it with pre-copy",
                     setup.mode, r.name
-                ),
+                )),
             ));
         }
     }
@@ -164,7 +203,7 @@ pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incomin
         write_frame(&mut links.pages[0], &Frame::Ready)?;
         let fds = links.pages[0]
             .recv_fds(setup.shared.len())
-            .map_err(|e| Error::Migration(format!("receiving the source's memory files: {e}")))?;
+            .map_err(|e| link_error("receiving the source's memory files", e))?;
         shared.extend(setup.shared.iter().cloned().zip(fds));
     }
     let mut vm = match Vm::new_on(&setup.config, shared) {
@@ -172,7 +211,7 @@ pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incomin
         Err(e) => {
             return Err(refuse(
                 &mut links,
-                format!("the destination cannot build this VM: {e}"),
+                unsupported(format!("it cannot be built here: {e}")),
             ))
         }
     };
@@ -182,7 +221,7 @@ pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incomin
         if let Err(e) = region.advise_huge_pages() {
             return Err(refuse(
                 &mut links,
-                format!("the destination cannot prepare its memory: {e}"),
+                unsupported(format!("its memory cannot be prepared here: {e}")),
             ));
         }
     }
@@ -212,9 +251,10 @@ pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incomin
         (true, Some(chunk)) => {
             return Err(refuse(
                 &mut links,
-                format!(
-                    "digest chunks of {chunk} bytes: a power of two from {PAGE_SIZE} to {BLOCK}                      is needed"
-                ),
+                unsupported(format!(
+                    "digest chunks of {chunk} bytes: a power of two from {PAGE_SIZE} to {BLOCK} \
+                     is needed"
+                )),
             ))
         }
         _ => None,
@@ -280,7 +320,12 @@ pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incomin
         None => failures.into_iter().next().map(|(_, e)| e),
     };
     if let Some(e) = failure {
-        return Err(refuse(&mut links, format!("receiving pages: {e}")));
+        return Err(refuse(
+            &mut links,
+            MigrationError::Receiving {
+                source: Box::new(e),
+            },
+        ));
     }
     // The memory is complete. With chunk digests, the readers hashed what they wrote; any
     // chunk still stale (written on a connection that does not carry its block) is hashed
@@ -290,9 +335,7 @@ pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incomin
     let verified = match &chunks {
         Some(chunks) => {
             chunks.refresh_where(&memory, |_, _| true)?;
-            let regions = chunks
-                .summary()
-                .ok_or_else(|| Error::Migration("memory digests: chunks still stale".into()))?;
+            let regions = chunks.summary().ok_or(MigrationError::StaleDigests)?;
             let took = last_round_hashing + started.elapsed();
             Some((chunk_digests::combine(&regions), Some(regions), took))
         }
@@ -303,10 +346,14 @@ pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incomin
     let switchover: Switchover = match read_frame(&mut links.pages[0])? {
         Frame::State { state_json } => match serde_json::from_slice(&state_json) {
             Ok(s) => s,
-            Err(e) => {
+            Err(source) => {
                 return Err(refuse(
                     &mut links,
-                    format!("the State is not understood: {e}"),
+                    MigrationError::BadMessage {
+                        peer: Peer::Source,
+                        what: "State",
+                        source,
+                    },
                 ))
             }
         },
@@ -315,17 +362,20 @@ pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incomin
     if let Some(r) = last_rounds.iter().find(|&&r| r != switchover.last_round) {
         return Err(refuse(
             &mut links,
-            format!(
+            unsupported(format!(
                 "a pages connection ended at round {r}, the State says {}",
                 switchover.last_round
-            ),
+            )),
         ));
     }
     report.rounds = switchover.last_round;
-    if let Err(e) = vm.restore_state(&switchover.state) {
+    let restored = payload_state(&switchover.state)
+        .map_err(|e| e.to_string())
+        .and_then(|state| vm.restore_state(&state).map_err(|e| e.to_string()));
+    if let Err(e) = restored {
         return Err(refuse(
             &mut links,
-            format!("the vCPU state does not load: {e}"),
+            unsupported(format!("the vCPU state does not load: {e}")),
         ));
     }
     if let Some(expected) = switchover.digest {
@@ -343,10 +393,11 @@ pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incomin
             let which = differing_regions(regions.as_deref(), switchover.region_digests.as_deref());
             return Err(refuse(
                 &mut links,
-                format!(
-                    "the destination's memory digest {digest:#018x} differs from the source's \
-                     {expected:#018x}{which}"
-                ),
+                MigrationError::DigestMismatch {
+                    found: digest,
+                    expected,
+                    regions: which,
+                },
             ));
         }
     }
@@ -360,19 +411,31 @@ pub fn receive(listener: Arc<Listener>, opts: &ReceiveOptions) -> Result<Incomin
                 listener,
                 migration: links.migration,
             }),
-            Err(e) => return Err(refuse(&mut links, format!("arming post-copy: {e}"))),
+            Err(e) => {
+                return Err(refuse(
+                    &mut links,
+                    unsupported(format!("post-copy cannot be armed: {e}")),
+                ))
+            }
         },
         None => None,
     };
 
+    if let Err(e) = components.restore(&switchover.components) {
+        return Err(refuse(
+            &mut links,
+            unsupported(format!("the components' states: {e}")),
+        ));
+    }
     write_frame(&mut links.pages[0], &Frame::Ready)?;
     match read_frame(&mut links.pages[0]) {
         Ok(Frame::Go) => {}
         Ok(other) => return Err(refused_by_source(&other, "Go")),
         Err(e) => {
-            return Err(Error::Migration(format!(
-                "the link broke before the source let go ({e}); the source keeps the VM"
-            )))
+            return Err(MigrationError::BrokeBeforeGo {
+                source: Box::new(e),
+            }
+            .into())
         }
     }
     Ok(Incoming {
@@ -611,7 +674,7 @@ impl Gate {
                     reason: reason.clone(),
                 },
             );
-            Error::Migration(reason)
+            Error::Migration(MigrationError::Connections { reason })
         };
         if pages == 0 || pages > 64 || urgent > 64 {
             return Err(fail(
@@ -705,16 +768,8 @@ fn refuse(conn: &mut Connection, why: String) {
     }
 }
 
-fn refused_by_source(frame: &Frame, wanted: &str) -> Error {
-    match frame {
-        Frame::Abort { reason } => {
-            Error::Migration(format!("the source gave up (and keeps the VM): {reason}"))
-        }
-        other => Error::Migration(format!(
-            "expected {wanted} from the source, got {}",
-            frame_name(other)
-        )),
-    }
+fn refused_by_source(frame: &Frame, wanted: &'static str) -> Error {
+    unexpected_frame(Peer::Source, frame, wanted)
 }
 
 /// `: ` and the guest ranges of the regions whose digests differ, when both sides' region
@@ -832,10 +887,13 @@ fn apply_pages(
             }
             Ok(FrameRef::Pages { gpa, pages, .. }) => {
                 // `place` declined them: they are not inside this VM's memory.
-                break Err(Error::Migration(format!(
-                    "the source sent {} bytes of pages at {gpa:#x}, outside this VM's memory",
-                    pages.len()
-                )));
+                break Err(MigrationError::Unsupported {
+                    reason: format!(
+                        "the source sent {} bytes of pages at {gpa:#x}, outside this VM's memory",
+                        pages.len()
+                    ),
+                }
+                .into());
             }
             Ok(FrameRef::Frame(f)) => f,
             Err(e) => break Err(Error::Stream(e)),
@@ -898,9 +956,10 @@ fn apply_pages(
             other => break Err(refused_by_source(&other, "pages")),
         };
         if let Err(e) = applied {
-            break Err(Error::Migration(format!(
-                "the source sent pages outside this VM's memory: {e}"
-            )));
+            break Err(MigrationError::Unsupported {
+                reason: format!("the source sent pages outside this VM's memory: {e}"),
+            }
+            .into());
         }
     };
     (conn, result.map(|()| stats))
@@ -932,11 +991,8 @@ fn arm_postcopy(
         let bits = stale
             .iter()
             .find(|s| s.gpa == region.gpa())
-            .ok_or_else(|| {
-                Error::Migration(format!(
-                    "the State says nothing of region '{}'",
-                    region.name()
-                ))
+            .ok_or_else(|| MigrationError::Unsupported {
+                reason: format!("the State says nothing of region '{}'", region.name()),
             })?
             .bits
             .as_deref();
@@ -1002,10 +1058,7 @@ impl Transfer {
     /// Runs the received VM's vCPUs, tells the source (the downtime ends), and, in post-copy,
     /// opens the link to the pagers.
     pub fn resume<'v>(&mut self, vm: &'v mut Vm) -> Result<RunningVm<'v>> {
-        let mut links = self
-            .links
-            .take()
-            .ok_or_else(|| Error::Migration("this transfer was already resumed".into()))?;
+        let mut links = self.links.take().ok_or(MigrationError::AlreadyResumed)?;
         let running = vm.resume()?;
         self.running_at = Some(Instant::now());
         write_frame(&mut links.pages[0], &Frame::Running)?;
@@ -1022,7 +1075,7 @@ impl Transfer {
                 std::thread::Builder::new()
                     .name("postcopy-keeper".into())
                     .spawn(move || link.keep(&listener, migration))
-                    .map_err(|e| Error::Migration(format!("spawning the link keeper: {e}")))?;
+                    .map_err(|e| link_error("spawning the link keeper", e))?;
             }
         }
         Ok(running)
@@ -1156,12 +1209,12 @@ impl PostcopyLink {
     fn open(&self, links: Links) -> Result<()> {
         let cutters = links.cutters()?;
         if links.pages.len() + links.urgent.len() != self.slots.len() {
-            return Err(Error::Migration(format!(
-                "the source came back with {} + {} connections, not {} in all",
-                links.pages.len(),
-                links.urgent.len(),
-                self.slots.len()
-            )));
+            return Err(MigrationError::Reconnection {
+                pages: links.pages.len(),
+                urgent: links.urgent.len(),
+                expected: self.slots.len(),
+            }
+            .into());
         }
         for (slot, conn) in self
             .slots
@@ -1392,11 +1445,8 @@ impl PostcopyLink {
                         }
                     }
                 }
-                self.wait_for_new_link(generation, started).map_err(|e| {
-                    Error::Migration(format!(
-                        "every page is here, but the source never came back to hear it: {e}"
-                    ))
-                })?;
+                self.wait_for_new_link(generation, started)
+                    .map_err(|source| MigrationError::SourceGone { source })?;
             }
         }
         let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
@@ -1441,17 +1491,19 @@ fn request(
                     true
                 }
                 other => {
-                    return Err(Error::Migration(format!(
-                        "asked for {at:#x}+{want:#x}, the source answered {}",
-                        match &other {
+                    return Err(MigrationError::BadAnswer {
+                        gpa: at,
+                        len: want as u64,
+                        got: match &other {
                             FrameRef::Placed { fresh: true, .. } => "fresh Pages",
                             FrameRef::Pages { .. } | FrameRef::Placed { .. } => "Pages",
                             // An answer is never a delta: the pager's buffer is not the
                             // version one would be made against.
                             FrameRef::Patched { .. } => "PagesD",
                             FrameRef::Frame(f) => frame_name(f),
-                        }
-                    )));
+                        },
+                    }
+                    .into());
                 }
             }
         };

@@ -374,7 +374,9 @@ pub fn check_userfaultfd(fd: BorrowedFd<'_>) -> Result<()> {
 /// What a VMM sent: its regions and the userfaultfd they are registered on.
 #[derive(Debug)]
 pub struct Handshake {
+    /// The regions, as the VMM maps them.
     pub mappings: Vec<GuestRegionUffdMapping>,
+    /// The userfaultfd they are registered on.
     pub uffd: OwnedFd,
 }
 
@@ -493,7 +495,9 @@ pub enum ServedMemory {
     /// `file[m.offset..][..m.size]`. Its bytes cannot be checked: Firecracker's memory files
     /// carry no checksums.
     File {
+        /// The file.
         path: PathBuf,
+        /// Its mapping.
         source: Arc<FileSource>,
     },
     /// A guestmem snapshot: its RAM regions (the sys region left out) laid back to back in
@@ -632,7 +636,9 @@ fn ram_layout(snapshot: &Snapshot) -> Vec<(usize, u64, u64)> {
 
 /// One peer being served.
 pub struct Session {
+    /// The peer's process id.
     pub peer_pid: i32,
+    /// The regions it registered.
     pub mappings: Vec<GuestRegionUffdMapping>,
     peer: Arc<PeerProcess>,
     pager: PeerPager,
@@ -755,10 +761,13 @@ pub fn serve_connection(
 /// A VM restored from a snapshot whose RAM a page server provides through a userfaultfd. Keep
 /// the server serving until the VM is dropped.
 pub struct PeerRestoredVm {
+    /// The VM, not running yet.
     pub vm: Vm,
     /// The handshake's connection and our copy of the userfaultfd.
     pub stream: UnixStream,
+    /// The userfaultfd its RAM is registered on.
     pub uffd: OwnedFd,
+    /// The regions as sent to the server.
     pub mappings: Vec<GuestRegionUffdMapping>,
 }
 

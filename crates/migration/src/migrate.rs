@@ -41,19 +41,22 @@
 
 use std::time::Duration;
 
-use guestmem_vm::{VmConfig, VmState};
+use guestmem_vm::VmConfig;
 use serde::{Deserialize, Serialize};
 
 use crate::chunk_digests::RegionDigest;
+use crate::component::ComponentState;
 use crate::stream::{Frame, StreamError};
 use crate::transport::{self, Connection, Credentials, Endpoint};
-use crate::{Error, Result};
+use crate::{Error, MigrationError, Peer, Result};
 
 pub use crate::destination::{
-    receive, DestinationReport, Incoming, ReceiveOptions, Transfer, RESUME_TIMEOUT,
+    receive, receive_components, DestinationReport, Incoming, ReceiveOptions, Transfer,
+    RESUME_TIMEOUT,
 };
 pub use crate::source::{
-    send, Failure, Progress, ProgressFn, Reconnect, Report, Round, SendOptions,
+    send, send_machine, Failure, MachineFailure, Progress, ProgressFn, Reconnect, Report, Round,
+    SendOptions,
 };
 
 /// How the memory moves.
@@ -69,6 +72,7 @@ pub enum Mode {
 }
 
 impl Mode {
+    /// The mode's name (as the CLI takes it).
     pub fn name(self) -> &'static str {
         match self {
             Mode::Precopy => "precopy",
@@ -85,6 +89,16 @@ impl Mode {
 impl std::fmt::Display for Mode {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Mode {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Mode, String> {
+        [Mode::Precopy, Mode::Postcopy, Mode::Hybrid]
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| format!("unknown migration mode '{s}' (precopy, postcopy or hybrid)"))
     }
 }
 
@@ -149,6 +163,9 @@ pub(crate) enum ChannelRole {
 pub(crate) struct Setup {
     pub config: VmConfig,
     pub mode: Mode,
+    /// The State frame's format ([`FORMAT`]); a destination refuses another.
+    #[serde(default)]
+    pub format: u32,
     /// Regions whose backing files the source hands over (local migration): the destination
     /// maps the same memory, so their pages never travel. When not empty, the destination
     /// answers Ready, the fds follow outside TLS (in this order), then its Hello.
@@ -168,10 +185,19 @@ pub(crate) struct Setup {
     pub verify_chunk: Option<u64>,
 }
 
+/// The format of the switch-over's State: 2 since the machine's state and the components'
+/// travel as opaque blobs (1, unnamed, carried the payload VM's state as JSON). Both sides
+/// must speak the same.
+pub const FORMAT: u32 = 2;
+
 /// The State frame's JSON: everything the destination needs at switch-over.
 #[derive(Serialize, Deserialize)]
 pub(crate) struct Switchover {
-    pub state: VmState,
+    /// The machine's state ([`crate::component::Machine::save`]), hex in JSON.
+    #[serde(with = "crate::component::hex_bytes")]
+    pub state: Vec<u8>,
+    /// The components' states.
+    pub components: Vec<ComponentState>,
     /// The round whose EndOfRound closed the pages (the destination waits for it everywhere).
     pub last_round: u32,
     /// Digest of guest memory at switch-over (pre-copy, when asked to verify): the regions'
@@ -204,6 +230,7 @@ pub struct Links {
 /// Why and how to re-establish a broken post-copy link (given to [`SendOptions::reconnect`]).
 #[derive(Debug, Clone)]
 pub struct Resume {
+    /// Why the link broke.
     pub reason: String,
     migration: u64,
     mode: Mode,
@@ -293,9 +320,11 @@ impl Links {
         timeouts: transport::Timeouts,
     ) -> Result<Links> {
         if connections == 0 || connections > 64 {
-            return Err(Error::Migration(format!(
-                "{connections} connections requested; 1 to 64 are possible"
-            )));
+            return Err(MigrationError::BadOption {
+                option: "connections",
+                reason: format!("{connections} connections requested; 1 to 64 are possible"),
+            }
+            .into());
         }
         let urgent = if mode.has_postcopy() {
             URGENT_CONNECTIONS
@@ -317,13 +346,17 @@ impl Links {
             // The destination answers each connection: Hello (taken) or Abort (why not).
             match read_frame(&mut conn)? {
                 Frame::Hello { .. } => Ok(conn),
-                Frame::Abort { reason } => Err(Error::Migration(format!(
-                    "the destination at {endpoint} refused the migration: {reason}"
-                ))),
-                other => Err(Error::Migration(format!(
-                    "the destination at {endpoint} answered the Hello with {}",
-                    frame_name(&other)
-                ))),
+                Frame::Abort { reason } => Err(MigrationError::Refused {
+                    endpoint: endpoint.to_string(),
+                    reason,
+                }
+                .into()),
+                other => Err(MigrationError::UnexpectedFrame {
+                    peer: Peer::Destination,
+                    expected: "Hello",
+                    got: frame_name(&other),
+                }
+                .into()),
             }
         };
         Ok(Links {
@@ -362,19 +395,22 @@ pub(crate) fn read_hello(conn: &mut Connection) -> Result<Hello> {
     read_json(conn, "Hello")
 }
 
-/// Reads a Hello frame carrying `what` as JSON.
+/// Reads a Hello frame of the source carrying `what` as JSON.
 pub(crate) fn read_json<T: serde::de::DeserializeOwned>(
     conn: &mut Connection,
-    what: &str,
+    what: &'static str,
 ) -> Result<T> {
+    let peer = Peer::Source;
     match read_frame(conn)? {
         Frame::Hello { config_json } => serde_json::from_slice(&config_json)
-            .map_err(|e| Error::Migration(format!("the source's {what} is not understood: {e}"))),
-        Frame::Abort { reason } => Err(Error::Migration(format!("the peer gave up: {reason}"))),
-        other => Err(Error::Migration(format!(
-            "expected a {what}, got {}",
-            frame_name(&other)
-        ))),
+            .map_err(|source| MigrationError::BadMessage { peer, what, source }.into()),
+        Frame::Abort { reason } => Err(MigrationError::PeerGaveUp { peer, reason }.into()),
+        other => Err(MigrationError::UnexpectedFrame {
+            peer,
+            expected: what,
+            got: frame_name(&other),
+        }
+        .into()),
     }
 }
 
@@ -406,8 +442,29 @@ pub(crate) fn frame_name(frame: &Frame) -> &'static str {
     }
 }
 
-pub(crate) fn link_error(what: &str, e: std::io::Error) -> Error {
-    Error::Migration(format!("{what}: {e}"))
+/// What `peer` sent instead of `wanted`: its Abort's reason, or the frame that came.
+pub(crate) fn unexpected_frame(peer: Peer, frame: &Frame, wanted: &'static str) -> Error {
+    match frame {
+        Frame::Abort { reason } => MigrationError::PeerGaveUp {
+            peer,
+            reason: reason.clone(),
+        }
+        .into(),
+        other => MigrationError::UnexpectedFrame {
+            peer,
+            expected: wanted,
+            got: frame_name(other),
+        }
+        .into(),
+    }
+}
+
+pub(crate) fn link_error(what: &str, source: std::io::Error) -> Error {
+    MigrationError::Link {
+        what: what.into(),
+        source,
+    }
+    .into()
 }
 
 /// A random migration id.
@@ -430,4 +487,18 @@ pub(crate) fn percentile(sorted: &[Duration], p: f64) -> Duration {
     }
     let i = ((sorted.len() - 1) as f64 * p / 100.0).round() as usize;
     sorted[i.min(sorted.len() - 1)]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Mode;
+
+    #[test]
+    fn modes_parse_by_their_names() {
+        for m in [Mode::Precopy, Mode::Postcopy, Mode::Hybrid] {
+            assert_eq!(m.name().parse::<Mode>(), Ok(m));
+        }
+        let e = "lazy".parse::<Mode>().unwrap_err();
+        assert!(e.contains("'lazy'") && e.contains("hybrid"), "{e}");
+    }
 }

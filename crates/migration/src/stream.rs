@@ -125,31 +125,62 @@ const Z_HEADER: usize = 8;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Frame {
     /// First frame each way: who speaks, and (from the source) the VM configuration as JSON.
-    Hello { config_json: Vec<u8> },
+    Hello {
+        /// The JSON.
+        config_json: Vec<u8>,
+    },
     /// `pages.len() / 4096` guest pages starting at `gpa`; `fresh`: the receiver's memory
     /// there still holds zeros (see [`FRESH`]).
     Pages {
+        /// The first page's guest address.
         gpa: u64,
+        /// The pages' bytes.
         pages: Vec<u8>,
+        /// The receiver's memory there still holds zeros.
         fresh: bool,
     },
     /// `count` guest pages starting at `gpa` are all zero (sent only where the destination may
     /// hold older, non-zero contents).
-    Zero { gpa: u64, count: u64 },
-    /// The vCPU and VM state (JSON of `guestmem_vm::VmState`): the source's vCPUs are stopped.
-    State { state_json: Vec<u8> },
+    Zero {
+        /// The first page's guest address.
+        gpa: u64,
+        /// How many pages.
+        count: u64,
+    },
+    /// The switch-over state (JSON: the machine's and the components' states, the memory
+    /// digest, post-copy's stale chunks): the source's vCPUs are stopped.
+    State {
+        /// The JSON.
+        state_json: Vec<u8>,
+    },
     /// Destination to source (post-copy): send the `len` bytes (whole pages, at most
     /// [`MAX_REQUEST`]) at `gpa` now; the answer is one Pages or Zero frame for exactly them.
-    Request { gpa: u64, len: u32 },
+    Request {
+        /// The guest address.
+        gpa: u64,
+        /// The bytes asked for.
+        len: u32,
+    },
     /// The end of round `round` (counted from 1) on this connection; `last`: no more pages
     /// will come on it before the State.
-    EndOfRound { round: u32, last: bool },
+    EndOfRound {
+        /// The round.
+        round: u32,
+        /// No more pages before the State.
+        last: bool,
+    },
     /// Destination to source: the destination has everything it needs from the source (pre-copy:
     /// it runs the VM; post-copy: all memory is resident), so the source may let go; with the
     /// destination's own figures (JSON).
-    Complete { report_json: Vec<u8> },
+    Complete {
+        /// The destination's report (JSON).
+        report_json: Vec<u8>,
+    },
     /// The sender gives up, and says why.
-    Abort { reason: String },
+    Abort {
+        /// Why.
+        reason: String,
+    },
     /// Destination to source, after the State: memory and vCPU state are in place (and the
     /// memory digest matched, when the source sent one); waiting for Go.
     Ready,
@@ -160,7 +191,14 @@ pub enum Frame {
     /// `count` guest pages at `gpa`, each whole or as a delta against the receiver's copy:
     /// `body` is the PagesD payload after its header (sizes, then bodies; see the module
     /// docs), checked when decoded. Apply it with [`Frame::apply_delta`].
-    Delta { gpa: u64, count: u32, body: Vec<u8> },
+    Delta {
+        /// The first page's guest address.
+        gpa: u64,
+        /// How many pages.
+        count: u32,
+        /// The PagesD payload after its header.
+        body: Vec<u8>,
+    },
 }
 
 /// The most one Request may ask for.
@@ -171,18 +209,28 @@ const PAGE: usize = 4096;
 /// What can be wrong with a stream.
 #[derive(Debug, thiserror::Error)]
 pub enum StreamError {
+    /// The peer closed the stream.
     #[error("the peer closed the stream")]
     Closed,
+    /// Reading or writing the stream failed.
     #[error("I/O on the migration stream: {0}")]
     Io(#[from] io::Error),
+    /// Not a stream of this version.
     #[error(
         "not a guestmem migration stream of this version (magic {0:02x?}, expected {MAGIC:02x?})"
     )]
     Magic([u8; 4]),
+    /// A frame that does not decode.
     #[error("malformed frame: {0}")]
     Malformed(String),
+    /// A frame whose CRC-32 does not match.
     #[error("frame checksum {found:#010x} does not match its contents ({computed:#010x})")]
-    Checksum { found: u32, computed: u32 },
+    Checksum {
+        /// The frame's CRC-32.
+        found: u32,
+        /// Its contents'.
+        computed: u32,
+    },
 }
 
 mod kind {
@@ -204,23 +252,33 @@ mod kind {
 /// A frame read by [`Frame::read_into`]: Pages borrow the reader's buffer, or were placed.
 #[derive(Debug, PartialEq)]
 pub enum FrameRef<'b> {
+    /// A Pages frame whose pages are in the reader's buffer.
     Pages {
+        /// The first page's guest address.
         gpa: u64,
+        /// The pages' bytes.
         pages: &'b [u8],
+        /// The receiver's memory there still holds zeros.
         fresh: bool,
     },
     /// A Pages frame whose `len` bytes of pages were read into the slice `place` lent (its
     /// zero lines left unwritten when `fresh`).
     Placed {
+        /// The first page's guest address.
         gpa: u64,
+        /// The pages' bytes.
         len: usize,
+        /// The zero lines were left unwritten.
         fresh: bool,
     },
     /// A PagesD frame applied to the slice `place` lent (its `len` bytes of pages at `gpa`).
     Patched {
+        /// The first page's guest address.
         gpa: u64,
+        /// The pages' bytes.
         len: usize,
     },
+    /// Any other frame.
     Frame(Frame),
 }
 
@@ -345,6 +403,7 @@ impl Frame {
         Ok(out)
     }
 
+    /// Writes the frame (header, body, CRC-32) to `w`.
     pub fn write_to(&self, w: &mut impl Write) -> Result<(), StreamError> {
         w.write_all(&self.encode()?)?;
         Ok(())

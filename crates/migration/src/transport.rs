@@ -36,6 +36,7 @@ use rustls::{
 
 /// The names the two roles' certificates carry (and that each side checks in the other's).
 pub const SOURCE_NAME: &str = "guestmem-source";
+/// The name a destination's certificate carries.
 pub const DESTINATION_NAME: &str = "guestmem-destination";
 
 /// How long establishing one migration connection may take: the TCP (or Unix) connect, the TLS
@@ -52,7 +53,9 @@ pub const IDLE_TIMEOUT: Duration = Duration::from_secs(15);
 /// The bounds of a connection's waits (the defaults: [`HANDSHAKE_TIMEOUT`], [`IDLE_TIMEOUT`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Timeouts {
+    /// Connect, TLS handshake and first frame of a connection; a migration's other connections after its first.
     pub handshake: Duration,
+    /// Any read or write on an established connection.
     pub idle: Duration,
 }
 
@@ -65,25 +68,55 @@ impl Default for Timeouts {
     }
 }
 
+/// Why a connection could not be made or used.
 #[derive(Debug, thiserror::Error)]
 pub enum TransportError {
+    /// Not an endpoint.
     #[error("'{0}' is not an endpoint (expected tcp:HOST:PORT or unix:PATH)")]
     BadEndpoint(String),
+    /// A socket operation failed.
     #[error("{what}: {error}")]
-    Io { what: String, error: io::Error },
+    Io {
+        /// What was being done.
+        what: String,
+        /// The underlying error.
+        error: io::Error,
+    },
     /// Nothing listens at the endpoint (connection refused, or no such socket).
     #[error("connect to {endpoint}: nothing listens there ({error})")]
-    Unreachable { endpoint: String, error: io::Error },
+    Unreachable {
+        /// The endpoint.
+        endpoint: String,
+        /// The underlying error.
+        error: io::Error,
+    },
+    /// Credentials that cannot be loaded or used.
     #[error("{path}: {reason}")]
-    Credentials { path: PathBuf, reason: String },
+    Credentials {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// The TLS handshake or a TLS operation failed.
     #[error("TLS with {peer} failed: {reason}")]
-    Tls { peer: String, reason: String },
+    Tls {
+        /// The peer.
+        peer: String,
+        /// Why.
+        reason: String,
+    },
+    /// A wait on the peer outlived its bound.
     #[error("{wait} with {peer} did not end within {} s (the bound of that wait)", .after.as_secs_f64())]
     Timeout {
+        /// The wait.
         wait: &'static str,
+        /// The peer.
         peer: String,
+        /// Its bound.
         after: Duration,
     },
+    /// The TLS configuration cannot be built.
     #[error("TLS setup: {0}")]
     Setup(String),
 }
@@ -105,7 +138,9 @@ fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> TransportError {
 /// Where a peer listens.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Endpoint {
+    /// `tcp:HOST:PORT`.
     Tcp(String),
+    /// `unix:PATH`.
     Unix(PathBuf),
 }
 
@@ -138,7 +173,9 @@ impl std::fmt::Display for Endpoint {
 /// Which side of a migration a peer is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Role {
+    /// The side that sends the guest.
     Source,
+    /// The side that receives it.
     Destination,
 }
 
@@ -557,6 +594,7 @@ impl Write for Connection {
 pub struct Cutter(Socket);
 
 impl Cutter {
+    /// Shuts the connection down both ways: its reads and writes fail at once.
     pub fn cut(&self) {
         let _ = match &self.0 {
             Socket::Tcp(s) => s.shutdown(std::net::Shutdown::Both),
@@ -763,6 +801,7 @@ impl Accepted {
 }
 
 impl Listener {
+    /// Listens at `endpoint` as a destination with `creds`.
     pub fn bind(endpoint: &Endpoint, creds: &Credentials) -> Result<Listener> {
         let socket = match endpoint {
             Endpoint::Tcp(addr) => ListenerSocket::Tcp(

@@ -68,6 +68,7 @@ pub trait PageSource: Send + Sync {
 /// Zero-filled memory of `size` bytes (a fresh VM, or pages known to be zero).
 #[derive(Debug, Clone, Copy)]
 pub struct ZeroSource {
+    /// The region's bytes.
     pub size: u64,
 }
 
@@ -100,10 +101,12 @@ unsafe impl Send for FileSource {}
 unsafe impl Sync for FileSource {}
 
 impl FileSource {
+    /// The file at `path`.
     pub fn open(path: &Path) -> io::Result<FileSource> {
         FileSource::new(File::open(path)?)
     }
 
+    /// The open `file`, mapped read-only.
     pub fn new(file: File) -> io::Result<FileSource> {
         let size = file.metadata()?.len();
         let map = if size == 0 {

@@ -178,11 +178,10 @@ impl Backend for LocalBackend {
                     continue;
                 };
                 let pid = tail.split('-').next().and_then(|p| p.parse::<i32>().ok());
-                // SAFETY: signal 0 only asks whether the process exists.
-                let gone = pid.is_some_and(|pid| {
-                    pid > 0
-                        && unsafe { libc::kill(pid, 0) } != 0
-                        && io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+                let gone = pid.filter(|&p| p > 0).is_some_and(|pid| {
+                    // SAFETY: signal 0 only asks whether the process exists; nothing is sent.
+                    let r = unsafe { libc::kill(pid, 0) };
+                    r != 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
                 });
                 let old = meta
                     .modified()

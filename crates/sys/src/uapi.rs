@@ -4,6 +4,9 @@
 //! (KVM Userfault, guest_memfd `write()`) are *candidates*: their numbers moved between patch
 //! versions, so code must confirm them by trying (see `probe`).
 #![allow(non_upper_case_globals)]
+// Kernel names, each group introduced by a comment naming its header: the kernel's own
+// documentation is theirs (and the ioctl number macros cannot carry docs).
+#![allow(missing_docs)]
 
 use vmm_sys_util::{ioctl_io_nr, ioctl_iow_nr, ioctl_iowr_nr};
 

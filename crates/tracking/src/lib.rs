@@ -18,6 +18,8 @@
 //! The protocol, in every mode: `harvest`, then for each chunk of each [`DirtyBitmap`]: `clear`
 //! the chunk, then consume (read and send) its pages.
 
+#![warn(missing_docs)]
+
 use std::io;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
@@ -34,36 +36,68 @@ use kvm_ioctls::{Kvm, VmFd};
 use serde::Serialize;
 use vmm_sys_util::ioctl::{ioctl, ioctl_with_ref};
 
+/// What tracking returns.
 pub type Result<T> = std::result::Result<T, Error>;
 
+/// Why dirty tracking failed.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// The kernel or the VM cannot do this mode.
     #[error("dirty tracking mode '{mode}' is not available: {reason}")]
-    Unavailable { mode: Mode, reason: String },
+    Unavailable {
+        /// The mode asked for.
+        mode: Mode,
+        /// What is missing.
+        reason: String,
+    },
+    /// A mode name that is not one.
     #[error("unknown dirty tracking mode {0:?} (expected ring, manual or bitmap)")]
     UnknownMode(String),
     #[error(
         "memslot {slot}: chunk of {pages} pages at page {first_page} cannot be cleared: it must \
          start at a multiple of 64 pages, be non-empty and lie inside the slot's {slot_pages} pages"
     )]
+    /// A chunk given to [`Tracker::clear`] that KVM cannot clear.
     BadChunk {
+        /// The memslot.
         slot: u32,
+        /// The chunk's first page, within the slot.
         first_page: u64,
+        /// Its pages.
         pages: u64,
+        /// The slot's pages.
         slot_pages: u64,
     },
+    /// A dirty ring entry names a memslot the VM does not have.
     #[error("dirty ring of vCPU {vcpu} holds an entry for memslot {slot}, which does not exist")]
-    BadRingEntry { vcpu: usize, slot: u32 },
-    #[error("{op} failed: {source}")]
-    Vm { op: &'static str, source: io::Error },
-    #[error("memslot {slot}: {op} failed: {source}")]
-    Ioctl {
+    BadRingEntry {
+        /// The vCPU whose ring holds it.
+        vcpu: usize,
+        /// The memslot it names.
         slot: u32,
+    },
+    /// A VM ioctl failed.
+    #[error("{op} failed")]
+    Vm {
+        /// The ioctl.
         op: &'static str,
+        /// The kernel's error.
         source: io::Error,
     },
-    #[error("cannot open /dev/kvm: {0}")]
+    /// A memslot's ioctl failed.
+    #[error("memslot {slot}: {op} failed")]
+    Ioctl {
+        /// The memslot.
+        slot: u32,
+        /// The ioctl.
+        op: &'static str,
+        /// The kernel's error.
+        source: io::Error,
+    },
+    /// /dev/kvm cannot be opened.
+    #[error("cannot open /dev/kvm")]
     Kvm(#[source] kvm_ioctls::Error),
+    /// A memslot update failed.
     #[error(transparent)]
     Memory(#[from] guestmem_memory::Error),
 }
@@ -72,8 +106,11 @@ pub enum Error {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Mode {
+    /// Per-vCPU dirty rings.
     Ring,
+    /// The dirty log with manual protection (`KVM_CLEAR_DIRTY_LOG`), every page dirty at first.
     Manual,
+    /// The classic dirty log (`KVM_GET_DIRTY_LOG`).
     Bitmap,
 }
 
@@ -87,8 +124,10 @@ pub fn ring_bytes(entries: u32) -> u32 {
 }
 
 impl Mode {
+    /// Every mode.
     pub const ALL: [Mode; 3] = [Mode::Ring, Mode::Manual, Mode::Bitmap];
 
+    /// The mode's name (as parsed).
     pub fn name(self) -> &'static str {
         match self {
             Mode::Ring => "ring",
@@ -154,11 +193,13 @@ impl std::str::FromStr for Mode {
 /// The dirty pages of one memslot: bit `i` of `bits[i / 64]` is page `i` of the slot.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DirtyBitmap {
+    /// The memslot.
     pub slot: u32,
     /// Guest address of the slot's first page.
     pub gpa: u64,
     /// Pages in the slot.
     pub pages: u64,
+    /// One bit per page of the slot.
     pub bits: Vec<u64>,
 }
 
@@ -210,6 +251,45 @@ impl DirtyBitmap {
     }
 }
 
+/// Every page of every region that `pick` selects.
+pub fn full_bitmaps(memory: &GuestMemory, pick: impl Fn(&Region) -> bool) -> Vec<DirtyBitmap> {
+    memory
+        .regions()
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| pick(r))
+        .map(|(slot, r)| {
+            let pages = r.size() / PAGE_SIZE;
+            let mut bits = vec![u64::MAX; pages.div_ceil(64) as usize];
+            if !pages.is_multiple_of(64) {
+                *bits.last_mut().expect("a region has pages") = (1 << (pages % 64)) - 1;
+            }
+            DirtyBitmap {
+                slot: slot as u32,
+                gpa: r.gpa(),
+                pages,
+                bits,
+            }
+        })
+        .collect()
+}
+
+/// The union of two harvests.
+pub fn merge(mut a: Vec<DirtyBitmap>, b: Vec<DirtyBitmap>) -> Vec<DirtyBitmap> {
+    for other in b {
+        match a.iter_mut().find(|x| x.slot == other.slot) {
+            Some(x) => x
+                .bits
+                .iter_mut()
+                .zip(&other.bits)
+                .for_each(|(x, y)| *x |= y),
+            None => a.push(other),
+        }
+    }
+    a.sort_by_key(|b| b.gpa);
+    a
+}
+
 /// Whether the guest's writes to `region` can be tracked (see [`Tracker::start`]).
 pub fn tracked(region: &Region) -> bool {
     region.backend() != guestmem_memory::Backend::GuestMemfd
@@ -248,11 +328,23 @@ impl Tracker {
     /// them (`KVM_MEM_LOG_DIRTY_PAGES` is not a valid flag beside `KVM_MEM_GUEST_MEMFD`), so
     /// whoever needs their changes copies them with the guest stopped.
     pub fn start(vm: &Vm, mode: Mode) -> Result<Tracker> {
+        Tracker::start_on(vm.fd(), vm.memory(), vm.dirty_rings(), mode)
+    }
+
+    /// [`Tracker::start`] for any VMM's VM: its KVM VM fd, the guest memory registered in it
+    /// (memslot `i` is region `i`), and its vCPUs' dirty rings (vCPU `i` at index `i`; empty
+    /// when the VM has none).
+    pub fn start_on(
+        vm_fd: &VmFd,
+        memory: &Arc<GuestMemory>,
+        rings: &Arc<Vec<DirtyRing>>,
+        mode: Mode,
+    ) -> Result<Tracker> {
         let kvm = Kvm::new().map_err(Error::Kvm)?;
         if let Some(reason) = mode.unavailable(&kvm) {
             return Err(Error::Unavailable { mode, reason });
         }
-        let has_rings = !vm.dirty_rings().is_empty();
+        let has_rings = !rings.is_empty();
         if (mode == Mode::Ring) != has_rings {
             let reason = if has_rings {
                 "the VM has dirty rings, and KVM refuses KVM_GET_DIRTY_LOG on such a VM"
@@ -265,7 +357,7 @@ impl Tracker {
             });
         }
         // SAFETY: `dup` of a valid open fd; the result is checked and then owned by the VmFd.
-        let fd = unsafe { libc::dup(vm.fd().as_raw_fd()) };
+        let fd = unsafe { libc::dup(vm_fd.as_raw_fd()) };
         if fd < 0 {
             return Err(Error::Vm {
                 op: "dup of the VM fd",
@@ -274,7 +366,7 @@ impl Tracker {
         }
         // SAFETY: `fd` is a fresh duplicate of a KVM VM fd that nothing else owns.
         let vm_fd = unsafe { kvm.create_vmfd_from_rawfd(fd) }.map_err(Error::Kvm)?;
-        let memory = vm.memory().clone();
+        let memory = memory.clone();
         if mode == Mode::Manual {
             let mut cap = kvm_bindings::kvm_enable_cap {
                 cap: KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2,
@@ -298,7 +390,7 @@ impl Tracker {
         let slots = memory.regions().len();
         Ok(Tracker {
             mode,
-            rings: vm.dirty_rings().clone(),
+            rings: rings.clone(),
             scratch: vec![Vec::new(); slots],
             pending: vec![Vec::new(); slots],
             vm: vm_fd,
@@ -306,6 +398,7 @@ impl Tracker {
         })
     }
 
+    /// The tracking mode.
     pub fn mode(&self) -> Mode {
         self.mode
     }
@@ -499,6 +592,38 @@ mod tests {
         assert!(b.contains(page(65)) && !b.contains(page(66)));
         assert!(!b.contains(page(200)) && !b.contains(0x3fff_f000));
         assert_eq!(DirtyBitmap::new(0, 0, 64).ranges().count(), 0);
+    }
+
+    #[test]
+    fn full_bitmaps_cover_every_page_and_merge_is_a_union() {
+        use guestmem_memory::{Backend, RegionSpec};
+        let memory = GuestMemory::new(
+            &[
+                RegionSpec::new("a", 0, 70 * PAGE_SIZE, Backend::Anon),
+                RegionSpec::new("b", 1 << 30, 64 * PAGE_SIZE, Backend::Anon),
+            ],
+            None,
+        )
+        .unwrap();
+        let full = full_bitmaps(&memory, |_| true);
+        assert_eq!(full.iter().map(|b| b.count()).collect::<Vec<_>>(), [70, 64]);
+        assert_eq!(full[0].bits, [u64::MAX, (1 << 6) - 1]);
+        let only_b = full_bitmaps(&memory, |r| r.name() == "b");
+        assert_eq!((only_b.len(), only_b[0].slot), (1, 1));
+
+        let mut one = DirtyBitmap::new(0, 0, 70);
+        one.bits[1] = 0b100;
+        let mut other = DirtyBitmap::new(0, 0, 70);
+        other.bits[0] = 0b1;
+        let merged = merge(only_b.clone(), vec![one]);
+        let merged = merge(merged, vec![other]);
+        // Sorted by address, slot 0's pages 0 and 66 beside all of slot 1.
+        assert_eq!(merged.len(), 2);
+        assert_eq!(
+            (merged[0].slot, merged[0].bits.clone()),
+            (0, vec![1, 0b100])
+        );
+        assert_eq!(merged[1], only_b[0]);
     }
 
     #[test]

@@ -1,36 +1,70 @@
+/// What the VM's operations return.
 pub type Result<T> = std::result::Result<T, Error>;
 
+/// Why a VM operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// /dev/kvm cannot be opened.
     #[error("cannot open /dev/kvm: {0}")]
     Kvm(#[source] kvm_ioctls::Error),
+    /// A KVM ioctl failed.
     #[error("{op} failed: {source}")]
     Ioctl {
+        /// The operation that failed.
         op: &'static str,
+        /// KVM's error.
         #[source]
         source: kvm_ioctls::Error,
     },
+    /// Guest memory failed.
     #[error(transparent)]
     Memory(#[from] guestmem_memory::Error),
+    /// A VM configuration that cannot be built.
     #[error("invalid VM configuration: {0}")]
     Config(String),
+    /// A vCPU exited for a reason the payload never gives.
     #[error("vCPU {vcpu} stopped unexpectedly: exit {exit} at RIP {rip:#x}")]
-    UnexpectedExit { vcpu: usize, exit: String, rip: u64 },
+    UnexpectedExit {
+        /// The vCPU.
+        vcpu: usize,
+        /// The exit.
+        exit: String,
+        /// Its instruction pointer.
+        rip: u64,
+    },
+    /// A vCPU made no progress for the stall timeout.
     #[error("vCPU {vcpu} made no progress for {secs:.1} s (RIP {rip:#x}, {pages} pages done); the run was stopped")]
     Stalled {
+        /// The vCPU.
         vcpu: usize,
+        /// Seconds without progress.
         secs: f64,
+        /// Its instruction pointer.
         rip: u64,
+        /// Pages it had done.
         pages: u64,
     },
+    /// The payload did not recognise a workload.
     #[error(
         "vCPU {vcpu}: the payload did not recognise its workload (control block state {state})"
     )]
-    BadWorkload { vcpu: usize, state: u64 },
+    BadWorkload {
+        /// The vCPU.
+        vcpu: usize,
+        /// The control block's state.
+        state: u64,
+    },
+    /// The run was stopped by an [`crate::AbortHandle`].
     #[error("the run was stopped: {0}")]
     Aborted(String),
+    /// A vCPU thread could not start, or panicked.
     #[error("vCPU {vcpu} thread: {reason}")]
-    Thread { vcpu: usize, reason: String },
+    Thread {
+        /// The vCPU.
+        vcpu: usize,
+        /// Why.
+        reason: String,
+    },
 }
 
 impl Error {

@@ -8,23 +8,28 @@ use crate::payload;
 /// The sys region: [SYS_GPA, SYS_GPA + SYS_SIZE). Starts at 1 MiB, clear of legacy PC areas, so
 /// that other VMMs can load the same image at the same address.
 pub const SYS_GPA: u64 = 0x10_0000;
+/// The sys region's bytes.
 pub const SYS_SIZE: u64 = 0x70_0000;
 /// The payload image is loaded here; its entry point is its first byte.
 pub const PAYLOAD_GPA: u64 = payload::PAYLOAD_GPA;
+/// The most bytes the payload image may take.
 pub const PAYLOAD_MAX: u64 = 0x1_0000;
 /// Page-table root (PML4) and the one PDPT (512 GiB of address space).
 pub const PML4_GPA: u64 = payload::PML4_GPA;
+/// The PDPT.
 pub const PDPT_GPA: u64 = payload::PDPT_GPA;
 /// Page directories, one per GiB mapped: [PD_GPA, PD_GPA + 512 * 4 KiB).
 pub const PD_GPA: u64 = payload::PD_GPA;
 /// Per-vCPU blocks: a control page then a stack page.
 pub const VCPU_BLOCKS_GPA: u64 = payload::VCPU_BLOCKS_GPA;
+/// Bytes of one vCPU's block.
 pub const VCPU_BLOCK_SIZE: u64 = payload::VCPU_BLOCK_SIZE;
 /// Highest guest address the identity map can cover.
 pub const MAX_GUEST_ADDR: u64 = 512 << 30;
 /// Where the CLI places guest RAM by default.
 pub const RAM_GPA: u64 = payload::RAM_GPA;
 
+/// The most vCPUs whose blocks fit in the sys region.
 pub const MAX_VCPUS: usize = ((SYS_GPA + SYS_SIZE - VCPU_BLOCKS_GPA) / VCPU_BLOCK_SIZE) as usize;
 
 /// The control block of vCPU `i`.

@@ -23,9 +23,13 @@ pub fn page_value(seed: u64, gpa: u64, generation: u64) -> u64 {
 /// stores `value` at the start of the last of those lines.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Rewrite {
+    /// The value stored at the start of the last line copied.
     pub value: u64,
+    /// The first line copied.
     pub first_line: u64,
+    /// How many lines are copied.
     pub lines: u64,
+    /// The page the lines come from.
     pub source_gpa: u64,
 }
 
@@ -84,6 +88,7 @@ pub struct PvhParams {
     pub range_start: u64,
     /// At most this many bytes of RAM from `range_start`, holes skipped (0: all of it).
     pub range_bytes: u64,
+    /// The seed of the values the workload writes.
     pub seed: u64,
     /// Throttle: TSC ticks per page written (0: full speed).
     pub tsc_per_page: u64,
@@ -139,6 +144,103 @@ impl PvhParams {
     }
 }
 
+/// The workloads a PVH payload runs on vCPU 0 by itself, as [`PvhParams::for_workload`] bakes
+/// them in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PvhWorkload {
+    /// Rewrite every page, pass after pass, until stopped (optionally throttled).
+    Dirty,
+    /// Write every page once, then stop (the guest then spins on its done signal).
+    Touch,
+    /// As `dirty`, each page write the `rewrite` workload's: 2-33 of its 64-byte lines copied
+    /// from another page of the range (re-dirtying as a real guest does).
+    Rewrite,
+}
+
+impl PvhWorkload {
+    /// Every PVH workload.
+    pub const ALL: [PvhWorkload; 3] =
+        [PvhWorkload::Dirty, PvhWorkload::Touch, PvhWorkload::Rewrite];
+
+    /// The workload's name (as the CLI takes it).
+    pub fn name(self) -> &'static str {
+        match self {
+            PvhWorkload::Dirty => "dirty",
+            PvhWorkload::Touch => "touch",
+            PvhWorkload::Rewrite => "rewrite",
+        }
+    }
+}
+
+impl std::str::FromStr for PvhWorkload {
+    type Err = String;
+    fn from_str(s: &str) -> Result<PvhWorkload, String> {
+        PvhWorkload::ALL
+            .into_iter()
+            .find(|w| w.name() == s)
+            .ok_or_else(|| format!("unknown PVH workload '{s}' (dirty, touch or rewrite)"))
+    }
+}
+
+/// The lowest start of a PVH workload's range: the end of the payload area (page tables,
+/// control blocks), 8 MiB.
+pub const MIN_RANGE_START: u64 = crate::layout::SYS_GPA + crate::layout::SYS_SIZE;
+
+/// Parameters no PVH payload can run with.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PvhParamsError {
+    /// A range that starts inside the payload area.
+    #[error(
+        "range start {0:#x} is inside the payload area; use {MIN_RANGE_START:#x} (8 MiB) or above"
+    )]
+    RangeStartInPayloadArea(u64),
+    /// A throttle for the `touch` workload, which runs at full speed.
+    #[error("--pages-per-s throttles the `dirty` workload; `touch` runs at full speed")]
+    TouchThrottled,
+    /// A throttle of zero pages per second.
+    #[error("--pages-per-s must be at least 1")]
+    ZeroRate,
+}
+
+impl PvhParams {
+    /// The baked parameters for `workload`, `range_start` and `range_bytes` (0: all RAM),
+    /// throttled to `pages_per_s` on a guest TSC of `tsc_khz` (`fill_first`: after a full-speed
+    /// first pass).
+    pub fn for_workload(
+        workload: PvhWorkload,
+        pages_per_s: Option<u64>,
+        fill_first: bool,
+        tsc_khz: u64,
+        range_start: u64,
+        range_bytes: u64,
+        seed: u64,
+    ) -> Result<PvhParams, PvhParamsError> {
+        if range_start < MIN_RANGE_START {
+            return Err(PvhParamsError::RangeStartInPayloadArea(range_start));
+        }
+        if workload == PvhWorkload::Touch && pages_per_s.is_some() {
+            return Err(PvhParamsError::TouchThrottled);
+        }
+        if pages_per_s == Some(0) {
+            return Err(PvhParamsError::ZeroRate);
+        }
+        Ok(PvhParams {
+            workload: WORKLOAD_WRITE,
+            passes: match workload {
+                PvhWorkload::Dirty | PvhWorkload::Rewrite => 0,
+                PvhWorkload::Touch => 1,
+            },
+            range_start,
+            range_bytes,
+            seed,
+            tsc_per_page: pages_per_s.map_or(0, |r| PvhParams::tsc_per_page(tsc_khz, r)),
+            fill_first,
+            read_percent: 0,
+            rewrite: workload == PvhWorkload::Rewrite,
+        })
+    }
+}
+
 fn pvh_params_offset(elf: &[u8]) -> usize {
     let at: Vec<usize> = elf
         .windows(PVH_PARAMS_MAGIC.len())
@@ -158,6 +260,16 @@ pub fn pvh_elf(params: &PvhParams) -> Vec<u8> {
         elf[at + 8 * i..at + 8 * i + 8].copy_from_slice(&v.to_le_bytes());
     }
     elf
+}
+
+/// Writes [`pvh_elf`] of `params` to `path` (the error names the path).
+pub fn write_pvh_elf(path: &std::path::Path, params: &PvhParams) -> std::io::Result<()> {
+    std::fs::write(path, pvh_elf(params)).map_err(|e| {
+        std::io::Error::new(
+            e.kind(),
+            format!("{}: cannot write the payload: {e}", path.display()),
+        )
+    })
 }
 
 /// The parameters baked into a PVH ELF written by [`pvh_elf`].
@@ -180,6 +292,36 @@ pub fn pvh_params(elf: &[u8]) -> PvhParams {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn workloads_bake_their_passes_and_refuse_what_cannot_run() {
+        let p = |w, rate, start| PvhParams::for_workload(w, rate, false, 1_000_000, start, 0, 1);
+        let dirty = p(PvhWorkload::Dirty, Some(1000), MIN_RANGE_START).unwrap();
+        assert_eq!(
+            (dirty.passes, dirty.tsc_per_page, dirty.rewrite),
+            (0, 1_000_000, false)
+        );
+        assert_eq!(p(PvhWorkload::Touch, None, 1 << 30).unwrap().passes, 1);
+        assert!(p(PvhWorkload::Rewrite, None, 1 << 30).unwrap().rewrite);
+        assert_eq!(
+            p(PvhWorkload::Dirty, None, MIN_RANGE_START - 4096),
+            Err(PvhParamsError::RangeStartInPayloadArea(
+                MIN_RANGE_START - 4096
+            ))
+        );
+        assert_eq!(
+            p(PvhWorkload::Touch, Some(1), 1 << 30),
+            Err(PvhParamsError::TouchThrottled)
+        );
+        assert_eq!(
+            p(PvhWorkload::Dirty, Some(0), 1 << 30),
+            Err(PvhParamsError::ZeroRate)
+        );
+        for w in PvhWorkload::ALL {
+            assert_eq!(w.name().parse(), Ok(w));
+        }
+        assert!("lazy".parse::<PvhWorkload>().is_err());
+    }
 
     #[test]
     fn pvh_params_round_trip() {

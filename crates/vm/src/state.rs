@@ -15,23 +15,36 @@ use crate::{Error, Result, VcpuWork};
 /// LAPIC state; the TSC travels as an MSR, its frequency alongside.
 #[derive(Serialize, Deserialize)]
 pub struct VcpuState {
+    /// The CPUID the vCPU was given.
     pub cpuid: Vec<kvm_cpuid_entry2>,
+    /// The MSRs worth saving (the TSC among them).
     pub msrs: Vec<kvm_msr_entry>,
+    /// General registers.
     pub regs: kvm_regs,
+    /// Special registers.
     pub sregs: kvm_sregs,
+    /// The FPU and vector state.
     pub xsave: kvm_xsave,
+    /// Extended control registers.
     pub xcrs: kvm_xcrs,
+    /// Debug registers.
     pub debugregs: kvm_debugregs,
+    /// Pending events (exceptions, interrupts, NMIs).
     pub vcpu_events: kvm_vcpu_events,
+    /// Its multiprocessing state.
     pub mp_state: kvm_mp_state,
+    /// Its TSC rate.
     pub tsc_khz: u32,
 }
 
 /// A paused VM's state: its vCPUs, its kvmclock, and the workloads its vCPUs were given.
 #[derive(Serialize, Deserialize)]
 pub struct VmState {
+    /// Every vCPU's state, vCPU `i` at index `i`.
     pub vcpus: Vec<VcpuState>,
+    /// The kvmclock.
     pub clock: kvm_clock_data,
+    /// What each vCPU's payload was given to do.
     pub work: Vec<VcpuWork>,
 }
 

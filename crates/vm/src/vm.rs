@@ -19,7 +19,9 @@ use crate::{layout, DirtyRing, Error, Result, RunReport, VcpuReport, VcpuWork, W
 /// What VM to build: vCPU count and guest RAM regions (placed anywhere above the sys region).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct VmConfig {
+    /// How many vCPUs.
     pub vcpus: usize,
+    /// The guest RAM regions.
     pub regions: Vec<RegionSpec>,
     /// Per-vCPU dirty ring size in bytes (a power of two), enabled before the vCPUs are created
     /// (`KVM_CAP_DIRTY_LOG_RING_ACQ_REL` when offered, else `KVM_CAP_DIRTY_LOG_RING`); `None`: no ring.
@@ -89,6 +91,7 @@ pub fn host_tsc_khz() -> Result<u64> {
 }
 
 impl Vm {
+    /// Builds the VM of `config`: guest memory registered as memslots, the payload and page tables in place, vCPUs created (not running).
     pub fn new(config: &VmConfig) -> Result<Vm> {
         Vm::new_on(config, Default::default())
     }
@@ -210,12 +213,15 @@ impl Vm {
         self.dirty_ring_full_exits.load(Ordering::Relaxed)
     }
 
+    /// The KVM VM fd.
     pub fn fd(&self) -> &VmFd {
         &self.fd
     }
+    /// The guest memory.
     pub fn memory(&self) -> &Arc<GuestMemory> {
         &self.memory
     }
+    /// How many vCPUs.
     pub fn vcpu_count(&self) -> usize {
         self.vcpus.len()
     }
@@ -226,6 +232,7 @@ impl Vm {
             .collect()
     }
 
+    /// The vCPUs' TSC rate.
     pub fn tsc_khz(&self) -> u64 {
         self.tsc_khz
     }
@@ -472,6 +479,7 @@ pub struct RunningVm<'a> {
 pub const THROTTLE_PERIOD: Duration = Duration::from_millis(10);
 
 impl<'a> RunningVm<'a> {
+    /// The VM's guest memory.
     pub fn memory(&self) -> &Arc<GuestMemory> {
         &self.vm.memory
     }
@@ -482,7 +490,7 @@ impl<'a> RunningVm<'a> {
     }
 
     /// Throttles the vCPUs (auto-converge): each spends `percent` % (at most 99) of every
-    /// [`THROTTLE_PERIOD`] out of the guest; 0 lets them run freely again.
+    /// `THROTTLE_PERIOD` out of the guest; 0 lets them run freely again.
     pub fn set_throttle(&mut self, percent: u64) -> Result<()> {
         self.vm.throttle.store(percent.min(99), Ordering::Release);
         if percent == 0 || self.ticker.is_some() {

@@ -11,7 +11,9 @@ pub enum Workload {
     /// Keep rewriting every page of the range, pass after pass, until stopped (or `passes`
     /// passes), at full speed or throttled to `pages_per_s` (the shape of dirty_log_perf_test).
     Dirty {
+        /// The throttle, in pages per second (`None`: full speed).
         pages_per_s: Option<u64>,
+        /// Passes before it stops (`None`: until stopped).
         passes: Option<u64>,
         /// Write the first pass at full speed (memory filled), and throttle only after it.
         #[serde(default)]
@@ -23,7 +25,9 @@ pub enum Workload {
     /// RAM started from a captured image, the memory stays as dense and compressible as a
     /// real guest's.
     Rewrite {
+        /// The throttle, in pages per second (`None`: full speed).
         pages_per_s: Option<u64>,
+        /// Passes before it stops (`None`: until stopped).
         passes: Option<u64>,
     },
     /// Read every page and report a digest (see `guestmem_memory::digest_bytes`).
@@ -32,16 +36,24 @@ pub enum Workload {
     /// pseudo-random share, see payload.S) are written each pass; the others are read (the `-w`
     /// of the kernel's dirty_log_perf_test).
     Mixed {
+        /// The share of pages written each pass.
         write_percent: u64,
+        /// Passes before it stops (`None`: until stopped).
         passes: Option<u64>,
     },
     /// `writes` writes to pseudo-random pages of the range (see
     /// [`crate::payload::random_writes`]), each logged as its page's gpa, 8 bytes per write, at
     /// `log_gpa` (which must lie outside the range).
-    Random { writes: u64, log_gpa: u64 },
+    Random {
+        /// How many writes.
+        writes: u64,
+        /// Where the log of written pages goes.
+        log_gpa: u64,
+    },
 }
 
 impl Workload {
+    /// The workload's name (as the CLI takes it).
     pub fn name(&self) -> &'static str {
         match self {
             Workload::Touch => "touch",
@@ -58,9 +70,13 @@ impl Workload {
 /// writes.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VcpuWork {
+    /// What it runs.
     pub workload: Workload,
+    /// Its range's guest address.
     pub gpa: u64,
+    /// Its range's bytes.
     pub size: u64,
+    /// The seed of the values it writes.
     pub seed: u64,
 }
 
@@ -86,6 +102,7 @@ impl VcpuWork {
             .collect()
     }
 
+    /// Pages in its range.
     pub fn pages(&self) -> u64 {
         self.size / guestmem_memory::PAGE_SIZE
     }
@@ -94,7 +111,9 @@ impl VcpuWork {
 /// What one vCPU did, read from its control block.
 #[derive(Debug, Clone, Serialize)]
 pub struct VcpuReport {
+    /// The vCPU.
     pub vcpu: usize,
+    /// Its workload's name.
     pub workload: &'static str,
     /// Page operations (writes or page reads) since the vCPU started.
     pub pages: u64,
@@ -104,14 +123,18 @@ pub struct VcpuReport {
     pub digest: u64,
     /// Guest time between the payload's start and end, from its TSC stamps.
     pub guest_seconds: f64,
+    /// Its rate, in guest time.
     pub pages_per_s: f64,
 }
 
 /// What a run did, in total.
 #[derive(Debug, Clone, Serialize)]
 pub struct RunReport {
+    /// Each vCPU's figures.
     pub vcpus: Vec<VcpuReport>,
+    /// Host time the run took.
     pub wall_seconds: f64,
+    /// Pages of every vCPU.
     pub total_pages: u64,
     /// Sum of the vCPUs' own rates.
     pub total_pages_per_s: f64,

@@ -32,12 +32,17 @@ pub const MAX_BASE_DEPTH: usize = 64;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Manifest {
+    /// [`FORMAT`].
     pub format: String,
+    /// [`VERSION`].
     pub version: u32,
+    /// The VM the snapshot is of.
     pub config: VmConfig,
     /// Every region of guest memory (the sys region included), in memory order.
     pub regions: Vec<RegionImage>,
+    /// Bytes per chunk ([`CHUNK_BYTES`]).
     pub chunk_bytes: u64,
+    /// Length of `state.json`.
     pub state_bytes: u64,
     /// BLAKE3 of `state.json`, hex.
     pub state_blake3: String,
@@ -59,6 +64,7 @@ pub struct Manifest {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct BaseRef {
+    /// The base's directory.
     pub dir: PathBuf,
     /// The base manifest's `checksum` when the diff was written.
     pub checksum: String,
@@ -68,7 +74,9 @@ pub struct BaseRef {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum RegionFile {
+    /// `memory`: the guest RAM regions.
     Memory,
+    /// `sys`: the sys region.
     Sys,
 }
 
@@ -95,8 +103,11 @@ impl RegionFile {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RegionImage {
+    /// The region.
     pub spec: RegionSpec,
+    /// The file holding it.
     pub file: RegionFile,
+    /// Where in that file it starts.
     pub file_offset: u64,
     /// `guestmem_memory::GuestMemory::digest` of the whole region at snapshot time.
     pub digest: u64,
@@ -113,6 +124,7 @@ impl RegionImage {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+/// One chunk of a region, as the manifest lists it.
 pub struct Chunk {
     /// CRC-32 of the chunk's bytes (zero pages included; for a zero chunk, that of zeros).
     pub crc32: u32,

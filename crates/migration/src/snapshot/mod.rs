@@ -19,7 +19,7 @@
 //! full restore as it copies, map restore for every chunk (zero chunks included: their range
 //! of the file must read as zeros) before it maps the file, lazy restore and the page server
 //! as each chunk is first served. A zero chunk is served as zeros whatever its file range
-//! holds. A snapshot is replaced atomically ([`write`]): a failed write leaves the previous one
+//! holds. A snapshot is replaced atomically ([`write()`]): a failed write leaves the previous one
 //! intact. CRC-32 finds damage, not a forger who also recomputes the manifest's checksum.
 
 mod manifest;
@@ -47,8 +47,9 @@ pub use manifest::{
 };
 use sparse::{nonzero_page_runs, read_sparse};
 pub use working_set::{WorkingSet, WorkingSetRegion, WORKING_SET_FORMAT};
-pub use write::{write, write_diff, WriteReport};
+pub use write::{write, write_diff, write_with_components, WriteReport};
 
+use crate::component::ComponentState;
 use crate::{Error, Result};
 
 const MANIFEST: &str = "manifest.json";
@@ -60,6 +61,8 @@ pub struct Snapshot {
     dir: PathBuf,
     manifest: Manifest,
     state: VmState,
+    /// The components' states, saved with the VM's.
+    components: Vec<ComponentState>,
     /// The `memory` and `sys` files, indexed by `RegionFile as usize`.
     files: [File; 2],
     /// A diff snapshot's base, opened and checked with it.
@@ -107,7 +110,10 @@ impl Snapshot {
                 manifest.state_blake3
             )));
         }
-        let state = parse_state(&state_json, manifest.config.vcpus, &state_path)?;
+        let SavedState {
+            vm: state,
+            components,
+        } = parse_saved_state(&state_json, manifest.config.vcpus, &state_path)?;
 
         let open = |which: RegionFile| -> Result<File> {
             let path = dir.join(which.name());
@@ -156,6 +162,7 @@ impl Snapshot {
             dir: dir.to_path_buf(),
             manifest,
             state,
+            components,
             files,
             base,
         })
@@ -216,6 +223,7 @@ impl Snapshot {
         Ok((!chunk.zero).then_some(self))
     }
 
+    /// Its manifest.
     pub fn manifest(&self) -> &Manifest {
         &self.manifest
     }
@@ -225,8 +233,15 @@ impl Snapshot {
         &self.dir
     }
 
+    /// The VM's state.
     pub fn state(&self) -> &VmState {
         &self.state
+    }
+
+    /// The states of the components saved with the VM ([`write_with_components`]), for the
+    /// restored VM's components of the same names.
+    pub fn components(&self) -> &[ComponentState] {
+        &self.components
     }
 
     /// Reads chunk `index` of region image `image` into `buf` and checks its CRC-32.
@@ -300,14 +315,49 @@ pub(crate) fn read_regular(path: &Path) -> Result<Vec<u8>> {
     Ok(bytes)
 }
 
+/// What `state.json` holds: the VM's state and, beside its fields, the components' states
+/// (absent when there are none, as in snapshots written before components).
+#[derive(Serialize)]
+pub(crate) struct SavedState {
+    #[serde(flatten)]
+    pub vm: VmState,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub components: Vec<ComponentState>,
+}
+
+/// `state.json` as read: [`VmState`]'s fields (built into one at once, so a field added there
+/// must be added here) and the components', in one pass; `flatten` would buffer every byte of
+/// the vCPU state first, and lazy restore waits for this.
+#[derive(Deserialize)]
+struct SavedFields {
+    vcpus: Vec<guestmem_vm::VcpuState>,
+    clock: kvm_bindings::kvm_clock_data,
+    work: Vec<guestmem_vm::VcpuWork>,
+    #[serde(default)]
+    components: Vec<ComponentState>,
+}
+
 /// Parses `state.json` (read from `path`) for a VM of `vcpus` vCPUs: its shape, and one vCPU
 /// state and one workload per vCPU. Its checksum is the manifest's business
 /// ([`Snapshot::open`] checks it first).
 pub fn parse_state(bytes: &[u8], vcpus: usize, path: &Path) -> Result<VmState> {
-    let state: VmState = serde_json::from_slice(bytes).map_err(|e| Error::Json {
+    parse_saved_state(bytes, vcpus, path).map(|s| s.vm)
+}
+
+fn parse_saved_state(bytes: &[u8], vcpus: usize, path: &Path) -> Result<SavedState> {
+    let fields: SavedFields = serde_json::from_slice(bytes).map_err(|e| Error::Json {
         path: path.to_path_buf(),
         source: e,
     })?;
+    let saved = SavedState {
+        vm: VmState {
+            vcpus: fields.vcpus,
+            clock: fields.clock,
+            work: fields.work,
+        },
+        components: fields.components,
+    };
+    let state = &saved.vm;
     if state.vcpus.len() != vcpus || state.work.len() != vcpus {
         return Err(Error::Corrupt(format!(
             "{}: state for {} vCPUs ({} workloads), the configuration has {vcpus}",
@@ -316,7 +366,7 @@ pub fn parse_state(bytes: &[u8], vcpus: usize, path: &Path) -> Result<VmState> {
             state.work.len(),
         )));
     }
-    Ok(state)
+    Ok(saved)
 }
 
 /// How to bring a snapshot's memory back.
@@ -368,7 +418,9 @@ pub fn restore(snapshot: &Snapshot, mode: RestoreMode) -> Result<Vm> {
 /// first access and in the background. The pagers are dropped (and their threads joined) before
 /// the VM and its memory, as the field order says.
 pub struct LazyVm {
+    /// The pagers bringing the memory in, one per RAM region.
     pub pagers: Vec<Pager>,
+    /// The VM, not running yet.
     pub vm: Vm,
     /// Where the restore spent its time, step by step (the VM's build steps included).
     pub phases: Vec<(String, Duration)>,
@@ -696,4 +748,48 @@ fn map_private(region: &Region, file: &File, file_offset: u64) -> io::Result<()>
         return Err(io::Error::last_os_error());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn component_states_sit_beside_the_vm_state_and_older_states_read_as_none() {
+        let vm = || VmState {
+            vcpus: Vec::new(),
+            clock: Default::default(),
+            work: Vec::new(),
+        };
+        let path = Path::new("state.json");
+        let components = vec![ComponentState {
+            name: "rng0".into(),
+            data: vec![1, 2, 0xff],
+        }];
+        let with = serde_json::to_vec(&SavedState {
+            vm: vm(),
+            components: components.clone(),
+        })
+        .unwrap();
+        assert_eq!(
+            parse_saved_state(&with, 0, path).unwrap().components,
+            components
+        );
+        // The VM state alone, as every snapshot before components: no key, no components.
+        let without = serde_json::to_vec(&SavedState {
+            vm: vm(),
+            components: Vec::new(),
+        })
+        .unwrap();
+        assert_eq!(without, serde_json::to_vec(&vm()).unwrap());
+        assert!(parse_saved_state(&without, 0, path)
+            .unwrap()
+            .components
+            .is_empty());
+        // A state for another vCPU count is refused, components or not.
+        assert!(matches!(
+            parse_saved_state(&with, 1, path),
+            Err(Error::Corrupt(_))
+        ));
+    }
 }

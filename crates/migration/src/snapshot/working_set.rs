@@ -16,10 +16,13 @@ pub const WORKING_SET_FORMAT: &str = "guestmem-working-set";
 /// snapshot by the manifest's CRC-32, and checksummed itself.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct WorkingSet {
+    /// [`WORKING_SET_FORMAT`].
     pub format: String,
+    /// Its version.
     pub version: u32,
     /// The `checksum` of the manifest it was recorded for.
     pub manifest_checksum: String,
+    /// Per region, the chunks in fault order.
     pub regions: Vec<WorkingSetRegion>,
     /// CRC-32 over every region's name and chunk offsets (see `WorkingSet::checksum`).
     pub crc32: u32,
@@ -28,7 +31,9 @@ pub struct WorkingSet {
 /// One region's working set: region offsets of chunks, in the order the guest asked for them.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct WorkingSetRegion {
+    /// The region's name.
     pub name: String,
+    /// Chunk indices, in the order the guest faulted on them.
     pub chunks: Vec<u64>,
 }
 

@@ -24,7 +24,8 @@ use super::manifest::{
     BaseRef, Chunk, Manifest, RegionFile, RegionImage, CHUNK_BYTES, FORMAT, VERSION,
 };
 use super::sparse::nonzero_page_runs;
-use super::{Snapshot, MANIFEST, STATE, WORKING_SET};
+use super::{SavedState, Snapshot, MANIFEST, STATE, WORKING_SET};
+use crate::component::ComponentState;
 use crate::{Error, Result};
 
 /// The files a snapshot directory may hold; a directory holding anything else is not
@@ -34,10 +35,13 @@ const SNAPSHOT_FILES: [&str; 5] = [MANIFEST, STATE, "memory", "sys", WORKING_SET
 /// How much a snapshot wrote.
 #[derive(Debug, Clone, Serialize)]
 pub struct WriteReport {
+    /// Bytes of guest memory the snapshot covers.
     pub memory_bytes: u64,
     /// Bytes of memory actually stored (non-zero pages).
     pub data_bytes: u64,
+    /// Chunks that were all zeros (holes).
     pub zero_chunks: u64,
+    /// Chunks in all.
     pub chunks: u64,
 }
 
@@ -46,7 +50,17 @@ pub struct WriteReport {
 /// there is replaced atomically (see the module docs); a directory holding other files is
 /// refused.
 pub fn write(vm: &Vm, dir: &Path) -> Result<WriteReport> {
-    write_snapshot(vm, dir, None)
+    write_snapshot(vm, dir, None, &[])
+}
+
+/// [`write()`] with the states of the VM's components beside the VM's (in `state.json`), for
+/// [`super::Snapshot::components`] to hand back on restore.
+pub fn write_with_components(
+    vm: &Vm,
+    dir: &Path,
+    components: &[ComponentState],
+) -> Result<WriteReport> {
+    write_snapshot(vm, dir, None, components)
 }
 
 /// Writes a diff snapshot of `vm` over the snapshot in `base`: only the chunks holding a page
@@ -72,13 +86,14 @@ pub fn write_diff(vm: &Vm, dir: &Path, base: &Path, dirty: &[DirtyBitmap]) -> Re
         dir: base_dir,
         checksum: base_snapshot.manifest.checksum.clone(),
     };
-    write_snapshot(vm, dir, Some((base, dirty)))
+    write_snapshot(vm, dir, Some((base, dirty)), &[])
 }
 
 fn write_snapshot(
     vm: &Vm,
     dir: &Path,
     diff: Option<(BaseRef, &[DirtyBitmap])>,
+    components: &[ComponentState],
 ) -> Result<WriteReport> {
     // A symlink to a snapshot directory: replace the directory it names, not the link.
     let resolved = std::fs::canonicalize(dir).ok();
@@ -86,7 +101,7 @@ fn write_snapshot(
     check_replaceable(dir)?;
     let staging = staging_dir(dir)?;
     std::fs::create_dir(&staging).map_err(Error::io(&staging, "create directory"))?;
-    let written = write_files(vm, &staging, diff).and_then(|report| {
+    let written = write_files(vm, &staging, diff, components).and_then(|report| {
         sync_dir(&staging)?;
         commit(&staging, dir)?;
         Ok(report)
@@ -189,8 +204,12 @@ fn write_files(
     vm: &Vm,
     dir: &Path,
     diff: Option<(BaseRef, &[DirtyBitmap])>,
+    components: &[ComponentState],
 ) -> Result<WriteReport> {
-    let state = vm.save_state()?;
+    let state = SavedState {
+        vm: vm.save_state()?,
+        components: components.to_vec(),
+    };
     let state_json = serde_json::to_vec(&state).map_err(|e| Error::Json {
         path: dir.join(STATE),
         source: e,

@@ -366,6 +366,7 @@ impl Pager {
         Ok(())
     }
 
+    /// What the pager did so far.
     pub fn stats(&self) -> PagerStats {
         self.shared.stats()
     }

@@ -27,6 +27,7 @@ pub struct PeerRange {
     pub name: String,
     /// The range's start in the registering process's address space.
     pub host_addr: u64,
+    /// Its bytes.
     pub size: u64,
     /// The page size of the range's mapping (4 KiB, or the huge page size).
     pub page_size: u64,

@@ -54,7 +54,9 @@ pub struct Probe {
 /// a known name are listed as `unknown(0x..)`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct BitFlags {
+    /// The mask.
     pub raw: u64,
+    /// Its bits' names, lowest first.
     pub names: Vec<String>,
 }
 
@@ -125,23 +127,29 @@ pub struct KvmCaps {
 /// One capability number and the kernel's raw answer to `KVM_CHECK_EXTENSION`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct CapAnswer {
+    /// The capability number.
     pub cap: u32,
+    /// What `KVM_CHECK_EXTENSION` returned.
     pub answer: i64,
 }
 
 /// Whether guest_memfd supports `write()`/`pwrite()` (seed 000).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct GuestMemfdWrite {
+    /// Whether a write to a guest_memfd succeeded.
     pub present: bool,
     /// The `kvm_create_guest_memfd.flags` bit that enabled writing, if one was needed.
     pub flag: Option<u64>,
+    /// What the attempt found.
     pub detail: String,
 }
 
 /// Whether KVM accepts userfault memslots (seed 001).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct KvmUserfault {
+    /// Whether a userfault memslot was accepted.
     pub present: bool,
+    /// What the attempt found.
     pub detail: String,
 }
 
@@ -192,8 +200,11 @@ pub struct Hugetlb {
 /// The pool of one huge page size.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct HugePageSize {
+    /// The page size.
     pub size_kib: u64,
+    /// Pages in the pool (`nr_hugepages`), or why it could not be read.
     pub nr_hugepages: Result<u64, String>,
+    /// Pages free in the pool (`free_hugepages`), or why it could not be read.
     pub free_hugepages: Result<u64, String>,
 }
 
@@ -211,15 +222,20 @@ pub struct Numa {
 /// One NUMA node.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct NumaNode {
+    /// The node's number.
     pub id: u32,
+    /// Its `MemTotal`.
     pub mem_total_kib: u64,
+    /// Its `MemFree`.
     pub mem_free_kib: u64,
 }
 
 /// Whether a syscall answered, with what it returned or why not.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct SyscallCheck {
+    /// Whether the call succeeded.
     pub available: bool,
+    /// What it returned, or its error.
     pub detail: String,
 }
 

@@ -4,6 +4,11 @@
 //! all memory, then rounds; harvest every 100 ms, send at a set bandwidth, clear each chunk just
 //! before sending it), with no tracking and under each mode; and the idle harvest of a large,
 //! sparse VM.
+//!
+//! Each mode's VM is populated once; then everything after it (enable, the dirty-log iterations,
+//! disable, the loop) runs `--runs` times on it, and each of those figures carries its runs,
+//! median, min and max (`*_figure`) beside its plain field, which is the median (the iterations'
+//! lists hold every iteration of every run). The idle harvest is the median of 21.
 
 use std::collections::VecDeque;
 use std::rc::Rc;
@@ -14,6 +19,7 @@ use guestmem_tracking::{ring_bytes, DirtyBitmap, Mode, Tracker, DEFAULT_RING_ENT
 use guestmem_vm::{layout, RunningVm, VcpuWork, Vm, VmConfig, Workload};
 use serde::Serialize;
 
+use crate::envelope::Figure;
 use crate::units::parse_size;
 
 #[derive(clap::Args)]
@@ -27,6 +33,9 @@ pub struct Args {
     /// Dirty-log iterations (each: one guest pass, then get and clear).
     #[arg(short = 'i', long, default_value_t = 2)]
     iterations: u64,
+    /// Runs per mode of everything after populating (enable, iterations, disable, the loop).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    runs: u32,
     /// Tracking mode: ring, manual, bitmap or all.
     #[arg(short = 'm', long, default_value = "all")]
     mode: String,
@@ -58,7 +67,28 @@ const CHUNK_PAGES: u64 = 4096;
 #[derive(Serialize)]
 struct ModeResult {
     mode: String,
+    /// Once per mode.
     populate_ms: f64,
+    /// The median run's figures (enable and disable 0 without tracking), every iteration of
+    /// every run.
+    #[serde(flatten)]
+    phases: Phases,
+    /// The median rates' ratio.
+    ratio_vs_bitmap: Option<f64>,
+    ring_full_exits: u64,
+    /// The runs behind the figures above (no enable, get, clear or disable without tracking).
+    enable_ms_figure: Option<Figure>,
+    dirty_ms_figure: Figure,
+    get_ms_figure: Option<Figure>,
+    clear_ms_figure: Option<Figure>,
+    disable_ms_figure: Option<Figure>,
+    rate_pages_per_s_figure: Figure,
+    loop_harvested_pages_figure: Figure,
+}
+
+/// What one run of a mode on its populated VM measures.
+#[derive(Serialize)]
+struct Phases {
     enable_ms: f64,
     /// Per iteration: guest time to dirty its memory once.
     dirty_ms: Vec<f64>,
@@ -70,15 +100,15 @@ struct ModeResult {
     rate_pages_per_s: f64,
     /// Pages harvested and consumed in that loop.
     loop_harvested_pages: u64,
-    ratio_vs_bitmap: Option<f64>,
-    ring_full_exits: u64,
 }
 
 #[derive(Serialize)]
 struct SparseResult {
     mode: String,
     memory_bytes: u64,
+    /// The median of 21 harvests.
     idle_harvest_ms: f64,
+    idle_harvest_ms_figure: Figure,
 }
 
 #[derive(Serialize)]
@@ -86,6 +116,7 @@ struct Output {
     vcpus: usize,
     bytes_per_vcpu: u64,
     iterations: u64,
+    runs: u32,
     write_percent: u64,
     modes: Vec<ModeResult>,
     sparse: Vec<SparseResult>,
@@ -122,9 +153,9 @@ pub fn main(args: Args) -> crate::Result<()> {
     let bitmap_rate = results
         .iter()
         .find(|r| r.mode == "bitmap")
-        .map(|r| r.rate_pages_per_s);
+        .map(|r| r.phases.rate_pages_per_s);
     for r in &mut results {
-        r.ratio_vs_bitmap = bitmap_rate.map(|b| r.rate_pages_per_s / b);
+        r.ratio_vs_bitmap = bitmap_rate.map(|b| r.phases.rate_pages_per_s / b);
     }
     let mut sparse = Vec::new();
     if args.sparse > 0 {
@@ -138,12 +169,13 @@ pub fn main(args: Args) -> crate::Result<()> {
         vcpus: args.vcpus,
         bytes_per_vcpu: args.bytes_per_vcpu,
         iterations: args.iterations,
+        runs: args.runs,
         write_percent: args.write_percent,
         modes: results,
         sparse,
     };
     if args.json {
-        super::envelope::print(&out)?;
+        crate::envelope::print(&out)?;
     } else {
         print_table(&out);
     }
@@ -158,7 +190,11 @@ fn config(mode: Option<Mode>, vcpus: usize, size: u64, ring_entries: u32) -> VmC
     config
 }
 
-/// One VM, tracked in `mode` (or not at all): the dirty_log_perf_test phases, then the loop.
+/// The guest's stall timeout.
+const STALL: Duration = Duration::from_secs(60);
+
+/// One VM, tracked in `mode` (or not at all), populated; then `--runs` times the
+/// dirty_log_perf_test phases and the loop.
 fn measure(
     mode: Option<Mode>,
     args: &Args,
@@ -167,16 +203,71 @@ fn measure(
     let name = mode.map_or("none".to_string(), |m| m.to_string());
     progress.set_message(format!("{name}: populating"));
     let size = args.bytes_per_vcpu * args.vcpus as u64;
-    let stall = Duration::from_secs(60);
     let mut vm = Vm::new(&config(mode, args.vcpus, size, args.ring_entries))?;
+
+    let t = Instant::now();
+    vm.run(
+        &VcpuWork::split(Workload::Touch, layout::RAM_GPA, size, args.vcpus, 1),
+        STALL,
+    )?;
+    let populate_ms = ms(t);
+
+    let mut runs = Vec::new();
+    for run in 1..=args.runs {
+        let name = format!("{name} (run {run}/{})", args.runs);
+        runs.push(measure_run(&mut vm, mode, args, &name, progress)?);
+    }
+    let figure = |f: fn(&Phases) -> f64| Figure::measured(&runs.iter().map(f).collect::<Vec<_>>());
+    let all = |f: fn(&Phases) -> &Vec<f64>| runs.iter().flat_map(f).copied().collect::<Vec<_>>();
+    let tracked = |f: Figure| mode.is_some().then_some(f);
+    let (dirty_ms, get_ms, clear_ms) = (
+        all(|r| &r.dirty_ms),
+        all(|r| &r.get_ms),
+        all(|r| &r.clear_ms),
+    );
+    let enable = tracked(figure(|r| r.enable_ms));
+    let disable = tracked(figure(|r| r.disable_ms));
+    let rate = figure(|r| r.rate_pages_per_s);
+    let harvested = figure(|r| r.loop_harvested_pages as f64);
+    Ok(ModeResult {
+        mode: name,
+        populate_ms,
+        dirty_ms_figure: Figure::measured(&dirty_ms),
+        get_ms_figure: Figure::of(&get_ms),
+        clear_ms_figure: Figure::of(&clear_ms),
+        phases: Phases {
+            enable_ms: enable.as_ref().map_or(0.0, |f| f.median),
+            dirty_ms,
+            get_ms,
+            clear_ms,
+            disable_ms: disable.as_ref().map_or(0.0, |f| f.median),
+            rate_pages_per_s: rate.median,
+            loop_harvested_pages: harvested.median.round() as u64,
+        },
+        ratio_vs_bitmap: None,
+        ring_full_exits: vm.dirty_ring_full_exits(),
+        enable_ms_figure: enable,
+        disable_ms_figure: disable,
+        rate_pages_per_s_figure: rate,
+        loop_harvested_pages_figure: harvested,
+    })
+}
+
+/// One run on `vm`, populated and tracked in `mode` (or not at all): enable, the dirty-log
+/// iterations, disable, then the migration-like loop (`name` for the progress line).
+fn measure_run(
+    vm: &mut Vm,
+    mode: Option<Mode>,
+    args: &Args,
+    name: &str,
+    progress: &indicatif::ProgressBar,
+) -> crate::Result<Phases> {
+    let size = args.bytes_per_vcpu * args.vcpus as u64;
+    let stall = STALL;
     let work = |workload| VcpuWork::split(workload, layout::RAM_GPA, size, args.vcpus, 1);
 
     let t = Instant::now();
-    vm.run(&work(Workload::Touch), stall)?;
-    let populate_ms = ms(t);
-
-    let t = Instant::now();
-    let mut tracker = mode.map(|m| Tracker::start(&vm, m)).transpose()?;
+    let mut tracker = mode.map(|m| Tracker::start(vm, m)).transpose()?;
     let enable_ms = ms(t);
     let memory = vm.memory().clone();
     let mut buf = vec![0u8; (CHUNK_PAGES * PAGE_SIZE) as usize];
@@ -242,7 +333,7 @@ fn measure(
     progress.set_message(format!("{name}: migration-like loop"));
     let mut loop_harvested_pages = 0;
     let pages_per_period = (args.send_mib_per_s << 20) / PAGE_SIZE / 10;
-    let mut tracker = mode.map(|m| Tracker::start(&vm, m)).transpose()?;
+    let mut tracker = mode.map(|m| Tracker::start(vm, m)).transpose()?;
     let mut queue: VecDeque<(Rc<DirtyBitmap>, u64)> = VecDeque::new();
     if mode.is_some_and(|m| m != Mode::Manual) {
         // Manual mode's first harvest reports all of memory by itself (INITIALLY_SET).
@@ -294,18 +385,14 @@ fn measure(
     if let Some(tracker) = tracker {
         tracker.stop()?;
     }
-    Ok(ModeResult {
-        mode: name,
-        populate_ms,
-        enable_ms: if mode.is_some() { enable_ms } else { 0.0 },
+    Ok(Phases {
+        enable_ms,
         dirty_ms,
         get_ms,
         clear_ms,
-        disable_ms: if mode.is_some() { disable_ms } else { 0.0 },
+        disable_ms,
         rate_pages_per_s: report.total_pages_per_s * args.write_percent as f64 / 100.0,
         loop_harvested_pages,
-        ratio_vs_bitmap: None,
-        ring_full_exits: vm.dirty_ring_full_exits(),
     })
 }
 
@@ -385,7 +472,7 @@ fn idle_harvest(mode: Mode, args: &Args) -> crate::Result<SparseResult> {
             tracker.clear(&b, first, CHUNK_PAGES.min(b.pages - first))?;
         }
     }
-    let mut times: Vec<f64> = (0..21)
+    let times: Vec<f64> = (0..21)
         .map(|_| {
             let t = Instant::now();
             let dirty = tracker.harvest()?;
@@ -398,12 +485,13 @@ fn idle_harvest(mode: Mode, args: &Args) -> crate::Result<SparseResult> {
             Ok(elapsed)
         })
         .collect::<crate::Result<_>>()?;
-    times.sort_by(f64::total_cmp);
     tracker.stop()?;
+    let figure = Figure::measured(&times);
     Ok(SparseResult {
         mode: mode.to_string(),
         memory_bytes: args.sparse,
-        idle_harvest_ms: times[times.len() / 2],
+        idle_harvest_ms: figure.median,
+        idle_harvest_ms_figure: figure,
     })
 }
 
@@ -421,11 +509,12 @@ fn mean(v: &[f64]) -> String {
 
 fn print_table(out: &Output) {
     println!(
-        "dirty-log: {} vCPU(s) x {} MiB, {} iteration(s), {}% writes",
+        "dirty-log: {} vCPU(s) x {} MiB, {} iteration(s), {}% writes, {} run(s) (medians)",
         out.vcpus,
         out.bytes_per_vcpu >> 20,
         out.iterations,
-        out.write_percent
+        out.write_percent,
+        out.runs
     );
     println!(
         "{:>7} {:>11} {:>10} {:>13} {:>11} {:>13} {:>11} {:>16} {:>9} {:>10}",
@@ -445,12 +534,12 @@ fn print_table(out: &Output) {
             "{:>7} {:>11.1} {:>10.3} {:>13} {:>11} {:>13} {:>11.3} {:>16.0} {:>9} {:>10}",
             r.mode,
             r.populate_ms,
-            r.enable_ms,
-            mean(&r.dirty_ms),
-            mean(&r.get_ms),
-            mean(&r.clear_ms),
-            r.disable_ms,
-            r.rate_pages_per_s,
+            r.phases.enable_ms,
+            mean(&r.phases.dirty_ms),
+            mean(&r.phases.get_ms),
+            mean(&r.phases.clear_ms),
+            r.phases.disable_ms,
+            r.phases.rate_pages_per_s,
             r.ratio_vs_bitmap.map_or("-".into(), |x| format!("{x:.2}x")),
             r.ring_full_exits
         );

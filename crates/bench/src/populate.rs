@@ -8,8 +8,7 @@ use std::time::Instant;
 use guestmem_memory::{populate_with, Backend, GuestMemory, Method, Populated, RegionSpec, Source};
 use serde::Serialize;
 
-use super::envelope::Figure;
-
+use crate::envelope::Figure;
 use crate::units::parse_size;
 
 #[derive(clap::Args)]
@@ -129,9 +128,9 @@ pub fn main(args: Args) -> crate::Result<()> {
             last[i] = Some(done);
         }
     }
-    let memcpy = figure(&memcpy_runs);
+    let memcpy = Figure::measured(&memcpy_runs);
     let memcpy_ms = memcpy.median;
-    let floor_ms = figure(&floor_runs).median;
+    let floor_ms = Figure::measured(&floor_runs).median;
 
     let mut methods = Vec::new();
     let mut unavailable = Vec::new();
@@ -141,7 +140,7 @@ pub fn main(args: Args) -> crate::Result<()> {
             unavailable.push((method, done.fallback_reason.unwrap_or_default()));
             continue;
         }
-        let ms_figure = figure(&runs);
+        let ms_figure = Figure::measured(&runs);
         let ms = ms_figure.median;
         methods.push(MethodResult {
             method,
@@ -173,7 +172,7 @@ pub fn main(args: Args) -> crate::Result<()> {
         unavailable,
     };
     if args.json {
-        super::envelope::print(&out)?;
+        crate::envelope::print(&out)?;
         return Ok(());
     }
     println!(
@@ -226,8 +225,4 @@ fn make_image(size: u64, zero_percent: u8, run: u64) -> Vec<u8> {
 
 fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
-}
-
-fn figure(runs: &[f64]) -> Figure {
-    Figure::of(runs).expect("--runs is at least 1 and times are not NaN")
 }

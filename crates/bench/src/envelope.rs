@@ -9,9 +9,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
 
-use super::Steal;
+use crate::Steal;
 
-/// When the bench process started measuring: set once by `bench::main`.
+/// When the bench process started measuring: set once by [`crate::main`].
 static STARTED: OnceLock<Started> = OnceLock::new();
 
 struct Started {
@@ -146,6 +146,12 @@ impl Figure {
             min: sorted[0],
             max: sorted[n - 1],
         })
+    }
+
+    /// [`Figure::of`] the runs a bench took: at least one (its `--runs` is checked before it
+    /// starts) and none NaN (times and rates).
+    pub(crate) fn measured(runs: &[f64]) -> Figure {
+        Figure::of(runs).expect("a bench takes at least one run, and times and rates are not NaN")
     }
 }
 

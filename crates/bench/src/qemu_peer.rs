@@ -38,14 +38,14 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use guestmem_vm::payload::{
-    CTL_PAGES_DONE, CTL_RANGE_PAGES, CTL_STATE, STATE_BAD_WORKLOAD, STATE_RUNNING, VCPU_BLOCKS_GPA,
+    self, PvhParams, PvhWorkload, CTL_PAGES_DONE, CTL_RANGE_PAGES, CTL_STATE, MIN_RANGE_START,
+    STATE_BAD_WORKLOAD, STATE_RUNNING, VCPU_BLOCKS_GPA,
 };
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use super::cpu;
-use super::link::{Link, Side};
-use crate::payload::{self, PvhWorkload, MIN_RANGE_START};
+use crate::cpu;
+use crate::link::{Link, Side};
 use guestmem_migration::transport::{generate_credentials, Role};
 
 /// The QEMU binary, unless `GUESTMEM_QEMU` names another.
@@ -234,7 +234,7 @@ pub fn precopy(config: &Config) -> crate::Result<QemuFigures> {
     let tsc_khz =
         guestmem_vm::host_tsc_khz().map_err(|e| format!("cannot ask KVM for the TSC rate: {e}"))?;
     let rate = dirty_pages_per_s.unwrap_or(IDLE_PAGES_PER_S);
-    let params = payload::params(
+    let params = PvhParams::for_workload(
         if rewrite {
             PvhWorkload::Rewrite
         } else {
@@ -247,7 +247,7 @@ pub fn precopy(config: &Config) -> crate::Result<QemuFigures> {
         0,
         1,
     )?;
-    payload::write_elf(&elf, &params)?;
+    payload::write_pvh_elf(&elf, &params)?;
 
     // With an image, RAM is the payload area plus the range, the image's size.
     let mem = match image {

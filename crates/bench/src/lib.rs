@@ -1,5 +1,9 @@
-//! `guestmem bench …`: each benchmark reproduces one seed's table and, with `--json`, prints one
-//! JSON object whose figures carry their unit in their name.
+//! guestmem's benchmarks, behind `guestmem bench …`: each reproduces one seed's table (one
+//! module per bench) and, with `--json`, prints one JSON object whose figures carry their unit
+//! in their name, inside the result envelope every bench shares (`envelope`: the commit, the
+//! host, the steal time, and per figure its runs, median, min and max).
+//!
+//! The `guestmem` CLI parses [`Bench`] as its `bench` subcommand and hands it to [`main`].
 
 use clap::Subcommand;
 
@@ -15,6 +19,10 @@ mod qemu_migrate;
 pub mod qemu_peer;
 mod restore;
 mod snapshot_store;
+pub mod units;
+
+/// Errors of any bench: each names what went wrong.
+pub type Result<T> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
 #[derive(Subcommand)]
 pub enum Bench {
@@ -39,7 +47,8 @@ pub enum Bench {
     Snapshot(snapshot_store::Args),
 }
 
-pub fn main(bench: Bench) -> crate::Result<()> {
+/// Runs one bench (the envelope's run starts here).
+pub fn main(bench: Bench) -> Result<()> {
     envelope::start();
     match bench {
         Bench::Populate(args) => populate::main(args),
@@ -89,7 +98,7 @@ fn steal_ticks() -> Option<u64> {
 
 /// For the benches' tests: `argv` parsed as bench `A`'s arguments.
 #[cfg(test)]
-pub(crate) fn parse<A: clap::Args>(argv: &[&str]) -> Result<A, clap::Error> {
+pub(crate) fn parse<A: clap::Args>(argv: &[&str]) -> std::result::Result<A, clap::Error> {
     #[derive(clap::Parser)]
     struct Cli<A: clap::Args> {
         #[command(flatten)]
@@ -102,7 +111,7 @@ pub(crate) fn parse<A: clap::Args>(argv: &[&str]) -> Result<A, clap::Error> {
 /// For the benches' tests: what bench `main` says of the arguments `argv`, which it must refuse
 /// before doing any work.
 #[cfg(test)]
-pub(crate) fn refusal<A: clap::Args>(argv: &[&str], main: fn(A) -> crate::Result<()>) -> String {
+pub(crate) fn refusal<A: clap::Args>(argv: &[&str], main: fn(A) -> Result<()>) -> String {
     main(parse(argv).expect("the arguments parse"))
         .expect_err("refused")
         .to_string()

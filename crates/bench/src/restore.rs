@@ -28,8 +28,7 @@ use guestmem_vm::{layout, RunningVm, VcpuWork, Vm, VmConfig, Workload};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
-use super::envelope::Figure;
-
+use crate::envelope::Figure;
 use crate::units::parse_size;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum, Serialize)]
@@ -214,7 +213,7 @@ pub fn main(args: Args) -> crate::Result<()> {
         ratios,
     };
     if args.json {
-        super::envelope::print(&out)?;
+        crate::envelope::print(&out)?;
     } else {
         print_table(&out);
     }
@@ -551,7 +550,7 @@ fn print_table(out: &Output) {
 #[cfg(test)]
 mod tests {
     fn error_of(argv: &[&str]) -> String {
-        crate::bench::refusal(argv, super::main)
+        crate::refusal(argv, super::main)
     }
 
     #[test]
@@ -560,6 +559,6 @@ mod tests {
         assert!(error_of(&["--sizes", "3M"]).contains("2 MiB"));
         assert!(error_of(&["--runs", "0"]).contains("--runs"));
         assert!(error_of(&["--modes", "lazy+ws,lazy"]).contains("lazy+ws needs lazy"));
-        assert!(crate::bench::parse::<super::Args>(&["--modes", "eager"]).is_err());
+        assert!(crate::parse::<super::Args>(&["--modes", "eager"]).is_err());
     }
 }

@@ -48,10 +48,9 @@ use guestmem_vm::{layout, VcpuWork, Vm, VmConfig, Workload};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
-use super::link::{self, Link, Side};
-use super::{cpu, qemu_peer, Steal};
-use crate::migrate::ModeArg;
+use crate::link::{self, Link, Side};
 use crate::units::parse_size;
+use crate::{cpu, qemu_peer, Steal};
 
 /// A guest dirty rate: idle, or MiB/s over all vCPUs.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -109,13 +108,8 @@ pub struct Args {
     #[arg(long, default_value = "idle,64,512", value_delimiter = ',', value_parser = parse_rate)]
     rates: Vec<Rate>,
     /// Migration modes.
-    #[arg(
-        long,
-        default_value = "precopy,postcopy,hybrid",
-        value_delimiter = ',',
-        value_enum
-    )]
-    modes: Vec<ModeArg>,
+    #[arg(long, default_value = "precopy,postcopy,hybrid", value_delimiter = ',')]
+    modes: Vec<Mode>,
     /// vCPUs of the guest (all of them dirty; under QEMU only vCPU 0 does).
     #[arg(long, default_value_t = 2)]
     vcpus: usize,
@@ -469,7 +463,7 @@ pub fn main(args: Args) -> crate::Result<()> {
     {
         return Err(format!("--sizes: {s} is not a multiple of 2 MiB of at least 64 MiB").into());
     }
-    let modes: Vec<Mode> = args.modes.iter().map(|&m| m.into()).collect();
+    let modes = &args.modes;
     let run_qemu = !args.no_qemu && modes.contains(&Mode::Precopy);
     let mut qemu_note = None;
     let qemu_ok = run_qemu && {
@@ -542,12 +536,12 @@ pub fn main(args: Args) -> crate::Result<()> {
         ProgressStyle::with_template("{bar:30} {pos}/{len} {elapsed_precise} {msg}")
             .expect("valid template"),
     );
-    let load_before = super::envelope::load_average();
+    let load_before = crate::envelope::load_average();
     let mut rows = Vec::new();
     let mut qemu_rows = Vec::new();
     for &size in &args.sizes {
         for &rate in &args.rates {
-            for &mode in &modes {
+            for &mode in modes {
                 let variants = args
                     .compress
                     .iter()
@@ -624,7 +618,7 @@ pub fn main(args: Args) -> crate::Result<()> {
     out.link_measured_mib_per_s = link_measured_mib_per_s;
     out.link_delay_ms_each_way = delay;
     if args.json {
-        super::envelope::print(&out)?;
+        crate::envelope::print(&out)?;
     } else {
         print_table(&out);
     }
@@ -725,7 +719,7 @@ fn output(
         downtime_target_ms: args.downtime_ms,
         idle_pages_per_s: qemu_peer::IDLE_PAGES_PER_S,
         load_average_before: load_before,
-        load_average_after: super::envelope::load_average(),
+        load_average_after: crate::envelope::load_average(),
         rows,
         qemu_rows,
         qemu_note,
@@ -1405,7 +1399,7 @@ fn print_table(out: &Output) {
 #[cfg(test)]
 mod tests {
     fn error_of(argv: &[&str]) -> String {
-        crate::bench::refusal(argv, super::main)
+        crate::refusal(argv, super::main)
     }
 
     #[test]
@@ -1421,9 +1415,9 @@ mod tests {
         assert!(error_of(&["--sizes", "3M"]).contains("2 MiB"));
         assert!(error_of(&["--repeat", "0"]).contains("--repeat"));
         assert!(error_of(&["--connections", "0"]).contains("--connections"));
-        assert!(crate::bench::parse::<super::Args>(&["--modes", "lazy"]).is_err());
-        assert!(crate::bench::parse::<super::Args>(&["--rates", "fast"]).is_err());
-        assert!(crate::bench::parse::<super::Args>(&["--fault-cpus", "third"]).is_err());
+        assert!(crate::parse::<super::Args>(&["--modes", "lazy"]).is_err());
+        assert!(crate::parse::<super::Args>(&["--rates", "fast"]).is_err());
+        assert!(crate::parse::<super::Args>(&["--fault-cpus", "third"]).is_err());
         assert!(error_of(&["--fault-cpus", "4096"]).contains("--fault-cpus: CPU 4096"));
     }
 

@@ -15,6 +15,11 @@
 //! - move inactive area: the same move with nobody using the slot.
 //! - RW: the guest writes every page of the 512 MiB once (`dirty`, one pass) and the host reads
 //!   every page's first word back through the manager and checks it.
+//!
+//! Each test runs `--runs` times for `--seconds` (memslot_perf_test's `-r` and `-s`): its figure's
+//! runs are each run's mean seconds per iteration (what memslot_perf_test reports per run), and
+//! `best_s_per_iteration` is the fastest single iteration of them all. Slot setup and each device
+//! access are timed `--runs` times too: their figures carry every run, their plain fields the best.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -26,6 +31,8 @@ use guestmem_memory::{
 use guestmem_sys::uapi::kvm_userspace_memory_region2;
 use guestmem_vm::{payload::page_value, VcpuWork, Vm, VmConfig, Workload};
 use serde_json::json;
+
+use crate::envelope::Figure;
 
 /// memslot_perf_test's `MEM_GPA` and `MEM_TEST_SIZE`, `MEM_TEST_MAP_SIZE`, `MEM_TEST_UNMAP_SIZE`.
 const MEM_GPA: u64 = 256 << 20;
@@ -40,14 +47,17 @@ pub struct Args {
     /// Slot counts for memslot_perf_test's tests (up to KVM_CAP_NR_MEMSLOTS - 1, e.g. 32763).
     #[arg(long, value_delimiter = ',', default_value = "8192")]
     slots: Vec<u32>,
-    /// Seconds each test runs (memslot_perf_test's default is 5).
+    /// Seconds each run of a test lasts (memslot_perf_test's default is 5).
     #[arg(long, default_value_t = 1.0)]
     seconds: f64,
+    /// Runs of each test, of the slot setup and of each device access measurement.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    runs: u32,
     /// Slot counts for the device access comparison.
     #[arg(long, value_delimiter = ',', default_value = "1,64,8192")]
     access_slots: Vec<u32>,
     /// Device accesses timed per measurement.
-    #[arg(long, default_value_t = 1_000_000)]
+    #[arg(long, default_value_t = 1_000_000, value_parser = clap::value_parser!(u64).range(1..))]
     accesses: u64,
     /// Print one JSON object instead of the tables.
     #[arg(long)]
@@ -61,10 +71,10 @@ pub fn main(args: Args) -> crate::Result<()> {
     }
     let mut access = Vec::new();
     for &n in &args.access_slots {
-        access.push(access_test(n, args.accesses)?);
+        access.push(access_test(n, args.accesses, args.runs)?);
     }
     if args.json {
-        super::envelope::print(&json!({ "perf": perf, "access": access }))?;
+        crate::envelope::print(&json!({ "perf": perf, "access": access }))?;
     } else {
         println!("\none device access (8 bytes): cached handle vs fresh lookup (manager: slot table, indexed) vs GuestMemory (linear over all regions)");
         println!(
@@ -148,15 +158,15 @@ fn perf_test(n: u32, args: &Args) -> crate::Result<serde_json::Value> {
     let region = whole.region.clone();
     let windows = windows(n);
 
-    // Slot setup: the manager vs the raw ioctl, alternately, best of 3 each. The raw ioctl uses
-    // the ids the manager would (1..=n: slot 0 is the VM's sys region).
-    let (mut best_manager, mut best_raw) = (f64::MAX, f64::MAX);
-    for _ in 0..3 {
+    // Slot setup: the manager vs the raw ioctl, alternately, --runs times each. The raw ioctl
+    // uses the ids the manager would (1..=n: slot 0 is the VM's sys region).
+    let (mut manager_runs, mut raw_runs) = (Vec::new(), Vec::new());
+    for _ in 0..args.runs {
         let t = Instant::now();
         for (i, &(off, size)) in windows.iter().enumerate() {
             raw_set(&vm, 1 + i as u32, &region, off, size)?;
         }
-        best_raw = best_raw.min(t.elapsed().as_secs_f64());
+        raw_runs.push(t.elapsed().as_secs_f64());
         for (i, &(off, _)) in windows.iter().enumerate() {
             raw_set(&vm, 1 + i as u32, &region, off, 0)?;
         }
@@ -165,7 +175,7 @@ fn perf_test(n: u32, args: &Args) -> crate::Result<serde_json::Value> {
             .iter()
             .map(|&(off, size)| slots.add(&region, off, size, MEM_GPA + off, SlotFlags::default()))
             .collect::<Result<Vec<_>, _>>()?;
-        best_manager = best_manager.min(t.elapsed().as_secs_f64());
+        manager_runs.push(t.elapsed().as_secs_f64());
         for &id in &ids {
             slots.remove(id)?;
         }
@@ -173,6 +183,8 @@ fn perf_test(n: u32, args: &Args) -> crate::Result<serde_json::Value> {
     for &(off, size) in &windows {
         slots.add(&region, off, size, MEM_GPA + off, SlotFlags::default())?;
     }
+    let (manager, raw) = (Figure::measured(&manager_runs), Figure::measured(&raw_runs));
+    let (best_manager, best_raw) = (manager.min, raw.min);
     let overhead = (best_manager / best_raw - 1.0) * 100.0;
 
     let table: Vec<Memslot> = slots
@@ -180,17 +192,26 @@ fn perf_test(n: u32, args: &Args) -> crate::Result<serde_json::Value> {
         .into_iter()
         .filter(|s| s.gpa >= MEM_GPA)
         .collect();
-    let seconds = args.seconds;
+    let (seconds, runs) = (args.seconds, args.runs);
     let mut results = Vec::new();
-    let mut report = |name: &str, (iters, best): (u64, f64)| {
+    let mut report = |name: &str, t: Timed| {
+        let (iters, best) = (t.iterations, t.best);
+        let figure = Figure::measured(&t.per_run);
         if !args.json {
-            println!("Testing {name} performance with 1 runs, {seconds} seconds each");
+            println!("Testing {name} performance with {runs} runs, {seconds} seconds each");
             println!("Done {iters} iterations");
             println!(
-                "Best runtime result was {best:.9}s per iteration (with {iters} iterations)\n"
+                "Best runtime result was {best:.9}s per iteration (with {iters} iterations); \
+                 the median run took {:.9}s per iteration\n",
+                figure.median
             );
         }
-        results.push(json!({ "test": name, "iterations": iters, "best_s_per_iteration": best }));
+        results.push(json!({
+            "test": name,
+            "iterations": iters,
+            "best_s_per_iteration": best,
+            "s_per_iteration_figure": figure,
+        }));
     };
     if !args.json {
         println!("memslot_perf_test shape, {n} slots over 512 MiB (simplified; see docs/benchmarks.md)\n");
@@ -198,7 +219,7 @@ fn perf_test(n: u32, args: &Args) -> crate::Result<serde_json::Value> {
 
     report(
         "map",
-        timed(seconds, || {
+        timed(seconds, runs, || {
             discard_range(&slots, &table, MEM_GPA, MAP_SIZE, MAP_SIZE)?;
             let work = VcpuWork::split(Workload::Touch, MEM_GPA, MAP_SIZE, 1, 1);
             vm.run(&work, STALL)?;
@@ -208,7 +229,7 @@ fn perf_test(n: u32, args: &Args) -> crate::Result<serde_json::Value> {
     for (name, chunk) in [("unmap", UNMAP_SIZE), ("unmap chunked", UNMAP_CHUNK)] {
         report(
             name,
-            timed(seconds, || {
+            timed(seconds, runs, || {
                 slots.write(MEM_GPA, &1u64.to_le_bytes())?;
                 slots.write(MEM_GPA + UNMAP_SIZE / 2, &2u64.to_le_bytes())?;
                 discard_range(&slots, &table, MEM_GPA, UNMAP_SIZE, chunk)
@@ -232,7 +253,7 @@ fn perf_test(n: u32, args: &Args) -> crate::Result<serde_json::Value> {
                 }))
             })
             .transpose()?;
-        let result = timed(seconds, || {
+        let result = timed(seconds, runs, || {
             slots.move_to(last.id, away)?;
             slots.move_to(last.id, last.gpa)?;
             Ok(())
@@ -246,7 +267,7 @@ fn perf_test(n: u32, args: &Args) -> crate::Result<serde_json::Value> {
     let mut pass = 0u64;
     report(
         "RW",
-        timed(seconds, || {
+        timed(seconds, runs, || {
             pass += 1;
             let work = VcpuWork::split(
                 Workload::Dirty {
@@ -286,25 +307,47 @@ fn perf_test(n: u32, args: &Args) -> crate::Result<serde_json::Value> {
         "slots": n,
         "best_slot_setup_s": best_manager,
         "raw_slot_setup_s": best_raw,
+        "slot_setup_s_figure": manager,
+        "raw_slot_setup_s_figure": raw,
         "overhead_vs_raw_percent": overhead,
         "tests": results,
     }))
 }
 
-/// Runs `iteration` for about `seconds` (at least twice); returns (iterations, best seconds).
+/// What [`timed`] measured of one test.
+struct Timed {
+    /// Over all runs.
+    iterations: u64,
+    /// The fastest single iteration, seconds.
+    best: f64,
+    /// Each run's mean seconds per iteration.
+    per_run: Vec<f64>,
+}
+
+/// Runs `iteration` for about `seconds` (at least twice), `runs` times.
 fn timed(
     seconds: f64,
+    runs: u32,
     mut iteration: impl FnMut() -> crate::Result<()>,
-) -> crate::Result<(u64, f64)> {
-    let start = Instant::now();
-    let (mut n, mut best) = (0u64, f64::MAX);
-    while n < 2 || start.elapsed().as_secs_f64() < seconds {
-        let t = Instant::now();
-        iteration()?;
-        best = best.min(t.elapsed().as_secs_f64());
-        n += 1;
+) -> crate::Result<Timed> {
+    let mut timed = Timed {
+        iterations: 0,
+        best: f64::MAX,
+        per_run: Vec::new(),
+    };
+    for _ in 0..runs {
+        let start = Instant::now();
+        let mut n = 0u64;
+        while n < 2 || start.elapsed().as_secs_f64() < seconds {
+            let t = Instant::now();
+            iteration()?;
+            timed.best = timed.best.min(t.elapsed().as_secs_f64());
+            n += 1;
+        }
+        timed.per_run.push(start.elapsed().as_secs_f64() / n as f64);
+        timed.iterations += n;
     }
-    Ok((n, best))
+    Ok(timed)
 }
 
 /// Discards `[gpa, gpa + len)` through the manager, one call per slot and `chunk`.
@@ -350,8 +393,9 @@ fn raw_set(
 }
 
 /// One device access (a read_u64 or a write_u64 of one word) through a cached handle, the
-/// manager's fresh lookup, and GuestMemory's lookup over all regions, with `n` slots.
-fn access_test(n: u32, accesses: u64) -> crate::Result<serde_json::Value> {
+/// manager's fresh lookup, and GuestMemory's lookup over all regions, with `n` slots: each
+/// timed `runs` times over `accesses` accesses (ns per access; the plain figures are the best).
+fn access_test(n: u32, accesses: u64, runs: u32) -> crate::Result<serde_json::Value> {
     let (_vm, slots, whole) = test_vm("--access-slots", n)?;
     for (off, size) in windows(n) {
         slots.add(
@@ -374,16 +418,16 @@ fn access_test(n: u32, accesses: u64) -> crate::Result<serde_json::Value> {
     let linear = GuestMemory::new(&specs, None)?;
 
     let h = slots.map(gpa, 8)?;
-    let time = |f: &mut dyn FnMut(u64) -> crate::Result<()>| -> crate::Result<f64> {
-        let mut best = f64::MAX;
-        for _ in 0..3 {
+    let time = |f: &mut dyn FnMut(u64) -> crate::Result<()>| -> crate::Result<Figure> {
+        let mut ns = Vec::new();
+        for _ in 0..runs {
             let t = Instant::now();
             for i in 0..accesses {
                 f(i)?;
             }
-            best = best.min(t.elapsed().as_secs_f64() * 1e9 / accesses as f64);
+            ns.push(t.elapsed().as_secs_f64() * 1e9 / accesses as f64);
         }
-        Ok(best)
+        Ok(Figure::measured(&ns))
     };
     let mut word = [0u8; 8];
     let figures = [
@@ -394,7 +438,10 @@ fn access_test(n: u32, accesses: u64) -> crate::Result<serde_json::Value> {
         time(&mut |_| linear.read_u64(gpa).map(|_| ()).map_err(Into::into))?,
         time(&mut |i| Ok(linear.write_u64(gpa, i)?))?,
     ];
-    let [cached_read, cached_write, fresh_read, fresh_write, linear_read, linear_write] = figures;
+    let [cached_read, cached_write, fresh_read, fresh_write, linear_read, linear_write] =
+        figures.clone().map(|f| f.min);
+    let [cached_read_f, cached_write_f, fresh_read_f, fresh_write_f, linear_read_f, linear_write_f] =
+        figures;
     Ok(json!({
         "slots": n,
         "cached_read_ns": cached_read,
@@ -409,6 +456,12 @@ fn access_test(n: u32, accesses: u64) -> crate::Result<serde_json::Value> {
         "ratio_cached_vs_fresh_write": cached_write / fresh_write,
         "ratio_cached_vs_linear_read": cached_read / linear_read,
         "ratio_cached_vs_linear_write": cached_write / linear_write,
+        "cached_read_ns_figure": cached_read_f,
+        "cached_write_ns_figure": cached_write_f,
+        "fresh_read_ns_figure": fresh_read_f,
+        "fresh_write_ns_figure": fresh_write_f,
+        "linear_read_ns_figure": linear_read_f,
+        "linear_write_ns_figure": linear_write_f,
     }))
 }
 

@@ -19,8 +19,7 @@ use guestmem_vm::{layout, VcpuWork, Vm, VmConfig, Workload};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
-use super::envelope::Figure;
-
+use crate::envelope::Figure;
 use crate::units::parse_size;
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
@@ -248,7 +247,7 @@ pub fn main(args: Args) -> crate::Result<()> {
         columns,
     };
     if args.json {
-        super::envelope::print(&out)?;
+        crate::envelope::print(&out)?;
     } else {
         print_table(&out);
     }
@@ -481,7 +480,7 @@ fn print_table(out: &Output) {
 #[cfg(test)]
 mod tests {
     fn error_of(argv: &[&str]) -> String {
-        crate::bench::refusal(argv, super::main)
+        crate::refusal(argv, super::main)
     }
 
     #[test]
@@ -493,11 +492,11 @@ mod tests {
             e.contains("-b 3145728") && e.contains("fault-around"),
             "{e}"
         );
-        assert!(crate::bench::parse::<super::Args>(&["-u", "WP"]).is_err());
+        assert!(crate::parse::<super::Args>(&["-u", "WP"]).is_err());
         let e = error_of(&["--vcpu-cpus", "0,4096"]);
         assert!(e.contains("--vcpu-cpus [0, 4096]: CPU 4096 "), "{e}");
         let e = error_of(&["--vcpu-cpus", "0", "--pager-cpus", "1023"]);
         assert!(e.contains("--pager-cpus [1023]: CPU 1023 "), "{e}");
-        assert!(crate::bench::parse::<super::Args>(&["--pager-cpus", ""]).is_err());
+        assert!(crate::parse::<super::Args>(&["--pager-cpus", ""]).is_err());
     }
 }

@@ -1,7 +1,7 @@
 //! `guestmem bench qemu-migrate`: one run of [`qemu_peer::precopy`], its figures as text or as
 //! one JSON object.
 
-use super::qemu_peer;
+use crate::qemu_peer;
 use crate::units::parse_size;
 
 #[derive(clap::Args)]

@@ -1,0 +1,905 @@
+//! The source side of a live migration (see [`crate::migrate`] for the protocol): the
+//! driver ([`send_machine`]) with its rounds and switch-over; its options and reports
+//! ([`options`]), the threads that write the rounds ([`writers`]) and the post-copy servers
+//! ([`postcopy`]).
+
+mod options;
+mod postcopy;
+mod writers;
+
+pub use options::*;
+use postcopy::PostcopyServers;
+use writers::{DeltaUse, Job, Writers};
+
+use std::os::fd::AsRawFd;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use guestmem_memory::{GuestMemory, Region, PAGE_SIZE};
+use guestmem_paging::affinity::CpuSet;
+use guestmem_tracking::{full_bitmaps, merge, DirtyBitmap, Tracker};
+use guestmem_vm::{layout, RunningVm, VmConfig};
+
+use crate::chunk_digests::{self, ChunkDigests, DIGEST_CHUNK};
+use crate::component::{Components, Machine, PayloadVm};
+use crate::compress::{CompressionReport, Compressor};
+use crate::delta::{DeltaCache, DeltaReport};
+use crate::migrate::{
+    block_connection, link_error, read_frame, unexpected_frame, write_frame, Links, Mode, Setup,
+    StaleChunks, Switchover, BLOCK, POSTCOPY_CHUNK,
+};
+use crate::stream::Frame;
+use crate::transport::Connection;
+use crate::{Error, MigrationError, Peer, Result};
+
+/// Pre-copy goes on below the downtime target while rounds keep halving the dirty set, until
+/// the estimate is this fraction of the target (50 ms: about 1.6 ms).
+const SETTLE_FRACTION: f64 = 32.0;
+
+/// Migrates the running VM over `links` (see [`Links::connect`]): guestmem's own VM and
+/// payload, with no other components ([`send_machine`] with a [`PayloadVm`]).
+pub fn send<'a>(
+    running: RunningVm<'a>,
+    links: Links,
+    opts: &SendOptions,
+) -> std::result::Result<Report, Box<Failure<'a>>> {
+    let mut machine = PayloadVm::running(running);
+    send_machine(&mut machine, &mut Components::none(), links, opts).map_err(|e| {
+        Box::new(Failure {
+            error: e.error,
+            vm: machine.into_running(),
+        })
+    })
+}
+
+/// A migration of a [`Machine`] that failed: `kept` when the source kept the guest (any
+/// failure before Go: the machine and its components were resumed), else the destination owns
+/// it (the source's machine and components stay paused).
+#[derive(Debug)]
+pub struct MachineFailure {
+    /// Why it failed.
+    pub error: Error,
+    /// Whether the source still runs the guest.
+    pub kept: bool,
+}
+
+/// Migrates a running `machine` and its `components` over `links`: the driver of a live
+/// migration (pre-copy, post-copy or hybrid, as `opts.mode` says). The components' writes to
+/// guest memory are tracked as the guest's ([`Component::dirty_log`] is merged before each
+/// harvest); at switch-over they are paused with the vCPUs, before the last harvest, and their
+/// states travel in the State frame with the machine's. Any failure before Go resumes both.
+///
+/// [`Component::dirty_log`]: crate::component::Component::dirty_log
+pub fn send_machine(
+    machine: &mut dyn Machine,
+    components: &mut Components<'_>,
+    mut links: Links,
+    opts: &SendOptions,
+) -> std::result::Result<Report, MachineFailure> {
+    let started = Instant::now();
+    let kept = |error| MachineFailure { error, kept: true };
+    opts.check(links.pages.len()).map_err(kept)?;
+    let fault_cpus = opts
+        .fault_cpus
+        .as_deref()
+        .map(CpuSet::new)
+        .transpose()
+        .map_err(|e| {
+            kept(
+                MigrationError::BadOption {
+                    option: "fault_cpus",
+                    reason: format!("fault CPUs: {e}"),
+                }
+                .into(),
+            )
+        })?;
+    let memory = machine.memory().clone();
+    let mut source = Source::new(&memory, opts, &links, started);
+    let mut tracker = None;
+    // While the guest runs: hello, then pre-copy rounds (one for hybrid, none for post-copy).
+    let precopy = source
+        .handshake(&mut links, machine.config())
+        .and_then(|()| {
+            if opts.mode == Mode::Postcopy {
+                return Ok(None);
+            }
+            let mode = match opts.tracking {
+                Some(m) => m,
+                None => guestmem_tracking::Mode::best()?,
+            };
+            source.tracking = mode.name().to_string();
+            let t = tracker.insert(machine.start_tracking(mode)?);
+            source.precopy(machine, components, t, &mut links).map(Some)
+        });
+    let pending = match precopy {
+        Ok(p) => p,
+        Err(error) => {
+            let _ = machine.set_throttle(0);
+            if let Some(t) = tracker {
+                let _ = t.stop();
+            }
+            return Err(kept(error));
+        }
+    };
+
+    // Post-copy's servers, reading on the urgent connections already (see PostcopyServers).
+    let servers = match opts.mode.has_postcopy().then(|| {
+        let mut servers =
+            PostcopyServers::spawn(links.pages.len(), links.urgent.len(), &memory, fault_cpus)?;
+        servers.hand(&mut links, true)?;
+        Ok(servers)
+    }) {
+        Some(Err(error)) => {
+            if let Some(t) = tracker {
+                let _ = t.stop();
+            }
+            return Err(kept(error));
+        }
+        servers => servers.map(|s| s.expect("checked")),
+    };
+
+    // Switch-over: the guest and its devices stop here.
+    let paused = Instant::now();
+    if let Err(error) = machine.pause() {
+        return Err(MachineFailure { error, kept: false });
+    }
+    let switched = components.pause().and_then(|()| {
+        source.switch_over(
+            machine,
+            components,
+            tracker.as_mut(),
+            pending,
+            &mut links,
+            paused,
+        )
+    });
+    if let Err(error) = switched {
+        if let Some(t) = tracker {
+            let _ = t.stop();
+        }
+        if source.committed {
+            return Err(MachineFailure { error, kept: false });
+        }
+        let resumed = machine.resume().and_then(|()| components.resume());
+        return Err(MachineFailure {
+            error,
+            kept: resumed.is_ok(),
+        });
+    }
+
+    // After Go: the destination runs the guest; serve post-copy, then the Complete. Dirty
+    // logging is switched off only then: it takes milliseconds (a memslot update per region)
+    // that the destination's first faults would otherwise wait for.
+    let done = if let Some(servers) = servers {
+        source.serve_postcopy(links, servers)
+    } else {
+        match read_frame(&mut links.pages[0]) {
+            Ok(Frame::Complete { report_json }) => Ok(report_json),
+            Ok(other) => Err(unexpected(&other, "Complete")),
+            Err(e) => Err(e),
+        }
+    };
+    if let Some(t) = tracker {
+        let _ = t.stop();
+    }
+    match done {
+        Ok(report_json) => {
+            source.report.destination = serde_json::from_slice(&report_json).ok();
+            if let Some(d) = &source.report.destination {
+                if opts.mode.has_postcopy() {
+                    // The Complete comes when the destination is done with the transfer, which
+                    // may be long after the last page went: the destination timed residency.
+                    source.report.postcopy_ms = d.resident_ms;
+                }
+            }
+            Ok(source.finish())
+        }
+        Err(error) => Err(MachineFailure { error, kept: false }),
+    }
+}
+
+fn unexpected(frame: &Frame, wanted: &'static str) -> Error {
+    unexpected_frame(Peer::Destination, frame, wanted)
+}
+
+struct Source<'o> {
+    memory: Arc<GuestMemory>,
+    opts: &'o SendOptions,
+    started: Instant,
+    tracking: String,
+    committed: bool,
+    /// Guest addresses of the regions handed over (never sent).
+    shared: Vec<u64>,
+    report: Report,
+    /// Bytes queued to the writers (for the bandwidth limit).
+    queued: u64,
+    send_started: Instant,
+    compressor: Arc<Compressor>,
+    /// `verify`: the digest of each chunk of the regions that travel, taken by the writers
+    /// after each block they send, and marked stale by every harvest of the dirty log.
+    chunks: Option<Arc<ChunkDigests>>,
+    /// Time the busiest writer spent hashing chunks in the last round sent.
+    round_digest: Duration,
+    /// Pre-copy with delta encoding: the last versions sent.
+    delta: Option<Arc<DeltaCache>>,
+}
+
+/// Pages dirtied and not sent yet when the guest stopped.
+type Pending = Vec<DirtyBitmap>;
+
+impl<'o> Source<'o> {
+    fn new(
+        memory: &Arc<GuestMemory>,
+        opts: &'o SendOptions,
+        links: &Links,
+        started: Instant,
+    ) -> Self {
+        let guest_bytes: u64 = memory.regions().iter().map(|r| r.size()).sum();
+        // By default the cache and the writers' page buffers share the percentage.
+        let delta_bytes = opts.delta_cache_bytes.unwrap_or(
+            (guest_bytes / 100 * DEFAULT_DELTA_CACHE_PERCENT)
+                .saturating_sub(links.pages.len() as u64 * BLOCK),
+        );
+        let delta = (opts.mode == Mode::Precopy && !opts.whole_pages && delta_bytes > 0)
+            .then(|| DeltaCache::new(delta_bytes, links.pages.len(), BLOCK))
+            .filter(|c| c.pages() > 0)
+            .map(Arc::new);
+        Source {
+            memory: memory.clone(),
+            opts,
+            started,
+            tracking: "none".into(),
+            committed: false,
+            shared: Vec::new(),
+            queued: 0,
+            send_started: Instant::now(),
+            compressor: Arc::new(Compressor::new(opts.compress)),
+            chunks: None,
+            round_digest: Duration::ZERO,
+            delta,
+            report: Report {
+                mode: opts.mode,
+                guest_bytes,
+                connections: links.pages.len(),
+                tracking: String::new(),
+                total_ms: 0.0,
+                downtime_ms: 0.0,
+                downtime_target_ms: opts.downtime.as_secs_f64() * 1e3,
+                verify_ms: 0.0,
+                digest: None,
+                converged: false,
+                max_throttle_percent: 0,
+                bytes: 0,
+                wire_bytes: 0,
+                pages_sent: 0,
+                zero_pages_skipped: 0,
+                shared_bytes: 0,
+                rounds: Vec::new(),
+                postcopy_requests: 0,
+                postcopy_bytes: 0,
+                postcopy_ms: 0.0,
+                link_breaks: 0,
+                source_extra_bytes: 0,
+                destination: None,
+                compression: CompressionReport::default(),
+                delta: DeltaReport::default(),
+            },
+        }
+    }
+
+    /// Writer threads for round `round` (`last`: the one with the guest stopped), on the pages
+    /// connections of `links` (taken out until they are joined).
+    fn writers(&self, links: &mut Links, round: u32, last: bool) -> Writers {
+        Writers::spawn(
+            std::mem::take(&mut links.pages),
+            &self.memory,
+            self.opts.whole_pages,
+            self.compressor.clone(),
+            self.chunks.clone(),
+            self.delta.clone(),
+            (round, last),
+        )
+    }
+
+    fn ms(&self) -> f64 {
+        self.started.elapsed().as_secs_f64() * 1e3
+    }
+
+    fn handshake(&mut self, links: &mut Links, config: &VmConfig) -> Result<()> {
+        if self.opts.mode != links.mode {
+            return Err(MigrationError::BadOption {
+                option: "mode",
+                reason: format!(
+                    "the links were opened for {}, the migration is {}: connect with \
+                     Links::connect(.., Mode::{:?}, ..)",
+                    links.mode, self.opts.mode, self.opts.mode
+                ),
+            }
+            .into());
+        }
+        let shared: Vec<&Region> = if self.opts.share_memory {
+            if !links.pages[0].is_local() {
+                return Err(MigrationError::BadOption {
+                    option: "share_memory",
+                    reason: "sharing memory needs the destination on this host: a unix: endpoint"
+                        .into(),
+                }
+                .into());
+            }
+            self.memory
+                .regions()
+                .iter()
+                .filter(|r| shareable(r))
+                .map(|r| &**r)
+                .collect()
+        } else {
+            Vec::new()
+        };
+        self.shared = shared.iter().map(|r| r.gpa()).collect();
+        self.report.shared_bytes = shared.iter().map(|r| r.size()).sum();
+        // Shared regions are the destination's memory too: there is nothing to compare.
+        self.chunks = self.verifies().then(|| {
+            Arc::new(ChunkDigests::new(
+                self.memory
+                    .regions()
+                    .iter()
+                    .filter(|r| !self.shared.contains(&r.gpa()))
+                    .map(|r| (r.gpa(), r.size())),
+                DIGEST_CHUNK,
+            ))
+        });
+        let setup = Setup {
+            config: config.clone(),
+            mode: self.opts.mode,
+            format: crate::migrate::FORMAT,
+            shared: shared.iter().map(|r| r.name().to_string()).collect(),
+            verify: self.verifies(),
+            verify_chunk: self.chunks.as_ref().map(|c| c.chunk()),
+        };
+        let json = serde_json::to_vec(&setup).expect("a setup serializes");
+        write_frame(&mut links.pages[0], &Frame::Hello { config_json: json })?;
+        if !shared.is_empty() {
+            match read_frame(&mut links.pages[0])? {
+                Frame::Ready => {}
+                other => return Err(unexpected(&other, "Ready for the memory files")),
+            }
+            let fds: Vec<_> = shared
+                .iter()
+                .map(|r| r.fd().expect("shareable regions have a file").as_raw_fd())
+                .collect();
+            links.pages[0]
+                .send_fds(&fds)
+                .map_err(|e| link_error("handing over the memory files", e))?;
+        }
+        match read_frame(&mut links.pages[0])? {
+            Frame::Hello { .. } => Ok(()),
+            other => Err(unexpected(&other, "Hello")),
+        }
+    }
+
+    fn progress(
+        &self,
+        phase: &'static str,
+        round: u32,
+        dirty: u64,
+        last: Option<&Round>,
+        est: f64,
+        throttle: u64,
+    ) {
+        if let Some(p) = &self.opts.progress {
+            p(&Progress {
+                phase,
+                round,
+                elapsed_ms: self.ms(),
+                bytes: self.report.bytes,
+                guest_bytes: self.report.guest_bytes,
+                dirty_pages: dirty,
+                dirty_rate_pages_per_s: last.map_or(0.0, |r| dirty as f64 / (r.ms / 1e3).max(1e-6)),
+                bandwidth_mib_per_s: last.map_or(0.0, |r| r.bandwidth_mib_per_s),
+                estimated_downtime_ms: est,
+                throttle_percent: throttle,
+            });
+        }
+    }
+
+    /// Rounds while the guest runs, until the estimated downtime fits (or the round limit, or
+    /// one round for hybrid). Returns the pages dirtied since the last round.
+    fn precopy(
+        &mut self,
+        machine: &mut dyn Machine,
+        components: &mut Components<'_>,
+        tracker: &mut Tracker,
+        links: &mut Links,
+    ) -> Result<Pending> {
+        // Manual mode reports every page at its first harvest; the others only what was
+        // written since the start, so the first round adds every page itself.
+        // guest_memfd regions cannot be tracked: they go whole at switch-over.
+        components.mark_dirty(&self.memory)?;
+        let mut dirty = merge(
+            tracker.harvest()?,
+            full_bitmaps(&self.memory, guestmem_tracking::tracked),
+        );
+        dirty.retain(|b| tracked_gpa(&self.memory, b.gpa) && !self.shared.contains(&b.gpa));
+        let mut round = 1;
+        let mut strikes = 0;
+        loop {
+            let writers = self.writers(links, round, false);
+            let sent = self.send_round(&mut Some(&mut *tracker), &dirty, round, writers, false);
+            let (conns, stats) = sent?;
+            links.pages = conns;
+            components.mark_dirty(&self.memory)?;
+            dirty = tracker.harvest()?;
+            // A page the log reports may have been written after its chunk was hashed: the
+            // chunk is hashed again once its block is sent next (see chunk_digests).
+            if let Some(chunks) = &self.chunks {
+                chunks.mark_dirty(&dirty);
+            }
+            dirty.retain(|b| tracked_gpa(&self.memory, b.gpa) && !self.shared.contains(&b.gpa));
+            let n: u64 = dirty.iter().map(|b| b.count()).sum();
+            let mut stats = stats;
+            stats.dirty_pages_after = n;
+            stats.throttle_percent = machine.throttle();
+            // Time per page of this round, pages to go: the downtime if we stopped now.
+            let est = n as f64 * stats.ms / stats.pages.max(1) as f64;
+            self.progress("pre-copy", round, n, Some(&stats), est, machine.throttle());
+            tracing::info!(
+                round,
+                pages = stats.pages,
+                dirty_after = n,
+                est_ms = est,
+                "pre-copy round"
+            );
+            let forced = round >= self.opts.max_rounds;
+            let target_ms = self.opts.downtime.as_secs_f64() * 1e3;
+            let fits = est <= target_ms;
+            let shrinking = n * 2 <= stats.pages;
+            if shrinking {
+                strikes = 0;
+            } else {
+                strikes += 1;
+            }
+            // Once it fits, one more round is still worth it while each round halves what is
+            // left: the round takes about the time it saves, but with the guest running, and
+            // the downtime comes down to the fixed hand-over (pausing, state, Ready and Go).
+            let settled = fits && (!shrinking || est <= target_ms / SETTLE_FRACTION);
+            self.report.rounds.push(stats);
+            if self.opts.mode == Mode::Hybrid || settled || forced {
+                self.report.converged = fits;
+                return Ok(dirty);
+            }
+            if self.opts.auto_converge && strikes >= 2 {
+                let t = machine.throttle();
+                let next = if t == 0 { 20 } else { (t + 10).min(99) };
+                machine.set_throttle(next)?;
+                self.report.max_throttle_percent = self.report.max_throttle_percent.max(next);
+                strikes = 0;
+                tracing::info!(throttle = next, "auto-converge: throttling the vCPUs");
+            }
+            round += 1;
+        }
+    }
+
+    /// Sends every page of `dirty` as round `round` on the pages connections (each 2 MiB block
+    /// on its own connection), clearing each block's dirty bits just before reading it. Zero
+    /// pages travel as Zero frames, or not at all in round 1 outside the sys region (the
+    /// destination's memory starts zero).
+    fn send_round(
+        &mut self,
+        tracker: &mut Option<&mut Tracker>,
+        dirty: &[DirtyBitmap],
+        round: u32,
+        mut writers: Writers,
+        last: bool,
+    ) -> Result<(Vec<Connection>, Round)> {
+        let start = Instant::now();
+        let start_ms = self.ms();
+        let (mut pages, mut zero_pages, mut bytes) = (0u64, 0u64, 0u64);
+        let n = writers.queues.len() as u64;
+        // Round 1 fills the delta cache with the last pages it sends only (the others would
+        // be evicted before the round ends); later rounds look every page up.
+        let total: u64 = dirty.iter().map(|b| b.count()).sum();
+        let cache_pages = self.delta.as_ref().map_or(0, |c| c.pages());
+        let delta_use = |pages: u64| match (cache_pages, round) {
+            (0, _) => DeltaUse::Off,
+            (_, 1) if pages + cache_pages < total => DeltaUse::Off,
+            (_, 1) => DeltaUse::Admit,
+            _ => DeltaUse::Try,
+        };
+        let queued = (|| -> Result<()> {
+            for b in dirty {
+                let sys = b.gpa == layout::SYS_GPA;
+                let tracked = tracked_gpa(&self.memory, b.gpa);
+                let block_pages = BLOCK / PAGE_SIZE;
+                let mut first = 0;
+                while first < b.pages {
+                    let count = block_pages.min(b.pages - first);
+                    let words =
+                        &b.bits[(first / 64) as usize..(first + count).div_ceil(64) as usize];
+                    if words.iter().all(|&w| w == 0) {
+                        first += count;
+                        continue;
+                    }
+                    if let Some(t) = tracker.as_mut().filter(|_| tracked) {
+                        t.clear(b, first, count)?;
+                    }
+                    let conn = block_connection(b.gpa, first * PAGE_SIZE, n as usize);
+                    // Runs of dirty pages in the block, split into zero and non-zero runs.
+                    let skip_zero = round == 1 && !sys;
+                    let mut run: Option<(u64, u64, bool)> = None; // (first page, pages, zero)
+                    for p in first..first + count {
+                        if b.bits[(p / 64) as usize] >> (p % 64) & 1 == 0 {
+                            if let Some(r) = run.take() {
+                                self.queue_run(
+                                    &mut writers,
+                                    conn,
+                                    b.gpa,
+                                    r,
+                                    skip_zero,
+                                    delta_use(pages),
+                                    &mut bytes,
+                                )?;
+                            }
+                            continue;
+                        }
+                        let zero = self.page_is_zero(b.gpa + p * PAGE_SIZE)?;
+                        pages += 1;
+                        zero_pages += u64::from(zero);
+                        if let Some((_, len, z)) = &mut run {
+                            if *z == zero {
+                                *len += 1;
+                                continue;
+                            }
+                        }
+                        if let Some(r) = run.take() {
+                            let d = delta_use(pages);
+                            self.queue_run(&mut writers, conn, b.gpa, r, skip_zero, d, &mut bytes)?;
+                        }
+                        run = Some((p, 1, zero));
+                    }
+                    if let Some(r) = run.take() {
+                        let d = delta_use(pages);
+                        self.queue_run(&mut writers, conn, b.gpa, r, skip_zero, d, &mut bytes)?;
+                    }
+                    // The block's dirty pages are cleared: its stale chunks can be hashed, by
+                    // the writer that sends it, once it has.
+                    if self.chunks.is_some() {
+                        let (gpa, len) = (b.gpa + first * PAGE_SIZE, count * PAGE_SIZE);
+                        writers.queue(conn, Job::Digest { gpa, len })?;
+                    }
+                    first += count;
+                }
+            }
+            for q in 0..writers.queues.len() {
+                writers.queue(q, Job::Frame(Frame::EndOfRound { round, last }))?;
+            }
+            Ok(())
+        })();
+        let (mut conns, wire_bytes, digest_time) = match (queued, writers.join()) {
+            (Ok(()), Ok(joined)) => joined,
+            // A writer's own error says why its queue closed ("pages connection N failed" does
+            // not): it goes first.
+            (_, Err(e)) | (Err(e), Ok(_)) => return Err(e),
+        };
+        // A round ends when the destination has applied it: what the sockets still buffer
+        // (little on the wire can be much to write: zero lines do not travel) is not sent yet.
+        if !last {
+            for conn in &mut conns {
+                match read_frame(conn)? {
+                    Frame::EndOfRound { round: r, .. } if r == round => {}
+                    other => return Err(unexpected(&other, "the round's EndOfRound back")),
+                }
+            }
+        }
+        let ms = start.elapsed().as_secs_f64() * 1e3;
+        self.round_digest = digest_time;
+        if self.chunks.is_some() {
+            tracing::debug!(
+                round,
+                busiest_writer_ms = digest_time.as_secs_f64() * 1e3,
+                "chunk digests hashed"
+            );
+        }
+        self.report.bytes += bytes;
+        self.report.wire_bytes += wire_bytes;
+        self.report.pages_sent += pages - zero_pages;
+        if round == 1 {
+            self.report.zero_pages_skipped += zero_pages;
+        }
+        Ok((
+            conns,
+            Round {
+                round,
+                start_ms,
+                ms,
+                pages,
+                zero_pages,
+                bytes,
+                wire_bytes,
+                dirty_pages_after: 0,
+                bandwidth_mib_per_s: bytes as f64 / (1 << 20) as f64 / (ms / 1e3).max(1e-6),
+                throttle_percent: 0,
+            },
+        ))
+    }
+
+    /// Reads the page with volatile loads (the guest may be writing it); stops at the first
+    /// non-zero word.
+    fn page_is_zero(&self, gpa: u64) -> Result<bool> {
+        let (_, p) = self.memory.find(gpa, PAGE_SIZE)?;
+        let words = p as *const u64;
+        for i in 0..(PAGE_SIZE / 8) as usize {
+            // SAFETY: `find` checked that the page lies in a live mapping; aligned u64 reads.
+            if unsafe { std::ptr::read_volatile(words.add(i)) } != 0 {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn queue_run(
+        &mut self,
+        writers: &mut Writers,
+        conn: usize,
+        slot_gpa: u64,
+        (first, count, zero): (u64, u64, bool),
+        skip_zero: bool,
+        delta: DeltaUse,
+        bytes: &mut u64,
+    ) -> Result<()> {
+        let gpa = slot_gpa + first * PAGE_SIZE;
+        if zero {
+            if !skip_zero {
+                writers.queue(conn, Job::Frame(Frame::Zero { gpa, count }))?;
+            }
+            return Ok(());
+        }
+        let len = count * PAGE_SIZE;
+        // Where zero pages may be skipped, the destination's pages still hold zeros: fresh.
+        writers.queue(
+            conn,
+            Job::Pages {
+                gpa,
+                len,
+                fresh: skip_zero,
+                delta,
+            },
+        )?;
+        *bytes += len;
+        self.queued += len;
+        if let Some(bw) = self.opts.max_bandwidth {
+            let due = Duration::from_secs_f64(self.queued as f64 / bw.max(1) as f64);
+            let elapsed = self.send_started.elapsed();
+            if due > elapsed {
+                std::thread::sleep(due - elapsed);
+            }
+        }
+        Ok(())
+    }
+
+    /// With the guest stopped: the last pages, the state, and the hand-over (Ready, Go,
+    /// Running). Before Go any error leaves the guest ours (`committed` false).
+    fn switch_over(
+        &mut self,
+        machine: &mut dyn Machine,
+        components: &mut Components<'_>,
+        tracker: Option<&mut Tracker>,
+        pending: Option<Pending>,
+        links: &mut Links,
+        paused: Instant,
+    ) -> Result<()> {
+        let mut tracker = tracker;
+        components.mark_dirty(&self.memory)?;
+        let mut dirty = match (&mut tracker, pending) {
+            (Some(t), Some(p)) => merge(
+                merge(p, t.harvest()?),
+                full_bitmaps(&self.memory, |r| !guestmem_tracking::tracked(r)),
+            ),
+            _ => Vec::new(),
+        };
+        dirty.retain(|b| !self.shared.contains(&b.gpa));
+        if let Some(chunks) = &self.chunks {
+            chunks.mark_dirty(&dirty);
+        }
+        let round = self.report.rounds.len() as u32 + 1;
+        let postcopy = if self.opts.mode.has_postcopy() {
+            // Only the sys region goes now; the RAM regions' dirty chunks are fetched later.
+            let stale = self
+                .memory
+                .regions()
+                .iter()
+                .filter(|r| r.gpa() != layout::SYS_GPA && !self.shared.contains(&r.gpa()))
+                .map(|r| StaleChunks {
+                    gpa: r.gpa(),
+                    bits: (self.opts.mode == Mode::Hybrid)
+                        .then(|| stale_chunks(&dirty, r.gpa(), r.size())),
+                })
+                .collect();
+            dirty.retain(|b| b.gpa == layout::SYS_GPA);
+            if self.opts.mode == Mode::Postcopy {
+                dirty = full_bitmaps(&self.memory, |r| r.gpa() == layout::SYS_GPA);
+            }
+            Some(stale)
+        } else {
+            None
+        };
+        let writers = self.writers(links, round, true);
+        let (conns, mut stats) = self.send_round(&mut tracker, &dirty, round, writers, true)?;
+        links.pages = conns;
+        stats.throttle_percent = 0;
+        self.report.rounds.push(stats);
+
+        let state = machine.save()?;
+        let saved_components = components.save()?;
+        let region_digests = match &self.chunks {
+            Some(chunks) => {
+                // The writers hashed the last round's chunks; anything still stale (nothing,
+                // unless a chunk was marked and its block not sent) is hashed here.
+                let started = Instant::now();
+                chunks.refresh_where(&self.memory, |_, _| true)?;
+                let summary = chunks.summary().ok_or(MigrationError::StaleDigests)?;
+                self.report.verify_ms = (self.round_digest + started.elapsed()).as_secs_f64() * 1e3;
+                Some(summary)
+            }
+            None => None,
+        };
+        let digest = region_digests.as_deref().map(chunk_digests::combine);
+        self.report.digest = digest;
+        let switchover = Switchover {
+            state,
+            components: saved_components,
+            last_round: round,
+            digest,
+            region_digests,
+            postcopy,
+        };
+        let json = serde_json::to_vec(&switchover).expect("the switch-over state serializes");
+        let main = &mut links.pages[0];
+        write_frame(main, &Frame::State { state_json: json })?;
+        match read_frame(main)? {
+            Frame::Ready => {}
+            other => return Err(unexpected(&other, "Ready")),
+        }
+        self.committed = true;
+        write_frame(main, &Frame::Go)?;
+        match read_frame(main)? {
+            Frame::Running => {}
+            other => return Err(unexpected(&other, "Running")),
+        }
+        self.report.downtime_ms = paused.elapsed().as_secs_f64() * 1e3;
+        self.report.source_extra_bytes = self.extra_bytes(links.pages.len());
+        Ok(())
+    }
+
+    /// Serves the destination's post-copy requests on every connection until it says Complete
+    /// on each, with `servers` (one thread per connection); a broken link waits for
+    /// [`SendOptions::reconnect`] and goes on.
+    fn serve_postcopy(
+        &mut self,
+        mut links: Links,
+        mut servers: PostcopyServers,
+    ) -> Result<Vec<u8>> {
+        let started = Instant::now();
+        let counters = servers.counters.clone();
+        let (requests, bytes, wire) = (&counters.requests, &counters.bytes, &counters.wire);
+        loop {
+            self.progress("post-copy", 0, 0, None, 0.0, 0);
+            counters.first_failed.store(usize::MAX, Ordering::SeqCst);
+            let mut results = servers.serve(&mut links)?;
+            self.report.postcopy_requests = requests.load(Ordering::Relaxed);
+            self.report.postcopy_bytes = bytes.load(Ordering::Relaxed);
+            // The error of the connection that broke first, if one did.
+            let first = counters.first_failed.load(Ordering::SeqCst);
+            if first < results.len() {
+                results.swap(0, first);
+            }
+            let mut results = results.into_iter();
+            match results.next().expect("at least one connection") {
+                Ok(report) if results.all(|r| r.is_ok()) => {
+                    self.report.bytes += self.report.postcopy_bytes;
+                    self.report.wire_bytes += wire.load(Ordering::Relaxed);
+                    self.report.pages_sent += self.report.postcopy_bytes / PAGE_SIZE;
+                    self.report.postcopy_ms = started.elapsed().as_secs_f64() * 1e3;
+                    return Ok(report);
+                }
+                first => {
+                    let why = first
+                        .err()
+                        .map_or("another connection broke".to_string(), |e| e.to_string());
+                    self.report.link_breaks += 1;
+                    tracing::warn!("post-copy link broken: {why}");
+                    let Some(reconnect) = &self.opts.reconnect else {
+                        return Err(MigrationError::PostcopySplit { why }.into());
+                    };
+                    links = reconnect(&links.resume(why))?;
+                    tracing::info!("post-copy link re-established");
+                }
+            }
+        }
+    }
+
+    /// Whether the switch-over checks the memory digests (pre-copy only: post-copy's
+    /// destination does not have the memory yet).
+    fn verifies(&self) -> bool {
+        self.opts.verify && self.opts.mode == Mode::Precopy
+    }
+
+    fn extra_bytes(&self, connections: usize) -> u64 {
+        // Per pages connection: a frame buffer and its queue (jobs carry no pages); the dirty
+        // bitmaps (the tracker's scratch and pending, and ours: about four per page bit).
+        let pages: u64 = self
+            .memory
+            .regions()
+            .iter()
+            .map(|r| r.size() / PAGE_SIZE)
+            .sum();
+        // With delta encoding: the cache, and a page buffer per connection.
+        let delta = self
+            .delta
+            .as_ref()
+            .map_or(0, |c| c.bytes() + connections as u64 * BLOCK);
+        connections as u64 * (BLOCK + 4096)
+            + 4 * pages / 8
+            + self.chunks.as_ref().map_or(0, |c| c.bytes())
+            + delta
+    }
+
+    fn finish(mut self) -> Report {
+        self.report.total_ms = self.ms();
+        self.report.compression = self.compressor.report();
+        if let Some(d) = &self.delta {
+            self.report.delta = d.report();
+        }
+        self.report.tracking = self.tracking.clone();
+        self.report
+    }
+}
+
+fn thread_failed(what: &str) -> Error {
+    MigrationError::Thread { what: what.into() }.into()
+}
+
+/// Whether a region's memory can be handed to a local destination as a file.
+fn shareable(region: &Region) -> bool {
+    region.gpa() != layout::SYS_GPA
+        && matches!(
+            region.backend(),
+            guestmem_memory::Backend::Memfd
+                | guestmem_memory::Backend::MemfdHugetlb
+                | guestmem_memory::Backend::Hugetlbfs
+        )
+}
+
+fn tracked_gpa(memory: &GuestMemory, gpa: u64) -> bool {
+    memory
+        .regions()
+        .iter()
+        .any(|r| r.gpa() == gpa && guestmem_tracking::tracked(r))
+}
+
+/// One bit per [`POSTCOPY_CHUNK`] of the region at `gpa`: set where any page is dirty.
+fn stale_chunks(dirty: &[DirtyBitmap], gpa: u64, size: u64) -> Vec<u64> {
+    let chunks = size.div_ceil(POSTCOPY_CHUNK);
+    let mut bits = vec![0u64; chunks.div_ceil(64) as usize];
+    if let Some(b) = dirty.iter().find(|b| b.gpa == gpa) {
+        for (start, len) in b.ranges() {
+            let first = (start - gpa) / POSTCOPY_CHUNK;
+            let last = (start - gpa + len - 1) / POSTCOPY_CHUNK;
+            for c in first..=last {
+                bits[(c / 64) as usize] |= 1 << (c % 64);
+            }
+        }
+    }
+    bits
+}
+
+/// One digest per region, in order (see [`GuestMemory::digest`]): the digest check of a source
+/// that predates chunk digests (see [`Setup::verify_chunk`]).
+pub(crate) fn memory_digest(memory: &GuestMemory) -> Result<u64> {
+    let mut h = guestmem_memory::DIGEST_SEED;
+    for r in memory.regions() {
+        h = guestmem_memory::digest_bytes(h, &memory.digest(r.gpa(), r.size())?.to_le_bytes());
+    }
+    Ok(h)
+}

@@ -1,0 +1,265 @@
+//! How to migrate ([`SendOptions`]) and what a migration did ([`Report`], [`Progress`]).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use guestmem_vm::RunningVm;
+use serde::Serialize;
+
+use crate::compress::{Compress, CompressionReport};
+use crate::delta::DeltaReport;
+use crate::destination::DestinationReport;
+use crate::migrate::{Links, Mode, Resume};
+use crate::{Error, MigrationError, Result};
+
+/// Called with the migration's progress.
+pub type ProgressFn = Arc<dyn Fn(&Progress) + Send + Sync>;
+/// Re-establishes a broken post-copy link (given why it broke): new connections to the same
+/// destination.
+pub type Reconnect = Arc<dyn Fn(&Resume) -> Result<Links> + Send + Sync>;
+
+/// How to migrate.
+#[derive(Clone)]
+pub struct SendOptions {
+    /// Pre-copy, post-copy or hybrid.
+    pub mode: Mode,
+    /// Pre-copy stops the guest once the rest fits in this (the estimated downtime).
+    pub downtime: Duration,
+    /// Pre-copy rounds before stopping the guest whatever the estimate.
+    pub max_rounds: u32,
+    /// Throttle the guest's vCPUs when its dirty rate outruns the link (QEMU's rule: pages
+    /// dirtied during a round above half of those sent, twice in a row; 20 %, then +10 % per
+    /// round, up to 99 %).
+    pub auto_converge: bool,
+    /// Bytes per second the transfer may use (`None`: as fast as it goes).
+    pub max_bandwidth: Option<u64>,
+    /// Check at switch-over that the destination's memory digest equals the source's. Both
+    /// sides keep a digest per chunk of guest memory as the rounds go
+    /// ([`crate::chunk_digests`]): the downtime grows by the re-hashing of the chunks the last
+    /// round writes, not of all guest memory.
+    pub verify: bool,
+    /// Local migration over a Unix socket: hand the memfd / hugetlbfs files of the RAM regions
+    /// to the destination instead of copying them (guest_memfd and anonymous regions are
+    /// still copied).
+    pub share_memory: bool,
+    /// Dirty tracking mode (`None`: [`guestmem_tracking::Mode::best`]).
+    pub tracking: Option<guestmem_tracking::Mode>,
+    /// Send every 64-byte line of every page, zero or not (as QEMU does), instead of only the
+    /// non-zero ones: for comparisons.
+    pub whole_pages: bool,
+    /// How Pages frames are compressed (see [`crate::compress`]); zero pages and zero lines
+    /// are left out in every mode.
+    pub compress: Compress,
+    /// Pre-copy: bytes of the cache of pages' last versions sent, against which re-dirtied
+    /// pages travel as deltas (see [`crate::delta`]); `None`: `DEFAULT_DELTA_CACHE_PERCENT`
+    /// of guest memory less a 2 MiB page buffer per pages connection (none for a guest too
+    /// small for that); `Some(0)`, the default: no delta encoding (the cache costs source
+    /// memory and pays only when the guest re-dirties the same pages between rounds, which a
+    /// guest sweeping its memory does not). Post-copy and hybrid never send deltas (their
+    /// destination's pages also come from fault answers, which the cache does not see).
+    pub delta_cache_bytes: Option<u64>,
+    /// Post-copy and hybrid: host CPUs for the threads that answer the destination's faults
+    /// (the urgent connections' servers). When source and destination share a host, giving
+    /// these and the destination's fault handlers ([`ReceiveOptions::fault_cpus`]) the same
+    /// CPU keeps a fault's round trip on one CPU: no cross-CPU wake-up, and one CPU, not two,
+    /// that must not be preempted meanwhile. `None`: wherever the scheduler puts them.
+    ///
+    /// [`ReceiveOptions::fault_cpus`]: crate::migrate::ReceiveOptions::fault_cpus
+    pub fault_cpus: Option<Vec<usize>>,
+    /// Called after every round and while post-copy runs.
+    pub progress: Option<ProgressFn>,
+    /// After a link broken during post-copy: returns new connections to the same destination
+    /// (blocking until the operator asks to resume), or an error to give up.
+    pub reconnect: Option<Reconnect>,
+}
+
+impl Default for SendOptions {
+    fn default() -> Self {
+        SendOptions {
+            mode: Mode::Precopy,
+            downtime: Duration::from_millis(50),
+            max_rounds: 30,
+            auto_converge: true,
+            max_bandwidth: None,
+            verify: false,
+            share_memory: false,
+            tracking: None,
+            whole_pages: false,
+            compress: Compress::None,
+            delta_cache_bytes: Some(0),
+            fault_cpus: None,
+            progress: None,
+            reconnect: None,
+        }
+    }
+}
+
+/// The delta cache's default size with its writers' page buffers, in percent of guest
+/// memory: with the frame buffers and bitmaps, the source's extra memory stays under 5 % of
+/// the guest's.
+pub const DEFAULT_DELTA_CACHE_PERCENT: u64 = 4;
+
+/// The least bandwidth limit per pages connection: below it, a connection would wait longer
+/// than the destination's idle timeout between two 2 MiB blocks.
+pub const MIN_BANDWIDTH_PER_CONNECTION: u64 = 1 << 20;
+
+impl SendOptions {
+    /// Refuses options with which a migration over `connections` pages connections could never
+    /// finish, naming the option.
+    pub fn check(&self, connections: usize) -> Result<()> {
+        if let Some(bw) = self.max_bandwidth {
+            let least = MIN_BANDWIDTH_PER_CONNECTION * connections.max(1) as u64;
+            if bw < least {
+                return Err(MigrationError::BadOption {
+                    option: "max_bandwidth",
+                    reason: format!(
+                        "max_bandwidth of {bw} bytes/s is below {least} (1 MiB/s for each of \
+                         the {connections} pages connections): the migration would never finish"
+                    ),
+                }
+                .into());
+            }
+        }
+        if self.max_rounds == 0 {
+            return Err(MigrationError::BadOption {
+                option: "max_rounds",
+                reason: "max_rounds is 0: pre-copy needs at least one round".into(),
+            }
+            .into());
+        }
+        Ok(())
+    }
+}
+
+/// Where a migration is, for a progress display.
+#[derive(Debug, Clone, Serialize)]
+pub struct Progress {
+    /// `pre-copy` or `post-copy`.
+    pub phase: &'static str,
+    /// The pre-copy round (0 in post-copy).
+    pub round: u32,
+    /// Since the migration started.
+    pub elapsed_ms: f64,
+    /// Page bytes sent so far.
+    pub bytes: u64,
+    /// Bytes of guest memory.
+    pub guest_bytes: u64,
+    /// Pages dirtied during the last round, and their rate.
+    pub dirty_pages: u64,
+    /// The dirty rate of the last round.
+    pub dirty_rate_pages_per_s: f64,
+    /// The last round's bandwidth.
+    pub bandwidth_mib_per_s: f64,
+    /// The downtime if the guest stopped now.
+    pub estimated_downtime_ms: f64,
+    /// The vCPUs' throttle.
+    pub throttle_percent: u64,
+}
+
+/// One pre-copy round (the last one runs with the guest stopped).
+#[derive(Debug, Clone, Serialize)]
+pub struct Round {
+    /// Its number, from 1.
+    pub round: u32,
+    /// When it started, from the migration's start.
+    pub start_ms: f64,
+    /// How long it took.
+    pub ms: f64,
+    /// Dirty pages it went through: sent with contents, or as zero.
+    pub pages: u64,
+    /// Of them, zero pages.
+    pub zero_pages: u64,
+    /// Page bytes sent.
+    pub bytes: u64,
+    /// What they took on the wire: their non-zero lines, with a mask per page.
+    pub wire_bytes: u64,
+    /// Pages the guest dirtied meanwhile (what the next round has to send).
+    pub dirty_pages_after: u64,
+    /// Its bandwidth.
+    pub bandwidth_mib_per_s: f64,
+    /// The vCPUs' throttle at its end.
+    pub throttle_percent: u64,
+}
+
+/// What a migration did, seen from the source.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// Pre-copy, post-copy or hybrid.
+    pub mode: Mode,
+    /// Bytes of guest memory.
+    pub guest_bytes: u64,
+    /// Pages connections.
+    pub connections: usize,
+    /// The dirty tracking mode.
+    pub tracking: String,
+    /// From start to the destination's Complete.
+    pub total_ms: f64,
+    /// Source vCPUs stopped → destination vCPUs running (as the source sees the destination's
+    /// Running frame: one link latency more than the truth).
+    pub downtime_ms: f64,
+    /// The downtime target.
+    pub downtime_target_ms: f64,
+    /// Of the downtime: the source's share of the memory digest check (`verify`): re-hashing
+    /// the chunks the last round sent (on the busiest pages connection, beside its sending),
+    /// then any chunk still stale, and combining the digests. The destination's share is in
+    /// its report.
+    pub verify_ms: f64,
+    /// The memory digest at switch-over (`verify`): the regions' chunk digests combined.
+    pub digest: Option<u64>,
+    /// The last estimate fitted the target (else the round limit forced the switch).
+    pub converged: bool,
+    /// The highest throttle auto-converge set.
+    pub max_throttle_percent: u64,
+    /// Page bytes sent, all phases.
+    pub bytes: u64,
+    /// What the pages took on the wire (their non-zero lines and masks), all phases.
+    pub wire_bytes: u64,
+    /// Non-zero pages sent, all phases.
+    pub pages_sent: u64,
+    /// Zero pages not sent.
+    pub zero_pages_skipped: u64,
+    /// Bytes of guest memory handed over as files (local migration), never sent.
+    pub shared_bytes: u64,
+    /// The pre-copy rounds (the last with the guest stopped).
+    pub rounds: Vec<Round>,
+    /// Post-copy: pages served on request, their bytes, and how long until all was resident.
+    pub postcopy_requests: u64,
+    /// Their bytes.
+    pub postcopy_bytes: u64,
+    /// From Running to every page resident.
+    pub postcopy_ms: f64,
+    /// Post-copy links that broke and were resumed.
+    pub link_breaks: u32,
+    /// The source's own memory for the migration: bitmaps and buffers.
+    pub source_extra_bytes: u64,
+    /// The destination's figures (post-copy faults and their latency).
+    pub destination: Option<DestinationReport>,
+    /// What compression the pre-copy Pages frames got.
+    pub compression: CompressionReport,
+    /// The delta cache: its size, hits and misses, and the pages it turned into deltas.
+    pub delta: DeltaReport,
+}
+
+/// A migration that failed. `vm` is the source VM, still running, when the source kept the
+/// guest (any failure before Go); `None` once the destination owns it.
+pub struct Failure<'a> {
+    /// Why it failed.
+    pub error: Error,
+    /// The source VM, still running, if the source kept the guest.
+    pub vm: Option<RunningVm<'a>>,
+}
+
+impl std::fmt::Debug for Failure<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} (source VM {})",
+            self.error,
+            if self.vm.is_some() {
+                "still running"
+            } else {
+                "stopped"
+            }
+        )
+    }
+}

@@ -1,0 +1,264 @@
+//! The writer threads: one per pages connection, each encoding and writing its jobs in order.
+
+use std::io::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{sync_channel, SyncSender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use guestmem_memory::{GuestMemory, PAGE_SIZE};
+
+use crate::chunk_digests::ChunkDigests;
+use crate::compress::Compressor;
+use crate::delta::{DeltaCache, Partition};
+use crate::migrate::{write_frame, BLOCK};
+use crate::stream::{compress_pages, Frame, StreamError};
+use crate::transport::Connection;
+use crate::{Error, Result};
+
+use super::thread_failed;
+
+/// What a writer thread sends.
+pub(super) enum Job {
+    /// Guest pages, read from memory by the writer itself (no copy in between); `fresh`: the
+    /// destination's pages there still hold zeros (see [`crate::stream::FRESH`]).
+    Pages {
+        gpa: u64,
+        len: u64,
+        fresh: bool,
+        delta: DeltaUse,
+    },
+    Frame(Frame),
+    /// Hash the stale chunks of `[gpa, gpa + len)` (a block whose dirty pages were cleared and
+    /// queued before), into the writers' [`ChunkDigests`].
+    Digest {
+        gpa: u64,
+        len: u64,
+    },
+}
+
+/// What a writer does with the delta cache for a Pages job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum DeltaUse {
+    /// Nothing.
+    Off,
+    /// Stores the pages as sent, without looking them up (their first sending).
+    Admit,
+    /// Sends the pages whose last version is cached as deltas, and stores them all.
+    Try,
+}
+
+/// Encodes the `len` bytes of pages at `gpa` into `out` through the delta cache: read into
+/// `pages`, sent as a PagesD frame if `try_delta` and any of them is cached (else as a Pages
+/// frame), and stored in `part` as sent in `round` (unless it is the `last`).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn encode_cached(
+    out: &mut Vec<u8>,
+    pages: &mut Vec<u8>,
+    memory: &GuestMemory,
+    part: &mut Partition,
+    gpa: u64,
+    len: usize,
+    fresh: bool,
+    (try_delta, round, last): (bool, u32, bool),
+) -> std::result::Result<(), StreamError> {
+    if pages.len() < len {
+        pages.resize(len, 0);
+    }
+    let pages = &mut pages[..len];
+    memory
+        .read(gpa, pages)
+        .map_err(|e| StreamError::Malformed(e.to_string()))?;
+    let page = PAGE_SIZE as usize;
+    let at = |p: usize| gpa + (p * page) as u64;
+    let cached = try_delta && (0..len / page).any(|p| part.contains(at(p)));
+    if cached {
+        let (n, delta_bytes) = Frame::encode_delta_with(out, gpa, pages, |p, new, out| {
+            part.lookup(at(p))
+                .is_some_and(|old| crate::delta::encode(old, new, out, page - 1))
+        })?;
+        part.sent_deltas(n, delta_bytes);
+    } else {
+        if try_delta {
+            // Counted as misses.
+            (0..len / page).for_each(|p| {
+                part.lookup(at(p));
+            });
+        }
+        Frame::encode_pages_with(out, gpa, len, fresh, false, |o, piece| {
+            piece.copy_from_slice(&pages[o..o + piece.len()]);
+            Ok(())
+        })?;
+    }
+    // After the last round nothing is sent again.
+    if !last {
+        for (p, new) in pages.chunks_exact(page).enumerate() {
+            part.store(at(p), new, round);
+        }
+    }
+    Ok(())
+}
+
+/// One thread per pages connection, each encoding and writing its jobs in order.
+pub(super) struct Writers {
+    pub(super) queues: Vec<SyncSender<Job>>,
+    /// Each ends with its connection, how it went, and its time spent hashing chunks.
+    threads: Vec<JoinHandle<(Connection, Result<()>, Duration)>>,
+    /// Bytes of Pages frames written.
+    wire_bytes: Arc<AtomicU64>,
+}
+
+impl Writers {
+    pub(super) fn spawn(
+        conns: Vec<Connection>,
+        memory: &Arc<GuestMemory>,
+        whole_pages: bool,
+        compressor: Arc<Compressor>,
+        chunks: Option<Arc<ChunkDigests>>,
+        delta: Option<Arc<DeltaCache>>,
+        (round, last): (u32, bool),
+    ) -> Writers {
+        let wire_bytes = Arc::new(AtomicU64::new(0));
+        let mut queues = Vec::new();
+        let mut threads = Vec::new();
+        for (i, mut conn) in conns.into_iter().enumerate() {
+            let (tx, rx) = sync_channel::<Job>(8);
+            let memory = memory.clone();
+            let wire_bytes = wire_bytes.clone();
+            let compressor = compressor.clone();
+            let chunks = chunks.clone();
+            let delta = delta.clone();
+            queues.push(tx);
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("migrate-tx{i}"))
+                    .spawn(move || {
+                        let mut out = Vec::with_capacity((BLOCK + 64) as usize);
+                        let mut scratch = Vec::new();
+                        let mut pages = Vec::new();
+                        let mut result = Ok(());
+                        let mut hashing = Duration::ZERO;
+                        for job in rx {
+                            let sent = match job {
+                                Job::Pages {
+                                    gpa,
+                                    len,
+                                    fresh,
+                                    delta: d,
+                                } => match delta.as_ref().filter(|_| d != DeltaUse::Off) {
+                                    Some(cache) => encode_cached(
+                                        &mut out,
+                                        &mut pages,
+                                        &memory,
+                                        &mut cache.part(i),
+                                        gpa,
+                                        len as usize,
+                                        fresh,
+                                        (d == DeltaUse::Try, round, last),
+                                    ),
+                                    None => Frame::encode_pages_with(
+                                        &mut out,
+                                        gpa,
+                                        len as usize,
+                                        fresh,
+                                        whole_pages,
+                                        |at, piece| {
+                                            memory
+                                                .read(gpa + at as u64, piece)
+                                                .map_err(|e| StreamError::Malformed(e.to_string()))
+                                        },
+                                    )
+                                    .map(|_| ()),
+                                }
+                                .and_then(|()| {
+                                    let codec = compressor.choose();
+                                    let (encoded, t) = (out.len(), Instant::now());
+                                    compress_pages(&mut out, codec, &mut scratch)?;
+                                    Ok((codec, encoded, t.elapsed()))
+                                })
+                                .map_err(Error::Stream)
+                                .and_then(
+                                    |(codec, encoded, compress_time)| {
+                                        wire_bytes.fetch_add(out.len() as u64, Ordering::Relaxed);
+                                        let t = Instant::now();
+                                        conn.write_all(&out)
+                                            .map_err(|e| Error::Stream(e.into()))?;
+                                        compressor.record(
+                                            codec,
+                                            encoded,
+                                            out.len(),
+                                            compress_time,
+                                            t.elapsed(),
+                                        );
+                                        Ok(())
+                                    },
+                                ),
+                                Job::Frame(f) => {
+                                    // A page sent another way is no longer the version a
+                                    // delta could be made against.
+                                    if let (Some(cache), Frame::Zero { gpa, count }) = (&delta, &f)
+                                    {
+                                        cache.part(i).forget(*gpa, *count);
+                                    }
+                                    write_frame(&mut conn, &f)
+                                }
+                                Job::Digest { gpa, len } => {
+                                    let t = Instant::now();
+                                    let hashed = chunks
+                                        .as_ref()
+                                        .map_or(Ok(0), |c| c.refresh(&memory, gpa, len));
+                                    hashing += t.elapsed();
+                                    hashed.map(|_| ())
+                                }
+                            };
+                            if let Err(e) = sent {
+                                result = Err(e);
+                                break;
+                            }
+                        }
+                        (conn, result, hashing)
+                    })
+                    .expect("spawning a writer thread"),
+            );
+        }
+        Writers {
+            queues,
+            threads,
+            wire_bytes,
+        }
+    }
+
+    pub(super) fn queue(&mut self, conn: usize, job: Job) -> Result<()> {
+        self.queues[conn]
+            .send(job)
+            .map_err(|_| thread_failed(&format!("pages connection {conn} failed")))
+    }
+
+    /// Waits for the writers to send everything queued, and takes the connections back, with
+    /// the bytes of pages they wrote and the longest time one of them spent hashing chunks.
+    pub(super) fn join(self) -> Result<(Vec<Connection>, u64, Duration)> {
+        drop(self.queues);
+        let mut conns = Vec::new();
+        let mut failure = None;
+        let mut hashing = Duration::ZERO;
+        for t in self.threads {
+            match t.join() {
+                Ok((conn, result, hashed)) => {
+                    conns.push(conn);
+                    hashing = hashing.max(hashed);
+                    if let Err(e) = result {
+                        failure.get_or_insert(e);
+                    }
+                }
+                Err(_) => {
+                    failure.get_or_insert(thread_failed("a writer thread panicked"));
+                }
+            }
+        }
+        match failure {
+            Some(e) => Err(e),
+            None => Ok((conns, self.wire_bytes.load(Ordering::Relaxed), hashing)),
+        }
+    }
+}

@@ -1,0 +1,8 @@
+//! An example VMM on guestmem's crates: guestmem's payload plus a host-side virtio device
+//! ([`rng::RngDevice`], `virtio-queue` over guestmem memory) that keeps writing guest memory,
+//! saved, restored and migrated through the component traits ([`vmm`]).
+
+#![warn(missing_docs)]
+
+pub mod rng;
+pub mod vmm;
