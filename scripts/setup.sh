@@ -24,3 +24,16 @@ if ! command -v cargo >/dev/null 2>&1; then
   exit 1
 fi
 rustup component add rustfmt clippy >/dev/null 2>&1 || true
+# MinIO: the S3 server the chunk store's tests and benches start on loopback (crates/store),
+# built from source with Go into ~/.cache/guestmem/bin (about 3-4 minutes; skipped when built).
+minio_dir="$HOME/.cache/guestmem/bin"
+if [ ! -x "$minio_dir/minio" ]; then
+  go=$(command -v go || echo /usr/local/go/bin/go)
+  if [ ! -x "$go" ]; then
+    echo "setup: Go is missing (needed to build MinIO for the store's tests): install it" >&2
+    exit 1
+  fi
+  mkdir -p "$minio_dir"
+  echo "setup: building MinIO into $minio_dir (about 3-4 minutes)"
+  GOBIN="$minio_dir" "$go" install github.com/minio/minio@latest
+fi

@@ -18,6 +18,7 @@ mod populate;
 mod qemu_migrate;
 pub mod qemu_peer;
 mod restore;
+mod snapshot_store;
 pub mod units;
 
 /// Errors of any bench: each names what went wrong.
@@ -41,6 +42,9 @@ pub enum Bench {
     /// Snapshot restore latency and time to a resident working set, per mode (Firecracker's
     /// restore-latency test).
     Restore(restore::Args),
+    /// Issue 15: a snapshot of a guest from a real memory image in the chunk store (stored
+    /// size, write rate, clones, restores from the store).
+    Snapshot(snapshot_store::Args),
 }
 
 /// Runs one bench (the envelope's run starts here).
@@ -54,6 +58,7 @@ pub fn main(bench: Bench) -> Result<()> {
         Bench::Migrate(args) => migrate::main(args),
         Bench::QemuMigrate(args) => qemu_migrate::main(args),
         Bench::Restore(args) => restore::main(args),
+        Bench::Snapshot(args) => snapshot_store::main(args),
     }
 }
 

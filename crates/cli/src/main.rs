@@ -33,7 +33,9 @@ enum Command {
     Probe(probe::Args),
     /// Run a VM executing a guest workload and print what the guest did.
     Run(run::Args),
-    /// Run a VM's `dirty` workload, pause it, and write a snapshot of it.
+    /// Run a VM's `dirty` workload, pause it, and write a snapshot of it (to a directory or a
+    /// chunk store); or merge, collect or delete store snapshots.
+    #[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
     Snapshot(snapshot::SnapshotArgs),
     /// Restore a snapshot and let the guest carry on.
     Restore(snapshot::RestoreArgs),

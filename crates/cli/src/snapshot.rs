@@ -12,11 +12,20 @@ use serde::Serialize;
 
 use crate::vm_args::VmArgs;
 
+mod store;
+
 #[derive(clap::Args)]
 pub struct SnapshotArgs {
-    /// Directory to write the snapshot into (created; an existing snapshot there is replaced).
-    #[arg(long)]
-    out: PathBuf,
+    /// Directory to write the snapshot into (created; an existing snapshot there is replaced),
+    /// or a snapshot in a chunk store: `s3://BUCKET[/PREFIX]/NAME` (endpoint and credentials
+    /// from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION) or
+    /// `store:DIR/NAME` (a local store); the store is the URL without its last element, and its
+    /// snapshots share their chunks.
+    #[arg(long, required = true)]
+    out: Option<PathBuf>,
+    /// Store operations: merge a diff chain, collect unreferenced chunks, delete a snapshot.
+    #[command(subcommand)]
+    op: Option<store::StoreOp>,
     #[command(flatten)]
     vm: VmArgs,
     /// How long the guest runs its `dirty` workload before the snapshot, in seconds.
@@ -41,7 +50,9 @@ pub struct SnapshotArgs {
 
 #[derive(clap::Args)]
 pub struct RestoreArgs {
-    /// The snapshot directory.
+    /// The snapshot directory, or a store snapshot (`s3://BUCKET[/PREFIX]/NAME`,
+    /// `store:DIR/NAME`: restored in full or lazily, chunks from a remote store kept in the
+    /// host's chunk cache, $GUESTMEM_CHUNK_CACHE or ~/.cache/guestmem/chunks).
     dir: PathBuf,
     /// full: copy all memory in, then run; map: map the memory file copy-on-write (anon
     /// regions); lazy: run at once, memory paged in on first access and in the background.
@@ -108,19 +119,23 @@ struct RestoreOutput {
 }
 
 #[derive(Serialize)]
-struct WorkingSetOutput {
-    action: &'static str,
-    chunks: usize,
+pub(crate) struct WorkingSetOutput {
+    pub(crate) action: &'static str,
+    pub(crate) chunks: usize,
     /// Page faults the pagers served during the run.
-    faults: u64,
+    pub(crate) faults: u64,
 }
 
 use crate::units::seconds;
 
-pub fn snapshot(args: SnapshotArgs) -> crate::Result<()> {
+pub fn snapshot(mut args: SnapshotArgs) -> crate::Result<()> {
+    if let Some(op) = args.op.take() {
+        return store::run_op(op);
+    }
+    let out = args.out.take().ok_or("--out is required")?;
     let after = seconds(args.after, "--after")?;
     let diff_after = seconds(args.diff_after, "--diff-after")?;
-    if args.diff.as_deref() == Some(args.out.as_path()) {
+    if args.diff.as_deref() == Some(out.as_path()) {
         return Err("--diff must name another directory than --out (the diff's base)".into());
     }
     let mut vm = Vm::new(&args.vm.config()?)?;
@@ -141,8 +156,11 @@ pub fn snapshot(args: SnapshotArgs) -> crate::Result<()> {
     let running = vm.start(&work)?;
     std::thread::sleep(after);
     running.pause()?;
+    if store::is_store(&out) {
+        return store::snapshot(&mut vm, &out, args.diff.as_deref(), diff_after, args.json);
+    }
     let t = Instant::now();
-    let report = snapshot::write(&vm, &args.out)?;
+    let report = snapshot::write(&vm, &out)?;
     let write_ms = t.elapsed().as_secs_f64() * 1e3;
     let pages_done_per_vcpu = vm.pages_done();
     let diff = match &args.diff {
@@ -157,7 +175,7 @@ pub fn snapshot(args: SnapshotArgs) -> crate::Result<()> {
             let dirty = tracker.harvest()?;
             tracker.stop()?;
             let t = Instant::now();
-            let report = snapshot::write_diff(&vm, dir, &args.out, &dirty)?;
+            let report = snapshot::write_diff(&vm, dir, &out, &dirty)?;
             let write_ms = t.elapsed().as_secs_f64() * 1e3;
             let inherited = Snapshot::open(dir)?
                 .manifest()
@@ -176,7 +194,7 @@ pub fn snapshot(args: SnapshotArgs) -> crate::Result<()> {
         }
     };
     let out = SnapshotOutput {
-        dir: args.out,
+        dir: out,
         report,
         write_ms,
         pages_done_per_vcpu,
@@ -216,6 +234,9 @@ pub fn snapshot(args: SnapshotArgs) -> crate::Result<()> {
 }
 
 pub fn restore(args: RestoreArgs) -> crate::Result<()> {
+    if store::is_store(&args.dir) {
+        return store::restore(&args);
+    }
     let run_for = seconds(args.run_for, "--run-for")?;
     let t = Instant::now();
     let snap = Snapshot::open(&args.dir)?;

@@ -1,0 +1,268 @@
+//! `guestmem snapshot` to and `guestmem restore` from a chunk store, as a user runs them: a
+//! local store and a real MinIO started by the test (credentials in the AWS environment).
+
+#[path = "../../../tests/tests/common/minio.rs"]
+mod minio;
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+use minio::Minio;
+
+fn guestmem(args: &[&str], env: &[(&str, String)]) -> Output {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_guestmem"));
+    c.args(args);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.output().expect("run guestmem")
+}
+
+fn json(o: &Output) -> serde_json::Value {
+    assert!(
+        o.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    serde_json::from_slice(&o.stdout).expect("JSON output")
+}
+
+struct Tmp(PathBuf);
+impl Tmp {
+    fn new(name: &str) -> Tmp {
+        let d = std::env::temp_dir().join(format!("guestmem-cli-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        Tmp(d)
+    }
+}
+impl Drop for Tmp {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Snapshot and diff into `store`, restore both in full and lazily (twice: the second lazy
+/// restore fetches its working set first and, from a remote store, nothing from the store),
+/// merge the diff, delete and collect.
+fn cli_round_trip(store: &str, env: &[(&str, String)], remote: bool) {
+    let base = format!("{store}/base");
+    let diff = format!("{store}/diff");
+    let o = guestmem(
+        &[
+            "snapshot", "--memory", "64M", "--after", "0.3", "--out", &base, "--diff", &diff,
+            "--json",
+        ],
+        env,
+    );
+    let v = json(&o);
+    assert!(v["new_chunks"].as_u64().unwrap() > 0, "{v}");
+    assert!(v["diff"]["inherited_chunks"].as_u64().unwrap() > 0, "{v}");
+    assert!(v["stored_bytes_ratio"].as_f64().unwrap() < 1.0, "{v}");
+
+    for snap in [&base, &diff] {
+        let v = json(&guestmem(
+            &[
+                "restore",
+                snap,
+                "--mode",
+                "full",
+                "--run-for",
+                "0.2",
+                "--json",
+            ],
+            env,
+        ));
+        assert_eq!(v["memory_digests_match"], true, "{v}");
+        assert_eq!(v["guest_continued"], true, "{v}");
+        assert_eq!(v["store"], if remote { "s3" } else { "local" }, "{v}");
+    }
+    let first = json(&guestmem(
+        &[
+            "restore",
+            &diff,
+            "--mode",
+            "lazy",
+            "--run-for",
+            "0.2",
+            "--json",
+        ],
+        env,
+    ));
+    assert_eq!(first["guest_continued"], true, "{first}");
+    assert_eq!(first["working_set"]["action"], "recorded", "{first}");
+    let second = json(&guestmem(
+        &[
+            "restore",
+            &diff,
+            "--mode",
+            "lazy",
+            "--run-for",
+            "0.2",
+            "--json",
+        ],
+        env,
+    ));
+    assert_eq!(second["working_set"]["action"], "fetched first", "{second}");
+    if remote {
+        assert_eq!(
+            second["fetched"]["store_gets"], 0,
+            "the host's chunk cache: {second}"
+        );
+        assert!(
+            second["fetched"]["cache_hits"].as_u64().unwrap() > 0,
+            "{second}"
+        );
+    }
+    let e = guestmem(&["restore", &diff, "--mode", "map"], env);
+    assert!(!e.status.success());
+    assert!(String::from_utf8_lossy(&e.stderr).contains("--mode full or --mode lazy"));
+
+    let merged = format!("{store}/merged");
+    let o = guestmem(&["snapshot", "merge", &diff, "--out", &merged], env);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v = json(&guestmem(
+        &[
+            "restore",
+            &merged,
+            "--mode",
+            "full",
+            "--run-for",
+            "0.2",
+            "--json",
+        ],
+        env,
+    ));
+    assert_eq!(v["memory_digests_match"], true, "{v}");
+
+    for snap in [&diff, &base] {
+        let o = guestmem(&["snapshot", "delete", snap], env);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    let v = json(&guestmem(
+        &["snapshot", "gc", store, "--grace-s", "0", "--json"],
+        env,
+    ));
+    assert_eq!(v["manifests"], 1, "{v}");
+    let v = json(&guestmem(
+        &[
+            "restore",
+            &merged,
+            "--mode",
+            "full",
+            "--run-for",
+            "0.2",
+            "--json",
+        ],
+        env,
+    ));
+    assert_eq!(v["memory_digests_match"], true, "after gc: {v}");
+    let e = guestmem(&["restore", &base, "--mode", "full"], env);
+    assert!(!e.status.success());
+    let err = String::from_utf8_lossy(&e.stderr);
+    assert!(err.contains("no snapshot 'base'"), "{err}");
+}
+
+#[test]
+#[cfg_attr(
+    not(all(kvm, uffd)),
+    ignore = "no usable /dev/kvm and /dev/userfaultfd on this host"
+)]
+fn snapshot_to_and_restore_from_a_local_store() {
+    let tmp = Tmp::new("store");
+    let store = format!("store:{}", tmp.0.join("store").display());
+    cli_round_trip(&store, &[], false);
+}
+
+#[test]
+#[cfg_attr(
+    not(all(kvm, uffd)),
+    ignore = "no usable /dev/kvm and /dev/userfaultfd on this host"
+)]
+fn snapshot_to_and_restore_from_minio() {
+    let m = Minio::start("vms");
+    let tmp = Tmp::new("s3");
+    let mut env = m.env();
+    env.push((
+        "GUESTMEM_CHUNK_CACHE",
+        tmp.0.join("cache").display().to_string(),
+    ));
+    cli_round_trip("s3://vms/fleet", &env, true);
+
+    // Wrong credentials and no credentials are named.
+    let mut bad = env.clone();
+    bad.retain(|(k, _)| *k != "AWS_SECRET_ACCESS_KEY");
+    let e = guestmem(&["restore", "s3://vms/fleet/merged"], &bad);
+    let err = String::from_utf8_lossy(&e.stderr);
+    assert!(
+        !e.status.success() && err.contains("AWS_SECRET_ACCESS_KEY"),
+        "{err}"
+    );
+    bad.push(("AWS_SECRET_ACCESS_KEY", "wrong".into()));
+    let mut c = Command::new(env!("CARGO_BIN_EXE_guestmem"));
+    c.args(["restore", "s3://vms/fleet/merged"])
+        .env_remove("AWS_SECRET_ACCESS_KEY");
+    for (k, v) in &bad {
+        c.env(k, v);
+    }
+    let e = c.output().unwrap();
+    let err = String::from_utf8_lossy(&e.stderr);
+    assert!(
+        !e.status.success() && err.contains("refused the credentials"),
+        "{err}"
+    );
+}
+
+/// A snapshot write killed half-way leaves chunks but no manifest: the restore says the
+/// snapshot is not there or its write did not finish, and gc (seeing the dead writer's lease is
+/// a gone process's) collects its chunks.
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn a_killed_snapshot_write_leaves_no_manifest_and_gc_collects_its_chunks() {
+    let tmp = Tmp::new("killed");
+    let root = tmp.0.join("store");
+    let url = format!("store:{}/x", root.display());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_guestmem"))
+        .args(["snapshot", "--memory", "2G", "--after", "1", "--out", &url])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let chunks = root.join("chunks");
+    let count = || {
+        std::fs::read_dir(&chunks)
+            .map(|d| {
+                d.flatten()
+                    .map(|e| std::fs::read_dir(e.path()).map_or(0, |f| f.count()))
+                    .sum::<usize>()
+            })
+            .unwrap_or(0)
+    };
+    let start = std::time::Instant::now();
+    while count() < 20 {
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(60),
+            "no chunk written"
+        );
+        assert!(child.try_wait().unwrap().is_none(), "the write ended first");
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(!root.join("snapshots/x/manifest.json").exists());
+    let e = guestmem(&["restore", &url], &[]);
+    let err = String::from_utf8_lossy(&e.stderr);
+    assert!(
+        !e.status.success() && err.contains("no snapshot 'x'") && err.contains("did not finish"),
+        "{err}"
+    );
+    let store = format!("store:{}", root.display());
+    let v = json(&guestmem(
+        &["snapshot", "gc", &store, "--grace-s", "0", "--json"],
+        &[],
+    ));
+    assert!(v["removed_chunks"].as_u64().unwrap() >= 20, "{v}");
+    assert_eq!(v["stale_leases"], 1, "{v}");
+    // What the killed put was writing is gone too.
+    assert_eq!(count(), 0);
+}

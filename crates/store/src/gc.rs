@@ -1,0 +1,314 @@
+//! Store maintenance that must not race a snapshot being written: leases, garbage
+//! collection, deleting and merging snapshots.
+//!
+//! Safety against a concurrent write rests on two kinds of lease object under `leases/`:
+//! a writer (a snapshot write or a merge) puts `leases/write-…` before it looks at which
+//! chunks the store holds, and a collection puts `leases/gc-…` before it looks at which
+//! leases exist. Then each looks for the other's: a writer that sees a live gc lease waits for
+//! it to go; a collection that sees a live write lease removes nothing. Both put before they
+//! read, on a store with read-after-write consistency (S3, MinIO, a local directory), so at
+//! least one of two concurrent parties sees the other: a collection never removes a chunk a
+//! writer counted on finding. A lease older than [`LEASE_TTL`], or taken by a process of this
+//! host that is gone, is a crashed party's and is ignored (and removed by the next collection). On top, a collection leaves chunks younger
+//! than its grace period alone.
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant, SystemTime};
+
+use serde::Serialize;
+
+use crate::backend::Backend;
+use crate::chunk;
+use crate::manifest::{manifest_key, resolve, state_key, working_set_key, ChunkRef, StoreManifest};
+use crate::{Error, Result};
+
+/// A lease older than this is a crashed writer's or collector's.
+pub const LEASE_TTL: Duration = Duration::from_secs(3600);
+/// How long a writer waits for a collection under way to end.
+const GC_WAIT: Duration = Duration::from_secs(120);
+
+/// A lease held until dropped (see the module docs).
+pub struct Lease<'a> {
+    backend: &'a dyn Backend,
+    key: String,
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .unwrap_or_default()
+        .trim()
+        .to_string()
+}
+
+fn lease_key(kind: &str) -> String {
+    let nanos = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    format!(
+        "leases/{kind}-{}-{}-{nanos}",
+        hostname(),
+        std::process::id()
+    )
+}
+
+/// Whether the lease `key` was taken by a process of this host that is gone (a crashed or
+/// killed writer): `leases/KIND-HOST-PID-NANOS`.
+fn holder_is_gone(key: &str) -> bool {
+    let mut parts = key.rsplitn(3, '-');
+    let (Some(_nanos), Some(pid), Some(rest)) = (parts.next(), parts.next(), parts.next()) else {
+        return false;
+    };
+    let Ok(pid) = pid.parse::<i32>() else {
+        return false;
+    };
+    let host = hostname();
+    if host.is_empty() || !rest.ends_with(&format!("-{host}")) || pid <= 0 {
+        return false;
+    }
+    // SAFETY: signal 0 only asks whether the process exists; nothing is sent.
+    let r = unsafe { libc::kill(pid, 0) };
+    r != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+}
+
+/// The live leases of `kind` other than `own`: younger than [`LEASE_TTL`] and not held by a
+/// process of this host that is gone.
+fn live(backend: &dyn Backend, kind: &str, own: &str) -> Result<Vec<String>> {
+    let now = SystemTime::now();
+    Ok(backend
+        .list("leases/")?
+        .into_iter()
+        .filter(|o| o.key != own && o.key.starts_with(&format!("leases/{kind}-")))
+        .filter(|o| now.duration_since(o.modified).unwrap_or_default() < LEASE_TTL)
+        .filter(|o| !holder_is_gone(&o.key))
+        .map(|o| o.key)
+        .collect())
+}
+
+impl<'a> Lease<'a> {
+    /// Takes a write lease for `what` (a snapshot name), then waits for any collection under
+    /// way to end.
+    pub fn acquire(backend: &'a dyn Backend, op: &str, what: &str) -> Result<Lease<'a>> {
+        let key = lease_key("write");
+        backend.put(&key, format!("{op} {what}\n").as_bytes())?;
+        let lease = Lease { backend, key };
+        let start = Instant::now();
+        loop {
+            let gcs = live(backend, "gc", &lease.key)?;
+            if gcs.is_empty() {
+                return Ok(lease);
+            }
+            if start.elapsed() > GC_WAIT {
+                return Err(Error::Write(format!(
+                    "{}: a garbage collection is under way ({}) and did not end in {} s",
+                    backend.describe(),
+                    gcs.join(", "),
+                    GC_WAIT.as_secs()
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
+
+impl Drop for Lease<'_> {
+    fn drop(&mut self) {
+        if let Err(e) = self.backend.delete(&self.key) {
+            tracing::warn!("could not remove the lease {}: {e}", self.key);
+        }
+    }
+}
+
+/// What a collection found and did.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct GcReport {
+    pub manifests: usize,
+    pub chunks: usize,
+    pub referenced_chunks: usize,
+    pub removed_chunks: usize,
+    pub removed_bytes: u64,
+    /// Unreferenced chunks left alone because they are younger than the grace period.
+    pub young_chunks: usize,
+    /// Stale leases (older than [`LEASE_TTL`], or of a gone process of this host) removed.
+    pub stale_leases: usize,
+    /// Temporary files of interrupted puts removed (a local store's).
+    pub stale_temporaries: usize,
+}
+
+/// Removes the chunks no snapshot manifest of the store references and that are older than
+/// `grace`. Refuses, removing nothing, while a snapshot write holds a live lease, or when a
+/// manifest cannot be read (its chunks could not be told apart from garbage).
+pub fn gc(backend: &dyn Backend, grace: Duration) -> Result<GcReport> {
+    let key = lease_key("gc");
+    backend.put(&key, b"gc\n")?;
+    let lease = Lease { backend, key };
+    let writers = live(backend, "write", &lease.key)?;
+    if !writers.is_empty() {
+        return Err(Error::Write(format!(
+            "{}: a snapshot write is under way ({}): nothing was collected; run gc again when \
+             it is done",
+            backend.describe(),
+            writers.join(", ")
+        )));
+    }
+    let mut report = GcReport::default();
+    let mut referenced = HashSet::new();
+    for o in backend.list("snapshots/")? {
+        let Some(name) = o
+            .key
+            .strip_prefix("snapshots/")
+            .and_then(|k| k.strip_suffix("/manifest.json"))
+        else {
+            continue;
+        };
+        let manifest = StoreManifest::load(backend, name).map_err(|e| {
+            Error::Write(format!(
+                "{}: gc removed nothing: the manifest of snapshot '{name}' cannot be read \
+                 ({}), so its chunks cannot be told from garbage; repair or delete it",
+                backend.describe(),
+                crate::chain_text(&e)
+            ))
+        })?;
+        report.manifests += 1;
+        referenced.extend(manifest.data_chunks().map(|(h, _)| h));
+    }
+    report.referenced_chunks = referenced.len();
+    let now = SystemTime::now();
+    for o in backend.list("chunks/")? {
+        let Some(h) = chunk::hash_of_key(&o.key) else {
+            continue;
+        };
+        report.chunks += 1;
+        if referenced.contains(&h) {
+            continue;
+        }
+        if now.duration_since(o.modified).unwrap_or_default() < grace {
+            report.young_chunks += 1;
+            continue;
+        }
+        backend.delete(&o.key)?;
+        report.removed_chunks += 1;
+        report.removed_bytes += o.size;
+    }
+    report.stale_temporaries = backend.remove_stale_temporaries(LEASE_TTL)?;
+    for o in backend.list("leases/")? {
+        if o.key != lease.key
+            && (now.duration_since(o.modified).unwrap_or_default() >= LEASE_TTL
+                || holder_is_gone(&o.key))
+        {
+            backend.delete(&o.key)?;
+            report.stale_leases += 1;
+        }
+    }
+    Ok(report)
+}
+
+/// Deletes snapshot `name`'s manifest (first: the snapshot is gone from then on), state and
+/// working set; its chunks stay until a collection. Refuses while another snapshot of the
+/// store stands on it as its base.
+pub fn delete(backend: &dyn Backend, name: &str) -> Result<()> {
+    StoreManifest::load(backend, name)?;
+    for o in backend.list("snapshots/")? {
+        let Some(other) = o
+            .key
+            .strip_prefix("snapshots/")
+            .and_then(|k| k.strip_suffix("/manifest.json"))
+        else {
+            continue;
+        };
+        if other == name {
+            continue;
+        }
+        if let Ok(m) = StoreManifest::load(backend, other) {
+            if m.base.as_ref().is_some_and(|b| b.name == name) {
+                return Err(Error::Write(format!(
+                    "{}: snapshot '{other}' is a diff over '{name}': merge it (guestmem snapshot \
+                     merge) or delete it first",
+                    backend.describe()
+                )));
+            }
+        }
+    }
+    backend.delete(&manifest_key(name))?;
+    backend.delete(&state_key(name))?;
+    backend.delete(&working_set_key(name))
+}
+
+/// Merges snapshot `name` and its base chain into one snapshot `into` of the same store that
+/// stands alone: a manifest operation (every chunk is already stored; none is read or put).
+pub fn merge(backend: &dyn Backend, name: &str, into: &str) -> Result<StoreManifest> {
+    crate::write::check_name(into)?;
+    let _lease = Lease::acquire(backend, "merge", into)?;
+    let source = StoreManifest::load(backend, name)?;
+    let resolved = resolve(backend, &source)?;
+    let state = crate::restore::read_state(backend, &source)?;
+    let mut merged = source.clone();
+    merged.name = into.to_string();
+    merged.base = None;
+    for (region, chunks) in merged.regions.iter_mut().zip(resolved) {
+        region.chunks = chunks
+            .into_iter()
+            .map(|c| match c {
+                None => ChunkRef::Zero,
+                Some((hash, stored)) => ChunkRef::Data { hash, stored },
+            })
+            .collect();
+    }
+    // The chunks must all be there: merging over a damaged store would hide the damage.
+    for (hash, _) in merged.data_chunks().collect::<HashSet<_>>() {
+        if !backend.exists(&chunk::key(&hash))? {
+            return Err(Error::Missing {
+                store: backend.describe(),
+                key: format!("{} (a chunk of snapshot '{name}')", chunk::key(&hash)),
+            });
+        }
+    }
+    merged.seal();
+    crate::write::commit(backend, &merged, &state)?;
+    Ok(merged)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::local::LocalBackend;
+
+    /// A writer waits for a live collection's lease to go; a collection refuses while a
+    /// writer's lease is live; leases older than the TTL count for nothing.
+    #[test]
+    fn writers_and_collections_exclude_each_other() {
+        let dir = std::env::temp_dir().join(format!("guestmem-lease-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let b = LocalBackend::new(&dir);
+        b.put("leases/gc-other-1-1", b"gc\n").unwrap();
+        let t = Instant::now();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(500));
+                b.delete("leases/gc-other-1-1").unwrap();
+            });
+            let lease = Lease::acquire(&b, "write", "x").unwrap();
+            assert!(
+                t.elapsed() >= Duration::from_millis(500),
+                "{:?}",
+                t.elapsed()
+            );
+            let e = gc(&b, Duration::ZERO).unwrap_err().to_string();
+            assert!(e.contains("write is under way"), "{e}");
+            drop(lease);
+        });
+        assert!(b.list("leases/").unwrap().is_empty(), "both leases removed");
+        // A crashed writer's lease, older than the TTL, does not block a collection forever.
+        b.put("leases/write-crashed-1-1", b"write y\n").unwrap();
+        let old = SystemTime::now() - LEASE_TTL - Duration::from_secs(60);
+        std::fs::File::options()
+            .write(true)
+            .open(dir.join("leases/write-crashed-1-1"))
+            .unwrap()
+            .set_modified(old)
+            .unwrap();
+        let r = gc(&b, Duration::ZERO).unwrap();
+        assert_eq!(r.stale_leases, 1);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

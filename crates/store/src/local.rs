@@ -1,0 +1,238 @@
+//! The embedded back end: a directory on this host, no server needed.
+
+use std::fs::File;
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+
+use crate::backend::{Backend, ObjectInfo};
+use crate::{Error, Result};
+
+/// A store in a local directory: each object a file under it, put by writing a temporary file
+/// beside it, syncing it and renaming it into place (atomic on every local file system).
+#[derive(Debug, Clone)]
+pub struct LocalBackend {
+    root: PathBuf,
+}
+
+impl LocalBackend {
+    /// The store in `root` (created when the first object is put).
+    pub fn new(root: &Path) -> LocalBackend {
+        LocalBackend {
+            root: root.to_path_buf(),
+        }
+    }
+
+    fn path(&self, key: &str) -> PathBuf {
+        self.root.join(key)
+    }
+
+    fn err(&self, key: &str, op: &'static str) -> impl FnOnce(io::Error) -> Error {
+        let (store, key) = (self.describe(), key.to_string());
+        move |source| Error::Io {
+            store,
+            key,
+            op,
+            source,
+        }
+    }
+}
+
+/// A name for a temporary file no other writer (thread or process) uses at the same time.
+pub(crate) fn temp_name(path: &Path) -> PathBuf {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static SEQ: AtomicU64 = AtomicU64::new(0);
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(format!(
+        ".tmp-{}-{}",
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::Relaxed)
+    ));
+    path.with_file_name(name)
+}
+
+/// Writes `bytes` to `path` atomically (temporary file, sync, rename), creating its directory.
+pub(crate) fn put_file(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    put_file_sync(path, bytes, true)
+}
+
+/// [`put_file`], syncing the file before the rename only when `sync` says so.
+fn put_file_sync(path: &Path, bytes: &[u8], sync: bool) -> io::Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let tmp = temp_name(path);
+    let written = File::create(&tmp).and_then(|mut f| {
+        f.write_all(bytes)?;
+        if sync {
+            f.sync_all()?;
+        }
+        Ok(())
+    });
+    let renamed = written.and_then(|()| std::fs::rename(&tmp, path));
+    if renamed.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    renamed
+}
+
+impl Backend for LocalBackend {
+    fn describe(&self) -> String {
+        format!("store:{}", self.root.display())
+    }
+
+    fn get(&self, key: &str) -> Result<Vec<u8>> {
+        match std::fs::read(self.path(key)) {
+            Ok(bytes) => Ok(bytes),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Err(Error::Missing {
+                store: self.describe(),
+                key: key.to_string(),
+            }),
+            Err(e) => Err(self.err(key, "read")(e)),
+        }
+    }
+
+    fn put(&self, key: &str, bytes: &[u8]) -> Result<()> {
+        put_file(&self.path(key), bytes).map_err(self.err(key, "write"))
+    }
+
+    fn put_chunk(&self, key: &str, bytes: &[u8]) -> Result<()> {
+        put_file_sync(&self.path(key), bytes, false).map_err(self.err(key, "write"))
+    }
+
+    fn sync(&self) -> Result<()> {
+        use std::os::fd::AsRawFd;
+        let dir = File::open(&self.root).map_err(self.err("", "open"))?;
+        // SAFETY: syncfs on a file descriptor this function owns for the call.
+        if unsafe { libc::syncfs(dir.as_raw_fd()) } != 0 {
+            return Err(self.err("", "sync")(io::Error::last_os_error()));
+        }
+        Ok(())
+    }
+
+    fn exists(&self, key: &str) -> Result<bool> {
+        self.path(key).try_exists().map_err(self.err(key, "stat"))
+    }
+
+    fn list(&self, prefix: &str) -> Result<Vec<ObjectInfo>> {
+        let mut out = Vec::new();
+        let mut stack = vec![prefix.trim_end_matches('/').to_string()];
+        while let Some(dir) = stack.pop() {
+            let entries = match std::fs::read_dir(self.path(&dir)) {
+                Ok(entries) => entries,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(self.err(&dir, "list")(e)),
+            };
+            for entry in entries {
+                let entry = entry.map_err(self.err(&dir, "list"))?;
+                let name = entry.file_name().to_string_lossy().into_owned();
+                let key = if dir.is_empty() {
+                    name.clone()
+                } else {
+                    format!("{dir}/{name}")
+                };
+                let meta = match entry.metadata() {
+                    Ok(meta) => meta,
+                    // Removed meanwhile (a concurrent gc, a rename).
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                    Err(e) => return Err(self.err(&key, "stat")(e)),
+                };
+                if meta.is_dir() {
+                    stack.push(key);
+                } else if meta.is_file() && !name.contains(".tmp-") {
+                    out.push(ObjectInfo {
+                        key,
+                        size: meta.len(),
+                        modified: meta.modified().map_err(self.err(&dir, "stat"))?,
+                    });
+                }
+            }
+        }
+        out.sort_by(|a, b| a.key.cmp(&b.key));
+        Ok(out)
+    }
+
+    fn delete(&self, key: &str) -> Result<()> {
+        match std::fs::remove_file(self.path(key)) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(self.err(key, "delete")(e)),
+            _ => Ok(()),
+        }
+    }
+
+    fn remove_stale_temporaries(&self, older_than: std::time::Duration) -> Result<usize> {
+        let now = std::time::SystemTime::now();
+        let mut removed = 0;
+        let mut stack = vec![self.root.clone()];
+        while let Some(dir) = stack.pop() {
+            let Ok(entries) = std::fs::read_dir(&dir) else {
+                continue;
+            };
+            for entry in entries.flatten() {
+                let path = entry.path();
+                let Ok(meta) = entry.metadata() else { continue };
+                if meta.is_dir() {
+                    stack.push(path);
+                    continue;
+                }
+                let name = entry.file_name().to_string_lossy().into_owned();
+                let Some((_, tail)) = name.rsplit_once(".tmp-") else {
+                    continue;
+                };
+                let pid = tail.split('-').next().and_then(|p| p.parse::<i32>().ok());
+                let gone = pid.filter(|&p| p > 0).is_some_and(|pid| {
+                    // SAFETY: signal 0 only asks whether the process exists; nothing is sent.
+                    let r = unsafe { libc::kill(pid, 0) };
+                    r != 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+                });
+                let old = meta
+                    .modified()
+                    .ok()
+                    .and_then(|m| now.duration_since(m).ok())
+                    .is_some_and(|age| age >= older_than);
+                if (gone || old) && std::fs::remove_file(&path).is_ok() {
+                    removed += 1;
+                }
+            }
+        }
+        Ok(removed)
+    }
+
+    fn remote(&self) -> bool {
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn temp_dir(tag: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("guestmem-store-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        dir
+    }
+
+    #[test]
+    fn put_get_list_delete() {
+        let dir = temp_dir("local");
+        let b = LocalBackend::new(&dir);
+        b.put("chunks/ab/abcd", b"one").unwrap();
+        b.put("snapshots/x/manifest.json", b"two").unwrap();
+        assert_eq!(b.get("chunks/ab/abcd").unwrap(), b"one");
+        assert!(b.exists("chunks/ab/abcd").unwrap());
+        let keys: Vec<_> = b
+            .list("chunks/")
+            .unwrap()
+            .into_iter()
+            .map(|o| o.key)
+            .collect();
+        assert_eq!(keys, ["chunks/ab/abcd"]);
+        b.delete("chunks/ab/abcd").unwrap();
+        b.delete("chunks/ab/abcd").unwrap();
+        let e = b.get("chunks/ab/abcd").unwrap_err();
+        assert!(
+            e.is_missing() && e.to_string().contains("chunks/ab/abcd"),
+            "{e}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,333 @@
+//! Restoring a VM from a store snapshot: in full (every chunk fetched, checked and copied in,
+//! the regions' digests compared, before any vCPU runs) or lazily (the guest runs at once while
+//! a pager per RAM region brings the chunks in — the recorded working set first — each chunk
+//! checked before any of its bytes reach the guest).
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use guestmem_memory::{GuestMemory, PAGE_SIZE};
+use guestmem_paging::{Pager, PagerConfig};
+use guestmem_vm::{layout, Vm, VmState};
+use serde::{Deserialize, Serialize};
+
+use crate::backend::Backend;
+use crate::cache::ChunkCache;
+use crate::chunk::Hash;
+use crate::manifest::{resolve, state_key, working_set_key, Resolved, StoreManifest};
+use crate::source::{parallel, Fetcher, StoreSource};
+use crate::{Error, Result};
+
+/// A store snapshot whose manifest (and base chain) and state have been read and checked.
+pub struct StoreSnapshot {
+    pub manifest: StoreManifest,
+    pub state: VmState,
+    /// Every chunk, a diff's base entries resolved.
+    pub resolved: Resolved,
+    pub fetcher: Arc<Fetcher>,
+}
+
+/// The state object of `manifest`'s snapshot, checked against the manifest.
+pub fn read_state(backend: &dyn Backend, manifest: &StoreManifest) -> Result<Vec<u8>> {
+    let key = state_key(&manifest.name);
+    let bytes = backend.get(&key)?;
+    if bytes.len() as u64 != manifest.state_bytes {
+        return Err(Error::Corrupt(format!(
+            "{}: {key}: {} bytes, the manifest says {}: truncated",
+            backend.describe(),
+            bytes.len(),
+            manifest.state_bytes
+        )));
+    }
+    let hash = blake3::hash(&bytes).to_hex().to_string();
+    if hash != manifest.state_blake3 {
+        return Err(Error::Corrupt(format!(
+            "{}: {key}: BLAKE3 {hash}, the manifest says {}",
+            backend.describe(),
+            manifest.state_blake3
+        )));
+    }
+    Ok(bytes)
+}
+
+impl StoreSnapshot {
+    /// Opens snapshot `name` of `backend`: manifest, base chain, state. A remote store's
+    /// chunks go through `cache` (the host's chunk cache) when given.
+    pub fn open(
+        backend: Arc<dyn Backend>,
+        name: &str,
+        cache: Option<ChunkCache>,
+    ) -> Result<StoreSnapshot> {
+        let manifest = StoreManifest::load(&*backend, name)?;
+        let resolved = resolve(&*backend, &manifest)?;
+        let state_json = read_state(&*backend, &manifest)?;
+        let label = format!("{}/{}", backend.describe(), state_key(name));
+        let state = guestmem_migration::snapshot::parse_state(
+            &state_json,
+            manifest.config.vcpus,
+            Path::new(&label),
+        )?;
+        Ok(StoreSnapshot {
+            manifest,
+            state,
+            resolved,
+            fetcher: Arc::new(Fetcher::new(backend, cache)),
+        })
+    }
+
+    pub fn backend(&self) -> &dyn Backend {
+        &**self.fetcher.backend()
+    }
+
+    fn label(&self, region: usize) -> String {
+        format!(
+            "{}/{} region '{}'",
+            self.backend().describe(),
+            self.manifest.name,
+            self.manifest.regions[region].spec.name
+        )
+    }
+
+    /// Fetches, checks and copies every non-zero chunk of region `index` into `memory`
+    /// (zero pages of a chunk are left alone: fresh memory reads as zeros).
+    fn copy_region(&self, memory: &GuestMemory, index: usize, threads: usize) -> Result<()> {
+        let region = &self.manifest.regions[index];
+        let cb = self.manifest.chunk_bytes;
+        let label = self.label(index);
+        let jobs: Vec<(usize, Hash, u64)> = self.resolved[index]
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| c.map(|(h, n)| (i, h, n)))
+            .collect();
+        parallel(jobs, threads, |(i, hash, stored)| {
+            let len = region.chunk_len(cb, i) as usize;
+            let mut buf = vec![0u8; len];
+            let what = format!("{label} chunk {i} (offset {:#x})", i as u64 * cb);
+            self.fetcher.chunk_into(&hash, stored, &mut buf, &what)?;
+            let gpa = region.spec.gpa + i as u64 * cb;
+            let page = PAGE_SIZE as usize;
+            let mut p = 0;
+            while p < len {
+                if crate::chunk::is_zero(&buf[p..p + page]) {
+                    p += page;
+                    continue;
+                }
+                let start = p;
+                while p < len && !crate::chunk::is_zero(&buf[p..p + page]) {
+                    p += page;
+                }
+                memory.write(gpa + start as u64, &buf[start..p])?;
+            }
+            Ok(())
+        })
+    }
+
+    fn threads(&self) -> usize {
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        if self.backend().remote() {
+            cores.max(8)
+        } else {
+            cores
+        }
+    }
+
+    fn new_vm(&self) -> Result<Vm> {
+        let vm = Vm::new(&self.manifest.config)?;
+        let built: Vec<_> = vm.memory().regions().iter().map(|r| r.spec()).collect();
+        let saved: Vec<_> = self.manifest.regions.iter().map(|r| &r.spec).collect();
+        if built != saved {
+            return Err(Error::Layout(format!(
+                "the snapshot's regions {saved:?} differ from those its configuration builds \
+                 here {built:?}"
+            )));
+        }
+        Ok(vm)
+    }
+
+    /// Builds a VM with every chunk fetched, checked and copied in, the regions' digests
+    /// equal to the manifest's, and the vCPU state restored; the caller resumes it.
+    pub fn restore_full(&self) -> Result<Vm> {
+        let mut vm = self.new_vm()?;
+        let threads = self.threads();
+        for i in 0..self.manifest.regions.len() {
+            self.copy_region(vm.memory(), i, threads)?;
+        }
+        for (region, image) in vm.memory().regions().iter().zip(&self.manifest.regions) {
+            let digest = vm.memory().digest(region.gpa(), region.size())?;
+            if digest != image.digest {
+                return Err(Error::Corrupt(format!(
+                    "{}/{}: region '{}' restored with digest {digest:#x}, the manifest says \
+                     {:#x}; the guest was not resumed",
+                    self.backend().describe(),
+                    self.manifest.name,
+                    image.spec.name,
+                    image.digest
+                )));
+            }
+        }
+        vm.restore_state(&self.state)?;
+        Ok(vm)
+    }
+
+    /// Builds a VM whose RAM arrives on demand from the store (see the module docs); the sys
+    /// region is copied in at once. With a recorded working set and `config.prefetch` empty,
+    /// the pagers fetch that working set first.
+    pub fn restore_lazy(&self, config: &PagerConfig) -> Result<LazyStoreVm> {
+        let t = Instant::now();
+        let mut vm = self.new_vm()?;
+        let threads = self.threads();
+        for (i, region) in vm.memory().regions().iter().enumerate() {
+            if region.gpa() == layout::SYS_GPA {
+                self.copy_region(vm.memory(), i, threads)?;
+            }
+        }
+        let working_set = if config.prefetch.is_empty() {
+            self.working_set()?
+        } else {
+            None
+        };
+        let mut pagers = Vec::new();
+        for (i, region) in vm.memory().regions().iter().enumerate() {
+            if region.gpa() == layout::SYS_GPA {
+                continue;
+            }
+            let image = &self.manifest.regions[i];
+            let source = StoreSource::new(
+                self.fetcher.clone(),
+                self.resolved[i].clone(),
+                self.manifest.chunk_bytes,
+                image.spec.size,
+                self.label(i),
+            );
+            let mut config = PagerConfig {
+                abort: Some(vm.abort_handle()),
+                realtime_handlers: true,
+                // A fault waits for one store chunk, not a 2 MiB window of them (the guest
+                // runs sooner); readahead and the background sweep keep several in flight.
+                fault_around: config.fault_around.min(self.manifest.chunk_bytes),
+                readahead_chunks: config.readahead_chunks.max(8),
+                readahead_threads: config.readahead_threads.max(2),
+                ..config.clone()
+            };
+            if let Some(ws) = &working_set {
+                config.prefetch = ws
+                    .regions
+                    .iter()
+                    .find(|r| r.name == image.spec.name)
+                    .map(|r| r.chunks.clone())
+                    .unwrap_or_default();
+            }
+            pagers.push(Pager::start(region, Arc::new(source), &config)?);
+        }
+        vm.restore_state(&self.state)?;
+        Ok(LazyStoreVm {
+            pagers,
+            vm,
+            ready: t.elapsed(),
+            prefetched: working_set.is_some(),
+        })
+    }
+
+    /// The working set an earlier lazy restore recorded, if any; one recorded for another
+    /// manifest, damaged, or naming offsets outside its regions is refused, saying so.
+    pub fn working_set(&self) -> Result<Option<StoreWorkingSet>> {
+        let key = working_set_key(&self.manifest.name);
+        let bytes = match self.backend().get(&key) {
+            Ok(bytes) => bytes,
+            Err(e) if e.is_missing() => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let store = self.backend().describe();
+        let bad = |why: String| Error::Corrupt(format!("{store}: {key}: {why}; delete it"));
+        let ws: StoreWorkingSet = serde_json::from_slice(&bytes).map_err(|e| Error::Json {
+            store: store.clone(),
+            key: key.clone(),
+            source: e,
+        })?;
+        if ws.format != WORKING_SET_FORMAT || ws.manifest_checksum != self.manifest.checksum {
+            return Err(bad("recorded for another snapshot".into()));
+        }
+        if ws.compute_checksum() != ws.checksum {
+            return Err(bad("its contents do not match its checksum".into()));
+        }
+        for r in &ws.regions {
+            let Some(image) = self.manifest.regions.iter().find(|i| i.spec.name == r.name) else {
+                return Err(bad(format!("no region '{}' in the snapshot", r.name)));
+            };
+            if let Some(c) = r.chunks.iter().find(|&&c| c >= image.spec.size) {
+                return Err(bad(format!("{c:#x} is outside region '{}'", r.name)));
+            }
+        }
+        Ok(Some(ws))
+    }
+
+    /// Records the chunks the guest of `lazy` faulted on, in order, for the next lazy restore
+    /// of this snapshot (on any host) to fetch first. Returns how many it lists.
+    pub fn record_working_set(&self, vm: &Vm, pagers: &[Pager]) -> Result<usize> {
+        let regions: Vec<WorkingSetRegion> = vm
+            .memory()
+            .regions()
+            .iter()
+            .filter(|r| r.gpa() != layout::SYS_GPA)
+            .zip(pagers)
+            .map(|(region, pager)| WorkingSetRegion {
+                name: region.name().to_string(),
+                chunks: pager.fault_order(),
+            })
+            .collect();
+        let n = regions.iter().map(|r| r.chunks.len()).sum();
+        let mut ws = StoreWorkingSet {
+            format: WORKING_SET_FORMAT.into(),
+            manifest_checksum: self.manifest.checksum.clone(),
+            regions,
+            checksum: String::new(),
+        };
+        ws.checksum = ws.compute_checksum();
+        let json = serde_json::to_vec(&ws).expect("a working set serializes");
+        self.backend()
+            .put(&working_set_key(&self.manifest.name), &json)?;
+        Ok(n)
+    }
+}
+
+/// A VM restored lazily from a store; the pagers go before the VM (field order).
+pub struct LazyStoreVm {
+    pub pagers: Vec<Pager>,
+    pub vm: Vm,
+    /// From the start of the restore to the vCPUs being ready.
+    pub ready: Duration,
+    /// Whether the pagers fetch a recorded working set first.
+    pub prefetched: bool,
+}
+
+pub const WORKING_SET_FORMAT: &str = "guestmem-store-working-set";
+
+/// `snapshots/NAME/working-set.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StoreWorkingSet {
+    pub format: String,
+    pub manifest_checksum: String,
+    pub regions: Vec<WorkingSetRegion>,
+    /// BLAKE3 of the canonical form with this field empty.
+    pub checksum: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkingSetRegion {
+    pub name: String,
+    /// Region offsets of the pager's chunks, in fault order.
+    pub chunks: Vec<u64>,
+}
+
+impl StoreWorkingSet {
+    fn compute_checksum(&self) -> String {
+        let mut c = self.clone();
+        c.checksum.clear();
+        blake3::hash(&serde_json::to_vec(&c).expect("serializes"))
+            .to_hex()
+            .to_string()
+    }
+}

@@ -1,0 +1,519 @@
+//! Snapshots in the chunk store (issue 15), on a real VM: written to a local store and to a
+//! real MinIO started by the test, restored in full and lazily, diffs and merges, garbage
+//! collection, and damaged or missing chunks refused before a guest runs on them.
+
+mod common;
+#[path = "common/minio.rs"]
+mod minio;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{
+    assert_pages_consistent, dirty_work, resume_and_check_continuation, wait_for_generation,
+    TempDir,
+};
+use guestmem_memory::Backend as MemBackend;
+use guestmem_paging::{PageSource, PagerConfig};
+use guestmem_store::backend::Backend;
+use guestmem_store::chunk;
+use guestmem_store::gc;
+use guestmem_store::local::LocalBackend;
+use guestmem_store::manifest::{manifest_key, ChunkRef, StoreManifest};
+use guestmem_store::restore::StoreSnapshot;
+use guestmem_store::s3::{S3Backend, S3Config};
+use guestmem_store::source::StoreSource;
+use guestmem_store::write::write;
+use guestmem_store::Error;
+use guestmem_tracking::{Mode as TrackingMode, Tracker};
+use guestmem_vm::{Vm, VmConfig};
+use minio::Minio;
+
+const SIZE: u64 = 32 << 20;
+
+/// A 2-vCPU VM running `dirty` over SIZE bytes, paused after two passes.
+fn paused_vm() -> Vm {
+    let mut vm = Vm::new(&VmConfig::simple(2, SIZE, MemBackend::Anon)).unwrap();
+    let running = vm.start(&dirty_work(2, SIZE)).unwrap();
+    wait_for_generation(&running, 2);
+    running.pause().unwrap();
+    vm
+}
+
+fn digests(vm: &Vm) -> Vec<u64> {
+    vm.memory()
+        .regions()
+        .iter()
+        .map(|r| vm.memory().digest(r.gpa(), r.size()).unwrap())
+        .collect()
+}
+
+fn s3(m: &Minio, prefix: &str) -> Arc<dyn Backend> {
+    let config = S3Config {
+        endpoint: Some(m.endpoint()),
+        access_key_id: minio::USER.into(),
+        secret_access_key: minio::PASSWORD.into(),
+        region: None,
+    };
+    Arc::new(S3Backend::new(&m.bucket, prefix, &config).unwrap())
+}
+
+fn cache(dir: &TempDir) -> guestmem_store::cache::ChunkCache {
+    guestmem_store::cache::ChunkCache::open(&dir.0.join("cache"), 1 << 30).unwrap()
+}
+
+/// Snapshot, then restore in full and lazily: the guest sees the same bytes (digests) and goes
+/// on from where it was. A second lazy restore on the host fetches nothing from the store.
+fn round_trip(backend: Arc<dyn Backend>, tmp: &TempDir) {
+    let vm = paused_vm();
+    let at_snapshot = vm.pages_done();
+    let want = digests(&vm);
+    let report = write(&*backend, "vm1", &vm, None).unwrap();
+    assert_eq!(report.memory_bytes, vm.memory().size());
+    assert!(
+        report.new_chunks > 0 && report.zero_chunks > 0,
+        "{report:?}"
+    );
+    drop(vm);
+    // A second write of another snapshot of the same memory stores nothing new.
+
+    let snap = StoreSnapshot::open(backend.clone(), "vm1", Some(cache(tmp))).unwrap();
+    let mut vm = snap.restore_full().unwrap();
+    assert_eq!(digests(&vm), want, "full restore");
+    assert_eq!(vm.pages_done(), at_snapshot);
+    let work = dirty_work(2, SIZE);
+    assert_pages_consistent(&vm, &work, &at_snapshot);
+    resume_and_check_continuation(&mut vm, &work, &at_snapshot);
+    drop(vm);
+    let first = snap.fetcher.stats();
+    assert!(first.store_gets > 0);
+
+    for pass in 0..2 {
+        let snap = StoreSnapshot::open(backend.clone(), "vm1", Some(cache(tmp))).unwrap();
+        let lazy = snap.restore_lazy(&PagerConfig::default()).unwrap();
+        let (pagers, mut vm) = (lazy.pagers, lazy.vm);
+        for p in &pagers {
+            assert!(p.wait_resident(Duration::from_secs(60)).unwrap());
+        }
+        assert_eq!(digests(&vm), want, "lazy restore {pass}");
+        if pass == 0 {
+            snap.record_working_set(&vm, &pagers).unwrap();
+        }
+        let stats = snap.fetcher.stats();
+        if backend.remote() {
+            // Everything came from the host's chunk cache, filled by the first restore.
+            assert_eq!(stats.store_gets, 0, "lazy restore {pass}: {stats:?}");
+            assert!(stats.cache_hits > 0);
+        }
+        resume_and_check_continuation(&mut vm, &work, &at_snapshot);
+        drop(pagers);
+    }
+}
+
+#[test]
+#[cfg_attr(
+    not(all(kvm, uffd)),
+    ignore = "no usable /dev/kvm and /dev/userfaultfd on this host"
+)]
+fn local_store_round_trip_full_and_lazy() {
+    let tmp = TempDir::new("store-local");
+    round_trip(Arc::new(LocalBackend::new(&tmp.0.join("store"))), &tmp);
+}
+
+#[test]
+#[cfg_attr(
+    not(all(kvm, uffd)),
+    ignore = "no usable /dev/kvm and /dev/userfaultfd on this host"
+)]
+fn minio_round_trip_full_and_lazy() {
+    let m = Minio::start("snapshots");
+    let tmp = TempDir::new("store-minio");
+    round_trip(s3(&m, "fleet"), &tmp);
+}
+
+/// Identical chunks are stored once: a second snapshot of the same memory (another VM) puts
+/// no chunk; a diff stores only what changed and its merge is a manifest operation; gc
+/// removes exactly what no manifest references, and never while a write holds a lease.
+fn dedup_diff_merge_gc(backend: Arc<dyn Backend>) {
+    let b = &*backend;
+    let mut vm = paused_vm();
+    let first = write(b, "base", &vm, None).unwrap();
+    let again = write(b, "copy", &vm, None).unwrap();
+    assert_eq!(again.new_chunks, 0, "{again:?}");
+    assert_eq!(
+        again.deduplicated_chunks,
+        first.new_chunks + first.deduplicated_chunks
+    );
+
+    // The guest goes on a little under dirty tracking; the diff stores only those chunks.
+    let mut tracker = Tracker::start(&vm, TrackingMode::Bitmap).unwrap();
+    let running = vm.resume().unwrap();
+    std::thread::sleep(Duration::from_millis(30));
+    running.pause().unwrap();
+    let dirty = tracker.harvest().unwrap();
+    tracker.stop().unwrap();
+    let want = digests(&vm);
+    let at_diff = vm.pages_done();
+    let diff = write(b, "diff", &vm, Some(("base", &dirty))).unwrap();
+    assert!(diff.inherited_chunks > 0, "{diff:?}");
+    assert!(
+        diff.stored_bytes < first.stored_bytes,
+        "{diff:?} vs {first:?}"
+    );
+    drop(vm);
+
+    let restored = StoreSnapshot::open(backend.clone(), "diff", None).unwrap();
+    let mut vm = restored.restore_full().unwrap();
+    assert_eq!(digests(&vm), want, "diff over its base");
+    resume_and_check_continuation(&mut vm, &dirty_work(2, SIZE), &at_diff);
+    drop(vm);
+
+    let merged = gc::merge(b, "diff", "merged").unwrap();
+    assert!(merged.base.is_none());
+    assert!(merged
+        .regions
+        .iter()
+        .flat_map(|r| &r.chunks)
+        .all(|c| *c != ChunkRef::Base));
+    let vm = StoreSnapshot::open(backend.clone(), "merged", None)
+        .unwrap()
+        .restore_full()
+        .unwrap();
+    assert_eq!(digests(&vm), want, "merged");
+    drop(vm);
+
+    // gc: nothing to remove while every snapshot stands; a base with a diff on it cannot go.
+    let r = gc::gc(b, Duration::ZERO).unwrap();
+    assert_eq!((r.manifests, r.removed_chunks), (4, 0), "{r:?}");
+    let e = gc::delete(b, "base").unwrap_err().to_string();
+    assert!(e.contains("'diff' is a diff over 'base'"), "{e}");
+    gc::delete(b, "diff").unwrap();
+    gc::delete(b, "base").unwrap();
+    gc::delete(b, "copy").unwrap();
+    // A write under way (its lease) stops a collection from removing anything.
+    b.put("leases/write-test-writer", b"write x\n").unwrap();
+    let e = gc::gc(b, Duration::ZERO).unwrap_err().to_string();
+    assert!(e.contains("a snapshot write is under way"), "{e}");
+    b.delete("leases/write-test-writer").unwrap();
+    let r = gc::gc(b, Duration::ZERO).unwrap();
+    // The diff's own chunks (the merge kept the base's, which the merged snapshot lists).
+    assert!(r.removed_chunks > 0, "{r:?}");
+    let referenced: std::collections::HashSet<_> =
+        merged.data_chunks().map(|(h, _)| chunk::key(&h)).collect();
+    let left: std::collections::HashSet<_> = b
+        .list("chunks/")
+        .unwrap()
+        .into_iter()
+        .map(|o| o.key)
+        .collect();
+    assert_eq!(
+        left, referenced,
+        "exactly the merged snapshot's chunks are left"
+    );
+    let vm = StoreSnapshot::open(backend.clone(), "merged", None)
+        .unwrap()
+        .restore_full()
+        .unwrap();
+    assert_eq!(digests(&vm), want, "merged, after gc");
+}
+
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn local_store_dedup_diff_merge_gc() {
+    let tmp = TempDir::new("store-local-gc");
+    dedup_diff_merge_gc(Arc::new(LocalBackend::new(&tmp.0.join("store"))));
+}
+
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn minio_dedup_diff_merge_gc() {
+    let m = Minio::start("snapshots");
+    dedup_diff_merge_gc(s3(&m, "gc"));
+}
+
+/// The first data chunk of the RAM region of snapshot `name`.
+fn a_data_chunk(b: &dyn Backend, name: &str) -> (usize, chunk::Hash, u64) {
+    let m = StoreManifest::load(b, name).unwrap();
+    m.regions[1]
+        .chunks
+        .iter()
+        .enumerate()
+        .find_map(|(i, c)| match c {
+            ChunkRef::Data { hash, stored } => Some((i, *hash, *stored)),
+            _ => None,
+        })
+        .unwrap()
+}
+
+/// A chunk replaced by another's bytes, a missing chunk, a damaged manifest: each refused
+/// before any vCPU runs, naming the snapshot, region, chunk and what is wrong.
+fn refusals(backend: Arc<dyn Backend>) {
+    let b = &*backend;
+    let vm = paused_vm();
+    write(b, "vm", &vm, None).unwrap();
+    drop(vm);
+    let (index, hash, _) = a_data_chunk(b, "vm");
+    let key = chunk::key(&hash);
+    let good = b.get(&key).unwrap();
+
+    // Another chunk's bytes under this hash (a well-formed zstd frame).
+    let mut c = zstd::bulk::Compressor::new(1).unwrap();
+    let other = chunk::encode(
+        &mut c,
+        &vec![0x5a; guestmem_store::chunk::CHUNK_BYTES as usize],
+    );
+    b.put(&key, &other).unwrap();
+    let snap = StoreSnapshot::open(backend.clone(), "vm", None).unwrap();
+    let e = snap.restore_full().err().expect("refused").to_string();
+    assert!(
+        e.contains("/vm region 'ram'") && e.contains(&format!("chunk {index} ")),
+        "{e}"
+    );
+    assert!(
+        e.contains(&chunk::hex(&hash)) && (e.contains("bytes in the store") || e.contains("hash")),
+        "{e}"
+    );
+    // The lazy path's source refuses the chunk too (the pager then stops the VM, naming the
+    // guest address; the guest never sees the bytes).
+    let source = StoreSource::new(
+        snap.fetcher.clone(),
+        snap.resolved[1].clone(),
+        snap.manifest.chunk_bytes,
+        snap.manifest.regions[1].spec.size,
+        "vm ram".into(),
+    );
+    let mut buf = vec![0u8; snap.manifest.chunk_bytes as usize];
+    let e = source
+        .fetch(index as u64 * snap.manifest.chunk_bytes, &mut buf)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains(&chunk::hex(&hash)), "{e}");
+
+    // Same length, damaged bytes: the hash check catches it.
+    let mut damaged = good.clone();
+    let mid = damaged.len() / 2;
+    damaged[mid] ^= 0x40;
+    b.put(&key, &damaged).unwrap();
+    let e = StoreSnapshot::open(backend.clone(), "vm", None)
+        .unwrap()
+        .restore_full()
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        e.contains(&chunk::hex(&hash)) && e.contains("corrupt"),
+        "{e}"
+    );
+
+    // Missing.
+    b.delete(&key).unwrap();
+    let e = StoreSnapshot::open(backend.clone(), "vm", None)
+        .unwrap()
+        .restore_full()
+        .err()
+        .expect("refused");
+    assert!(e.is_missing(), "{e}");
+    let e = e.to_string();
+    assert!(
+        e.contains(&key) && e.contains("is missing") && e.contains("region 'ram'"),
+        "{e}"
+    );
+    b.put(&key, &good).unwrap();
+    StoreSnapshot::open(backend.clone(), "vm", None)
+        .unwrap()
+        .restore_full()
+        .unwrap();
+
+    // A truncated manifest, and a foreign one.
+    let mkey = manifest_key("vm");
+    let manifest = b.get(&mkey).unwrap();
+    b.put(&mkey, &manifest[..manifest.len() / 2]).unwrap();
+    let e = StoreSnapshot::open(backend.clone(), "vm", None)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(e.contains(&mkey) && e.contains("truncated"), "{e}");
+    b.put(&mkey, br#"{"format":"something-else","version":1}"#)
+        .unwrap();
+    let e = StoreSnapshot::open(backend.clone(), "vm", None)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(e.contains("not a guestmem store snapshot"), "{e}");
+    // A missing snapshot (or one whose write never finished: no manifest).
+    let e = StoreSnapshot::open(backend.clone(), "nothing", None)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(e.contains("no snapshot 'nothing'"), "{e}");
+}
+
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn local_store_refuses_damaged_and_missing_chunks_and_manifests() {
+    let tmp = TempDir::new("store-local-bad");
+    refusals(Arc::new(LocalBackend::new(&tmp.0.join("store"))));
+}
+
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn minio_refuses_damaged_and_missing_chunks_and_manifests() {
+    let m = Minio::start("snapshots");
+    refusals(s3(&m, "bad"));
+}
+
+/// Wrong credentials and an unreachable endpoint are told apart and named, quickly.
+#[test]
+fn minio_wrong_credentials_and_unreachable_store_are_named() {
+    let m = Minio::start("snapshots");
+    let config = S3Config {
+        endpoint: Some(m.endpoint()),
+        access_key_id: minio::USER.into(),
+        secret_access_key: "not-the-secret".into(),
+        region: None,
+    };
+    let b = S3Backend::new(&m.bucket, "x", &config).unwrap();
+    let e = b.get("snapshots/a/manifest.json").unwrap_err();
+    assert!(matches!(e, Error::Credentials { .. }), "{e:?}");
+    assert!(e.to_string().contains("refused the credentials"), "{e}");
+
+    let good = S3Config {
+        secret_access_key: minio::PASSWORD.into(),
+        ..config.clone()
+    };
+    let e = S3Backend::new("no-such-bucket", "x", &good)
+        .unwrap()
+        .get("snapshots/a/manifest.json")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("s3://no-such-bucket/x: the bucket does not exist"),
+        "{e}"
+    );
+
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let config = S3Config {
+        endpoint: Some(format!("http://127.0.0.1:{port}")),
+        ..config
+    };
+    let b = S3Backend::new(&m.bucket, "x", &config).unwrap();
+    let t = std::time::Instant::now();
+    let e = b.put("chunks/00/x", b"x").unwrap_err();
+    assert!(matches!(e, Error::Unreachable { .. }), "{e:?}");
+    assert!(e.to_string().contains("unreachable"), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
+}
+
+/// A store on a full disk: the write fails naming the store, the object and the cause, and
+/// leaves no manifest (no snapshot that looks complete); a restore says the snapshot is not
+/// there or its write did not finish. Needs root, for a small tmpfs.
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn local_store_on_a_full_disk_fails_and_leaves_no_manifest() {
+    // SAFETY: geteuid has no preconditions.
+    assert_eq!(
+        unsafe { libc::geteuid() },
+        0,
+        "this test mounts a small tmpfs and needs root"
+    );
+    let tmp = TempDir::new("store-full");
+    let mnt = tmp.0.join("small");
+    std::fs::create_dir_all(&mnt).unwrap();
+    let ok = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=4m", "tmpfs"])
+        .arg(&mnt)
+        .status()
+        .unwrap();
+    assert!(ok.success(), "mount a 4 MiB tmpfs on {}", mnt.display());
+    struct Unmount(std::path::PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount").arg(&self.0).status();
+        }
+    }
+    let _unmount = Unmount(mnt.clone());
+
+    // 32 MiB of incompressible guest memory.
+    let vm = Vm::new(&VmConfig::simple(1, SIZE, MemBackend::Anon)).unwrap();
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let bytes: Vec<u8> = (0..SIZE / 8)
+        .flat_map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x.to_le_bytes()
+        })
+        .collect();
+    vm.memory()
+        .write(guestmem_vm::layout::RAM_GPA, &bytes)
+        .unwrap();
+    let backend: Arc<dyn Backend> = Arc::new(LocalBackend::new(&mnt.join("store")));
+    let e = write(&*backend, "full", &vm, None).unwrap_err();
+    let mut text = e.to_string();
+    let mut source = std::error::Error::source(&e);
+    while let Some(s) = source {
+        text.push_str(&format!(": {s}"));
+        source = s.source();
+    }
+    assert!(
+        text.contains("store:") && text.contains("chunks/") && text.contains("No space left"),
+        "{text}"
+    );
+    assert!(!backend.exists(&manifest_key("full")).unwrap());
+    let e = StoreSnapshot::open(backend, "full", None)
+        .err()
+        .expect("no snapshot")
+        .to_string();
+    assert!(
+        e.contains("no snapshot 'full'") && e.contains("did not finish"),
+        "{e}"
+    );
+}
+
+/// A lazily restored guest stops on a damaged chunk when it first touches it, with the error
+/// naming the chunk and the guest address, instead of running on its bytes (MinIO).
+#[test]
+#[cfg_attr(
+    not(all(kvm, uffd)),
+    ignore = "no usable /dev/kvm and /dev/userfaultfd on this host"
+)]
+fn minio_lazy_restore_stops_on_a_damaged_chunk() {
+    let m = Minio::start("snapshots");
+    let backend = s3(&m, "lazy-bad");
+    let vm = paused_vm();
+    write(&*backend, "vm", &vm, None).unwrap();
+    drop(vm);
+    let manifest = StoreManifest::load(&*backend, "vm").unwrap();
+    let ChunkRef::Data { hash, .. } = manifest.regions[1].chunks[0] else {
+        panic!("the guest wrote the first chunk of RAM");
+    };
+    let key = chunk::key(&hash);
+    let mut bytes = backend.get(&key).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 1;
+    backend.put(&key, &bytes).unwrap();
+    let snap = StoreSnapshot::open(backend.clone(), "vm", None).unwrap();
+    let quiet = PagerConfig {
+        background: false,
+        ..PagerConfig::default()
+    };
+    let mut lazy = snap.restore_lazy(&quiet).unwrap();
+    let running = lazy.vm.resume().unwrap();
+    let e = running
+        .wait(Duration::from_secs(30))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("corrupt store snapshot") && e.contains("region 'ram' chunk 0 (offset 0x0)"),
+        "{e}"
+    );
+    assert!(e.contains(&chunk::hex(&hash)), "{e}");
+    assert!(
+        e.contains(&format!("{:#x}", guestmem_vm::layout::RAM_GPA)),
+        "{e}"
+    );
+}
