@@ -8,6 +8,7 @@
 use clap::Subcommand;
 
 mod cpu;
+mod delay_proxy;
 mod demand_paging;
 mod dirty_log;
 pub(crate) mod envelope;

@@ -11,27 +11,36 @@
 //! - restore rows per `--restore` mode (`store`: local or s3; `full`, `lazy` with a cold chunk
 //!   cache, `lazy` again with the cache the first filled and the working set it recorded):
 //!   `ready_ms` (the vCPUs ready), `first_progress_ms` (the guest's first completed page) and
-//!   `resident_ms` (all memory in place), with what the store and the cache served.
+//!   `resident_ms` (all memory in place), with what the store and the cache served. With
+//!   `lazy`, the same guest's flat snapshot (`guestmem snapshot --out DIR`, one local file) is
+//!   restored lazily first, as the row `store: file`, and each store row's
+//!   `resident_vs_file_ratio` compares with it;
+//! - `--rtt-ms` puts a delay proxy ([`crate::delay_proxy`]) between the bench and an s3
+//!   store's endpoint, half the round trip each way: this kernel has no `netem`.
 //!
 //! The bench deletes its snapshots afterwards; in a given store their chunks go at its next
 //! `guestmem snapshot gc`. Self-contained: the only hook is the `Snapshot` variant of `guestmem bench`.
 
+use std::net::ToSocketAddrs;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use guestmem_memory::Backend as MemBackend;
-use guestmem_paging::PagerConfig;
+use guestmem_migration::snapshot::{self, LazyVm, Snapshot};
+use guestmem_paging::{Pager, PagerConfig};
 use guestmem_store::cache::ChunkCache;
 use guestmem_store::chunk::{CHUNK_BYTES, ZSTD_LEVEL};
 use guestmem_store::location::StoreUrl;
 use guestmem_store::restore::StoreSnapshot;
+use guestmem_store::s3::{S3Backend, S3Config};
 use guestmem_store::source::FetchStats;
 use guestmem_store::write::{write, StoreWriteReport};
 use guestmem_store::Backend;
 use guestmem_vm::{layout, VcpuWork, Vm, VmConfig, Workload};
 use serde::Serialize;
 
+use crate::delay_proxy::DelayProxy;
 use crate::units::parse_size;
 
 #[derive(clap::Args)]
@@ -61,6 +70,10 @@ pub struct Args {
     /// Restore modes to time from the store: full, lazy.
     #[arg(long, value_delimiter = ',', default_value = "full,lazy")]
     restore: Vec<String>,
+    /// Round-trip time added between the bench and an s3 store, in ms (a delay proxy in
+    /// front of `AWS_ENDPOINT_URL`, half each way).
+    #[arg(long, default_value_t = 0.0)]
+    rtt_ms: f64,
     #[arg(long)]
     json: bool,
 }
@@ -70,6 +83,8 @@ struct Output {
     image: PathBuf,
     memory_bytes: u64,
     store: String,
+    /// The round trip the delay proxy added to every request to an s3 store.
+    added_rtt_ms: f64,
     chunk_bytes: u64,
     zstd_level: i32,
     snapshot: StoreWriteReport,
@@ -83,6 +98,7 @@ struct Output {
 
 #[derive(Serialize)]
 struct RestoreRow {
+    /// `file`: the flat snapshot's one local file; `local`, `s3`: the chunk store.
     store: &'static str,
     mode: &'static str,
     /// `cold`: an empty chunk cache; `warm`: the one the previous restore filled.
@@ -90,7 +106,9 @@ struct RestoreRow {
     ready_ms: f64,
     first_progress_ms: f64,
     resident_ms: f64,
-    fetched: FetchStats,
+    /// Lazy from a store: `resident_ms` / the `file` row's.
+    resident_vs_file_ratio: Option<f64>,
+    fetched: Option<FetchStats>,
 }
 
 /// A guest from the image, run `run` seconds, paused.
@@ -116,6 +134,41 @@ fn guest(args: &Args, run: Duration) -> crate::Result<Vm> {
     Ok(vm)
 }
 
+/// The store's back end: for an s3 store with `--rtt-ms`, through a delay proxy (returned,
+/// to be held while the store is used).
+fn open(args: &Args, url: &StoreUrl) -> crate::Result<(Arc<dyn Backend>, Option<DelayProxy>)> {
+    if !(args.rtt_ms >= 0.0 && args.rtt_ms.is_finite()) {
+        return Err(format!("--rtt-ms {}: a round trip in ms, 0 or more", args.rtt_ms).into());
+    }
+    if args.rtt_ms == 0.0 {
+        return Ok((url.open()?, None));
+    }
+    let StoreUrl::S3 { bucket, prefix } = url else {
+        return Err(format!(
+            "--rtt-ms delays the requests to an s3 store; {url} is a local directory"
+        )
+        .into());
+    };
+    let mut config = S3Config::from_env(&url.to_string())?;
+    let endpoint = config
+        .endpoint
+        .clone()
+        .ok_or("--rtt-ms needs AWS_ENDPOINT_URL (an S3 server on this host, e.g. MinIO)")?;
+    let hostport = endpoint
+        .strip_prefix("http://")
+        .ok_or_else(|| format!("--rtt-ms: AWS_ENDPOINT_URL {endpoint} is not http://HOST:PORT"))?
+        .trim_end_matches('/');
+    let target = hostport
+        .to_socket_addrs()
+        .map_err(|e| format!("--rtt-ms: AWS_ENDPOINT_URL {endpoint}: {e}"))?
+        .next()
+        .ok_or_else(|| format!("--rtt-ms: AWS_ENDPOINT_URL {endpoint} has no address"))?;
+    let proxy = DelayProxy::start(target, Duration::from_secs_f64(args.rtt_ms / 2e3))?;
+    config.endpoint = Some(format!("http://{}", proxy.addr()));
+    let backend: Arc<dyn Backend> = Arc::new(S3Backend::new(bucket, prefix, &config)?);
+    Ok((backend, Some(proxy)))
+}
+
 pub fn main(args: Args) -> crate::Result<()> {
     let run = crate::units::seconds(args.run_s, "--run-s")?;
     let temp = std::env::temp_dir().join(format!("guestmem-bench-store-{}", std::process::id()));
@@ -123,8 +176,9 @@ pub fn main(args: Args) -> crate::Result<()> {
         Some(s) => StoreUrl::parse(s)?,
         None => StoreUrl::Local(temp.join("store")),
     };
-    let backend: Arc<dyn Backend> = url.open()?;
+    let (backend, proxy) = open(&args, &url)?;
     let result = bench(&args, run, &url, backend, &temp);
+    drop(proxy);
     let _ = std::fs::remove_dir_all(&temp);
     let out = result?;
     if args.json {
@@ -151,16 +205,23 @@ pub fn main(args: Args) -> crate::Result<()> {
     }
     for r in &out.restores {
         println!(
-            "restore {} {}{}: ready {:.1} ms, first progress {:.1} ms, resident {:.1} ms \
-             ({} chunks from the store, {} from the cache)",
+            "restore {} {}{}: ready {:.1} ms, first progress {:.1} ms, resident {:.1} ms{}{}",
             r.store,
             r.mode,
             r.cache.map(|c| format!(" ({c} cache)")).unwrap_or_default(),
             r.ready_ms,
             r.first_progress_ms,
             r.resident_ms,
-            r.fetched.store_gets,
-            r.fetched.cache_hits
+            r.resident_vs_file_ratio
+                .map(|x| format!(" ({x:.2}x the file's)"))
+                .unwrap_or_default(),
+            r.fetched
+                .as_ref()
+                .map(|f| format!(
+                    " ({} chunks from the store, {} from the cache)",
+                    f.store_gets, f.cache_hits
+                ))
+                .unwrap_or_default()
         );
     }
     Ok(())
@@ -176,6 +237,12 @@ fn bench(
     let name = format!("bench-{}", std::process::id());
     let vm = guest(args, run)?;
     let report = write(&*backend, &name, &vm, None)?;
+    // The same guest as one local file, the baseline of the store's lazy restores.
+    let flat = temp.join("flat");
+    let lazy = args.restore.iter().any(|m| m == "lazy");
+    if lazy {
+        snapshot::write(&vm, &flat)?;
+    }
     drop(vm);
     let mut names = vec![name.clone()];
     let one = report.stored_bytes.max(1);
@@ -189,6 +256,28 @@ fn bench(
     let remote = backend.remote();
     let store_kind = if remote { "s3" } else { "local" };
     let mut restores = Vec::new();
+    let mut file_resident_ms = None;
+    if lazy {
+        let t = Instant::now();
+        let snap = Snapshot::open(&flat)?;
+        let LazyVm { mut vm, pagers, .. } = snapshot::restore_lazy(&snap, &PagerConfig::default())?;
+        let ready = t.elapsed();
+        let (first_progress, resident) = run_until_resident(&mut vm, &pagers, t)?;
+        drop(pagers);
+        drop(vm);
+        let _ = std::fs::remove_dir_all(&flat);
+        file_resident_ms = Some(resident.as_secs_f64() * 1e3);
+        restores.push(RestoreRow {
+            store: "file",
+            mode: "lazy",
+            cache: None,
+            ready_ms: ready.as_secs_f64() * 1e3,
+            first_progress_ms: first_progress.as_secs_f64() * 1e3,
+            resident_ms: resident.as_secs_f64() * 1e3,
+            resident_vs_file_ratio: None,
+            fetched: None,
+        });
+    }
     let cache_dir = temp.join("cache");
     for mode in &args.restore {
         let runs: &[Option<&'static str>] = match (mode.as_str(), remote) {
@@ -215,31 +304,7 @@ fn bench(
                 (lazy.vm, lazy.pagers)
             };
             let ready = t.elapsed();
-            let before = vm.pages_done();
-            let running = vm.resume()?;
-            let first_progress = loop {
-                if running
-                    .progress()
-                    .iter()
-                    .zip(&before)
-                    .any(|((pages, _), b)| pages > b)
-                {
-                    break t.elapsed();
-                }
-                if t.elapsed() > Duration::from_secs(60) {
-                    return Err("the restored guest made no progress in 60 s".into());
-                }
-                std::thread::sleep(Duration::from_micros(50));
-            };
-            let mut resident = ready;
-            for p in &pagers {
-                if !p.wait_resident(Duration::from_secs(600))? {
-                    return Err("lazily restored memory not resident in 600 s".into());
-                }
-                resident = t.elapsed();
-            }
-            running.stop();
-            running.wait(Duration::from_secs(30))?;
+            let (first_progress, resident) = run_until_resident(&mut vm, &pagers, t)?;
             if mode == "lazy" && snap.working_set()?.is_none() {
                 snap.record_working_set(&vm, &pagers)?;
             }
@@ -251,7 +316,10 @@ fn bench(
                 ready_ms: ready.as_secs_f64() * 1e3,
                 first_progress_ms: first_progress.as_secs_f64() * 1e3,
                 resident_ms: resident.as_secs_f64() * 1e3,
-                fetched: snap.fetcher.stats(),
+                resident_vs_file_ratio: file_resident_ms
+                    .filter(|_| mode == "lazy")
+                    .map(|f| resident.as_secs_f64() * 1e3 / f),
+                fetched: Some(snap.fetcher.stats()),
             });
         }
     }
@@ -263,6 +331,7 @@ fn bench(
         image: args.image.clone(),
         memory_bytes: report.memory_bytes,
         store: url.to_string(),
+        added_rtt_ms: args.rtt_ms,
         chunk_bytes: CHUNK_BYTES,
         zstd_level: ZSTD_LEVEL,
         stored_bytes_ratio: report.stored_bytes as f64 / report.memory_bytes as f64,
@@ -273,4 +342,41 @@ fn bench(
         clones_total_vs_one_ratio: (args.clones > 0).then(|| total as f64 / one as f64),
         restores,
     })
+}
+
+/// Runs a restored guest until its first completed page (`first progress`) and until all of
+/// its lazily restored memory is resident; both measured from `t`. The guest is stopped
+/// afterwards.
+fn run_until_resident(
+    vm: &mut Vm,
+    pagers: &[Pager],
+    t: Instant,
+) -> crate::Result<(Duration, Duration)> {
+    let ready = t.elapsed();
+    let before = vm.pages_done();
+    let running = vm.resume()?;
+    let first_progress = loop {
+        if running
+            .progress()
+            .iter()
+            .zip(&before)
+            .any(|((pages, _), b)| pages > b)
+        {
+            break t.elapsed();
+        }
+        if t.elapsed() > Duration::from_secs(60) {
+            return Err("the restored guest made no progress in 60 s".into());
+        }
+        std::thread::sleep(Duration::from_micros(50));
+    };
+    let mut resident = ready;
+    for p in pagers {
+        if !p.wait_resident(Duration::from_secs(600))? {
+            return Err("lazily restored memory not resident in 600 s".into());
+        }
+        resident = t.elapsed();
+    }
+    running.stop();
+    running.wait(Duration::from_secs(30))?;
+    Ok((first_progress, resident))
 }
