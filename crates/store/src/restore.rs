@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use guestmem_memory::{GuestMemory, PAGE_SIZE};
+use guestmem_migration::snapshot::PreparedVm;
 use guestmem_paging::{Pager, PagerConfig};
 use guestmem_vm::{layout, Vm, VmState};
 use serde::{Deserialize, Serialize};
@@ -132,8 +133,27 @@ impl StoreSnapshot {
         }
     }
 
+    /// "STORE/NAME", in messages.
+    pub fn describe(&self) -> String {
+        format!(
+            "store snapshot {}/{}",
+            self.backend().describe(),
+            self.manifest.name
+        )
+    }
+
     fn new_vm(&self) -> Result<Vm> {
-        let vm = Vm::new(&self.manifest.config)?;
+        self.check_vm(Vm::new(&self.manifest.config)?)
+    }
+
+    /// The VM of `prepared`, if the snapshot was taken of a VM of its configuration (else
+    /// refused naming what differs), its layout checked.
+    fn prepared_vm(&self, prepared: PreparedVm) -> Result<Vm> {
+        let vm = prepared.take(&self.manifest.config, &self.describe())?;
+        self.check_vm(vm)
+    }
+
+    fn check_vm(&self, vm: Vm) -> Result<Vm> {
         let built: Vec<_> = vm.memory().regions().iter().map(|r| r.spec()).collect();
         let saved: Vec<_> = self.manifest.regions.iter().map(|r| &r.spec).collect();
         if built != saved {
@@ -148,7 +168,17 @@ impl StoreSnapshot {
     /// Builds a VM with every chunk fetched, checked and copied in, the regions' digests
     /// equal to the manifest's, and the vCPU state restored; the caller resumes it.
     pub fn restore_full(&self) -> Result<Vm> {
-        let mut vm = self.new_vm()?;
+        self.full_on(self.new_vm()?)
+    }
+
+    /// [`StoreSnapshot::restore_full`] into `prepared`, a VM built ahead of time for the
+    /// snapshot's configuration (see [`PreparedVm`]); a snapshot of another configuration is
+    /// refused naming what differs, before any chunk is fetched.
+    pub fn restore_full_into(&self, prepared: PreparedVm) -> Result<Vm> {
+        self.full_on(self.prepared_vm(prepared)?)
+    }
+
+    fn full_on(&self, mut vm: Vm) -> Result<Vm> {
         let threads = self.threads();
         for i in 0..self.manifest.regions.len() {
             self.copy_region(vm.memory(), i, threads)?;
@@ -175,7 +205,23 @@ impl StoreSnapshot {
     /// the pagers fetch that working set first.
     pub fn restore_lazy(&self, config: &PagerConfig) -> Result<LazyStoreVm> {
         let t = Instant::now();
-        let mut vm = self.new_vm()?;
+        self.lazy_on(self.new_vm()?, config, t)
+    }
+
+    /// [`StoreSnapshot::restore_lazy`] into `prepared`, a VM built ahead of time for the
+    /// snapshot's configuration (see [`PreparedVm`]): the pagers are armed on its memory, so
+    /// the restore leaves out creating the VM and registering its memslots. A snapshot of
+    /// another configuration is refused naming what differs, before any chunk is fetched.
+    pub fn restore_lazy_into(
+        &self,
+        prepared: PreparedVm,
+        config: &PagerConfig,
+    ) -> Result<LazyStoreVm> {
+        let t = Instant::now();
+        self.lazy_on(self.prepared_vm(prepared)?, config, t)
+    }
+
+    fn lazy_on(&self, mut vm: Vm, config: &PagerConfig, t: Instant) -> Result<LazyStoreVm> {
         let threads = self.threads();
         for (i, region) in vm.memory().regions().iter().enumerate() {
             if region.gpa() == layout::SYS_GPA {
