@@ -582,7 +582,13 @@ fn print_table(out: &Output) {
             top.join(", ")
         );
     }
-    for r in out.rows.iter().filter(|r| r.prepared) {
+    // The target is for a restore whose guest runs at once (lazy): a full restore copies
+    // every page in first, prepared VM or not.
+    for r in out
+        .rows
+        .iter()
+        .filter(|r| r.prepared && matches!(r.mode, Mode::Lazy | Mode::LazyWs))
+    {
         let met = if r.ready_ms <= PREPARED_READY_TARGET_MS {
             "met"
         } else {
