@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use guestmem_migration::firecracker;
 use guestmem_migration::snapshot::{self, RestoreMode, Snapshot};
-use guestmem_paging::PagerConfig;
+use guestmem_paging::{Pager, PagerConfig};
 use guestmem_tracking::{Mode as TrackingMode, Tracker};
 use guestmem_vm::{layout, VcpuWork, Vm, Workload};
 use serde::Serialize;
@@ -129,6 +129,60 @@ pub(crate) struct WorkingSetOutput {
 }
 
 use crate::units::seconds;
+
+/// Resumes a restored VM, lets it run `run_for`, stops it, and waits (lazy restores) until its
+/// memory is resident: the guest's page counters before and after, and the time from `t` to
+/// resident.
+pub(crate) fn run_restored(
+    vm: &mut Vm,
+    pagers: &[Pager],
+    run_for: Duration,
+    t: Instant,
+) -> crate::Result<(Vec<u64>, Vec<u64>, Option<f64>)> {
+    let before = vm.pages_done();
+    let running = vm.resume()?;
+    std::thread::sleep(run_for);
+    running.stop();
+    let report = running.wait(Duration::from_secs(30))?;
+    let after: Vec<u64> = report.vcpus.iter().map(|v| v.pages).collect();
+    let mut resident_ms = None;
+    for pager in pagers {
+        if !pager.wait_resident(Duration::from_secs(300))? {
+            return Err("the lazily restored memory did not become resident in 300 s".into());
+        }
+        resident_ms = Some(t.elapsed().as_secs_f64() * 1e3);
+    }
+    Ok((before, after, resident_ms))
+}
+
+/// A lazy restore's working set: fetched first when the snapshot had one, else recorded
+/// (`record`) from the faults of this run, for the next lazy restore to fetch first.
+pub(crate) fn working_set_output(
+    pagers: &[Pager],
+    prefetched: bool,
+    record: impl FnOnce() -> crate::Result<usize>,
+) -> crate::Result<Option<WorkingSetOutput>> {
+    if pagers.is_empty() {
+        return Ok(None);
+    }
+    let faults = pagers.iter().map(|p| p.stats().faults).sum();
+    Ok(Some(if prefetched {
+        WorkingSetOutput {
+            action: "fetched first",
+            chunks: pagers
+                .iter()
+                .map(|p| p.stats().prefetch_chunks)
+                .sum::<u64>() as usize,
+            faults,
+        }
+    } else {
+        WorkingSetOutput {
+            action: "recorded",
+            chunks: record()?,
+            faults,
+        }
+    }))
+}
 
 pub fn snapshot(mut args: SnapshotArgs) -> crate::Result<()> {
     if let Some(op) = args.op.take() {
@@ -294,37 +348,10 @@ pub fn restore(args: RestoreArgs) -> crate::Result<()> {
         )
         .into());
     }
-    let before = vm.pages_done();
-    let running = vm.resume()?;
-    std::thread::sleep(run_for);
-    running.stop();
-    let report = running.wait(Duration::from_secs(30))?;
-    let after: Vec<u64> = report.vcpus.iter().map(|v| v.pages).collect();
-    let mut resident_ms = None;
-    for pager in &pagers {
-        if !pager.wait_resident(Duration::from_secs(300))? {
-            return Err("the lazily restored memory did not become resident in 300 s".into());
-        }
-        resident_ms = Some(t.elapsed().as_secs_f64() * 1e3);
-    }
-    // A lazy restore without a recorded working set records the one its guest faulted on,
-    // for the next lazy restore of this snapshot to fetch first.
-    let working_set = if pagers.is_empty() {
-        None
-    } else if prefetched {
-        let n: u64 = pagers.iter().map(|p| p.stats().prefetch_chunks).sum();
-        Some(WorkingSetOutput {
-            action: "fetched first",
-            chunks: n as usize,
-            faults: pagers.iter().map(|p| p.stats().faults).sum(),
-        })
-    } else {
-        Some(WorkingSetOutput {
-            action: "recorded",
-            chunks: snapshot::record_working_set(&snap, &vm, &pagers)?,
-            faults: pagers.iter().map(|p| p.stats().faults).sum(),
-        })
-    };
+    let (before, after, resident_ms) = run_restored(&mut vm, &pagers, run_for, t)?;
+    let working_set = working_set_output(&pagers, prefetched, || {
+        Ok(snapshot::record_working_set(&snap, &vm, &pagers)?)
+    })?;
     drop(pagers);
     drop(peer);
     let out = RestoreOutput {

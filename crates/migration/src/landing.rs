@@ -152,9 +152,21 @@ impl Landing {
                     }
                 }
                 Err(userfaultfd::Error::CopyFailed(e)) if e as i32 == libc::EEXIST => {
-                    // Some page of the range is present: the first page by page.
-                    self.land_page(dst, &src[done..done + PAGE])?;
-                    done += PAGE;
+                    // The first page is present (a later round re-sends landed pages): the
+                    // present run from it is copied by hand, found with one mincore.
+                    let run = present_run(dst, len);
+                    if run == 0 {
+                        self.land_page(dst, &src[done..done + PAGE])?;
+                        done += PAGE;
+                        continue;
+                    }
+                    // SAFETY: `find` checked that the range lies in a live mapping; these pages
+                    // are present, and only this reader writes its block while rounds land.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(src[done..].as_ptr(), dst as *mut u8, run)
+                    };
+                    self.overwritten.fetch_add(run as u64, Ordering::Relaxed);
+                    done += run;
                 }
                 Err(e) => {
                     return Err(failure(
@@ -276,6 +288,31 @@ impl Drop for Landing {
             let _ = self.uffd.unregister(host as *mut libc::c_void, len);
         }
     }
+}
+
+/// How many bytes from `host` (page-aligned, `len` whole pages) are present, counted until the
+/// first missing page (at most 2 MiB looked at); 0 if mincore cannot say.
+fn present_run(host: usize, len: usize) -> usize {
+    const MAX: usize = 512;
+    let pages = (len / PAGE).min(MAX);
+    let mut resident = [0u8; MAX];
+    // SAFETY: `host` is page-aligned and the range lies in a live mapping; mincore writes one
+    // byte per page into `resident`, which holds `pages` of them.
+    let r = unsafe {
+        libc::mincore(
+            host as *mut libc::c_void,
+            pages * PAGE,
+            resident.as_mut_ptr().cast(),
+        )
+    };
+    if r != 0 {
+        return 0;
+    }
+    resident[..pages]
+        .iter()
+        .take_while(|&&b| b & 1 == 1)
+        .count()
+        * PAGE
 }
 
 /// Answers faults on pages not landed yet with zero pages, until `stop` is written.

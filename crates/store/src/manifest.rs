@@ -9,8 +9,10 @@
 //! long). [`StoreManifest::parse`] checks every rule the restore paths rely on.
 
 use guestmem_memory::{RegionSpec, PAGE_SIZE};
-use guestmem_vm::{layout, VmConfig};
+use guestmem_vm::VmConfig;
 use serde::{Deserialize, Serialize};
+
+use guestmem_migration::snapshot::check_config_layout;
 
 use crate::backend::Backend;
 use crate::chunk::{self, Hash};
@@ -204,24 +206,7 @@ impl StoreManifest {
                 "chunk size {cb} is not a power of two from {PAGE_SIZE} to {MAX_CHUNK_BYTES}"
             ));
         }
-        if self.config.vcpus == 0 || self.config.vcpus > layout::MAX_VCPUS {
-            return Err(format!("{} vCPUs", self.config.vcpus));
-        }
-        if self.regions.len() != self.config.regions.len() + 1 {
-            return Err(format!(
-                "{} regions for a configuration of {} RAM regions plus the sys region",
-                self.regions.len(),
-                self.config.regions.len()
-            ));
-        }
-        let sys = self
-            .regions
-            .iter()
-            .filter(|r| r.spec.gpa == layout::SYS_GPA)
-            .count();
-        if sys != 1 {
-            return Err(format!("{sys} sys regions, not 1"));
-        }
+        check_config_layout(&self.config, self.regions.iter().map(|r| &r.spec))?;
         for r in &self.regions {
             let name = &r.spec.name;
             if r.spec.size == 0 || r.spec.size % PAGE_SIZE != 0 {
@@ -358,6 +343,7 @@ pub fn resolve(backend: &dyn Backend, manifest: &StoreManifest) -> Result<Resolv
 mod tests {
     use super::*;
     use guestmem_memory::Backend as MemBackend;
+    use guestmem_vm::layout;
 
     pub(crate) fn manifest(name: &str) -> StoreManifest {
         let config = VmConfig::simple(2, 1 << 20, MemBackend::Anon);

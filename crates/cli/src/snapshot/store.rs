@@ -279,38 +279,11 @@ pub(super) fn restore(args: &RestoreArgs) -> crate::Result<()> {
     let restore_ms = t.elapsed().as_secs_f64() * 1e3;
     // restore_full compared every digest already (it refuses otherwise).
     let memory_digests_match = matches!(args.mode, Mode::Full).then_some(true);
-    let before = vm.pages_done();
-    let running = vm.resume()?;
-    std::thread::sleep(run_for);
-    running.stop();
-    let report = running.wait(Duration::from_secs(30))?;
-    let after: Vec<u64> = report.vcpus.iter().map(|v| v.pages).collect();
-    let mut resident_ms = None;
-    for pager in &pagers {
-        if !pager.wait_resident(Duration::from_secs(300))? {
-            return Err("the lazily restored memory did not become resident in 300 s".into());
-        }
-        resident_ms = Some(t.elapsed().as_secs_f64() * 1e3);
-    }
+    let (before, after, resident_ms) = super::run_restored(&mut vm, &pagers, run_for, t)?;
     drop(peer);
-    let working_set = if pagers.is_empty() {
-        None
-    } else if prefetched {
-        Some(super::WorkingSetOutput {
-            action: "fetched first",
-            chunks: pagers
-                .iter()
-                .map(|p| p.stats().prefetch_chunks)
-                .sum::<u64>() as usize,
-            faults: pagers.iter().map(|p| p.stats().faults).sum(),
-        })
-    } else {
-        Some(super::WorkingSetOutput {
-            action: "recorded",
-            chunks: snap.record_working_set(&vm, &pagers)?,
-            faults: pagers.iter().map(|p| p.stats().faults).sum(),
-        })
-    };
+    let working_set = super::working_set_output(&pagers, prefetched, || {
+        Ok(snap.record_working_set(&vm, &pagers)?)
+    })?;
     drop(pagers);
     let out = StoreRestoreOutput {
         mode: match args.mode {

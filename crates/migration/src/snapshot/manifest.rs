@@ -135,6 +135,33 @@ pub struct Chunk {
     pub inherited: bool,
 }
 
+/// The layout rules every snapshot format relies on: vCPUs within what the layout holds, and
+/// the configuration's RAM regions plus exactly one sys region (`regions`: the images' specs).
+pub fn check_config_layout<'a>(
+    config: &VmConfig,
+    regions: impl ExactSizeIterator<Item = &'a RegionSpec> + Clone,
+) -> std::result::Result<(), String> {
+    if config.vcpus == 0 || config.vcpus > layout::MAX_VCPUS {
+        return Err(format!(
+            "{} vCPUs (this layout holds 1 to {})",
+            config.vcpus,
+            layout::MAX_VCPUS
+        ));
+    }
+    if regions.len() != config.regions.len() + 1 {
+        return Err(format!(
+            "{} regions for a configuration of {} RAM regions plus the sys region",
+            regions.len(),
+            config.regions.len()
+        ));
+    }
+    let sys = regions.filter(|r| r.gpa == layout::SYS_GPA).count();
+    if sys != 1 {
+        return Err(format!("{sys} sys regions, not 1"));
+    }
+    Ok(())
+}
+
 impl Manifest {
     /// The checksum of `self`'s canonical form (see the module docs).
     pub fn compute_checksum(&self) -> String {
@@ -239,27 +266,8 @@ impl Manifest {
                 self.chunk_bytes
             ));
         }
-        if self.config.vcpus == 0 || self.config.vcpus > layout::MAX_VCPUS {
-            return bad(format!(
-                "{} vCPUs (this layout holds 1 to {})",
-                self.config.vcpus,
-                layout::MAX_VCPUS
-            ));
-        }
-        if self.regions.len() != self.config.regions.len() + 1 {
-            return bad(format!(
-                "{} regions for a configuration of {} RAM regions plus the sys region",
-                self.regions.len(),
-                self.config.regions.len()
-            ));
-        }
-        let sys = self
-            .regions
-            .iter()
-            .filter(|r| r.spec.gpa == layout::SYS_GPA)
-            .count();
-        if sys != 1 {
-            return bad(format!("{sys} sys regions, not 1"));
+        if let Err(why) = check_config_layout(&self.config, self.regions.iter().map(|r| &r.spec)) {
+            return bad(why);
         }
         let mut extents: Vec<(RegionFile, u64, u64, &str)> = Vec::new();
         for image in &self.regions {
