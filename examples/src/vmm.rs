@@ -16,7 +16,7 @@ use guestmem_memory::{Backend, GuestMemory, RegionSpec};
 use guestmem_migration::component::{Component, ComponentError, Components, PayloadVm};
 use guestmem_migration::driver::{self, Restore};
 use guestmem_migration::migrate::{self, Links, Mode, ReceiveOptions, SendOptions};
-use guestmem_migration::snapshot::Snapshot;
+use guestmem_migration::snapshot::{PreparedVm, Snapshot};
 use guestmem_migration::transport::{generate_credentials, Credentials, Endpoint, Listener, Role};
 use guestmem_paging::PagerConfig;
 use guestmem_vm::{layout, RunningVm, VcpuWork, Vm, VmConfig, Workload};
@@ -272,19 +272,29 @@ fn snapshot(restore: &str, scratch: &Path) -> Result<Outcome, Error> {
         }
     };
 
+    // `…-prepared`: into a VM built ahead of time for the configuration (a warm pool).
+    let (restore, prepared) = match restore.strip_suffix("-prepared") {
+        Some(mode) => (mode, Some(PreparedVm::new(&config())?)),
+        None => (restore, None),
+    };
     let snap = Snapshot::open(&dir)?;
     let how = match restore {
         "full" => Restore::Full,
         "map" => Restore::Map,
         "lazy" => Restore::Lazy(PagerConfig::default()),
-        other => return Err(format!("no restore mode '{other}' (full, map, lazy)").into()),
+        other => {
+            return Err(
+                format!("no restore mode '{other}' (full, map, lazy, each with -prepared)").into(),
+            )
+        }
     };
     let mut dev = device();
-    let mut restored = driver::restore(
-        &snap,
-        how,
-        &mut Components::new(vec![&mut dev as &mut dyn Component])?,
-    )?;
+    let mut components = Components::new(vec![&mut dev as &mut dyn Component])?;
+    let mut restored = match prepared {
+        Some(prepared) => driver::restore_into(prepared, &snap, how, &mut components)?,
+        None => driver::restore(&snap, how, &mut components)?,
+    };
+    drop(components);
     dev.attach(restored.vm.memory())?;
     let restored_device = dev.stats();
     let digest = device_digest(restored.vm.memory())?;

@@ -80,6 +80,15 @@ fn lazy_snapshot_restore_with_a_writing_device() {
 }
 
 #[test]
+#[cfg_attr(
+    any(not(kvm), not(uffd)),
+    ignore = "no usable /dev/kvm or /dev/userfaultfd"
+)]
+fn lazy_restore_into_a_prepared_vm_with_a_writing_device() {
+    run(How::Snapshot("lazy-prepared"), "lazy-prepared");
+}
+
+#[test]
 #[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
 fn full_snapshot_restore_with_a_writing_device() {
     run(How::Snapshot("full"), "full");

@@ -2,6 +2,8 @@
 //! side, end to end, and the server's refusals.
 
 mod common;
+#[path = "common/minio.rs"]
+mod minio;
 
 use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -804,4 +806,149 @@ fn a_range_the_peer_unmapped_ends_serving_without_a_kill() {
     child.kill().unwrap();
     session.wait().unwrap();
     child.wait().unwrap();
+}
+
+/// A page server serving a chunk store's snapshot: the VMM side restores from the same store
+/// snapshot (its sys region and state), the server brings the RAM through the store's page
+/// source (each chunk checked against its hash): memory ends equal to the snapshot's and the
+/// guest goes on.
+fn serve_from_store(backend: std::sync::Arc<dyn guestmem_store::Backend>, tag: &str) {
+    use guestmem_store::restore::StoreSnapshot;
+    let dir = TempDir::new(&format!("store-server-{tag}"));
+    let config = VmConfig::simple(2, SIZE, Backend::Anon);
+    let flat = dir.0.join("flat");
+    let at_snapshot = snapshot_running_vm(&config, SIZE, &flat);
+    let snap = Snapshot::open(&flat).unwrap();
+    {
+        let vm = snapshot::restore(&snap, snapshot::RestoreMode::Full).unwrap();
+        guestmem_store::write::write(&*backend, "vm1", &vm, None).unwrap();
+    }
+    let work = dirty_work(2, SIZE);
+    for background in [false, true] {
+        let store = StoreSnapshot::open(backend.clone(), "vm1", None).unwrap();
+        let memory = store.served_memory();
+        assert!(memory.describe().contains("vm1"), "{}", memory.describe());
+        let socket = dir.0.join(format!("uffd-{background}.sock"));
+        let pager = PagerConfig {
+            background,
+            ..PagerConfig::default()
+        };
+        let session = spawn_server(&socket, memory, pager);
+        let vmm_side = StoreSnapshot::open(backend.clone(), "vm1", None).unwrap();
+        let mut restored = vmm_side.restore_lazy_via_socket(&socket).unwrap();
+        let session = session.recv().unwrap().unwrap();
+        assert_eq!(session.mappings, restored.mappings);
+        assert_eq!(restored.mappings.len(), 1);
+        assert_eq!(
+            restored.vm.pages_done(),
+            at_snapshot,
+            "{tag}: control blocks"
+        );
+        if background {
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while !session.resident() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            assert!(session.resident(), "{tag}: {:?}", session.stats());
+            for (region, image) in restored
+                .vm
+                .memory()
+                .regions()
+                .iter()
+                .zip(&snap.manifest().regions)
+            {
+                let digest = restored
+                    .vm
+                    .memory()
+                    .digest(region.gpa(), region.size())
+                    .unwrap();
+                assert_eq!(digest, image.digest, "{tag}: region '{}'", region.name());
+            }
+        } else {
+            // On demand only: every page the checks and the guest read came through the server.
+            assert_pages_consistent(&restored.vm, &work, &at_snapshot);
+            assert!(session.stats()[0].faults > 0, "{:?}", session.stats());
+        }
+        resume_and_check_continuation(&mut restored.vm, &work, &at_snapshot);
+        assert_eq!(session.failure(), None);
+        assert!(
+            store.fetcher.stats().store_gets > 0,
+            "served from the store"
+        );
+        drop(session);
+        drop(restored);
+    }
+
+    // A damaged chunk is refused when first served, naming the store snapshot and the chunk.
+    let key = {
+        let m = guestmem_store::StoreManifest::load(&*backend, "vm1").unwrap();
+        let ram = m.regions.iter().find(|r| r.spec.name == "ram").unwrap();
+        let hash = ram
+            .chunks
+            .iter()
+            .find_map(|c| match c {
+                guestmem_store::ChunkRef::Data { hash, .. } => Some(*hash),
+                _ => None,
+            })
+            .unwrap();
+        guestmem_store::chunk::key(&hash)
+    };
+    let good = backend.get(&key).unwrap();
+    let mut bad = good.clone();
+    let middle = bad.len() / 2;
+    bad[middle] ^= 0xff;
+    backend.put(&key, &bad).unwrap();
+    let store = StoreSnapshot::open(backend.clone(), "vm1", None).unwrap();
+    let socket = dir.0.join("uffd-bad.sock");
+    let session = spawn_server(&socket, store.served_memory(), PagerConfig::default());
+    let restored = store.restore_lazy_via_socket(&socket).unwrap();
+    let session = session.recv().unwrap().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while session.failure().is_none() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let failure = session.failure().expect("a damaged chunk stops serving");
+    assert!(
+        failure.contains("vm1") && failure.contains("region 'ram' chunk"),
+        "{failure}"
+    );
+    drop(session);
+    drop(restored);
+    backend.put(&key, &good).unwrap();
+}
+
+#[test]
+#[cfg_attr(
+    not(all(kvm, uffd)),
+    ignore = "no usable /dev/kvm and /dev/userfaultfd on this host"
+)]
+fn a_local_store_snapshot_is_served_over_the_handshake() {
+    let tmp = TempDir::new("store-server-local");
+    serve_from_store(
+        std::sync::Arc::new(guestmem_store::local::LocalBackend::new(
+            &tmp.0.join("store"),
+        )),
+        "local",
+    );
+}
+
+#[test]
+#[cfg_attr(
+    not(all(kvm, uffd)),
+    ignore = "no usable /dev/kvm and /dev/userfaultfd on this host"
+)]
+fn a_minio_store_snapshot_is_served_over_the_handshake() {
+    let m = minio::Minio::start("pageserver");
+    let config = guestmem_store::s3::S3Config {
+        endpoint: Some(m.endpoint()),
+        access_key_id: minio::USER.into(),
+        secret_access_key: minio::PASSWORD.into(),
+        region: None,
+    };
+    serve_from_store(
+        std::sync::Arc::new(
+            guestmem_store::s3::S3Backend::new(&m.bucket, "fleet", &config).unwrap(),
+        ),
+        "minio",
+    );
 }

@@ -1,6 +1,7 @@
-//! `guestmem page-server --firecracker SOCKET --snapshot DIR | --mem-file FILE`: serves the
-//! memory of VMMs that restore a snapshot lazily (Firecracker, or `guestmem restore --mode lazy
-//! --uffd-socket`).
+//! `guestmem page-server --firecracker SOCKET --snapshot DIR|s3://…|store:… | --mem-file FILE`:
+//! serves the memory of VMMs that restore a snapshot lazily (Firecracker, or `guestmem restore
+//! --mode lazy --uffd-socket`), from a snapshot directory, a chunk store's snapshot or a memory
+//! file.
 
 use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
@@ -14,10 +15,11 @@ pub struct Args {
     #[arg(long, value_name = "SOCKET")]
     firecracker: PathBuf,
     /// A guestmem snapshot to serve (for `guestmem restore DIR --mode lazy --uffd-socket`):
-    /// its RAM regions back to back from offset 0, each chunk checked against the manifest's
-    /// CRC-32 before any of it is served; a mismatch is refused (and the peer killed), naming
-    /// the snapshot, region and chunk.
-    #[arg(long, value_name = "DIR")]
+    /// its RAM regions back to back from offset 0, each chunk checked before any of it is
+    /// served (against the manifest's CRC-32 in a directory, against its BLAKE3 hash in a
+    /// store: s3://BUCKET/PREFIX/NAME or store:DIR/NAME, through the host's chunk cache for
+    /// S3); a mismatch is refused (and the peer killed), naming the snapshot, region and chunk.
+    #[arg(long, value_name = "DIR|s3://…|store:…")]
     snapshot: Option<PathBuf>,
     /// A Firecracker memory file: exactly the guest regions back to back (each mapping's bytes
     /// at its `offset`). Served as is, NOT checked: Firecracker's memory files carry no
@@ -34,6 +36,7 @@ pub struct Args {
 
 pub fn main(args: Args) -> crate::Result<()> {
     let memory = std::sync::Arc::new(match (&args.snapshot, &args.mem_file) {
+        (Some(at), _) if crate::snapshot::is_store(at) => store_memory(at)?,
         (Some(dir), _) => ServedMemory::snapshot(dir)?,
         (None, Some(file)) => ServedMemory::file(file)?,
         (None, None) => unreachable!("clap requires one of --snapshot and --mem-file"),
@@ -75,4 +78,20 @@ pub fn main(args: Args) -> crate::Result<()> {
         let _ = t.join();
     }
     Ok(())
+}
+
+/// A store snapshot's RAM, served through a [`guestmem_store::source::StoreSource`] per region
+/// (the host's chunk cache in front of a remote store).
+fn store_memory(at: &std::path::Path) -> crate::Result<ServedMemory> {
+    use guestmem_store::cache::ChunkCache;
+    use guestmem_store::location::Location;
+    use guestmem_store::restore::StoreSnapshot;
+    let at = Location::parse(&at.to_string_lossy())?;
+    let backend = at.store.open()?;
+    let cache = if backend.remote() {
+        Some(ChunkCache::host_default()?)
+    } else {
+        None
+    };
+    Ok(StoreSnapshot::open(backend, &at.name, cache)?.served_memory())
 }

@@ -14,6 +14,8 @@ use crate::vm_args::VmArgs;
 
 mod store;
 
+pub(crate) use store::is_store;
+
 #[derive(clap::Args)]
 pub struct SnapshotArgs {
     /// Directory to write the snapshot into (created; an existing snapshot there is replaced),

@@ -5,6 +5,7 @@
 //!   the components' states. Both stay paused ([`resume`] lets them go on).
 //! - [`restore`]: builds the VM from a snapshot (memory copied, mapped or paged in lazily), puts
 //!   its vCPU state back and hands each component its state. Nothing runs until [`resume`].
+//!   [`restore_into`] does the same into a VM built ahead of time ([`PreparedVm`]).
 //! - [`send`] (the source of a live migration, [`crate::migrate::send_machine`]): the
 //!   components' writes are tracked with the guest's during the rounds; at switch-over they are
 //!   paused with the vCPUs, before the last harvest, and their states travel with the VM's.
@@ -21,7 +22,7 @@ use guestmem_paging::{Pager, PagerConfig};
 use guestmem_vm::{RunningVm, Vm};
 
 use crate::component::{Components, PayloadVm};
-use crate::snapshot::{self, RestoreMode, Snapshot, WriteReport};
+use crate::snapshot::{self, PreparedVm, RestoreMode, Snapshot, WriteReport};
 use crate::{Error, Result};
 
 pub use crate::migrate::{send_machine as send, MachineFailure};
@@ -80,6 +81,36 @@ pub fn restore(
         },
         Restore::Lazy(config) => {
             let lazy = snapshot::restore_lazy(snapshot, &config)?;
+            Restored {
+                pagers: lazy.pagers,
+                vm: lazy.vm,
+            }
+        }
+    };
+    components.restore(snapshot.components())?;
+    Ok(restored)
+}
+
+/// [`restore`] into `prepared`, a VM built ahead of time for the snapshot's configuration (a
+/// warm pool, see [`PreparedVm`]): a snapshot of another configuration is refused naming what
+/// differs, before anything is restored or runs.
+pub fn restore_into(
+    prepared: PreparedVm,
+    snapshot: &Snapshot,
+    how: Restore,
+    components: &mut Components<'_>,
+) -> Result<Restored> {
+    let restored = match how {
+        Restore::Full => Restored {
+            pagers: Vec::new(),
+            vm: snapshot::restore_into(prepared, snapshot, RestoreMode::Full)?,
+        },
+        Restore::Map => Restored {
+            pagers: Vec::new(),
+            vm: snapshot::restore_into(prepared, snapshot, RestoreMode::Map)?,
+        },
+        Restore::Lazy(config) => {
+            let lazy = snapshot::restore_lazy_into(prepared, snapshot, &config)?;
             Restored {
                 pagers: lazy.pagers,
                 vm: lazy.vm,

@@ -4,8 +4,10 @@
 //!   JSON array of [`GuestRegionUffdMapping`] with the userfaultfd attached as `SCM_RIGHTS`),
 //!   holds the peer process by a pidfd ([`PeerProcess`]) and serves its faults with the
 //!   demand-paging engine ([`PeerPager`]), from a Firecracker memory file (unchecked: such files
-//!   carry no checksums) or from a guestmem snapshot (each chunk checked against the manifest's
-//!   CRC-32 before any of it is served), see [`ServedMemory`];
+//!   carry no checksums), from a guestmem snapshot (each chunk checked against the manifest's
+//!   CRC-32 before any of it is served), or from any set of RAM regions with their page
+//!   sources (a chunk store's snapshot, each chunk checked against its hash), see
+//!   [`ServedMemory`];
 //! - the VMM ([`restore_lazy_via_socket`]): builds a VM from a guestmem snapshot, registers its
 //!   RAM on a fresh userfaultfd and hands it to a page server in the form Firecracker's own
 //!   handlers accept (RAM regions back to back from memory-file offset 0; the page size in
@@ -506,6 +508,25 @@ pub enum ServedMemory {
     /// is checked against the manifest's CRC-32 the first time any of it is served, and a
     /// mismatch fails serving for good, naming the snapshot, region and chunk.
     Snapshot(Arc<Snapshot>),
+    /// RAM regions laid back to back from offset 0, each served from its own page source (a
+    /// chunk store's snapshot: its regions' sources check each chunk's hash before serving any
+    /// of it). Each mapping must be exactly one region.
+    Regions {
+        /// Names the memory in messages ("store snapshot s3://…/NAME").
+        label: String,
+        /// The regions, in the order of the peer's layout.
+        regions: Vec<ServedRegion>,
+    },
+}
+
+/// One RAM region of [`ServedMemory::Regions`].
+pub struct ServedRegion {
+    /// Its name (in messages).
+    pub name: String,
+    /// Its bytes.
+    pub size: u64,
+    /// Where its bytes come from (shared by every connection).
+    pub source: Arc<dyn PageSource>,
 }
 
 impl ServedMemory {
@@ -535,6 +556,7 @@ impl ServedMemory {
                 "snapshot {} (each chunk checked against its CRC-32 before it is served)",
                 s.dir().display()
             ),
+            ServedMemory::Regions { label, .. } => label.clone(),
         }
     }
 
@@ -609,6 +631,46 @@ impl ServedMemory {
                             m.base_host_virt_addr
                         );
                         Ok((name, Arc::new(source) as Arc<dyn PageSource>))
+                    })
+                    .collect()
+            }
+            ServedMemory::Regions { label, regions } => {
+                let mut offset = 0;
+                let ram: Vec<(&ServedRegion, u64)> = regions
+                    .iter()
+                    .map(|r| {
+                        let at = offset;
+                        offset += r.size;
+                        (r, at)
+                    })
+                    .collect();
+                mappings
+                    .iter()
+                    .enumerate()
+                    .map(|(i, m)| {
+                        let Some(&(region, _)) = ram
+                            .iter()
+                            .find(|&&(r, at)| at == m.offset && r.size == m.size)
+                        else {
+                            let layout: Vec<String> = ram
+                                .iter()
+                                .map(|(r, at)| {
+                                    format!("'{}' {:#x} bytes at {at:#x}", r.name, r.size)
+                                })
+                                .collect();
+                            return Err(Error::Protocol(format!(
+                                "mapping {i} ({:#x} bytes at offset {:#x}) is not one of {label}'s \
+                                 RAM regions laid back to back ({})",
+                                m.size,
+                                m.offset,
+                                layout.join(", ")
+                            )));
+                        };
+                        let name = format!(
+                            "{label} region '{}' (peer {peer_pid} mapping {i}, host {:#x})",
+                            region.name, m.base_host_virt_addr
+                        );
+                        Ok((name, region.source.clone()))
                     })
                     .collect()
             }
@@ -791,13 +853,31 @@ pub fn restore_lazy_via_socket(snapshot: &Snapshot, socket: &Path) -> Result<Pee
             base.dir.display()
         )));
     }
-    let mut vm = snapshot::vm_for_lazy_restore(snapshot, &mut Vec::new())?;
+    let vm = snapshot::vm_for_lazy_restore(snapshot, &mut Vec::new())?;
+    hand_ram_to_server(vm, snapshot.state(), socket)
+}
+
+/// The VMM side's handshake for a VM whose sys region is in place and whose RAM regions
+/// (every region but the sys region) were never touched: registers them on a fresh
+/// userfaultfd, sends it with the mappings to the page server on `socket` (the RAM regions
+/// back to back from offset 0, see [`restore_lazy_via_socket`]), and puts `state` into the
+/// vCPUs. The caller resumes the VM.
+pub fn hand_ram_to_server(
+    mut vm: Vm,
+    state: &guestmem_vm::VmState,
+    socket: &Path,
+) -> Result<PeerRestoredVm> {
     let mut ram = Vec::new();
     let mut mappings = Vec::new();
     // The same regions in the same order as `ram_layout`, which the server side uses.
     let mut offset = 0;
-    for (region, _) in snapshot::lazy_regions(&vm, snapshot) {
-        ram.push(region);
+    for region in vm
+        .memory()
+        .regions()
+        .iter()
+        .filter(|r| r.gpa() != layout::SYS_GPA)
+    {
+        ram.push(&**region);
         mappings.push(GuestRegionUffdMapping {
             base_host_virt_addr: region.host_addr() as u64,
             size: region.size(),
@@ -808,7 +888,7 @@ pub fn restore_lazy_via_socket(snapshot: &Snapshot, socket: &Path) -> Result<Pee
     }
     let uffd = register_for_peer(&ram)?;
     let stream = send_handshake(socket, &mappings, uffd.as_fd())?;
-    vm.restore_state(snapshot.state())?;
+    vm.restore_state(state)?;
     Ok(PeerRestoredVm {
         vm,
         stream,

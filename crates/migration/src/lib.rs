@@ -86,6 +86,15 @@ pub enum Error {
     /// A snapshot that cannot be restored here.
     #[error("cannot restore here: {0}")]
     Layout(String),
+    /// A snapshot taken of a VM of another configuration than the prepared VM it was to be
+    /// restored into; nothing of it was restored.
+    #[error("{snapshot} does not fit the prepared VM: {reason}; nothing was restored")]
+    PreparedMismatch {
+        /// The snapshot.
+        snapshot: String,
+        /// What differs (vCPUs, regions and their address, size, backend).
+        reason: String,
+    },
     /// A snapshot that cannot be written.
     #[error("cannot write the snapshot: {0}")]
     Write(String),

@@ -8,6 +8,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use guestmem_memory::{GuestMemory, PAGE_SIZE};
+use guestmem_migration::firecracker::{self, PeerRestoredVm, ServedMemory, ServedRegion};
+use guestmem_migration::snapshot::PreparedVm;
 use guestmem_paging::{Pager, PagerConfig};
 use guestmem_vm::{layout, Vm, VmState};
 use serde::{Deserialize, Serialize};
@@ -132,8 +134,27 @@ impl StoreSnapshot {
         }
     }
 
+    /// "STORE/NAME", in messages.
+    pub fn describe(&self) -> String {
+        format!(
+            "store snapshot {}/{}",
+            self.backend().describe(),
+            self.manifest.name
+        )
+    }
+
     fn new_vm(&self) -> Result<Vm> {
-        let vm = Vm::new(&self.manifest.config)?;
+        self.check_vm(Vm::new(&self.manifest.config)?)
+    }
+
+    /// The VM of `prepared`, if the snapshot was taken of a VM of its configuration (else
+    /// refused naming what differs), its layout checked.
+    fn prepared_vm(&self, prepared: PreparedVm) -> Result<Vm> {
+        let vm = prepared.take(&self.manifest.config, &self.describe())?;
+        self.check_vm(vm)
+    }
+
+    fn check_vm(&self, vm: Vm) -> Result<Vm> {
         let built: Vec<_> = vm.memory().regions().iter().map(|r| r.spec()).collect();
         let saved: Vec<_> = self.manifest.regions.iter().map(|r| &r.spec).collect();
         if built != saved {
@@ -148,7 +169,17 @@ impl StoreSnapshot {
     /// Builds a VM with every chunk fetched, checked and copied in, the regions' digests
     /// equal to the manifest's, and the vCPU state restored; the caller resumes it.
     pub fn restore_full(&self) -> Result<Vm> {
-        let mut vm = self.new_vm()?;
+        self.full_on(self.new_vm()?)
+    }
+
+    /// [`StoreSnapshot::restore_full`] into `prepared`, a VM built ahead of time for the
+    /// snapshot's configuration (see [`PreparedVm`]); a snapshot of another configuration is
+    /// refused naming what differs, before any chunk is fetched.
+    pub fn restore_full_into(&self, prepared: PreparedVm) -> Result<Vm> {
+        self.full_on(self.prepared_vm(prepared)?)
+    }
+
+    fn full_on(&self, mut vm: Vm) -> Result<Vm> {
         let threads = self.threads();
         for i in 0..self.manifest.regions.len() {
             self.copy_region(vm.memory(), i, threads)?;
@@ -175,13 +206,82 @@ impl StoreSnapshot {
     /// the pagers fetch that working set first.
     pub fn restore_lazy(&self, config: &PagerConfig) -> Result<LazyStoreVm> {
         let t = Instant::now();
-        let mut vm = self.new_vm()?;
+        self.lazy_on(self.new_vm()?, config, t)
+    }
+
+    /// [`StoreSnapshot::restore_lazy`] into `prepared`, a VM built ahead of time for the
+    /// snapshot's configuration (see [`PreparedVm`]): the pagers are armed on its memory, so
+    /// the restore leaves out creating the VM and registering its memslots. A snapshot of
+    /// another configuration is refused naming what differs, before any chunk is fetched.
+    pub fn restore_lazy_into(
+        &self,
+        prepared: PreparedVm,
+        config: &PagerConfig,
+    ) -> Result<LazyStoreVm> {
+        let t = Instant::now();
+        self.lazy_on(self.prepared_vm(prepared)?, config, t)
+    }
+
+    /// Fetches, checks and copies in the sys region (page tables, payload, control blocks).
+    fn copy_sys(&self, vm: &Vm) -> Result<()> {
         let threads = self.threads();
         for (i, region) in vm.memory().regions().iter().enumerate() {
             if region.gpa() == layout::SYS_GPA {
                 self.copy_region(vm.memory(), i, threads)?;
             }
         }
+        Ok(())
+    }
+
+    /// The page source of RAM region `i` (each chunk checked against its hash as it is
+    /// decompressed).
+    fn source(&self, i: usize) -> StoreSource {
+        StoreSource::new(
+            self.fetcher.clone(),
+            self.resolved[i].clone(),
+            self.manifest.chunk_bytes,
+            self.manifest.regions[i].spec.size,
+            self.label(i),
+        )
+    }
+
+    /// The snapshot's RAM (every region but the sys region, back to back in manifest order)
+    /// for a Firecracker page server (`guestmem page-server --snapshot s3://…`): each region
+    /// served by a [`StoreSource`], which checks every chunk's hash before any of it is served.
+    pub fn served_memory(&self) -> ServedMemory {
+        let regions = self
+            .manifest
+            .regions
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.spec.gpa != layout::SYS_GPA)
+            .map(|(i, r)| ServedRegion {
+                name: r.spec.name.clone(),
+                size: r.spec.size,
+                source: Arc::new(self.source(i)),
+            })
+            .collect();
+        ServedMemory::Regions {
+            label: format!(
+                "{} (each chunk checked against its BLAKE3 hash before it is served)",
+                self.describe()
+            ),
+            regions,
+        }
+    }
+
+    /// The VMM side of a Firecracker page server serving this snapshot: builds the VM, copies
+    /// in the sys region (checked), registers the RAM on a userfaultfd and hands it to the
+    /// server on `socket` (see [`firecracker::hand_ram_to_server`]); the server brings the RAM.
+    /// The caller resumes the VM.
+    pub fn restore_lazy_via_socket(&self, socket: &Path) -> Result<PeerRestoredVm> {
+        let vm = self.new_vm()?;
+        self.copy_sys(&vm)?;
+        Ok(firecracker::hand_ram_to_server(vm, &self.state, socket)?)
+    }
+
+    fn lazy_on(&self, mut vm: Vm, config: &PagerConfig, t: Instant) -> Result<LazyStoreVm> {
+        self.copy_sys(&vm)?;
         let working_set = if config.prefetch.is_empty() {
             self.working_set()?
         } else {
@@ -193,13 +293,7 @@ impl StoreSnapshot {
                 continue;
             }
             let image = &self.manifest.regions[i];
-            let source = StoreSource::new(
-                self.fetcher.clone(),
-                self.resolved[i].clone(),
-                self.manifest.chunk_bytes,
-                image.spec.size,
-                self.label(i),
-            );
+            let source = self.source(i);
             let mut config = PagerConfig {
                 abort: Some(vm.abort_handle()),
                 realtime_handlers: true,

@@ -18,7 +18,7 @@ use serde::Serialize;
 use super::{Mode, RestoreArgs};
 
 /// Whether a `--out`, `--diff` or restore argument names a store snapshot.
-pub(super) fn is_store(path: &Path) -> bool {
+pub(crate) fn is_store(path: &Path) -> bool {
     path.to_str().is_some_and(is_store_url)
 }
 
@@ -240,13 +240,6 @@ struct StoreRestoreOutput {
 pub(super) fn restore(args: &RestoreArgs) -> crate::Result<()> {
     let run_for = crate::units::seconds(args.run_for, "--run-for")?;
     let text = args.dir.to_string_lossy().into_owned();
-    if args.uffd_socket.is_some() {
-        return Err(format!(
-            "--uffd-socket serves a flat snapshot's memory file; {text} is a store snapshot \
-             (restore it here, --mode full or lazy)"
-        )
-        .into());
-    }
     let at = Location::parse(&text)?;
     let t = Instant::now();
     let backend = at.store.open()?;
@@ -256,6 +249,11 @@ pub(super) fn restore(args: &RestoreArgs) -> crate::Result<()> {
         None
     };
     let snap = StoreSnapshot::open(backend, &at.name, cache)?;
+    if args.uffd_socket.is_some() && !matches!(args.mode, Mode::Lazy) {
+        return Err("--uffd-socket needs --mode lazy".into());
+    }
+    // A page server's connection and our copy of the userfaultfd, held while the guest runs.
+    let mut peer = None;
     let (mut vm, pagers, prefetched) = match args.mode {
         Mode::Map => {
             return Err(format!(
@@ -265,6 +263,14 @@ pub(super) fn restore(args: &RestoreArgs) -> crate::Result<()> {
             .into())
         }
         Mode::Full => (snap.restore_full()?, Vec::new(), false),
+        Mode::Lazy if args.uffd_socket.is_some() => {
+            // The RAM comes from the page server (`guestmem page-server --snapshot` of the
+            // same store snapshot checks each chunk's hash); the sys region was checked here.
+            let socket = args.uffd_socket.as_deref().expect("checked");
+            let restored = snap.restore_lazy_via_socket(socket)?;
+            peer = Some((restored.stream, restored.uffd));
+            (restored.vm, Vec::new(), false)
+        }
         Mode::Lazy => {
             let lazy = snap.restore_lazy(&PagerConfig::default())?;
             (lazy.vm, lazy.pagers, lazy.prefetched)
@@ -274,6 +280,7 @@ pub(super) fn restore(args: &RestoreArgs) -> crate::Result<()> {
     // restore_full compared every digest already (it refuses otherwise).
     let memory_digests_match = matches!(args.mode, Mode::Full).then_some(true);
     let (before, after, resident_ms) = super::run_restored(&mut vm, &pagers, run_for, t)?;
+    drop(peer);
     let working_set = super::working_set_output(&pagers, prefetched, || {
         Ok(snap.record_working_set(&vm, &pagers)?)
     })?;

@@ -23,6 +23,7 @@
 //! intact. CRC-32 finds damage, not a forger who also recomputes the manifest's checksum.
 
 mod manifest;
+mod prepared;
 mod sparse;
 mod working_set;
 mod write;
@@ -46,6 +47,7 @@ pub use manifest::{
     check_config_layout, BaseRef, Chunk, Manifest, RegionFile, RegionImage, CHUNK_BYTES, FORMAT,
     MAX_BASE_DEPTH, VERSION,
 };
+pub use prepared::{layout_mismatch, PreparedVm};
 use sparse::{nonzero_page_runs, read_sparse};
 pub use working_set::{WorkingSet, WorkingSetRegion, WORKING_SET_FORMAT};
 pub use write::{write, write_diff, write_with_components, WriteReport};
@@ -234,6 +236,11 @@ impl Snapshot {
         &self.dir
     }
 
+    /// Names it in messages: "snapshot DIR".
+    pub fn describe(&self) -> String {
+        format!("snapshot {}", self.dir.display())
+    }
+
     /// The VM's state.
     pub fn state(&self) -> &VmState {
         &self.state
@@ -384,14 +391,32 @@ pub enum RestoreMode {
 /// Builds a VM from `snapshot` with its memory and vCPU state; the caller resumes it. Every
 /// check happens before this returns, so a refused snapshot never runs a vCPU.
 pub fn restore(snapshot: &Snapshot, mode: RestoreMode) -> Result<Vm> {
-    let manifest = &snapshot.manifest;
+    check_mode(snapshot, mode)?;
+    restore_on(Vm::new(&snapshot.manifest.config)?, snapshot, mode)
+}
+
+/// [`restore`] into `prepared`, a VM built ahead of time for the snapshot's configuration
+/// (see [`PreparedVm`]): a snapshot of another configuration is refused naming what differs,
+/// before any of its bytes reach the VM. The caller resumes it.
+pub fn restore_into(prepared: PreparedVm, snapshot: &Snapshot, mode: RestoreMode) -> Result<Vm> {
+    check_mode(snapshot, mode)?;
+    let vm = prepared.take(&snapshot.manifest.config, &snapshot.describe())?;
+    restore_on(vm, snapshot, mode)
+}
+
+fn check_mode(snapshot: &Snapshot, mode: RestoreMode) -> Result<()> {
     if mode == RestoreMode::Map && snapshot.base.is_some() {
         return Err(Error::Layout(
             "a diff snapshot spans several memory files: restore it in full mode (or lazily)"
                 .into(),
         ));
     }
-    let mut vm = Vm::new(&manifest.config)?;
+    Ok(())
+}
+
+/// Restores `snapshot` into `vm`, built for its configuration and never run.
+fn restore_on(mut vm: Vm, snapshot: &Snapshot, mode: RestoreMode) -> Result<Vm> {
+    let manifest = &snapshot.manifest;
     check_layout(vm.memory(), &manifest.regions)?;
     let mut buf = vec![0u8; CHUNK_BYTES as usize];
     for (i, (region, image)) in vm
@@ -439,7 +464,34 @@ pub struct LazyVm {
 /// `config.prefetch` is empty, the pagers fetch that working set first.
 pub fn restore_lazy(snapshot: &Snapshot, config: &PagerConfig) -> Result<LazyVm> {
     let mut phases = Vec::new();
-    let mut vm = vm_for_lazy_restore(snapshot, &mut phases)?;
+    let vm = vm_for_lazy_restore(snapshot, &mut phases)?;
+    lazy_on(vm, snapshot, config, phases)
+}
+
+/// [`restore_lazy`] into `prepared`, a VM built ahead of time for the snapshot's configuration
+/// (see [`PreparedVm`]): its pagers are armed on the prepared VM's memory, so the restore
+/// leaves out creating the VM and registering its memslots. A snapshot of another
+/// configuration is refused naming what differs, before any of its bytes reach the VM.
+pub fn restore_lazy_into(
+    prepared: PreparedVm,
+    snapshot: &Snapshot,
+    config: &PagerConfig,
+) -> Result<LazyVm> {
+    let mut phases = Vec::new();
+    let mut t = Instant::now();
+    let vm = prepared.take(&snapshot.manifest.config, &snapshot.describe())?;
+    lap(&mut phases, &mut t, "check the prepared VM");
+    let vm = lazy_vm_on(vm, snapshot, &mut phases)?;
+    lazy_on(vm, snapshot, config, phases)
+}
+
+/// The rest of a lazy restore once the VM holds the sys region: the pagers and the vCPU state.
+fn lazy_on(
+    mut vm: Vm,
+    snapshot: &Snapshot,
+    config: &PagerConfig,
+    mut phases: Vec<(String, Duration)>,
+) -> Result<LazyVm> {
     let mut t = Instant::now();
     let working_set = if config.prefetch.is_empty() {
         snapshot.working_set()?
@@ -528,6 +580,11 @@ pub(crate) fn vm_for_lazy_restore(
             .iter()
             .map(|(name, d)| (format!("Vm::new: {name}"), *d)),
     );
+    lazy_vm_on(vm, snapshot, phases)
+}
+
+/// Checks `vm`'s layout against `snapshot` and copies in the sys region.
+fn lazy_vm_on(vm: Vm, snapshot: &Snapshot, phases: &mut Vec<(String, Duration)>) -> Result<Vm> {
     let mut t = Instant::now();
     check_layout(vm.memory(), &snapshot.manifest.regions)?;
     let mut buf = vec![0u8; CHUNK_BYTES as usize];
@@ -538,19 +595,6 @@ pub(crate) fn vm_for_lazy_restore(
     }
     lap(phases, &mut t, "copy the sys region");
     Ok(vm)
-}
-
-/// The guest RAM regions of a VM built by [`vm_for_lazy_restore`], with their images.
-pub(crate) fn lazy_regions<'a>(
-    vm: &'a Vm,
-    snapshot: &'a Snapshot,
-) -> impl Iterator<Item = (&'a Region, &'a RegionImage)> {
-    vm.memory()
-        .regions()
-        .iter()
-        .zip(&snapshot.manifest.regions)
-        .filter(|(region, _)| region.gpa() != layout::SYS_GPA)
-        .map(|(region, image)| (&**region, image))
 }
 
 /// One region's bytes in a snapshot's memory file (and, for a diff snapshot, its bases'),
