@@ -32,8 +32,12 @@ pub struct StoreSnapshot {
 
 /// The state object of `manifest`'s snapshot, checked against the manifest.
 pub fn read_state(backend: &dyn Backend, manifest: &StoreManifest) -> Result<Vec<u8>> {
+    check_state(backend, manifest, backend.get(&state_key(&manifest.name))?)
+}
+
+/// `bytes`, read as `manifest`'s state object, if they are what the manifest says.
+fn check_state(backend: &dyn Backend, manifest: &StoreManifest, bytes: Vec<u8>) -> Result<Vec<u8>> {
     let key = state_key(&manifest.name);
-    let bytes = backend.get(&key)?;
     if bytes.len() as u64 != manifest.state_bytes {
         return Err(Error::Corrupt(format!(
             "{}: {key}: {} bytes, the manifest says {}: truncated",
@@ -55,15 +59,26 @@ pub fn read_state(backend: &dyn Backend, manifest: &StoreManifest) -> Result<Vec
 
 impl StoreSnapshot {
     /// Opens snapshot `name` of `backend`: manifest, base chain, state. A remote store's
-    /// chunks go through `cache` (the host's chunk cache) when given.
+    /// chunks go through `cache` (the host's chunk cache) when given. The state object is
+    /// read while the manifest is (one round trip to a remote store, not two), and checked
+    /// against the manifest once both are in.
     pub fn open(
         backend: Arc<dyn Backend>,
         name: &str,
         cache: Option<ChunkCache>,
     ) -> Result<StoreSnapshot> {
-        let manifest = StoreManifest::load(&*backend, name)?;
+        let (manifest, state) = std::thread::scope(|s| {
+            let state = s.spawn(|| backend.get(&state_key(name)));
+            let manifest = StoreManifest::load(&*backend, name);
+            (
+                manifest,
+                state.join().expect("reading the state object panicked"),
+            )
+        });
+        // A missing or damaged manifest explains itself before any state error does.
+        let manifest = manifest?;
         let resolved = resolve(&*backend, &manifest)?;
-        let state_json = read_state(&*backend, &manifest)?;
+        let state_json = check_state(&*backend, &manifest, state?)?;
         let label = format!("{}/{}", backend.describe(), state_key(name));
         let state = guestmem_migration::snapshot::parse_state(
             &state_json,
@@ -281,12 +296,25 @@ impl StoreSnapshot {
     }
 
     fn lazy_on(&self, mut vm: Vm, config: &PagerConfig, t: Instant) -> Result<LazyStoreVm> {
-        self.copy_sys(&vm)?;
-        let working_set = if config.prefetch.is_empty() {
-            self.working_set()?
-        } else {
-            None
-        };
+        // The sys region's chunks and the working set are read at once (one round trip).
+        let (sys, working_set) = std::thread::scope(|s| {
+            let working_set = s.spawn(|| {
+                if config.prefetch.is_empty() {
+                    self.working_set()
+                } else {
+                    Ok(None)
+                }
+            });
+            let sys = self.copy_sys(&vm);
+            (
+                sys,
+                working_set
+                    .join()
+                    .expect("reading the working set panicked"),
+            )
+        });
+        sys?;
+        let working_set = working_set?;
         let mut pagers = Vec::new();
         for (i, region) in vm.memory().regions().iter().enumerate() {
             if region.gpa() == layout::SYS_GPA {
