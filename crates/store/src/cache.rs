@@ -1,15 +1,22 @@
 //! The host's local cache of chunks fetched from a remote store: shared by every restore on
 //! the host (a directory; each chunk a file named by its hash, put atomically), bounded (the
-//! least recently used chunks go first once it holds more than its limit). Entries are stored
-//! as fetched (compressed) and checked against their hash like a fetched chunk each time they
-//! are used: a damaged entry is dropped and fetched again.
+//! least recently used chunks go first once it holds more than its limit).
+//!
+//! An entry is the chunk as the guest sees it (decompressed, `HASH.raw`) followed by the
+//! CRC-32 of those bytes: it entered the cache only after its BLAKE3 hash was checked, and a
+//! second restore then reads it as a lazy restore reads a flat snapshot's local file (which
+//! a CRC-32 per chunk guards the same way), with no decompression and no rehash. An entry
+//! whose size or CRC is wrong (a torn write, a damaged disk) is dropped and fetched again.
+//! Entries are not synced: losing one to a crash costs a refetch, nothing more.
 
+use std::fs::File;
+use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::SystemTime;
 
 use crate::chunk::{self, Hash};
-use crate::local::put_file;
+use crate::local::put_file_unsynced;
 use crate::{Error, Result};
 
 /// `used` before the cache was counted.
@@ -81,43 +88,60 @@ impl ChunkCache {
 
     fn path(&self, hash: &Hash) -> PathBuf {
         let h = chunk::hex(hash);
-        self.dir.join(&h[..2]).join(h)
+        self.dir.join(&h[..2]).join(format!("{h}.raw"))
     }
 
-    /// The cached object of chunk `hash`, if any (its use time is updated).
-    pub fn get(&self, hash: &Hash) -> Option<Vec<u8>> {
-        let path = self.path(hash);
-        let bytes = std::fs::read(&path).ok()?;
-        if let Ok(f) = std::fs::File::options().write(true).open(&path) {
-            let _ = f.set_modified(SystemTime::now());
+    /// Puts the cached chunk `hash` into `out` (its length is the chunk's) and returns true,
+    /// if the cache holds it whole (size and CRC-32 as put); its use time is updated. False
+    /// when it is not cached, or its entry is damaged (then [`ChunkCache::remove`] it).
+    pub fn get_into(&self, hash: &Hash, out: &mut [u8]) -> bool {
+        let Ok(mut f) = File::open(self.path(hash)) else {
+            return false;
+        };
+        if f.metadata().map(|m| m.len()).ok() != Some(out.len() as u64 + 4) {
+            return false;
         }
-        Some(bytes)
+        let mut crc = [0u8; 4];
+        if f.read_exact(out).is_err() || f.read_exact(&mut crc).is_err() {
+            return false;
+        }
+        if crc32fast::hash(out) != u32::from_le_bytes(crc) {
+            return false;
+        }
+        let _ = f.set_modified(SystemTime::now());
+        true
     }
 
     /// Drops a damaged entry.
-    pub fn remove(&self, hash: &Hash) {
+    /// Whether there was one to drop.
+    pub fn remove(&self, hash: &Hash) -> bool {
         let path = self.path(hash);
-        if let Ok(meta) = std::fs::metadata(&path) {
-            if std::fs::remove_file(&path).is_ok() {
-                self.used
-                    .fetch_sub(meta.len().min(self.used()), Ordering::Relaxed);
-            }
+        let Ok(meta) = std::fs::metadata(&path) else {
+            return false;
+        };
+        let removed = std::fs::remove_file(&path).is_ok();
+        if removed {
+            self.used
+                .fetch_sub(meta.len().min(self.used()), Ordering::Relaxed);
         }
+        removed
     }
 
-    /// Keeps `bytes` as chunk `hash`'s object, then evicts the least recently used entries
-    /// while the cache holds more than its limit.
-    pub fn put(&self, hash: &Hash, bytes: &[u8]) -> Result<()> {
+    /// Keeps `chunk`, the checked bytes of chunk `hash`, then evicts the least recently used
+    /// entries while the cache holds more than its limit.
+    pub fn put(&self, hash: &Hash, chunk: &[u8]) -> Result<()> {
         let path = self.path(hash);
-        put_file(&path, bytes).map_err(|source| Error::Cache {
+        let mut entry = Vec::with_capacity(chunk.len() + 4);
+        entry.extend_from_slice(chunk);
+        entry.extend_from_slice(&crc32fast::hash(chunk).to_le_bytes());
+        put_file_unsynced(&path, &entry).map_err(|source| Error::Cache {
             path: path.clone(),
             op: "write",
             source,
         })?;
         self.used();
-        if self.used.fetch_add(bytes.len() as u64, Ordering::Relaxed) + bytes.len() as u64
-            > self.limit
-        {
+        let n = entry.len() as u64;
+        if self.used.fetch_add(n, Ordering::Relaxed) + n > self.limit {
             self.evict();
         }
         Ok(())
@@ -174,7 +198,7 @@ mod tests {
     fn keeps_within_its_limit_dropping_the_least_recently_used() {
         let dir = std::env::temp_dir().join(format!("guestmem-cache-test-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        let cache = ChunkCache::open(&dir, 10_000).unwrap();
+        let cache = ChunkCache::open(&dir, 10_100).unwrap();
         let hashes: Vec<Hash> = (0..5u8).map(|i| chunk::hash(&[i])).collect();
         for (i, h) in hashes.iter().enumerate() {
             cache.put(h, &[i as u8; 3000]).unwrap();
@@ -187,12 +211,39 @@ mod tests {
                 .set_modified(t)
                 .unwrap();
         }
-        assert!(cache.used() <= 10_000, "{}", cache.used());
-        assert!(cache.get(&hashes[0]).is_none(), "the oldest went first");
-        assert_eq!(cache.get(&hashes[4]).unwrap(), vec![4u8; 3000]);
+        assert!(cache.used() <= 10_100, "{}", cache.used());
+        let mut buf = vec![0u8; 3000];
+        assert!(!cache.get_into(&hashes[0], &mut buf), "the oldest went first");
+        assert!(cache.get_into(&hashes[4], &mut buf));
+        assert_eq!(buf, vec![4u8; 3000]);
         // A second process (or restore) sees what the first cached.
-        let again = ChunkCache::open(&dir, 10_000).unwrap();
+        let again = ChunkCache::open(&dir, 10_100).unwrap();
         assert_eq!(again.used(), cache.used());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A damaged entry (one byte flipped, or cut short) is not served.
+    #[test]
+    fn refuses_a_damaged_or_truncated_entry() {
+        let dir = std::env::temp_dir().join(format!("guestmem-cache-crc-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let cache = ChunkCache::open(&dir, 1 << 20).unwrap();
+        let data: Vec<u8> = (0..8192u32).map(|i| (i * 31) as u8).collect();
+        let h = chunk::hash(&data);
+        cache.put(&h, &data).unwrap();
+        let mut out = vec![0u8; data.len()];
+        assert!(cache.get_into(&h, &mut out));
+        assert_eq!(out, data);
+        let mut bytes = std::fs::read(cache.path(&h)).unwrap();
+        bytes[100] ^= 1;
+        std::fs::write(cache.path(&h), &bytes).unwrap();
+        assert!(!cache.get_into(&h, &mut out), "a flipped byte was served");
+        bytes[100] ^= 1;
+        std::fs::write(cache.path(&h), &bytes[..bytes.len() - 1]).unwrap();
+        assert!(!cache.get_into(&h, &mut out), "a truncated entry was served");
+        // A buffer of another length (another chunk size) does not match either.
+        std::fs::write(cache.path(&h), &bytes).unwrap();
+        assert!(!cache.get_into(&h, &mut vec![0u8; 4096]));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

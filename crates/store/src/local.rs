@@ -55,6 +55,11 @@ pub(crate) fn put_file(path: &Path, bytes: &[u8]) -> io::Result<()> {
     put_file_sync(path, bytes, true)
 }
 
+/// [`put_file`] without syncing: for the chunk cache, whose entries are checked when read.
+pub(crate) fn put_file_unsynced(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    put_file_sync(path, bytes, false)
+}
+
 /// [`put_file`], syncing the file before the rename only when `sync` says so.
 fn put_file_sync(path: &Path, bytes: &[u8], sync: bool) -> io::Result<()> {
     if let Some(dir) = path.parent() {

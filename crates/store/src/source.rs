@@ -63,18 +63,15 @@ impl Fetcher {
     /// (snapshot, region, chunk) in errors.
     pub fn chunk_into(&self, hash: &Hash, stored: u64, out: &mut [u8], what: &str) -> Result<()> {
         if let Some(cache) = &self.cache {
-            if let Some(bytes) = cache.get(hash) {
-                if bytes.len() as u64 == stored
-                    && chunk::decode_into(&bytes, hash, out, what).is_ok()
-                {
-                    self.cache_hits.fetch_add(1, Ordering::Relaxed);
-                    return Ok(());
-                }
+            if cache.get_into(hash, out) {
+                self.cache_hits.fetch_add(1, Ordering::Relaxed);
+                return Ok(());
+            }
+            if cache.remove(hash) {
                 tracing::warn!(
                     "chunk cache: entry {} is damaged; fetching it again",
                     chunk::hex(hash)
                 );
-                cache.remove(hash);
             }
         }
         let key = chunk::key(hash);
@@ -99,7 +96,7 @@ impl Fetcher {
         }
         chunk::decode_into(&bytes, hash, out, what)?;
         if let Some(cache) = &self.cache {
-            if let Err(e) = cache.put(hash, &bytes) {
+            if let Err(e) = cache.put(hash, out) {
                 tracing::warn!("chunk cache: {}", crate::chain_text(&e));
             }
         }
