@@ -11,7 +11,8 @@
 //! - restore rows per `--restore` mode (`store`: local or s3; `full`, `lazy` with a cold chunk
 //!   cache, `lazy` again with the cache the first filled and the working set it recorded):
 //!   `ready_ms` (the vCPUs ready), `first_progress_ms` (the guest's first completed page) and
-//!   `resident_ms` (all memory in place), with what the store and the cache served. With
+//!   `resident_ms` (all memory in place), medians of `--restore-runs`, with what the store
+//!   and the cache served. With
 //!   `lazy`, the same guest's flat snapshot (`guestmem snapshot --out DIR`, one local file) is
 //!   restored lazily first, as the row `store: file`, and each store row's
 //!   `resident_vs_file_ratio` compares with it;
@@ -32,6 +33,7 @@ use guestmem_paging::{Pager, PagerConfig};
 use guestmem_store::cache::ChunkCache;
 use guestmem_store::chunk::{CHUNK_BYTES, ZSTD_LEVEL};
 use guestmem_store::location::StoreUrl;
+use guestmem_store::manifest::working_set_key;
 use guestmem_store::restore::StoreSnapshot;
 use guestmem_store::s3::{S3Backend, S3Config};
 use guestmem_store::source::FetchStats;
@@ -41,6 +43,7 @@ use guestmem_vm::{layout, VcpuWork, Vm, VmConfig, Workload};
 use serde::Serialize;
 
 use crate::delay_proxy::DelayProxy;
+use crate::envelope::Figure;
 use crate::units::parse_size;
 
 #[derive(clap::Args)]
@@ -70,6 +73,9 @@ pub struct Args {
     /// Restore modes to time from the store: full, lazy.
     #[arg(long, value_delimiter = ',', default_value = "full,lazy")]
     restore: Vec<String>,
+    /// Restores per row; every restore figure is the median.
+    #[arg(long, default_value_t = 3)]
+    restore_runs: usize,
     /// Round-trip time added between the bench and an s3 store, in ms (a delay proxy in
     /// front of `AWS_ENDPOINT_URL`, half each way).
     #[arg(long, default_value_t = 0.0)]
@@ -103,12 +109,46 @@ struct RestoreRow {
     mode: &'static str,
     /// `cold`: an empty chunk cache; `warm`: the one the previous restore filled.
     cache: Option<&'static str>,
+    /// Medians of `--restore-runs`; each figure's runs beside it.
     ready_ms: f64,
     first_progress_ms: f64,
     resident_ms: f64,
+    ready_ms_figure: Option<Figure>,
+    first_progress_ms_figure: Option<Figure>,
+    resident_ms_figure: Option<Figure>,
     /// Lazy from a store: `resident_ms` / the `file` row's.
     resident_vs_file_ratio: Option<f64>,
+    /// The last run's.
     fetched: Option<FetchStats>,
+}
+
+impl RestoreRow {
+    /// The row of `timings` (per run: ready, first progress, resident, in ms).
+    fn of(
+        store: &'static str,
+        mode: &'static str,
+        cache: Option<&'static str>,
+        timings: &[[f64; 3]],
+        fetched: Option<FetchStats>,
+        file_resident_ms: Option<f64>,
+    ) -> RestoreRow {
+        let figure = |i: usize| Figure::of(&timings.iter().map(|t| t[i]).collect::<Vec<_>>());
+        let median = |f: &Option<Figure>| f.as_ref().map_or(f64::NAN, |f| f.median);
+        let (ready, first, resident) = (figure(0), figure(1), figure(2));
+        RestoreRow {
+            store,
+            mode,
+            cache,
+            ready_ms: median(&ready),
+            first_progress_ms: median(&first),
+            resident_ms: median(&resident),
+            resident_vs_file_ratio: file_resident_ms.map(|f| median(&resident) / f),
+            ready_ms_figure: ready,
+            first_progress_ms_figure: first,
+            resident_ms_figure: resident,
+            fetched,
+        }
+    }
 }
 
 /// A guest from the image, run `run` seconds, paused.
@@ -256,71 +296,78 @@ fn bench(
     let remote = backend.remote();
     let store_kind = if remote { "s3" } else { "local" };
     let mut restores = Vec::new();
+    let runs = args.restore_runs.max(1);
     let mut file_resident_ms = None;
     if lazy {
-        let t = Instant::now();
-        let snap = Snapshot::open(&flat)?;
-        let LazyVm { mut vm, pagers, .. } = snapshot::restore_lazy(&snap, &PagerConfig::default())?;
-        let ready = t.elapsed();
-        let (first_progress, resident) = run_until_resident(&mut vm, &pagers, t)?;
-        drop(pagers);
-        drop(vm);
+        let mut timings = Vec::new();
+        for _ in 0..runs {
+            let t = Instant::now();
+            let snap = Snapshot::open(&flat)?;
+            let LazyVm { mut vm, pagers, .. } =
+                snapshot::restore_lazy(&snap, &PagerConfig::default())?;
+            let ready = t.elapsed();
+            let (first_progress, resident) = run_until_resident(&mut vm, &pagers, t)?;
+            timings.push([ready, first_progress, resident].map(|d| d.as_secs_f64() * 1e3));
+        }
         let _ = std::fs::remove_dir_all(&flat);
-        file_resident_ms = Some(resident.as_secs_f64() * 1e3);
-        restores.push(RestoreRow {
-            store: "file",
-            mode: "lazy",
-            cache: None,
-            ready_ms: ready.as_secs_f64() * 1e3,
-            first_progress_ms: first_progress.as_secs_f64() * 1e3,
-            resident_ms: resident.as_secs_f64() * 1e3,
-            resident_vs_file_ratio: None,
-            fetched: None,
-        });
+        let row = RestoreRow::of("file", "lazy", None, &timings, None, None);
+        file_resident_ms = Some(row.resident_ms);
+        restores.push(row);
     }
     let cache_dir = temp.join("cache");
     for mode in &args.restore {
-        let runs: &[Option<&'static str>] = match (mode.as_str(), remote) {
+        let kinds: &[Option<&'static str>] = match (mode.as_str(), remote) {
             ("lazy", true) => &[Some("cold"), Some("warm")],
             ("lazy", false) => &[None, None],
             ("full", true) => &[Some("cold")],
             ("full", false) => &[None],
             (other, _) => return Err(format!("--restore {other}: full or lazy").into()),
         };
-        for cache in runs {
-            if *cache == Some("cold") {
-                let _ = std::fs::remove_dir_all(&cache_dir);
+        // Each run restores once per kind, in order (a warm restore follows the cold one
+        // whose chunks and recorded working set it uses).
+        let mut timings = vec![Vec::new(); kinds.len()];
+        let mut fetched = vec![FetchStats::default(); kinds.len()];
+        for _ in 0..runs {
+            if mode == "lazy" {
+                // The first restore of each run records the working set anew.
+                backend.delete(&working_set_key(&name))?;
             }
-            let t = Instant::now();
-            let chunk_cache = match cache {
-                Some(_) => Some(ChunkCache::open(&cache_dir, 64 << 30)?),
-                None => None,
-            };
-            let snap = StoreSnapshot::open(backend.clone(), &name, chunk_cache)?;
-            let (mut vm, pagers) = if mode == "full" {
-                (snap.restore_full()?, Vec::new())
-            } else {
-                let lazy = snap.restore_lazy(&PagerConfig::default())?;
-                (lazy.vm, lazy.pagers)
-            };
-            let ready = t.elapsed();
-            let (first_progress, resident) = run_until_resident(&mut vm, &pagers, t)?;
-            if mode == "lazy" && snap.working_set()?.is_none() {
-                snap.record_working_set(&vm, &pagers)?;
+            for (k, cache) in kinds.iter().enumerate() {
+                if *cache == Some("cold") {
+                    let _ = std::fs::remove_dir_all(&cache_dir);
+                }
+                let t = Instant::now();
+                let chunk_cache = match cache {
+                    Some(_) => Some(ChunkCache::open(&cache_dir, 64 << 30)?),
+                    None => None,
+                };
+                let snap = StoreSnapshot::open(backend.clone(), &name, chunk_cache)?;
+                let (mut vm, pagers) = if mode == "full" {
+                    (snap.restore_full()?, Vec::new())
+                } else {
+                    let lazy = snap.restore_lazy(&PagerConfig::default())?;
+                    (lazy.vm, lazy.pagers)
+                };
+                let ready = t.elapsed();
+                let (first_progress, resident) = run_until_resident(&mut vm, &pagers, t)?;
+                if mode == "lazy" && snap.working_set()?.is_none() {
+                    snap.record_working_set(&vm, &pagers)?;
+                }
+                drop(pagers);
+                timings[k].push([ready, first_progress, resident].map(|d| d.as_secs_f64() * 1e3));
+                fetched[k] = snap.fetcher.stats();
             }
-            drop(pagers);
-            restores.push(RestoreRow {
-                store: store_kind,
-                mode: if mode == "full" { "full" } else { "lazy" },
-                cache: *cache,
-                ready_ms: ready.as_secs_f64() * 1e3,
-                first_progress_ms: first_progress.as_secs_f64() * 1e3,
-                resident_ms: resident.as_secs_f64() * 1e3,
-                resident_vs_file_ratio: file_resident_ms
-                    .filter(|_| mode == "lazy")
-                    .map(|f| resident.as_secs_f64() * 1e3 / f),
-                fetched: Some(snap.fetcher.stats()),
-            });
+        }
+        for (k, cache) in kinds.iter().enumerate() {
+            let mode = if mode == "full" { "full" } else { "lazy" };
+            restores.push(RestoreRow::of(
+                store_kind,
+                mode,
+                *cache,
+                &timings[k],
+                Some(fetched[k]),
+                file_resident_ms.filter(|_| mode == "lazy"),
+            ));
         }
     }
     // The bench's snapshots go; their chunks at the store's next `guestmem snapshot gc`.

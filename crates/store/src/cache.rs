@@ -213,7 +213,10 @@ mod tests {
         }
         assert!(cache.used() <= 10_100, "{}", cache.used());
         let mut buf = vec![0u8; 3000];
-        assert!(!cache.get_into(&hashes[0], &mut buf), "the oldest went first");
+        assert!(
+            !cache.get_into(&hashes[0], &mut buf),
+            "the oldest went first"
+        );
         assert!(cache.get_into(&hashes[4], &mut buf));
         assert_eq!(buf, vec![4u8; 3000]);
         // A second process (or restore) sees what the first cached.
@@ -240,7 +243,10 @@ mod tests {
         assert!(!cache.get_into(&h, &mut out), "a flipped byte was served");
         bytes[100] ^= 1;
         std::fs::write(cache.path(&h), &bytes[..bytes.len() - 1]).unwrap();
-        assert!(!cache.get_into(&h, &mut out), "a truncated entry was served");
+        assert!(
+            !cache.get_into(&h, &mut out),
+            "a truncated entry was served"
+        );
         // A buffer of another length (another chunk size) does not match either.
         std::fs::write(cache.path(&h), &bytes).unwrap();
         assert!(!cache.get_into(&h, &mut vec![0u8; 4096]));
