@@ -122,22 +122,46 @@ impl StoreSnapshot {
             let mut buf = vec![0u8; len];
             let what = format!("{label} chunk {i} (offset {:#x})", i as u64 * cb);
             self.fetcher.chunk_into(&hash, stored, &mut buf, &what)?;
-            let gpa = region.spec.gpa + i as u64 * cb;
-            let page = PAGE_SIZE as usize;
-            let mut p = 0;
-            while p < len {
-                if crate::chunk::is_zero(&buf[p..p + page]) {
-                    p += page;
-                    continue;
-                }
-                let start = p;
-                while p < len && !crate::chunk::is_zero(&buf[p..p + page]) {
-                    p += page;
-                }
-                memory.write(gpa + start as u64, &buf[start..p])?;
-            }
-            Ok(())
+            write_non_zero(memory, region.spec.gpa + i as u64 * cb, &buf)
         })
+    }
+
+    /// Fetches and checks every non-zero chunk of the sys region (page tables, payload,
+    /// control blocks; a few MiB): (guest address, bytes), to be written with
+    /// [`write_non_zero`] once the VM exists.
+    fn fetch_sys(&self) -> Result<Vec<(u64, Vec<u8>)>> {
+        let Some(index) = self
+            .manifest
+            .regions
+            .iter()
+            .position(|r| r.spec.gpa == layout::SYS_GPA)
+        else {
+            return Ok(Vec::new());
+        };
+        let region = &self.manifest.regions[index];
+        let cb = self.manifest.chunk_bytes;
+        let label = self.label(index);
+        let chunks: Vec<(usize, Hash, u64)> = self.resolved[index]
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| c.map(|(h, n)| (i, h, n)))
+            .collect();
+        let mut out: Vec<(u64, Vec<u8>)> = chunks
+            .iter()
+            .map(|&(i, _, _)| {
+                let len = region.chunk_len(cb, i) as usize;
+                (region.spec.gpa + i as u64 * cb, vec![0u8; len])
+            })
+            .collect();
+        parallel(
+            chunks.iter().zip(out.iter_mut()).collect(),
+            self.threads(),
+            |(&(i, hash, stored), slot)| {
+                let what = format!("{label} chunk {i} (offset {:#x})", i as u64 * cb);
+                self.fetcher.chunk_into(&hash, stored, &mut slot.1, &what)
+            },
+        )?;
+        Ok(out)
     }
 
     fn threads(&self) -> usize {
@@ -221,7 +245,7 @@ impl StoreSnapshot {
     /// the pagers fetch that working set first.
     pub fn restore_lazy(&self, config: &PagerConfig) -> Result<LazyStoreVm> {
         let t = Instant::now();
-        self.lazy_on(self.new_vm()?, config, t)
+        self.lazy_on(|| self.new_vm(), config, t)
     }
 
     /// [`StoreSnapshot::restore_lazy`] into `prepared`, a VM built ahead of time for the
@@ -234,16 +258,15 @@ impl StoreSnapshot {
         config: &PagerConfig,
     ) -> Result<LazyStoreVm> {
         let t = Instant::now();
-        self.lazy_on(self.prepared_vm(prepared)?, config, t)
+        // Checked before any chunk is fetched.
+        let vm = self.prepared_vm(prepared)?;
+        self.lazy_on(|| Ok(vm), config, t)
     }
 
     /// Fetches, checks and copies in the sys region (page tables, payload, control blocks).
     fn copy_sys(&self, vm: &Vm) -> Result<()> {
-        let threads = self.threads();
-        for (i, region) in vm.memory().regions().iter().enumerate() {
-            if region.gpa() == layout::SYS_GPA {
-                self.copy_region(vm.memory(), i, threads)?;
-            }
+        for (gpa, bytes) in self.fetch_sys()? {
+            write_non_zero(vm.memory(), gpa, &bytes)?;
         }
         Ok(())
     }
@@ -295,9 +318,17 @@ impl StoreSnapshot {
         Ok(firecracker::hand_ram_to_server(vm, &self.state, socket)?)
     }
 
-    fn lazy_on(&self, mut vm: Vm, config: &PagerConfig, t: Instant) -> Result<LazyStoreVm> {
-        // The sys region's chunks and the working set are read at once (one round trip).
-        let (sys, working_set) = std::thread::scope(|s| {
+    /// Arms a lazy restore on the VM `vm` builds. The sys region's chunks and the working set
+    /// are read while it builds (against a remote store, the VM's creation and the round
+    /// trips overlap).
+    fn lazy_on(
+        &self,
+        vm: impl FnOnce() -> Result<Vm>,
+        config: &PagerConfig,
+        t: Instant,
+    ) -> Result<LazyStoreVm> {
+        let (vm, sys, working_set) = std::thread::scope(|s| {
+            let sys = s.spawn(|| self.fetch_sys());
             let working_set = s.spawn(|| {
                 if config.prefetch.is_empty() {
                     self.working_set()
@@ -305,15 +336,19 @@ impl StoreSnapshot {
                     Ok(None)
                 }
             });
-            let sys = self.copy_sys(&vm);
+            let vm = vm();
             (
-                sys,
+                vm,
+                sys.join().expect("fetching the sys region panicked"),
                 working_set
                     .join()
                     .expect("reading the working set panicked"),
             )
         });
-        sys?;
+        let mut vm = vm?;
+        for (gpa, bytes) in sys? {
+            write_non_zero(vm.memory(), gpa, &bytes)?;
+        }
         let working_set = working_set?;
         let mut pagers = Vec::new();
         for (i, region) in vm.memory().regions().iter().enumerate() {
@@ -452,4 +487,23 @@ impl StoreWorkingSet {
             .to_hex()
             .to_string()
     }
+}
+
+/// Writes the non-zero pages of `buf` at `gpa` (fresh guest memory reads as zeros already).
+fn write_non_zero(memory: &GuestMemory, gpa: u64, buf: &[u8]) -> Result<()> {
+    let page = PAGE_SIZE as usize;
+    let len = buf.len();
+    let mut p = 0;
+    while p < len {
+        if crate::chunk::is_zero(&buf[p..(p + page).min(len)]) {
+            p += page;
+            continue;
+        }
+        let start = p;
+        while p < len && !crate::chunk::is_zero(&buf[p..(p + page).min(len)]) {
+            p += page;
+        }
+        memory.write(gpa + start as u64, &buf[start..p.min(len)])?;
+    }
+    Ok(())
 }
