@@ -228,7 +228,7 @@ fn snapshot_then_restore_continues_the_guest() {
     // A manifest edited by hand (a data chunk marked zero): refused before the guest runs.
     let manifest = dir.join("manifest.json");
     let text = std::fs::read_to_string(&manifest).unwrap();
-    let edited = text.replacen("\"zero\": false", "\"zero\": true", 1);
+    let edited = text.replacen("\"zero\":false", "\"zero\":true", 1);
     assert_ne!(edited, text);
     std::fs::write(&manifest, edited).unwrap();
     for mode in ["full", "map", "lazy"] {

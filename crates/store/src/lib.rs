@@ -151,14 +151,7 @@ impl Error {
     }
 }
 
-/// An error and its causes in one line (to sort errors by what they say).
+/// An error and its causes in one line, each cause once (to sort errors by what they say).
 pub(crate) fn chain_text(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
+    guestmem_migration::error_chain(e, ": ")
 }

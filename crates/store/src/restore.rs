@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use guestmem_memory::{GuestMemory, PAGE_SIZE};
 use guestmem_migration::firecracker::{self, PeerRestoredVm, ServedMemory, ServedRegion};
-use guestmem_migration::snapshot::PreparedVm;
+use guestmem_migration::snapshot::{PreparedVm, WorkingSetRegion};
 use guestmem_paging::{Pager, PagerConfig};
 use guestmem_vm::{layout, Vm, VmState};
 use serde::{Deserialize, Serialize};
@@ -422,17 +422,7 @@ impl StoreSnapshot {
     /// Records the chunks the guest of `lazy` faulted on, in order, for the next lazy restore
     /// of this snapshot (on any host) to fetch first. Returns how many it lists.
     pub fn record_working_set(&self, vm: &Vm, pagers: &[Pager]) -> Result<usize> {
-        let regions: Vec<WorkingSetRegion> = vm
-            .memory()
-            .regions()
-            .iter()
-            .filter(|r| r.gpa() != layout::SYS_GPA)
-            .zip(pagers)
-            .map(|(region, pager)| WorkingSetRegion {
-                name: region.name().to_string(),
-                chunks: pager.fault_order(),
-            })
-            .collect();
+        let regions = guestmem_migration::snapshot::regions_of(vm, pagers);
         let n = regions.iter().map(|r| r.chunks.len()).sum();
         let mut ws = StoreWorkingSet {
             format: WORKING_SET_FORMAT.into(),
@@ -469,14 +459,6 @@ pub struct StoreWorkingSet {
     pub regions: Vec<WorkingSetRegion>,
     /// BLAKE3 of the canonical form with this field empty.
     pub checksum: String,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct WorkingSetRegion {
-    pub name: String,
-    /// Region offsets of the pager's chunks, in fault order.
-    pub chunks: Vec<u64>,
 }
 
 impl StoreWorkingSet {

@@ -49,7 +49,7 @@ pub use manifest::{
 };
 pub use prepared::{layout_mismatch, PreparedVm};
 use sparse::{nonzero_page_runs, read_sparse};
-pub use working_set::{WorkingSet, WorkingSetRegion, WORKING_SET_FORMAT};
+pub use working_set::{regions_of, WorkingSet, WorkingSetRegion, WORKING_SET_FORMAT};
 pub use write::{write, write_diff, write_with_components, WriteReport};
 
 use crate::component::ComponentState;
@@ -545,17 +545,7 @@ impl LazyVm {
 /// [`LazyVm::record_working_set`] for a lazy restore taken apart (`pagers` in the order
 /// [`restore_lazy`] made them).
 pub fn record_working_set(snapshot: &Snapshot, vm: &Vm, pagers: &[Pager]) -> Result<usize> {
-    let regions: Vec<WorkingSetRegion> = vm
-        .memory()
-        .regions()
-        .iter()
-        .filter(|r| r.gpa() != layout::SYS_GPA)
-        .zip(pagers)
-        .map(|(region, pager)| WorkingSetRegion {
-            name: region.name().to_string(),
-            chunks: pager.fault_order(),
-        })
-        .collect();
+    let regions = working_set::regions_of(vm, pagers);
     let n = regions.iter().map(|r| r.chunks.len()).sum();
     snapshot.write_working_set(regions)?;
     Ok(n)

@@ -1,6 +1,8 @@
 //! `working-set.json`: the chunks a lazily restored guest faulted on first, kept beside the
 //! snapshot for the next lazy restore to fetch first.
 
+use guestmem_paging::Pager;
+use guestmem_vm::{layout, Vm};
 use serde::{Deserialize, Serialize};
 
 use super::manifest::{CHUNK_BYTES, VERSION};
@@ -33,8 +35,23 @@ pub struct WorkingSet {
 pub struct WorkingSetRegion {
     /// The region's name.
     pub name: String,
-    /// Chunk indices, in the order the guest faulted on them.
+    /// Region offsets of the pager's chunks, in the order the guest faulted on them.
     pub chunks: Vec<u64>,
+}
+
+/// The working set a lazy restore's guest showed: per RAM region of `vm` (the sys region
+/// left out, `pagers` in the order of the regions), the chunks it faulted on, in order.
+pub fn regions_of(vm: &Vm, pagers: &[Pager]) -> Vec<WorkingSetRegion> {
+    vm.memory()
+        .regions()
+        .iter()
+        .filter(|r| r.gpa() != layout::SYS_GPA)
+        .zip(pagers)
+        .map(|(region, pager)| WorkingSetRegion {
+            name: region.name().to_string(),
+            chunks: pager.fault_order(),
+        })
+        .collect()
 }
 
 impl WorkingSet {
