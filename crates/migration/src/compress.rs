@@ -10,13 +10,6 @@
 //! compressing. [`Compressor`] keeps running averages of the three, shared by all writers of a
 //! migration, and picks for each frame the codec with the least time per byte; every
 //! [`PROBE_EVERY`]-th frame tries another codec so that its figures stay current.
-//!
-//! A link shows its speed only while it is full: once compression makes the writers produce
-//! less than the link carries, their writes return at once and `w` reads as small as on a fast
-//! link, which would switch compression off until the link fills again (auto mode oscillated
-//! so on a 1 Gbit/s link). So `w` is the larger of its running average and the slowest recent
-//! one, which forgets by [`WIRE_PEAK_DECAY`] per frame (half of it in about 140 frames, a
-//! second or so of a migration on such a link).
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -32,8 +25,6 @@ pub const PROBE_EVERY: u64 = 16;
 pub const ZSTD_LEVEL: i32 = 1;
 /// Weight of the newest sample in the running averages.
 const ALPHA: f64 = 0.2;
-/// What the slowest recent wire time keeps of itself per frame recorded.
-pub const WIRE_PEAK_DECAY: f64 = 0.995;
 
 /// How a migration compresses its Pages frames.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
@@ -92,8 +83,6 @@ struct Figures {
     ratio: [Option<f64>; 3],
     /// Nanoseconds per byte on the wire.
     wire_ns: Option<f64>,
-    /// The slowest recent `wire_ns`, decaying by [`WIRE_PEAK_DECAY`] per frame.
-    wire_peak_ns: f64,
 }
 
 /// One migration's compression: the mode, the figures auto mode decides on, the counts.
@@ -171,8 +160,6 @@ impl Compressor {
             }
             let wire = write_time.as_nanos() as f64 / wire_bytes as f64;
             figures.wire_ns = average(figures.wire_ns, wire);
-            figures.wire_peak_ns =
-                (figures.wire_peak_ns * WIRE_PEAK_DECAY).max(figures.wire_ns.unwrap_or(0.0));
         }
         let compressed = wire_bytes < frame_bytes;
         match (codec, compressed) {
@@ -196,10 +183,9 @@ impl Compressor {
     }
 }
 
-/// The candidate with the least time per byte of pages: `c + w / r`, `w` for no codec (`w`
-/// the larger of the running average and the recent peak, see the module docs).
+/// The candidate with the least time per byte of pages: `c + w / r`, `w` for no codec.
 fn best(f: &Figures) -> Codec {
-    let Some(w) = f.wire_ns.map(|w| w.max(f.wire_peak_ns)) else {
+    let Some(w) = f.wire_ns else {
         return Codec::None;
     };
     let cost = |i: usize| match (f.compress_ns[i], f.ratio[i]) {
@@ -218,8 +204,18 @@ mod tests {
     use super::*;
 
     fn feed(c: &Compressor, wire_ns: f64, lz4: (f64, f64), zstd: (f64, f64)) {
+        let mb = 1 << 20;
         for _ in 0..40 {
-            feed_once(c, wire_ns, lz4, zstd);
+            for (codec, (ns, ratio)) in [(Codec::Lz4, lz4), (Codec::Zstd(1), zstd)] {
+                let out = (mb as f64 / ratio) as usize;
+                c.record(
+                    codec,
+                    mb,
+                    out,
+                    Duration::from_nanos((ns * mb as f64) as u64),
+                    Duration::from_nanos((wire_ns * out as f64) as u64),
+                );
+            }
         }
     }
 
@@ -245,41 +241,6 @@ mod tests {
         let c = Compressor::new(Compress::Auto);
         feed(&c, 4.0, lz4, zstd);
         assert_eq!(best(&c.state.lock().unwrap().0), Codec::Lz4);
-    }
-
-    /// Once compression leaves a slow link unfilled, writes return at once: a few such
-    /// frames do not switch compression off, but a link that stays fast does, in time.
-    #[test]
-    fn a_link_that_was_slow_keeps_compression_until_it_stays_fast() {
-        let lz4 = (1.0, 2.0);
-        let zstd = (3.0, 2.6);
-        let c = Compressor::new(Compress::Auto);
-        feed(&c, 8.0, lz4, zstd);
-        assert_eq!(best(&c.state.lock().unwrap().0), Codec::Lz4);
-        // The socket has room now: 20 frames whose writes look like a 10 Gbit/s link's.
-        for _ in 0..10 {
-            feed_once(&c, 0.8, lz4, zstd);
-        }
-        assert_eq!(best(&c.state.lock().unwrap().0), Codec::Lz4);
-        // A fast link for good: after ~1000 frames the peak is forgotten.
-        for _ in 0..500 {
-            feed_once(&c, 0.8, lz4, zstd);
-        }
-        assert_eq!(best(&c.state.lock().unwrap().0), Codec::None);
-    }
-
-    fn feed_once(c: &Compressor, wire_ns: f64, lz4: (f64, f64), zstd: (f64, f64)) {
-        let mb = 1 << 20;
-        for (codec, (ns, ratio)) in [(Codec::Lz4, lz4), (Codec::Zstd(1), zstd)] {
-            let out = (mb as f64 / ratio) as usize;
-            c.record(
-                codec,
-                mb,
-                out,
-                Duration::from_nanos((ns * mb as f64) as u64),
-                Duration::from_nanos((wire_ns * out as f64) as u64),
-            );
-        }
     }
 
     #[test]
