@@ -59,9 +59,10 @@ impl DelayProxy {
 impl Drop for DelayProxy {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
-        // Wake the accept loop so that it sees `stop`.
-        let _ = TcpStream::connect(self.addr);
-        if let Some(t) = self.accept.take() {
+        // Wake the accept loop so that it sees `stop`; if that fails, leave the thread (it
+        // ends with the process) rather than wait for a connection that may never come.
+        let woken = TcpStream::connect(self.addr).is_ok();
+        if let Some(t) = self.accept.take().filter(|_| woken) {
             let _ = t.join();
         }
     }

@@ -427,3 +427,25 @@ fn run_until_resident(
     running.wait(Duration::from_secs(30))?;
     Ok((first_progress, resident))
 }
+
+#[cfg(test)]
+mod tests {
+    fn error_of(argv: &[&str]) -> String {
+        crate::refusal(argv, super::main)
+    }
+
+    /// A round trip is added only in front of an s3 store, and must be a number of ms; both
+    /// refused before any guest is built.
+    #[test]
+    fn a_delay_is_refused_but_for_an_s3_store() {
+        let e = error_of(&["--image", "/nonexistent", "--rtt-ms", "1"]);
+        assert!(
+            e.contains("--rtt-ms") && e.contains("local directory"),
+            "{e}"
+        );
+        let e = error_of(&["--image", "/nonexistent", "--rtt-ms=-1"]);
+        assert!(e.contains("--rtt-ms -1: a round trip in ms"), "{e}");
+        let e = error_of(&["--image", "/nonexistent", "--rtt-ms", "inf"]);
+        assert!(e.contains("--rtt-ms inf"), "{e}");
+    }
+}
