@@ -62,6 +62,35 @@ fn cache(dir: &TempDir) -> guestmem_store::cache::ChunkCache {
     guestmem_store::cache::ChunkCache::open(&dir.0.join("cache"), 1 << 30).unwrap()
 }
 
+/// The full restore's whole-memory check: memory as restored passes; one byte changed in a
+/// data chunk, or written into a zero chunk, is found and named (then put back).
+fn memory_checked_chunk_by_chunk(snap: &StoreSnapshot, vm: &Vm) {
+    snap.check_memory(vm.memory()).unwrap();
+    let cb = snap.manifest.chunk_bytes;
+    let find = |data: bool| {
+        snap.resolved
+            .iter()
+            .enumerate()
+            .find_map(|(r, chunks)| {
+                let i = chunks.iter().position(|c| c.is_some() == data)?;
+                Some((snap.manifest.regions[r].spec.gpa, i))
+            })
+            .expect("a data chunk and a zero chunk")
+    };
+    for ((gpa, i), what) in [(find(true), "hash "), (find(false), "zero chunk")] {
+        let at = gpa + i as u64 * cb + 96;
+        let was = vm.memory().read_u64(at).unwrap();
+        vm.memory().write_u64(at, was ^ 0x40).unwrap();
+        let e = snap.check_memory(vm.memory()).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("chunk {i} (offset {:#x})", i as u64 * cb)) && e.contains(what),
+            "{e}"
+        );
+        vm.memory().write_u64(at, was).unwrap();
+    }
+    snap.check_memory(vm.memory()).unwrap();
+}
+
 /// Snapshot, then restore in full and lazily: the guest sees the same bytes (digests) and goes
 /// on from where it was. A second lazy restore on the host fetches nothing from the store.
 fn round_trip(backend: Arc<dyn Backend>, tmp: &TempDir) {
@@ -80,6 +109,7 @@ fn round_trip(backend: Arc<dyn Backend>, tmp: &TempDir) {
     let snap = StoreSnapshot::open(backend.clone(), "vm1", Some(cache(tmp))).unwrap();
     let mut vm = snap.restore_full().unwrap();
     assert_eq!(digests(&vm), want, "full restore");
+    memory_checked_chunk_by_chunk(&snap, &vm);
     assert_eq!(vm.pages_done(), at_snapshot);
     let work = dirty_work(2, SIZE);
     assert_pages_consistent(&vm, &work, &at_snapshot);
@@ -414,30 +444,67 @@ fn minio_wrong_credentials_and_unreachable_store_are_named() {
 #[test]
 #[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
 fn local_store_on_a_full_disk_fails_and_leaves_no_manifest() {
+    let tmp = TempDir::new("store-full");
+    let (mnt, _unmount) = small_tmpfs(&tmp, "4m");
+    let backend: Arc<dyn Backend> = Arc::new(LocalBackend::new(&mnt.join("store")));
+    let e = write(&*backend, "full", &vm_of_random_bytes(), None).unwrap_err();
+    let text = chain(&e);
+    assert!(
+        text.contains("store:") && text.contains("chunks/") && text.contains("No space left"),
+        "{text}"
+    );
+    assert_no_snapshot(backend, "full");
+}
+
+/// The same against MinIO whose data directory is on a file system that fills: the write
+/// fails naming the store, the object and the S3 error, and leaves no snapshot.
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn minio_on_a_full_disk_fails_and_leaves_no_manifest() {
+    let tmp = TempDir::new("store-full-s3");
+    let (mnt, _unmount) = small_tmpfs(&tmp, "16m");
+    let m = Minio::start_in("snaps", &mnt);
+    let backend = s3(&m, "full-disk");
+    let e = write(&*backend, "full", &vm_of_random_bytes(), None).unwrap_err();
+    // MinIO answers a PUT it runs out of space for as an incomplete body (400), or one it
+    // has no room for as storage full (507), depending on when the space runs out; the error
+    // names the store, the object and what MinIO said.
+    let text = chain(&e);
+    assert!(
+        text.contains("s3://snaps/full-disk: write chunks/")
+            && (text.contains("IncompleteBody") || text.contains("StorageFull")),
+        "{text}"
+    );
+    assert_no_snapshot(backend, "full");
+}
+
+/// A tmpfs of `size` mounted in `tmp` (unmounted when the guard goes).
+fn small_tmpfs(tmp: &TempDir, size: &str) -> (std::path::PathBuf, impl Drop) {
     // SAFETY: geteuid has no preconditions.
     assert_eq!(
         unsafe { libc::geteuid() },
         0,
         "this test mounts a small tmpfs and needs root"
     );
-    let tmp = TempDir::new("store-full");
     let mnt = tmp.0.join("small");
     std::fs::create_dir_all(&mnt).unwrap();
     let ok = std::process::Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=4m", "tmpfs"])
+        .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
         .arg(&mnt)
         .status()
         .unwrap();
-    assert!(ok.success(), "mount a 4 MiB tmpfs on {}", mnt.display());
+    assert!(ok.success(), "mount a {size} tmpfs on {}", mnt.display());
     struct Unmount(std::path::PathBuf);
     impl Drop for Unmount {
         fn drop(&mut self) {
             let _ = std::process::Command::new("umount").arg(&self.0).status();
         }
     }
-    let _unmount = Unmount(mnt.clone());
+    (mnt.clone(), Unmount(mnt))
+}
 
-    // 32 MiB of incompressible guest memory.
+/// A VM whose RAM (SIZE) holds incompressible bytes.
+fn vm_of_random_bytes() -> Vm {
     let vm = Vm::new(&VmConfig::simple(1, SIZE, MemBackend::Anon)).unwrap();
     let mut x = 0x9e37_79b9_7f4a_7c15u64;
     let bytes: Vec<u8> = (0..SIZE / 8)
@@ -451,25 +518,29 @@ fn local_store_on_a_full_disk_fails_and_leaves_no_manifest() {
     vm.memory()
         .write(guestmem_vm::layout::RAM_GPA, &bytes)
         .unwrap();
-    let backend: Arc<dyn Backend> = Arc::new(LocalBackend::new(&mnt.join("store")));
-    let e = write(&*backend, "full", &vm, None).unwrap_err();
+    vm
+}
+
+/// An error and its causes, joined.
+fn chain(e: &Error) -> String {
     let mut text = e.to_string();
-    let mut source = std::error::Error::source(&e);
+    let mut source = std::error::Error::source(e);
     while let Some(s) = source {
         text.push_str(&format!(": {s}"));
         source = s.source();
     }
-    assert!(
-        text.contains("store:") && text.contains("chunks/") && text.contains("No space left"),
-        "{text}"
-    );
-    assert!(!backend.exists(&manifest_key("full")).unwrap());
-    let e = StoreSnapshot::open(backend, "full", None)
+    text
+}
+
+/// No manifest `name` in `backend`, and opening it says the write did not finish.
+fn assert_no_snapshot(backend: Arc<dyn Backend>, name: &str) {
+    assert!(!backend.exists(&manifest_key(name)).unwrap());
+    let e = StoreSnapshot::open(backend, name, None)
         .err()
         .expect("no snapshot")
         .to_string();
     assert!(
-        e.contains("no snapshot 'full'") && e.contains("did not finish"),
+        e.contains(&format!("no snapshot '{name}'")) && e.contains("did not finish"),
         "{e}"
     );
 }

@@ -70,8 +70,11 @@ pub struct StoreBase {
 #[serde(deny_unknown_fields)]
 pub struct StoreRegion {
     pub spec: RegionSpec,
-    /// `GuestMemory::digest` of the whole region at snapshot time.
-    pub digest: u64,
+    /// `GuestMemory::digest` of the whole region at snapshot time, in manifests written before
+    /// the chunks' own hashes became the restore's whole-memory check (read, not written: a
+    /// restore checks every chunk of memory against its hash instead).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<u64>,
     pub chunks: Vec<ChunkRef>,
 }
 
@@ -360,12 +363,12 @@ mod tests {
                         layout::SYS_SIZE,
                         MemBackend::Anon,
                     ),
-                    digest: 1,
+                    digest: None,
                     chunks: vec![ChunkRef::Zero; layout::SYS_SIZE.div_ceil(cb) as usize],
                 },
                 StoreRegion {
                     spec: config.regions[0].clone(),
-                    digest: 2,
+                    digest: None,
                     chunks: vec![
                         ChunkRef::Data {
                             hash: [7; 32],

@@ -1,5 +1,6 @@
 //! Writing a paused VM into a store: chunks on several threads (read, zero check, BLAKE3,
-//! zstd, put — each distinct chunk once), then the state object, then the manifest in one
+//! zstd, put — each distinct chunk once; the chunks' hashes are also what a restore checks
+//! memory against, so no other pass over memory is made), then the state object, then the manifest in one
 //! atomic put. An interrupted write leaves chunks but no manifest: no snapshot that looks
 //! complete (and [`crate::gc`] collects its chunks later).
 
@@ -147,16 +148,7 @@ pub fn write(
     let known = Mutex::new(known);
     let results: Mutex<Vec<(usize, usize, Option<Hash>)>> = Mutex::new(Vec::new());
     let (new_chunks, new_bytes, dedup) = (AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0));
-    let mut digests = Vec::new();
     std::thread::scope(|s| {
-        // The regions' digests (sequential by nature) on a thread of their own meanwhile.
-        let digest = s.spawn(|| {
-            memory
-                .regions()
-                .iter()
-                .map(|r| memory.digest(r.gpa(), r.size()))
-                .collect::<std::result::Result<Vec<u64>, _>>()
-        });
         for _ in 0..threads {
             s.spawn(|| {
                 let mut compressor =
@@ -212,17 +204,6 @@ pub fn write(
                 results.lock().expect("not poisoned").extend(mine);
             });
         }
-        digests = match digest.join().expect("the digest thread does not panic") {
-            Ok(d) => d,
-            Err(e) => {
-                failed.store(true, Ordering::Relaxed);
-                first_error
-                    .lock()
-                    .expect("not poisoned")
-                    .get_or_insert(Error::Memory(e));
-                Vec::new()
-            }
-        };
     });
     if let Some(e) = first_error.into_inner().expect("not poisoned") {
         return Err(e);
@@ -250,8 +231,7 @@ pub fn write(
         .regions()
         .iter()
         .zip(entries)
-        .zip(digests)
-        .map(|((region, e), digest)| {
+        .map(|(region, e)| {
             let chunks: Vec<ChunkRef> = e
                 .into_iter()
                 .map(|c| c.expect("every chunk done"))
@@ -263,7 +243,7 @@ pub fn write(
                 chunks.iter().filter(|c| **c == ChunkRef::Base).count() as u64;
             StoreRegion {
                 spec: region.spec().clone(),
-                digest,
+                digest: None,
                 chunks,
             }
         })

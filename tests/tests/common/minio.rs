@@ -57,8 +57,14 @@ fn free_port() -> u16 {
 impl Minio {
     /// Starts MinIO with one bucket, `bucket`, and waits until it answers.
     pub fn start(bucket: &str) -> Minio {
+        Minio::start_in(bucket, &std::env::temp_dir())
+    }
+
+    /// [`Minio::start`] with its directory (data and log) made inside `parent`, e.g. on a
+    /// small file system.
+    pub fn start_in(bucket: &str, parent: &std::path::Path) -> Minio {
         let bin = binary();
-        let dir = std::env::temp_dir().join(format!(
+        let dir = parent.join(format!(
             "guestmem-minio-{}-{}",
             std::process::id(),
             free_port()
