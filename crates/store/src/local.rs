@@ -52,24 +52,45 @@ pub(crate) fn temp_name(path: &Path) -> PathBuf {
 
 /// Writes `bytes` to `path` atomically (temporary file, sync, rename), creating its directory.
 pub(crate) fn put_file(path: &Path, bytes: &[u8]) -> io::Result<()> {
-    put_file_sync(path, bytes, true)
+    put_file_sync(path, bytes, Durability::Synced)
 }
 
 /// [`put_file`] without syncing: for the chunk cache, whose entries are checked when read.
 pub(crate) fn put_file_unsynced(path: &Path, bytes: &[u8]) -> io::Result<()> {
-    put_file_sync(path, bytes, false)
+    put_file_sync(path, bytes, Durability::None)
 }
 
-/// [`put_file`], syncing the file before the rename only when `sync` says so.
-fn put_file_sync(path: &Path, bytes: &[u8], sync: bool) -> io::Result<()> {
+/// How much of a file [`put_file_sync`] makes durable before its rename.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Durability {
+    /// Synced (`fsync`) before the rename.
+    Synced,
+    /// Writeback started (`sync_file_range`), not waited for: a snapshot's chunks, which its
+    /// commit makes durable all at once (`syncfs`) and then finds mostly on disk already, the
+    /// disk having written them while the next chunks were compressed.
+    Started,
+    /// Left to the kernel.
+    None,
+}
+
+/// [`put_file`], making the file as durable as `durability` says before the rename.
+fn put_file_sync(path: &Path, bytes: &[u8], durability: Durability) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;
     }
     let tmp = temp_name(path);
     let written = File::create(&tmp).and_then(|mut f| {
         f.write_all(bytes)?;
-        if sync {
-            f.sync_all()?;
+        match durability {
+            Durability::Synced => f.sync_all()?,
+            Durability::Started => {
+                // SAFETY: sync_file_range on a descriptor this function owns; it only starts
+                // writeback of the file's dirty pages. Best effort: the commit's syncfs
+                // reports any write error.
+                unsafe { libc::sync_file_range(f.as_raw_fd(), 0, 0, libc::SYNC_FILE_RANGE_WRITE) };
+            }
+            Durability::None => {}
         }
         Ok(())
     });
@@ -101,7 +122,7 @@ impl Backend for LocalBackend {
     }
 
     fn put_chunk(&self, key: &str, bytes: &[u8]) -> Result<()> {
-        put_file_sync(&self.path(key), bytes, false).map_err(self.err(key, "write"))
+        put_file_sync(&self.path(key), bytes, Durability::Started).map_err(self.err(key, "write"))
     }
 
     fn sync(&self) -> Result<()> {
