@@ -116,6 +116,19 @@ impl GuestMemory {
         Ok(())
     }
 
+    /// The `len` bytes of guest memory at `gpa` as a slice to read, without a copy: for a
+    /// writer of a paused VM's memory (a snapshot) that hashes and compresses it in place.
+    ///
+    /// # Safety
+    /// Nothing may write the range while the slice lives: no vCPU runs and no other thread of
+    /// the VMM writes it.
+    pub unsafe fn bytes(&self, gpa: u64, len: u64) -> Result<&[u8]> {
+        let (_, src) = self.find(gpa, len)?;
+        // SAFETY: `find` checked that `len` bytes at `src` lie inside a live mapping that lasts
+        // as long as `self`; the caller guarantees nothing writes them meanwhile.
+        Ok(unsafe { std::slice::from_raw_parts(src, len as usize) })
+    }
+
     /// The `len` bytes of guest memory at `gpa` as a slice to write into, the pages marked
     /// VMM-dirty: for a receiver that reads pages straight from a socket into guest memory.
     ///
