@@ -21,7 +21,8 @@ pub mod transport;
 use std::io;
 use std::path::{Path, PathBuf};
 
-pub use migration_error::{error_chain, MigrationError, Peer};
+pub use guestmem_sys::error_chain;
+pub use migration_error::{MigrationError, Peer};
 
 /// What snapshot and migration operations return.
 pub type Result<T> = std::result::Result<T, Error>;

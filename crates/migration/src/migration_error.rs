@@ -200,26 +200,10 @@ pub enum MigrationError {
     StaleDigests,
 }
 
-/// `e` and its chain of causes, each once: a cause whose text is already there (an error that
-/// also prints its source) is left out, the others follow after `separator`. What a side tells
-/// its peer when it refuses (`": "`), and how the CLI prints an error.
-pub fn error_chain(e: &(dyn std::error::Error + 'static), separator: &str) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        let cause = s.to_string();
-        if !text.contains(&cause) {
-            text.push_str(separator);
-            text.push_str(&cause);
-        }
-        source = s.source();
-    }
-    text
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error_chain;
 
     #[test]
     fn causes_are_sources_and_the_peer_hears_them_once() {
