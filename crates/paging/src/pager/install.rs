@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use userfaultfd::{FaultKind, Uffd};
 
 use super::{By, Mode, Shared};
-use crate::{Error, Result};
+use crate::{Error, Result, UffdError};
 
 impl Shared {
     /// Fetches `chunk` from the source and maps it into the region. `Ok(false)`: the mapping
@@ -335,7 +335,7 @@ impl Shared {
         Error::Uffd {
             region: self.region.clone(),
             op,
-            source,
+            source: UffdError(source),
         }
     }
 }

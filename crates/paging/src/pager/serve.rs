@@ -14,7 +14,7 @@ use super::{
     By, Layout, OnFailure, PagerConfig, PagerStats, Shared, ABSENT, BOUNCE_MAX, BOUNCE_SHARE,
     EVENT_BATCH, FAILED, FETCHING, RESIDENT, SWEEP_DELAY,
 };
-use crate::{priority, Error, PageSource};
+use crate::{priority, Error, PageSource, UffdError};
 
 impl Shared {
     #[allow(clippy::too_many_arguments)]
@@ -174,7 +174,7 @@ impl Shared {
                 let batch: Vec<Event> = match uffd.read_events(&mut events) {
                     Ok(iter) => iter.filter_map(|e| e.ok()).collect(),
                     Err(e) => {
-                        tracing::warn!(region = %self.region, "reading userfaultfd events: {e}");
+                        tracing::warn!(region = %self.region, "reading userfaultfd events: {}", UffdError(e));
                         continue;
                     }
                 };
