@@ -231,8 +231,12 @@ pub fn precopy(config: &Config) -> crate::Result<QemuFigures> {
     let qemu_version = qemu_version(&qemu)?;
     let dir = TempDir::new()?;
     let elf = dir.path().join("payload.elf");
-    let tsc_khz =
-        guestmem_vm::host_tsc_khz().map_err(|e| format!("cannot ask KVM for the TSC rate: {e}"))?;
+    let tsc_khz = guestmem_vm::host_tsc_khz().map_err(|e| {
+        format!(
+            "cannot ask KVM for the TSC rate: {}",
+            guestmem_migration::error_chain(&e, ": ")
+        )
+    })?;
     let rate = dirty_pages_per_s.unwrap_or(IDLE_PAGES_PER_S);
     let params = PvhParams::for_workload(
         if rewrite {
@@ -479,8 +483,9 @@ pub fn precopy(config: &Config) -> crate::Result<QemuFigures> {
     let status = dst.qmp.execute("query-status", None)?;
     carried_on.map_err(|e| {
         format!(
-            "after the migration, the destination guest makes no progress (QEMU status {}): {e}",
-            status["status"]
+            "after the migration, the destination guest makes no progress (QEMU status {}): {}",
+            status["status"],
+            guestmem_migration::error_chain(&*e, ": ")
         )
     })?;
     std::thread::sleep(Duration::from_secs(1));
@@ -792,8 +797,12 @@ impl Qemu {
             }
             match UnixStream::connect(&socket) {
                 Ok(stream) => {
-                    guard.qmp = Qmp::handshake(stream)
-                        .map_err(|e| format!("QMP of the {name} QEMU: {e}"))?;
+                    guard.qmp = Qmp::handshake(stream).map_err(|e| {
+                        format!(
+                            "QMP of the {name} QEMU: {}",
+                            guestmem_migration::error_chain(&*e, ": ")
+                        )
+                    })?;
                     return Ok(guard);
                 }
                 Err(e) if Instant::now() > deadline => {
@@ -820,10 +829,13 @@ impl Qemu {
     /// `n` u64 words of vCPU 0's control block from `field`.
     fn read(&mut self, field: u64, n: usize) -> crate::Result<Vec<u64>> {
         let gpa = VCPU_BLOCKS_GPA + field;
-        let text = self
-            .qmp
-            .hmp(&format!("xp /{n}gx {gpa:#x}"))
-            .map_err(|e| format!("{} QEMU: {e}", self.name))?;
+        let text = self.qmp.hmp(&format!("xp /{n}gx {gpa:#x}")).map_err(|e| {
+            format!(
+                "{} QEMU: {}",
+                self.name,
+                guestmem_migration::error_chain(&*e, ": ")
+            )
+        })?;
         let words = parse_xp(&text)?;
         if words.len() != n {
             return Err(
@@ -923,7 +935,12 @@ impl Qmp {
         writer.write_all(format!("{request}\n").as_bytes())?;
         loop {
             let message = self.read_message()?;
-            if let Some(reply) = parse_reply(&message).map_err(|e| format!("QMP {command}: {e}"))? {
+            if let Some(reply) = parse_reply(&message).map_err(|e| {
+                format!(
+                    "QMP {command}: {}",
+                    guestmem_migration::error_chain(&*e, ": ")
+                )
+            })? {
                 return Ok(reply);
             }
         }

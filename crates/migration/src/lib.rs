@@ -31,7 +31,7 @@ pub type Result<T> = std::result::Result<T, Error>;
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A file operation failed.
-    #[error("{path}: {op} failed: {source}")]
+    #[error("{path}: {op} failed")]
     Io {
         /// The file.
         path: PathBuf,
@@ -42,7 +42,7 @@ pub enum Error {
         source: io::Error,
     },
     /// A file that is not the JSON it should be.
-    #[error("{path}: not valid JSON of the expected shape: {source}")]
+    #[error("{path}: not valid JSON of the expected shape")]
     Json {
         /// The file.
         path: PathBuf,

@@ -224,4 +224,34 @@ mod tests {
             crate::Error::Migration(MigrationError::Receiving { .. })
         ));
     }
+
+    #[test]
+    fn file_and_transport_errors_keep_their_cause_as_the_source_only() {
+        let io = || std::io::Error::other("the disk is on fire");
+        let e = crate::Error::Io {
+            path: "/snap/manifest.json".into(),
+            op: "read",
+            source: io(),
+        };
+        assert_eq!(e.to_string(), "/snap/manifest.json: read failed");
+        assert_eq!(
+            error_chain(&e, ": "),
+            "/snap/manifest.json: read failed: the disk is on fire"
+        );
+        let e = crate::Error::from(crate::transport::TransportError::Unreachable {
+            endpoint: "tcp:127.0.0.1:1".into(),
+            error: io(),
+        });
+        assert_eq!(
+            e.to_string(),
+            "connect to tcp:127.0.0.1:1: nothing listens there"
+        );
+        assert!(e.is_unreachable());
+        assert_eq!(error_chain(&e, ": ").matches("on fire").count(), 1);
+        let e = crate::Error::from(crate::stream::StreamError::Io(io()));
+        assert_eq!(
+            error_chain(&e, ": "),
+            "I/O on the migration stream: the disk is on fire"
+        );
+    }
 }

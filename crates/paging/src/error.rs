@@ -40,7 +40,7 @@ pub enum Error {
         source: UffdError,
     },
     /// A system call failed.
-    #[error("region '{region}': {op} failed: {source}")]
+    #[error("region '{region}': {op} failed")]
     Os {
         /// The region.
         region: String,
@@ -66,7 +66,7 @@ pub enum Error {
         reason: String,
     },
     /// The page source could not provide a range, retries included.
-    #[error("region '{region}': the page source failed to provide guest address {gpa:#x} (+{len:#x}) after {attempts} attempts: {source}")]
+    #[error("region '{region}': the page source failed to provide guest address {gpa:#x} (+{len:#x}) after {attempts} attempts")]
     SourceFailed {
         /// The region.
         region: String,

@@ -114,7 +114,11 @@ impl<'a> Lease<'a> {
 impl Drop for Lease<'_> {
     fn drop(&mut self) {
         if let Err(e) = self.backend.delete(&self.key) {
-            tracing::warn!("could not remove the lease {}: {e}", self.key);
+            tracing::warn!(
+                "could not remove the lease {}: {}",
+                self.key,
+                crate::chain_text(&e)
+            );
         }
     }
 }

@@ -439,7 +439,7 @@ impl Shared {
     }
 
     pub(super) fn fail(&self, e: Error) {
-        let reason = e.to_string();
+        let reason = guestmem_sys::error_chain(&e, ": ");
         // Recorded before anyone is told, so that whoever sees the VM (or peer) stop finds
         // the reason. Only the first failure is reported: the ones that follow (other chunks
         // in flight when the VM or peer went away) are its consequences, told once already.
