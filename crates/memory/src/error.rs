@@ -218,6 +218,17 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+    /// A memory image that cannot be read.
+    #[error("memory image {path}: {what}")]
+    ImageIo {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What was being done ("cannot open", "decompressing at offset …").
+        what: String,
+        /// The operating system's (or the decompressor's) error.
+        #[source]
+        source: io::Error,
+    },
 }
 
 impl Error {

@@ -127,6 +127,16 @@ pub enum Error {
     Layout(String),
     #[error("cannot write the snapshot: {0}")]
     Write(String),
+    #[error(
+        "{store}: gc removed nothing: the manifest of snapshot '{name}' cannot be read, so its \
+         chunks cannot be told from garbage; repair or delete it"
+    )]
+    GcUnreadableManifest {
+        store: String,
+        name: String,
+        #[source]
+        source: Box<Error>,
+    },
     #[error("chunk cache {path}: {op} failed")]
     Cache {
         path: PathBuf,

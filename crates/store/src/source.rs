@@ -212,8 +212,9 @@ impl StoreSource {
     }
 }
 
+/// The store's error as the page source's: kept whole (its causes stay its sources).
 fn io_error(e: Error) -> io::Error {
-    io::Error::new(io::ErrorKind::InvalidData, crate::chain_text(&e))
+    io::Error::new(io::ErrorKind::InvalidData, e)
 }
 
 impl PageSource for StoreSource {
