@@ -126,10 +126,15 @@ impl Drop for Lease<'_> {
 /// What a collection found and did.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct GcReport {
+    /// Snapshot manifests read.
     pub manifests: usize,
+    /// Chunks the store holds.
     pub chunks: usize,
+    /// Chunks some manifest references.
     pub referenced_chunks: usize,
+    /// Chunks removed.
     pub removed_chunks: usize,
+    /// Their stored bytes.
     pub removed_bytes: u64,
     /// Unreferenced chunks left alone because they are younger than the grace period.
     pub young_chunks: usize,
