@@ -61,7 +61,7 @@ fn main() {
             );
         }
         Err(e) => {
-            eprintln!("device_vmm: {e}");
+            eprintln!("device_vmm: {}", guestmem_migration::error_chain(&*e, ": "));
             std::process::exit(1);
         }
     }

@@ -265,7 +265,10 @@ impl RngDevice {
                         // A pause waits for this lock: once it has it, nothing is written.
                         if !shared.paused.load(Ordering::Acquire) {
                             if let Err(e) = serve(&mut inner, &shared, &mem, base, batch) {
-                                eprintln!("rng device: {e}");
+                                eprintln!(
+                                    "rng device: {}",
+                                    guestmem_migration::error_chain(&*e, ": ")
+                                );
                                 shared.paused.store(true, Ordering::Release);
                             }
                         }

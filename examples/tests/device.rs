@@ -13,7 +13,7 @@ fn try_run(how: How, writes: Writes, name: &str) -> Result<Outcome, String> {
     std::fs::create_dir_all(&scratch).unwrap();
     let outcome = vmm::run(how, writes, &scratch);
     let _ = std::fs::remove_dir_all(&scratch);
-    outcome.map_err(|e| e.to_string())
+    outcome.map_err(|e| guestmem_migration::error_chain(&*e, ": "))
 }
 
 fn run(how: How, name: &str) -> Outcome {

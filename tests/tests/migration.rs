@@ -802,7 +802,7 @@ fn a_link_cut_silently_fails_both_sides_within_the_idle_timeout() {
     let failure = migrate::send(running, links, &opts).expect_err("the link went silent");
     let froze = froze.lock().unwrap().expect("the link froze");
     let source_took = froze.elapsed();
-    let e = failure.error.to_string();
+    let e = guestmem_migration::error_chain(&failure.error, ": ");
     assert!(
         e.contains("the destination at tcp:127.0.0.1:") && e.contains("idle timeout"),
         "{e}"

@@ -542,8 +542,9 @@ fn a_failed_snapshot_write_keeps_the_previous_snapshot() {
     let running = vm.resume().unwrap();
     wait_for_generation(&running, 2);
     running.pause().unwrap();
-    let e = snapshot::write(&vm, &dir).unwrap_err().to_string();
-    assert!(e.contains("No space left on device"), "{e}");
+    let e = snapshot::write(&vm, &dir).unwrap_err();
+    let e = guestmem_migration::error_chain(&e, ": ");
+    assert!(e.contains("write failed: No space left on device"), "{e}");
 
     // The first snapshot is still there, unchanged, with nothing of the failed write beside it.
     assert_eq!(

@@ -5,6 +5,8 @@
 //!
 //! The `guestmem` CLI parses [`Bench`] as its `bench` subcommand and hands it to [`main`].
 
+#![warn(missing_docs)]
+
 use clap::Subcommand;
 
 mod cpu;
@@ -25,6 +27,7 @@ pub mod units;
 /// Errors of any bench: each names what went wrong.
 pub type Result<T> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
+/// The benches, as `guestmem bench`'s subcommands.
 #[derive(Subcommand)]
 pub enum Bench {
     /// Seed 000: populating a region from an image, method by method, against mmap+memcpy.

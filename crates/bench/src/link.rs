@@ -28,6 +28,7 @@ const PREFIX: &str = "gmlink-";
 pub const DELAY_MS: f64 = 0.25;
 /// The source's and the destination's addresses on the veth pair.
 pub const SOURCE_IP: &str = "10.213.0.1";
+/// The destination's address on the veth pair.
 pub const DESTINATION_IP: &str = "10.213.0.2";
 
 static LINK_ID: AtomicUsize = AtomicUsize::new(0);
@@ -50,6 +51,7 @@ pub enum Speed {
 }
 
 impl Speed {
+    /// Its name as `--link` takes it.
     pub fn name(self) -> &'static str {
         match self {
             Speed::Loopback => "loopback",
@@ -71,7 +73,9 @@ impl Speed {
 /// Which end of the link.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Side {
+    /// The source's namespace.
     Source,
+    /// The destination's namespace.
     Destination,
 }
 

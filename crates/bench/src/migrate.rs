@@ -977,7 +977,11 @@ fn run_once(
         Err(e) => {
             running.stop();
             let _ = running.wait(Duration::from_secs(10));
-            return Err(format!("cannot reach the destination: {e}").into());
+            return Err(format!(
+                "cannot reach the destination: {}",
+                guestmem_migration::error_chain(&*e, ": ")
+            )
+            .into());
         }
     };
     let start_pages = pages_done(&memory, vcpus)?;

@@ -72,6 +72,7 @@ pub enum Channel {
 }
 
 impl Channel {
+    /// Its name in configuration names.
     pub fn name(self) -> &'static str {
         match self {
             Channel::Plain => "plain",
@@ -84,12 +85,16 @@ impl Channel {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum MultifdCompression {
+    /// Uncompressed.
     None,
+    /// zlib.
     Zlib,
+    /// zstd.
     Zstd,
 }
 
 impl MultifdCompression {
+    /// Its name, as `--qemu-compress` takes it.
     pub fn name(self) -> &'static str {
         match self {
             MultifdCompression::None => "none",
@@ -102,7 +107,9 @@ impl MultifdCompression {
 /// Multifd: pages over `channels` connections, compressed with `compression`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct Multifd {
+    /// Connections.
     pub channels: usize,
+    /// Their compression.
     pub compression: MultifdCompression,
 }
 
@@ -113,11 +120,15 @@ pub struct Config<'a> {
     /// The guest's rate after its fill (or from the start with `rewrite`), pages per second
     /// (None: idle, [`IDLE_PAGES_PER_S`]).
     pub dirty_pages_per_s: Option<u64>,
+    /// QEMU's `downtime-limit`, ms.
     pub downtime_limit_ms: u64,
+    /// vCPUs.
     pub vcpus: usize,
+    /// TLS or plain TCP.
     pub channel: Channel,
     /// None: QEMU's single migration stream.
     pub multifd: Option<Multifd>,
+    /// Guest RAM starts from this image.
     pub image: Option<&'a QemuImage>,
     /// The `rewrite` workload (no fill first) instead of `dirty`.
     pub rewrite: bool,
@@ -153,20 +164,25 @@ pub struct QemuFigures {
     pub qemu_version: String,
     /// Guest RAM (`-m`), bytes.
     pub mem_bytes: u64,
+    /// vCPUs.
     pub vcpus: usize,
     /// The guest's dirty rate after its fill, pages of 4 KiB per second (None: idle, i.e.
     /// [`IDLE_PAGES_PER_S`]).
     pub dirty_pages_per_s: Option<u64>,
+    /// QEMU's `downtime-limit`, ms.
     pub downtime_limit_ms: u64,
+    /// TLS or plain TCP.
     pub channel: Channel,
     /// [`config_name`].
     pub config: String,
+    /// Multifd (None: a single migration stream).
     pub multifd: Option<Multifd>,
     /// The guest's words at sampled addresses that matched the image (of how many).
     pub image_words_matched: Option<(usize, usize)>,
     /// CPU time of the source's and the destination's QEMU during the migration, their vCPU
     /// threads left out.
     pub source_cpu_s: f64,
+    /// The destination QEMU's CPU time, its vCPU threads left out.
     pub destination_cpu_s: f64,
     /// `ram.transferred` when the first pass ended (the first poll, every 100 ms, that saw a
     /// second dirty sync): approximate.
@@ -231,8 +247,12 @@ pub fn precopy(config: &Config) -> crate::Result<QemuFigures> {
     let qemu_version = qemu_version(&qemu)?;
     let dir = TempDir::new()?;
     let elf = dir.path().join("payload.elf");
-    let tsc_khz =
-        guestmem_vm::host_tsc_khz().map_err(|e| format!("cannot ask KVM for the TSC rate: {e}"))?;
+    let tsc_khz = guestmem_vm::host_tsc_khz().map_err(|e| {
+        format!(
+            "cannot ask KVM for the TSC rate: {}",
+            guestmem_migration::error_chain(&e, ": ")
+        )
+    })?;
     let rate = dirty_pages_per_s.unwrap_or(IDLE_PAGES_PER_S);
     let params = PvhParams::for_workload(
         if rewrite {
@@ -479,8 +499,9 @@ pub fn precopy(config: &Config) -> crate::Result<QemuFigures> {
     let status = dst.qmp.execute("query-status", None)?;
     carried_on.map_err(|e| {
         format!(
-            "after the migration, the destination guest makes no progress (QEMU status {}): {e}",
-            status["status"]
+            "after the migration, the destination guest makes no progress (QEMU status {}): {}",
+            status["status"],
+            guestmem_migration::error_chain(&*e, ": ")
         )
     })?;
     std::thread::sleep(Duration::from_secs(1));
@@ -792,8 +813,12 @@ impl Qemu {
             }
             match UnixStream::connect(&socket) {
                 Ok(stream) => {
-                    guard.qmp = Qmp::handshake(stream)
-                        .map_err(|e| format!("QMP of the {name} QEMU: {e}"))?;
+                    guard.qmp = Qmp::handshake(stream).map_err(|e| {
+                        format!(
+                            "QMP of the {name} QEMU: {}",
+                            guestmem_migration::error_chain(&*e, ": ")
+                        )
+                    })?;
                     return Ok(guard);
                 }
                 Err(e) if Instant::now() > deadline => {
@@ -820,10 +845,13 @@ impl Qemu {
     /// `n` u64 words of vCPU 0's control block from `field`.
     fn read(&mut self, field: u64, n: usize) -> crate::Result<Vec<u64>> {
         let gpa = VCPU_BLOCKS_GPA + field;
-        let text = self
-            .qmp
-            .hmp(&format!("xp /{n}gx {gpa:#x}"))
-            .map_err(|e| format!("{} QEMU: {e}", self.name))?;
+        let text = self.qmp.hmp(&format!("xp /{n}gx {gpa:#x}")).map_err(|e| {
+            format!(
+                "{} QEMU: {}",
+                self.name,
+                guestmem_migration::error_chain(&*e, ": ")
+            )
+        })?;
         let words = parse_xp(&text)?;
         if words.len() != n {
             return Err(
@@ -923,7 +951,12 @@ impl Qmp {
         writer.write_all(format!("{request}\n").as_bytes())?;
         loop {
             let message = self.read_message()?;
-            if let Some(reply) = parse_reply(&message).map_err(|e| format!("QMP {command}: {e}"))? {
+            if let Some(reply) = parse_reply(&message).map_err(|e| {
+                format!(
+                    "QMP {command}: {}",
+                    guestmem_migration::error_chain(&*e, ": ")
+                )
+            })? {
                 return Ok(reply);
             }
         }

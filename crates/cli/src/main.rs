@@ -80,9 +80,9 @@ fn main() {
     }
 }
 
-/// An error and its chain of causes, each cause printed once: a cause whose text the message
-/// (or an earlier cause) already carries is left out (several errors put their source's text
-/// in their message and also return it as `source()`), the others follow on lines of their own.
+/// An error and its chain of causes, each cause printed once, on a line of its own (guestmem's
+/// errors keep a cause out of their message; a cause whose text the message or an earlier cause
+/// already carries, as some other crates' errors print their source, is left out).
 pub fn error_text(e: &(dyn std::error::Error + 'static)) -> String {
     guestmem_migration::error_chain(e, "\n  caused by: ")
 }

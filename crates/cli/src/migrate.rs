@@ -326,6 +326,7 @@ pub fn run_source(
     let links = match Links::connect(to, &creds, opts.mode, how.connections) {
         Ok(l) => l,
         Err(e) => {
+            let e = guestmem_migration::error_chain(&e, ": ");
             eprintln!("guestmem: migration failed: {e}; the source VM keeps running");
             report_source_runs(&running);
             running.stop();
@@ -349,17 +350,17 @@ pub fn run_source(
                 let failure = *failure;
                 match failure.vm {
                     Some(running) => {
+                        let error = guestmem_migration::error_chain(&failure.error, ": ");
                         eprintln!(
-                            "guestmem: migration failed: {}; the source VM keeps running",
-                            failure.error
+                            "guestmem: migration failed: {error}; the source VM keeps running"
                         );
                         report_source_runs(&running);
                         running.stop();
                         let _ = running.wait(Duration::from_secs(10));
-                        Err((failure.error.to_string(), false))
+                        Err((error, false))
                     }
                     None => {
-                        let error = failure.error.to_string();
+                        let error = guestmem_migration::error_chain(&failure.error, ": ");
                         if error.contains(DEAD) || error.contains(UNRESPONSIVE) {
                             Err((error, true))
                         } else {
@@ -390,7 +391,10 @@ pub fn run_source(
                      switch-over; `guestmem restore` can start it)",
                     kept.display()
                 ),
-                Err(e) => format!("keeping them in a snapshot failed ({e})"),
+                Err(e) => format!(
+                    "keeping them in a snapshot failed ({})",
+                    guestmem_migration::error_chain(&e, ": ")
+                ),
             };
             Err(format!("{error}; {keeping}").into())
         }
@@ -476,7 +480,11 @@ fn wait_for_resume(
                         return Ok(links);
                     }
                     Err(e) => {
-                        let _ = writeln!(stream, "error: {e}");
+                        let _ = writeln!(
+                            stream,
+                            "error: {}",
+                            guestmem_migration::error_chain(&e, ": ")
+                        );
                     }
                 }
                 continue;
@@ -492,7 +500,11 @@ fn wait_for_resume(
                     let _ = std::fs::remove_file(control);
                     return Ok(links);
                 }
-                Err(e) if e.is_unreachable() || e.to_string().contains("is not running") => {
+                Err(e)
+                    if e.is_unreachable()
+                        || guestmem_migration::error_chain(&e, ": ").contains("is not running") =>
+                {
+                    let e = guestmem_migration::error_chain(&e, ": ");
                     let since = *refused_since.get_or_insert_with(Instant::now);
                     if since.elapsed() >= dead_after {
                         let _ = std::fs::remove_file(control);
@@ -511,6 +523,7 @@ fn wait_for_resume(
                 }
                 Err(e) => {
                     refused_since = None;
+                    let e = guestmem_migration::error_chain(&e, ": ");
                     tracing::info!("reconnecting to {to}: {e}");
                     if broke.elapsed() >= 2 * dead_after {
                         let _ = std::fs::remove_file(control);

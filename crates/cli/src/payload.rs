@@ -49,8 +49,12 @@ pub struct Args {
 pub fn main(args: Args) -> crate::Result<()> {
     let tsc_khz = match (args.pages_per_s, args.tsc_khz) {
         (_, Some(khz)) => khz,
-        (Some(_), None) => guestmem_vm::host_tsc_khz()
-            .map_err(|e| format!("cannot ask KVM for the TSC rate (give --tsc-khz): {e}"))?,
+        (Some(_), None) => guestmem_vm::host_tsc_khz().map_err(|e| {
+            format!(
+                "cannot ask KVM for the TSC rate (give --tsc-khz): {}",
+                guestmem_migration::error_chain(&e, ": ")
+            )
+        })?,
         (None, None) => 0,
     };
     if args.fill_first && args.pages_per_s.is_none() {

@@ -255,6 +255,27 @@ fn snapshot_then_restore_continues_the_guest() {
     );
 }
 
+/// An error's cause is printed once, on a line of its own: a missing snapshot names the file
+/// and the operation, and the operating system's error follows as its cause.
+#[test]
+fn a_missing_snapshot_prints_its_os_error_once_as_the_cause() {
+    let dir = std::env::temp_dir().join(format!("guestmem-cli-missing-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let os = std::fs::read(dir.join("manifest.json"))
+        .expect_err("no such file")
+        .to_string();
+    let o = guestmem(&["restore", dir.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert_eq!(e.matches(&os).count(), 1, "'{os}' once in: {e}");
+    let first = e.lines().next().unwrap_or_default();
+    assert!(
+        first.starts_with("guestmem: error: ") && first.ends_with("manifest.json: read failed"),
+        "{e}"
+    );
+    assert!(e.contains(&format!("\n  caused by: {os}")), "{e}");
+}
+
 /// `snapshot --diff` writes a base and a diff of the same running VM; the diff restores in full
 /// (memory digests as saved) and lazily (pages from the diff, else the base). A lazy restore
 /// records the working set; the next one fetches it first.

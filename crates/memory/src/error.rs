@@ -65,13 +65,14 @@ pub enum Error {
         reason: String,
     },
     /// A system call failed.
-    #[error("region '{region}': {op} failed: {source}")]
+    #[error("region '{region}': {op} failed")]
     Os {
         /// The region's name.
         region: String,
         /// The operation that failed.
         op: &'static str,
         /// The kernel's error.
+        #[source]
         source: io::Error,
     },
     /// Another process's memory file cannot back the region.
@@ -183,7 +184,7 @@ pub enum Error {
         region_size: u64,
     },
     /// A KVM ioctl on a memslot failed.
-    #[error("memslot {slot} (region '{region}'): {op} failed: {source}")]
+    #[error("memslot {slot} (region '{region}'): {op} failed")]
     Kvm {
         /// The memslot.
         slot: u32,
@@ -216,6 +217,17 @@ pub enum Error {
         path: std::path::PathBuf,
         /// Why.
         reason: String,
+    },
+    /// A memory image that cannot be read.
+    #[error("memory image {path}: {what}")]
+    ImageIo {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What was being done ("cannot open", "decompressing at offset …").
+        what: String,
+        /// The operating system's (or the decompressor's) error.
+        #[source]
+        source: io::Error,
     },
 }
 

@@ -47,10 +47,15 @@ pub fn load_image(region: &Region, path: &Path) -> Result<ImageLoad> {
         path: path.to_path_buf(),
         reason,
     };
-    let mut file = File::open(path).map_err(|e| bad(format!("cannot open: {e}")))?;
-    let meta = file
-        .metadata()
-        .map_err(|e| bad(format!("cannot stat: {e}")))?;
+    let io = |what: String| {
+        move |source: std::io::Error| Error::ImageIo {
+            path: path.to_path_buf(),
+            what,
+            source,
+        }
+    };
+    let mut file = File::open(path).map_err(io("cannot open".into()))?;
+    let meta = file.metadata().map_err(io("cannot stat".into()))?;
     if !meta.is_file() {
         return Err(bad("not a regular file".into()));
     }
@@ -60,7 +65,7 @@ pub fn load_image(region: &Region, path: &Path) -> Result<ImageLoad> {
     // command on a file); otherwise it is found while decompressing.
     let known = if compressed {
         let mut head = vec![0u8; 18.min(meta.len() as usize)];
-        read_at(&file, &mut head, 0).map_err(|e| bad(format!("cannot read: {e}")))?;
+        read_at(&file, &mut head, 0).map_err(io("cannot read".into()))?;
         zstd::zstd_safe::get_frame_content_size(&head)
             .ok()
             .flatten()
@@ -78,13 +83,14 @@ pub fn load_image(region: &Region, path: &Path) -> Result<ImageLoad> {
         elapsed: Duration::ZERO,
     };
     if compressed {
-        let file = File::open(path).map_err(|e| bad(format!("cannot open: {e}")))?;
-        let mut decoder = zstd::Decoder::new(file).map_err(|e| bad(format!("zstd: {e}")))?;
+        let file = File::open(path).map_err(io("cannot open".into()))?;
+        let mut decoder =
+            zstd::Decoder::new(file).map_err(io("starting the zstd decoder".into()))?;
         let mut piece = vec![0u8; PIECE];
         loop {
             let offset = load.image_bytes;
             let len = read_full(&mut decoder, &mut piece)
-                .map_err(|e| bad(format!("decompressing at offset {offset:#x}: {e}")))?;
+                .map_err(io(format!("decompressing at offset {offset:#x}")))?;
             if len == 0 {
                 break;
             }
@@ -96,7 +102,7 @@ pub fn load_image(region: &Region, path: &Path) -> Result<ImageLoad> {
         }
         check_size(load.image_bytes, region).map_err(bad)?;
     } else {
-        let file = File::open(path).map_err(|e| bad(format!("cannot open: {e}")))?;
+        let file = File::open(path).map_err(io("cannot open".into()))?;
         let size = meta.len();
         let done = populate(region, 0, size, Source::file(&file))?;
         load.image_bytes = size;

@@ -361,7 +361,10 @@ impl GuestAddressSpace for SlotAddressSpace {
 
     fn memory(&self) -> Self::T {
         if let Err(e) = self.refresh() {
-            tracing::warn!("vm-memory view of the memslots kept at its last layout: {e}");
+            tracing::warn!(
+                "vm-memory view of the memslots kept at its last layout: {}",
+                guestmem_sys::error_chain(&e, ": ")
+            );
         }
         self.inner.atomic.memory()
     }

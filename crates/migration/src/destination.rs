@@ -212,7 +212,10 @@ pub fn receive_components(
         Err(e) => {
             return Err(refuse(
                 &mut links,
-                unsupported(format!("it cannot be built here: {e}")),
+                unsupported(format!(
+                    "it cannot be built here: {}",
+                    error_chain(&e, ": ")
+                )),
             ))
         }
     };
@@ -222,7 +225,10 @@ pub fn receive_components(
         if let Err(e) = region.advise_huge_pages() {
             return Err(refuse(
                 &mut links,
-                unsupported(format!("its memory cannot be prepared here: {e}")),
+                unsupported(format!(
+                    "its memory cannot be prepared here: {}",
+                    error_chain(&e, ": ")
+                )),
             ));
         }
     }
@@ -269,7 +275,7 @@ pub fn receive_components(
         match Landing::arm(&memory, &setup.shared) {
             Ok(l) => l.map(Arc::new),
             Err(e) => {
-                tracing::warn!("pages land by plain writes: {e}");
+                tracing::warn!("pages land by plain writes: {}", error_chain(&e, ": "));
                 None
             }
         }
@@ -406,8 +412,8 @@ pub fn receive_components(
     }
     report.rounds = switchover.last_round;
     let restored = payload_state(&switchover.state)
-        .map_err(|e| e.to_string())
-        .and_then(|state| vm.restore_state(&state).map_err(|e| e.to_string()));
+        .map_err(|e| error_chain(&e, ": "))
+        .and_then(|state| vm.restore_state(&state).map_err(|e| error_chain(&e, ": ")));
     if let Err(e) = restored {
         return Err(refuse(
             &mut links,
@@ -450,7 +456,10 @@ pub fn receive_components(
             Err(e) => {
                 return Err(refuse(
                     &mut links,
-                    unsupported(format!("post-copy cannot be armed: {e}")),
+                    unsupported(format!(
+                        "post-copy cannot be armed: {}",
+                        error_chain(&e, ": ")
+                    )),
                 ))
             }
         },
@@ -460,7 +469,7 @@ pub fn receive_components(
     if let Err(e) = components.restore(&switchover.components) {
         return Err(refuse(
             &mut links,
-            unsupported(format!("the components' states: {e}")),
+            unsupported(format!("the components' states: {}", error_chain(&e, ": "))),
         ));
     }
     write_frame(&mut links.pages[0], &Frame::Ready)?;
@@ -564,7 +573,10 @@ impl Gate {
             let accepted = match listener.accept_socket() {
                 Ok(a) => a,
                 Err(e) => {
-                    tracing::warn!("accepting a migration connection: {e}");
+                    tracing::warn!(
+                        "accepting a migration connection: {}",
+                        error_chain(&e, ": ")
+                    );
                     std::thread::sleep(Duration::from_millis(100));
                     continue;
                 }
@@ -599,7 +611,7 @@ impl Gate {
         let mut conn = match accepted.handshake() {
             Ok(c) => c,
             Err(e) => {
-                tracing::warn!("refused a migration connection: {e}");
+                tracing::warn!("refused a migration connection: {}", error_chain(&e, ": "));
                 return;
             }
         };
@@ -611,7 +623,11 @@ impl Gate {
         let hello = match read_hello(&mut conn) {
             Ok(h) => h,
             Err(e) => {
-                let why = format!("{} sent no valid Hello: {e}", conn.peer());
+                let why = format!(
+                    "{} sent no valid Hello: {}",
+                    conn.peer(),
+                    error_chain(&e, ": ")
+                );
                 return refuse(&mut conn, why);
             }
         };
@@ -651,7 +667,10 @@ impl Gate {
                 config_json: answer.to_string().into_bytes(),
             },
         ) {
-            tracing::warn!("a migration connection broke as it was taken in: {e}");
+            tracing::warn!(
+                "a migration connection broke as it was taken in: {}",
+                error_chain(&e, ": ")
+            );
         }
         self.lock().arrived.push(Arrival { conn, hello, at });
         self.changed.notify_all();
@@ -850,9 +869,12 @@ impl ReaderDigests {
 }
 
 /// The error of a frame whose pages fall outside this VM's memory.
-pub(crate) fn outside_memory(e: impl std::fmt::Display) -> Error {
+pub(crate) fn outside_memory(e: guestmem_memory::Error) -> Error {
     MigrationError::Unsupported {
-        reason: format!("the source sent pages outside this VM's memory: {e}"),
+        reason: format!(
+            "the source sent pages outside this VM's memory: {}",
+            error_chain(&e, ": ")
+        ),
     }
     .into()
 }
@@ -1393,7 +1415,10 @@ impl PostcopyLink {
         if !st.broken && !st.closed {
             st.broken = true;
             st.breaks += 1;
-            tracing::warn!("post-copy link broken ({e}); waiting for the source to resume it");
+            tracing::warn!(
+                "post-copy link broken ({}); waiting for the source to resume it",
+                error_chain(e, ": ")
+            );
             for c in self
                 .cutters
                 .lock()
@@ -1438,7 +1463,10 @@ impl PostcopyLink {
                     None => Ok(()),
                 }) {
                 Ok(()) => tracing::info!("post-copy link re-established"),
-                Err(e) => tracing::warn!("a connection while resuming post-copy: {e}"),
+                Err(e) => tracing::warn!(
+                    "a connection while resuming post-copy: {}",
+                    error_chain(&e, ": ")
+                ),
             }
         }
     }

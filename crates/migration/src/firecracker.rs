@@ -766,13 +766,14 @@ pub fn serve_connection(
         if !config.kill_peer_on_failure {
             return e;
         }
-        kill_peer(&peer, &e.to_string());
+        let text = crate::error_chain(&e, ": ");
+        kill_peer(&peer, &text);
         // One prefix: a protocol error's text is extended, not wrapped again.
         match e {
             Error::Protocol(reason) => {
                 Error::Protocol(format!("{reason} (peer pid {peer_pid} killed)"))
             }
-            e => Error::Protocol(format!("{e} (peer pid {peer_pid} killed)")),
+            _ => Error::Protocol(format!("{text} (peer pid {peer_pid} killed)")),
         }
     };
     let handshake = receive_handshake(&stream).map_err(fail)?;

@@ -32,6 +32,11 @@ fn failure(op: &str, e: impl std::error::Error + Send + Sync + 'static) -> Error
     .into()
 }
 
+/// [`failure`] of a userfaultfd operation (its errno in the text).
+fn uffd_failure(op: &str, e: userfaultfd::Error) -> Error {
+    failure(op, guestmem_paging::UffdError(e))
+}
+
 const PAGE: usize = 4096;
 /// A fault on a page not landed yet zero-maps up to this many bytes from it (stopping at the
 /// first present page): a digest sweep reads its chunk whole, one fault per piece.
@@ -77,7 +82,7 @@ impl Landing {
         if regions.iter().any(|r| r.backend() == Backend::Memfd) {
             features |= FeatureFlags::MISSING_SHMEM;
         }
-        let failed = |op: &str, e: userfaultfd::Error| failure(op, e);
+        let failed = uffd_failure;
         let uffd = UffdBuilder::new()
             .close_on_exec(true)
             .non_blocking(true)
@@ -169,7 +174,7 @@ impl Landing {
                     done += run;
                 }
                 Err(e) => {
-                    return Err(failure(
+                    return Err(uffd_failure(
                         &format!("UFFDIO_COPY at {:#x}", gpa + done as u64),
                         e,
                     ))
@@ -244,7 +249,7 @@ impl Landing {
                 self.overwritten.fetch_add(PAGE as u64, Ordering::Relaxed);
                 Ok(())
             }
-            Err(e) => Err(failure(
+            Err(e) => Err(uffd_failure(
                 &format!("UFFDIO_COPY of one page at host {dst:#x}"),
                 e,
             )),
@@ -258,7 +263,7 @@ impl Landing {
         for &(host, len) in &self.ranges {
             self.uffd
                 .unregister(host as *mut libc::c_void, len)
-                .map_err(|e| failure("UFFDIO_UNREGISTER", e))?;
+                .map_err(|e| uffd_failure("UFFDIO_UNREGISTER", e))?;
         }
         self.ranges.clear();
         Ok(self.stats())
@@ -347,7 +352,10 @@ fn answer_faults(uffd: &Uffd, ranges: &[(usize, usize)], stop: &EventFd, zero_fa
                 Ok(Some(e)) => e,
                 Ok(None) => break,
                 Err(e) => {
-                    tracing::error!("landing pages: reading a userfaultfd event: {e}");
+                    tracing::error!(
+                        "landing pages: reading a userfaultfd event: {}",
+                        guestmem_paging::UffdError(e)
+                    );
                     return;
                 }
             };

@@ -21,7 +21,8 @@ pub mod transport;
 use std::io;
 use std::path::{Path, PathBuf};
 
-pub use migration_error::{error_chain, MigrationError, Peer};
+pub use guestmem_sys::error_chain;
+pub use migration_error::{MigrationError, Peer};
 
 /// What snapshot and migration operations return.
 pub type Result<T> = std::result::Result<T, Error>;
@@ -30,7 +31,7 @@ pub type Result<T> = std::result::Result<T, Error>;
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A file operation failed.
-    #[error("{path}: {op} failed: {source}")]
+    #[error("{path}: {op} failed")]
     Io {
         /// The file.
         path: PathBuf,
@@ -41,7 +42,7 @@ pub enum Error {
         source: io::Error,
     },
     /// A file that is not the JSON it should be.
-    #[error("{path}: not valid JSON of the expected shape: {source}")]
+    #[error("{path}: not valid JSON of the expected shape")]
     Json {
         /// The file.
         path: PathBuf,

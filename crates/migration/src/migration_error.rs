@@ -200,26 +200,10 @@ pub enum MigrationError {
     StaleDigests,
 }
 
-/// `e` and its chain of causes, each once: a cause whose text is already there (an error that
-/// also prints its source) is left out, the others follow after `separator`. What a side tells
-/// its peer when it refuses (`": "`), and how the CLI prints an error.
-pub fn error_chain(e: &(dyn std::error::Error + 'static), separator: &str) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        let cause = s.to_string();
-        if !text.contains(&cause) {
-            text.push_str(separator);
-            text.push_str(&cause);
-        }
-        source = s.source();
-    }
-    text
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error_chain;
 
     #[test]
     fn causes_are_sources_and_the_peer_hears_them_once() {
@@ -239,5 +223,35 @@ mod tests {
             e,
             crate::Error::Migration(MigrationError::Receiving { .. })
         ));
+    }
+
+    #[test]
+    fn file_and_transport_errors_keep_their_cause_as_the_source_only() {
+        let io = || std::io::Error::other("the disk is on fire");
+        let e = crate::Error::Io {
+            path: "/snap/manifest.json".into(),
+            op: "read",
+            source: io(),
+        };
+        assert_eq!(e.to_string(), "/snap/manifest.json: read failed");
+        assert_eq!(
+            error_chain(&e, ": "),
+            "/snap/manifest.json: read failed: the disk is on fire"
+        );
+        let e = crate::Error::from(crate::transport::TransportError::Unreachable {
+            endpoint: "tcp:127.0.0.1:1".into(),
+            error: io(),
+        });
+        assert_eq!(
+            e.to_string(),
+            "connect to tcp:127.0.0.1:1: nothing listens there"
+        );
+        assert!(e.is_unreachable());
+        assert_eq!(error_chain(&e, ": ").matches("on fire").count(), 1);
+        let e = crate::Error::from(crate::stream::StreamError::Io(io()));
+        assert_eq!(
+            error_chain(&e, ": "),
+            "I/O on the migration stream: the disk is on fire"
+        );
     }
 }

@@ -226,7 +226,7 @@ pub enum StreamError {
     #[error("the peer closed the stream")]
     Closed,
     /// Reading or writing the stream failed.
-    #[error("I/O on the migration stream: {0}")]
+    #[error("I/O on the migration stream")]
     Io(#[from] io::Error),
     /// Not a stream of this version.
     #[error(

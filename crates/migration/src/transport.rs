@@ -75,19 +75,21 @@ pub enum TransportError {
     #[error("'{0}' is not an endpoint (expected tcp:HOST:PORT or unix:PATH)")]
     BadEndpoint(String),
     /// A socket operation failed.
-    #[error("{what}: {error}")]
+    #[error("{what}")]
     Io {
         /// What was being done.
         what: String,
         /// The underlying error.
+        #[source]
         error: io::Error,
     },
     /// Nothing listens at the endpoint (connection refused, or no such socket).
-    #[error("connect to {endpoint}: nothing listens there ({error})")]
+    #[error("connect to {endpoint}: nothing listens there")]
     Unreachable {
         /// The endpoint.
         endpoint: String,
         /// The underlying error.
+        #[source]
         error: io::Error,
     },
     /// Credentials that cannot be loaded or used.
@@ -1165,8 +1167,9 @@ mod tests {
                 c.read(&mut byte).map_err(io_err("read"))?;
                 Ok(())
             })
-            .expect_err("refused")
-            .to_string();
+            .expect_err("refused");
+        // The TLS alert is the read's cause.
+        let e = crate::error_chain(&e, ": ");
         assert!(
             e.contains("refused the TLS handshake: our certificate has expired")
                 && e.contains(&problem),

@@ -29,7 +29,7 @@ pub enum Error {
         reason: String,
     },
     /// A userfaultfd operation failed.
-    #[error("region '{region}': {op} failed: {source:?}")]
+    #[error("region '{region}': {op} failed")]
     Uffd {
         /// The region.
         region: String,
@@ -37,10 +37,10 @@ pub enum Error {
         op: &'static str,
         /// The userfaultfd crate's error.
         #[source]
-        source: userfaultfd::Error,
+        source: UffdError,
     },
     /// A system call failed.
-    #[error("region '{region}': {op} failed: {source}")]
+    #[error("region '{region}': {op} failed")]
     Os {
         /// The region.
         region: String,
@@ -66,7 +66,7 @@ pub enum Error {
         reason: String,
     },
     /// The page source could not provide a range, retries included.
-    #[error("region '{region}': the page source failed to provide guest address {gpa:#x} (+{len:#x}) after {attempts} attempts: {source}")]
+    #[error("region '{region}': the page source failed to provide guest address {gpa:#x} (+{len:#x}) after {attempts} attempts")]
     SourceFailed {
         /// The region.
         region: String,
@@ -80,4 +80,55 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
+}
+
+/// A userfaultfd crate error, displayed with the errno that the crate's own text leaves out
+/// ("Copy failed" becomes "copy failed: EEXIST: File exists").
+#[derive(Debug)]
+pub struct UffdError(pub userfaultfd::Error);
+
+impl std::fmt::Display for UffdError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.0 {
+            userfaultfd::Error::CopyFailed(e) => write!(f, "copy failed: {e}"),
+            userfaultfd::Error::ZeropageFailed(e) => write!(f, "zeropage failed: {e}"),
+            userfaultfd::Error::SystemError(e) => write!(f, "{e}"),
+            userfaultfd::Error::OpenDevUserfaultfd(e) => {
+                write!(f, "cannot open /dev/userfaultfd: {e}")
+            }
+            e => write!(f, "{e}"),
+        }
+    }
+}
+
+// The errno is in the text: no source (it would print it twice).
+impl std::error::Error for UffdError {}
+
+impl From<userfaultfd::Error> for UffdError {
+    fn from(e: userfaultfd::Error) -> Self {
+        UffdError(e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_userfaultfd_error_is_the_source_and_says_its_cause_once() {
+        let os = io::Error::from_raw_os_error(libc::EACCES);
+        let os_text = os.to_string();
+        let e = Error::Uffd {
+            region: "ram".into(),
+            op: "userfaultfd",
+            source: UffdError(userfaultfd::Error::OpenDevUserfaultfd(os)),
+        };
+        assert_eq!(e.to_string(), "region 'ram': userfaultfd failed");
+        let source = std::error::Error::source(&e).expect("a source");
+        assert_eq!(
+            source.to_string(),
+            format!("cannot open /dev/userfaultfd: {os_text}")
+        );
+        assert!(source.source().is_none());
+    }
 }

@@ -24,7 +24,7 @@ mod pager;
 pub mod priority;
 mod source;
 
-pub use error::{Error, Result};
+pub use error::{Error, Result, UffdError};
 pub use pager::{
     register_for_peer, OnFailure, Pager, PagerConfig, PagerStats, PeerPager, PeerRange,
     PeerReleased,

@@ -9,7 +9,9 @@ use crate::Result;
 pub struct ObjectInfo {
     /// The key relative to the store's root.
     pub key: String,
+    /// Its bytes.
     pub size: u64,
+    /// When it was last written.
     pub modified: SystemTime,
 }
 

@@ -25,6 +25,8 @@ const UNKNOWN: u64 = u64::MAX;
 /// The default bound: 8 GiB.
 pub const DEFAULT_LIMIT: u64 = 8 << 30;
 
+/// The host's cache of checked chunks, decompressed, each with a CRC-32, bounded in bytes
+/// (least recently used out first).
 pub struct ChunkCache {
     dir: PathBuf,
     limit: u64,
@@ -66,6 +68,7 @@ impl ChunkCache {
         ChunkCache::open(&dir, limit)
     }
 
+    /// The cache's directory.
     pub fn dir(&self) -> &Path {
         &self.dir
     }

@@ -114,7 +114,11 @@ impl<'a> Lease<'a> {
 impl Drop for Lease<'_> {
     fn drop(&mut self) {
         if let Err(e) = self.backend.delete(&self.key) {
-            tracing::warn!("could not remove the lease {}: {e}", self.key);
+            tracing::warn!(
+                "could not remove the lease {}: {}",
+                self.key,
+                crate::chain_text(&e)
+            );
         }
     }
 }
@@ -122,10 +126,15 @@ impl Drop for Lease<'_> {
 /// What a collection found and did.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct GcReport {
+    /// Snapshot manifests read.
     pub manifests: usize,
+    /// Chunks the store holds.
     pub chunks: usize,
+    /// Chunks some manifest references.
     pub referenced_chunks: usize,
+    /// Chunks removed.
     pub removed_chunks: usize,
+    /// Their stored bytes.
     pub removed_bytes: u64,
     /// Unreferenced chunks left alone because they are younger than the grace period.
     pub young_chunks: usize,
@@ -161,14 +170,12 @@ pub fn gc(backend: &dyn Backend, grace: Duration) -> Result<GcReport> {
         else {
             continue;
         };
-        let manifest = StoreManifest::load(backend, name).map_err(|e| {
-            Error::Write(format!(
-                "{}: gc removed nothing: the manifest of snapshot '{name}' cannot be read \
-                 ({}), so its chunks cannot be told from garbage; repair or delete it",
-                backend.describe(),
-                crate::chain_text(&e)
-            ))
-        })?;
+        let manifest =
+            StoreManifest::load(backend, name).map_err(|e| Error::GcUnreadableManifest {
+                store: backend.describe(),
+                name: name.to_string(),
+                source: Box::new(e),
+            })?;
         report.manifests += 1;
         referenced.extend(manifest.data_chunks().map(|(h, _)| h));
     }
@@ -309,6 +316,29 @@ mod tests {
             .unwrap();
         let r = gc(&b, Duration::ZERO).unwrap();
         assert_eq!(r.stale_leases, 1);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A manifest gc cannot read stops it before it removes anything, as a typed error whose
+    /// source says why (once).
+    #[test]
+    fn an_unreadable_manifest_stops_gc_naming_it_with_its_cause() {
+        let dir = std::env::temp_dir().join(format!("guestmem-gc-bad-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let b = LocalBackend::new(&dir);
+        b.put("snapshots/vm1/manifest.json", b"{ not json").unwrap();
+        b.put("chunks/ab/abcd", b"garbage").unwrap();
+        let e = gc(&b, Duration::ZERO).unwrap_err();
+        assert!(
+            matches!(&e, Error::GcUnreadableManifest { name, .. } if name == "vm1"),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("gc removed nothing"), "{e}");
+        let chain = crate::chain_text(&e);
+        let cause = std::error::Error::source(&e).expect("a source").to_string();
+        assert!(cause.contains("not valid JSON"), "{chain}");
+        assert_eq!(chain.matches(&cause).count(), 1, "{chain}");
+        assert!(b.get("chunks/ab/abcd").is_ok(), "nothing removed");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

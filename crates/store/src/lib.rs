@@ -20,6 +20,8 @@
 //! complete. Reading checks the manifest as a whole before anything else, and every chunk's
 //! hash before any of its bytes reach guest memory.
 
+#![warn(missing_docs)]
+
 pub mod backend;
 pub mod cache;
 pub mod chunk;
@@ -39,107 +41,184 @@ pub use backend::{Backend, ObjectInfo};
 pub use location::Location;
 pub use manifest::{ChunkRef, StoreManifest, StoreRegion};
 
+/// What the store's operations return.
 pub type Result<T> = std::result::Result<T, Error>;
 
+/// Why a store operation failed. Each message stands alone; a cause that is an error of its own
+/// is its `source()`, never repeated in the message.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// An object the store does not hold.
     #[error("{store}: {key} is missing")]
-    Missing { store: String, key: String },
+    Missing {
+        /// The store.
+        store: String,
+        /// The object's key.
+        key: String,
+    },
+    /// A local store's file operation failed.
     #[error("{store}: {op} {key} failed")]
     Io {
+        /// The store.
         store: String,
+        /// The object's key.
         key: String,
+        /// The operation.
         op: &'static str,
+        /// The operating system's error.
         #[source]
         source: io::Error,
     },
+    /// An object store request failed (none of the causes below).
     #[error("{store}: {op} {key} failed")]
     Object {
+        /// The store.
         store: String,
+        /// The object's key.
         key: String,
+        /// The operation.
         op: &'static str,
+        /// The object store's error.
         #[source]
         source: Box<object_store::Error>,
     },
+    /// The object store cannot be reached (nothing listens at its endpoint).
     #[error(
         "{store}: the store is unreachable ({op} {key}); check AWS_ENDPOINT_URL and that the \
          server runs"
     )]
     Unreachable {
+        /// The store.
         store: String,
+        /// The object's key.
         key: String,
+        /// The operation.
         op: &'static str,
+        /// The object store's error.
         #[source]
         source: Box<object_store::Error>,
     },
+    /// The object store refused the credentials.
     #[error(
         "{store}: the store refused the credentials ({op} {key}); check AWS_ACCESS_KEY_ID and \
          AWS_SECRET_ACCESS_KEY"
     )]
     Credentials {
+        /// The store.
         store: String,
+        /// The object's key.
         key: String,
+        /// The operation.
         op: &'static str,
+        /// The object store's error.
         #[source]
         source: Box<object_store::Error>,
     },
+    /// The store's bucket does not exist.
     #[error("{store}: the bucket does not exist ({op} {key})")]
     NoBucket {
+        /// The store.
         store: String,
+        /// The object's key.
         key: String,
+        /// The operation.
         op: &'static str,
+        /// The object store's error.
         #[source]
         source: Box<object_store::Error>,
     },
+    /// The object store client cannot be built.
     #[error("{store}: cannot set up the store")]
     Setup {
+        /// The store.
         store: String,
+        /// The object store's error.
         #[source]
         source: Box<object_store::Error>,
     },
+    /// A store or snapshot location that is not one (the text says which and why).
     #[error("{0}")]
     Location(String),
+    /// A manifest (or state) that does not parse.
     #[error("{store}: {key}: not valid JSON of the expected shape (truncated or not a manifest)")]
     Json {
+        /// The store.
         store: String,
+        /// The object's key.
         key: String,
+        /// Why it does not parse.
         #[source]
         source: serde_json::Error,
     },
+    /// A manifest of another format.
     #[error("{store}: {key}: not a guestmem store snapshot (format {found})")]
     Foreign {
+        /// The store.
         store: String,
+        /// The manifest's key.
         key: String,
+        /// The format it names.
         found: String,
     },
+    /// A manifest of another version.
     #[error(
         "{store}: {key}: store snapshot version {found}; this guestmem reads version {supported}"
     )]
     Version {
+        /// The store.
         store: String,
+        /// The manifest's key.
         key: String,
+        /// Its version.
         found: u64,
+        /// The version this build reads.
         supported: u32,
     },
+    /// A snapshot whose bytes are not what its manifest says (naming the snapshot, region,
+    /// chunk and hash).
     #[error("corrupt store snapshot: {0}")]
     Corrupt(String),
+    /// A snapshot that cannot be restored here.
     #[error("cannot restore here: {0}")]
     Layout(String),
+    /// A snapshot (or a collection) that cannot be written.
     #[error("cannot write the snapshot: {0}")]
     Write(String),
+    /// A collection that found a manifest it cannot read, and so removed nothing.
+    #[error(
+        "{store}: gc removed nothing: the manifest of snapshot '{name}' cannot be read, so its \
+         chunks cannot be told from garbage; repair or delete it"
+    )]
+    GcUnreadableManifest {
+        /// The store.
+        store: String,
+        /// The snapshot whose manifest cannot be read.
+        name: String,
+        /// Why it cannot be read.
+        #[source]
+        source: Box<Error>,
+    },
+    /// The host's chunk cache failed.
     #[error("chunk cache {path}: {op} failed")]
     Cache {
+        /// The cache's file or directory.
         path: PathBuf,
+        /// The operation.
         op: &'static str,
+        /// The operating system's error.
         #[source]
         source: io::Error,
     },
+    /// A snapshot or migration operation failed.
     #[error(transparent)]
     Migration(#[from] guestmem_migration::Error),
+    /// The VM failed.
     #[error(transparent)]
     Vm(#[from] guestmem_vm::Error),
+    /// Guest memory failed.
     #[error(transparent)]
     Memory(#[from] guestmem_memory::Error),
+    /// Demand paging failed.
     #[error(transparent)]
     Paging(#[from] guestmem_paging::Error),
 }

@@ -9,18 +9,26 @@ use crate::s3::S3Backend;
 use crate::{Error, Result};
 
 /// Where a store is: its back end and its root there.
+/// A store: a local directory or an S3 bucket and prefix.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StoreUrl {
     /// A local directory.
     Local(PathBuf),
     /// An S3 bucket and a key prefix in it (empty: the bucket's root).
-    S3 { bucket: String, prefix: String },
+    S3 {
+        /// The bucket.
+        bucket: String,
+        /// The key prefix.
+        prefix: String,
+    },
 }
 
 /// A snapshot in a store: the store, and the snapshot's name in it (the last path element).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Location {
+    /// The store.
     pub store: StoreUrl,
+    /// The snapshot's name in it.
     pub name: String,
 }
 

@@ -31,24 +31,32 @@ const MAX_CHUNK_BYTES: u64 = 64 << 20;
 pub fn manifest_key(name: &str) -> String {
     format!("snapshots/{name}/manifest.json")
 }
+/// The key of a snapshot's state object.
 pub fn state_key(name: &str) -> String {
     format!("snapshots/{name}/state.json")
 }
+/// The key of a snapshot's recorded working set.
 pub fn working_set_key(name: &str) -> String {
     format!("snapshots/{name}/working-set.json")
 }
 
+/// A store snapshot's manifest: what it holds and how to check it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StoreManifest {
+    /// The format's name ([`FORMAT`]).
     pub format: String,
+    /// The format's version.
     pub version: u32,
     /// The snapshot's name in its store (a manifest found under another name is refused).
     pub name: String,
+    /// The VM's configuration.
     pub config: VmConfig,
+    /// The chunk size in bytes.
     pub chunk_bytes: u64,
     /// Every region of guest memory (the sys region included), in memory order.
     pub regions: Vec<StoreRegion>,
+    /// The state object's bytes.
     pub state_bytes: u64,
     /// BLAKE3 of the state object, hex.
     pub state_blake3: String,
@@ -59,31 +67,45 @@ pub struct StoreManifest {
     pub checksum: String,
 }
 
+/// A diff snapshot's base.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StoreBase {
+    /// The base's name in the same store.
     pub name: String,
+    /// Its manifest's checksum, as the diff was written.
     pub checksum: String,
 }
 
+/// One region of guest memory in a store snapshot.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StoreRegion {
+    /// The region.
     pub spec: RegionSpec,
     /// `GuestMemory::digest` of the whole region at snapshot time, in manifests written before
     /// the chunks' own hashes became the restore's whole-memory check (read, not written: a
     /// restore checks every chunk of memory against its hash instead).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub digest: Option<u64>,
+    /// Its chunks, in order.
     pub chunks: Vec<ChunkRef>,
 }
 
 /// One chunk of a region.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ChunkRef {
+    /// All zero: not stored.
     Zero,
+    /// Unchanged since the diff's base: the base's chunk.
     Base,
-    Data { hash: Hash, stored: u64 },
+    /// Stored under its BLAKE3 hash, in `stored` compressed bytes.
+    Data {
+        /// BLAKE3 of the chunk's bytes.
+        hash: Hash,
+        /// Its compressed bytes in the store.
+        stored: u64,
+    },
 }
 
 impl Serialize for ChunkRef {
@@ -118,12 +140,14 @@ impl<'de> Deserialize<'de> for ChunkRef {
 }
 
 impl StoreRegion {
+    /// The bytes of chunk `index` (the last may be short).
     pub fn chunk_len(&self, chunk_bytes: u64, index: usize) -> u64 {
         chunk_bytes.min(self.spec.size - index as u64 * chunk_bytes)
     }
 }
 
 impl StoreManifest {
+    /// BLAKE3 over the canonical form with the checksum field empty, hex.
     pub fn compute_checksum(&self) -> String {
         let mut canonical = self.clone();
         canonical.checksum.clear();
@@ -131,6 +155,7 @@ impl StoreManifest {
         blake3::hash(&bytes).to_hex().to_string()
     }
 
+    /// Sets the checksum.
     pub fn seal(&mut self) {
         self.checksum = self.compute_checksum();
     }

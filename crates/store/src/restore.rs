@@ -23,10 +23,13 @@ use crate::{Error, Result};
 
 /// A store snapshot whose manifest (and base chain) and state have been read and checked.
 pub struct StoreSnapshot {
+    /// Its manifest.
     pub manifest: StoreManifest,
+    /// Its vCPU and VM state.
     pub state: VmState,
     /// Every chunk, a diff's base entries resolved.
     pub resolved: Resolved,
+    /// What gets its chunks (through the host's chunk cache for S3).
     pub fetcher: Arc<Fetcher>,
 }
 
@@ -93,6 +96,7 @@ impl StoreSnapshot {
         })
     }
 
+    /// The store it is in.
     pub fn backend(&self) -> &dyn Backend {
         &**self.fetcher.backend()
     }
@@ -475,7 +479,9 @@ impl StoreSnapshot {
 
 /// A VM restored lazily from a store; the pagers go before the VM (field order).
 pub struct LazyStoreVm {
+    /// The pagers bringing its memory in.
     pub pagers: Vec<Pager>,
+    /// The VM.
     pub vm: Vm,
     /// From the start of the restore to the vCPUs being ready.
     pub ready: Duration,
@@ -483,14 +489,18 @@ pub struct LazyStoreVm {
     pub prefetched: bool,
 }
 
+/// The format name of a store snapshot's working set.
 pub const WORKING_SET_FORMAT: &str = "guestmem-store-working-set";
 
 /// `snapshots/NAME/working-set.json`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StoreWorkingSet {
+    /// The format's name ([`WORKING_SET_FORMAT`]).
     pub format: String,
+    /// The checksum of the manifest it was recorded against.
     pub manifest_checksum: String,
+    /// Per region, the chunks faulted on first.
     pub regions: Vec<WorkingSetRegion>,
     /// BLAKE3 of the canonical form with this field empty.
     pub checksum: String,

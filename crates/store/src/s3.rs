@@ -44,7 +44,9 @@ fn loopback(endpoint: &str) -> bool {
 pub struct S3Config {
     /// `AWS_ENDPOINT_URL` (none: AWS itself).
     pub endpoint: Option<String>,
+    /// `AWS_ACCESS_KEY_ID`.
     pub access_key_id: String,
+    /// `AWS_SECRET_ACCESS_KEY`.
     pub secret_access_key: String,
     /// `AWS_REGION` (default `us-east-1`).
     pub region: Option<String>,

@@ -22,6 +22,7 @@ pub const IN_FLIGHT: usize = 8;
 pub struct FetchStats {
     /// Objects read from the store, and their bytes.
     pub store_gets: u64,
+    /// Their bytes.
     pub store_bytes: u64,
     /// Chunks found in the host's chunk cache.
     pub cache_hits: u64,
@@ -37,6 +38,7 @@ pub struct Fetcher {
 }
 
 impl Fetcher {
+    /// A fetcher of `backend`'s chunks, through `cache` if any.
     pub fn new(backend: Arc<dyn Backend>, cache: Option<ChunkCache>) -> Fetcher {
         Fetcher {
             backend,
@@ -47,10 +49,12 @@ impl Fetcher {
         }
     }
 
+    /// The store.
     pub fn backend(&self) -> &Arc<dyn Backend> {
         &self.backend
     }
 
+    /// Where the chunks came from so far.
     pub fn stats(&self) -> FetchStats {
         FetchStats {
             store_gets: self.store_gets.load(Ordering::Relaxed),
@@ -150,6 +154,7 @@ pub struct StoreSource {
 }
 
 impl StoreSource {
+    /// The source of one region's `chunks` (`None`: a zero chunk), fetched by `fetcher`.
     pub fn new(
         fetcher: Arc<Fetcher>,
         chunks: Vec<Option<(Hash, u64)>>,
@@ -212,8 +217,9 @@ impl StoreSource {
     }
 }
 
+/// The store's error as the page source's: kept whole (its causes stay its sources).
 fn io_error(e: Error) -> io::Error {
-    io::Error::new(io::ErrorKind::InvalidData, crate::chain_text(&e))
+    io::Error::new(io::ErrorKind::InvalidData, e)
 }
 
 impl PageSource for StoreSource {

@@ -29,7 +29,9 @@ pub struct StoreWriteReport {
     pub snapshot: String,
     /// Guest memory covered (every region, the sys region included).
     pub memory_bytes: u64,
+    /// Chunks of guest memory.
     pub chunks: u64,
+    /// All-zero chunks (not stored).
     pub zero_chunks: u64,
     /// A diff's chunks left to its base.
     pub inherited_chunks: u64,
@@ -37,10 +39,13 @@ pub struct StoreWriteReport {
     pub deduplicated_chunks: u64,
     /// Chunks put by this write, and their stored (compressed) bytes.
     pub new_chunks: u64,
+    /// Their stored bytes.
     pub new_stored_bytes: u64,
     /// Stored bytes of the distinct chunks the manifest itself lists (its base's not counted).
     pub stored_bytes: u64,
+    /// How long the write took, in ms.
     pub write_ms: f64,
+    /// Threads that compressed and put the chunks.
     pub threads: usize,
 }
 

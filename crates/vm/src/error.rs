@@ -5,10 +5,10 @@ pub type Result<T> = std::result::Result<T, Error>;
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// /dev/kvm cannot be opened.
-    #[error("cannot open /dev/kvm: {0}")]
+    #[error("cannot open /dev/kvm")]
     Kvm(#[source] kvm_ioctls::Error),
     /// A KVM ioctl failed.
-    #[error("{op} failed: {source}")]
+    #[error("{op} failed")]
     Ioctl {
         /// The operation that failed.
         op: &'static str,

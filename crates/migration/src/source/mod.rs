@@ -806,7 +806,9 @@ impl<'o> Source<'o> {
                 first => {
                     let why = first
                         .err()
-                        .map_or("another connection broke".to_string(), |e| e.to_string());
+                        .map_or("another connection broke".to_string(), |e| {
+                            crate::error_chain(&e, ": ")
+                        });
                     self.report.link_breaks += 1;
                     tracing::warn!("post-copy link broken: {why}");
                     let Some(reconnect) = &self.opts.reconnect else {

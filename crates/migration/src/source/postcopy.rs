@@ -222,7 +222,10 @@ pub(super) fn serve(
                     false,
                     |at, piece| {
                         memory.read(gpa + at as u64, piece).map_err(|e| {
-                            StreamError::Malformed(format!("request outside guest memory: {e}"))
+                            StreamError::Malformed(format!(
+                                "request outside guest memory: {}",
+                                crate::error_chain(&e, ": ")
+                            ))
                         })
                     },
                 )

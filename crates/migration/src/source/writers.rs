@@ -69,7 +69,7 @@ pub(super) fn encode_cached(
     let pages = &mut pages[..len];
     memory
         .read(gpa, pages)
-        .map_err(|e| StreamError::Malformed(e.to_string()))?;
+        .map_err(|e| StreamError::Malformed(crate::error_chain(&e, ": ")))?;
     let page = PAGE_SIZE as usize;
     let at = |p: usize| gpa + (p * page) as u64;
     let cached = try_delta && (0..len / page).any(|p| part.contains(at(p)));
@@ -164,9 +164,9 @@ impl Writers {
                                         fresh,
                                         whole_pages,
                                         |at, piece| {
-                                            memory
-                                                .read(gpa + at as u64, piece)
-                                                .map_err(|e| StreamError::Malformed(e.to_string()))
+                                            memory.read(gpa + at as u64, piece).map_err(|e| {
+                                                StreamError::Malformed(crate::error_chain(&e, ": "))
+                                            })
                                         },
                                     )
                                     .map(|_| ()),

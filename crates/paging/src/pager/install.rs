@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use userfaultfd::{FaultKind, Uffd};
 
 use super::{By, Mode, Shared};
-use crate::{Error, Result};
+use crate::{Error, Result, UffdError};
 
 impl Shared {
     /// Fetches `chunk` from the source and maps it into the region. `Ok(false)`: the mapping
@@ -57,7 +57,7 @@ impl Shared {
                         gpa: self.gpa + start,
                         len,
                         attempts: 1,
-                        source: io::Error::other(e.to_string()),
+                        source: io::Error::other(e),
                     },
                 })?;
                 if copied {
@@ -189,7 +189,7 @@ impl Shared {
             return;
         }
         if let Err(e) = result {
-            tracing::warn!(region = %self.region, "refilling a discarded page: {e}");
+            tracing::warn!(region = %self.region, "refilling a discarded page: {}", guestmem_sys::error_chain(&e, ": "));
         }
     }
 
@@ -217,7 +217,7 @@ impl Shared {
             match fetched {
                 Ok(()) => return Ok(()),
                 Err(e) => {
-                    tracing::warn!(region = %self.region, gpa = self.gpa + next, attempt, "page source: {e}");
+                    tracing::warn!(region = %self.region, gpa = self.gpa + next, attempt, "page source: {}", guestmem_sys::error_chain(&e, ": "));
                     last = Some(e);
                     if attempt < self.fetch_attempts {
                         std::thread::sleep(self.retry_delay);
@@ -335,7 +335,7 @@ impl Shared {
         Error::Uffd {
             region: self.region.clone(),
             op,
-            source,
+            source: UffdError(source),
         }
     }
 }

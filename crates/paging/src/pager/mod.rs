@@ -23,7 +23,7 @@ use guestmem_vm::AbortHandle;
 use userfaultfd::{FeatureFlags, RegisterMode, Uffd, UffdBuilder};
 
 use crate::affinity::CpuSet;
-use crate::{Error, PageSource, Result};
+use crate::{Error, PageSource, Result, UffdError};
 
 pub use config::{PagerConfig, PagerStats};
 pub use peer::{register_for_peer, PeerPager, PeerRange};
@@ -231,7 +231,7 @@ impl Pager {
         let uffd_err = |op, source| Error::Uffd {
             region: name.clone(),
             op,
-            source,
+            source: UffdError(source),
         };
         let host = region.host_addr() as usize;
         let shards: Vec<Range<usize>> = (0..config.uffds)

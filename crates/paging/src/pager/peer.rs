@@ -18,7 +18,7 @@ use super::{
     Shared, EVENT_BATCH,
 };
 use crate::affinity::CpuSet;
-use crate::{priority, Error, PageSource, Result};
+use crate::{priority, Error, PageSource, Result, UffdError};
 
 /// One range of another process's memory registered on a userfaultfd that a [`PeerPager`]
 /// serves (a Firecracker-style VMM registered it and passed the fd on).
@@ -266,7 +266,7 @@ fn serve_peer_faults(uffd: &Uffd, ranges: &[Arc<Shared>], stop: i32) {
         let batch: Vec<Event> = match uffd.read_events(&mut events) {
             Ok(iter) => iter.filter_map(|e| e.ok()).collect(),
             Err(e) => {
-                tracing::warn!("reading the peer's userfaultfd events: {e}");
+                tracing::warn!("reading the peer's userfaultfd events: {}", UffdError(e));
                 continue;
             }
         };
@@ -342,7 +342,7 @@ pub fn register_for_peer(regions: &[&Region]) -> Result<OwnedFd> {
         .map_err(|source| Error::Uffd {
             region: name.into(),
             op: "userfaultfd / UFFDIO_API",
-            source,
+            source: UffdError(source),
         })?;
     for r in regions {
         uffd.register_with_mode(
@@ -353,7 +353,7 @@ pub fn register_for_peer(regions: &[&Region]) -> Result<OwnedFd> {
         .map_err(|source| Error::Uffd {
             region: r.name().into(),
             op: "UFFDIO_REGISTER",
-            source,
+            source: UffdError(source),
         })?;
     }
     // `Uffd::into_raw_fd` (userfaultfd 0.9) still closes the fd on drop: forget the Uffd.

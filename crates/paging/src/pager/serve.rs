@@ -14,7 +14,7 @@ use super::{
     By, Layout, OnFailure, PagerConfig, PagerStats, Shared, ABSENT, BOUNCE_MAX, BOUNCE_SHARE,
     EVENT_BATCH, FAILED, FETCHING, RESIDENT, SWEEP_DELAY,
 };
-use crate::{priority, Error, PageSource};
+use crate::{priority, Error, PageSource, UffdError};
 
 impl Shared {
     #[allow(clippy::too_many_arguments)]
@@ -174,7 +174,7 @@ impl Shared {
                 let batch: Vec<Event> = match uffd.read_events(&mut events) {
                     Ok(iter) => iter.filter_map(|e| e.ok()).collect(),
                     Err(e) => {
-                        tracing::warn!(region = %self.region, "reading userfaultfd events: {e}");
+                        tracing::warn!(region = %self.region, "reading userfaultfd events: {}", UffdError(e));
                         continue;
                     }
                 };
@@ -439,7 +439,7 @@ impl Shared {
     }
 
     pub(super) fn fail(&self, e: Error) {
-        let reason = e.to_string();
+        let reason = guestmem_sys::error_chain(&e, ": ");
         // Recorded before anyone is told, so that whoever sees the VM (or peer) stop finds
         // the reason. Only the first failure is reported: the ones that follow (other chunks
         // in flight when the VM or peer went away) are its consequences, told once already.
