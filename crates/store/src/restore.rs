@@ -131,15 +131,15 @@ impl StoreSnapshot {
     }
 
     /// Checks `memory` (this snapshot's layout, restored) chunk by chunk against the manifest,
-    /// on several threads; see [`StoreSnapshot::check_region`].
+    /// on several threads: each data chunk's BLAKE3 hash, and zero chunks all zero (each chunk
+    /// was checked when it was fetched; this catches one placed wrong). Names the first chunk
+    /// that differs.
     pub fn check_memory(&self, memory: &GuestMemory) -> Result<()> {
         let threads = self.threads();
         (0..self.manifest.regions.len()).try_for_each(|i| self.check_region(memory, i, threads))
     }
 
-    /// Checks region `index` of `memory` as restored, chunk by chunk, against the manifest:
-    /// each data chunk's BLAKE3 hash, and zero chunks all zero (each chunk was checked when it
-    /// was fetched; this catches one placed wrong). Names the first chunk that differs.
+    /// [`StoreSnapshot::check_memory`] for region `index`.
     fn check_region(&self, memory: &GuestMemory, index: usize, threads: usize) -> Result<()> {
         let region = &self.manifest.regions[index];
         let cb = self.manifest.chunk_bytes;
