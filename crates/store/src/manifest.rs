@@ -151,8 +151,7 @@ impl StoreManifest {
     pub fn compute_checksum(&self) -> String {
         let mut canonical = self.clone();
         canonical.checksum.clear();
-        let bytes = serde_json::to_vec(&canonical).expect("a manifest serializes");
-        blake3::hash(&bytes).to_hex().to_string()
+        guestmem_migration::snapshot::canonical_checksum(&canonical)
     }
 
     /// Sets the checksum.

@@ -510,9 +510,7 @@ impl StoreWorkingSet {
     fn compute_checksum(&self) -> String {
         let mut c = self.clone();
         c.checksum.clear();
-        blake3::hash(&serde_json::to_vec(&c).expect("serializes"))
-            .to_hex()
-            .to_string()
+        guestmem_migration::snapshot::canonical_checksum(&c)
     }
 }
 

@@ -162,13 +162,20 @@ pub fn check_config_layout<'a>(
     Ok(())
 }
 
+/// BLAKE3 (hex) of `canonical`'s compact JSON: the checksum of a manifest-like record, computed
+/// over a copy whose own checksum field was emptied (the flat snapshot's manifest, the store's
+/// manifest and its working set all seal themselves this way).
+pub fn canonical_checksum(canonical: &impl serde::Serialize) -> String {
+    let bytes = serde_json::to_vec(canonical).expect("a manifest serializes");
+    blake3::hash(&bytes).to_hex().to_string()
+}
+
 impl Manifest {
     /// The checksum of `self`'s canonical form (see the module docs).
     pub fn compute_checksum(&self) -> String {
         let mut canonical = self.clone();
         canonical.checksum.clear();
-        let bytes = serde_json::to_vec(&canonical).expect("a manifest serializes");
-        blake3::hash(&bytes).to_hex().to_string()
+        canonical_checksum(&canonical)
     }
 
     /// Sets `checksum` over everything else; the last step before writing.

@@ -44,8 +44,8 @@ use guestmem_vm::{layout, Vm, VmState};
 use serde::{Deserialize, Serialize};
 
 pub use manifest::{
-    check_config_layout, BaseRef, Chunk, Manifest, RegionFile, RegionImage, CHUNK_BYTES, FORMAT,
-    MAX_BASE_DEPTH, VERSION,
+    canonical_checksum, check_config_layout, BaseRef, Chunk, Manifest, RegionFile, RegionImage,
+    CHUNK_BYTES, FORMAT, MAX_BASE_DEPTH, VERSION,
 };
 pub use prepared::{layout_mismatch, PreparedVm};
 use sparse::{nonzero_page_runs, read_sparse};
