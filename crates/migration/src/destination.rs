@@ -17,7 +17,7 @@ use crate::landing::Landing;
 use crate::migrate::{
     block_connection, frame_name, link_error, percentile, read_frame, read_hello, read_json,
     unexpected_frame, write_frame, ChannelRole, Hello, Links, Mode, Setup, StaleChunks, Switchover,
-    BLOCK, FORMAT, HEARTBEAT_INTERVAL, POSTCOPY_CHUNK,
+    BLOCK, FORMAT, HEARTBEAT_INTERVAL, POSTCOPY_CHUNK, POSTCOPY_FAULT_BYTES,
 };
 use crate::source::memory_digest;
 use crate::stream::{Frame, FrameRef, Lend, MAX_REQUEST};
@@ -1093,7 +1093,7 @@ fn arm_postcopy(
             })?
             .bits
             .as_deref();
-        let chunk = POSTCOPY_CHUNK.max(region.backend().page_size());
+        let chunk = POSTCOPY_FAULT_BYTES.max(region.backend().page_size());
         let is_stale = |offset: u64| match bits {
             None => true,
             Some(bits) => {

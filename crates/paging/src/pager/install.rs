@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 
 use userfaultfd::{FaultKind, Uffd};
 
-use super::{By, Mode, Shared};
+use super::{By, Mode, Shared, BACKGROUND_BOUNCE_MAX};
 use crate::{Error, Result, UffdError};
 
 impl Shared {
@@ -14,13 +14,13 @@ impl Shared {
     /// was changing under us (EAGAIN); try again later.
     pub(super) fn install(
         &self,
-        chunk: usize,
+        chunks: std::ops::Range<usize>,
         shard: usize,
         bounce: &mut Vec<u8>,
         by: By,
     ) -> Result<bool> {
         let uffd = &self.uffds[shard];
-        let (start, len) = self.byte_range(chunk..chunk + 1);
+        let (start, len) = self.byte_range(chunks);
         if self.mode == Mode::Copy && self.page == 4096 && self.source.is_zero(start, len) {
             // SAFETY: the range is the chunk, inside the registered region.
             let zeroed = unsafe {
@@ -70,21 +70,21 @@ impl Shared {
                 Ok(copied)
             }
             Mode::Copy => {
-                if bounce.len() < self.bounce as usize {
-                    bounce.resize(self.bounce as usize, 0);
+                // A background run is fetched as one request (up to BACKGROUND_BOUNCE_MAX):
+                // pieces of the fault-sized bounce would each be a round trip.
+                let size = match by {
+                    By::Background => len.min(BACKGROUND_BOUNCE_MAX).max(self.bounce),
+                    _ => self.bounce,
+                } as usize;
+                if bounce.len() < size {
+                    bounce.resize(size, 0);
                 }
                 // The chunk is fetched as one range and copied in as its pieces arrive.
                 let mut copied = Ok(true);
-                self.fetch(
-                    start,
-                    len,
-                    &mut bounce[..self.bounce as usize],
-                    by,
-                    &mut |off, piece| {
-                        copied = self.copy(uffd, piece.as_ptr(), off, piece.len() as u64);
-                        matches!(copied, Ok(true))
-                    },
-                )?;
+                self.fetch(start, len, &mut bounce[..size], by, &mut |off, piece| {
+                    copied = self.copy(uffd, piece.as_ptr(), off, piece.len() as u64);
+                    matches!(copied, Ok(true))
+                })?;
                 if !copied? {
                     return Ok(false);
                 }

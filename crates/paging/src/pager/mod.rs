@@ -55,6 +55,9 @@ const FAILED: u8 = 3;
 /// Largest bounce buffer of `Mode::Copy` (bigger chunks are copied in pieces), which keeps
 /// the pager's own memory small.
 const BOUNCE_MAX: u64 = 128 << 10;
+/// Largest bounce buffer of the background fetcher, which brings runs of chunks as one range
+/// (one thread: its buffer stays small beside the region).
+const BACKGROUND_BOUNCE_MAX: u64 = 1 << 20;
 /// All threads' bounce buffers together take at most this share of the region (smaller
 /// buffers for small regions served by many threads).
 const BOUNCE_SHARE: u64 = 200;
@@ -115,6 +118,9 @@ struct Shared {
     prefetch_chunks: AtomicU64,
     discarded_chunks: AtomicU64,
     resident_chunks: AtomicU64,
+    /// The background fetches' throughput, bytes per second (f64 bits; 0: none measured yet),
+    /// which sizes their runs of chunks (see `background_run`).
+    background_rate: AtomicU64,
     /// Chunks to fetch first, and whether that is done.
     prefetch: Vec<usize>,
     prefetch_done: AtomicBool,

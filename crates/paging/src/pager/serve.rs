@@ -16,6 +16,11 @@ use super::{
 };
 use crate::{priority, Error, PageSource, UffdError};
 
+/// What one background fetch may take on the link (see `background_run`).
+const BACKGROUND_FETCH: Duration = Duration::from_micros(250);
+/// The most chunks one background fetch brings.
+const BACKGROUND_RUN_MAX: usize = 32;
+
 impl Shared {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn new(
@@ -71,6 +76,7 @@ impl Shared {
             prefetch_chunks: AtomicU64::new(0),
             discarded_chunks: AtomicU64::new(0),
             resident_chunks: AtomicU64::new(0),
+            background_rate: AtomicU64::new(0),
             prefetch: config
                 .prefetch
                 .iter()
@@ -311,6 +317,86 @@ impl Shared {
         }
     }
 
+    /// How many chunks one background fetch brings: as many as the link carries in
+    /// [`BACKGROUND_FETCH`] at the background's measured rate, so that on a slow link a fault's
+    /// answer never queues behind much background data, and on a fast one the fetches are few.
+    /// Runs only from a source that is not mapped (a remote one) into copied memory.
+    fn background_run(&self) -> usize {
+        if self.mode != super::Mode::Copy || self.source.mapped().is_some() {
+            return 1;
+        }
+        let rate = f64::from_bits(self.background_rate.load(Ordering::Relaxed));
+        let bytes = rate * BACKGROUND_FETCH.as_secs_f64();
+        ((bytes / self.chunk as f64) as usize).clamp(1, BACKGROUND_RUN_MAX)
+    }
+
+    /// The background's step: from `first`, claims up to `max` absent chunks in a row (of
+    /// `shard`), fetches them as one range and installs them. Returns how many chunks it went
+    /// past (at least 1).
+    fn make_resident_run(
+        &self,
+        first: usize,
+        max: usize,
+        shard: usize,
+        bounce: &mut Vec<u8>,
+    ) -> usize {
+        let end = self.shards[shard].end.min(first + max);
+        let mut claimed = first;
+        while claimed < end
+            && self.states[claimed]
+                .compare_exchange(ABSENT, FETCHING, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+        {
+            claimed += 1;
+        }
+        if claimed == first {
+            return 1;
+        }
+        let t = Instant::now();
+        match self.install(first..claimed, shard, bounce, By::Background) {
+            Ok(true) => {
+                let (_, len) = self.byte_range(first..claimed);
+                let rate = len as f64 / t.elapsed().as_secs_f64().max(1e-6);
+                let old = f64::from_bits(self.background_rate.load(Ordering::Relaxed));
+                let new = if old == 0.0 {
+                    rate
+                } else {
+                    0.8 * old + 0.2 * rate
+                };
+                self.background_rate.store(new.to_bits(), Ordering::Relaxed);
+                for chunk in first..claimed {
+                    self.set_state(chunk, RESIDENT);
+                    self.background_chunks.fetch_add(1, Ordering::Relaxed);
+                    self.count_resident();
+                }
+            }
+            Ok(false) => {
+                // The mapping was changing (EAGAIN): the chunks go back, their faults come again.
+                for chunk in first..claimed {
+                    self.set_state(chunk, ABSENT);
+                }
+                let (start, len) = self.byte_range(first..claimed);
+                let _ = self.uffds[shard].wake(
+                    (self.host + start as usize) as *mut libc::c_void,
+                    len as usize,
+                );
+            }
+            Err(Error::Released { .. }) => {
+                for chunk in first..claimed {
+                    self.set_state(chunk, FAILED);
+                }
+                self.release();
+            }
+            Err(e) => {
+                for chunk in first..claimed {
+                    self.set_state(chunk, FAILED);
+                }
+                self.fail(e);
+            }
+        }
+        claimed - first
+    }
+
     /// Makes `chunk` resident unless it is already; returns true when it already was. A fault
     /// waits for a chunk another thread is installing; readahead and background skip it.
     pub(super) fn make_resident(
@@ -327,7 +413,7 @@ impl Shared {
                 Ordering::AcqRel,
                 Ordering::Acquire,
             ) {
-                Ok(_) => match self.install(chunk, shard, bounce, by) {
+                Ok(_) => match self.install(chunk..chunk + 1, shard, bounce, by) {
                     Ok(true) => {
                         self.set_state(chunk, RESIDENT);
                         let counter = match by {
@@ -498,20 +584,23 @@ impl Shared {
             }
             std::thread::sleep(Duration::from_micros(200));
         }
-        let rounds = self.shards.iter().map(|s| s.len()).max().unwrap_or(0);
         while !self.retired.load(Ordering::Acquire) && self.failure().is_none() {
             if self.stopped() {
                 return;
             }
-            for round in 0..rounds {
+            // Each shard's chunks in turn, a run of them at a time from each shard's cursor.
+            let mut next: Vec<usize> = self.shards.iter().map(|s| s.start).collect();
+            let mut steps = 0u64;
+            while next.iter().zip(&self.shards).any(|(n, s)| *n < s.end) {
                 for (shard, chunks) in self.shards.iter().enumerate() {
-                    let chunk = chunks.start + round;
-                    if chunk < chunks.end {
+                    if next[shard] < chunks.end {
                         self.wait_for_idle_handlers();
-                        self.make_resident(chunk, shard, &mut bounce, By::Background);
+                        let run = self.background_run();
+                        next[shard] += self.make_resident_run(next[shard], run, shard, &mut bounce);
                     }
                 }
-                if round % 64 == 0 && self.stopped() {
+                steps += 1;
+                if steps % 64 == 0 && (self.stopped() || self.failure().is_some()) {
                     return;
                 }
             }
