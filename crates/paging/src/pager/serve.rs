@@ -600,7 +600,7 @@ impl Shared {
                     }
                 }
                 steps += 1;
-                if steps % 64 == 0 && (self.stopped() || self.failure().is_some()) {
+                if steps.is_multiple_of(64) && (self.stopped() || self.failure().is_some()) {
                     return;
                 }
             }
