@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use guestmem_memory::{Backend, GuestMemory, RegionSpec};
 use guestmem_migration::component::{Component, ComponentError, Components, PayloadVm};
+use guestmem_migration::compress::Compress;
 use guestmem_migration::driver::{self, Restore};
 use guestmem_migration::migrate::{self, Links, Mode, ReceiveOptions, SendOptions};
 use guestmem_migration::snapshot::{PreparedVm, Snapshot};
@@ -51,6 +52,8 @@ pub struct Outcome {
     pub arrived: Arrived,
     /// The migration's downtime (0 for a snapshot).
     pub downtime_ms: f64,
+    /// Frames of pages the migration sent compressed (0 for a snapshot).
+    pub compressed_frames: u64,
 }
 
 /// What the source saw.
@@ -214,6 +217,13 @@ fn migrate(mode: Mode, writes: Writes, scratch: &Path) -> Result<Outcome, Error>
     let opts = SendOptions {
         mode,
         verify: mode == Mode::Precopy,
+        // Post-copy's answers compressed, as a slow link wants them: zstd for the background
+        // fetches, LZ4 for the faults'.
+        compress: if mode == Mode::Postcopy {
+            Compress::Zstd
+        } else {
+            Compress::default()
+        },
         ..Default::default()
     };
     let mut machine = PayloadVm::running(running);
@@ -248,6 +258,7 @@ fn migrate(mode: Mode, writes: Writes, scratch: &Path) -> Result<Outcome, Error>
         source,
         arrived,
         downtime_ms: report.downtime_ms,
+        compressed_frames: report.compression.lz4_frames + report.compression.zstd_frames,
     })
 }
 
@@ -307,5 +318,6 @@ fn snapshot(restore: &str, scratch: &Path) -> Result<Outcome, Error> {
         source,
         arrived: run_on(running, &mut dev, (restored_device, digest, before))?,
         downtime_ms: 0.0,
+        compressed_frames: 0,
     })
 }

@@ -65,6 +65,8 @@ fn precopy_with_a_writing_device() {
 fn postcopy_and_hybrid_with_a_writing_device() {
     let o = run(How::Migrate(Mode::Postcopy), "postcopy");
     assert!(o.source.stopped.seq >= o.source.moving.seq, "{o:?}");
+    // Its answers came compressed (the example asks for zstd) and landed right.
+    assert!(o.compressed_frames > 0, "{o:?}");
     // Hybrid's pre-copy round runs while the device writes.
     let o = run(How::Migrate(Mode::Hybrid), "hybrid");
     assert!(o.source.stopped.seq > o.source.moving.seq, "{o:?}");

@@ -125,8 +125,13 @@ pub fn send_machine(
 
     // Post-copy's servers, reading on the urgent connections already (see PostcopyServers).
     let servers = match opts.mode.has_postcopy().then(|| {
-        let mut servers =
-            PostcopyServers::spawn(links.pages.len(), links.urgent.len(), &memory, fault_cpus)?;
+        let mut servers = PostcopyServers::spawn(
+            links.pages.len(),
+            links.urgent.len(),
+            &memory,
+            fault_cpus,
+            source.compressor.clone(),
+        )?;
         servers.hand(&mut links, true)?;
         Ok(servers)
     }) {
