@@ -92,6 +92,15 @@ pub enum TransportError {
         #[source]
         error: io::Error,
     },
+    /// A credentials file that cannot be read (missing, unreadable).
+    #[error("cannot read {path}")]
+    CredentialsUnreadable {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
     /// Credentials that cannot be loaded or used.
     #[error("{path}: {reason}")]
     Credentials {
@@ -231,6 +240,20 @@ fn names_role(cert: &CertificateDer<'_>, role: Role) -> std::result::Result<(), 
     ))
 }
 
+/// A PEM file that failed to load: unreadable (its I/O error as the source), or not holding
+/// a `what`.
+fn pem_error(path: PathBuf, what: &str, e: rustls::pki_types::pem::Error) -> TransportError {
+    match e {
+        rustls::pki_types::pem::Error::Io(source) => {
+            TransportError::CredentialsUnreadable { path, source }
+        }
+        e => TransportError::Credentials {
+            path,
+            reason: format!("not a PEM {what}: {e}"),
+        },
+    }
+}
+
 /// One peer's credentials: the migration CA's certificate and its own certificate and key, read
 /// from `DIR/ca.pem`, `DIR/<role>.pem` and `DIR/<role>.key`.
 pub struct Credentials {
@@ -273,17 +296,11 @@ impl Credentials {
     pub fn load_unchecked(dir: &Path, role: Role) -> Result<Credentials> {
         let cert_path = |name: &str| dir.join(format!("{name}.pem"));
         let read_cert = |path: PathBuf| {
-            CertificateDer::from_pem_file(&path).map_err(|e| TransportError::Credentials {
-                path,
-                reason: format!("not a PEM certificate: {e}"),
-            })
+            CertificateDer::from_pem_file(&path).map_err(|e| pem_error(path, "certificate", e))
         };
         let key_path = dir.join(format!("{}.key", role.name()));
-        let key =
-            PrivateKeyDer::from_pem_file(&key_path).map_err(|e| TransportError::Credentials {
-                path: key_path.clone(),
-                reason: format!("not a PEM private key: {e}"),
-            })?;
+        let key = PrivateKeyDer::from_pem_file(&key_path)
+            .map_err(|e| pem_error(key_path.clone(), "private key", e))?;
         Ok(Credentials {
             ca: read_cert(cert_path("ca"))?,
             cert: read_cert(cert_path(role.name()))?,
@@ -1276,15 +1293,34 @@ mod tests {
         }
     }
 
+    /// A missing file cannot be read (its OS error the source, once); a file that is there but
+    /// holds no key is not a PEM private key.
     #[test]
     fn missing_credentials_name_the_file() {
         let e = Credentials::load(Path::new("/nonexistent-guestmem"), Role::Source)
             .err()
-            .unwrap()
-            .to_string();
-        assert!(
-            e.contains("/nonexistent-guestmem/guestmem-source.key"),
+            .unwrap();
+        let TransportError::CredentialsUnreadable { path, source } = &e else {
+            panic!("{e:?}");
+        };
+        assert_eq!(
+            path,
+            Path::new("/nonexistent-guestmem/guestmem-source.key"),
             "{e}"
         );
+        assert_eq!(source.kind(), std::io::ErrorKind::NotFound);
+        assert_eq!(
+            e.to_string(),
+            "cannot read /nonexistent-guestmem/guestmem-source.key"
+        );
+        let dir = temp_dir("junk-key");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("guestmem-source.key"), "not a key\n").unwrap();
+        let e = Credentials::load(&dir, Role::Source)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("not a PEM private key"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
