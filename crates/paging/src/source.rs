@@ -63,6 +63,14 @@ pub trait PageSource: Send + Sync {
     fn is_zero(&self, _offset: u64, _len: u64) -> bool {
         false
     }
+    /// How many bytes one background fetch should span, if the source knows better than the
+    /// pager's rule (as much as the link carries in a quarter millisecond, so that a fault's
+    /// answer never queues behind much background data on a link they share): a source whose
+    /// fetches of a range go out in parallel, on their own connections, wants ranges that
+    /// keep them all busy.
+    fn background_bytes(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// Zero-filled memory of `size` bytes (a fresh VM, or pages known to be zero).
@@ -391,6 +399,9 @@ impl PageSource for WindowSource {
     }
     fn size(&self) -> u64 {
         self.size
+    }
+    fn background_bytes(&self) -> Option<u64> {
+        self.inner.background_bytes()
     }
     fn mapped(&self) -> Option<*const u8> {
         // SAFETY: the window lies inside the inner source's mapping (checked in `new`).

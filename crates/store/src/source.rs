@@ -285,6 +285,11 @@ impl PageSource for StoreSource {
         self.size
     }
 
+    /// A window of [`IN_FLIGHT`] chunks, fetched at once (see `fetch_pieces`).
+    fn background_bytes(&self) -> Option<u64> {
+        Some(IN_FLIGHT as u64 * self.chunk_bytes)
+    }
+
     fn is_zero(&self, offset: u64, len: u64) -> bool {
         let end = (offset + len).min(self.size);
         end > offset

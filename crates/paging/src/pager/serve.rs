@@ -319,11 +319,15 @@ impl Shared {
 
     /// How many chunks one background fetch brings: as many as the link carries in
     /// [`BACKGROUND_FETCH`] at the background's measured rate, so that on a slow link a fault's
-    /// answer never queues behind much background data, and on a fast one the fetches are few.
-    /// Runs only from a source that is not mapped (a remote one) into copied memory.
+    /// answer never queues behind much background data, and on a fast one the fetches are few;
+    /// or what the source asks for ([`PageSource::background_bytes`]). Runs only from a
+    /// source that is not mapped (a remote one) into copied memory.
     fn background_run(&self) -> usize {
         if self.mode != super::Mode::Copy || self.source.mapped().is_some() {
             return 1;
+        }
+        if let Some(bytes) = self.source.background_bytes() {
+            return (bytes / self.chunk).clamp(1, BACKGROUND_RUN_MAX as u64) as usize;
         }
         let rate = f64::from_bits(self.background_rate.load(Ordering::Relaxed));
         let bytes = rate * BACKGROUND_FETCH.as_secs_f64();
