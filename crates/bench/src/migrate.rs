@@ -596,14 +596,17 @@ pub fn main(args: Args) -> crate::Result<()> {
                             size,
                             rate,
                             mode,
-                            compress,
-                            delta,
-                            window,
+                            (compress, delta, window),
                         )?);
                         bar.inc(1);
                     }
                     rows.push(median_row(
-                        args.link, size, rate, mode, compress, delta, window, &runs,
+                        args.link,
+                        size,
+                        rate,
+                        mode,
+                        (compress, delta, window),
+                        &runs,
                     ));
                 }
             }
@@ -915,9 +918,7 @@ fn run_once(
     size: u64,
     rate: Rate,
     mode: Mode,
-    compress: Compress,
-    delta: DeltaCacheArg,
-    zstd_window_bytes: u64,
+    (compress, delta, zstd_window_bytes): (Compress, DeltaCacheArg, u64),
 ) -> crate::Result<Run> {
     let n = RUN_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let dir = TempDir(
@@ -1096,9 +1097,7 @@ fn median_row(
     size: u64,
     rate: Rate,
     mode: Mode,
-    compress: Compress,
-    delta: DeltaCacheArg,
-    zstd_window_asked_bytes: u64,
+    (compress, delta, zstd_window_asked_bytes): (Compress, DeltaCacheArg, u64),
     runs: &[Run],
 ) -> Row {
     let m = |f: &dyn Fn(&Run) -> f64| median(runs.iter().map(f).collect());

@@ -136,11 +136,9 @@ impl SendOptions {
             }
         }
         let w = self.zstd_window_bytes;
-        if w != 0
-            && (!w.is_power_of_two()
-                || w < 1 << crate::stream::ZSTD_WINDOW_LOG_MIN
-                || w > 1 << crate::stream::ZSTD_WINDOW_LOG_MAX)
-        {
+        let windows =
+            1 << crate::stream::ZSTD_WINDOW_LOG_MIN..=1 << crate::stream::ZSTD_WINDOW_LOG_MAX;
+        if w != 0 && (!w.is_power_of_two() || !windows.contains(&w)) {
             return Err(MigrationError::BadOption {
                 option: "zstd_window_bytes",
                 reason: format!(

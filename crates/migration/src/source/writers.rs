@@ -100,6 +100,10 @@ pub(super) fn encode_cached(
     Ok(())
 }
 
+/// What a writer thread ends with: its connection and zstd stream, how it went, and its time
+/// spent hashing chunks.
+type WriterEnd = (Connection, Option<ZstdStream>, Result<()>, Duration);
+
 /// What the writers hand back when joined.
 pub(super) struct Joined {
     /// The pages connections, in order.
@@ -117,7 +121,7 @@ pub(super) struct Writers {
     pub(super) queues: Vec<SyncSender<Job>>,
     /// Each ends with its connection and its zstd stream, how it went, and its time spent
     /// hashing chunks.
-    threads: Vec<JoinHandle<(Connection, Option<ZstdStream>, Result<()>, Duration)>>,
+    threads: Vec<JoinHandle<WriterEnd>>,
     /// Bytes of Pages frames written.
     wire_bytes: Arc<AtomicU64>,
 }
