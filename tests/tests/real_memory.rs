@@ -29,17 +29,22 @@ fn real_memory_migrates_whole_with_every_compression_and_delta() {
     // Delta cache: none, all of guest memory (every re-dirtied page has its last version),
     // and a small one (slots shared by many pages); the default is none for a guest this
     // small.
-    for (compress, delta_cache) in [
-        (Compress::None, Some(0)),
-        (Compress::Lz4, Some(0)),
-        (Compress::Zstd, Some(0)),
-        (Compress::Auto, Some(0)),
-        (Compress::None, Some(SIZE)),
-        (Compress::Lz4, Some(SIZE)),
-        (Compress::Zstd, Some(SIZE / 32)),
-        (Compress::Lz4, None),
+    // zstd streams: off by default (0: each frame on its own), 1 MiB, and 128 MiB (cut to
+    // what each connection carries).
+    let default_window = SendOptions::default().zstd_window_bytes;
+    for (compress, delta_cache, window) in [
+        (Compress::None, Some(0), default_window),
+        (Compress::Lz4, Some(0), default_window),
+        (Compress::Zstd, Some(0), default_window),
+        (Compress::Zstd, Some(0), 128 << 20),
+        (Compress::Zstd, Some(0), 1 << 20),
+        (Compress::Auto, Some(0), 1 << 20),
+        (Compress::None, Some(SIZE), default_window),
+        (Compress::Lz4, Some(SIZE), default_window),
+        (Compress::Zstd, Some(SIZE / 32), default_window),
+        (Compress::Lz4, None, default_window),
     ] {
-        let dir = TempDir::new(&format!("real-{compress:?}-{delta_cache:?}"));
+        let dir = TempDir::new(&format!("real-{compress:?}-{delta_cache:?}-{window}"));
         generate_credentials(&dir.0).unwrap();
         let endpoint = Endpoint::Unix(dir.0.join("sock"));
         let listener = Arc::new(
@@ -76,14 +81,16 @@ fn real_memory_migrates_whole_with_every_compression_and_delta() {
             verify: true,
             compress,
             delta_cache_bytes: delta_cache,
+            zstd_window_bytes: window,
             ..Default::default()
         };
         let creds = Credentials::load(&dir.0, Role::Source).unwrap();
         let links = Links::connect(&endpoint, &creds, Mode::Precopy, 2).unwrap();
         // `verify`: the destination compared its memory digest with the source's at
         // switch-over, or the migration failed.
-        let report = migrate::send(running, links, &opts)
-            .unwrap_or_else(|f| panic!("{compress:?}, delta {delta_cache:?}: {f:?}"));
+        let report = migrate::send(running, links, &opts).unwrap_or_else(|f| {
+            panic!("{compress:?}, delta {delta_cache:?}, window {window}: {f:?}")
+        });
         dest.join().unwrap();
         assert!(report.verify_ms > 0.0 && report.digest.is_some());
         let c = &report.compression;
@@ -94,6 +101,26 @@ fn real_memory_migrates_whole_with_every_compression_and_delta() {
             Compress::Lz4 => assert!(c.lz4_frames > 0 && c.zstd_frames == 0, "{c:?}"),
             Compress::Zstd => assert!(c.zstd_frames > 0 && c.lz4_frames == 0, "{c:?}"),
             Compress::Auto => {}
+        }
+        // The streams, where zstd may be used and a window was asked for; the destination
+        // decoded them (else the digests could not have matched).
+        let streams = matches!(compress, Compress::Zstd | Compress::Auto) && window > 0;
+        let share = (report.guest_bytes / 2).next_power_of_two();
+        let expected_window = if streams { window.min(share) } else { 0 };
+        assert_eq!(
+            report.zstd_window_bytes, expected_window,
+            "{compress:?} {window}"
+        );
+        let dest_held = report.destination.as_ref().unwrap().zstd_stream_bytes;
+        if compress == Compress::Zstd && streams {
+            assert!(
+                report.zstd_stream_bytes >= expected_window,
+                "{}",
+                report.zstd_stream_bytes
+            );
+            assert!(dest_held > 0);
+        } else if !streams {
+            assert_eq!((report.zstd_stream_bytes, dest_held), (0, 0));
         }
         let d = &report.delta;
         match delta_cache {

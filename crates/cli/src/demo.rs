@@ -82,6 +82,7 @@ fn run(args: &Args, dir: &std::path::Path) -> crate::Result<()> {
         whole_pages: false,
         compress: Default::default(),
         delta_cache_mib: None,
+        zstd_window_bytes: guestmem_migration::migrate::DEFAULT_ZSTD_WINDOW_BYTES,
         fault_cpus: None,
         dead_after: guestmem_migration::migrate::DEAD_PEER_TIMEOUT.as_secs_f64(),
     };

@@ -105,6 +105,17 @@ pub struct HowArgs {
     /// between rounds, and 4 % of guest memory is the size `bench migrate` calls `auto`).
     #[arg(long)]
     pub delta_cache_mib: Option<u64>,
+    /// With zstd (`--compress zstd`, or `auto` when it picks zstd), pre-copy: the window in MiB
+    /// of the zstd stream each pages connection compresses its frames with (a power of two; it
+    /// reaches back over the pages sent before on the connection, and costs about its size in
+    /// memory per connection on each side); `off` or 0: each frame compressed on its own.
+    #[arg(
+        long = "zstd-window-mib",
+        value_name = "MIB",
+        default_value = "off",
+        value_parser = guestmem_migration::compress::parse_zstd_window_mib
+    )]
+    pub zstd_window_bytes: u64,
     /// Post-copy and hybrid: host CPUs for the threads answering the destination's faults,
     /// e.g. 0. On one host, give the destination's `--fault-cpus` the same CPU.
     #[arg(long, value_delimiter = ',')]
@@ -226,6 +237,7 @@ impl HowArgs {
                     format!("--delta-cache-mib {m} is refused: more bytes than 64 bits hold")
                 })?),
             },
+            zstd_window_bytes: self.zstd_window_bytes,
             fault_cpus: self.fault_cpus.clone(),
             ..Default::default()
         })
@@ -696,6 +708,13 @@ pub fn print_report(report: &Report, json: bool, plot: Option<&Path>) -> crate::
             c.plain_frames,
             mib(c.compressed_in_bytes),
             mib(c.compressed_out_bytes)
+        );
+    }
+    if report.zstd_window_bytes > 0 {
+        println!(
+            "  zstd streams: window {:.0} MiB per pages connection, {:.1} MiB held on the source",
+            mib(report.zstd_window_bytes),
+            mib(report.zstd_stream_bytes)
         );
     }
     let d = &report.delta;

@@ -423,8 +423,22 @@ fn precopy_between_two_network_namespaces_over_tcp() {
 fn every_mode_over_a_unix_socket() {
     let dir = TempDir::new("modes");
     let keys = dir.keys("keys");
-    for mode in ["precopy", "postcopy", "hybrid"] {
-        let sock = dir.path(&format!("{mode}.sock"));
+    // Pre-copy plain and with zstd streams (a 16 MiB window per pages connection); hybrid
+    // with zstd: its pre-copy round on the streams, then post-copy on the same connections.
+    let zstd: &[&str] = &["--compress", "zstd", "--zstd-window-mib", "16"];
+    for (i, (mode, compress)) in [
+        ("precopy", &[][..]),
+        ("precopy", zstd),
+        ("postcopy", &[]),
+        (
+            "hybrid",
+            &["--compress", "zstd", "--zstd-window-mib", "128"],
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let sock = dir.path(&format!("{mode}-{i}.sock"));
         let to = format!("unix:{sock}");
         // Hybrid's fault path runs on one CPU on both sides (post-copy's where it falls).
         let pinned: &[&str] = if mode == "hybrid" {
@@ -443,6 +457,7 @@ fn every_mode_over_a_unix_socket() {
             "--vcpus", "2", "--after", "0.3", "--json",
         ];
         args.extend_from_slice(pinned);
+        args.extend_from_slice(compress);
         if mode == "precopy" {
             args.push("--verify");
         }
@@ -452,6 +467,24 @@ fn every_mode_over_a_unix_socket() {
         assert_eq!(sent["mode"], mode, "{sent}");
         assert_eq!(received["report"]["mode"], mode, "{received}");
         assert_guest_continued(&received);
+        if !compress.is_empty() {
+            // The rounds went on zstd streams, on both sides: 16 MiB asked for, or 128 MiB cut
+            // to what a connection carries of a 64 MiB guest.
+            let window = sent["zstd_window_bytes"].as_u64().unwrap();
+            match mode {
+                "precopy" => assert_eq!(window, 16 << 20, "{sent}"),
+                _ => assert!(window > 0 && window <= 64 << 20, "{sent}"),
+            }
+            assert!(
+                sent["compression"]["zstd_frames"].as_u64().unwrap() > 0,
+                "{sent}"
+            );
+            assert!(sent["zstd_stream_bytes"].as_u64().unwrap() > 0, "{sent}");
+            let held = received["report"]["zstd_stream_bytes"].as_u64().unwrap();
+            assert!(held > 0, "{received}");
+        } else {
+            assert_eq!(sent["zstd_window_bytes"], 0, "{sent}");
+        }
         match mode {
             "precopy" => {
                 assert_digests_equal(&sent, &received);

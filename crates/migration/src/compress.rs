@@ -56,6 +56,22 @@ impl std::str::FromStr for Compress {
     }
 }
 
+/// Parses a zstd stream window in MiB as the command lines take it (`--zstd-window-mib`):
+/// `off` or `0` (frames compressed one by one) or a number of MiB; returns bytes (whether it
+/// is a power of two is checked with the other options, see
+/// [`crate::migrate::SendOptions::zstd_window_bytes`]).
+pub fn parse_zstd_window_mib(s: &str) -> Result<u64, String> {
+    if s == "off" {
+        return Ok(0);
+    }
+    let mib: u64 = s
+        .parse()
+        .map_err(|_| format!("zstd window '{s}': a number of MiB, or off"))?;
+    mib.checked_mul(1 << 20)
+        .filter(|&b| b <= 1 << crate::stream::ZSTD_WINDOW_LOG_MAX)
+        .ok_or_else(|| format!("zstd window of {mib} MiB: at most 1024"))
+}
+
 /// The codecs auto mode chooses from, in probe order.
 const CANDIDATES: [Codec; 3] = [Codec::None, Codec::Lz4, Codec::Zstd(ZSTD_LEVEL)];
 
@@ -255,5 +271,9 @@ mod tests {
         assert_eq!(Compressor::new(Compress::None).choose(), Codec::None);
         assert_eq!("auto".parse::<Compress>(), Ok(Compress::Auto));
         assert!("gzip".parse::<Compress>().unwrap_err().contains("gzip"));
+        assert_eq!(parse_zstd_window_mib("off"), Ok(0));
+        assert_eq!(parse_zstd_window_mib("128"), Ok(128 << 20));
+        assert!(parse_zstd_window_mib("2048").is_err());
+        assert!(parse_zstd_window_mib("big").is_err());
     }
 }

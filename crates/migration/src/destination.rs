@@ -20,7 +20,9 @@ use crate::migrate::{
     BLOCK, FORMAT, HEARTBEAT_INTERVAL, POSTCOPY_CHUNK, POSTCOPY_FAULT_BYTES,
 };
 use crate::source::memory_digest;
-use crate::stream::{Frame, FrameRef, Lend, MAX_REQUEST};
+use crate::stream::{
+    Frame, FrameRef, Lend, ZstdStreamDecoder, MAX_REQUEST, ZSTD_WINDOW_LOG_MAX, ZSTD_WINDOW_LOG_MIN,
+};
 use crate::transport::{Accepted, Connection, Cutter, Listener, Role, Timeouts};
 use crate::{error_chain, Error, MigrationError, Peer, Result};
 
@@ -100,6 +102,10 @@ pub struct DestinationReport {
     pub resident_ms: f64,
     /// Post-copy links that broke and were resumed.
     pub link_breaks: u32,
+    /// What the pages connections' zstd stream decoders held at the end of the rounds (their
+    /// windows; 0 without zstd streams).
+    #[serde(default)]
+    pub zstd_stream_bytes: u64,
 }
 
 /// A VM received up to the switch-over: its memory (or, in post-copy, its pagers) and vCPU
@@ -182,6 +188,18 @@ pub fn receive_components(
             },
         ));
     }
+    if let Some(log) = setup.zstd_window_log {
+        if !(ZSTD_WINDOW_LOG_MIN..=ZSTD_WINDOW_LOG_MAX).contains(&log) {
+            return Err(refuse(
+                &mut links,
+                unsupported(format!(
+                    "a zstd stream window of 2^{log} bytes (2^{ZSTD_WINDOW_LOG_MIN} to \
+                     2^{ZSTD_WINDOW_LOG_MAX} are accepted)"
+                )),
+            ));
+        }
+    }
+
     if setup.mode.has_postcopy() {
         if let Some(r) = setup
             .config
@@ -301,12 +319,19 @@ pub fn receive_components(
                 connections,
             });
             let corrupt = opts.corrupt_landing_at;
+            let zstd_window_log = setup.zstd_window_log;
             let landing = landing.clone();
             std::thread::Builder::new()
                 .name(format!("migrate-rx{i}"))
                 .spawn(move || {
-                    let (conn, result) =
-                        apply_pages(conn, &memory, landing.as_deref(), digests.as_ref(), corrupt);
+                    let (conn, result) = apply_pages(
+                        conn,
+                        &memory,
+                        landing.as_deref(),
+                        digests.as_ref(),
+                        corrupt,
+                        zstd_window_log,
+                    );
                     if result.is_err() {
                         let _ = first_failed.compare_exchange(
                             usize::MAX,
@@ -333,6 +358,7 @@ pub fn receive_components(
                 report.zero_pages_received += stats.zero_pages;
                 last_rounds.push(stats.last_round);
                 last_round_hashing = last_round_hashing.max(stats.last_round_hashing);
+                report.zstd_stream_bytes += stats.zstd_stream_bytes;
             }
             Err(e) => failures.push((i, e)),
         }
@@ -850,6 +876,8 @@ struct ReaderStats {
     last_round: u32,
     /// Time spent hashing chunks during the last round and after it.
     last_round_hashing: Duration,
+    /// What its zstd stream's decoder held at the end (window and buffers).
+    zstd_stream_bytes: u64,
 }
 
 /// A reader's part of the chunk digests: the chunks of the blocks its connection carries.
@@ -901,7 +929,14 @@ fn apply_pages(
     landing: Option<&Landing>,
     digests: Option<&ReaderDigests>,
     corrupt: Option<u64>,
+    zstd_window_log: Option<u32>,
 ) -> (Connection, Result<ReaderStats>) {
+    // The connection's zstd stream, as the source announced it: every frame of the stream
+    // codec on this connection goes through it, in order.
+    let mut zstream = match zstd_window_log.map(ZstdStreamDecoder::new).transpose() {
+        Ok(z) => z,
+        Err(e) => return (conn, Err(Error::Stream(e))),
+    };
     let zeros = vec![0u8; BLOCK as usize];
     // Where a landing is armed, Pages frames are read here and landed from here.
     let mut staging = if landing.is_some() {
@@ -914,6 +949,7 @@ fn apply_pages(
         zero_pages: 0,
         last_round: 0,
         last_round_hashing: Duration::ZERO,
+        zstd_stream_bytes: 0,
     };
     // The block the frames are landing in, and the hashing time of the round so far.
     let mut open: Option<(u64, u64)> = None;
@@ -960,7 +996,7 @@ fn apply_pages(
             // frame fails the migration, and this memory is thrown away with the VM.
             unsafe { memory.bytes_mut(gpa, len as u64) }.ok()
         };
-        let frame = match Frame::read_into(&mut conn, &mut buf, place) {
+        let frame = match Frame::read_into_stream(&mut conn, &mut buf, zstream.as_mut(), place) {
             Ok(FrameRef::Placed { gpa, len, .. } | FrameRef::Patched { gpa, len }) => {
                 if let (true, Some(landing)) = (staged.get(), landing) {
                     if let Err(e) = landing.land(memory, gpa, &staging[..len]) {
@@ -1048,6 +1084,8 @@ fn apply_pages(
                 }
                 if last {
                     stats.last_round_hashing = hashing;
+                    stats.zstd_stream_bytes =
+                        zstream.as_ref().map_or(0, |z| z.memory_bytes() as u64);
                     break Ok(());
                 }
                 hashing = Duration::ZERO;

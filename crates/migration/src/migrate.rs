@@ -56,7 +56,7 @@ pub use crate::destination::{
 };
 pub use crate::source::{
     send, send_machine, Failure, MachineFailure, Progress, ProgressFn, Reconnect, Report, Round,
-    SendOptions,
+    SendOptions, DEFAULT_ZSTD_WINDOW_BYTES,
 };
 
 /// How the memory moves.
@@ -188,6 +188,12 @@ pub(crate) struct Setup {
     /// [`memory_digest`]: crate::source::memory_digest
     #[serde(default)]
     pub verify_chunk: Option<u64>,
+    /// The pre-copy pages connections compress with a zstd stream each
+    /// ([`crate::stream::ZstdStream`]) of a window of `2^zstd_window_log` bytes: the
+    /// destination keeps a decoder per connection, bounded to it. `None`: frames are
+    /// compressed one by one (a stream frame is then an error).
+    #[serde(default)]
+    pub zstd_window_log: Option<u32>,
 }
 
 /// The format of the switch-over's State: 2 since the machine's state and the components'

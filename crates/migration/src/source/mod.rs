@@ -9,7 +9,7 @@ mod writers;
 
 pub use options::*;
 use postcopy::PostcopyServers;
-use writers::{DeltaUse, Job, Writers};
+use writers::{DeltaUse, Job, Joined, Writers};
 
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
@@ -29,7 +29,7 @@ use crate::migrate::{
     block_connection, link_error, read_frame, unexpected_frame, write_frame, Links, Mode, Setup,
     StaleChunks, Switchover, BLOCK, POSTCOPY_CHUNK,
 };
-use crate::stream::Frame;
+use crate::stream::{Frame, ZstdStream};
 use crate::transport::Connection;
 use crate::{Error, MigrationError, Peer, Result};
 
@@ -228,6 +228,11 @@ struct Source<'o> {
     round_digest: Duration,
     /// Pre-copy with delta encoding: the last versions sent.
     delta: Option<Arc<DeltaCache>>,
+    /// Each pages connection's zstd stream during pre-copy (see
+    /// [`SendOptions::zstd_window_bytes`]); empty without (and once the rounds are over).
+    zstd_streams: Vec<Option<ZstdStream>>,
+    /// The streams' window (log2 of bytes), announced in the setup.
+    zstd_window_log: Option<u32>,
 }
 
 /// Pages dirtied and not sent yet when the guest stopped.
@@ -263,6 +268,8 @@ impl<'o> Source<'o> {
             chunks: None,
             round_digest: Duration::ZERO,
             delta,
+            zstd_streams: Vec::new(),
+            zstd_window_log: opts.zstd_window_log(links.pages.len(), guest_bytes),
             report: Report {
                 mode: opts.mode,
                 guest_bytes,
@@ -286,6 +293,8 @@ impl<'o> Source<'o> {
                 postcopy_ms: 0.0,
                 link_breaks: 0,
                 source_extra_bytes: 0,
+                zstd_window_bytes: 0,
+                zstd_stream_bytes: 0,
                 destination: None,
                 compression: CompressionReport::default(),
                 delta: DeltaReport::default(),
@@ -295,9 +304,10 @@ impl<'o> Source<'o> {
 
     /// Writer threads for round `round` (`last`: the one with the guest stopped), on the pages
     /// connections of `links` (taken out until they are joined).
-    fn writers(&self, links: &mut Links, round: u32, last: bool) -> Writers {
+    fn writers(&mut self, links: &mut Links, round: u32, last: bool) -> Writers {
         Writers::spawn(
             std::mem::take(&mut links.pages),
+            std::mem::take(&mut self.zstd_streams),
             &self.memory,
             self.opts.whole_pages,
             self.compressor.clone(),
@@ -361,7 +371,15 @@ impl<'o> Source<'o> {
             shared: shared.iter().map(|r| r.name().to_string()).collect(),
             verify: self.verifies(),
             verify_chunk: self.chunks.as_ref().map(|c| c.chunk()),
+            zstd_window_log: self.zstd_window_log,
         };
+        if let Some(log) = self.zstd_window_log {
+            self.zstd_streams = (0..links.pages.len())
+                .map(|_| ZstdStream::new(crate::compress::ZSTD_LEVEL, log).map(Some))
+                .collect::<std::result::Result<_, _>>()
+                .map_err(Error::Stream)?;
+            self.report.zstd_window_bytes = 1 << log;
+        }
         let json = serde_json::to_vec(&setup).expect("a setup serializes");
         write_frame(&mut links.pages[0], &Frame::Hello { config_json: json })?;
         if !shared.is_empty() {
@@ -580,7 +598,12 @@ impl<'o> Source<'o> {
             }
             Ok(())
         })();
-        let (mut conns, wire_bytes, digest_time) = match (queued, writers.join()) {
+        let Joined {
+            mut conns,
+            streams,
+            wire_bytes,
+            hashing: digest_time,
+        } = match (queued, writers.join()) {
             (Ok(()), Ok(joined)) => joined,
             // A writer's own error says why its queue closed ("pages connection N failed" does
             // not): it goes first.
@@ -597,6 +620,13 @@ impl<'o> Source<'o> {
             }
         }
         let ms = start.elapsed().as_secs_f64() * 1e3;
+        // The streams' memory (their windows fill as the first round goes), counted at its
+        // most; after the last round nothing uses them.
+        let held: usize = streams.iter().flatten().map(|s| s.memory_bytes()).sum();
+        self.report.zstd_stream_bytes = self.report.zstd_stream_bytes.max(held as u64);
+        if !last {
+            self.zstd_streams = streams;
+        }
         self.round_digest = digest_time;
         if self.chunks.is_some() {
             tracing::debug!(
@@ -841,7 +871,8 @@ impl<'o> Source<'o> {
             .iter()
             .map(|r| r.size() / PAGE_SIZE)
             .sum();
-        // With delta encoding: the cache, and a page buffer per connection.
+        // With delta encoding: the cache, and a page buffer per connection. With zstd streams:
+        // their windows and tables, at their most.
         let delta = self
             .delta
             .as_ref()
@@ -850,6 +881,7 @@ impl<'o> Source<'o> {
             + 4 * pages / 8
             + self.chunks.as_ref().map_or(0, |c| c.bytes())
             + delta
+            + self.report.zstd_stream_bytes
     }
 
     fn finish(mut self) -> Report {

@@ -13,7 +13,7 @@ use crate::chunk_digests::ChunkDigests;
 use crate::compress::Compressor;
 use crate::delta::{DeltaCache, Partition};
 use crate::migrate::{write_frame, BLOCK};
-use crate::stream::{compress_pages, Frame, StreamError};
+use crate::stream::{compress_pages, compress_pages_stream, Codec, Frame, StreamError, ZstdStream};
 use crate::transport::Connection;
 use crate::{Error, Result};
 
@@ -100,18 +100,39 @@ pub(super) fn encode_cached(
     Ok(())
 }
 
+/// What a writer thread ends with: its connection and zstd stream, how it went, and its time
+/// spent hashing chunks.
+type WriterEnd = (Connection, Option<ZstdStream>, Result<()>, Duration);
+
+/// What the writers hand back when joined.
+pub(super) struct Joined {
+    /// The pages connections, in order.
+    pub(super) conns: Vec<Connection>,
+    /// Their zstd streams (`None`: per-frame compression).
+    pub(super) streams: Vec<Option<ZstdStream>>,
+    /// Bytes of Pages frames written.
+    pub(super) wire_bytes: u64,
+    /// The longest time one writer spent hashing chunks.
+    pub(super) hashing: Duration,
+}
+
 /// One thread per pages connection, each encoding and writing its jobs in order.
 pub(super) struct Writers {
     pub(super) queues: Vec<SyncSender<Job>>,
-    /// Each ends with its connection, how it went, and its time spent hashing chunks.
-    threads: Vec<JoinHandle<(Connection, Result<()>, Duration)>>,
+    /// Each ends with its connection and its zstd stream, how it went, and its time spent
+    /// hashing chunks.
+    threads: Vec<JoinHandle<WriterEnd>>,
     /// Bytes of Pages frames written.
     wire_bytes: Arc<AtomicU64>,
 }
 
 impl Writers {
+    /// `streams`: each connection's zstd stream (see [`crate::stream::ZstdStream`]), which
+    /// compresses its frames in place of per-frame zstd; they come back with the connections.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn spawn(
         conns: Vec<Connection>,
+        streams: Vec<Option<ZstdStream>>,
         memory: &Arc<GuestMemory>,
         whole_pages: bool,
         compressor: Arc<Compressor>,
@@ -122,7 +143,8 @@ impl Writers {
         let wire_bytes = Arc::new(AtomicU64::new(0));
         let mut queues = Vec::new();
         let mut threads = Vec::new();
-        for (i, mut conn) in conns.into_iter().enumerate() {
+        let streams = streams.into_iter().chain(std::iter::repeat_with(|| None));
+        for (i, (mut conn, mut stream)) in conns.into_iter().zip(streams).enumerate() {
             let (tx, rx) = sync_channel::<Job>(8);
             let memory = memory.clone();
             let wire_bytes = wire_bytes.clone();
@@ -174,7 +196,12 @@ impl Writers {
                                 .and_then(|()| {
                                     let codec = compressor.choose();
                                     let (encoded, t) = (out.len(), Instant::now());
-                                    compress_pages(&mut out, codec, &mut scratch)?;
+                                    match (codec, stream.as_mut()) {
+                                        (Codec::Zstd(_), Some(s)) => {
+                                            compress_pages_stream(&mut out, s, &mut scratch)?
+                                        }
+                                        _ => compress_pages(&mut out, codec, &mut scratch)?,
+                                    };
                                     Ok((codec, encoded, t.elapsed()))
                                 })
                                 .map_err(Error::Stream)
@@ -217,7 +244,7 @@ impl Writers {
                                 break;
                             }
                         }
-                        (conn, result, hashing)
+                        (conn, stream, result, hashing)
                     })
                     .expect("spawning a writer thread"),
             );
@@ -235,17 +262,20 @@ impl Writers {
             .map_err(|_| thread_failed(&format!("pages connection {conn} failed")))
     }
 
-    /// Waits for the writers to send everything queued, and takes the connections back, with
-    /// the bytes of pages they wrote and the longest time one of them spent hashing chunks.
-    pub(super) fn join(self) -> Result<(Vec<Connection>, u64, Duration)> {
+    /// Waits for the writers to send everything queued, and takes the connections (and their
+    /// zstd streams) back, with the bytes of pages they wrote and the longest time one of them
+    /// spent hashing chunks.
+    pub(super) fn join(self) -> Result<Joined> {
         drop(self.queues);
         let mut conns = Vec::new();
+        let mut streams = Vec::new();
         let mut failure = None;
         let mut hashing = Duration::ZERO;
         for t in self.threads {
             match t.join() {
-                Ok((conn, result, hashed)) => {
+                Ok((conn, stream, result, hashed)) => {
                     conns.push(conn);
+                    streams.push(stream);
                     hashing = hashing.max(hashed);
                     if let Err(e) = result {
                         failure.get_or_insert(e);
@@ -258,7 +288,12 @@ impl Writers {
         }
         match failure {
             Some(e) => Err(e),
-            None => Ok((conns, self.wire_bytes.load(Ordering::Relaxed), hashing)),
+            None => Ok(Joined {
+                conns,
+                streams,
+                wire_bytes: self.wire_bytes.load(Ordering::Relaxed),
+                hashing,
+            }),
         }
     }
 }
