@@ -126,6 +126,10 @@ pub struct Transfer {
     report: DestinationReport,
     /// When the vCPUs ran (post-copy's residency is timed from there).
     running_at: Option<Instant>,
+    /// The pre-copy rounds' zstd stream decoders: freed once the guest runs, on a thread of
+    /// their own (freeing a 128 MiB window takes tens of milliseconds, and its unmapping
+    /// contends with the switch-over's own work).
+    streams: Vec<ZstdStreamDecoder>,
     /// The destination is this migration's until the transfer is dropped: other sources are
     /// told it is busy.
     _claim: Claim,
@@ -347,13 +351,15 @@ pub fn receive_components(
         })
         .collect();
     let mut failures = Vec::new();
+    let mut streams = Vec::new();
     let mut last_rounds = Vec::new();
     let mut last_round_hashing = Duration::ZERO;
     for (i, r) in readers.into_iter().enumerate() {
         let (conn, result) = r.join().expect("a reader thread panicked");
         links.pages.push(conn);
         match result {
-            Ok(stats) => {
+            Ok(mut stats) => {
+                streams.extend(stats.zstream.take());
                 report.pages_received += stats.pages;
                 report.zero_pages_received += stats.zero_pages;
                 last_rounds.push(stats.last_round);
@@ -517,6 +523,7 @@ pub fn receive_components(
             postcopy,
             report,
             running_at: None,
+            streams,
             _claim: claim,
             _memory: memory,
         },
@@ -878,6 +885,8 @@ struct ReaderStats {
     last_round_hashing: Duration,
     /// What its zstd stream's decoder held at the end (window and buffers).
     zstd_stream_bytes: u64,
+    /// The decoder, handed back to be freed once the guest runs (see [`Transfer::resume`]).
+    zstream: Option<ZstdStreamDecoder>,
 }
 
 /// A reader's part of the chunk digests: the chunks of the blocks its connection carries.
@@ -950,6 +959,7 @@ fn apply_pages(
         last_round: 0,
         last_round_hashing: Duration::ZERO,
         zstd_stream_bytes: 0,
+        zstream: None,
     };
     // The block the frames are landing in, and the hashing time of the round so far.
     let mut open: Option<(u64, u64)> = None;
@@ -1086,6 +1096,7 @@ fn apply_pages(
                     stats.last_round_hashing = hashing;
                     stats.zstd_stream_bytes =
                         zstream.as_ref().map_or(0, |z| z.memory_bytes() as u64);
+                    stats.zstream = zstream.take();
                     break Ok(());
                 }
                 hashing = Duration::ZERO;
@@ -1197,6 +1208,9 @@ impl Transfer {
         let running = vm.resume()?;
         self.running_at = Some(Instant::now());
         write_frame(&mut links.pages[0], &Frame::Running)?;
+        if !self.streams.is_empty() {
+            crate::stream::free_aside(std::mem::take(&mut self.streams));
+        }
         match &self.postcopy {
             None => {
                 let json = serde_json::to_vec(&self.report).expect("a report serializes");

@@ -281,6 +281,18 @@ impl ZstdStreamDecoder {
     }
 }
 
+/// Drops `value` on a thread of its own: freeing a zstd stream's window (about its size of
+/// touched memory) takes tens of milliseconds for 128 MiB, which a migration's switch-over
+/// should not wait for.
+pub(crate) fn free_aside<T: Send + 'static>(value: T) {
+    if let Err(e) = std::thread::Builder::new()
+        .name("free-stream".into())
+        .spawn(move || drop(value))
+    {
+        tracing::debug!("freeing on this thread (no thread for it: {e})");
+    }
+}
+
 /// Compresses the Pages or PagesD frame in `frame` into the connection's zstd `stream`
 /// (replacing it by a PagesZ frame of codec 3), always: once fed to the stream it must reach
 /// the receiver compressed, whatever its size (pages that do not compress grow by a few bytes,

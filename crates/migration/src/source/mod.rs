@@ -624,9 +624,9 @@ impl<'o> Source<'o> {
         // most; after the last round nothing uses them.
         let held: usize = streams.iter().flatten().map(|s| s.memory_bytes()).sum();
         self.report.zstd_stream_bytes = self.report.zstd_stream_bytes.max(held as u64);
-        if !last {
-            self.zstd_streams = streams;
-        }
+        // Kept after the last round too: they are freed once the guest runs at the destination
+        // (see `switch_over`).
+        self.zstd_streams = streams;
         self.round_digest = digest_time;
         if self.chunks.is_some() {
             tracing::debug!(
@@ -804,6 +804,12 @@ impl<'o> Source<'o> {
         }
         self.report.downtime_ms = paused.elapsed().as_secs_f64() * 1e3;
         self.report.source_extra_bytes = self.extra_bytes(links.pages.len());
+        // Nothing sends on the zstd streams any more. Freeing their windows takes tens of
+        // milliseconds and contends with the process's other work (unmapping), so it waits
+        // until the downtime is over, and is done on a thread of its own.
+        if !self.zstd_streams.is_empty() {
+            crate::stream::free_aside(std::mem::take(&mut self.zstd_streams));
+        }
         Ok(())
     }
 
