@@ -644,7 +644,27 @@ pub fn main(args: Args) -> crate::Result<()> {
                         i + 1
                     ));
                     let steal = Steal::start();
-                    let figures = qemu_peer::precopy(&config)?;
+                    let mut figures = qemu_peer::precopy(&config)?;
+                    // QEMU 7.2 has said "completed" with a total time and downtime of 0 (one
+                    // run in about a hundred): no figure of a migration, so the run is taken
+                    // again (twice at most).
+                    for _ in 0..2 {
+                        if figures.total_ms > 0 {
+                            break;
+                        }
+                        tracing::warn!(
+                            config = config.name(),
+                            "QEMU reported a total time of 0: run again"
+                        );
+                        figures = qemu_peer::precopy(&config)?;
+                    }
+                    if figures.total_ms == 0 {
+                        return Err(format!(
+                            "QEMU ({}) reported a total time of 0 three times in a row",
+                            config.name()
+                        )
+                        .into());
+                    }
                     runs.push((figures, steal.percent()));
                     bar.inc(1);
                 }
