@@ -20,9 +20,7 @@ use crate::migrate::{
     BLOCK, FORMAT, HEARTBEAT_INTERVAL, POSTCOPY_CHUNK, POSTCOPY_FAULT_BYTES,
 };
 use crate::source::memory_digest;
-use crate::stream::{
-    Frame, FrameRef, Lend, ZstdStreamDecoder, MAX_REQUEST, ZSTD_WINDOW_LOG_MAX, ZSTD_WINDOW_LOG_MIN,
-};
+use crate::stream::{Frame, FrameRef, Lend, ZstdStreamDecoder, MAX_REQUEST};
 use crate::transport::{Accepted, Connection, Cutter, Listener, Role, Timeouts};
 use crate::{error_chain, Error, MigrationError, Peer, Result};
 
@@ -192,16 +190,8 @@ pub fn receive_components(
             },
         ));
     }
-    if let Some(log) = setup.zstd_window_log {
-        if !(ZSTD_WINDOW_LOG_MIN..=ZSTD_WINDOW_LOG_MAX).contains(&log) {
-            return Err(refuse(
-                &mut links,
-                unsupported(format!(
-                    "a zstd stream window of 2^{log} bytes (2^{ZSTD_WINDOW_LOG_MIN} to \
-                     2^{ZSTD_WINDOW_LOG_MAX} are accepted)"
-                )),
-            ));
-        }
+    if let Some(Err(why)) = setup.zstd_window_log.map(crate::stream::check_window_log) {
+        return Err(refuse(&mut links, unsupported(why)));
     }
 
     if setup.mode.has_postcopy() {

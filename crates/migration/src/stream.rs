@@ -155,6 +155,18 @@ pub const ZSTD_WINDOW_LOG_MIN: u32 = 10;
 /// The largest zstd stream window a receiver accepts (log2 of bytes): 1 GiB.
 pub const ZSTD_WINDOW_LOG_MAX: u32 = 30;
 
+/// Whether a zstd stream window of `2^window_log` bytes is one this build makes and accepts;
+/// if not, what is wrong with it.
+pub fn check_window_log(window_log: u32) -> Result<(), String> {
+    if (ZSTD_WINDOW_LOG_MIN..=ZSTD_WINDOW_LOG_MAX).contains(&window_log) {
+        return Ok(());
+    }
+    Err(format!(
+        "a zstd stream window of 2^{window_log} bytes (2^{ZSTD_WINDOW_LOG_MIN} to \
+         2^{ZSTD_WINDOW_LOG_MAX} are accepted)"
+    ))
+}
+
 fn zstd_error(what: &str, code: usize) -> StreamError {
     StreamError::Malformed(format!("{what}: {}", zstd::zstd_safe::get_error_name(code)))
 }
@@ -183,12 +195,7 @@ impl ZstdStream {
     /// ([`ZSTD_WINDOW_LOG_MIN`] to [`ZSTD_WINDOW_LOG_MAX`]) and long distance matching.
     pub fn new(level: i32, window_log: u32) -> Result<ZstdStream, StreamError> {
         use zstd::zstd_safe::CParameter;
-        if !(ZSTD_WINDOW_LOG_MIN..=ZSTD_WINDOW_LOG_MAX).contains(&window_log) {
-            return Err(StreamError::Malformed(format!(
-                "a zstd stream window of 2^{window_log} bytes (2^{ZSTD_WINDOW_LOG_MIN} to \
-                 2^{ZSTD_WINDOW_LOG_MAX})"
-            )));
-        }
+        check_window_log(window_log).map_err(StreamError::Malformed)?;
         let mut cctx = zstd::zstd_safe::CCtx::try_create()
             .ok_or_else(|| StreamError::Malformed("no zstd compression context".into()))?;
         // Long distance matching finds what the window is for (the pages of frames sent
@@ -236,12 +243,7 @@ impl std::fmt::Debug for ZstdStreamDecoder {
 impl ZstdStreamDecoder {
     /// A decoder for a stream whose window is at most `2^window_log` bytes.
     pub fn new(window_log: u32) -> Result<ZstdStreamDecoder, StreamError> {
-        if !(ZSTD_WINDOW_LOG_MIN..=ZSTD_WINDOW_LOG_MAX).contains(&window_log) {
-            return Err(StreamError::Malformed(format!(
-                "a zstd stream window of 2^{window_log} bytes (2^{ZSTD_WINDOW_LOG_MIN} to \
-                 2^{ZSTD_WINDOW_LOG_MAX})"
-            )));
-        }
+        check_window_log(window_log).map_err(StreamError::Malformed)?;
         let mut dctx = zstd::zstd_safe::DCtx::try_create()
             .ok_or_else(|| StreamError::Malformed("no zstd decompression context".into()))?;
         dctx.set_parameter(zstd::zstd_safe::DParameter::WindowLogMax(window_log))
@@ -2118,6 +2120,11 @@ mod tests {
         .unwrap_err();
         assert!(e.to_string().contains("zstd stream"), "{e}");
         assert!(ZstdStream::new(1, 31).is_err() && ZstdStreamDecoder::new(9).is_err());
+        // The bounds both sides and the destination's setup check share.
+        assert!(check_window_log(ZSTD_WINDOW_LOG_MIN).is_ok());
+        assert!(check_window_log(ZSTD_WINDOW_LOG_MAX).is_ok());
+        let e = check_window_log(ZSTD_WINDOW_LOG_MAX + 1).unwrap_err();
+        assert!(e.contains("2^31 bytes"), "{e}");
     }
 
     #[test]

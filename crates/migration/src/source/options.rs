@@ -65,8 +65,8 @@ pub struct SendOptions {
     /// to them. 0: each frame compressed on its own. The window costs about its size in memory
     /// per pages connection on each side (in [`Report::zstd_stream_bytes`] and
     /// `source_extra_bytes`); it is cut to the guest memory per connection when that is
-    /// smaller. Default [`DEFAULT_ZSTD_WINDOW_BYTES`]. Post-copy's fault answers are never
-    /// compressed.
+    /// smaller. Default [`DEFAULT_ZSTD_WINDOW_BYTES`]. Post-copy's answers never go through a
+    /// stream: each is compressed on its own.
     pub zstd_window_bytes: u64,
     /// Post-copy and hybrid: host CPUs for the threads that answer the destination's faults
     /// (the urgent connections' servers). When source and destination share a host, giving
