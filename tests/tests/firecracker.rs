@@ -880,23 +880,20 @@ fn serve_from_store(backend: std::sync::Arc<dyn guestmem_store::Backend>, tag: &
     }
 
     // A damaged chunk is refused when first served, naming the store snapshot and the chunk.
-    let key = {
+    let (key, at) = {
         let m = guestmem_store::StoreManifest::load(&*backend, "vm1").unwrap();
+        let ids = m.pack_ids();
         let ram = m.regions.iter().find(|r| r.spec.name == "ram").unwrap();
-        let hash = ram
+        let c = ram
             .chunks
             .iter()
-            .find_map(|c| match c {
-                guestmem_store::ChunkRef::Data { hash, .. } => Some(*hash),
-                _ => None,
-            })
+            .find_map(|c| guestmem_store::StoreManifest::stored(c, &ids))
             .unwrap();
-        guestmem_store::chunk::key(&hash)
+        (c.object_key(), (c.offset() + c.stored / 2) as usize)
     };
     let good = backend.get(&key).unwrap();
     let mut bad = good.clone();
-    let middle = bad.len() / 2;
-    bad[middle] ^= 0xff;
+    bad[at] ^= 0xff;
     backend.put(&key, &bad).unwrap();
     let store = StoreSnapshot::open(backend.clone(), "vm1", None).unwrap();
     let socket = dir.0.join("uffd-bad.sock");

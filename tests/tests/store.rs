@@ -103,8 +103,12 @@ fn round_trip(backend: Arc<dyn Backend>, tmp: &TempDir) {
         report.new_chunks > 0 && report.zero_chunks > 0,
         "{report:?}"
     );
+    // The chunks are packed: a pack per run of memory, not an object per chunk.
+    assert!(
+        report.new_packs > 0 && report.new_packs * 8 <= report.new_chunks,
+        "{report:?}"
+    );
     drop(vm);
-    // A second write of another snapshot of the same memory stores nothing new.
 
     let snap = StoreSnapshot::open(backend.clone(), "vm1", Some(cache(tmp))).unwrap();
     let mut vm = snap.restore_full().unwrap();
@@ -116,7 +120,11 @@ fn round_trip(backend: Arc<dyn Backend>, tmp: &TempDir) {
     resume_and_check_continuation(&mut vm, &work, &at_snapshot);
     drop(vm);
     let first = snap.fetcher.stats();
-    assert!(first.store_gets > 0);
+    // Neighbouring chunks of a pack came with one read.
+    assert!(
+        first.store_gets > 0 && first.store_gets * 4 <= report.new_chunks,
+        "{first:?} for {report:?}"
+    );
 
     for pass in 0..2 {
         let snap = StoreSnapshot::open(backend.clone(), "vm1", Some(cache(tmp))).unwrap();
@@ -225,20 +233,26 @@ fn dedup_diff_merge_gc(backend: Arc<dyn Backend>) {
     let e = gc::gc(b, Duration::ZERO).unwrap_err().to_string();
     assert!(e.contains("a snapshot write is under way"), "{e}");
     b.delete("leases/write-test-writer").unwrap();
+    // A pack an interrupted write left (no manifest lists it) and a chunk object of the
+    // same kind from a store written before packs.
+    let stray_pack = chunk::pack_key(&[0xab; 32]);
+    let stray_chunk = chunk::key(&[0xcd; 32]);
+    b.put(&stray_pack, b"pack").unwrap();
+    b.put(&stray_chunk, b"chunk").unwrap();
     let r = gc::gc(b, Duration::ZERO).unwrap();
-    // The diff's own chunks (the merge kept the base's, which the merged snapshot lists).
-    assert!(r.removed_chunks > 0, "{r:?}");
+    // The base's packs whose every chunk the diff replaced, and the strays; the merged
+    // snapshot lists the others.
+    assert!(r.removed_chunks >= 2, "{r:?}");
     let referenced: std::collections::HashSet<_> =
-        merged.data_chunks().map(|(h, _)| chunk::key(&h)).collect();
-    let left: std::collections::HashSet<_> = b
-        .list("chunks/")
-        .unwrap()
-        .into_iter()
+        merged.data_chunks().map(|c| c.object_key()).collect();
+    let left: std::collections::HashSet<_> = ["chunks/", "packs/"]
+        .iter()
+        .flat_map(|p| b.list(p).unwrap())
         .map(|o| o.key)
         .collect();
     assert_eq!(
         left, referenced,
-        "exactly the merged snapshot's chunks are left"
+        "exactly the merged snapshot's packs are left"
     );
     let vm = StoreSnapshot::open(backend.clone(), "merged", None)
         .unwrap()
@@ -261,18 +275,83 @@ fn minio_dedup_diff_merge_gc() {
     dedup_diff_merge_gc(s3(&m, "gc"));
 }
 
+/// A store written before packs (manifest version 1, every chunk an object of its own) is
+/// still read: restored whole, its chunks reused by a new snapshot of the same memory (which
+/// then points at them) and kept by gc.
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn a_store_written_before_packs_is_read_and_its_chunks_reused() {
+    let tmp = TempDir::new("store-v1");
+    let backend: Arc<dyn Backend> = Arc::new(LocalBackend::new(&tmp.0.join("store")));
+    let b = &*backend;
+    let vm = paused_vm();
+    let want = digests(&vm);
+    write(b, "old", &vm, None).unwrap();
+    // Rewritten as version 1 wrote it: each chunk's frame an object, no packs.
+    let mut m = StoreManifest::load(b, "old").unwrap();
+    let ids = m.pack_ids();
+    for r in &mut m.regions {
+        for c in &mut r.chunks {
+            if let Some(s) = StoreManifest::stored(c, &ids) {
+                let frame = b.get_range(&s.object_key(), s.offset(), s.stored).unwrap();
+                b.put(&chunk::key(&s.hash), &frame).unwrap();
+                if let ChunkRef::Data { at, .. } = c {
+                    *at = None;
+                }
+            }
+        }
+    }
+    for id in &ids {
+        b.delete(&chunk::pack_key(id)).unwrap();
+    }
+    m.version = 1;
+    m.packs.clear();
+    m.seal();
+    b.put(
+        &manifest_key("old"),
+        &serde_json::to_vec_pretty(&m).unwrap(),
+    )
+    .unwrap();
+    let vm2 = StoreSnapshot::open(backend.clone(), "old", None)
+        .unwrap()
+        .restore_full()
+        .unwrap();
+    assert_eq!(digests(&vm2), want, "a version-1 snapshot restored");
+    drop(vm2);
+    let again = write(b, "new", &vm, None).unwrap();
+    assert_eq!((again.new_chunks, again.new_packs), (0, 0), "{again:?}");
+    let new = StoreManifest::load(b, "new").unwrap();
+    assert!(new.packs.is_empty() && new.data_chunks().all(|c| c.loc == chunk::Loc::Object));
+    let r = gc::gc(b, Duration::ZERO).unwrap();
+    assert_eq!(r.removed_chunks, 0, "{r:?}");
+    let vm2 = StoreSnapshot::open(backend.clone(), "new", None)
+        .unwrap()
+        .restore_full()
+        .unwrap();
+    assert_eq!(
+        digests(&vm2),
+        want,
+        "a snapshot pointing at version-1 chunks"
+    );
+}
+
 /// The first data chunk of the RAM region of snapshot `name`.
-fn a_data_chunk(b: &dyn Backend, name: &str) -> (usize, chunk::Hash, u64) {
+fn a_data_chunk(b: &dyn Backend, name: &str) -> (usize, chunk::Stored) {
     let m = StoreManifest::load(b, name).unwrap();
+    let ids = m.pack_ids();
     m.regions[1]
         .chunks
         .iter()
         .enumerate()
-        .find_map(|(i, c)| match c {
-            ChunkRef::Data { hash, stored } => Some((i, *hash, *stored)),
-            _ => None,
-        })
+        .find_map(|(i, c)| Some((i, StoreManifest::stored(c, &ids)?)))
         .unwrap()
+}
+
+/// `object` with the chunk `c`'s `stored` bytes replaced by `with` (as long).
+fn replaced(object: &[u8], c: &chunk::Stored, with: &[u8]) -> Vec<u8> {
+    let at = c.offset() as usize;
+    assert_eq!(with.len() as u64, c.stored);
+    [&object[..at], with, &object[at + with.len()..]].concat()
 }
 
 /// A chunk replaced by another's bytes, a missing chunk, a damaged manifest: each refused
@@ -282,17 +361,23 @@ fn refusals(backend: Arc<dyn Backend>) {
     let vm = paused_vm();
     write(b, "vm", &vm, None).unwrap();
     drop(vm);
-    let (index, hash, _) = a_data_chunk(b, "vm");
-    let key = chunk::key(&hash);
+    let (index, c) = a_data_chunk(b, "vm");
+    let (hash, key) = (c.hash, c.object_key());
+    assert!(key.starts_with("packs/"), "{key}");
     let good = b.get(&key).unwrap();
 
-    // Another chunk's bytes under this hash (a well-formed zstd frame).
-    let mut c = zstd::bulk::Compressor::new(1).unwrap();
-    let other = chunk::encode(
-        &mut c,
+    // Another chunk's bytes in its place: a well-formed zstd frame (padded to the chunk's
+    // stored length with a skippable frame), whose bytes do not hash to the chunk's hash.
+    let mut z = zstd::bulk::Compressor::new(1).unwrap();
+    let mut other = chunk::encode(
+        &mut z,
         &vec![0x5a; guestmem_store::chunk::CHUNK_BYTES as usize],
     );
-    b.put(&key, &other).unwrap();
+    let pad = c.stored as usize - other.len() - 8;
+    other.extend_from_slice(&0x184D_2A50u32.to_le_bytes());
+    other.extend_from_slice(&(pad as u32).to_le_bytes());
+    other.resize(c.stored as usize, 0);
+    b.put(&key, &replaced(&good, &c, &other)).unwrap();
     let snap = StoreSnapshot::open(backend.clone(), "vm", None).unwrap();
     let e = snap.restore_full().err().expect("refused").to_string();
     assert!(
@@ -300,7 +385,7 @@ fn refusals(backend: Arc<dyn Backend>) {
         "{e}"
     );
     assert!(
-        e.contains(&chunk::hex(&hash)) && (e.contains("bytes in the store") || e.contains("hash")),
+        e.contains(&chunk::hex(&hash)) && e.contains("does not match its hash"),
         "{e}"
     );
     // The lazy path's source refuses the chunk too (the pager then stops the VM, naming the
@@ -319,10 +404,9 @@ fn refusals(backend: Arc<dyn Backend>) {
         .to_string();
     assert!(e.contains(&chunk::hex(&hash)), "{e}");
 
-    // Same length, damaged bytes: the hash check catches it.
+    // Same length, damaged bytes: the check catches it.
     let mut damaged = good.clone();
-    let mid = damaged.len() / 2;
-    damaged[mid] ^= 0x40;
+    damaged[c.offset() as usize + c.stored as usize / 2] ^= 0x40;
     b.put(&key, &damaged).unwrap();
     let e = StoreSnapshot::open(backend.clone(), "vm", None)
         .unwrap()
@@ -335,6 +419,21 @@ fn refusals(backend: Arc<dyn Backend>) {
         "{e}"
     );
 
+    // A truncated pack: the chunk's bytes are not all there (nor those of the pack's later
+    // chunks; the error names the chunk whose read failed first).
+    b.put(&key, &good[..(c.offset() + c.stored / 2) as usize])
+        .unwrap();
+    let e = StoreSnapshot::open(backend.clone(), "vm", None)
+        .unwrap()
+        .restore_full()
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        e.contains(&key) && e.contains("truncated") && e.contains("/vm region 'ram' chunk "),
+        "{e}"
+    );
+
     // Missing.
     b.delete(&key).unwrap();
     let e = StoreSnapshot::open(backend.clone(), "vm", None)
@@ -344,8 +443,9 @@ fn refusals(backend: Arc<dyn Backend>) {
         .expect("refused");
     assert!(e.is_missing(), "{e}");
     let e = e.to_string();
+    // (The pack holds chunks of both regions; the error names the first it was read for.)
     assert!(
-        e.contains(&key) && e.contains("is missing") && e.contains("region 'ram'"),
+        e.contains(&key) && e.contains("is missing") && e.contains("/vm region '"),
         "{e}"
     );
     b.put(&key, &good).unwrap();
@@ -450,7 +550,7 @@ fn local_store_on_a_full_disk_fails_and_leaves_no_manifest() {
     let e = write(&*backend, "full", &vm_of_random_bytes(), None).unwrap_err();
     let text = chain(&e);
     assert!(
-        text.contains("store:") && text.contains("chunks/") && text.contains("No space left"),
+        text.contains("store:") && text.contains("packs/") && text.contains("No space left"),
         "{text}"
     );
     assert_no_snapshot(backend, "full");
@@ -467,12 +567,14 @@ fn minio_on_a_full_disk_fails_and_leaves_no_manifest() {
     let backend = s3(&m, "full-disk");
     let e = write(&*backend, "full", &vm_of_random_bytes(), None).unwrap_err();
     // MinIO answers a PUT it runs out of space for as an incomplete body (400), or one it
-    // has no room for as storage full (507), depending on when the space runs out; the error
-    // names the store, the object and what MinIO said.
+    // has no room for as storage full (507, with or without a body saying so), depending on
+    // when the space runs out; the error names the store, the object and what MinIO said.
     let text = chain(&e);
     assert!(
-        text.contains("s3://snaps/full-disk: write chunks/")
-            && (text.contains("IncompleteBody") || text.contains("StorageFull")),
+        text.contains("s3://snaps/full-disk: write packs/")
+            && ["IncompleteBody", "StorageFull", "507 Insufficient Storage"]
+                .iter()
+                .any(|t| text.contains(t)),
         "{text}"
     );
     assert_no_snapshot(backend, "full");
@@ -559,13 +661,11 @@ fn minio_lazy_restore_stops_on_a_damaged_chunk() {
     write(&*backend, "vm", &vm, None).unwrap();
     drop(vm);
     let manifest = StoreManifest::load(&*backend, "vm").unwrap();
-    let ChunkRef::Data { hash, .. } = manifest.regions[1].chunks[0] else {
-        panic!("the guest wrote the first chunk of RAM");
-    };
-    let key = chunk::key(&hash);
+    let c = StoreManifest::stored(&manifest.regions[1].chunks[0], &manifest.pack_ids())
+        .expect("the guest wrote the first chunk of RAM");
+    let (hash, key) = (c.hash, c.object_key());
     let mut bytes = backend.get(&key).unwrap();
-    let mid = bytes.len() / 2;
-    bytes[mid] ^= 1;
+    bytes[(c.offset() + c.stored / 2) as usize] ^= 1;
     backend.put(&key, &bytes).unwrap();
     let snap = StoreSnapshot::open(backend.clone(), "vm", None).unwrap();
     let quiet = PagerConfig {

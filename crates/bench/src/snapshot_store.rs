@@ -123,6 +123,36 @@ struct RestoreRow {
     resident_vs_file_ratio: Option<f64>,
     /// The last run's.
     fetched: Option<FetchStats>,
+    /// A lazy restore's: who brought the chunks in, summed over the pagers (the last run's).
+    installed: Option<Installed>,
+}
+
+/// Chunks a lazy restore's pagers installed, by who asked for them.
+#[derive(Serialize, Clone, Copy, Default)]
+struct Installed {
+    faults: u64,
+    fault_chunks: u64,
+    readahead_chunks: u64,
+    prefetch_chunks: u64,
+    background_chunks: u64,
+}
+
+impl Installed {
+    fn of(pagers: &[guestmem_paging::Pager]) -> Option<Installed> {
+        if pagers.is_empty() {
+            return None;
+        }
+        let mut i = Installed::default();
+        for p in pagers {
+            let s = p.stats();
+            i.faults += s.faults;
+            i.fault_chunks += s.fault_chunks;
+            i.readahead_chunks += s.readahead_chunks;
+            i.prefetch_chunks += s.prefetch_chunks;
+            i.background_chunks += s.background_chunks;
+        }
+        Some(i)
+    }
 }
 
 impl RestoreRow {
@@ -133,6 +163,7 @@ impl RestoreRow {
         cache: Option<&'static str>,
         timings: &[[f64; 3]],
         fetched: Option<FetchStats>,
+        installed: Option<Installed>,
         file_resident_ms: Option<f64>,
     ) -> RestoreRow {
         let figure = |i: usize| Figure::of(&timings.iter().map(|t| t[i]).collect::<Vec<_>>());
@@ -150,6 +181,7 @@ impl RestoreRow {
             first_progress_ms_figure: first,
             resident_ms_figure: resident,
             fetched,
+            installed,
         }
     }
 }
@@ -316,7 +348,7 @@ fn bench(
             timings.push([ready, first_progress, resident].map(|d| d.as_secs_f64() * 1e3));
         }
         let _ = std::fs::remove_dir_all(&flat);
-        let row = RestoreRow::of("file", "lazy", None, &timings, None, None);
+        let row = RestoreRow::of("file", "lazy", None, &timings, None, None, None);
         file_resident_ms = Some(row.resident_ms);
         restores.push(row);
     }
@@ -333,6 +365,7 @@ fn bench(
         // whose chunks and recorded working set it uses).
         let mut timings = vec![Vec::new(); kinds.len()];
         let mut fetched = vec![FetchStats::default(); kinds.len()];
+        let mut installed = vec![None; kinds.len()];
         for _ in 0..runs {
             if mode == "lazy" {
                 // The first restore of each run records the working set anew.
@@ -359,6 +392,7 @@ fn bench(
                 if mode == "lazy" && snap.working_set()?.is_none() {
                     snap.record_working_set(&vm, &pagers)?;
                 }
+                installed[k] = Installed::of(&pagers);
                 drop(pagers);
                 timings[k].push([ready, first_progress, resident].map(|d| d.as_secs_f64() * 1e3));
                 fetched[k] = snap.fetcher.stats();
@@ -372,6 +406,7 @@ fn bench(
                 *cache,
                 &timings[k],
                 Some(fetched[k]),
+                installed[k],
                 file_resident_ms.filter(|_| mode == "lazy"),
             ));
         }

@@ -71,6 +71,15 @@ pub trait PageSource: Send + Sync {
     fn background_bytes(&self) -> Option<u64> {
         None
     }
+    /// Whether the source serves many requests at once, each on its own, and a request's
+    /// size barely changes how long it takes (an object store across a round trip): a
+    /// background fetch then does not hold a fault's answer back, so the background does not
+    /// step aside while faults are served, and readahead goes out as one request per run
+    /// instead of one per chunk. A source whose requests share one link in order (post-copy)
+    /// or one CPU (a local file) says no.
+    fn concurrent_requests(&self) -> bool {
+        false
+    }
 }
 
 /// Zero-filled memory of `size` bytes (a fresh VM, or pages known to be zero).
@@ -402,6 +411,9 @@ impl PageSource for WindowSource {
     }
     fn background_bytes(&self) -> Option<u64> {
         self.inner.background_bytes()
+    }
+    fn concurrent_requests(&self) -> bool {
+        self.inner.concurrent_requests()
     }
     fn mapped(&self) -> Option<*const u8> {
         // SAFETY: the window lies inside the inner source's mapping (checked in `new`).

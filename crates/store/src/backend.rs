@@ -22,6 +22,9 @@ pub trait Backend: Send + Sync {
     fn describe(&self) -> String;
     /// The whole object `key`; [`crate::Error::Missing`] when there is none.
     fn get(&self, key: &str) -> Result<Vec<u8>>;
+    /// Bytes `start..start + len` of object `key` (fewer when the object ends first: the
+    /// caller checks the length); [`crate::Error::Missing`] when there is no such object.
+    fn get_range(&self, key: &str, start: u64, len: u64) -> Result<Vec<u8>>;
     /// Stores `bytes` as `key`, replacing any object there. Atomic: a reader sees the old
     /// object, or none, or the whole new one — never part of it.
     fn put(&self, key: &str, bytes: &[u8]) -> Result<()>;

@@ -1,5 +1,7 @@
-//! One chunk of memory as the store keeps it: the zstd frame of its bytes, under the BLAKE3
-//! hash of those bytes (so the key names the content and every fetch can be checked).
+//! One chunk of memory as the store keeps it: the zstd frame of its bytes, named by the BLAKE3
+//! hash of those bytes (so every fetch can be checked), stored in a pack (many chunks'
+//! frames one after another in one object, read by ranges) or, as stores written before packs
+//! keep them, as an object of its own.
 
 use crate::{Error, Result};
 
@@ -27,7 +29,64 @@ pub fn parse_hex(text: &str) -> Option<Hash> {
     blake3::Hash::from_hex(text).ok().map(|h| *h.as_bytes())
 }
 
-/// The store key of the chunk whose hash is `hash`.
+/// Where a chunk's frame is stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Loc {
+    /// An object of its own, `chunks/HH/HASH` (stores written before packs).
+    Object,
+    /// In the pack `packs/HH/ID`, from byte `offset`.
+    Pack {
+        /// The pack's id.
+        id: Hash,
+        /// Where the chunk's frame starts in it.
+        offset: u64,
+    },
+}
+
+/// A stored chunk: its hash, its stored (compressed) bytes, and where they are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Stored {
+    /// BLAKE3 of the chunk's bytes.
+    pub hash: Hash,
+    /// Its compressed bytes in the store.
+    pub stored: u64,
+    /// Where they are.
+    pub loc: Loc,
+}
+
+impl Stored {
+    /// The key of the object holding the chunk (its own, or its pack).
+    pub fn object_key(&self) -> String {
+        match &self.loc {
+            Loc::Object => key(&self.hash),
+            Loc::Pack { id, .. } => pack_key(id),
+        }
+    }
+
+    /// Where its frame starts in that object.
+    pub fn offset(&self) -> u64 {
+        match self.loc {
+            Loc::Object => 0,
+            Loc::Pack { offset, .. } => offset,
+        }
+    }
+}
+
+/// The store key of the pack `id`.
+pub fn pack_key(id: &Hash) -> String {
+    let h = hex(id);
+    format!("packs/{}/{h}", &h[..2])
+}
+
+/// The id a pack key names, if it is one.
+pub fn pack_of_key(key: &str) -> Option<Hash> {
+    let rest = key.strip_prefix("packs/")?;
+    let (dir, name) = rest.split_once('/')?;
+    let id = parse_hex(name)?;
+    (dir == &name[..2]).then_some(id)
+}
+
+/// The store key of the chunk whose hash is `hash`, stored as an object of its own.
 pub fn key(hash: &Hash) -> String {
     let h = hex(hash);
     format!("chunks/{}/{h}", &h[..2])
@@ -95,6 +154,8 @@ mod tests {
         data[5000] = 7;
         let h = hash(&data);
         assert_eq!(hash_of_key(&key(&h)), Some(h));
+        assert_eq!(pack_of_key(&pack_key(&h)), Some(h));
+        assert_eq!(pack_of_key(&key(&h)), None);
         let mut c = zstd::bulk::Compressor::new(ZSTD_LEVEL).unwrap();
         let stored = encode(&mut c, &data);
         let mut out = vec![0u8; data.len()];

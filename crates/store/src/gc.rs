@@ -19,7 +19,9 @@ use serde::Serialize;
 
 use crate::backend::Backend;
 use crate::chunk;
-use crate::manifest::{manifest_key, resolve, state_key, working_set_key, ChunkRef, StoreManifest};
+use crate::manifest::{
+    manifest_key, resolve, state_key, working_set_key, ChunkRef, PackTable, StoreManifest,
+};
 use crate::{Error, Result};
 
 /// A lease older than this is a crashed writer's or collector's.
@@ -128,15 +130,16 @@ impl Drop for Lease<'_> {
 pub struct GcReport {
     /// Snapshot manifests read.
     pub manifests: usize,
-    /// Chunks the store holds.
+    /// Objects of chunks the store holds: packs, and chunk objects of a store written before
+    /// packs.
     pub chunks: usize,
-    /// Chunks some manifest references.
+    /// Of those, the ones some manifest references.
     pub referenced_chunks: usize,
-    /// Chunks removed.
+    /// Of those, the ones removed.
     pub removed_chunks: usize,
     /// Their stored bytes.
     pub removed_bytes: u64,
-    /// Unreferenced chunks left alone because they are younger than the grace period.
+    /// Unreferenced ones left alone because they are younger than the grace period.
     pub young_chunks: usize,
     /// Stale leases (older than [`LEASE_TTL`], or of a gone process of this host) removed.
     pub stale_leases: usize,
@@ -144,8 +147,8 @@ pub struct GcReport {
     pub stale_temporaries: usize,
 }
 
-/// Removes the chunks no snapshot manifest of the store references and that are older than
-/// `grace`. Refuses, removing nothing, while a snapshot write holds a live lease, or when a
+/// Removes the packs (and chunk objects) no snapshot manifest of the store references and that
+/// are older than `grace`. A pack goes when no manifest lists any chunk of it. Refuses, removing nothing, while a snapshot write holds a live lease, or when a
 /// manifest cannot be read (its chunks could not be told apart from garbage).
 pub fn gc(backend: &dyn Backend, grace: Duration) -> Result<GcReport> {
     let key = lease_key("gc");
@@ -177,16 +180,18 @@ pub fn gc(backend: &dyn Backend, grace: Duration) -> Result<GcReport> {
                 source: Box::new(e),
             })?;
         report.manifests += 1;
-        referenced.extend(manifest.data_chunks().map(|(h, _)| h));
+        referenced.extend(manifest.data_chunks().map(|c| c.object_key()));
     }
-    report.referenced_chunks = referenced.len();
     let now = SystemTime::now();
-    for o in backend.list("chunks/")? {
-        let Some(h) = chunk::hash_of_key(&o.key) else {
+    let mut objects = backend.list("chunks/")?;
+    objects.extend(backend.list("packs/")?);
+    for o in objects {
+        if chunk::hash_of_key(&o.key).is_none() && chunk::pack_of_key(&o.key).is_none() {
             continue;
-        };
+        }
         report.chunks += 1;
-        if referenced.contains(&h) {
+        if referenced.contains(&o.key) {
+            report.referenced_chunks += 1;
             continue;
         }
         if now.duration_since(o.modified).unwrap_or_default() < grace {
@@ -252,21 +257,29 @@ pub fn merge(backend: &dyn Backend, name: &str, into: &str) -> Result<StoreManif
     let mut merged = source.clone();
     merged.name = into.to_string();
     merged.base = None;
+    merged.version = crate::manifest::VERSION;
+    let mut table = PackTable::default();
     for (region, chunks) in merged.regions.iter_mut().zip(resolved) {
         region.chunks = chunks
             .into_iter()
             .map(|c| match c {
                 None => ChunkRef::Zero,
-                Some((hash, stored)) => ChunkRef::Data { hash, stored },
+                Some(c) => table.entry(&c),
             })
             .collect();
     }
-    // The chunks must all be there: merging over a damaged store would hide the damage.
-    for (hash, _) in merged.data_chunks().collect::<HashSet<_>>() {
-        if !backend.exists(&chunk::key(&hash))? {
+    merged.packs = table.into_ids();
+    // The packs and chunks must all be there: merging over a damaged store would hide the
+    // damage.
+    for key in merged
+        .data_chunks()
+        .map(|c| c.object_key())
+        .collect::<HashSet<_>>()
+    {
+        if !backend.exists(&key)? {
             return Err(Error::Missing {
                 store: backend.describe(),
-                key: format!("{} (a chunk of snapshot '{name}')", chunk::key(&hash)),
+                key: format!("{key} (holding chunks of snapshot '{name}')"),
             });
         }
     }

@@ -4,8 +4,12 @@
 //! directory or on S3-compatible object storage, behind one [`Backend`] trait.
 //!
 //! A store is a prefix (a directory, or `s3://bucket/prefix`) holding:
+//! - `packs/HH/ID`: packs of chunks: zstd frames of chunks one after another, each named in a
+//!   manifest by the BLAKE3 of its uncompressed bytes, its pack, offset and length (HH: ID's
+//!   first two hex digits). A pack holds the chunks of one run of guest memory, so a restore
+//!   reads neighbouring chunks with one range read;
 //! - `chunks/HH/HASH`: a zstd frame of the chunk whose BLAKE3 (of the uncompressed bytes) is
-//!   HASH (hex, HH its first two digits);
+//!   HASH, in stores written before packs (manifest version 1), still read;
 //! - `snapshots/NAME/manifest.json` ([`StoreManifest`]): format, version, VM configuration,
 //!   each region's chunks by hash (zero, or inherited from a diff's base), region digests, the
 //!   state object's BLAKE3 and a BLAKE3 checksum over the whole manifest;
@@ -162,7 +166,7 @@ pub enum Error {
     },
     /// A manifest of another version.
     #[error(
-        "{store}: {key}: store snapshot version {found}; this guestmem reads version {supported}"
+        "{store}: {key}: store snapshot version {found}; this guestmem reads versions 1 to {supported}"
     )]
     Version {
         /// The store.

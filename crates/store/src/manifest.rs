@@ -5,8 +5,12 @@
 //! any chunk is read, and the checksum is the snapshot's identity (a diff names its base by
 //! name and checksum; a working set names the manifest it was recorded for). Each region lists
 //! one entry per chunk: `zero` (all zeros, not stored), `base` (a diff's chunk unchanged since
-//! its base, which has it) or `HASH:STORED` (the chunk object `chunks/HH/HASH`, STORED bytes
-//! long). [`StoreManifest::parse`] checks every rule the restore paths rely on.
+//! its base, which has it), `HASH:STORED@P+OFFSET` (STORED bytes from OFFSET in the pack
+//! `packs[P]`), or, in manifests of version 1, `HASH:STORED` (the chunk object
+//! `chunks/HH/HASH`, STORED bytes long). [`StoreManifest::parse`] checks every rule the restore
+//! paths rely on.
+
+use std::collections::HashMap;
 
 use guestmem_memory::{RegionSpec, PAGE_SIZE};
 use guestmem_vm::VmConfig;
@@ -15,13 +19,15 @@ use serde::{Deserialize, Serialize};
 use guestmem_migration::snapshot::check_config_layout;
 
 use crate::backend::Backend;
-use crate::chunk::{self, Hash};
+use crate::chunk::{self, Hash, Loc, Stored};
 use crate::{Error, Result};
 
 /// The `format` field of every store snapshot manifest.
 pub const FORMAT: &str = "guestmem-store-snapshot";
-/// The manifest version this code writes and reads.
-pub const VERSION: u32 = 1;
+/// The manifest version this code writes: 2 (chunks in packs).
+pub const VERSION: u32 = 2;
+/// The oldest version it reads: 1 (every chunk an object of its own).
+pub const MIN_VERSION: u32 = 1;
 /// How many diff snapshots may stand on one another.
 pub const MAX_BASE_DEPTH: usize = 64;
 /// The largest chunk size a manifest may give.
@@ -54,6 +60,9 @@ pub struct StoreManifest {
     pub config: VmConfig,
     /// The chunk size in bytes.
     pub chunk_bytes: u64,
+    /// The packs its chunks are in (their ids, hex); a chunk names one by its index here.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub packs: Vec<String>,
     /// Every region of guest memory (the sys region included), in memory order.
     pub regions: Vec<StoreRegion>,
     /// The state object's bytes.
@@ -105,7 +114,53 @@ pub enum ChunkRef {
         hash: Hash,
         /// Its compressed bytes in the store.
         stored: u64,
+        /// Where they are in a pack of the manifest's table (`None`: a chunk object of its
+        /// own, version 1).
+        at: Option<PackAt>,
     },
+}
+
+/// Where a chunk is in one of the manifest's packs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PackAt {
+    /// The pack's index in [`StoreManifest::packs`].
+    pub pack: u32,
+    /// Where the chunk's frame starts in it.
+    pub offset: u64,
+}
+
+/// Builds a manifest's pack table while its chunk entries are made.
+#[derive(Default)]
+pub(crate) struct PackTable {
+    ids: Vec<String>,
+    index: HashMap<Hash, u32>,
+}
+
+impl PackTable {
+    /// The entry of `chunk`, its pack (if any) entered in the table.
+    pub(crate) fn entry(&mut self, chunk: &Stored) -> ChunkRef {
+        let at = match chunk.loc {
+            Loc::Object => None,
+            Loc::Pack { id, offset } => {
+                let next = self.ids.len() as u32;
+                let pack = *self.index.entry(id).or_insert_with(|| next);
+                if pack == next {
+                    self.ids.push(chunk::hex(&id));
+                }
+                Some(PackAt { pack, offset })
+            }
+        };
+        ChunkRef::Data {
+            hash: chunk.hash,
+            stored: chunk.stored,
+            at,
+        }
+    }
+
+    /// The table.
+    pub(crate) fn into_ids(self) -> Vec<String> {
+        self.ids
+    }
 }
 
 impl Serialize for ChunkRef {
@@ -113,9 +168,16 @@ impl Serialize for ChunkRef {
         match self {
             ChunkRef::Zero => s.serialize_str("zero"),
             ChunkRef::Base => s.serialize_str("base"),
-            ChunkRef::Data { hash, stored } => {
-                s.serialize_str(&format!("{}:{stored}", chunk::hex(hash)))
-            }
+            ChunkRef::Data {
+                hash,
+                stored,
+                at: None,
+            } => s.serialize_str(&format!("{}:{stored}", chunk::hex(hash))),
+            ChunkRef::Data {
+                hash,
+                stored,
+                at: Some(PackAt { pack, offset }),
+            } => s.serialize_str(&format!("{}:{stored}@{pack}+{offset}", chunk::hex(hash))),
         }
     }
 }
@@ -126,15 +188,30 @@ impl<'de> Deserialize<'de> for ChunkRef {
         match text.as_str() {
             "zero" => Ok(ChunkRef::Zero),
             "base" => Ok(ChunkRef::Base),
-            _ => text
-                .split_once(':')
-                .and_then(|(h, n)| Some((chunk::parse_hex(h)?, n.parse().ok()?)))
-                .map(|(hash, stored)| ChunkRef::Data { hash, stored })
-                .ok_or_else(|| {
+            _ => {
+                let parse = || {
+                    let (hash, rest) = text.split_once(':')?;
+                    let hash = chunk::parse_hex(hash)?;
+                    let (stored, at) = match rest.split_once('@') {
+                        None => (rest.parse().ok()?, None),
+                        Some((stored, at)) => {
+                            let (pack, offset) = at.split_once('+')?;
+                            let at = PackAt {
+                                pack: pack.parse().ok()?,
+                                offset: offset.parse().ok()?,
+                            };
+                            (stored.parse().ok()?, Some(at))
+                        }
+                    };
+                    Some(ChunkRef::Data { hash, stored, at })
+                };
+                parse().ok_or_else(|| {
                     serde::de::Error::custom(format!(
-                        "chunk entry '{text}' is not zero, base or HASH:STORED"
+                        "chunk entry '{text}' is not zero, base, HASH:STORED@PACK+OFFSET or \
+                         HASH:STORED"
                     ))
-                }),
+                })
+            }
         }
     }
 }
@@ -159,15 +236,41 @@ impl StoreManifest {
         self.checksum = self.compute_checksum();
     }
 
-    /// Every distinct chunk the manifest itself stores (not its base's).
-    pub fn data_chunks(&self) -> impl Iterator<Item = (Hash, u64)> + '_ {
+    /// The ids of its packs, in table order (checked by [`StoreManifest::validate`]).
+    pub fn pack_ids(&self) -> Vec<Hash> {
+        self.packs
+            .iter()
+            .map(|p| chunk::parse_hex(p).unwrap_or_default())
+            .collect()
+    }
+
+    /// The chunk `entry` names (`None` for zero and base entries), its pack resolved through
+    /// `ids` ([`StoreManifest::pack_ids`]).
+    pub fn stored(entry: &ChunkRef, ids: &[Hash]) -> Option<Stored> {
+        match *entry {
+            ChunkRef::Data { hash, stored, at } => Some(Stored {
+                hash,
+                stored,
+                loc: match at {
+                    None => Loc::Object,
+                    Some(PackAt { pack, offset }) => Loc::Pack {
+                        id: ids[pack as usize],
+                        offset,
+                    },
+                },
+            }),
+            _ => None,
+        }
+    }
+
+    /// Every chunk the manifest itself stores (not its base's), in memory order (a chunk held
+    /// twice is listed twice).
+    pub fn data_chunks(&self) -> impl Iterator<Item = Stored> + '_ {
+        let ids = self.pack_ids();
         self.regions
             .iter()
             .flat_map(|r| &r.chunks)
-            .filter_map(|c| match c {
-                ChunkRef::Data { hash, stored } => Some((*hash, *stored)),
-                _ => None,
-            })
+            .filter_map(move |c| StoreManifest::stored(c, &ids))
     }
 
     /// Parses and checks the manifest `bytes` read from `key` of `store` for snapshot `name`:
@@ -196,7 +299,7 @@ impl StoreManifest {
             });
         }
         let version = head.version.and_then(|v| v.as_u64()).unwrap_or(0);
-        if version != u64::from(VERSION) {
+        if !(u64::from(MIN_VERSION)..=u64::from(VERSION)).contains(&version) {
             return Err(Error::Version {
                 store: store.to_string(),
                 key: key.to_string(),
@@ -234,6 +337,15 @@ impl StoreManifest {
             ));
         }
         check_config_layout(&self.config, self.regions.iter().map(|r| &r.spec))?;
+        if self.version < 2 && !self.packs.is_empty() {
+            return Err(format!(
+                "a manifest of version {} lists packs (version 2 has them)",
+                self.version
+            ));
+        }
+        if let Some(p) = self.packs.iter().find(|p| chunk::parse_hex(p).is_none()) {
+            return Err(format!("pack '{p}' is not named by 64 hex digits"));
+        }
         for r in &self.regions {
             let name = &r.spec.name;
             if r.spec.size == 0 || r.spec.size % PAGE_SIZE != 0 {
@@ -264,6 +376,14 @@ impl StoreManifest {
             {
                 return Err(format!("region '{name}' chunk {i} is stored in 0 bytes"));
             }
+            let packs = self.packs.len();
+            if let Some(i) = r.chunks.iter().position(
+                |c| matches!(c, ChunkRef::Data { at: Some(at), .. } if at.pack as usize >= packs),
+            ) {
+                return Err(format!(
+                    "region '{name}' chunk {i} names a pack the manifest's {packs} do not include"
+                ));
+            }
         }
         Ok(())
     }
@@ -285,8 +405,8 @@ impl StoreManifest {
 }
 
 /// A snapshot's chunks with a diff's `base` entries resolved through its base chain: per region,
-/// per chunk, `None` for zeros or the chunk's hash and stored length.
-pub type Resolved = Vec<Vec<Option<(Hash, u64)>>>;
+/// per chunk, `None` for zeros or the stored chunk.
+pub type Resolved = Vec<Vec<Option<Stored>>>;
 
 /// Resolves `manifest`'s base chain in `backend`: each base must be the very snapshot the diff
 /// was written over (its checksum) and of the same layout.
@@ -297,11 +417,12 @@ pub fn resolve(backend: &dyn Backend, manifest: &StoreManifest) -> Result<Resolv
         .map(|r| r.chunks.iter().map(|_| None).collect())
         .collect();
     let mut pending: Vec<(usize, usize)> = Vec::new();
+    let ids = manifest.pack_ids();
     for (ri, r) in manifest.regions.iter().enumerate() {
         for (ci, c) in r.chunks.iter().enumerate() {
             match c {
                 ChunkRef::Zero => {}
-                ChunkRef::Data { hash, stored } => resolved[ri][ci] = Some((*hash, *stored)),
+                ChunkRef::Data { .. } => resolved[ri][ci] = StoreManifest::stored(c, &ids),
                 ChunkRef::Base => pending.push((ri, ci)),
             }
         }
@@ -344,10 +465,11 @@ pub fn resolve(backend: &dyn Backend, manifest: &StoreManifest) -> Result<Resolv
                 b.name
             )));
         }
-        pending.retain(|&(ri, ci)| match base.regions[ri].chunks[ci] {
+        let ids = base.pack_ids();
+        pending.retain(|&(ri, ci)| match &base.regions[ri].chunks[ci] {
             ChunkRef::Zero => false,
-            ChunkRef::Data { hash, stored } => {
-                resolved[ri][ci] = Some((hash, stored));
+            c @ ChunkRef::Data { .. } => {
+                resolved[ri][ci] = StoreManifest::stored(c, &ids);
                 false
             }
             ChunkRef::Base => true,
@@ -397,15 +519,24 @@ mod tests {
                         ChunkRef::Data {
                             hash: [7; 32],
                             stored: 100,
+                            at: Some(PackAt {
+                                pack: 0,
+                                offset: 4096,
+                            }),
                         },
                         ChunkRef::Zero,
                         ChunkRef::Zero,
-                        ChunkRef::Zero,
+                        ChunkRef::Data {
+                            hash: [8; 32],
+                            stored: 50,
+                            at: Some(PackAt { pack: 0, offset: 0 }),
+                        },
                     ],
                 },
             ],
             config,
             chunk_bytes: cb,
+            packs: vec![chunk::hex(&[9; 32])],
             state_bytes: 10,
             state_blake3: "00".into(),
             base: None,
@@ -436,6 +567,7 @@ mod tests {
         m.regions[1].chunks[1] = ChunkRef::Data {
             hash: [1; 32],
             stored: 5,
+            at: None,
         };
         let e = parse(&m).unwrap_err().to_string();
         assert!(e.contains("checksum") && e.contains("altered"), "{e}");
@@ -469,5 +601,67 @@ mod tests {
         m.seal();
         let e = parse(&m).unwrap_err().to_string();
         assert!(e.contains("lists 3 chunks"), "{e}");
+
+        // A chunk naming a pack past the table, a version-1 manifest with packs, a version
+        // this code does not know.
+        let mut m = manifest("a");
+        m.regions[1].chunks[1] = ChunkRef::Data {
+            hash: [1; 32],
+            stored: 5,
+            at: Some(PackAt { pack: 1, offset: 0 }),
+        };
+        m.seal();
+        let e = parse(&m).unwrap_err().to_string();
+        assert!(e.contains("chunk 1 names a pack"), "{e}");
+        let mut m = manifest("a");
+        m.version = 1;
+        m.seal();
+        let e = parse(&m).unwrap_err().to_string();
+        assert!(e.contains("version 1 lists packs"), "{e}");
+        let mut m = manifest("a");
+        m.version = VERSION + 1;
+        m.seal();
+        let e = parse(&m).unwrap_err().to_string();
+        assert!(e.contains(&format!("{}", VERSION + 1)), "{e}");
+    }
+
+    /// A version-1 manifest (every chunk an object of its own) still reads, its chunks
+    /// resolved to their objects; a version-2 one resolves to its packs.
+    #[test]
+    fn version_1_chunks_are_objects_and_version_2_chunks_are_in_packs() {
+        let mut v1 = manifest("a");
+        v1.version = 1;
+        v1.packs.clear();
+        for c in &mut v1.regions[1].chunks {
+            if let ChunkRef::Data { at, .. } = c {
+                *at = None;
+            }
+        }
+        v1.seal();
+        let json = String::from_utf8(serde_json::to_vec(&v1).unwrap()).unwrap();
+        assert!(!json.contains("packs") && !json.contains('@'), "{json}");
+        let v1 = parse(&v1).unwrap();
+        let chunks: Vec<Stored> = v1.data_chunks().collect();
+        assert_eq!(chunks.len(), 2);
+        assert!(chunks.iter().all(|c| c.loc == Loc::Object));
+        assert_eq!(chunks[0].object_key(), chunk::key(&[7; 32]));
+
+        let v2 = parse(&manifest("a")).unwrap();
+        let chunks: Vec<Stored> = v2.data_chunks().collect();
+        assert_eq!(
+            chunks[0].loc,
+            Loc::Pack {
+                id: [9; 32],
+                offset: 4096
+            }
+        );
+        assert_eq!(chunks[1].offset(), 0);
+        assert_eq!(chunks[1].object_key(), chunk::pack_key(&[9; 32]));
+        // The table interns a pack once.
+        let mut t = PackTable::default();
+        let a = t.entry(&chunks[0]);
+        let b = t.entry(&chunks[1]);
+        assert_eq!((a, b), (v2.regions[1].chunks[0], v2.regions[1].chunks[3]));
+        assert_eq!(t.into_ids(), v2.packs);
     }
 }

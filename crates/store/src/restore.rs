@@ -16,9 +16,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::backend::Backend;
 use crate::cache::ChunkCache;
-use crate::chunk::Hash;
+use crate::chunk::{Hash, Stored};
 use crate::manifest::{resolve, state_key, working_set_key, Resolved, StoreManifest};
-use crate::source::{parallel, Fetcher, StoreSource};
+use crate::source::{parallel, Fetcher, StoreSource, Want};
+
+/// How many chunks of a full restore one thread fetches and copies in at a time.
+const RUN_CHUNKS: usize = 16;
 use crate::{Error, Result};
 
 /// A store snapshot whose manifest (and base chain) and state have been read and checked.
@@ -116,17 +119,33 @@ impl StoreSnapshot {
         let region = &self.manifest.regions[index];
         let cb = self.manifest.chunk_bytes;
         let label = self.label(index);
-        let jobs: Vec<(usize, Hash, u64)> = self.resolved[index]
+        let jobs: Vec<(usize, Stored)> = self.resolved[index]
             .iter()
             .enumerate()
-            .filter_map(|(i, c)| c.map(|(h, n)| (i, h, n)))
+            .filter_map(|(i, c)| c.map(|c| (i, c)))
             .collect();
-        parallel(jobs, threads, |(i, hash, stored)| {
-            let len = region.chunk_len(cb, i) as usize;
-            let mut buf = vec![0u8; len];
-            let what = format!("{label} chunk {i} (offset {:#x})", i as u64 * cb);
-            self.fetcher.chunk_into(&hash, stored, &mut buf, &what)?;
-            write_non_zero(memory, region.spec.gpa + i as u64 * cb, &buf)
+        // Runs of chunks, each fetched by one thread (neighbours in a pack with one read)
+        // while the others fetch and decompress theirs.
+        let runs: Vec<&[(usize, Stored)]> = jobs.chunks(RUN_CHUNKS).collect();
+        parallel(runs, threads, |run| {
+            let mut bufs: Vec<Vec<u8>> = run
+                .iter()
+                .map(|&(i, _)| vec![0u8; region.chunk_len(cb, i) as usize])
+                .collect();
+            let wants = run
+                .iter()
+                .zip(bufs.iter_mut())
+                .map(|(&(i, chunk), out)| Want {
+                    chunk,
+                    out,
+                    what: format!("{label} chunk {i} (offset {:#x})", i as u64 * cb),
+                })
+                .collect();
+            self.fetcher.fetch(wants, 1)?;
+            for (&(i, _), buf) in run.iter().zip(&bufs) {
+                write_non_zero(memory, region.spec.gpa + i as u64 * cb, buf)?;
+            }
+            Ok(())
         })
     }
 
@@ -147,7 +166,7 @@ impl StoreSnapshot {
         let jobs: Vec<(usize, Option<Hash>)> = self.resolved[index]
             .iter()
             .enumerate()
-            .map(|(i, c)| (i, c.map(|(h, _)| h)))
+            .map(|(i, c)| (i, c.map(|c| c.hash)))
             .collect();
         let batch = 16;
         let batches: Vec<&[(usize, Option<Hash>)]> = jobs.chunks(batch).collect();
@@ -192,26 +211,28 @@ impl StoreSnapshot {
         let region = &self.manifest.regions[index];
         let cb = self.manifest.chunk_bytes;
         let label = self.label(index);
-        let chunks: Vec<(usize, Hash, u64)> = self.resolved[index]
+        let chunks: Vec<(usize, Stored)> = self.resolved[index]
             .iter()
             .enumerate()
-            .filter_map(|(i, c)| c.map(|(h, n)| (i, h, n)))
+            .filter_map(|(i, c)| c.map(|c| (i, c)))
             .collect();
         let mut out: Vec<(u64, Vec<u8>)> = chunks
             .iter()
-            .map(|&(i, _, _)| {
+            .map(|&(i, _)| {
                 let len = region.chunk_len(cb, i) as usize;
                 (region.spec.gpa + i as u64 * cb, vec![0u8; len])
             })
             .collect();
-        parallel(
-            chunks.iter().zip(out.iter_mut()).collect(),
-            self.threads(),
-            |(&(i, hash, stored), slot)| {
-                let what = format!("{label} chunk {i} (offset {:#x})", i as u64 * cb);
-                self.fetcher.chunk_into(&hash, stored, &mut slot.1, &what)
-            },
-        )?;
+        let wants = chunks
+            .iter()
+            .zip(out.iter_mut())
+            .map(|(&(i, chunk), slot)| Want {
+                chunk,
+                out: &mut slot.1,
+                what: format!("{label} chunk {i} (offset {:#x})", i as u64 * cb),
+            })
+            .collect();
+        self.fetcher.fetch(wants, self.threads())?;
         Ok(out)
     }
 

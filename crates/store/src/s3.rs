@@ -244,6 +244,40 @@ impl Backend for S3Backend {
             .map_err(self.err(key, "read"))
     }
 
+    fn get_range(&self, key: &str, start: u64, len: u64) -> Result<Vec<u8>> {
+        let path = self.path(key);
+        let got = self
+            .runtime
+            .block_on(self.store.get_range(&path, start..start + len));
+        match got {
+            Ok(b) => Ok(b.to_vec()),
+            Err(object_store::Error::NotFound { .. }) => Err(Error::Missing {
+                store: self.describe(),
+                key: key.to_string(),
+            }),
+            Err(e) => {
+                // A range past the object's end is refused by the server: what is there
+                // (maybe nothing) is the answer, for the caller to find short.
+                let size = self
+                    .runtime
+                    .block_on(self.store.head(&path))
+                    .map(|m| m.size);
+                match size {
+                    Ok(size) if size < start + len => {
+                        if size <= start {
+                            return Ok(Vec::new());
+                        }
+                        self.runtime
+                            .block_on(self.store.get_range(&path, start..size))
+                            .map(|b| b.to_vec())
+                            .map_err(self.err(key, "read"))
+                    }
+                    _ => Err(self.err(key, "read")(e)),
+                }
+            }
+        }
+    }
+
     fn put(&self, key: &str, bytes: &[u8]) -> Result<()> {
         let path = self.path(key);
         let payload = PutPayload::from(bytes.to_vec());

@@ -1,31 +1,84 @@
 //! Fetching chunks for a restore: from the host's chunk cache when it has them, else from the
 //! store (then kept in the cache); each checked against its hash as it is decompressed into
-//! place. [`StoreSource`] serves one region to a lazy restore's pager this way.
+//! place. Chunks that lie side by side in one pack are read with one range read: the store's
+//! cost is per request (a remote server spends about as much on a request as on a few hundred
+//! KiB of it), and a run of guest memory was packed in order. [`StoreSource`] serves one
+//! region to a lazy restore's pager this way.
 
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use guestmem_paging::PageSource;
 use serde::Serialize;
 
 use crate::backend::Backend;
 use crate::cache::ChunkCache;
-use crate::chunk::{self, Hash};
+use crate::chunk::{self, Loc, Stored};
 use crate::{Error, Result};
 
-/// How many chunks one fetch brings in at once.
+/// How many reads (and decompressions) of one fetch run at once.
 pub const IN_FLIGHT: usize = 8;
+/// A lazy restore's window: how many chunks one fetch of a run brings in at once.
+pub const WINDOW_CHUNKS: usize = 32;
+/// The most one range read brings.
+pub const MAX_READ_BYTES: u64 = 4 << 20;
+/// Bytes between two chunks of one pack that a range read reads past rather than make two
+/// reads (chunks that were found stored already sit elsewhere).
+const MAX_GAP_BYTES: u64 = 128 << 10;
 
 /// Where the chunks of a restore came from.
 #[derive(Debug, Clone, Copy, Default, Serialize, PartialEq, Eq)]
 pub struct FetchStats {
-    /// Objects read from the store, and their bytes.
+    /// Reads from the store (whole objects or ranges of packs).
     pub store_gets: u64,
     /// Their bytes.
     pub store_bytes: u64,
     /// Chunks found in the host's chunk cache.
     pub cache_hits: u64,
+}
+
+/// One chunk a restore wants: where it is stored, where its bytes go (exactly the chunk's
+/// length), and how errors name it (snapshot, region, chunk).
+pub struct Want<'a> {
+    /// The chunk.
+    pub chunk: Stored,
+    /// Its bytes' place.
+    pub out: &'a mut [u8],
+    /// Its name in errors.
+    pub what: String,
+}
+
+/// One read: an object, or a range of a pack holding several wanted chunks.
+struct Read<'a> {
+    key: String,
+    start: u64,
+    end: u64,
+    /// A pack's range (else a whole chunk object).
+    range: bool,
+    wants: Vec<Want<'a>>,
+}
+
+impl<'a> Read<'a> {
+    /// Whether `w` lies within or shortly after this read in the same pack (then [`Read::add`]
+    /// takes it).
+    fn fits(&self, w: &Want<'_>) -> bool {
+        let (Loc::Pack { id: a, .. }, Loc::Pack { id: b, offset }) =
+            (self.wants[0].chunk.loc, w.chunk.loc)
+        else {
+            return false;
+        };
+        let end = offset + w.chunk.stored;
+        a == b
+            && offset >= self.start
+            && offset <= self.end + MAX_GAP_BYTES
+            && end.max(self.end) - self.start <= MAX_READ_BYTES
+    }
+
+    fn add(&mut self, w: Want<'a>) {
+        self.end = self.end.max(w.chunk.offset() + w.chunk.stored);
+        self.wants.push(w);
+    }
 }
 
 /// Gets chunks of one store for the restore paths.
@@ -63,48 +116,145 @@ impl Fetcher {
         }
     }
 
-    /// Puts chunk `hash` (stored in `stored` bytes) into `out`, checked; `what` names it
-    /// (snapshot, region, chunk) in errors.
-    pub fn chunk_into(&self, hash: &Hash, stored: u64, out: &mut [u8], what: &str) -> Result<()> {
-        if let Some(cache) = &self.cache {
-            if cache.get_into(hash, out) {
-                self.cache_hits.fetch_add(1, Ordering::Relaxed);
-                return Ok(());
-            }
-            if cache.remove(hash) {
-                tracing::warn!(
-                    "chunk cache: entry {} is damaged; fetching it again",
-                    chunk::hex(hash)
-                );
+    /// Puts `chunk` into `out`, checked; `what` names it (snapshot, region, chunk) in errors.
+    pub fn chunk_into(&self, chunk: &Stored, out: &mut [u8], what: &str) -> Result<()> {
+        self.fetch(
+            vec![Want {
+                chunk: *chunk,
+                out,
+                what: what.to_string(),
+            }],
+            1,
+        )
+    }
+
+    /// Whether the host's cache had `w` (then in place).
+    fn cached(&self, w: &mut Want<'_>) -> bool {
+        let Some(cache) = &self.cache else {
+            return false;
+        };
+        if cache.get_into(&w.chunk.hash, w.out) {
+            self.cache_hits.fetch_add(1, Ordering::Relaxed);
+            return true;
+        }
+        if cache.remove(&w.chunk.hash) {
+            tracing::warn!(
+                "chunk cache: entry {} is damaged; fetching it again",
+                chunk::hex(&w.chunk.hash)
+            );
+        }
+        false
+    }
+
+    /// Puts every chunk of `wants` in place, checked: those the host's chunk cache has from
+    /// it, the others from the store, chunks side by side in one pack with one range read
+    /// (up to [`MAX_READ_BYTES`]), `threads` reads at a time; then each is decompressed and
+    /// checked (`threads` at a time) and kept in the cache. The first error wins.
+    pub fn fetch(&self, wants: Vec<Want<'_>>, threads: usize) -> Result<()> {
+        let mut missing: Vec<Want<'_>> = Vec::with_capacity(wants.len());
+        for mut w in wants {
+            if !self.cached(&mut w) {
+                missing.push(w);
             }
         }
-        let key = chunk::key(hash);
-        let bytes = self.backend.get(&key).map_err(|e| match e {
+        if missing.is_empty() {
+            return Ok(());
+        }
+        missing.sort_by_key(|w| w.chunk.loc);
+        let mut reads: Vec<Read<'_>> = Vec::new();
+        for w in missing {
+            if let Some(r) = reads.last_mut().filter(|r| r.fits(&w)) {
+                r.add(w);
+                continue;
+            }
+            reads.push(Read {
+                key: w.chunk.object_key(),
+                start: w.chunk.offset(),
+                end: w.chunk.offset() + w.chunk.stored,
+                range: matches!(w.chunk.loc, Loc::Pack { .. }),
+                wants: vec![w],
+            });
+        }
+        // Reads first (a remote store's round trips overlap), then the decompressions: a read
+        // of many chunks is spread over the threads.
+        let bytes: Vec<OnceLock<Vec<u8>>> = reads.iter().map(|_| OnceLock::new()).collect();
+        parallel(
+            reads.iter().zip(&bytes).collect(),
+            threads,
+            |(read, slot)| {
+                let got = self.read(read)?;
+                slot.set(got).expect("each read once");
+                Ok(())
+            },
+        )?;
+        let mut chunks = Vec::new();
+        for (read, got) in reads.into_iter().zip(&bytes) {
+            let got = got.get().expect("read");
+            for w in read.wants {
+                let from = (w.chunk.offset() - read.start) as usize;
+                chunks.push((&got[from..from + w.chunk.stored as usize], w));
+            }
+        }
+        parallel(chunks, threads, |(stored, w)| {
+            chunk::decode_into(stored, &w.chunk.hash, w.out, &w.what)?;
+            if let Some(cache) = &self.cache {
+                if let Err(e) = cache.put(&w.chunk.hash, w.out) {
+                    tracing::warn!("chunk cache: {}", crate::chain_text(&e));
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// The bytes of one read, as long as its chunks need.
+    fn read(&self, read: &Read<'_>) -> Result<Vec<u8>> {
+        let what = &read.wants[0].what;
+        let others = match read.wants.len() {
+            1 => String::new(),
+            n => format!(" and {} more", n - 1),
+        };
+        let got = if read.range {
+            self.backend
+                .get_range(&read.key, read.start, read.end - read.start)
+        } else {
+            self.backend.get(&read.key)
+        }
+        .map_err(|e| match e {
             Error::Missing { store, key } => Error::Missing {
                 store,
-                key: format!("{key} ({what})"),
+                key: format!("{key} ({what}{others})"),
             },
             e => e,
         })?;
         self.store_gets.fetch_add(1, Ordering::Relaxed);
         self.store_bytes
-            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
-        if bytes.len() as u64 != stored {
+            .fetch_add(got.len() as u64, Ordering::Relaxed);
+        let want = read.end - read.start;
+        if got.len() as u64 != want {
+            // The first chunk whose bytes are not all there (a whole object: the one).
+            let held = read.start + got.len() as u64;
+            let w = read
+                .wants
+                .iter()
+                .find(|w| w.chunk.offset() + w.chunk.stored > held)
+                .unwrap_or(&read.wants[0]);
             return Err(Error::Corrupt(format!(
-                "{what}: chunk {} is {} bytes in the store {}, the manifest says {stored}: \
-                 truncated or replaced",
-                chunk::hex(hash),
-                bytes.len(),
-                self.backend.describe()
+                "{}: chunk {} is {} bytes from byte {} of {} in the store {}, which holds {} \
+                 bytes of them: truncated or replaced",
+                w.what,
+                chunk::hex(&w.chunk.hash),
+                w.chunk.stored,
+                w.chunk.offset(),
+                read.key,
+                self.backend.describe(),
+                if read.range {
+                    held.saturating_sub(w.chunk.offset()).min(w.chunk.stored)
+                } else {
+                    got.len() as u64
+                },
             )));
         }
-        chunk::decode_into(&bytes, hash, out, what)?;
-        if let Some(cache) = &self.cache {
-            if let Err(e) = cache.put(hash, out) {
-                tracing::warn!("chunk cache: {}", crate::chain_text(&e));
-            }
-        }
-        Ok(())
+        Ok(got)
     }
 }
 
@@ -145,8 +295,8 @@ pub(crate) fn parallel<T: Send>(
 /// fetch spans several), checked and decompressed into the pager's buffer.
 pub struct StoreSource {
     fetcher: Arc<Fetcher>,
-    /// Per chunk: `None` for zeros, else its hash and stored length.
-    chunks: Vec<Option<(Hash, u64)>>,
+    /// Per chunk: `None` for zeros, else where it is stored.
+    chunks: Vec<Option<Stored>>,
     chunk_bytes: u64,
     size: u64,
     /// "STORE/NAME region 'R'", for errors.
@@ -157,7 +307,7 @@ impl StoreSource {
     /// The source of one region's `chunks` (`None`: a zero chunk), fetched by `fetcher`.
     pub fn new(
         fetcher: Arc<Fetcher>,
-        chunks: Vec<Option<(Hash, u64)>>,
+        chunks: Vec<Option<Stored>>,
         chunk_bytes: u64,
         size: u64,
         label: String,
@@ -196,24 +346,49 @@ impl StoreSource {
             rest = tail;
             at = piece_end;
         }
-        parallel(pieces, IN_FLIGHT, |(index, at, piece, (hash, stored))| {
-            let what = format!(
-                "{} chunk {index} (offset {:#x})",
-                self.label,
-                index as u64 * cb
-            );
+        // Whole chunks go straight into `buf`; a piece of one through a buffer of its own.
+        let mut wants = Vec::new();
+        let mut partial: Vec<(usize, &mut [u8], Stored, u64)> = Vec::new();
+        for (index, at, piece, chunk) in pieces {
             let start = index as u64 * cb;
-            let len = cb.min(self.size - start) as usize;
-            if at == start && piece.len() == len {
-                self.fetcher.chunk_into(&hash, stored, piece, &what)
+            if at == start && piece.len() as u64 == cb.min(self.size - start) {
+                wants.push(Want {
+                    chunk,
+                    out: piece,
+                    what: self.what(index as u64),
+                });
             } else {
-                let mut whole = vec![0u8; len];
-                self.fetcher.chunk_into(&hash, stored, &mut whole, &what)?;
-                let from = (at - start) as usize;
-                piece.copy_from_slice(&whole[from..from + piece.len()]);
-                Ok(())
+                partial.push(((at - start) as usize, piece, chunk, index as u64));
             }
-        })
+        }
+        let mut wholes: Vec<Vec<u8>> = partial
+            .iter()
+            .map(|&(_, _, _, i)| vec![0u8; cb.min(self.size - i * cb) as usize])
+            .collect();
+        wants.extend(
+            partial
+                .iter()
+                .zip(wholes.iter_mut())
+                .map(|(&(_, _, chunk, i), out)| Want {
+                    chunk,
+                    out,
+                    what: self.what(i),
+                }),
+        );
+        self.fetcher.fetch(wants, IN_FLIGHT)?;
+        for ((from, piece, _, _), whole) in partial.into_iter().zip(&wholes) {
+            piece.copy_from_slice(&whole[from..from + piece.len()]);
+        }
+        Ok(())
+    }
+
+    /// Chunk `index`, in errors.
+    fn what(&self, index: u64) -> String {
+        format!(
+            "{} chunk {index} (offset {:#x})",
+            self.label,
+            index * self.chunk_bytes
+        )
     }
 }
 
@@ -227,8 +402,9 @@ impl PageSource for StoreSource {
         self.fill(offset, buf).map_err(io_error)
     }
 
-    /// A range is fetched [`IN_FLIGHT`] chunks at a time, each chunk fetched and decoded once
-    /// (however small the pager's pieces), and handed over in order.
+    /// A range is fetched [`WINDOW_CHUNKS`] chunks at a time (neighbours in a pack with one
+    /// read), each chunk fetched and decoded once (however small the pager's pieces), and
+    /// handed over in order.
     fn fetch_pieces(
         &self,
         offset: u64,
@@ -250,21 +426,22 @@ impl PageSource for StoreSource {
         while at < end {
             // The next window of chunks, fetched at once.
             let first = at / cb;
-            let last = ((end - 1) / cb).min(first + IN_FLIGHT as u64 - 1);
+            let last = ((end - 1) / cb).min(first + WINDOW_CHUNKS as u64 - 1);
             let window_end = ((last + 1) * cb).min(self.size).min(end);
             let mut chunks: Vec<Vec<u8>> = (first..=last)
                 .map(|i| vec![0u8; cb.min(self.size - i * cb) as usize])
                 .collect();
-            let jobs: Vec<(u64, &mut Vec<u8>)> = (first..=last)
+            let wants: Vec<Want<'_>> = (first..=last)
                 .zip(chunks.iter_mut())
-                .filter(|(i, _)| self.chunks[*i as usize].is_some())
+                .filter_map(|(i, out)| {
+                    Some(Want {
+                        chunk: self.chunks[i as usize]?,
+                        out,
+                        what: self.what(i),
+                    })
+                })
                 .collect();
-            parallel(jobs, IN_FLIGHT, |(i, out)| {
-                let (hash, stored) = self.chunks[i as usize].expect("filtered");
-                let what = format!("{} chunk {i} (offset {:#x})", self.label, i * cb);
-                self.fetcher.chunk_into(&hash, stored, out, &what)
-            })
-            .map_err(io_error)?;
+            self.fetcher.fetch(wants, IN_FLIGHT).map_err(io_error)?;
             while at < window_end {
                 let i = at / cb;
                 let chunk = &chunks[(i - first) as usize];
@@ -285,9 +462,14 @@ impl PageSource for StoreSource {
         self.size
     }
 
-    /// A window of [`IN_FLIGHT`] chunks, fetched at once (see `fetch_pieces`).
+    /// A window of [`WINDOW_CHUNKS`] chunks, fetched at once (see `fetch_pieces`).
     fn background_bytes(&self) -> Option<u64> {
-        Some(IN_FLIGHT as u64 * self.chunk_bytes)
+        Some(WINDOW_CHUNKS as u64 * self.chunk_bytes)
+    }
+
+    /// An object store serves many requests at once (each on its own connection).
+    fn concurrent_requests(&self) -> bool {
+        true
     }
 
     fn is_zero(&self, offset: u64, len: u64) -> bool {
@@ -295,5 +477,102 @@ impl PageSource for StoreSource {
         end > offset
             && (offset / self.chunk_bytes..=(end - 1) / self.chunk_bytes)
                 .all(|c| self.chunks[c as usize].is_none())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::local::LocalBackend;
+
+    /// Chunks side by side in a pack come with one read (a gap and a duplicate included), a
+    /// chunk object and a chunk of another pack with reads of their own; every chunk lands
+    /// in its place, checked.
+    #[test]
+    fn neighbours_in_a_pack_come_with_one_read() {
+        let dir = std::env::temp_dir().join(format!("guestmem-fetch-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let b: Arc<dyn Backend> = Arc::new(LocalBackend::new(&dir));
+        let mut z = zstd::bulk::Compressor::new(1).unwrap();
+        let data: Vec<Vec<u8>> = (0..5u8).map(|i| vec![i + 1; 64 << 10]).collect();
+        let frames: Vec<Vec<u8>> = data.iter().map(|d| chunk::encode(&mut z, d)).collect();
+        // Pack A: chunk 0, 100 bytes of something else, chunks 1 and 2. Pack B: chunk 3.
+        // Chunk 4: an object of its own.
+        let (a, bb) = ([1u8; 32], [2u8; 32]);
+        let mut pack = frames[0].clone();
+        pack.extend_from_slice(&[0u8; 100]);
+        let mut offsets = vec![0u64];
+        for f in &frames[1..3] {
+            offsets.push(pack.len() as u64);
+            pack.extend_from_slice(f);
+        }
+        b.put(&chunk::pack_key(&a), &pack).unwrap();
+        b.put(&chunk::pack_key(&bb), &frames[3]).unwrap();
+        b.put(&chunk::key(&chunk::hash(&data[4])), &frames[4])
+            .unwrap();
+        let stored = |i: usize, loc: Loc| Stored {
+            hash: chunk::hash(&data[i]),
+            stored: frames[i].len() as u64,
+            loc,
+        };
+        let chunks = [
+            stored(0, Loc::Pack { id: a, offset: 0 }),
+            stored(
+                1,
+                Loc::Pack {
+                    id: a,
+                    offset: offsets[1],
+                },
+            ),
+            stored(
+                2,
+                Loc::Pack {
+                    id: a,
+                    offset: offsets[2],
+                },
+            ),
+            stored(3, Loc::Pack { id: bb, offset: 0 }),
+            stored(4, Loc::Object),
+            // Chunk 1 again (a guest's two identical chunks).
+            stored(
+                1,
+                Loc::Pack {
+                    id: a,
+                    offset: offsets[1],
+                },
+            ),
+        ];
+        let mut outs: Vec<Vec<u8>> = chunks.iter().map(|_| vec![0u8; 64 << 10]).collect();
+        let f = Fetcher::new(b.clone(), None);
+        let wants = chunks
+            .iter()
+            .zip(outs.iter_mut())
+            .enumerate()
+            .map(|(i, (c, out))| Want {
+                chunk: *c,
+                out,
+                what: format!("chunk {i}"),
+            })
+            .collect();
+        f.fetch(wants, 4).unwrap();
+        for (i, out) in outs.iter().enumerate() {
+            assert_eq!(out, &data[[0, 1, 2, 3, 4, 1][i]], "chunk {i}");
+        }
+        assert_eq!(f.stats().store_gets, 3, "{:?}", f.stats());
+
+        // A chunk whose recorded length runs past its pack's end: named, truncated.
+        let past = Stored {
+            stored: frames[3].len() as u64 + 10,
+            ..chunks[3]
+        };
+        let e = f
+            .chunk_into(&past, &mut outs[0], "snap ram chunk 3")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("snap ram chunk 3") && e.contains("truncated"),
+            "{e}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -1,10 +1,15 @@
-//! Writing a paused VM into a store: chunks on several threads (read, zero check, BLAKE3,
-//! zstd, put — each distinct chunk once; the chunks' hashes are also what a restore checks
-//! memory against, so no other pass over memory is made), then the state object, then the manifest in one
-//! atomic put. An interrupted write leaves chunks but no manifest: no snapshot that looks
-//! complete (and [`crate::gc`] collects its chunks later).
+//! Writing a paused VM into a store: runs of chunks on several threads (read, zero check,
+//! BLAKE3, zstd — each distinct chunk once; the chunks' hashes are also what a restore checks
+//! memory against, so no other pass over memory is made), each run's new chunks put as one
+//! pack; then the state object, then the manifest in one atomic put. An interrupted write
+//! leaves packs but no manifest: no snapshot that looks complete (and [`crate::gc`] collects
+//! its packs later).
+//!
+//! A chunk the store holds already (in a pack or object some snapshot's manifest lists, or a
+//! chunk object of a store written before packs) is not stored again: the new manifest points
+//! at it where it is.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
@@ -15,11 +20,17 @@ use guestmem_vm::Vm;
 use serde::Serialize;
 
 use crate::backend::Backend;
-use crate::chunk::{self, Hash, CHUNK_BYTES, ZSTD_LEVEL};
+use crate::chunk::{self, Hash, Loc, Stored, CHUNK_BYTES, ZSTD_LEVEL};
 use crate::gc::Lease;
 use crate::manifest::{
-    manifest_key, state_key, ChunkRef, StoreBase, StoreManifest, StoreRegion, FORMAT, VERSION,
+    manifest_key, state_key, ChunkRef, PackTable, StoreBase, StoreManifest, StoreRegion, FORMAT,
+    VERSION,
 };
+
+/// How many chunks of guest memory (in memory order) one thread takes at a time; their new
+/// chunks make one pack (about 16 MiB of guest memory: a few MiB stored, a restore's window
+/// or two).
+pub const PACK_CHUNKS: usize = 64;
 use crate::{Error, Result};
 
 /// What a write did.
@@ -39,6 +50,8 @@ pub struct StoreWriteReport {
     pub deduplicated_chunks: u64,
     /// Chunks put by this write, and their stored (compressed) bytes.
     pub new_chunks: u64,
+    /// Packs put by this write (its new chunks are in them).
+    pub new_packs: u64,
     /// Their stored bytes.
     pub new_stored_bytes: u64,
     /// Stored bytes of the distinct chunks the manifest itself lists (its base's not counted).
@@ -102,12 +115,10 @@ pub fn write(
     let state_json = serde_json::to_vec(&state).expect("VM state serializes");
 
     // What the store already holds: those chunks are not put again.
-    let mut known: HashMap<Hash, u64> = HashMap::new();
-    for o in backend.list("chunks/")? {
-        if let Some(h) = chunk::hash_of_key(&o.key) {
-            known.insert(h, o.size);
-        }
-    }
+    let known: HashMap<Hash, Option<Stored>> = known_chunks(backend)?
+        .into_iter()
+        .map(|(h, c)| (h, Some(c)))
+        .collect();
 
     struct Job {
         region: usize,
@@ -145,6 +156,7 @@ pub fn write(
         }
         entries.push(e);
     }
+    let runs: Vec<&[Job]> = jobs.chunks(PACK_CHUNKS).collect();
 
     let threads = threads(backend);
     let next = AtomicUsize::new(0);
@@ -152,56 +164,88 @@ pub fn write(
     let first_error: Mutex<Option<Error>> = Mutex::new(None);
     let known = Mutex::new(known);
     let results: Mutex<Vec<(usize, usize, Option<Hash>)>> = Mutex::new(Vec::new());
-    let (new_chunks, new_bytes, dedup) = (AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0));
+    let (new_chunks, new_bytes, dedup, packs) = (
+        AtomicU64::new(0),
+        AtomicU64::new(0),
+        AtomicU64::new(0),
+        AtomicU64::new(0),
+    );
     std::thread::scope(|s| {
         for _ in 0..threads {
             s.spawn(|| {
                 let mut compressor =
                     zstd::bulk::Compressor::new(ZSTD_LEVEL).expect("a zstd compressor");
                 let mut mine = Vec::new();
-                let run = |job: &Job, c: &mut zstd::bulk::Compressor<'_>| -> Result<Option<Hash>> {
-                    // SAFETY: the VM is paused (holding `&Vm` proves no vCPU runs) and
-                    // guestmem's VM has no other thread writing its memory; the chunk is read
-                    // in place (zero check, hash, compression) rather than copied first.
-                    let bytes = unsafe { memory.bytes(job.gpa, job.len as u64) }?;
-                    if chunk::is_zero(bytes) {
-                        return Ok(None);
-                    }
-                    let h = chunk::hash(bytes);
-                    let claimed = {
-                        let mut k = known.lock().expect("not poisoned");
-                        match k.entry(h) {
-                            std::collections::hash_map::Entry::Occupied(_) => false,
-                            std::collections::hash_map::Entry::Vacant(v) => {
-                                v.insert(0);
-                                true
-                            }
+                // One run: its chunks hashed and, those new to the store, compressed into one
+                // pack, put when the run is done.
+                let run = |run: &[Job],
+                           c: &mut zstd::bulk::Compressor<'_>,
+                           mine: &mut Vec<(usize, usize, Option<Hash>)>|
+                 -> Result<()> {
+                    let mut pack = Vec::new();
+                    let mut placed: Vec<(Hash, u64, u64)> = Vec::new();
+                    for job in run {
+                        // SAFETY: the VM is paused (holding `&Vm` proves no vCPU runs) and
+                        // guestmem's VM has no other thread writing its memory; the chunk is
+                        // read in place (zero check, hash, compression) rather than copied.
+                        let bytes = unsafe { memory.bytes(job.gpa, job.len as u64) }?;
+                        if chunk::is_zero(bytes) {
+                            mine.push((job.region, job.index, None));
+                            continue;
                         }
-                    };
-                    if claimed {
+                        let h = chunk::hash(bytes);
+                        mine.push((job.region, job.index, Some(h)));
+                        let claimed = {
+                            let mut k = known.lock().expect("not poisoned");
+                            match k.entry(h) {
+                                std::collections::hash_map::Entry::Occupied(_) => false,
+                                std::collections::hash_map::Entry::Vacant(v) => {
+                                    v.insert(None);
+                                    true
+                                }
+                            }
+                        };
+                        if !claimed {
+                            dedup.fetch_add(1, Ordering::Relaxed);
+                            continue;
+                        }
                         let stored = chunk::encode(c, bytes);
-                        backend.put_chunk(&chunk::key(&h), &stored)?;
-                        known
-                            .lock()
-                            .expect("not poisoned")
-                            .insert(h, stored.len() as u64);
-                        new_chunks.fetch_add(1, Ordering::Relaxed);
-                        new_bytes.fetch_add(stored.len() as u64, Ordering::Relaxed);
-                    } else {
-                        dedup.fetch_add(1, Ordering::Relaxed);
+                        placed.push((h, pack.len() as u64, stored.len() as u64));
+                        pack.extend_from_slice(&stored);
                     }
-                    Ok(Some(h))
+                    if placed.is_empty() {
+                        return Ok(());
+                    }
+                    // The pack's id names its contents: the hashes of its chunks, in order.
+                    let mut id = blake3::Hasher::new();
+                    for (h, _, _) in &placed {
+                        id.update(h);
+                    }
+                    let id = *id.finalize().as_bytes();
+                    backend.put_chunk(&chunk::pack_key(&id), &pack)?;
+                    packs.fetch_add(1, Ordering::Relaxed);
+                    new_chunks.fetch_add(placed.len() as u64, Ordering::Relaxed);
+                    new_bytes.fetch_add(pack.len() as u64, Ordering::Relaxed);
+                    let mut k = known.lock().expect("not poisoned");
+                    for (hash, offset, stored) in placed {
+                        k.insert(
+                            hash,
+                            Some(Stored {
+                                hash,
+                                stored,
+                                loc: Loc::Pack { id, offset },
+                            }),
+                        );
+                    }
+                    Ok(())
                 };
                 while !failed.load(Ordering::Relaxed) {
                     let i = next.fetch_add(1, Ordering::Relaxed);
-                    let Some(job) = jobs.get(i) else { break };
-                    match run(job, &mut compressor) {
-                        Ok(h) => mine.push((job.region, job.index, h)),
-                        Err(e) => {
-                            failed.store(true, Ordering::Relaxed);
-                            first_error.lock().expect("not poisoned").get_or_insert(e);
-                            break;
-                        }
+                    let Some(r) = runs.get(i) else { break };
+                    if let Err(e) = run(r, &mut compressor, &mut mine) {
+                        failed.store(true, Ordering::Relaxed);
+                        first_error.lock().expect("not poisoned").get_or_insert(e);
+                        break;
                     }
                 }
                 results.lock().expect("not poisoned").extend(mine);
@@ -212,13 +256,11 @@ pub fn write(
         return Err(e);
     }
     let known = known.into_inner().expect("not poisoned");
+    let mut table = PackTable::default();
     for (ri, ci, h) in results.into_inner().expect("not poisoned") {
         entries[ri][ci] = Some(match h {
             None => ChunkRef::Zero,
-            Some(hash) => ChunkRef::Data {
-                hash,
-                stored: known[&hash],
-            },
+            Some(hash) => table.entry(&known[&hash].expect("every claimed chunk was put")),
         });
     }
 
@@ -227,6 +269,7 @@ pub fn write(
         threads,
         new_chunks: new_chunks.into_inner(),
         new_stored_bytes: new_bytes.into_inner(),
+        new_packs: packs.into_inner(),
         deduplicated_chunks: dedup.into_inner(),
         ..Default::default()
     };
@@ -257,6 +300,7 @@ pub fn write(
         name: name.to_string(),
         config: vm.config().clone(),
         chunk_bytes: CHUNK_BYTES,
+        packs: table.into_ids(),
         regions,
         state_bytes: state_json.len() as u64,
         state_blake3: blake3::hash(&state_json).to_hex().to_string(),
@@ -275,9 +319,64 @@ pub fn stored_bytes(manifest: &StoreManifest) -> u64 {
     let mut seen = std::collections::HashSet::new();
     manifest
         .data_chunks()
-        .filter(|(h, _)| seen.insert(*h))
-        .map(|(_, n)| n)
+        .filter(|c| seen.insert(c.hash))
+        .map(|c| c.stored)
         .sum()
+}
+
+/// Every chunk the store holds where a snapshot can point at it: the chunks every readable
+/// manifest lists (an unreadable one is skipped, its chunks then stored again), and the chunk
+/// objects of a store written before packs; a chunk is pointed at only where its object or
+/// pack is listed. Read under a write lease (see [`crate::gc`]): a
+/// collection does not remove them meanwhile.
+pub fn known_chunks(backend: &dyn Backend) -> Result<HashMap<Hash, Stored>> {
+    let mut known = HashMap::new();
+    for o in backend.list("chunks/")? {
+        if let Some(hash) = chunk::hash_of_key(&o.key) {
+            known.insert(
+                hash,
+                Stored {
+                    hash,
+                    stored: o.size,
+                    loc: Loc::Object,
+                },
+            );
+        }
+    }
+    let names: Vec<String> = backend
+        .list("snapshots/")?
+        .into_iter()
+        .filter_map(|o| {
+            let name = o.key.strip_prefix("snapshots/")?;
+            Some(name.strip_suffix("/manifest.json")?.to_string())
+        })
+        .collect();
+    let manifests = Mutex::new(Vec::new());
+    crate::source::parallel(names, threads(backend), |name| {
+        match StoreManifest::load(backend, &name) {
+            Ok(m) => manifests.lock().expect("not poisoned").push(m),
+            Err(e) => tracing::warn!(
+                "{}: snapshot '{name}' unreadable, its chunks not reused: {}",
+                backend.describe(),
+                crate::chain_text(&e)
+            ),
+        }
+        Ok(())
+    })?;
+    // Only chunks whose pack is there (a damaged store's missing pack is not pointed at).
+    let packs: HashSet<Hash> = backend
+        .list("packs/")?
+        .into_iter()
+        .filter_map(|o| chunk::pack_of_key(&o.key))
+        .collect();
+    for m in manifests.into_inner().expect("not poisoned") {
+        for c in m.data_chunks() {
+            if matches!(c.loc, Loc::Pack { id, .. } if packs.contains(&id)) {
+                known.entry(c.hash).or_insert(c);
+            }
+        }
+    }
+    Ok(known)
 }
 
 /// Puts the state object, then the manifest (the last step: the snapshot exists from here).

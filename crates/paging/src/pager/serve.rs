@@ -224,22 +224,36 @@ impl Shared {
             // the VMM discarded the page since (it then reads as zero, or as the page cache).
             self.refill_page(shard, off, kind, bounce);
         }
-        let sequential = chunk > self.shards[shard].start
-            && self.states[chunk - 1].load(Ordering::Acquire) == RESIDENT;
+        // A source serving requests concurrently reads ahead after every fault (the rest of
+        // the chunk's window, see `read_ahead`): its requests cost a round trip each, not
+        // bandwidth, and a guest touching memory at random would otherwise fetch it a
+        // chunk per fault.
+        let sequential = self.source.concurrent_requests()
+            || (chunk > self.shards[shard].start
+                && self.states[chunk - 1].load(Ordering::Acquire) == RESIDENT);
         sequential.then_some(chunk)
     }
 
     /// Installs the chunks after `chunk` in its shard until the readahead window ends, a chunk
     /// is already there, or another event waits on the shard's userfaultfd (faults first); with
-    /// readahead threads, queues the absent ones of the window for them instead.
+    /// readahead threads, queues the absent ones of the window for them instead. From a
+    /// source serving requests concurrently, the window is the background's run that holds
+    /// `chunk` (aligned), queued around it for the readahead threads, which fetch each stretch
+    /// of it as one request.
     pub(super) fn read_ahead(&self, shard: usize, chunk: usize, bounce: &mut Vec<u8>) {
-        let end = (chunk + 1 + self.readahead).min(self.shards[shard].end);
+        let mut start = chunk + 1;
+        let mut end = (chunk + 1 + self.readahead).min(self.shards[shard].end);
+        if self.readahead_threads > 0 && self.source.concurrent_requests() {
+            let run = self.background_run().max(self.readahead);
+            start = (chunk - chunk % run).max(self.shards[shard].start);
+            end = (start + run).min(self.shards[shard].end);
+        }
         if self.readahead_threads > 0 {
             let mut queue = self
                 .readahead_queue
                 .lock()
                 .unwrap_or_else(|e| e.into_inner());
-            for next in chunk + 1..end {
+            for next in start..end {
                 if self.states[next].load(Ordering::Acquire) == ABSENT
                     && !queue.contains(&(next, shard))
                 {
@@ -283,7 +297,27 @@ impl Shared {
                 }
             };
             let (chunk, shard) = next;
-            self.make_resident(chunk, shard, &mut bounce, By::Readahead);
+            if !self.source.concurrent_requests() {
+                self.make_resident(chunk, shard, &mut bounce, By::Readahead);
+                continue;
+            }
+            // The queued chunks right after it, in one request.
+            let mut run = 1;
+            {
+                let mut queue = self
+                    .readahead_queue
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner());
+                while run < BACKGROUND_RUN_MAX && queue.front() == Some(&(chunk + run, shard)) {
+                    queue.pop_front();
+                    run += 1;
+                }
+            }
+            if run == 1 {
+                self.make_resident(chunk, shard, &mut bounce, By::Readahead);
+            } else {
+                self.make_resident_run(chunk, run, shard, &mut bounce, By::Readahead);
+            }
         }
     }
 
@@ -334,15 +368,16 @@ impl Shared {
         ((bytes / self.chunk as f64) as usize).clamp(1, BACKGROUND_RUN_MAX)
     }
 
-    /// The background's step: from `first`, claims up to `max` absent chunks in a row (of
-    /// `shard`), fetches them as one range and installs them. Returns how many chunks it went
-    /// past (at least 1).
+    /// The background's step (and a remote source's prefetch step, `by`): from `first`,
+    /// claims up to `max` absent chunks in a row (of `shard`), fetches them as one range and
+    /// installs them. Returns how many chunks it went past (at least 1).
     fn make_resident_run(
         &self,
         first: usize,
         max: usize,
         shard: usize,
         bounce: &mut Vec<u8>,
+        by: By,
     ) -> usize {
         let end = self.shards[shard].end.min(first + max);
         let mut claimed = first;
@@ -370,7 +405,14 @@ impl Shared {
                 self.background_rate.store(new.to_bits(), Ordering::Relaxed);
                 for chunk in first..claimed {
                     self.set_state(chunk, RESIDENT);
-                    self.background_chunks.fetch_add(1, Ordering::Relaxed);
+                    // A prefetch run's first chunk is the working set's; its neighbours come
+                    // as the background's would.
+                    let counter = match by {
+                        By::Prefetch if chunk == first => &self.prefetch_chunks,
+                        By::Readahead => &self.readahead_chunks,
+                        _ => &self.background_chunks,
+                    };
+                    counter.fetch_add(1, Ordering::Relaxed);
                     self.count_resident();
                 }
             }
@@ -481,6 +523,17 @@ impl Shared {
     /// The background fetcher's step aside: sleeps while a handler serves faults, so that a
     /// fault's fetch has the CPU to itself (a `yield_now` loop here kept one of two cores busy
     /// for the whole fetch, away from the page server and the vCPUs).
+    /// Waits for the fault handlers to be idle before a background or prefetch fetch, unless
+    /// the source serves requests concurrently
+    /// ([`crate::PageSource::concurrent_requests`]): then a fault's request does not queue
+    /// behind the background's, and waiting would only starve the background while the guest
+    /// faults chunk by chunk.
+    fn step_aside_for_faults(&self) {
+        if !self.source.concurrent_requests() {
+            self.wait_for_idle_handlers();
+        }
+    }
+
     pub(super) fn wait_for_idle_handlers(&self) {
         let mut guard = self.failure.lock().unwrap_or_else(|e| e.into_inner());
         while self.busy_handlers.load(Ordering::Acquire) > 0 && guard.is_none() {
@@ -570,8 +623,21 @@ impl Shared {
                 .position(|s| s.contains(&chunk))
                 .expect("every chunk is in a shard");
             // Faults first, as in the sweep below.
-            self.wait_for_idle_handlers();
-            self.make_resident(chunk, shard, &mut bounce, By::Prefetch);
+            self.step_aside_for_faults();
+            // From a remote source, the chunks after it come in the same request (as the
+            // sweep would fetch them later, one request each run): a working set in the
+            // order the guest touched it is scattered, and a request per chunk made its
+            // prefetch cost a round trip per chunk.
+            match self.background_run() {
+                1 => {
+                    self.make_resident(chunk, shard, &mut bounce, By::Prefetch);
+                }
+                run => {
+                    if self.states[chunk].load(Ordering::Acquire) == ABSENT {
+                        self.make_resident_run(chunk, run, shard, &mut bounce, By::Prefetch);
+                    }
+                }
+            }
         }
         self.prefetch_done.store(true, Ordering::Release);
         if !self.background {
@@ -598,9 +664,15 @@ impl Shared {
             while next.iter().zip(&self.shards).any(|(n, s)| *n < s.end) {
                 for (shard, chunks) in self.shards.iter().enumerate() {
                     if next[shard] < chunks.end {
-                        self.wait_for_idle_handlers();
+                        self.step_aside_for_faults();
                         let run = self.background_run();
-                        next[shard] += self.make_resident_run(next[shard], run, shard, &mut bounce);
+                        next[shard] += self.make_resident_run(
+                            next[shard],
+                            run,
+                            shard,
+                            &mut bounce,
+                            By::Background,
+                        );
                     }
                 }
                 steps += 1;
