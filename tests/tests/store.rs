@@ -125,6 +125,9 @@ fn round_trip(backend: Arc<dyn Backend>, tmp: &TempDir) {
         first.store_gets > 0 && first.store_gets * 4 <= report.new_chunks,
         "{first:?} for {report:?}"
     );
+    // Done with it: its chunks are all in the host's cache once its cache writer is (its
+    // drop waits for that).
+    drop(snap);
 
     for pass in 0..2 {
         let snap = StoreSnapshot::open(backend.clone(), "vm1", Some(cache(tmp))).unwrap();
@@ -145,6 +148,7 @@ fn round_trip(backend: Arc<dyn Backend>, tmp: &TempDir) {
         }
         resume_and_check_continuation(&mut vm, &work, &at_snapshot);
         drop(pagers);
+        drop(snap);
     }
 }
 

@@ -14,7 +14,7 @@ use serde::Serialize;
 
 use crate::backend::Backend;
 use crate::cache::ChunkCache;
-use crate::chunk::{self, Loc, Stored};
+use crate::chunk::{self, Hash, Loc, Stored};
 use crate::{Error, Result};
 
 /// How many reads (and decompressions) of one fetch run at once.
@@ -81,10 +81,83 @@ impl<'a> Read<'a> {
     }
 }
 
+/// Bytes of fetched chunks that may wait for the cache writer; past them a fetching thread
+/// writes its chunk into the cache itself.
+const CACHE_QUEUE_BYTES: u64 = 256 << 20;
+
+/// Writes fetched chunks into the host's chunk cache on a thread of its own, at the lowest
+/// priority: a cold restore is bound by CPU on a small host, and the cache's writes (a file
+/// per chunk) are for the next restore, not this one. Dropping it waits for the queue to be
+/// written.
+struct CacheWriter {
+    cache: Arc<ChunkCache>,
+    queue: Option<std::sync::mpsc::Sender<(Hash, Vec<u8>)>>,
+    queued: Arc<AtomicU64>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl CacheWriter {
+    fn new(cache: ChunkCache) -> CacheWriter {
+        let cache = Arc::new(cache);
+        let queued = Arc::new(AtomicU64::new(0));
+        let (tx, rx) = std::sync::mpsc::channel::<(Hash, Vec<u8>)>();
+        let thread = {
+            let (cache, queued) = (cache.clone(), queued.clone());
+            std::thread::Builder::new()
+                .name("chunk-cache".into())
+                .spawn(move || {
+                    // SAFETY: setpriority on this thread only (a tid is a valid
+                    // PRIO_PROCESS `who`); lowering a priority needs no privilege.
+                    unsafe {
+                        libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 19)
+                    };
+                    for (hash, chunk) in rx {
+                        if let Err(e) = cache.put(&hash, &chunk) {
+                            tracing::warn!("chunk cache: {}", crate::chain_text(&e));
+                        }
+                        queued.fetch_sub(chunk.len() as u64, Ordering::Relaxed);
+                    }
+                })
+                .ok()
+        };
+        CacheWriter {
+            cache,
+            queue: thread.is_some().then_some(tx),
+            queued,
+            thread,
+        }
+    }
+
+    /// Keeps `chunk` (checked) in the cache, soon.
+    fn put(&self, hash: &Hash, chunk: &[u8]) {
+        let n = chunk.len() as u64;
+        if let Some(queue) = &self.queue {
+            if self.queued.fetch_add(n, Ordering::Relaxed) + n <= CACHE_QUEUE_BYTES
+                && queue.send((*hash, chunk.to_vec())).is_ok()
+            {
+                return;
+            }
+            self.queued.fetch_sub(n, Ordering::Relaxed);
+        }
+        if let Err(e) = self.cache.put(hash, chunk) {
+            tracing::warn!("chunk cache: {}", crate::chain_text(&e));
+        }
+    }
+}
+
+impl Drop for CacheWriter {
+    fn drop(&mut self) {
+        self.queue.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
 /// Gets chunks of one store for the restore paths.
 pub struct Fetcher {
     backend: Arc<dyn Backend>,
-    cache: Option<ChunkCache>,
+    cache: Option<CacheWriter>,
     store_gets: AtomicU64,
     store_bytes: AtomicU64,
     cache_hits: AtomicU64,
@@ -95,7 +168,7 @@ impl Fetcher {
     pub fn new(backend: Arc<dyn Backend>, cache: Option<ChunkCache>) -> Fetcher {
         Fetcher {
             backend,
-            cache,
+            cache: cache.map(CacheWriter::new),
             store_gets: AtomicU64::new(0),
             store_bytes: AtomicU64::new(0),
             cache_hits: AtomicU64::new(0),
@@ -130,7 +203,7 @@ impl Fetcher {
 
     /// Whether the host's cache had `w` (then in place).
     fn cached(&self, w: &mut Want<'_>) -> bool {
-        let Some(cache) = &self.cache else {
+        let Some(cache) = self.cache.as_ref().map(|c| &c.cache) else {
             return false;
         };
         if cache.get_into(&w.chunk.hash, w.out) {
@@ -198,9 +271,7 @@ impl Fetcher {
         parallel(chunks, threads, |(stored, w)| {
             chunk::decode_into(stored, &w.chunk.hash, w.out, &w.what)?;
             if let Some(cache) = &self.cache {
-                if let Err(e) = cache.put(&w.chunk.hash, w.out) {
-                    tracing::warn!("chunk cache: {}", crate::chain_text(&e));
-                }
+                cache.put(&w.chunk.hash, w.out);
             }
             Ok(())
         })

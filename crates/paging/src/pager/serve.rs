@@ -20,6 +20,9 @@ use crate::{priority, Error, PageSource, UffdError};
 const BACKGROUND_FETCH: Duration = Duration::from_micros(250);
 /// The most chunks one background fetch brings.
 const BACKGROUND_RUN_MAX: usize = 32;
+/// Faulted chunks after which a source serving requests concurrently gets its windows read
+/// ahead and its background beside the faults (see `Shared::concurrent_under_way`).
+const START_FAULTS: u64 = 16;
 
 impl Shared {
     #[allow(clippy::too_many_arguments)]
@@ -228,7 +231,7 @@ impl Shared {
         // the chunk's window, see `read_ahead`): its requests cost a round trip each, not
         // bandwidth, and a guest touching memory at random would otherwise fetch it a
         // chunk per fault.
-        let sequential = self.source.concurrent_requests()
+        let sequential = self.concurrent_under_way()
             || (chunk > self.shards[shard].start
                 && self.states[chunk - 1].load(Ordering::Acquire) == RESIDENT);
         sequential.then_some(chunk)
@@ -243,7 +246,7 @@ impl Shared {
     pub(super) fn read_ahead(&self, shard: usize, chunk: usize, bounce: &mut Vec<u8>) {
         let mut start = chunk + 1;
         let mut end = (chunk + 1 + self.readahead).min(self.shards[shard].end);
-        if self.readahead_threads > 0 && self.source.concurrent_requests() {
+        if self.readahead_threads > 0 && self.concurrent_under_way() {
             let run = self.background_run().max(self.readahead);
             start = (chunk - chunk % run).max(self.shards[shard].start);
             end = (start + run).min(self.shards[shard].end);
@@ -273,8 +276,12 @@ impl Shared {
 
     /// A readahead thread: installs the queued chunks, oldest first, until stopped.
     pub(super) fn serve_readahead(&self) {
-        // The guest is about to touch these chunks: nearly as urgent as a fault.
-        priority::raise();
+        // The guest is about to touch these chunks: nearly as urgent as a fault. (From a
+        // source serving requests concurrently, readahead brings whole windows, which are
+        // not: at the normal priority, they leave the vCPUs their share.)
+        if !self.source.concurrent_requests() {
+            priority::raise();
+        }
         let mut bounce = Vec::new();
         loop {
             let next = {
@@ -529,9 +536,18 @@ impl Shared {
     /// behind the background's, and waiting would only starve the background while the guest
     /// faults chunk by chunk.
     fn step_aside_for_faults(&self) {
-        if !self.source.concurrent_requests() {
+        if !self.concurrent_under_way() {
             self.wait_for_idle_handlers();
         }
+    }
+
+    /// Whether the source serves requests concurrently and the guest is under way (it has
+    /// faulted [`START_FAULTS`] chunks in): until then the pager serves its first faults
+    /// alone, as for any source (the guest's first progress waits on a few of them, and on 2
+    /// cores background work beside them delays it).
+    fn concurrent_under_way(&self) -> bool {
+        self.source.concurrent_requests()
+            && self.fault_chunks.load(Ordering::Relaxed) >= START_FAULTS
     }
 
     pub(super) fn wait_for_idle_handlers(&self) {
