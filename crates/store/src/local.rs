@@ -101,6 +101,56 @@ fn put_file_sync(path: &Path, bytes: &[u8], durability: Durability) -> io::Resul
     renamed
 }
 
+/// The block size direct writes are aligned to (a multiple of every disk's logical block).
+const DIRECT_ALIGN: usize = 4096;
+
+/// [`put_file`] for a snapshot's packs: written with `O_DIRECT` (from an aligned buffer of the
+/// thread's, padded to a block, then cut to length), so the write neither copies the pack into
+/// the page cache nor leaves it there: on this kind of host, filling fresh page-cache pages
+/// cost a quarter of a snapshot write's CPU. Not synced: the snapshot's commit syncs the file
+/// system once (`syncfs`), which also makes the cut to length durable. Where the file system
+/// has no direct I/O (tmpfs), the write is [`Durability::Started`]'s.
+fn put_file_direct(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    use std::cell::RefCell;
+    use std::os::unix::fs::{FileExt, OpenOptionsExt};
+    thread_local! {
+        static BUF: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+    }
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let tmp = temp_name(path);
+    let file = match File::options()
+        .write(true)
+        .create_new(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&tmp)
+    {
+        Ok(f) => f,
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+            return put_file_sync(path, bytes, Durability::Started)
+        }
+        Err(e) => return Err(e),
+    };
+    let padded = bytes.len().next_multiple_of(DIRECT_ALIGN);
+    let written = BUF.with_borrow_mut(|buf| {
+        if buf.len() < padded + DIRECT_ALIGN {
+            buf.resize(padded + DIRECT_ALIGN, 0);
+        }
+        let at = buf.as_ptr().align_offset(DIRECT_ALIGN);
+        let block = &mut buf[at..at + padded];
+        block[..bytes.len()].copy_from_slice(bytes);
+        block[bytes.len()..].fill(0);
+        file.write_all_at(block, 0)?;
+        file.set_len(bytes.len() as u64)
+    });
+    let renamed = written.and_then(|()| std::fs::rename(&tmp, path));
+    if renamed.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    renamed
+}
+
 impl Backend for LocalBackend {
     fn describe(&self) -> String {
         format!("store:{}", self.root.display())
@@ -148,7 +198,7 @@ impl Backend for LocalBackend {
     }
 
     fn put_chunk(&self, key: &str, bytes: &[u8]) -> Result<()> {
-        put_file_sync(&self.path(key), bytes, Durability::Started).map_err(self.err(key, "write"))
+        put_file_direct(&self.path(key), bytes).map_err(self.err(key, "write"))
     }
 
     fn sync(&self) -> Result<()> {
@@ -270,6 +320,12 @@ mod tests {
         b.put("chunks/ab/abcd", b"one").unwrap();
         b.put("snapshots/x/manifest.json", b"two").unwrap();
         assert_eq!(b.get("chunks/ab/abcd").unwrap(), b"one");
+        // A pack put directly: its bytes exactly, whatever its length.
+        for n in [1, 4095, 4096, 10_000] {
+            let bytes: Vec<u8> = (0..n).map(|i| (i % 251) as u8).collect();
+            b.put_chunk("packs/ab/abcd", &bytes).unwrap();
+            assert_eq!(b.get("packs/ab/abcd").unwrap(), bytes, "{n} bytes");
+        }
         // Ranges: within, running past the end (fewer bytes), past it (none), missing.
         assert_eq!(b.get_range("chunks/ab/abcd", 1, 1).unwrap(), b"n");
         assert_eq!(b.get_range("chunks/ab/abcd", 1, 5).unwrap(), b"ne");
