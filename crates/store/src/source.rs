@@ -106,10 +106,12 @@ impl CacheWriter {
             std::thread::Builder::new()
                 .name("chunk-cache".into())
                 .spawn(move || {
-                    // SAFETY: setpriority on this thread only (a tid is a valid
-                    // PRIO_PROCESS `who`); lowering a priority needs no privilege.
+                    // SAFETY: sched_setscheduler on this thread only (pid 0) with a valid
+                    // parameter block; SCHED_IDLE (run only on a CPU nothing else wants)
+                    // needs no privilege. Best effort.
                     unsafe {
-                        libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 19)
+                        let param = libc::sched_param { sched_priority: 0 };
+                        libc::sched_setscheduler(0, libc::SCHED_IDLE, &param)
                     };
                     for (hash, chunk) in rx {
                         if let Err(e) = cache.put(&hash, &chunk) {
