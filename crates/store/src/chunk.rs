@@ -112,12 +112,26 @@ pub fn is_zero(bytes: &[u8]) -> bool {
 /// Decompresses the stored object `stored` of the chunk `hash` into `out` (exactly the chunk's
 /// length) and checks its hash; `what` names the chunk in errors (snapshot, region, offset).
 pub fn decode_into(stored: &[u8], hash: &Hash, out: &mut [u8], what: &str) -> Result<()> {
-    let n = zstd::bulk::decompress_to_buffer(stored, out).map_err(|e| {
-        Error::Corrupt(format!(
-            "{what}: chunk {} does not decompress ({e}): damaged",
-            hex(hash)
-        ))
-    })?;
+    thread_local! {
+        // One decompression context per thread, not one per chunk.
+        static DECOMPRESSOR: std::cell::RefCell<Option<zstd::bulk::Decompressor<'static>>> =
+            const { std::cell::RefCell::new(None) };
+    }
+    let n = DECOMPRESSOR
+        .with_borrow_mut(|d| {
+            if d.is_none() {
+                *d = Some(zstd::bulk::Decompressor::new()?);
+            }
+            d.as_mut()
+                .expect("made above")
+                .decompress_to_buffer(stored, out)
+        })
+        .map_err(|e| {
+            Error::Corrupt(format!(
+                "{what}: chunk {} does not decompress ({e}): damaged",
+                hex(hash)
+            ))
+        })?;
     if n != out.len() {
         return Err(Error::Corrupt(format!(
             "{what}: chunk {} holds {n} bytes, the manifest's chunk has {}",
