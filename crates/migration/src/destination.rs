@@ -8,11 +8,11 @@ use std::time::{Duration, Instant};
 use guestmem_memory::{Backend, GuestMemory, PAGE_SIZE};
 use guestmem_paging::affinity::CpuSet;
 use guestmem_paging::{PageSource, Pager, PagerConfig};
-use guestmem_vm::{layout, RunningVm, Vm};
+use guestmem_vm::{layout, Vm};
 use serde::{Deserialize, Serialize};
 
 use crate::chunk_digests::{self, ChunkDigests, RegionDigest};
-use crate::component::{payload_state, Components};
+use crate::component::{Components, MachineBuilder, TargetMachine, VmBuilder};
 use crate::landing::Landing;
 use crate::migrate::{
     block_connection, frame_name, link_error, percentile, read_frame, read_hello, read_json,
@@ -107,10 +107,11 @@ pub struct DestinationReport {
 }
 
 /// A VM received up to the switch-over: its memory (or, in post-copy, its pagers) and vCPU
-/// state are in place. Resume it with [`Transfer::resume`], then [`Transfer::finish`].
-pub struct Incoming {
+/// state are in place. Resume it with [`Transfer::resume`], then [`Transfer::finish`]. `M` is
+/// the VM the destination's [`MachineBuilder`] built (guestmem's own `Vm` by default).
+pub struct Incoming<M = Vm> {
     /// The VM, not running yet.
-    pub vm: Vm,
+    pub vm: M,
     /// The rest of the migration.
     pub transfer: Transfer,
 }
@@ -162,6 +163,20 @@ pub fn receive_components(
     opts: &ReceiveOptions,
     components: &mut Components<'_>,
 ) -> Result<Incoming> {
+    receive_into(listener, opts, &mut VmBuilder, components)
+}
+
+/// [`receive_components`] into the VM `builder` builds (a VMM's own VM) from the configuration
+/// the source sends: a configuration it refuses, or a machine state its
+/// [`TargetMachine::restore`] refuses, refuses the migration (the source keeps the guest). The
+/// received pages land in the VM's guest memory (in post-copy its pagers bring them in on
+/// demand: its vCPUs must access guest memory through its mappings, as KVM's do).
+pub fn receive_into<B: MachineBuilder>(
+    listener: Arc<Listener>,
+    opts: &ReceiveOptions,
+    builder: &mut B,
+    components: &mut Components<'_>,
+) -> Result<Incoming<B::Machine>> {
     if let Some(cpus) = &opts.fault_cpus {
         CpuSet::new(cpus).map_err(|e| MigrationError::BadOption {
             option: "fault_cpus",
@@ -219,7 +234,7 @@ pub fn receive_components(
             .map_err(|e| link_error("receiving the source's memory files", e))?;
         shared.extend(setup.shared.iter().cloned().zip(fds));
     }
-    let mut vm = match Vm::new_on(&setup.config, shared) {
+    let mut vm = match builder.build(&setup.config, shared) {
         Ok(vm) => vm,
         Err(e) => {
             return Err(refuse(
@@ -433,13 +448,13 @@ pub fn receive_components(
         ));
     }
     report.rounds = switchover.last_round;
-    let restored = payload_state(&switchover.state)
-        .map_err(|e| error_chain(&e, ": "))
-        .and_then(|state| vm.restore_state(&state).map_err(|e| error_chain(&e, ": ")));
-    if let Err(e) = restored {
+    if let Err(e) = vm.restore(&switchover.state) {
         return Err(refuse(
             &mut links,
-            unsupported(format!("the vCPU state does not load: {e}")),
+            unsupported(format!(
+                "the vCPU state does not load: {}",
+                error_chain(&e, ": ")
+            )),
         ));
     }
     if let Some(expected) = switchover.digest {
@@ -1104,7 +1119,7 @@ fn apply_pages(
 /// Discards the stale chunks of each RAM region and starts its pager (nothing fetches until
 /// the link opens, after Running).
 fn arm_postcopy(
-    vm: &Vm,
+    vm: &impl TargetMachine,
     shared: &[String],
     stale: &[StaleChunks],
     links: &Links,
@@ -1170,7 +1185,7 @@ fn arm_postcopy(
             background: true,
             fetch_attempts: 1,
             retry_delay: Duration::from_millis(1),
-            abort: Some(vm.abort_handle()),
+            abort: vm.abort_handle(),
             realtime_handlers: true,
             cpus: opts.fault_cpus.clone(),
             ..Default::default()
@@ -1191,9 +1206,9 @@ fn arm_postcopy(
 }
 
 impl Transfer {
-    /// Runs the received VM's vCPUs, tells the source (the downtime ends), and, in post-copy,
-    /// opens the link to the pagers.
-    pub fn resume<'v>(&mut self, vm: &'v mut Vm) -> Result<RunningVm<'v>> {
+    /// Runs the received VM's vCPUs ([`TargetMachine::resume`]), tells the source (the
+    /// downtime ends), and, in post-copy, opens the link to the pagers.
+    pub fn resume<'v, M: TargetMachine>(&mut self, vm: &'v mut M) -> Result<M::Running<'v>> {
         let mut links = self.links.take().ok_or(MigrationError::AlreadyResumed)?;
         let running = vm.resume()?;
         self.running_at = Some(Instant::now());

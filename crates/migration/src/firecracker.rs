@@ -854,8 +854,10 @@ pub fn restore_lazy_via_socket(snapshot: &Snapshot, socket: &Path) -> Result<Pee
             base.dir.display()
         )));
     }
-    let vm = snapshot::vm_for_lazy_restore(snapshot, &mut Vec::new())?;
-    hand_ram_to_server(vm, snapshot.state(), socket)
+    let state = crate::payload::state_of(snapshot.machine_state())?;
+    let vm =
+        snapshot::vm_for_lazy_restore(snapshot, &mut crate::component::VmBuilder, &mut Vec::new())?;
+    hand_ram_to_server(vm, &state, socket)
 }
 
 /// The VMM side's handshake for a VM whose sys region is in place and whose RAM regions

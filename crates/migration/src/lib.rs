@@ -13,9 +13,11 @@ pub mod firecracker;
 mod landing;
 pub mod migrate;
 mod migration_error;
+mod payload;
 pub mod snapshot;
 mod source;
 pub mod stream;
+mod target;
 pub mod transport;
 
 use std::io;
@@ -142,6 +144,16 @@ pub enum Error {
     MissingComponentState {
         /// The component's name.
         name: String,
+    },
+    /// The VMM's VM (a [`component::Machine`] or [`component::TargetMachine`], or its
+    /// [`component::MachineBuilder`]) failed: a VMM wraps its own errors in this.
+    #[error("the VM: {op} failed")]
+    Machine {
+        /// What it was doing: build, restore, resume, ...
+        op: &'static str,
+        /// Its error.
+        #[source]
+        source: component::ComponentError,
     },
     /// The machine must be paused for this (saving its state).
     #[error("the VM is running: pause it first")]
