@@ -1,7 +1,9 @@
-//! A VMM's own VM on both sides of a snapshot, through the driver's traits: the source is a
-//! `Machine` whose saved state carries more than guestmem's VM state (the VMM's own part), the
-//! restoring side a `TargetMachine` its builder makes. The snapshot carries the machine's
-//! state as an opaque blob, and hands it back byte for byte.
+//! A VMM's own VM on both sides of a snapshot and of a live migration, through the driver's
+//! traits: the source is a `Machine` whose saved state carries more than guestmem's VM state
+//! (the VMM's own part), the receiving side a `TargetMachine` its builder makes from the
+//! configuration that comes. The snapshot and the migration carry the machine's state as an
+//! opaque blob, and hand it back byte for byte; a builder's refusal refuses the migration, and
+//! the source runs on.
 
 mod common;
 
@@ -13,7 +15,9 @@ use guestmem_migration::component::{
     Components, Machine, MachineBuilder, PayloadVm, SharedFiles, TargetMachine,
 };
 use guestmem_migration::driver::{self, Restore};
+use guestmem_migration::migrate::{Links, Mode, ReceiveOptions, SendOptions};
 use guestmem_migration::snapshot::{RestoreMode, Snapshot};
+use guestmem_migration::transport::{generate_credentials, Credentials, Endpoint, Listener, Role};
 use guestmem_migration::{Error, Result};
 use guestmem_paging::PagerConfig;
 use guestmem_tracking::Tracker;
@@ -41,6 +45,12 @@ impl Machine for SourceVm<'_> {
     }
     fn resume(&mut self) -> Result<()> {
         self.0.resume()
+    }
+    fn set_throttle(&mut self, percent: u64) -> Result<()> {
+        self.0.set_throttle(percent)
+    }
+    fn throttle(&self) -> u64 {
+        self.0.throttle()
     }
     fn save(&mut self) -> Result<Vec<u8>> {
         let payload = self.0.save()?;
@@ -189,4 +199,134 @@ fn a_builder_that_refuses_and_a_state_that_does_not_load_fail_the_restore() {
         ),
         "{e:?}"
     );
+}
+
+/// A destination listening on a Unix socket in `dir`, and the source's links to it.
+fn listen(dir: &TempDir) -> (Arc<Listener>, impl Fn(Mode) -> Links) {
+    generate_credentials(&dir.0).unwrap();
+    let endpoint = Endpoint::Unix(dir.0.join("sock"));
+    let listener = Listener::bind(
+        &endpoint,
+        &Credentials::load(&dir.0, Role::Destination).unwrap(),
+    )
+    .unwrap();
+    let creds = Credentials::load(&dir.0, Role::Source).unwrap();
+    let connect = move |mode| Links::connect(&endpoint, &creds, mode, 2).unwrap();
+    (Arc::new(listener), connect)
+}
+
+#[test]
+#[cfg_attr(
+    any(not(kvm), not(uffd)),
+    ignore = "no usable /dev/kvm or /dev/userfaultfd"
+)]
+fn a_vmm_machine_migrates_into_the_vm_its_builder_makes() {
+    let config = VmConfig::simple(2, SIZE, Backend::Memfd);
+    let work = dirty_work(2, SIZE);
+    for mode in [Mode::Precopy, Mode::Postcopy] {
+        let dir = TempDir::new(&format!("vmm-migrate-{mode}"));
+        let (listener, connect) = listen(&dir);
+        // Pages of one pass of a vCPU's workload.
+        let pass = work[0].pages();
+        let destination = std::thread::spawn(move || {
+            let mut built = None;
+            let mut build = |config: &VmConfig, shared: SharedFiles| -> Result<TargetVm> {
+                built = Some(config.clone());
+                builder().build(config, shared)
+            };
+            let mut incoming = driver::receive(
+                listener,
+                &ReceiveOptions::default(),
+                &mut build,
+                &mut Components::none(),
+            )
+            .unwrap();
+            // Built from the source's configuration, handed the source's blob whole.
+            let part = incoming.vm.part.clone();
+            let at_switchover = incoming.vm.vm.pages_done();
+            let running = driver::resume_incoming(
+                &mut incoming.vm,
+                &mut incoming.transfer,
+                &mut Components::none(),
+            )
+            .unwrap();
+            wait_for_generation(&running, at_switchover.iter().max().unwrap() / pass + 2);
+            running.stop();
+            let report = running.wait(std::time::Duration::from_secs(30)).unwrap();
+            incoming.transfer.finish().unwrap();
+            let after: Vec<u64> = report.vcpus.iter().map(|v| v.pages).collect();
+            (built, part, at_switchover, after, incoming.vm.vm)
+        });
+
+        let mut vm = Vm::new(&config).unwrap();
+        let running = vm.start(&work).unwrap();
+        wait_for_generation(&running, 1);
+        let mut machine = SourceVm(PayloadVm::running(running));
+        let opts = SendOptions {
+            mode,
+            verify: mode == Mode::Precopy,
+            ..Default::default()
+        };
+        let sent = driver::send(&mut machine, &mut Components::none(), connect(mode), &opts);
+        let report = sent.unwrap_or_else(|f| panic!("{mode}: {}", f.error));
+        assert!(report.downtime_ms > 0.0, "{mode}");
+        drop(machine);
+        let source_at_switchover = vm.pages_done();
+
+        let (built, part, at_switchover, after, dest_vm) = destination.join().unwrap();
+        assert_eq!(built.as_ref(), Some(&config), "{mode}");
+        assert_eq!(part.as_deref(), Some(VMM_PART), "{mode}");
+        assert_eq!(at_switchover, source_at_switchover, "{mode}");
+        for (b, a) in at_switchover.iter().zip(&after) {
+            assert!(a > b, "{mode}: the guest went on counting: {b} -> {a}");
+        }
+        assert_pages_consistent(&dest_vm, &work, &after);
+    }
+}
+
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn a_builder_that_refuses_the_vm_refuses_the_migration_and_the_source_runs_on() {
+    let dir = TempDir::new("vmm-migrate-refused");
+    let (listener, connect) = listen(&dir);
+    let destination = std::thread::spawn(move || {
+        let mut refuse = |config: &VmConfig, _: SharedFiles| -> Result<TargetVm> {
+            Err(Error::Machine {
+                op: "build",
+                source: format!("{} vCPUs do not fit here", config.vcpus).into(),
+            })
+        };
+        let refused = driver::receive(
+            listener,
+            &ReceiveOptions::default(),
+            &mut refuse,
+            &mut Components::none(),
+        );
+        guestmem_migration::error_chain(&refused.err().expect("refused"), ": ")
+    });
+    let mut vm = Vm::new(&VmConfig::simple(2, SIZE, Backend::Anon)).unwrap();
+    let running = vm.start(&dirty_work(2, SIZE)).unwrap();
+    wait_for_generation(&running, 1);
+    let mut machine = SourceVm(PayloadVm::running(running));
+    let failure = driver::send(
+        &mut machine,
+        &mut Components::none(),
+        connect(Mode::Precopy),
+        &SendOptions::default(),
+    )
+    .expect_err("refused");
+    let there = destination.join().unwrap();
+    assert!(
+        there.contains("the VM: build failed: 2 vCPUs do not fit here"),
+        "{there}"
+    );
+    // The source is told why, and keeps its guest running.
+    assert!(failure.kept, "{}", failure.error);
+    let here = guestmem_migration::error_chain(&failure.error, ": ");
+    assert!(here.contains("2 vCPUs do not fit here"), "{here}");
+    let running = machine.0.into_running().expect("still running");
+    let before = running.progress();
+    wait_for_generation(&running, before.iter().map(|p| p.1).max().unwrap() + 1);
+    running.stop();
+    running.wait(std::time::Duration::from_secs(30)).unwrap();
 }
