@@ -13,7 +13,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use guestmem_memory::{Backend, GuestMemory, RegionSpec};
-use guestmem_migration::component::{Component, ComponentError, Components, PayloadVm};
+use guestmem_migration::component::{
+    Component, ComponentError, Components, PayloadVm, SharedFiles,
+};
 use guestmem_migration::compress::Compress;
 use guestmem_migration::driver::{self, Restore};
 use guestmem_migration::migrate::{self, Links, Mode, ReceiveOptions, SendOptions};
@@ -109,6 +111,27 @@ pub fn device() -> RngDevice {
     RngDevice::new("rng0", DEVICE_GPA, 8, Duration::from_millis(1))
 }
 
+/// The VMM's builder for the receiving side (the destination of a migration, a restore):
+/// guestmem's VM for the configuration that comes, refused unless it has the device's region
+/// where the device expects it (the source is then told why, and keeps its guest).
+pub fn build(config: &VmConfig, shared: SharedFiles) -> guestmem_migration::Result<Vm> {
+    if !config
+        .regions
+        .iter()
+        .any(|r| r.gpa == DEVICE_GPA && r.size >= rng::REGION_SIZE)
+    {
+        return Err(guestmem_migration::Error::Machine {
+            op: "build",
+            source: format!(
+                "no region of {} bytes at {DEVICE_GPA:#x} for device 'rng0'",
+                rng::REGION_SIZE
+            )
+            .into(),
+        });
+    }
+    Ok(Vm::new_on(config, shared)?)
+}
+
 fn device_digest(memory: &GuestMemory) -> Result<u64, Error> {
     Ok(memory.digest(DEVICE_GPA, rng::REGION_SIZE)?)
 }
@@ -186,6 +209,7 @@ fn migrate(mode: Mode, writes: Writes, scratch: &Path) -> Result<Outcome, Error>
         } = driver::receive(
             listener,
             &ReceiveOptions::default(),
+            &mut build,
             &mut Components::new(vec![&mut dev as &mut dyn Component])?,
         )?;
         dev.attach(vm.memory())?;
@@ -303,7 +327,7 @@ fn snapshot(restore: &str, scratch: &Path) -> Result<Outcome, Error> {
     let mut components = Components::new(vec![&mut dev as &mut dyn Component])?;
     let mut restored = match prepared {
         Some(prepared) => driver::restore_into(prepared, &snap, how, &mut components)?,
-        None => driver::restore(&snap, how, &mut components)?,
+        None => driver::restore(&snap, how, &mut build, &mut components)?,
     };
     drop(components);
     dev.attach(restored.vm.memory())?;
@@ -320,4 +344,26 @@ fn snapshot(restore: &str, scratch: &Path) -> Result<Outcome, Error> {
         downtime_ms: 0.0,
         compressed_frames: 0,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_builder_refuses_a_vm_without_the_device_region() {
+        let e = build(
+            &VmConfig::simple(VCPUS, RAM, Backend::Memfd),
+            SharedFiles::new(),
+        )
+        .err()
+        .expect("refused");
+        assert_eq!(
+            guestmem_migration::error_chain(&e, ": "),
+            format!(
+                "the VM: build failed: no region of {} bytes at {DEVICE_GPA:#x} for device 'rng0'",
+                rng::REGION_SIZE
+            )
+        );
+    }
 }

@@ -233,8 +233,16 @@ fn server_error(mem: &ServedMemory, message: &[u8], with_fd: bool) -> String {
     };
     match serve_connection(server, mem, &config) {
         Ok(_) => panic!("{:?} was accepted", String::from_utf8_lossy(message)),
-        Err(e) => e.to_string(),
+        Err(e) => guestmem_migration::error_chain(&e, ": "),
     }
+}
+
+/// The cause a handshake of `bytes` is refused with (what the JSON parser says of it).
+fn serde_json_error(bytes: &[u8]) -> String {
+    let e = guestmem_migration::firecracker::parse_mappings(bytes).unwrap_err();
+    std::error::Error::source(&e)
+        .expect("a JSON error has its cause")
+        .to_string()
 }
 
 #[test]
@@ -247,6 +255,10 @@ fn bad_handshakes_are_refused_naming_the_problem() {
         e.contains("not a JSON array of GuestRegionUffdMapping"),
         "{e}"
     );
+    // The JSON error is the cause, printed once after it.
+    let json = serde_json_error(b"{not json");
+    assert!(e.ends_with(&format!(": {json}")), "{e}");
+    assert_eq!(e.matches(&json).count(), 1, "{e}");
 
     let ok = br#"[{"base_host_virt_addr":1073741824,"size":4194304,"offset":0,"page_size":4096}]"#;
     let e = server_error(&mem, ok, false);
@@ -610,13 +622,14 @@ fn failed_serving_kills_the_peer() {
     let (stream, _) = listener.accept().unwrap();
     let err = match serve_connection(stream, &mem, &PageServerConfig::default()) {
         Ok(_) => panic!("a mapping beyond the file was accepted"),
-        Err(e) => e.to_string(),
+        Err(e) => guestmem_migration::error_chain(&e, ": "),
     };
-    assert!(err.contains("ends beyond the memory file"), "{err}");
+    // The kill first, then the failure it was for, each once.
     assert!(
-        err.contains(&format!("peer pid {} killed", child.id())),
+        err.starts_with(&format!("page-server: peer pid {} killed: ", child.id())),
         "{err}"
     );
+    assert!(err.contains("ends beyond the memory file"), "{err}");
     // The error's prefix once, not once per layer that handled it.
     assert_eq!(err.matches("page-server protocol:").count(), 1, "{err}");
     let status = child.wait().unwrap();

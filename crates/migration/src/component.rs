@@ -19,16 +19,27 @@
 //!   (raw host pointers, another process sharing the memory) reports what it wrote in
 //!   [`Component::dirty_log`], and the driver marks those pages before every harvest.
 //!
-//! guestmem's own VM and its payload is one implementation: [`PayloadVm`] is a [`Machine`].
+//! The receiving side (a migration's destination, a restore) is the mirror, after Cloud
+//! Hypervisor's destination (which builds its VM from the configuration the source sends, then
+//! restores the state the source saved): a [`MachineBuilder`] builds the VM from the
+//! [`VmConfig`] the source sends or the snapshot records, or refuses it; that VM is a
+//! [`TargetMachine`], whose guest memory the pages land in (copied, mapped, or paged in by
+//! guestmem's pagers), which takes the state [`Machine::save`] gave and runs once the memory
+//! is in place.
+//!
+//! guestmem's own VM and its payload is one implementation: [`PayloadVm`] is a [`Machine`],
+//! guestmem's `Vm` a [`TargetMachine`] that [`VmBuilder`] builds.
 
 use std::collections::HashSet;
 use std::sync::Arc;
 
 use guestmem_memory::GuestMemory;
 use guestmem_tracking::Tracker;
-use guestmem_vm::{RunningVm, Vm, VmConfig, VmState};
+use guestmem_vm::VmConfig;
 use serde::{Deserialize, Serialize};
 
+pub use crate::payload::{PayloadVm, VmBuilder};
+pub use crate::target::{MachineBuilder, SharedFiles, TargetMachine};
 use crate::{Error, Result};
 
 /// What a component's own operations fail with: its error, boxed (the driver adds the
@@ -221,163 +232,38 @@ pub trait Machine {
     }
 }
 
-/// guestmem's own VM running its payload, as a [`Machine`]: running (its vCPU threads) or
-/// paused (the VM handed back).
-pub struct PayloadVm<'a> {
-    state: PayloadState<'a>,
-    config: VmConfig,
-    memory: Arc<GuestMemory>,
-}
-
-enum PayloadState<'a> {
-    Running(RunningVm<'a>),
-    Paused(&'a mut Vm),
-    /// A pause or resume failed half-way: the vCPUs are gone.
-    Lost,
-}
-
-impl<'a> PayloadVm<'a> {
-    /// The running VM.
-    pub fn running(running: RunningVm<'a>) -> PayloadVm<'a> {
-        PayloadVm {
-            config: running.vm().config().clone(),
-            memory: running.memory().clone(),
-            state: PayloadState::Running(running),
-        }
-    }
-
-    /// A VM that is not running (built, restored or paused).
-    pub fn paused(vm: &'a mut Vm) -> PayloadVm<'a> {
-        PayloadVm {
-            config: vm.config().clone(),
-            memory: vm.memory().clone(),
-            state: PayloadState::Paused(vm),
-        }
-    }
-
-    /// The running VM, if it runs.
-    pub fn as_running(&mut self) -> Option<&mut RunningVm<'a>> {
-        match &mut self.state {
-            PayloadState::Running(r) => Some(r),
-            _ => None,
-        }
-    }
-
-    /// The paused VM, if it is paused.
-    pub fn as_paused(&mut self) -> Option<&mut Vm> {
-        match &mut self.state {
-            PayloadState::Paused(vm) => Some(vm),
-            _ => None,
-        }
-    }
-
-    /// The running VM back, if it runs.
-    pub fn into_running(self) -> Option<RunningVm<'a>> {
-        match self.state {
-            PayloadState::Running(r) => Some(r),
-            _ => None,
-        }
-    }
-
-    /// The paused VM back, if it is paused.
-    pub fn into_paused(self) -> Option<&'a mut Vm> {
-        match self.state {
-            PayloadState::Paused(vm) => Some(vm),
-            _ => None,
-        }
-    }
-
-    fn vm(&self) -> Result<&Vm> {
-        match &self.state {
-            PayloadState::Running(r) => Ok(r.vm()),
-            PayloadState::Paused(vm) => Ok(vm),
-            PayloadState::Lost => Err(Error::MachineLost),
-        }
-    }
-}
-
-impl Machine for PayloadVm<'_> {
-    fn memory(&self) -> &Arc<GuestMemory> {
-        &self.memory
-    }
-
-    fn config(&self) -> &VmConfig {
-        &self.config
-    }
-
-    fn start_tracking(&self, mode: guestmem_tracking::Mode) -> Result<Tracker> {
-        Ok(Tracker::start(self.vm()?, mode)?)
-    }
-
-    fn pause(&mut self) -> Result<()> {
-        match std::mem::replace(&mut self.state, PayloadState::Lost) {
-            PayloadState::Running(r) => self.state = PayloadState::Paused(r.pause()?),
-            other => self.state = other,
-        }
-        Ok(())
-    }
-
-    fn resume(&mut self) -> Result<()> {
-        match std::mem::replace(&mut self.state, PayloadState::Lost) {
-            PayloadState::Paused(vm) => self.state = PayloadState::Running(vm.resume()?),
-            other => self.state = other,
-        }
-        Ok(())
-    }
-
-    fn save(&mut self) -> Result<Vec<u8>> {
-        match &self.state {
-            PayloadState::Paused(vm) => {
-                Ok(serde_json::to_vec(&vm.save_state()?).expect("a VM state serializes"))
-            }
-            PayloadState::Running(_) => Err(Error::MachineRunning),
-            PayloadState::Lost => Err(Error::MachineLost),
-        }
-    }
-
-    fn set_throttle(&mut self, percent: u64) -> Result<()> {
-        match &mut self.state {
-            PayloadState::Running(r) => Ok(r.set_throttle(percent)?),
-            _ => Ok(()),
-        }
-    }
-
-    fn throttle(&self) -> u64 {
-        match &self.state {
-            PayloadState::Running(r) => r.throttle(),
-            _ => 0,
-        }
-    }
-}
-
-/// Reads the machine state a [`PayloadVm`] saved.
-pub(crate) fn payload_state(blob: &[u8]) -> std::result::Result<VmState, serde_json::Error> {
-    serde_json::from_slice(blob)
-}
-
 /// A [`ComponentState`]'s bytes as a hex string in JSON.
 pub(crate) mod hex_bytes {
     use serde::{Deserialize, Deserializer, Serializer};
 
     pub fn serialize<S: Serializer>(bytes: &[u8], s: S) -> Result<S::Ok, S::Error> {
+        const DIGITS: &[u8; 16] = b"0123456789abcdef";
         let mut out = String::with_capacity(bytes.len() * 2);
-        for b in bytes {
-            out.push_str(&format!("{b:02x}"));
+        for &b in bytes {
+            out.push(DIGITS[usize::from(b >> 4)] as char);
+            out.push(DIGITS[usize::from(b & 15)] as char);
         }
         s.serialize_str(&out)
     }
 
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
-        let s = String::deserialize(d)?;
-        if s.len() % 2 != 0 {
-            return Err(serde::de::Error::custom("odd number of hex digits"));
+        let s = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+        decode(s.as_bytes()).map_err(serde::de::Error::custom)
+    }
+
+    /// The bytes `hex` spells (lower or upper case), two digits each.
+    pub fn decode(hex: &[u8]) -> Result<Vec<u8>, &'static str> {
+        if !hex.len().is_multiple_of(2) {
+            return Err("odd number of hex digits");
         }
-        (0..s.len())
-            .step_by(2)
-            .map(|i| {
-                u8::from_str_radix(&s[i..i + 2], 16)
-                    .map_err(|_| serde::de::Error::custom("not a hex digit"))
-            })
+        let digit = |c: u8| match c {
+            b'0'..=b'9' => Ok(c - b'0'),
+            b'a'..=b'f' => Ok(c - b'a' + 10),
+            b'A'..=b'F' => Ok(c - b'A' + 10),
+            _ => Err("not a hex digit"),
+        };
+        hex.chunks_exact(2)
+            .map(|pair| Ok(digit(pair[0])? << 4 | digit(pair[1])?))
             .collect()
     }
 }
@@ -449,6 +335,24 @@ mod tests {
         there.restore(&back).unwrap();
         drop(there);
         assert_eq!((a2.value, b2.value), (7, 0x0102));
+    }
+
+    #[test]
+    fn hex_decodes_either_case_and_refuses_what_is_not_hex() {
+        assert_eq!(
+            hex_bytes::decode(b"00ff7Fa0").unwrap(),
+            [0, 0xff, 0x7f, 0xa0]
+        );
+        assert_eq!(hex_bytes::decode(b"abc"), Err("odd number of hex digits"));
+        assert_eq!(hex_bytes::decode(b"0g"), Err("not a hex digit"));
+        let all: Vec<u8> = (0..=255).collect();
+        let json = serde_json::to_string(&ComponentState {
+            name: "all".into(),
+            data: all.clone(),
+        })
+        .unwrap();
+        let back: ComponentState = serde_json::from_str(&json).unwrap();
+        assert_eq!(back.data, all);
     }
 
     #[test]

@@ -1,46 +1,50 @@
 //! The driver: snapshot, restore (full, map, lazy) and live migration (pre-copy, post-copy,
 //! hybrid) of a VM with its [`Components`], in the order each step needs.
 //!
-//! - [`snapshot()`]: pauses the vCPUs, then the components; writes the memory, the VM's state and
-//!   the components' states. Both stay paused ([`resume`] lets them go on).
-//! - [`restore`]: builds the VM from a snapshot (memory copied, mapped or paged in lazily), puts
-//!   its vCPU state back and hands each component its state. Nothing runs until [`resume`].
-//!   [`restore_into`] does the same into a VM built ahead of time ([`PreparedVm`]).
+//! - [`snapshot()`]: pauses the vCPUs, then the components; writes the memory, the machine's
+//!   state and the components' states. Both stay paused ([`Machine::resume`] and
+//!   [`Components::resume`] let them go on).
+//! - [`restore`]: builds the VM from a snapshot with a [`MachineBuilder`] (memory copied,
+//!   mapped or paged in lazily), hands it its machine state and each component its state.
+//!   Nothing runs until [`resume`]. [`restore_into`] does the same into a VM built ahead of
+//!   time ([`PreparedVm`]).
 //! - [`send`] (the source of a live migration, [`crate::migrate::send_machine`]): the
 //!   components' writes are tracked with the guest's during the rounds; at switch-over they are
 //!   paused with the vCPUs, before the last harvest, and their states travel with the VM's.
-//! - [`receive`]: the destination's VM up to the switch-over, its components given their
-//!   states; [`resume_incoming`] runs both and tells the source.
+//! - [`receive`]: the destination's VM, built by a [`MachineBuilder`] from the configuration the
+//!   source sends, up to the switch-over, its components given their states;
+//!   [`resume_incoming`] runs both and tells the source.
 //!
 //! In post-copy and lazy restore a component may touch guest memory that has not arrived yet:
 //! its access faults like a vCPU's and the pager fetches the page first (so nothing it writes
 //! is overwritten by an older copy).
 
 use std::path::Path;
+use std::sync::Arc;
 
 use guestmem_paging::{Pager, PagerConfig};
-use guestmem_vm::{RunningVm, Vm};
+use guestmem_vm::Vm;
 
-use crate::component::{Components, PayloadVm};
+use crate::component::{Components, Machine, MachineBuilder, TargetMachine};
+use crate::migrate::{Incoming, ReceiveOptions, Transfer};
 use crate::snapshot::{self, PreparedVm, RestoreMode, Snapshot, WriteReport};
-use crate::{Error, Result};
+use crate::transport::Listener;
+use crate::Result;
 
 pub use crate::migrate::{send_machine as send, MachineFailure};
 
-/// Writes a snapshot of `vm` and its `components` into `dir` (see [`snapshot::write`]): the
-/// vCPUs are paused, then the components, whose states are saved beside the VM's. Both stay
-/// paused.
-pub fn snapshot(
-    vm: &mut PayloadVm<'_>,
+/// Writes a snapshot of `machine` and its `components` into `dir` (see [`snapshot::write`]):
+/// the vCPUs are paused, then the components, whose states are saved beside the machine's
+/// ([`Machine::save`]). Both stay paused.
+pub fn snapshot<M: Machine + ?Sized>(
+    machine: &mut M,
     components: &mut Components<'_>,
     dir: &Path,
 ) -> Result<WriteReport> {
-    use crate::component::Machine;
-    vm.pause()?;
+    machine.pause()?;
     components.pause()?;
     let states = components.save()?;
-    let paused = vm.as_paused().ok_or(Error::MachineLost)?;
-    snapshot::write_with_components(paused, dir, &states)
+    snapshot::write_machine(machine, dir, &states)
 }
 
 /// How [`restore`] brings the memory back.
@@ -56,31 +60,34 @@ pub enum Restore {
 
 /// A VM restored by [`restore`], not running yet. The pagers (lazy restore) are dropped
 /// before the VM, as the field order says.
-pub struct Restored {
+pub struct Restored<M = Vm> {
     /// Lazy restore: the pagers bringing the memory in (keep them while the VM runs).
     pub pagers: Vec<Pager>,
     /// The VM, its memory and vCPU state in place.
-    pub vm: Vm,
+    pub vm: M,
 }
 
-/// Restores `snapshot` ([`Restore`] says how) and hands each of `components` its saved state
-/// (by name; a state without its component, or the reverse, is refused before anything runs).
-pub fn restore(
+/// Restores `snapshot` ([`Restore`] says how) into the VM `builder` builds for its
+/// configuration (guestmem's own with [`crate::component::VmBuilder`]), hands it the machine
+/// state ([`TargetMachine::restore`]) and each of `components` its saved state (by name; a
+/// state without its component, or the reverse, is refused before anything runs).
+pub fn restore<B: MachineBuilder>(
     snapshot: &Snapshot,
     how: Restore,
+    builder: &mut B,
     components: &mut Components<'_>,
-) -> Result<Restored> {
+) -> Result<Restored<B::Machine>> {
     let restored = match how {
         Restore::Full => Restored {
             pagers: Vec::new(),
-            vm: snapshot::restore(snapshot, RestoreMode::Full)?,
+            vm: snapshot::restore_with(snapshot, RestoreMode::Full, builder)?,
         },
         Restore::Map => Restored {
             pagers: Vec::new(),
-            vm: snapshot::restore(snapshot, RestoreMode::Map)?,
+            vm: snapshot::restore_with(snapshot, RestoreMode::Map, builder)?,
         },
         Restore::Lazy(config) => {
-            let lazy = snapshot::restore_lazy(snapshot, &config)?;
+            let lazy = snapshot::restore_lazy_with(snapshot, &config, builder)?;
             Restored {
                 pagers: lazy.pagers,
                 vm: lazy.vm,
@@ -91,9 +98,9 @@ pub fn restore(
     Ok(restored)
 }
 
-/// [`restore`] into `prepared`, a VM built ahead of time for the snapshot's configuration (a
-/// warm pool, see [`PreparedVm`]): a snapshot of another configuration is refused naming what
-/// differs, before anything is restored or runs.
+/// [`restore`] into `prepared`, guestmem's VM built ahead of time for the snapshot's
+/// configuration (a warm pool, see [`PreparedVm`]): a snapshot of another configuration is
+/// refused naming what differs, before anything is restored or runs.
 pub fn restore_into(
     prepared: PreparedVm,
     snapshot: &Snapshot,
@@ -122,21 +129,36 @@ pub fn restore_into(
 }
 
 /// Lets a restored (or paused) VM's vCPUs go on, then its components.
-pub fn resume<'v>(vm: &'v mut Vm, components: &mut Components<'_>) -> Result<RunningVm<'v>> {
+pub fn resume<'v, M: TargetMachine>(
+    vm: &'v mut M,
+    components: &mut Components<'_>,
+) -> Result<M::Running<'v>> {
     let running = vm.resume()?;
     components.resume()?;
     Ok(running)
 }
 
-pub use crate::migrate::receive_components as receive;
+/// Accepts one migration on `listener` and receives it up to the switch-over into the VM
+/// `builder` builds from the configuration the source sends ([`crate::migrate::receive_into`]):
+/// each of `components` is handed the state its namesake had on the source before the
+/// destination says Ready, so that a state refused (or missing, or of an unknown component)
+/// refuses the migration and the source keeps the guest.
+pub fn receive<B: MachineBuilder>(
+    listener: Arc<Listener>,
+    opts: &ReceiveOptions,
+    builder: &mut B,
+    components: &mut Components<'_>,
+) -> Result<Incoming<B::Machine>> {
+    crate::migrate::receive_into(listener, opts, builder, components)
+}
 
 /// Runs a received VM's vCPUs, tells the source (the downtime ends), then resumes the
 /// components.
-pub fn resume_incoming<'v>(
-    incoming_vm: &'v mut Vm,
-    transfer: &mut crate::migrate::Transfer,
+pub fn resume_incoming<'v, M: TargetMachine>(
+    incoming_vm: &'v mut M,
+    transfer: &mut Transfer,
     components: &mut Components<'_>,
-) -> Result<RunningVm<'v>> {
+) -> Result<M::Running<'v>> {
     let running = transfer.resume(incoming_vm)?;
     components.resume()?;
     Ok(running)

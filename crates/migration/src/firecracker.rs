@@ -129,12 +129,8 @@ fn mapping_page_size(i: usize, page_size: Option<u64>, page_size_kib: Option<u64
 /// `page_size` (bytes), `page_size_kib` alone (bytes in v1.7-v1.11, or KiB), or none (the
 /// host's page size).
 pub fn parse_mappings(bytes: &[u8]) -> Result<Vec<GuestRegionUffdMapping>> {
-    let wire: Vec<WireMapping> = serde_json::from_slice(bytes).map_err(|e| {
-        Error::Protocol(format!(
-            "the handshake message is not a JSON array of GuestRegionUffdMapping \
-             {{base_host_virt_addr, size, offset[, page_size][, page_size_kib]}}: {e}"
-        ))
-    })?;
+    let wire: Vec<WireMapping> =
+        serde_json::from_slice(bytes).map_err(|source| Error::HandshakeJson { source })?;
     if wire.is_empty() {
         return Err(Error::Protocol(
             "the handshake message lists no memory regions".into(),
@@ -236,10 +232,10 @@ impl PeerProcess {
         // SAFETY: pidfd_open returns a new fd (checked) or -1; no memory is involved.
         let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) } as libc::c_int;
         if fd < 0 {
-            return Err(Error::Protocol(format!(
-                "pidfd_open of the peer, pid {pid}: {}",
-                io::Error::last_os_error()
-            )));
+            return Err(Error::ProtocolIo {
+                what: format!("pidfd_open of the peer, pid {pid}"),
+                source: io::Error::last_os_error(),
+            });
         }
         // SAFETY: the fresh pidfd from above, owned by nobody else.
         let pidfd = unsafe { OwnedFd::from_raw_fd(fd) };
@@ -346,10 +342,10 @@ pub fn peer_pid(stream: &UnixStream) -> Result<i32> {
         )
     };
     if r < 0 {
-        return Err(Error::Protocol(format!(
-            "getsockopt(SO_PEERCRED) on the page-server connection: {}",
-            io::Error::last_os_error()
-        )));
+        return Err(Error::ProtocolIo {
+            what: "getsockopt(SO_PEERCRED) on the page-server connection".into(),
+            source: io::Error::last_os_error(),
+        });
     }
     Ok(cred.pid)
 }
@@ -366,10 +362,13 @@ pub fn check_userfaultfd(fd: BorrowedFd<'_>) -> Result<()> {
             "the file descriptor attached to the handshake message is {}, not a userfaultfd",
             target.display()
         ))),
-        Err(e) => Err(Error::Protocol(format!(
-            "cannot tell what the file descriptor attached to the handshake message is \
-             (readlink {link}: {e}); a userfaultfd is expected"
-        ))),
+        Err(source) => Err(Error::ProtocolIo {
+            what: format!(
+                "cannot tell what the file descriptor attached to the handshake message is (a \
+                 userfaultfd is expected): readlink {link}"
+            ),
+            source,
+        }),
     }
 }
 
@@ -387,7 +386,10 @@ pub fn receive_handshake(stream: &UnixStream) -> Result<Handshake> {
     let mut buf = vec![0u8; 64 << 10];
     let (n, file) = stream
         .recv_with_fd(&mut buf)
-        .map_err(|e| Error::Protocol(format!("receiving the handshake message: {e}")))?;
+        .map_err(|e| Error::ProtocolIo {
+            what: "receiving the handshake message".into(),
+            source: io::Error::from_raw_os_error(e.errno()),
+        })?;
     if n == 0 {
         return Err(Error::Protocol(
             "the peer closed the connection without sending the handshake message".into(),
@@ -405,16 +407,19 @@ pub fn receive_handshake(stream: &UnixStream) -> Result<Handshake> {
     // A large message may arrive in pieces: read on while the JSON is incomplete.
     loop {
         match parse_mappings(&message) {
-            Err(Error::Protocol(_))
+            Err(Error::HandshakeJson { .. })
                 if serde_json::from_slice::<serde_json::Value>(&message)
                     .err()
                     .is_some_and(|e| e.is_eof())
                     && message.len() < MAX_MESSAGE =>
             {
                 let mut more = vec![0u8; 64 << 10];
-                let n = (&*stream).read(&mut more).map_err(|e| {
-                    Error::Protocol(format!("receiving the rest of the handshake message: {e}"))
-                })?;
+                let n = (&*stream)
+                    .read(&mut more)
+                    .map_err(|source| Error::ProtocolIo {
+                        what: "receiving the rest of the handshake message".into(),
+                        source,
+                    })?;
                 if n == 0 {
                     return Err(Error::Protocol(format!(
                         "the peer closed the connection after {} bytes of an incomplete \
@@ -585,8 +590,12 @@ impl ServedMemory {
                     .iter()
                     .enumerate()
                     .map(|(i, m)| {
-                        let window = WindowSource::new(inner.clone(), m.offset, m.size)
-                            .map_err(|e| Error::Protocol(format!("mapping {i}: {e}")))?;
+                        let window = WindowSource::new(inner.clone(), m.offset, m.size).map_err(
+                            |source| Error::ProtocolIo {
+                                what: format!("mapping {i}"),
+                                source,
+                            },
+                        )?;
                         let name = format!(
                             "peer {peer_pid} mapping {i} (host {:#x}, file offset {:#x})",
                             m.base_host_virt_addr, m.offset
@@ -766,14 +775,11 @@ pub fn serve_connection(
         if !config.kill_peer_on_failure {
             return e;
         }
-        let text = crate::error_chain(&e, ": ");
-        kill_peer(&peer, &text);
-        // One prefix: a protocol error's text is extended, not wrapped again.
-        match e {
-            Error::Protocol(reason) => {
-                Error::Protocol(format!("{reason} (peer pid {peer_pid} killed)"))
-            }
-            _ => Error::Protocol(format!("{text} (peer pid {peer_pid} killed)")),
+        kill_peer(&peer, &crate::error_chain(&e, ": "));
+        // The failure is the cause, printed once (not folded into this error's text).
+        Error::PeerKilled {
+            pid: peer_pid,
+            source: Box::new(e),
         }
     };
     let handshake = receive_handshake(&stream).map_err(fail)?;
@@ -854,8 +860,10 @@ pub fn restore_lazy_via_socket(snapshot: &Snapshot, socket: &Path) -> Result<Pee
             base.dir.display()
         )));
     }
-    let vm = snapshot::vm_for_lazy_restore(snapshot, &mut Vec::new())?;
-    hand_ram_to_server(vm, snapshot.state(), socket)
+    let state = crate::payload::state_of(snapshot.machine_state())?;
+    let vm =
+        snapshot::vm_for_lazy_restore(snapshot, &mut crate::component::VmBuilder, &mut Vec::new())?;
+    hand_ram_to_server(vm, &state, socket)
 }
 
 /// The VMM side's handshake for a VM whose sys region is in place and whose RAM regions
@@ -904,4 +912,51 @@ pub fn open_mem_file(path: &Path) -> Result<Arc<FileSource>> {
     Ok(Arc::new(
         FileSource::new(file).map_err(Error::io(path, "mmap"))?,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A handshake that is not JSON: the JSON error is the cause, printed once after the
+    /// protocol's own text, never folded into it.
+    #[test]
+    fn a_handshake_that_is_not_json_keeps_the_json_error_as_its_source() {
+        let e = parse_mappings(b"{not json").unwrap_err();
+        let Error::HandshakeJson { source } = &e else {
+            panic!("{e:?}");
+        };
+        let json = source.to_string();
+        assert!(json.contains("line 1"), "{json}");
+        assert!(!e.to_string().contains(&json), "{e}");
+        let chain = crate::error_chain(&e, "\n  caused by: ");
+        assert_eq!(
+            chain,
+            format!(
+                "page-server protocol: the handshake message is not a JSON array of \
+                 GuestRegionUffdMapping {{base_host_virt_addr, size, offset[, page_size][, \
+                 page_size_kib]}}\n  caused by: {json}"
+            )
+        );
+    }
+
+    /// A fd whose kind cannot be read: the readlink's error is the cause.
+    #[test]
+    fn an_unreadable_fd_keeps_the_os_error_as_its_source() {
+        // SAFETY: a number no descriptor of this process has; only its /proc link is read.
+        let fd = unsafe { BorrowedFd::borrow_raw(1 << 20) };
+        let e = check_userfaultfd(fd).unwrap_err();
+        let Error::ProtocolIo { what, source } = &e else {
+            panic!("{e:?}");
+        };
+        assert!(
+            what.ends_with(&format!("readlink /proc/self/fd/{}", 1 << 20)),
+            "{what}"
+        );
+        assert_eq!(source.kind(), io::ErrorKind::NotFound);
+        assert_eq!(
+            crate::error_chain(&e, ": ").matches("No such file").count(),
+            1
+        );
+    }
 }

@@ -13,9 +13,11 @@ pub mod firecracker;
 mod landing;
 pub mod migrate;
 mod migration_error;
+mod payload;
 pub mod snapshot;
 mod source;
 pub mod stream;
+mod target;
 pub mod transport;
 
 use std::io;
@@ -81,6 +83,37 @@ pub enum Error {
     /// The Firecracker page-server protocol was not followed.
     #[error("page-server protocol: {0}")]
     Protocol(String),
+    /// A step of the Firecracker page-server protocol failed for a cause of its own (a socket
+    /// that would not receive, a query of the system that failed).
+    #[error("page-server protocol: {what}")]
+    ProtocolIo {
+        /// The step: receiving the handshake message, reading what its fd is, ...
+        what: String,
+        /// The operating system's error.
+        #[source]
+        source: io::Error,
+    },
+    /// The page-server handshake message is not the JSON it should be.
+    #[error(
+        "page-server protocol: the handshake message is not a JSON array of \
+         GuestRegionUffdMapping {{base_host_virt_addr, size, offset[, page_size][, \
+         page_size_kib]}}"
+    )]
+    HandshakeJson {
+        /// Why it does not parse.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The page server killed its peer (the VMM) for a failure serving it, so that its guest
+    /// never runs on memory it could not be given.
+    #[error("page-server: peer pid {pid} killed")]
+    PeerKilled {
+        /// The peer's pid.
+        pid: i32,
+        /// The failure.
+        #[source]
+        source: Box<Error>,
+    },
     /// A snapshot whose bytes are not what its manifest says.
     #[error("corrupt snapshot: {0}")]
     Corrupt(String),
@@ -142,6 +175,16 @@ pub enum Error {
     MissingComponentState {
         /// The component's name.
         name: String,
+    },
+    /// The VMM's VM (a [`component::Machine`] or [`component::TargetMachine`], or its
+    /// [`component::MachineBuilder`]) failed: a VMM wraps its own errors in this.
+    #[error("the VM: {op} failed")]
+    Machine {
+        /// What it was doing: build, restore, resume, ...
+        op: &'static str,
+        /// Its error.
+        #[source]
+        source: component::ComponentError,
     },
     /// The machine must be paused for this (saving its state).
     #[error("the VM is running: pause it first")]

@@ -51,8 +51,8 @@ use crate::transport::{self, Connection, Credentials, Endpoint};
 use crate::{Error, MigrationError, Peer, Result};
 
 pub use crate::destination::{
-    receive, receive_components, DestinationReport, Incoming, ReceiveOptions, Transfer,
-    RESUME_TIMEOUT,
+    receive, receive_components, receive_into, DestinationReport, Incoming, ReceiveOptions,
+    Transfer, RESUME_TIMEOUT,
 };
 pub use crate::source::{
     send, send_machine, Failure, MachineFailure, Progress, ProgressFn, Reconnect, Report, Round,

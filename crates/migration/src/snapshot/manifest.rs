@@ -21,8 +21,11 @@ use crate::{Error, Result};
 /// The `format` field of every guestmem snapshot manifest.
 pub const FORMAT: &str = "guestmem-snapshot";
 /// The manifest version this code writes and reads (2: checksummed manifest, diff bound to its
-/// base's checksum, the sys region in its own file).
-pub const VERSION: u32 = 2;
+/// base's checksum, the sys region in its own file; 3: `state.json` holds the machine's state
+/// as the opaque blob its [`crate::component::Machine`] saved, beside the components', where
+/// version 2 held guestmem's own VM state, its payload's workloads included, field by field).
+/// A snapshot of another version is refused naming its version ([`crate::Error::Version`]).
+pub const VERSION: u32 = 3;
 /// The unit of checksums and of zero detection in the manifest.
 pub const CHUNK_BYTES: u64 = 2 << 20;
 /// How many diff snapshots may stand on one another (a longer chain is refused as malformed).
@@ -490,5 +493,34 @@ mod tests {
             .to_string();
         assert!(e.contains("not a guestmem snapshot"), "{e}");
         assert!(Manifest::parse(b"[1,2", Path::new("m.json")).is_err());
+    }
+
+    /// A version 2 snapshot (its `state.json` of guestmem's own VM, field by field) is refused
+    /// before anything else of it is read, naming both versions, whether or not the rest of
+    /// its manifest parses.
+    #[test]
+    fn a_version_2_snapshot_is_refused_naming_its_version() {
+        let mut m = manifest();
+        m.version = 2;
+        m.seal();
+        let e = parse(&m).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::Version {
+                    found: 2,
+                    supported: VERSION,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        assert_eq!(
+            e.to_string(),
+            "m.json: snapshot version 2; this guestmem reads version 3"
+        );
+        let old = br#"{"format":"guestmem-snapshot","version":2,"state":"field by field"}"#;
+        let e = Manifest::parse(old, Path::new("manifest.json")).unwrap_err();
+        assert!(matches!(e, Error::Version { found: 2, .. }), "{e:?}");
     }
 }

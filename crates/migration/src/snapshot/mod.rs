@@ -5,7 +5,9 @@
 //!   layout (each region's file and place in it) with a CRC-32 and a zero flag per 2 MiB chunk,
 //!   a digest per region, the state file's BLAKE3, for a diff its base (path and checksum), and
 //!   a BLAKE3 checksum over the whole manifest;
-//! - `state.json`: the complete vCPU and VM state ([`VmState`]);
+//! - `state.json`: the VM's state as its [`Machine`] saved it (an opaque blob; guestmem's own
+//!   VM saves its complete vCPU and VM state and its payload's workloads, see [`PayloadVm`])
+//!   and the states of its [`Component`]s;
 //! - `memory`: the guest RAM regions back to back, zero pages left as holes (a sparse file);
 //!   nothing else, so that a Firecracker page server can be handed it as it is;
 //! - `sys`: the sys region (page tables, payload, control blocks);
@@ -21,6 +23,15 @@
 //! as each chunk is first served. A zero chunk is served as zeros whatever its file range
 //! holds. A snapshot is replaced atomically ([`write()`]): a failed write leaves the previous one
 //! intact. CRC-32 finds damage, not a forger who also recomputes the manifest's checksum.
+//!
+//! Writing works from any [`Machine`] ([`write_machine`]), restoring into any VM a
+//! [`MachineBuilder`] builds ([`restore_with`], [`restore_lazy_with`]); [`write()`],
+//! [`restore()`] and [`restore_lazy`] are those for guestmem's own VM.
+//!
+//! [`Machine`]: crate::component::Machine
+//! [`Component`]: crate::component::Component
+//! [`PayloadVm`]: crate::component::PayloadVm
+//! [`MachineBuilder`]: crate::component::MachineBuilder
 
 mod manifest;
 mod prepared;
@@ -41,6 +52,8 @@ use std::time::{Duration, Instant};
 use guestmem_memory::{Backend, GuestMemory, Region, RegionSpec};
 use guestmem_paging::{PageSource, Pager, PagerConfig};
 use guestmem_vm::{layout, Vm, VmState};
+
+use crate::component::{MachineBuilder, SharedFiles, TargetMachine, VmBuilder};
 use serde::{Deserialize, Serialize};
 
 pub use manifest::{
@@ -50,7 +63,9 @@ pub use manifest::{
 pub use prepared::{layout_mismatch, PreparedVm};
 use sparse::{nonzero_page_runs, read_sparse};
 pub use working_set::{regions_of, WorkingSet, WorkingSetRegion, WORKING_SET_FORMAT};
-pub use write::{write, write_diff, write_with_components, WriteReport};
+pub use write::{
+    write, write_diff, write_machine, write_machine_diff, write_with_components, WriteReport,
+};
 
 use crate::component::ComponentState;
 use crate::{Error, Result};
@@ -63,7 +78,8 @@ const WORKING_SET: &str = "working-set.json";
 pub struct Snapshot {
     dir: PathBuf,
     manifest: Manifest,
-    state: VmState,
+    /// The machine's state, as its [`crate::component::Machine::save`] gave it.
+    machine: Vec<u8>,
     /// The components' states, saved with the VM's.
     components: Vec<ComponentState>,
     /// The `memory` and `sys` files, indexed by `RegionFile as usize`.
@@ -74,7 +90,7 @@ pub struct Snapshot {
 
 impl Snapshot {
     /// Reads and checks `dir`: the manifest (format, version, checksum, structure), the state
-    /// (length, BLAKE3, vCPU count), the memory files' lengths, and for a diff its base chain
+    /// (length, BLAKE3, shape), the memory files' lengths, and for a diff its base chain
     /// (each base must be the very snapshot the diff was written over).
     pub fn open(dir: &Path) -> Result<Snapshot> {
         Snapshot::open_checked(dir, None, 0)
@@ -114,9 +130,9 @@ impl Snapshot {
             )));
         }
         let SavedState {
-            vm: state,
+            machine,
             components,
-        } = parse_saved_state(&state_json, manifest.config.vcpus, &state_path)?;
+        } = parse_saved_state(&state_json, &state_path)?;
 
         let open = |which: RegionFile| -> Result<File> {
             let path = dir.join(which.name());
@@ -164,7 +180,7 @@ impl Snapshot {
         Ok(Snapshot {
             dir: dir.to_path_buf(),
             manifest,
-            state,
+            machine,
             components,
             files,
             base,
@@ -241,9 +257,10 @@ impl Snapshot {
         format!("snapshot {}", self.dir.display())
     }
 
-    /// The VM's state.
-    pub fn state(&self) -> &VmState {
-        &self.state
+    /// The VM's state, as its machine saved it ([`crate::component::Machine::save`]), for
+    /// [`TargetMachine::restore`].
+    pub fn machine_state(&self) -> &[u8] {
+        &self.machine
     }
 
     /// The states of the components saved with the VM ([`write_with_components`]), for the
@@ -323,49 +340,33 @@ pub(crate) fn read_regular(path: &Path) -> Result<Vec<u8>> {
     Ok(bytes)
 }
 
-/// What `state.json` holds: the VM's state and, beside its fields, the components' states
-/// (absent when there are none, as in snapshots written before components).
-#[derive(Serialize)]
+/// What `state.json` holds: the machine's state (hex in JSON) and the components' states.
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub(crate) struct SavedState {
-    #[serde(flatten)]
-    pub vm: VmState,
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    /// What [`crate::component::Machine::save`] gave.
+    #[serde(with = "crate::component::hex_bytes")]
+    pub machine: Vec<u8>,
+    /// The components' states.
+    #[serde(default)]
     pub components: Vec<ComponentState>,
 }
 
-/// `state.json` as read: [`VmState`]'s fields (built into one at once, so a field added there
-/// must be added here) and the components', in one pass; `flatten` would buffer every byte of
-/// the vCPU state first, and lazy restore waits for this.
-#[derive(Deserialize)]
-struct SavedFields {
-    vcpus: Vec<guestmem_vm::VcpuState>,
-    clock: kvm_bindings::kvm_clock_data,
-    work: Vec<guestmem_vm::VcpuWork>,
-    #[serde(default)]
-    components: Vec<ComponentState>,
+fn parse_saved_state(bytes: &[u8], path: &Path) -> Result<SavedState> {
+    serde_json::from_slice(bytes).map_err(|e| Error::Json {
+        path: path.to_path_buf(),
+        source: e,
+    })
 }
 
-/// Parses `state.json` (read from `path`) for a VM of `vcpus` vCPUs: its shape, and one vCPU
-/// state and one workload per vCPU. Its checksum is the manifest's business
-/// ([`Snapshot::open`] checks it first).
+/// Parses the state of guestmem's own VM (the JSON of a [`VmState`], as
+/// [`crate::component::PayloadVm`] saves it; read from `path`) for a VM of `vcpus` vCPUs: its
+/// shape, and one vCPU state and one workload per vCPU.
 pub fn parse_state(bytes: &[u8], vcpus: usize, path: &Path) -> Result<VmState> {
-    parse_saved_state(bytes, vcpus, path).map(|s| s.vm)
-}
-
-fn parse_saved_state(bytes: &[u8], vcpus: usize, path: &Path) -> Result<SavedState> {
-    let fields: SavedFields = serde_json::from_slice(bytes).map_err(|e| Error::Json {
+    let state: VmState = serde_json::from_slice(bytes).map_err(|e| Error::Json {
         path: path.to_path_buf(),
         source: e,
     })?;
-    let saved = SavedState {
-        vm: VmState {
-            vcpus: fields.vcpus,
-            clock: fields.clock,
-            work: fields.work,
-        },
-        components: fields.components,
-    };
-    let state = &saved.vm;
     if state.vcpus.len() != vcpus || state.work.len() != vcpus {
         return Err(Error::Corrupt(format!(
             "{}: state for {} vCPUs ({} workloads), the configuration has {vcpus}",
@@ -374,7 +375,7 @@ fn parse_saved_state(bytes: &[u8], vcpus: usize, path: &Path) -> Result<SavedSta
             state.work.len(),
         )));
     }
-    Ok(saved)
+    Ok(state)
 }
 
 /// How to bring a snapshot's memory back.
@@ -391,8 +392,20 @@ pub enum RestoreMode {
 /// Builds a VM from `snapshot` with its memory and vCPU state; the caller resumes it. Every
 /// check happens before this returns, so a refused snapshot never runs a vCPU.
 pub fn restore(snapshot: &Snapshot, mode: RestoreMode) -> Result<Vm> {
+    restore_with(snapshot, mode, &mut VmBuilder)
+}
+
+/// [`restore`] into the VM `builder` builds for the snapshot's configuration (a VMM's own VM):
+/// its memory is filled as `mode` says, then it is handed the machine state the snapshot
+/// holds ([`TargetMachine::restore`]). The caller resumes it.
+pub fn restore_with<B: MachineBuilder>(
+    snapshot: &Snapshot,
+    mode: RestoreMode,
+    builder: &mut B,
+) -> Result<B::Machine> {
     check_mode(snapshot, mode)?;
-    restore_on(Vm::new(&snapshot.manifest.config)?, snapshot, mode)
+    let vm = builder.build(&snapshot.manifest.config, SharedFiles::new())?;
+    restore_on(vm, snapshot, mode)
 }
 
 /// [`restore`] into `prepared`, a VM built ahead of time for the snapshot's configuration
@@ -415,17 +428,12 @@ fn check_mode(snapshot: &Snapshot, mode: RestoreMode) -> Result<()> {
 }
 
 /// Restores `snapshot` into `vm`, built for its configuration and never run.
-fn restore_on(mut vm: Vm, snapshot: &Snapshot, mode: RestoreMode) -> Result<Vm> {
+fn restore_on<M: TargetMachine>(mut vm: M, snapshot: &Snapshot, mode: RestoreMode) -> Result<M> {
     let manifest = &snapshot.manifest;
-    check_layout(vm.memory(), &manifest.regions)?;
+    let memory = vm.memory().clone();
+    check_layout(&memory, &manifest.regions)?;
     let mut buf = vec![0u8; CHUNK_BYTES as usize];
-    for (i, (region, image)) in vm
-        .memory()
-        .regions()
-        .iter()
-        .zip(&manifest.regions)
-        .enumerate()
-    {
+    for (i, (region, image)) in memory.regions().iter().zip(&manifest.regions).enumerate() {
         if mode == RestoreMode::Map && region.backend() == Backend::Anon {
             // The guest will see the file itself: every chunk of it, zero chunks included
             // (holes, or zeros), must be what the manifest says.
@@ -433,21 +441,21 @@ fn restore_on(mut vm: Vm, snapshot: &Snapshot, mode: RestoreMode) -> Result<Vm> 
             map_private(region, snapshot.file(image), image.file_offset)
                 .map_err(Error::io(&snapshot.file_path(image), "mmap"))?;
         } else {
-            copy_chunks(snapshot, vm.memory(), region, i, &mut buf)?;
+            copy_chunks(snapshot, &memory, region, i, &mut buf)?;
         }
     }
-    vm.restore_state(&snapshot.state)?;
+    vm.restore(&snapshot.machine)?;
     Ok(vm)
 }
 
 /// A VM restored lazily: its vCPUs can run at once while its pagers bring the memory in, on
 /// first access and in the background. The pagers are dropped (and their threads joined) before
 /// the VM and its memory, as the field order says.
-pub struct LazyVm {
+pub struct LazyVm<M = Vm> {
     /// The pagers bringing the memory in, one per RAM region.
     pub pagers: Vec<Pager>,
     /// The VM, not running yet.
-    pub vm: Vm,
+    pub vm: M,
     /// Where the restore spent its time, step by step (the VM's build steps included).
     pub phases: Vec<(String, Duration)>,
     /// Whether the pagers fetch a recorded working set first.
@@ -463,8 +471,19 @@ pub struct LazyVm {
 /// When the snapshot has a recorded working set ([`LazyVm::record_working_set`]) and
 /// `config.prefetch` is empty, the pagers fetch that working set first.
 pub fn restore_lazy(snapshot: &Snapshot, config: &PagerConfig) -> Result<LazyVm> {
+    restore_lazy_with(snapshot, config, &mut VmBuilder)
+}
+
+/// [`restore_lazy`] into the VM `builder` builds for the snapshot's configuration (a VMM's own
+/// VM). Its vCPUs must go through guest memory's mappings (as KVM's do), so that the pagers
+/// see their first accesses.
+pub fn restore_lazy_with<B: MachineBuilder>(
+    snapshot: &Snapshot,
+    config: &PagerConfig,
+    builder: &mut B,
+) -> Result<LazyVm<B::Machine>> {
     let mut phases = Vec::new();
-    let vm = vm_for_lazy_restore(snapshot, &mut phases)?;
+    let vm = vm_for_lazy_restore(snapshot, builder, &mut phases)?;
     lazy_on(vm, snapshot, config, phases)
 }
 
@@ -486,12 +505,12 @@ pub fn restore_lazy_into(
 }
 
 /// The rest of a lazy restore once the VM holds the sys region: the pagers and the vCPU state.
-fn lazy_on(
-    mut vm: Vm,
+fn lazy_on<M: TargetMachine>(
+    mut vm: M,
     snapshot: &Snapshot,
     config: &PagerConfig,
     mut phases: Vec<(String, Duration)>,
-) -> Result<LazyVm> {
+) -> Result<LazyVm<M>> {
     let mut t = Instant::now();
     let working_set = if config.prefetch.is_empty() {
         snapshot.working_set()?
@@ -500,8 +519,8 @@ fn lazy_on(
     };
     lap(&mut phases, &mut t, "read the working set");
     let mut pagers = Vec::new();
-    for (i, (region, image)) in vm
-        .memory()
+    let memory = vm.memory().clone();
+    for (i, (region, image)) in memory
         .regions()
         .iter()
         .zip(&snapshot.manifest.regions)
@@ -512,7 +531,7 @@ fn lazy_on(
         }
         let source = SnapshotSource::new(snapshot, i)?;
         let mut config = PagerConfig {
-            abort: Some(vm.abort_handle()),
+            abort: vm.abort_handle(),
             // The restored vCPUs wait on their faults from the first instruction on.
             realtime_handlers: true,
             ..config.clone()
@@ -523,7 +542,7 @@ fn lazy_on(
         pagers.push(Pager::start(region, Arc::new(source), &config)?);
     }
     lap(&mut phases, &mut t, "start pagers");
-    vm.restore_state(&snapshot.state)?;
+    vm.restore(&snapshot.machine)?;
     lap(&mut phases, &mut t, "restore vCPU state");
     Ok(LazyVm {
         pagers,
@@ -533,19 +552,27 @@ fn lazy_on(
     })
 }
 
-impl LazyVm {
+impl<M: TargetMachine> LazyVm<M> {
     /// Writes the chunks the guest faulted on since the restore, in fault order, beside
     /// `snapshot` (see [`Snapshot::working_set`]), for the next lazy restore to fetch first.
     /// Returns how many chunks it lists.
     pub fn record_working_set(&self, snapshot: &Snapshot) -> Result<usize> {
-        record_working_set(snapshot, &self.vm, &self.pagers)
+        record_working_set_of(snapshot, self.vm.memory(), &self.pagers)
     }
 }
 
 /// [`LazyVm::record_working_set`] for a lazy restore taken apart (`pagers` in the order
 /// [`restore_lazy`] made them).
 pub fn record_working_set(snapshot: &Snapshot, vm: &Vm, pagers: &[Pager]) -> Result<usize> {
-    let regions = working_set::regions_of(vm, pagers);
+    record_working_set_of(snapshot, vm.memory(), pagers)
+}
+
+fn record_working_set_of(
+    snapshot: &Snapshot,
+    memory: &GuestMemory,
+    pagers: &[Pager],
+) -> Result<usize> {
+    let regions = working_set::regions_of_memory(memory, pagers);
     let n = regions.iter().map(|r| r.chunks.len()).sum();
     snapshot.write_working_set(regions)?;
     Ok(n)
@@ -558,29 +585,32 @@ fn lap(phases: &mut Vec<(String, Duration)>, t: &mut Instant, name: &str) {
     *t = now;
 }
 
-/// The first steps of every lazy restore: build the VM, check its layout, and copy in the sys region (page tables, payload,
-/// control blocks: small, and needed at once). The guest RAM regions are left to a pager.
-pub(crate) fn vm_for_lazy_restore(
+/// The first steps of every lazy restore: build the VM, check its layout, and copy in the sys
+/// region (page tables, payload, control blocks: small, and needed at once). The guest RAM
+/// regions are left to a pager.
+pub(crate) fn vm_for_lazy_restore<B: MachineBuilder>(
     snapshot: &Snapshot,
+    builder: &mut B,
     phases: &mut Vec<(String, Duration)>,
-) -> Result<Vm> {
-    let vm = Vm::new(&snapshot.manifest.config)?;
-    phases.extend(
-        vm.build_phases()
-            .iter()
-            .map(|(name, d)| (format!("Vm::new: {name}"), *d)),
-    );
+) -> Result<B::Machine> {
+    let vm = builder.build(&snapshot.manifest.config, SharedFiles::new())?;
+    phases.extend(vm.build_phases());
     lazy_vm_on(vm, snapshot, phases)
 }
 
 /// Checks `vm`'s layout against `snapshot` and copies in the sys region.
-fn lazy_vm_on(vm: Vm, snapshot: &Snapshot, phases: &mut Vec<(String, Duration)>) -> Result<Vm> {
+fn lazy_vm_on<M: TargetMachine>(
+    vm: M,
+    snapshot: &Snapshot,
+    phases: &mut Vec<(String, Duration)>,
+) -> Result<M> {
     let mut t = Instant::now();
-    check_layout(vm.memory(), &snapshot.manifest.regions)?;
+    let memory = vm.memory();
+    check_layout(memory, &snapshot.manifest.regions)?;
     let mut buf = vec![0u8; CHUNK_BYTES as usize];
-    for (i, region) in vm.memory().regions().iter().enumerate() {
+    for (i, region) in memory.regions().iter().enumerate() {
         if region.gpa() == layout::SYS_GPA {
-            copy_chunks(snapshot, vm.memory(), region, i, &mut buf)?;
+            copy_chunks(snapshot, memory, region, i, &mut buf)?;
         }
     }
     lap(phases, &mut t, "copy the sys region");
@@ -790,41 +820,49 @@ mod tests {
     use super::*;
 
     #[test]
-    fn component_states_sit_beside_the_vm_state_and_older_states_read_as_none() {
-        let vm = || VmState {
-            vcpus: Vec::new(),
-            clock: Default::default(),
-            work: Vec::new(),
-        };
+    fn the_machine_state_travels_as_an_opaque_blob_beside_the_components() {
         let path = Path::new("state.json");
         let components = vec![ComponentState {
             name: "rng0".into(),
             data: vec![1, 2, 0xff],
         }];
-        let with = serde_json::to_vec(&SavedState {
-            vm: vm(),
+        // Any bytes: the snapshot does not read them.
+        let machine = vec![0, 0x7b, 0xfe, 0x22];
+        let json = serde_json::to_vec(&SavedState {
+            machine: machine.clone(),
             components: components.clone(),
         })
         .unwrap();
         assert_eq!(
-            parse_saved_state(&with, 0, path).unwrap().components,
-            components
+            std::str::from_utf8(&json).unwrap(),
+            r#"{"machine":"007bfe22","components":[{"name":"rng0","data":"0102ff"}]}"#
         );
-        // The VM state alone, as every snapshot before components: no key, no components.
-        let without = serde_json::to_vec(&SavedState {
-            vm: vm(),
-            components: Vec::new(),
+        let back = parse_saved_state(&json, path).unwrap();
+        assert_eq!((back.machine, back.components), (machine, components));
+        // No components: none.
+        let alone = parse_saved_state(br#"{"machine":""}"#, path).unwrap();
+        assert!(alone.machine.is_empty() && alone.components.is_empty());
+        // A version 2 state (guestmem's VM state field by field) is not taken for one.
+        let e = parse_saved_state(br#"{"vcpus":[],"clock":{},"work":[]}"#, path).err();
+        assert!(matches!(e, Some(Error::Json { .. })), "{e:?}");
+    }
+
+    #[test]
+    fn a_payload_state_for_another_vcpu_count_is_refused() {
+        let state = serde_json::to_vec(&VmState {
+            vcpus: Vec::new(),
+            clock: Default::default(),
+            work: Vec::new(),
         })
         .unwrap();
-        assert_eq!(without, serde_json::to_vec(&vm()).unwrap());
-        assert!(parse_saved_state(&without, 0, path)
+        assert!(parse_state(&state, 0, Path::new("s")).is_ok_and(|s| s.work.is_empty()));
+        let e = parse_state(&state, 1, Path::new("s"))
+            .err()
             .unwrap()
-            .components
-            .is_empty());
-        // A state for another vCPU count is refused, components or not.
-        assert!(matches!(
-            parse_saved_state(&with, 1, path),
-            Err(Error::Corrupt(_))
-        ));
+            .to_string();
+        assert_eq!(
+            e,
+            "corrupt snapshot: s: state for 0 vCPUs (0 workloads), the configuration has 1"
+        );
     }
 }

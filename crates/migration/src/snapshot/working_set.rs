@@ -1,6 +1,7 @@
 //! `working-set.json`: the chunks a lazily restored guest faulted on first, kept beside the
 //! snapshot for the next lazy restore to fetch first.
 
+use guestmem_memory::GuestMemory;
 use guestmem_paging::Pager;
 use guestmem_vm::{layout, Vm};
 use serde::{Deserialize, Serialize};
@@ -42,7 +43,12 @@ pub struct WorkingSetRegion {
 /// The working set a lazy restore's guest showed: per RAM region of `vm` (the sys region
 /// left out, `pagers` in the order of the regions), the chunks it faulted on, in order.
 pub fn regions_of(vm: &Vm, pagers: &[Pager]) -> Vec<WorkingSetRegion> {
-    vm.memory()
+    regions_of_memory(vm.memory(), pagers)
+}
+
+/// [`regions_of`] for any VM's guest memory.
+pub(crate) fn regions_of_memory(memory: &GuestMemory, pagers: &[Pager]) -> Vec<WorkingSetRegion> {
+    memory
         .regions()
         .iter()
         .filter(|r| r.gpa() != layout::SYS_GPA)

@@ -15,9 +15,9 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use guestmem_memory::PAGE_SIZE;
+use guestmem_memory::{GuestMemory, PAGE_SIZE};
 use guestmem_tracking::DirtyBitmap;
-use guestmem_vm::Vm;
+use guestmem_vm::{Vm, VmConfig};
 use serde::Serialize;
 
 use super::manifest::{
@@ -25,7 +25,7 @@ use super::manifest::{
 };
 use super::sparse::nonzero_page_runs;
 use super::{SavedState, Snapshot, MANIFEST, STATE, WORKING_SET};
-use crate::component::ComponentState;
+use crate::component::{ComponentState, Machine};
 use crate::{Error, Result};
 
 /// The files a snapshot directory may hold; a directory holding anything else is not
@@ -45,12 +45,42 @@ pub struct WriteReport {
     pub chunks: u64,
 }
 
+/// What a snapshot is taken of: the VM's configuration, its guest memory, and its state as its
+/// machine saved it.
+struct Source<'a> {
+    config: &'a VmConfig,
+    memory: &'a GuestMemory,
+    state: Vec<u8>,
+}
+
+impl<'a> Source<'a> {
+    /// guestmem's own VM, not running.
+    fn vm(vm: &'a Vm) -> Result<Source<'a>> {
+        Ok(Source {
+            config: vm.config(),
+            memory: vm.memory(),
+            state: crate::payload::save(vm)?,
+        })
+    }
+
+    /// Any VMM's VM, paused: its [`Machine::save`] gives the state.
+    fn machine<M: Machine + ?Sized>(machine: &'a mut M) -> Result<Source<'a>> {
+        let state = machine.save()?;
+        let machine: &'a M = machine;
+        Ok(Source {
+            config: machine.config(),
+            memory: machine.memory(),
+            state,
+        })
+    }
+}
+
 /// Writes a snapshot of `vm`, which is not running (a [`guestmem_vm::RunningVm`] borrows it
 /// mutably, so holding `&Vm` proves it is paused or stopped), into `dir`. An existing snapshot
 /// there is replaced atomically (see the module docs); a directory holding other files is
 /// refused.
 pub fn write(vm: &Vm, dir: &Path) -> Result<WriteReport> {
-    write_snapshot(vm, dir, None, &[])
+    write_snapshot(Source::vm(vm)?, dir, None, &[])
 }
 
 /// [`write()`] with the states of the VM's components beside the VM's (in `state.json`), for
@@ -60,7 +90,17 @@ pub fn write_with_components(
     dir: &Path,
     components: &[ComponentState],
 ) -> Result<WriteReport> {
-    write_snapshot(vm, dir, None, components)
+    write_snapshot(Source::vm(vm)?, dir, None, components)
+}
+
+/// Writes a snapshot of `machine` (any VMM's VM, paused: its state is what
+/// [`Machine::save`] gives) and its `components`' states into `dir`, as [`write()`] does.
+pub fn write_machine<M: Machine + ?Sized>(
+    machine: &mut M,
+    dir: &Path,
+    components: &[ComponentState],
+) -> Result<WriteReport> {
+    write_snapshot(Source::machine(machine)?, dir, None, components)
 }
 
 /// Writes a diff snapshot of `vm` over the snapshot in `base`: only the chunks holding a page
@@ -68,8 +108,29 @@ pub fn write_with_components(
 /// stored; the others are inherited from `base`, which the diff names by path and by its
 /// manifest's checksum (a base replaced since is refused on restore).
 pub fn write_diff(vm: &Vm, dir: &Path, base: &Path, dirty: &[DirtyBitmap]) -> Result<WriteReport> {
+    let source = Source::vm(vm)?;
+    let base = base_ref(source.config, dir, base)?;
+    write_snapshot(source, dir, Some((base, dirty)), &[])
+}
+
+/// [`write_diff`] of `machine` (paused) and its `components`' states.
+pub fn write_machine_diff<M: Machine + ?Sized>(
+    machine: &mut M,
+    dir: &Path,
+    base: &Path,
+    dirty: &[DirtyBitmap],
+    components: &[ComponentState],
+) -> Result<WriteReport> {
+    let source = Source::machine(machine)?;
+    let base = base_ref(source.config, dir, base)?;
+    write_snapshot(source, dir, Some((base, dirty)), components)
+}
+
+/// How a diff of a VM of `config` written into `dir` names its `base`, which must be of the
+/// same configuration and not `dir` itself.
+fn base_ref(config: &VmConfig, dir: &Path, base: &Path) -> Result<BaseRef> {
     let base_snapshot = Snapshot::open(base)?;
-    if base_snapshot.manifest.config != *vm.config() {
+    if base_snapshot.manifest.config != *config {
         return Err(Error::Write(format!(
             "{}: the base snapshot is of another VM configuration",
             base.display()
@@ -82,15 +143,14 @@ pub fn write_diff(vm: &Vm, dir: &Path, base: &Path, dirty: &[DirtyBitmap]) -> Re
             dir.display()
         )));
     }
-    let base = BaseRef {
+    Ok(BaseRef {
         dir: base_dir,
         checksum: base_snapshot.manifest.checksum.clone(),
-    };
-    write_snapshot(vm, dir, Some((base, dirty)), &[])
+    })
 }
 
 fn write_snapshot(
-    vm: &Vm,
+    source: Source<'_>,
     dir: &Path,
     diff: Option<(BaseRef, &[DirtyBitmap])>,
     components: &[ComponentState],
@@ -101,7 +161,7 @@ fn write_snapshot(
     check_replaceable(dir)?;
     let staging = staging_dir(dir)?;
     std::fs::create_dir(&staging).map_err(Error::io(&staging, "create directory"))?;
-    let written = write_files(vm, &staging, diff, components).and_then(|report| {
+    let written = write_files(source, &staging, diff, components).and_then(|report| {
         sync_dir(&staging)?;
         commit(&staging, dir)?;
         Ok(report)
@@ -199,15 +259,20 @@ fn sync_dir(dir: &Path) -> Result<()> {
         .map_err(Error::io(dir, "sync directory"))
 }
 
-/// Writes the state, memory, sys and manifest files of a snapshot of `vm` into `dir`.
+/// Writes the state, memory, sys and manifest files of a snapshot of `source` into `dir`.
 fn write_files(
-    vm: &Vm,
+    source: Source<'_>,
     dir: &Path,
     diff: Option<(BaseRef, &[DirtyBitmap])>,
     components: &[ComponentState],
 ) -> Result<WriteReport> {
+    let Source {
+        config,
+        memory,
+        state,
+    } = source;
     let state = SavedState {
-        vm: vm.save_state()?,
+        machine: state,
         components: components.to_vec(),
     };
     let state_json = serde_json::to_vec(&state).map_err(|e| Error::Json {
@@ -232,7 +297,7 @@ fn write_files(
     };
     let mut regions = Vec::new();
     let mut buf = vec![0u8; CHUNK_BYTES as usize];
-    for region in vm.memory().regions() {
+    for region in memory.regions() {
         let which = RegionFile::for_region(region.spec());
         let (file, path, end) = &mut files[which as usize];
         let file_offset = *end;
@@ -256,7 +321,7 @@ fn write_files(
                 }
             }
             let bytes = &mut buf[..len];
-            vm.memory().read(region.gpa() + offset, bytes)?;
+            memory.read(region.gpa() + offset, bytes)?;
             let mut zero = true;
             for (run_start, run) in nonzero_page_runs(bytes) {
                 zero = false;
@@ -277,7 +342,7 @@ fn write_files(
             spec: region.spec().clone(),
             file: which,
             file_offset,
-            digest: vm.memory().digest(region.gpa(), region.size())?,
+            digest: memory.digest(region.gpa(), region.size())?,
             chunks,
         });
         *end += region.size();
@@ -290,7 +355,7 @@ fn write_files(
     let mut manifest = Manifest {
         format: FORMAT.into(),
         version: VERSION,
-        config: vm.config().clone(),
+        config: config.clone(),
         regions,
         chunk_bytes: CHUNK_BYTES,
         state_bytes: state_json.len() as u64,

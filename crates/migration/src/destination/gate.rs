@@ -1,0 +1,339 @@
+//! Admission: each connection's handshake, its certificate's role and its Hello on a thread of
+//! its own, one migration at a time (the others are told the destination is busy), and the
+//! collection of a migration's connections (or of its resumption's).
+
+use std::io;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::migrate::{read_hello, write_frame, ChannelRole, Hello, Links, Mode};
+use crate::stream::Frame;
+use crate::transport::{Accepted, Connection, Listener, Role, Timeouts};
+use crate::{error_chain, Error, MigrationError, Result};
+
+/// Connections in their handshake at once, at most: more are dropped as they come (a flood of
+/// junk connections costs a thread each for at most the handshake timeout).
+const MAX_HANDSHAKES: usize = 64;
+
+/// The destination's admission of connections on a listener. Each accepted socket's TLS
+/// handshake and Hello run in a thread of their own, bounded by the handshake timeout, so a
+/// silent or junk connection holds nobody up and ends nothing but itself (it is refused, and
+/// the refusal logged). The first pages connection of a new migration claims the destination;
+/// connections of any other migration are answered Abort (the destination is busy) until the
+/// claim ends with the migration.
+pub(crate) struct Gate {
+    state: Mutex<GateState>,
+    changed: Condvar,
+    handshakes: AtomicUsize,
+}
+
+#[derive(Default)]
+struct GateState {
+    /// The migration this destination serves.
+    current: Option<u64>,
+    /// Connections of it, taken in (their Hello answered), not collected yet.
+    arrived: Vec<Arrival>,
+}
+
+struct Arrival {
+    conn: Connection,
+    hello: Hello,
+    at: Instant,
+}
+
+/// A migration's hold on the destination, released when dropped.
+pub(crate) struct Claim {
+    gate: Arc<Gate>,
+    migration: u64,
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        let mut st = self.gate.lock();
+        if st.current == Some(self.migration) {
+            st.current = None;
+        }
+        st.arrived.retain(|a| a.hello.migration != self.migration);
+    }
+}
+
+impl Gate {
+    /// The listener's gate, started (with its accepting thread) on first use.
+    pub(crate) fn of(listener: &Arc<Listener>) -> Arc<Gate> {
+        listener
+            .gate
+            .get_or_init(|| {
+                let gate = Arc::new(Gate {
+                    state: Mutex::new(GateState::default()),
+                    changed: Condvar::new(),
+                    handshakes: AtomicUsize::new(0),
+                });
+                let (g, l) = (gate.clone(), listener.clone());
+                std::thread::Builder::new()
+                    .name("migrate-accept".into())
+                    .spawn(move || g.accept_loop(&l))
+                    .expect("spawning the accepting thread");
+                gate
+            })
+            .clone()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, GateState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn accept_loop(self: &Arc<Self>, listener: &Listener) {
+        loop {
+            let accepted = match listener.accept_socket() {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::warn!(
+                        "accepting a migration connection: {}",
+                        error_chain(&e, ": ")
+                    );
+                    std::thread::sleep(Duration::from_millis(100));
+                    continue;
+                }
+            };
+            if self.handshakes.fetch_add(1, Ordering::SeqCst) >= MAX_HANDSHAKES {
+                self.handshakes.fetch_sub(1, Ordering::SeqCst);
+                tracing::warn!(
+                    "refused a connection from {}: {MAX_HANDSHAKES} connections are in their \
+                     handshake already",
+                    accepted.peer()
+                );
+                continue;
+            }
+            let gate = self.clone();
+            let spawned = std::thread::Builder::new()
+                .name("migrate-admit".into())
+                .spawn(move || {
+                    gate.admit(accepted);
+                    gate.handshakes.fetch_sub(1, Ordering::SeqCst);
+                });
+            if let Err(e) = spawned {
+                self.handshakes.fetch_sub(1, Ordering::SeqCst);
+                tracing::warn!("refused a migration connection: no thread for it: {e}");
+            }
+        }
+    }
+
+    /// One connection: its handshake, its certificate's role, its Hello, and whether this
+    /// destination takes it.
+    fn admit(&self, accepted: Accepted) {
+        let handshake = accepted.timeouts();
+        let mut conn = match accepted.handshake() {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!("refused a migration connection: {}", error_chain(&e, ": "));
+                return;
+            }
+        };
+        if let Err(why) = conn.check_peer_role(Role::Source) {
+            return refuse(&mut conn, why);
+        }
+        // The Hello is part of the connection's establishment: bounded as the handshake.
+        let _ = conn.set_idle_timeout(Some(handshake.handshake));
+        let hello = match read_hello(&mut conn) {
+            Ok(h) => h,
+            Err(e) => {
+                let why = format!(
+                    "{} sent no valid Hello: {}",
+                    conn.peer(),
+                    error_chain(&e, ": ")
+                );
+                return refuse(&mut conn, why);
+            }
+        };
+        let _ = conn.set_idle_timeout(Some(handshake.idle));
+        let verdict = {
+            let mut st = self.lock();
+            match st.current {
+                Some(id) if id == hello.migration => Ok(()),
+                Some(id) => Err(format!(
+                    "the destination is busy with another migration ({id:#x}); migration {:#x} \
+                     is refused (try again once that one is over)",
+                    hello.migration
+                )),
+                None if hello.resume => Err(format!(
+                    "the source resumes migration {:#x}, which this destination is not running",
+                    hello.migration
+                )),
+                None if hello.channel != ChannelRole::Pages(0) => Err(format!(
+                    "connection {:?} of migration {:#x} came before its first pages connection",
+                    hello.channel, hello.migration
+                )),
+                None => {
+                    st.current = Some(hello.migration);
+                    Ok(())
+                }
+            }
+        };
+        if let Err(why) = verdict {
+            return refuse(&mut conn, why);
+        }
+        // Before the answer: the source opens its next connection only once it has it.
+        let at = Instant::now();
+        let answer = serde_json::json!({ "guestmem_version": env!("CARGO_PKG_VERSION") });
+        if let Err(e) = write_frame(
+            &mut conn,
+            &Frame::Hello {
+                config_json: answer.to_string().into_bytes(),
+            },
+        ) {
+            tracing::warn!(
+                "a migration connection broke as it was taken in: {}",
+                error_chain(&e, ": ")
+            );
+        }
+        self.lock().arrived.push(Arrival { conn, hello, at });
+        self.changed.notify_all();
+    }
+
+    /// Waits for the first pages connection of a new migration (`resume_of` `None`: the one
+    /// that claimed the destination) or of the resumption of `resume_of`, then for its other
+    /// connections, which must all come within the handshake timeout of the first. `None` when
+    /// `stop` says so first.
+    pub(crate) fn collect(
+        self: &Arc<Self>,
+        resume_of: Option<u64>,
+        timeouts: Timeouts,
+        stop: &dyn Fn() -> bool,
+    ) -> Result<Option<(Links, Option<Claim>)>> {
+        let resume = resume_of.is_some();
+        let mut st = self.lock();
+        let first = loop {
+            if stop() {
+                return Ok(None);
+            }
+            let want = resume_of.or(st.current);
+            if let Some(id) = want {
+                if let Some(i) = st.arrived.iter().rposition(|a| {
+                    a.hello.migration == id
+                        && a.hello.channel == ChannelRole::Pages(0)
+                        && a.hello.resume == resume
+                }) {
+                    break st.arrived.remove(i);
+                }
+            }
+            st = self
+                .changed
+                .wait_timeout(st, Duration::from_millis(200))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        };
+        let id = first.hello.migration;
+        // Older arrivals of a resumption belong to an attempt that was given up.
+        if resume {
+            st.arrived
+                .retain(|a| a.hello.migration != id || a.at >= first.at);
+        }
+        drop(st);
+        // A resumption goes on under the claim of the migration it resumes.
+        let claim = (!resume).then(|| Claim {
+            gate: self.clone(),
+            migration: id,
+        });
+        let (pages, urgent) = (first.hello.pages, first.hello.urgent);
+        let mut main = first.conn;
+        let fail = |main: &mut Connection, reason: String| {
+            let _ = write_frame(
+                main,
+                &Frame::Abort {
+                    reason: reason.clone(),
+                },
+            );
+            Error::Migration(MigrationError::Connections { reason })
+        };
+        if pages == 0 || pages > 64 || urgent > 64 {
+            return Err(fail(
+                &mut main,
+                format!("{pages} pages and {urgent} urgent connections announced"),
+            ));
+        }
+        let mut slots: Vec<Option<Connection>> = (0..pages + urgent).map(|_| None).collect();
+        slots[0] = Some(main);
+        let deadline = Instant::now() + timeouts.handshake;
+        let mut st = self.lock();
+        while slots.iter().any(Option::is_none) {
+            let next = st.arrived.iter().position(|a| a.hello.migration == id);
+            let Some(i) = next else {
+                let now = Instant::now();
+                if now >= deadline {
+                    drop(st);
+                    let missing: Vec<String> = slots
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, s)| s.is_none())
+                        .map(|(i, _)| {
+                            if i < pages {
+                                format!("pages connection {i}")
+                            } else {
+                                format!("urgent connection {}", i - pages)
+                            }
+                        })
+                        .collect();
+                    let main = slots[0].as_mut().expect("the first connection");
+                    let why = format!(
+                        "{} of migration {id:#x} did not come within {} s of its first \
+                         connection (the handshake timeout; from {})",
+                        missing.join(", "),
+                        timeouts.handshake.as_secs_f64(),
+                        main.peer()
+                    );
+                    return Err(fail(main, why));
+                }
+                st = self
+                    .changed
+                    .wait_timeout(st, deadline - now)
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
+                continue;
+            };
+            let Arrival { conn, hello: h, .. } = st.arrived.remove(i);
+            let slot = match h.channel {
+                ChannelRole::Pages(i) if i < pages => Some(i),
+                ChannelRole::Urgent(i) if i < urgent => Some(pages + i),
+                _ => None,
+            };
+            let why = match slot {
+                None => Some(format!(
+                    "connection {:?} is outside the {pages} + {urgent} announced",
+                    h.channel
+                )),
+                Some(s) if slots[s].is_some() || h.resume != resume => Some(format!(
+                    "connection {:?} of migration {id:#x} came twice",
+                    h.channel
+                )),
+                Some(_) => None,
+            };
+            if let Some(why) = why {
+                drop(st);
+                let main = slots[0].as_mut().expect("the first connection");
+                return Err(fail(main, why));
+            }
+            slots[slot.expect("checked")] = Some(conn);
+        }
+        drop(st);
+        let mut all = slots.into_iter().map(|s| s.expect("every slot filled"));
+        let links = Links {
+            pages: all.by_ref().take(pages).collect(),
+            urgent: all.collect(),
+            migration: id,
+            mode: Mode::Precopy,
+        };
+        Ok(Some((links, claim)))
+    }
+}
+
+/// Tells a refused connection why (an Abort), and lets it read that before the socket closes
+/// (closing with its data unread would reset the connection, and the Abort could be lost).
+fn refuse(conn: &mut Connection, why: String) {
+    tracing::warn!("refused a migration connection: {why}");
+    if write_frame(conn, &Frame::Abort { reason: why }).is_ok() {
+        let _ = conn.set_idle_timeout(Some(Duration::from_secs(2)));
+        let mut sink = [0u8; 4096];
+        while matches!(io::Read::read(conn, &mut sink), Ok(n) if n > 0) {}
+    }
+}

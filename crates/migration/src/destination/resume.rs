@@ -1,0 +1,101 @@
+//! After the switch-over: the received VM resumed, the source told, and (post-copy) the wait
+//! until every page is resident.
+
+use std::time::{Duration, Instant};
+
+use guestmem_paging::Pager;
+
+use super::*;
+use crate::component::TargetMachine;
+use crate::migrate::{link_error, write_frame, Mode};
+use crate::stream::Frame;
+use crate::{MigrationError, Result};
+
+impl Transfer {
+    /// Runs the received VM's vCPUs ([`TargetMachine::resume`]), tells the source (the
+    /// downtime ends), and, in post-copy, opens the link to the pagers.
+    pub fn resume<'v, M: TargetMachine>(&mut self, vm: &'v mut M) -> Result<M::Running<'v>> {
+        let mut links = self.links.take().ok_or(MigrationError::AlreadyResumed)?;
+        let running = vm.resume()?;
+        self.running_at = Some(Instant::now());
+        write_frame(&mut links.pages[0], &Frame::Running)?;
+        if !self.streams.is_empty() {
+            crate::stream::free_aside(std::mem::take(&mut self.streams));
+        }
+        match &self.postcopy {
+            None => {
+                let json = serde_json::to_vec(&self.report).expect("a report serializes");
+                write_frame(&mut links.pages[0], &Frame::Complete { report_json: json })?;
+            }
+            Some(p) => {
+                p.link.open(links)?;
+                let link = p.link.clone();
+                let listener = p.listener.clone();
+                let migration = p.migration;
+                std::thread::Builder::new()
+                    .name("postcopy-keeper".into())
+                    .spawn(move || link.keep(&listener, migration))
+                    .map_err(|e| link_error("spawning the link keeper", e))?;
+            }
+        }
+        Ok(running)
+    }
+
+    /// The migration's mode.
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    /// Post-copy: memory still to arrive, in bytes (0 once everything is resident).
+    pub fn missing_bytes(&self) -> u64 {
+        self.postcopy.as_ref().map_or(0, |p| {
+            p.pagers
+                .iter()
+                .map(|pager| {
+                    let s = pager.stats();
+                    if s.retired {
+                        0
+                    } else {
+                        pager.size().saturating_sub(s.resident_bytes)
+                    }
+                })
+                .sum()
+        })
+    }
+
+    /// Waits until the transfer is over (post-copy: every page resident, the source told), and
+    /// returns the destination's figures. A post-copy whose source is gone for good ends with
+    /// the error (and the VM, stopped by it, names the guest address it missed).
+    pub fn finish(mut self) -> Result<DestinationReport> {
+        let Some(p) = self.postcopy.take() else {
+            return Ok(self.report);
+        };
+        let started = Instant::now();
+        loop {
+            let mut all = true;
+            for pager in &p.pagers {
+                if !pager.wait_resident(Duration::from_millis(50))? {
+                    all = false;
+                }
+            }
+            if all {
+                break;
+            }
+        }
+        let mut report = self.report.clone();
+        // From Running to the last pager's retirement, however late `finish` is called (not
+        // the time `finish` waited: ~0 when the guest ran for longer than post-copy took).
+        let retired = p.pagers.iter().filter_map(Pager::retired_at).max();
+        report.resident_ms = match (self.running_at, retired) {
+            (Some(running), Some(retired)) => retired.saturating_duration_since(running),
+            _ => started.elapsed(),
+        }
+        .as_secs_f64()
+            * 1e3;
+        report.faults = p.pagers.iter().map(|pg| pg.stats().faults).sum();
+        p.link.fill_report(&mut report);
+        let json = serde_json::to_vec(&report).expect("a report serializes");
+        p.link.close(&json)?;
+        Ok(report)
+    }
+}
