@@ -308,6 +308,13 @@ fn a_store_written_before_packs_is_read_and_its_chunks_reused() {
     for id in &ids {
         b.delete(&chunk::pack_key(id)).unwrap();
     }
+    // Its state object held guestmem's VM state alone (the machine's blob, no components).
+    let key = guestmem_store::manifest::state_key("old");
+    let saved: guestmem_migration::snapshot::SavedState =
+        serde_json::from_slice(&b.get(&key).unwrap()).unwrap();
+    b.put(&key, &saved.machine).unwrap();
+    m.state_bytes = saved.machine.len() as u64;
+    m.state_blake3 = blake3::hash(&saved.machine).to_hex().to_string();
     m.version = 1;
     m.packs.clear();
     m.seal();

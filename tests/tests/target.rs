@@ -330,3 +330,68 @@ fn a_builder_that_refuses_the_vm_refuses_the_migration_and_the_source_runs_on() 
     running.stop();
     running.wait(std::time::Duration::from_secs(30)).unwrap();
 }
+
+/// The same VMM machine into a chunk store (a local one): written through `write_machine`
+/// (paused, its state the VMM's blob), restored full and lazily into the VM the builder
+/// makes, the blob handed back byte for byte, and the guest going on from where it was.
+#[test]
+#[cfg_attr(
+    any(not(kvm), not(uffd)),
+    ignore = "no usable /dev/kvm or /dev/userfaultfd"
+)]
+fn a_vmm_machine_goes_through_a_chunk_store() {
+    use guestmem_store::local::LocalBackend;
+    use guestmem_store::restore::StoreSnapshot;
+    let config = VmConfig::simple(2, SIZE, Backend::Anon);
+    let dir = TempDir::new("vmm-store");
+    let backend: Arc<dyn guestmem_store::Backend> =
+        Arc::new(LocalBackend::new(&dir.0.join("store")));
+    let mut vm = Vm::new(&config).unwrap();
+    let running = vm.start(&dirty_work(2, SIZE)).unwrap();
+    wait_for_generation(&running, 2);
+    let mut machine = SourceVm(PayloadVm::running(running));
+    machine.pause().unwrap();
+    let state = guestmem_migration::component::ComponentState {
+        name: "dev0".into(),
+        data: vec![1, 2, 3],
+    };
+    guestmem_store::write::write_machine(
+        &*backend,
+        "vmm",
+        &mut machine,
+        std::slice::from_ref(&state),
+        None,
+    )
+    .unwrap();
+    drop(machine);
+    let at_snapshot = vm.pages_done();
+    drop(vm);
+
+    let work = dirty_work(2, SIZE);
+    for lazy in [false, true] {
+        let snap = StoreSnapshot::open(backend.clone(), "vmm", None).unwrap();
+        assert_eq!(snap.components, std::slice::from_ref(&state));
+        let (pagers, mut restored) = if lazy {
+            let l = snap
+                .restore_lazy_with(&mut builder(), &PagerConfig::default())
+                .unwrap();
+            (l.pagers, l.vm)
+        } else {
+            (Vec::new(), snap.restore_full_with(&mut builder()).unwrap())
+        };
+        assert_eq!(restored.part.as_deref(), Some(VMM_PART), "lazy {lazy}");
+        let running = restored.resume().unwrap();
+        wait_for_generation(
+            &running,
+            at_snapshot.iter().max().unwrap() / work[0].pages() + 2,
+        );
+        running.stop();
+        let report = running.wait(std::time::Duration::from_secs(30)).unwrap();
+        let after: Vec<u64> = report.vcpus.iter().map(|v| v.pages).collect();
+        for (b, a) in at_snapshot.iter().zip(&after) {
+            assert!(a > b, "lazy {lazy}: the guest went on counting: {b} -> {a}");
+        }
+        assert_pages_consistent(&restored.vm, &work, &after);
+        drop(pagers);
+    }
+}

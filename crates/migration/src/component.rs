@@ -38,7 +38,9 @@ use guestmem_tracking::Tracker;
 use guestmem_vm::VmConfig;
 use serde::{Deserialize, Serialize};
 
-pub use crate::payload::{PayloadVm, VmBuilder};
+pub use crate::payload::{
+    save as payload_state, state_of as payload_state_of, PayloadVm, VmBuilder,
+};
 pub use crate::target::{MachineBuilder, SharedFiles, TargetMachine};
 use crate::{Error, Result};
 

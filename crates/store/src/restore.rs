@@ -8,10 +8,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use guestmem_memory::{GuestMemory, PAGE_SIZE};
+use guestmem_migration::component::{
+    payload_state_of, ComponentState, MachineBuilder, SharedFiles, TargetMachine, VmBuilder,
+};
 use guestmem_migration::firecracker::{self, PeerRestoredVm, ServedMemory, ServedRegion};
+use guestmem_migration::snapshot::SavedState;
 use guestmem_migration::snapshot::{PreparedVm, WorkingSetRegion};
 use guestmem_paging::{Pager, PagerConfig};
-use guestmem_vm::{layout, Vm, VmState};
+use guestmem_vm::{layout, Vm};
 use serde::{Deserialize, Serialize};
 
 use crate::backend::Backend;
@@ -28,8 +32,12 @@ use crate::{Error, Result};
 pub struct StoreSnapshot {
     /// Its manifest.
     pub manifest: StoreManifest,
-    /// Its vCPU and VM state.
-    pub state: VmState,
+    /// The VM's state as its machine saved it, for [`TargetMachine::restore`] (guestmem's own
+    /// VM's: its vCPU and VM state).
+    pub machine: Vec<u8>,
+    /// The states of the components saved with it (`write_machine`), for the restored VM's
+    /// components of the same names.
+    pub components: Vec<ComponentState>,
     /// Every chunk, a diff's base entries resolved.
     pub resolved: Resolved,
     /// What gets its chunks (through the host's chunk cache for S3).
@@ -86,14 +94,27 @@ impl StoreSnapshot {
         let resolved = resolve(&*backend, &manifest)?;
         let state_json = check_state(&*backend, &manifest, state?)?;
         let label = format!("{}/{}", backend.describe(), state_key(name));
-        let state = guestmem_migration::snapshot::parse_state(
-            &state_json,
-            manifest.config.vcpus,
-            Path::new(&label),
-        )?;
+        let (machine, components) = if manifest.version < 2 {
+            // Version 1 kept guestmem's own VM state alone, as its machine saves it.
+            guestmem_migration::snapshot::parse_state(
+                &state_json,
+                manifest.config.vcpus,
+                Path::new(&label),
+            )?;
+            (state_json, Vec::new())
+        } else {
+            let saved: SavedState =
+                serde_json::from_slice(&state_json).map_err(|source| Error::Json {
+                    store: backend.describe(),
+                    key: state_key(name),
+                    source,
+                })?;
+            (saved.machine, saved.components)
+        };
         Ok(StoreSnapshot {
             manifest,
-            state,
+            machine,
+            components,
             resolved,
             fetcher: Arc::new(Fetcher::new(backend, cache)),
         })
@@ -254,8 +275,13 @@ impl StoreSnapshot {
         )
     }
 
+    /// The VM `builder` builds for the snapshot's configuration, its layout checked.
+    fn build<B: MachineBuilder>(&self, builder: &mut B) -> Result<B::Machine> {
+        self.check_vm(builder.build(&self.manifest.config, SharedFiles::new())?)
+    }
+
     fn new_vm(&self) -> Result<Vm> {
-        self.check_vm(Vm::new(&self.manifest.config)?)
+        self.build(&mut VmBuilder)
     }
 
     /// The VM of `prepared`, if the snapshot was taken of a VM of its configuration (else
@@ -265,7 +291,7 @@ impl StoreSnapshot {
         self.check_vm(vm)
     }
 
-    fn check_vm(&self, vm: Vm) -> Result<Vm> {
+    fn check_vm<M: TargetMachine>(&self, vm: M) -> Result<M> {
         let built: Vec<_> = vm.memory().regions().iter().map(|r| r.spec()).collect();
         let saved: Vec<_> = self.manifest.regions.iter().map(|r| &r.spec).collect();
         if built != saved {
@@ -283,6 +309,14 @@ impl StoreSnapshot {
         self.full_on(self.new_vm()?)
     }
 
+    /// [`StoreSnapshot::restore_full`] into the VM `builder` builds for the snapshot's
+    /// configuration (a VMM's own VM), handed the machine state the snapshot holds
+    /// ([`TargetMachine::restore`]); the caller restores its components from
+    /// [`StoreSnapshot::components`] and resumes it.
+    pub fn restore_full_with<B: MachineBuilder>(&self, builder: &mut B) -> Result<B::Machine> {
+        self.full_on(self.build(builder)?)
+    }
+
     /// [`StoreSnapshot::restore_full`] into `prepared`, a VM built ahead of time for the
     /// snapshot's configuration (see [`PreparedVm`]); a snapshot of another configuration is
     /// refused naming what differs, before any chunk is fetched.
@@ -290,13 +324,13 @@ impl StoreSnapshot {
         self.full_on(self.prepared_vm(prepared)?)
     }
 
-    fn full_on(&self, mut vm: Vm) -> Result<Vm> {
+    fn full_on<M: TargetMachine>(&self, mut vm: M) -> Result<M> {
         let threads = self.threads();
         for i in 0..self.manifest.regions.len() {
             self.copy_region(vm.memory(), i, threads)?;
         }
         self.check_memory(vm.memory())?;
-        vm.restore_state(&self.state)?;
+        vm.restore(&self.machine)?;
         Ok(vm)
     }
 
@@ -304,8 +338,19 @@ impl StoreSnapshot {
     /// region is copied in at once. With a recorded working set and `config.prefetch` empty,
     /// the pagers fetch that working set first.
     pub fn restore_lazy(&self, config: &PagerConfig) -> Result<LazyStoreVm> {
+        self.restore_lazy_with(&mut VmBuilder, config)
+    }
+
+    /// [`StoreSnapshot::restore_lazy`] into the VM `builder` builds for the snapshot's
+    /// configuration (a VMM's own VM): the pagers are armed on its RAM, then it is handed the
+    /// machine state the snapshot holds ([`TargetMachine::restore`]).
+    pub fn restore_lazy_with<B: MachineBuilder>(
+        &self,
+        builder: &mut B,
+        config: &PagerConfig,
+    ) -> Result<LazyStoreVm<B::Machine>> {
         let t = Instant::now();
-        self.lazy_on(|| self.new_vm(), config, t)
+        self.lazy_on(|| self.build(builder), config, t)
     }
 
     /// [`StoreSnapshot::restore_lazy`] into `prepared`, a VM built ahead of time for the
@@ -375,18 +420,19 @@ impl StoreSnapshot {
     pub fn restore_lazy_via_socket(&self, socket: &Path) -> Result<PeerRestoredVm> {
         let vm = self.new_vm()?;
         self.copy_sys(&vm)?;
-        Ok(firecracker::hand_ram_to_server(vm, &self.state, socket)?)
+        let state = payload_state_of(&self.machine)?;
+        Ok(firecracker::hand_ram_to_server(vm, &state, socket)?)
     }
 
     /// Arms a lazy restore on the VM `vm` builds. The sys region's chunks and the working set
     /// are read while it builds (against a remote store, the VM's creation and the round
     /// trips overlap).
-    fn lazy_on(
+    fn lazy_on<M: TargetMachine>(
         &self,
-        vm: impl FnOnce() -> Result<Vm>,
+        vm: impl FnOnce() -> Result<M>,
         config: &PagerConfig,
         t: Instant,
-    ) -> Result<LazyStoreVm> {
+    ) -> Result<LazyStoreVm<M>> {
         let (vm, sys, working_set) = std::thread::scope(|s| {
             let sys = s.spawn(|| self.fetch_sys());
             let working_set = s.spawn(|| {
@@ -418,7 +464,7 @@ impl StoreSnapshot {
             let image = &self.manifest.regions[i];
             let source = self.source(i);
             let mut config = PagerConfig {
-                abort: Some(vm.abort_handle()),
+                abort: vm.abort_handle(),
                 realtime_handlers: true,
                 // A fault waits for one store chunk, not a 2 MiB window of them (the guest
                 // runs sooner); readahead and the background sweep keep several in flight.
@@ -437,7 +483,7 @@ impl StoreSnapshot {
             }
             pagers.push(Pager::start(region, Arc::new(source), &config)?);
         }
-        vm.restore_state(&self.state)?;
+        vm.restore(&self.machine)?;
         Ok(LazyStoreVm {
             pagers,
             vm,
@@ -481,8 +527,8 @@ impl StoreSnapshot {
 
     /// Records the chunks the guest of `lazy` faulted on, in order, for the next lazy restore
     /// of this snapshot (on any host) to fetch first. Returns how many it lists.
-    pub fn record_working_set(&self, vm: &Vm, pagers: &[Pager]) -> Result<usize> {
-        let regions = guestmem_migration::snapshot::regions_of(vm, pagers);
+    pub fn record_working_set<M: TargetMachine>(&self, vm: &M, pagers: &[Pager]) -> Result<usize> {
+        let regions = guestmem_migration::snapshot::regions_of_memory(vm.memory(), pagers);
         let n = regions.iter().map(|r| r.chunks.len()).sum();
         let mut ws = StoreWorkingSet {
             format: WORKING_SET_FORMAT.into(),
@@ -499,11 +545,11 @@ impl StoreSnapshot {
 }
 
 /// A VM restored lazily from a store; the pagers go before the VM (field order).
-pub struct LazyStoreVm {
+pub struct LazyStoreVm<M = Vm> {
     /// The pagers bringing its memory in.
     pub pagers: Vec<Pager>,
     /// The VM.
-    pub vm: Vm,
+    pub vm: M,
     /// From the start of the restore to the vCPUs being ready.
     pub ready: Duration,
     /// Whether the pagers fetch a recorded working set first.

@@ -14,9 +14,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
 
-use guestmem_memory::PAGE_SIZE;
+use guestmem_memory::{GuestMemory, PAGE_SIZE};
+use guestmem_migration::component::{ComponentState, Machine};
+use guestmem_migration::snapshot::SavedState;
 use guestmem_tracking::DirtyBitmap;
-use guestmem_vm::Vm;
+use guestmem_vm::{Vm, VmConfig};
 use serde::Serialize;
 
 use crate::backend::Backend;
@@ -83,6 +85,44 @@ pub fn write(
     vm: &Vm,
     diff: Option<(&str, &[DirtyBitmap])>,
 ) -> Result<StoreWriteReport> {
+    let state = guestmem_migration::component::payload_state(vm)?;
+    write_state(backend, name, vm.config(), vm.memory(), state, &[], diff)
+}
+
+/// [`write`] of any VMM's VM (a [`Machine`], paused, its devices too: nothing writes its
+/// memory until the write returns), its state being what [`Machine::save`] gives, with its
+/// `components`' states beside it for a restore to hand back.
+pub fn write_machine<M: Machine + ?Sized>(
+    backend: &dyn Backend,
+    name: &str,
+    machine: &mut M,
+    components: &[ComponentState],
+    diff: Option<(&str, &[DirtyBitmap])>,
+) -> Result<StoreWriteReport> {
+    let state = machine.save()?;
+    let machine: &M = machine;
+    write_state(
+        backend,
+        name,
+        machine.config(),
+        machine.memory(),
+        state,
+        components,
+        diff,
+    )
+}
+
+/// Writes the snapshot of a paused VM of `config` whose memory is `memory` and whose machine
+/// saved `state`.
+fn write_state(
+    backend: &dyn Backend,
+    name: &str,
+    config: &VmConfig,
+    memory: &GuestMemory,
+    state: Vec<u8>,
+    components: &[ComponentState],
+    diff: Option<(&str, &[DirtyBitmap])>,
+) -> Result<StoreWriteReport> {
     let t = Instant::now();
     check_name(name)?;
     let _lease = Lease::acquire(backend, "write", name)?;
@@ -96,7 +136,7 @@ pub fn write(
                 )));
             }
             let base = StoreManifest::load(backend, base_name)?;
-            if base.config != *vm.config() || base.chunk_bytes != CHUNK_BYTES {
+            if base.config != *config || base.chunk_bytes != CHUNK_BYTES {
                 return Err(Error::Write(format!(
                     "{}/{base_name}: the base snapshot is of another VM configuration or chunk \
                      size",
@@ -111,8 +151,11 @@ pub fn write(
     };
     let dirty = diff.map(|(_, d)| d);
 
-    let state = vm.save_state()?;
-    let state_json = serde_json::to_vec(&state).expect("VM state serializes");
+    let state_json = serde_json::to_vec(&SavedState {
+        machine: state,
+        components: components.to_vec(),
+    })
+    .expect("a saved state serializes");
 
     // What the store already holds: those chunks are not put again.
     let known: HashMap<Hash, Option<Stored>> = known_chunks(backend)?
@@ -126,7 +169,6 @@ pub fn write(
         gpa: u64,
         len: usize,
     }
-    let memory = vm.memory();
     let mut jobs = Vec::new();
     let mut entries: Vec<Vec<Option<ChunkRef>>> = Vec::new();
     for (ri, region) in memory.regions().iter().enumerate() {
@@ -185,9 +227,10 @@ pub fn write(
                     let mut pack = Vec::new();
                     let mut placed: Vec<(Hash, u64, u64)> = Vec::new();
                     for job in run {
-                        // SAFETY: the VM is paused (holding `&Vm` proves no vCPU runs) and
-                        // guestmem's VM has no other thread writing its memory; the chunk is
-                        // read in place (zero check, hash, compression) rather than copied.
+                        // SAFETY: the VM is paused (holding `&Vm` proves no vCPU of
+                        // guestmem's VM runs, and it has no other thread writing its memory;
+                        // `write_machine`'s caller paused its machine and devices); the chunk
+                        // is read in place (zero check, hash, compression), not copied.
                         let bytes = unsafe { memory.bytes(job.gpa, job.len as u64) }?;
                         if chunk::is_zero(bytes) {
                             mine.push((job.region, job.index, None));
@@ -298,7 +341,7 @@ pub fn write(
         format: FORMAT.into(),
         version: VERSION,
         name: name.to_string(),
-        config: vm.config().clone(),
+        config: config.clone(),
         chunk_bytes: CHUNK_BYTES,
         packs: table.into_ids(),
         regions,

@@ -62,7 +62,9 @@ pub use manifest::{
 };
 pub use prepared::{layout_mismatch, PreparedVm};
 use sparse::{nonzero_page_runs, read_sparse};
-pub use working_set::{regions_of, WorkingSet, WorkingSetRegion, WORKING_SET_FORMAT};
+pub use working_set::{
+    regions_of, regions_of_memory, WorkingSet, WorkingSetRegion, WORKING_SET_FORMAT,
+};
 pub use write::{
     write, write_diff, write_machine, write_machine_diff, write_with_components, WriteReport,
 };
@@ -340,10 +342,11 @@ pub(crate) fn read_regular(path: &Path) -> Result<Vec<u8>> {
     Ok(bytes)
 }
 
-/// What `state.json` holds: the machine's state (hex in JSON) and the components' states.
-#[derive(Serialize, Deserialize)]
+/// What `state.json` holds (and a store snapshot's state object): the machine's state (hex in
+/// JSON) and the components' states.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub(crate) struct SavedState {
+pub struct SavedState {
     /// What [`crate::component::Machine::save`] gave.
     #[serde(with = "crate::component::hex_bytes")]
     pub machine: Vec<u8>,

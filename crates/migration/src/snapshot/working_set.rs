@@ -47,7 +47,7 @@ pub fn regions_of(vm: &Vm, pagers: &[Pager]) -> Vec<WorkingSetRegion> {
 }
 
 /// [`regions_of`] for any VM's guest memory.
-pub(crate) fn regions_of_memory(memory: &GuestMemory, pagers: &[Pager]) -> Vec<WorkingSetRegion> {
+pub fn regions_of_memory(memory: &GuestMemory, pagers: &[Pager]) -> Vec<WorkingSetRegion> {
     memory
         .regions()
         .iter()
