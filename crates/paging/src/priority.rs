@@ -8,6 +8,12 @@ pub fn raise() {
     unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, -10) };
 }
 
+/// Runs the calling thread at nice 0 again (after [`raise`]).
+pub fn normal() {
+    // SAFETY: setpriority on this thread only (a tid is a valid PRIO_PROCESS `who`).
+    unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 0) };
+}
+
 /// Runs the calling thread under `SCHED_FIFO` (priority 1): it preempts every normal task the
 /// moment it becomes runnable, so a fault waits for no time slice. Only for threads that block
 /// between short bursts of work, as fault service does (the kernel's real-time throttling still

@@ -277,13 +277,17 @@ impl Shared {
     /// A readahead thread: installs the queued chunks, oldest first, until stopped.
     pub(super) fn serve_readahead(&self) {
         // The guest is about to touch these chunks: nearly as urgent as a fault. (From a
-        // source serving requests concurrently, readahead brings whole windows, which are
-        // not: at the normal priority, they leave the vCPUs their share.)
-        if !self.source.concurrent_requests() {
-            priority::raise();
-        }
+        // source serving requests concurrently, once the guest is under way, readahead brings
+        // whole windows, which are not: at the normal priority, they leave the vCPUs their
+        // share.)
+        priority::raise();
+        let mut raised = true;
         let mut bounce = Vec::new();
         loop {
+            if raised && self.concurrent_under_way() {
+                priority::normal();
+                raised = false;
+            }
             let next = {
                 let mut queue = self
                     .readahead_queue
@@ -645,6 +649,11 @@ impl Shared {
             // order the guest touched it is scattered, and a request per chunk made its
             // prefetch cost a round trip per chunk.
             match self.background_run() {
+                // Until the guest is under way, one chunk at a time: a run would hold its
+                // first faults behind it.
+                _ if !self.concurrent_under_way() => {
+                    self.make_resident(chunk, shard, &mut bounce, By::Prefetch);
+                }
                 1 => {
                     self.make_resident(chunk, shard, &mut bounce, By::Prefetch);
                 }
