@@ -89,7 +89,7 @@ pub fn write(
     write_state(backend, name, vm.config(), vm.memory(), state, &[], diff)
 }
 
-/// [`write`] of any VMM's VM (a [`Machine`], paused, its devices too: nothing writes its
+/// [`write()`] of any VMM's VM (a [`Machine`], paused, its devices too: nothing writes its
 /// memory until the write returns), its state being what [`Machine::save`] gives, with its
 /// `components`' states beside it for a restore to hand back.
 pub fn write_machine<M: Machine + ?Sized>(
