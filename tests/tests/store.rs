@@ -419,12 +419,14 @@ fn refusals(backend: Arc<dyn Backend>) {
     let mut damaged = good.clone();
     damaged[c.offset() as usize + c.stored as usize / 2] ^= 0x40;
     b.put(&key, &damaged).unwrap();
-    let e = StoreSnapshot::open(backend.clone(), "vm", None)
-        .unwrap()
-        .restore_full()
-        .err()
-        .expect("refused")
-        .to_string();
+    let full_restore_error = || {
+        StoreSnapshot::open(backend.clone(), "vm", None)
+            .unwrap()
+            .restore_full()
+            .err()
+            .expect("refused")
+    };
+    let e = full_restore_error().to_string();
     assert!(
         e.contains(&chunk::hex(&hash)) && e.contains("corrupt"),
         "{e}"
@@ -434,12 +436,7 @@ fn refusals(backend: Arc<dyn Backend>) {
     // chunks; the error names the chunk whose read failed first).
     b.put(&key, &good[..(c.offset() + c.stored / 2) as usize])
         .unwrap();
-    let e = StoreSnapshot::open(backend.clone(), "vm", None)
-        .unwrap()
-        .restore_full()
-        .err()
-        .expect("refused")
-        .to_string();
+    let e = full_restore_error().to_string();
     assert!(
         e.contains(&key) && e.contains("truncated") && e.contains("/vm region 'ram' chunk "),
         "{e}"
@@ -447,11 +444,7 @@ fn refusals(backend: Arc<dyn Backend>) {
 
     // Missing.
     b.delete(&key).unwrap();
-    let e = StoreSnapshot::open(backend.clone(), "vm", None)
-        .unwrap()
-        .restore_full()
-        .err()
-        .expect("refused");
+    let e = full_restore_error();
     assert!(e.is_missing(), "{e}");
     let e = e.to_string();
     // (The pack holds chunks of both regions; the error names the first it was read for.)

@@ -149,18 +149,30 @@ fn a_vmm_machine_state_comes_back_byte_for_byte_and_the_guest_goes_on() {
             driver::restore(&snap, how.clone(), &mut builder(), &mut Components::none()).unwrap();
         assert_eq!(restored.vm.part.as_deref(), Some(VMM_PART), "{how:?}");
         let running = driver::resume(&mut restored.vm, &mut Components::none()).unwrap();
-        wait_for_generation(
-            &running,
-            at_snapshot.iter().max().unwrap() / work[0].pages() + 2,
-        );
-        running.stop();
-        let report = running.wait(std::time::Duration::from_secs(30)).unwrap();
-        let after: Vec<u64> = report.vcpus.iter().map(|v| v.pages).collect();
-        for (b, a) in at_snapshot.iter().zip(&after) {
-            assert!(a > b, "{how:?}: the guest went on counting: {b} -> {a}");
-        }
+        let after = goes_on(running, &at_snapshot, &work, &format!("{how:?}"));
         assert_pages_consistent(&restored.vm.vm, &work, &after);
     }
+}
+
+/// Lets the restored guest run two passes past where it was at the snapshot, stops it, and
+/// checks every vCPU counted on from there; the pages done per vCPU at the stop.
+fn goes_on(
+    running: RunningVm<'_>,
+    at_snapshot: &[u64],
+    work: &[guestmem_vm::VcpuWork],
+    what: &str,
+) -> Vec<u64> {
+    wait_for_generation(
+        &running,
+        at_snapshot.iter().max().unwrap() / work[0].pages() + 2,
+    );
+    running.stop();
+    let report = running.wait(std::time::Duration::from_secs(30)).unwrap();
+    let after: Vec<u64> = report.vcpus.iter().map(|v| v.pages).collect();
+    for (b, a) in at_snapshot.iter().zip(&after) {
+        assert!(a > b, "{what}: the guest went on counting: {b} -> {a}");
+    }
+    after
 }
 
 #[test]
@@ -381,16 +393,7 @@ fn a_vmm_machine_goes_through_a_chunk_store() {
         };
         assert_eq!(restored.part.as_deref(), Some(VMM_PART), "lazy {lazy}");
         let running = restored.resume().unwrap();
-        wait_for_generation(
-            &running,
-            at_snapshot.iter().max().unwrap() / work[0].pages() + 2,
-        );
-        running.stop();
-        let report = running.wait(std::time::Duration::from_secs(30)).unwrap();
-        let after: Vec<u64> = report.vcpus.iter().map(|v| v.pages).collect();
-        for (b, a) in at_snapshot.iter().zip(&after) {
-            assert!(a > b, "lazy {lazy}: the guest went on counting: {b} -> {a}");
-        }
+        let after = goes_on(running, &at_snapshot, &work, &format!("lazy {lazy}"));
         assert_pages_consistent(&restored.vm, &work, &after);
         drop(pagers);
     }
