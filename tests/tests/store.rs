@@ -458,6 +458,26 @@ fn refusals(backend: Arc<dyn Backend>) {
         .restore_full()
         .unwrap();
 
+    // A state object whose hash the manifest has, but that is not a saved state: refused
+    // when the snapshot is opened, naming the object.
+    let skey = guestmem_store::manifest::state_key("vm");
+    let mut m = StoreManifest::load(b, "vm").unwrap();
+    let foreign = br#"{"vcpus":[]}"#;
+    m.state_bytes = foreign.len() as u64;
+    m.state_blake3 = blake3::hash(foreign).to_hex().to_string();
+    m.seal();
+    b.put(&skey, foreign).unwrap();
+    b.put(&manifest_key("vm"), &serde_json::to_vec_pretty(&m).unwrap())
+        .unwrap();
+    let e = StoreSnapshot::open(backend.clone(), "vm", None)
+        .err()
+        .expect("refused");
+    let text = chain(&e);
+    assert!(
+        matches!(e, Error::Json { .. }) && text.contains(&skey) && text.contains("unknown field"),
+        "{text}"
+    );
+
     // A truncated manifest, and a foreign one.
     let mkey = manifest_key("vm");
     let manifest = b.get(&mkey).unwrap();

@@ -33,6 +33,11 @@ pub const MAX_BASE_DEPTH: usize = 64;
 /// The largest chunk size a manifest may give.
 const MAX_CHUNK_BYTES: u64 = 64 << 20;
 
+/// The most bytes the zstd frame of a `chunk_bytes` chunk takes (above zstd's compress bound).
+pub fn max_stored(chunk_bytes: u64) -> u64 {
+    chunk_bytes + chunk_bytes / 128 + 4096
+}
+
 /// The keys of a snapshot's objects.
 pub fn manifest_key(name: &str) -> String {
     format!("snapshots/{name}/manifest.json")
@@ -376,6 +381,20 @@ impl StoreManifest {
             {
                 return Err(format!("region '{name}' chunk {i} is stored in 0 bytes"));
             }
+            // A frame is never longer than zstd's bound for a chunk: a larger length (or an
+            // offset it would run past the end of a u64 from) would have a read allocate it.
+            let most = max_stored(cb);
+            if let Some(i) = r.chunks.iter().position(|c| match c {
+                ChunkRef::Data { stored, at, .. } => {
+                    *stored > most || at.is_some_and(|at| at.offset.checked_add(*stored).is_none())
+                }
+                _ => false,
+            }) {
+                return Err(format!(
+                    "region '{name}' chunk {i} is stored in more bytes than a {cb}-byte chunk's \
+                     frame can take ({most}), or past the largest offset"
+                ));
+            }
             let packs = self.packs.len();
             if let Some(i) = r.chunks.iter().position(
                 |c| matches!(c, ChunkRef::Data { at: Some(at), .. } if at.pack as usize >= packs),
@@ -613,6 +632,19 @@ mod tests {
         m.seal();
         let e = parse(&m).unwrap_err().to_string();
         assert!(e.contains("chunk 1 names a pack"), "{e}");
+        // A length no chunk's frame has, and one that runs past the largest offset: refused
+        // before a read would allocate it.
+        for (stored, offset) in [(u64::MAX / 2, 0), (100, u64::MAX - 10)] {
+            let mut m = manifest("a");
+            m.regions[1].chunks[0] = ChunkRef::Data {
+                hash: [1; 32],
+                stored,
+                at: Some(PackAt { pack: 0, offset }),
+            };
+            m.seal();
+            let e = parse(&m).unwrap_err().to_string();
+            assert!(e.contains("chunk 0 is stored in more bytes"), "{e}");
+        }
         let mut m = manifest("a");
         m.version = 1;
         m.seal();
