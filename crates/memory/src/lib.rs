@@ -13,6 +13,7 @@ mod image;
 mod mapping_cache;
 mod memslot;
 mod numa;
+mod page_buf;
 mod populate;
 mod region;
 pub mod vmm_compat;
@@ -24,6 +25,7 @@ pub use image::{load_image, ImageLoad};
 pub use mapping_cache::CachedMapping;
 pub use memslot::{Memslot, MemslotManager, SlotFlags};
 pub use numa::{node_pages, nodes_with_memory, NumaMode, NumaPolicy};
+pub use page_buf::PageBuf;
 pub use populate::{populate, populate_with, Method, Populated, Source};
 pub use region::{hugetlbfs_mount, Backend, Region, RegionSpec, HUGE_PAGE_SIZE};
 

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use guestmem_memory::{GuestMemory, PAGE_SIZE};
+use guestmem_memory::{GuestMemory, PageBuf, PAGE_SIZE};
 
 use super::*;
 use crate::chunk_digests::ChunkDigests;
@@ -84,13 +84,9 @@ pub(super) fn apply_pages(
         Ok(z) => z,
         Err(e) => return (conn, Err(Error::Stream(e))),
     };
-    let zeros = vec![0u8; BLOCK as usize];
+    let zeros = PageBuf::zeroed(BLOCK as usize);
     // Where a landing is armed, Pages frames are read here and landed from here.
-    let mut staging = if landing.is_some() {
-        vec![0u8; BLOCK as usize]
-    } else {
-        Vec::new()
-    };
+    let mut staging = PageBuf::zeroed(if landing.is_some() { BLOCK as usize } else { 0 });
     let mut stats = ReaderStats {
         pages: 0,
         zero_pages: 0,

@@ -49,7 +49,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use guestmem_memory::{Backend, GuestMemory, Region, RegionSpec};
+use guestmem_memory::{Backend, GuestMemory, PageBuf, Region, RegionSpec};
 use guestmem_paging::{PageSource, Pager, PagerConfig};
 use guestmem_vm::{layout, Vm, VmState};
 
@@ -435,7 +435,7 @@ fn restore_on<M: TargetMachine>(mut vm: M, snapshot: &Snapshot, mode: RestoreMod
     let manifest = &snapshot.manifest;
     let memory = vm.memory().clone();
     check_layout(&memory, &manifest.regions)?;
-    let mut buf = vec![0u8; CHUNK_BYTES as usize];
+    let mut buf = PageBuf::zeroed(CHUNK_BYTES as usize);
     for (i, (region, image)) in memory.regions().iter().zip(&manifest.regions).enumerate() {
         if mode == RestoreMode::Map && region.backend() == Backend::Anon {
             // The guest will see the file itself: every chunk of it, zero chunks included
@@ -610,7 +610,7 @@ fn lazy_vm_on<M: TargetMachine>(
     let mut t = Instant::now();
     let memory = vm.memory();
     check_layout(memory, &snapshot.manifest.regions)?;
-    let mut buf = vec![0u8; CHUNK_BYTES as usize];
+    let mut buf = PageBuf::zeroed(CHUNK_BYTES as usize);
     for (i, region) in memory.regions().iter().enumerate() {
         if region.gpa() == layout::SYS_GPA {
             copy_chunks(snapshot, memory, region, i, &mut buf)?;
@@ -725,11 +725,22 @@ impl PageSource for SnapshotSource {
                     self.read_checked(index, layer, piece)?;
                 }
                 Some(layer) if !self.verified[index].load(Ordering::Acquire) => {
-                    let mut chunk = vec![0u8; (chunk_end - chunk_start) as usize];
-                    self.read_checked(index, layer, &mut chunk)?;
-                    piece.copy_from_slice(
-                        &chunk[(at - chunk_start) as usize..(piece_end - chunk_start) as usize],
-                    );
+                    // The whole chunk is read into this thread's scratch buffer, kept from
+                    // one fetch to the next (a fresh buffer per chunk would fault its pages
+                    // in every time).
+                    thread_local! {
+                        static CHUNK: std::cell::RefCell<PageBuf> =
+                            std::cell::RefCell::new(PageBuf::zeroed(0));
+                    }
+                    CHUNK.with_borrow_mut(|chunk| {
+                        let len = (chunk_end - chunk_start) as usize;
+                        chunk.grow_to(len);
+                        self.read_checked(index, layer, &mut chunk[..len])?;
+                        piece.copy_from_slice(
+                            &chunk[(at - chunk_start) as usize..(piece_end - chunk_start) as usize],
+                        );
+                        io::Result::Ok(())
+                    })?;
                 }
                 Some(layer) => {
                     let (file, image) = &self.layers[layer];

@@ -15,7 +15,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use guestmem_memory::{GuestMemory, PAGE_SIZE};
+use guestmem_memory::{GuestMemory, PageBuf, PAGE_SIZE};
 use guestmem_tracking::DirtyBitmap;
 use guestmem_vm::{Vm, VmConfig};
 use serde::Serialize;
@@ -296,7 +296,7 @@ fn write_files(
         chunks: 0,
     };
     let mut regions = Vec::new();
-    let mut buf = vec![0u8; CHUNK_BYTES as usize];
+    let mut buf = PageBuf::zeroed(CHUNK_BYTES as usize);
     for region in memory.regions() {
         let which = RegionFile::for_region(region.spec());
         let (file, path, end) = &mut files[which as usize];

@@ -4,6 +4,7 @@
 use std::io;
 use std::sync::atomic::Ordering;
 
+use guestmem_memory::PageBuf;
 use userfaultfd::{FaultKind, Uffd};
 
 use super::{By, Mode, Shared, BACKGROUND_BOUNCE_MAX};
@@ -16,7 +17,7 @@ impl Shared {
         &self,
         chunks: std::ops::Range<usize>,
         shard: usize,
-        bounce: &mut Vec<u8>,
+        bounce: &mut PageBuf,
         by: By,
     ) -> Result<bool> {
         let uffd = &self.uffds[shard];
@@ -76,9 +77,7 @@ impl Shared {
                     By::Background => len.min(BACKGROUND_BOUNCE_MAX).max(self.bounce),
                     _ => self.bounce,
                 } as usize;
-                if bounce.len() < size {
-                    bounce.resize(size, 0);
-                }
+                bounce.grow_to(size);
                 // The chunk is fetched as one range and copied in as its pieces arrive.
                 let mut copied = Ok(true);
                 self.fetch(start, len, &mut bounce[..size], by, &mut |off, piece| {
@@ -159,14 +158,12 @@ impl Shared {
         shard: usize,
         off: u64,
         kind: FaultKind,
-        bounce: &mut Vec<u8>,
+        bounce: &mut PageBuf,
     ) {
         let uffd = &self.uffds[shard];
         let result = match self.mode {
             Mode::Copy => {
-                if bounce.len() < self.page as usize {
-                    bounce.resize(self.page as usize, 0);
-                }
+                bounce.grow_to(self.page as usize);
                 bounce[..self.page as usize].fill(0);
                 self.copy(uffd, bounce.as_ptr(), off, self.page)
             }

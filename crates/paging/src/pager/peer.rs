@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use guestmem_memory::{Backend, Region};
+use guestmem_memory::{Backend, PageBuf, Region};
 use guestmem_sys::uapi::{
     UFFD_FEATURE_EVENT_REMOVE, UFFD_FEATURE_MISSING_HUGETLBFS, UFFD_FEATURE_MISSING_SHMEM,
 };
@@ -239,7 +239,7 @@ impl Drop for PeerPager {
 fn serve_peer_faults(uffd: &Uffd, ranges: &[Arc<Shared>], stop: i32) {
     priority::raise();
     let mut events = EventBuffer::new(EVENT_BATCH);
-    let mut bounce = Vec::new();
+    let mut bounce = PageBuf::zeroed(0);
     let find = |addr: usize| {
         ranges
             .iter()

@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use guestmem_memory::PageBuf;
 use userfaultfd::{Event, EventBuffer, FaultKind, Uffd};
 
 use super::{
@@ -157,7 +158,7 @@ impl Shared {
             priority::raise();
         }
         let mut events = EventBuffer::new(EVENT_BATCH);
-        let mut bounce = Vec::new();
+        let mut bounce = PageBuf::zeroed(0);
         let mut fds: Vec<libc::pollfd> = std::iter::once(self.stop.as_raw_fd())
             .chain(served.iter().map(|&i| self.uffds[i].as_raw_fd()))
             .map(|fd| libc::pollfd {
@@ -217,7 +218,7 @@ impl Shared {
         shard: usize,
         addr: usize,
         kind: FaultKind,
-        bounce: &mut Vec<u8>,
+        bounce: &mut PageBuf,
     ) -> Option<usize> {
         self.faults.fetch_add(1, Ordering::Relaxed);
         let off = ((addr - self.host) as u64) & !(self.page - 1);
@@ -243,7 +244,7 @@ impl Shared {
     /// source serving requests concurrently, the window is the background's run that holds
     /// `chunk` (aligned), queued around it for the readahead threads, which fetch each stretch
     /// of it as one request.
-    pub(super) fn read_ahead(&self, shard: usize, chunk: usize, bounce: &mut Vec<u8>) {
+    pub(super) fn read_ahead(&self, shard: usize, chunk: usize, bounce: &mut PageBuf) {
         let mut start = chunk + 1;
         let mut end = (chunk + 1 + self.readahead).min(self.shards[shard].end);
         if self.readahead_threads > 0 && self.concurrent_under_way() {
@@ -282,7 +283,7 @@ impl Shared {
         // share.)
         priority::raise();
         let mut raised = true;
-        let mut bounce = Vec::new();
+        let mut bounce = PageBuf::zeroed(0);
         loop {
             if raised && self.concurrent_under_way() {
                 priority::normal();
@@ -387,7 +388,7 @@ impl Shared {
         first: usize,
         max: usize,
         shard: usize,
-        bounce: &mut Vec<u8>,
+        bounce: &mut PageBuf,
         by: By,
     ) -> usize {
         let end = self.shards[shard].end.min(first + max);
@@ -460,7 +461,7 @@ impl Shared {
         &self,
         chunk: usize,
         shard: usize,
-        bounce: &mut Vec<u8>,
+        bounce: &mut PageBuf,
         by: By,
     ) -> bool {
         loop {
@@ -629,7 +630,7 @@ impl Shared {
     /// aside while a handler is busy. (It keeps the normal CPU priority: a lower one would
     /// leave a fault waiting on a chunk it holds behind every other task on a busy host.)
     pub(super) fn fetch_everything(&self) {
-        let mut bounce = Vec::new();
+        let mut bounce = PageBuf::zeroed(0);
         for (i, &chunk) in self.prefetch.iter().enumerate() {
             if self.retired.load(Ordering::Acquire) || self.failure().is_some() {
                 break;
