@@ -48,7 +48,8 @@
 //! [`MAX_PAYLOAD`] for a frame (and a zstd stream's decoder no more than its bounded window),
 //! so a malformed or hostile stream is an error, never a crash.
 //!
-//! The modules: [`frame`](Frame) (the frames, their header, checksum and Pages encoding),
+//! The modules: [`frame`](Frame) (the frames, their header and checksum), `pages_frame`
+//! (Pages frames: zero lines squeezed out, pages read where they belong),
 //! `codec` (PagesZ frames compressed one by one: [`Codec`], [`compress_pages`]),
 //! `zstd_stream` (a connection's zstd stream: [`ZstdStream`], [`ZstdStreamDecoder`]) and
 //! `delta_frame` (PagesD frames).
@@ -56,6 +57,7 @@
 mod codec;
 mod delta_frame;
 mod frame;
+mod pages_frame;
 mod zstd_stream;
 
 use std::io;
