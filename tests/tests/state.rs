@@ -80,3 +80,67 @@ fn state_of_another_shape_is_refused() {
     let e = one.resume().err().unwrap().to_string();
     assert!(e.contains("nothing to resume"), "{e}");
 }
+
+/// A VMM's own vCPUs (created with kvm-ioctls, not guestmem's `Vm`): their complete state saved
+/// with `VcpuState::save`, carried as JSON and put into a vCPU of another VM; the registers,
+/// the special registers, the CPUID and an MSR read back from the new vCPU are the saved ones.
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn a_vmm_s_own_vcpu_state_moves_into_another_vm_s_vcpu() {
+    use guestmem_vm::VcpuState;
+    use kvm_ioctls::Kvm;
+
+    let kvm = Kvm::new().unwrap();
+    let cpuid = kvm
+        .get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
+        .unwrap();
+    let vm = kvm.create_vm().unwrap();
+    let vcpu = vm.create_vcpu(0).unwrap();
+    vcpu.set_cpuid2(&cpuid).unwrap();
+    let mut regs = vcpu.get_regs().unwrap();
+    regs.rax = 0x1234_5678_9abc_def0;
+    regs.r15 = 42;
+    regs.rip = 0x1000;
+    regs.rflags = 0x2;
+    vcpu.set_regs(&regs).unwrap();
+    let mut sregs = vcpu.get_sregs().unwrap();
+    sregs.cs.base = 0;
+    sregs.cs.selector = 0;
+    vcpu.set_sregs(&sregs).unwrap();
+    // IA32_SYSENTER_CS: an MSR every x86 vCPU has and keeps as written.
+    let msr = kvm_bindings::Msrs::from_entries(&[kvm_bindings::kvm_msr_entry {
+        index: 0x174,
+        data: 0x10,
+        ..Default::default()
+    }])
+    .unwrap();
+    assert_eq!(vcpu.set_msrs(&msr).unwrap(), 1);
+
+    let saved = VcpuState::save(&vm, &vcpu).unwrap();
+    let saved: VcpuState = serde_json::from_slice(&serde_json::to_vec(&saved).unwrap()).unwrap();
+
+    let other_vm = kvm.create_vm().unwrap();
+    let other = other_vm.create_vcpu(0).unwrap();
+    assert_ne!(other.get_regs().unwrap().rax, regs.rax);
+    saved.restore(&other_vm, &other).unwrap();
+
+    let got = other.get_regs().unwrap();
+    assert_eq!((got.rax, got.r15, got.rip), (regs.rax, 42, 0x1000));
+    let got_sregs = other.get_sregs().unwrap();
+    assert_eq!((got_sregs.cr0, got_sregs.efer), (sregs.cr0, sregs.efer));
+    assert_eq!(
+        other
+            .get_cpuid2(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
+            .unwrap()
+            .as_slice()
+            .len(),
+        saved.cpuid.len()
+    );
+    let mut read = kvm_bindings::Msrs::from_entries(&[kvm_bindings::kvm_msr_entry {
+        index: 0x174,
+        ..Default::default()
+    }])
+    .unwrap();
+    assert_eq!(other.get_msrs(&mut read).unwrap(), 1);
+    assert_eq!(read.as_slice()[0].data, 0x10);
+}

@@ -37,7 +37,32 @@ pub struct VcpuState {
     pub tsc_khz: u32,
 }
 
-/// A paused VM's state: its vCPUs, its kvmclock, and the workloads its vCPUs were given.
+impl VcpuState {
+    /// Saves the complete state of a vCPU of any VMM (one that is not running), `vm` being the
+    /// VM it belongs to: what a VMM on KVM's x86 vCPUs puts in its own machine blob, without
+    /// writing the ioctls and their order itself. The MSRs saved are those this host lets be
+    /// read and written back, probed once per process on the first vCPU saved (reading each and
+    /// writing its value back), so save a vCPU that has not run yet first, as guestmem's own
+    /// [`Vm`](crate::Vm) does. Hosts whose XSAVE area exceeds `kvm_xsave` (4 KiB; e.g. AMX)
+    /// are refused.
+    pub fn save(vm: &VmFd, vcpu: &VcpuFd) -> Result<VcpuState> {
+        check_xsave_size(vm)?;
+        let msr_indices = restorable_msrs(vcpu)?;
+        save_vcpu(vcpu, &msr_indices)
+    }
+
+    /// Puts this state into `vcpu` of `vm` (a vCPU of any VMM, not running), in the order KVM
+    /// needs (CPUID first, MSRs after the special registers, events last). An MSR or a CPUID
+    /// that this host refuses is an error naming it.
+    pub fn restore(&self, vm: &VmFd, vcpu: &VcpuFd) -> Result<()> {
+        check_xsave_size(vm)?;
+        restore_vcpu(vcpu, self)
+    }
+}
+
+/// The state of guestmem's own payload VM ([`Vm`](crate::Vm)), paused: KVM's (its vCPUs and
+/// its kvmclock) and the workloads its vCPUs were given. It is that VM's machine blob; a VMM
+/// keeps its own, saving its vCPUs with [`VcpuState::save`].
 #[derive(Serialize, Deserialize)]
 pub struct VmState {
     /// Every vCPU's state, vCPU `i` at index `i`.
@@ -168,8 +193,9 @@ pub(crate) fn restore_vcpu(vcpu: &VcpuFd, state: &VcpuState) -> Result<()> {
         .map_err(Error::ioctl("KVM_SET_REGS"))?;
     vcpu.set_sregs(&state.sregs)
         .map_err(Error::ioctl("KVM_SET_SREGS"))?;
-    // SAFETY: `check_xsave_size` refused, when the VM was built, any host whose XSAVE area is
-    // larger than `kvm_xsave`, so the kernel reads only within `state.xsave`.
+    // SAFETY: every caller checked first with `check_xsave_size` (`Vm::new` when the VM was
+    // built, `VcpuState::restore` before calling) that this host's XSAVE area is no larger than
+    // `kvm_xsave`, so the kernel reads only within `state.xsave`.
     unsafe { vcpu.set_xsave(&state.xsave) }.map_err(Error::ioctl("KVM_SET_XSAVE"))?;
     vcpu.set_xcrs(&state.xcrs)
         .map_err(Error::ioctl("KVM_SET_XCRS"))?;
