@@ -1,15 +1,19 @@
 //! Which compression a migration's Pages frames get, and, for [`Compress::Auto`], choosing it
 //! from what limits the transfer.
 //!
-//! Compressing a frame costs the writer thread CPU time and saves it wire time. Per byte of
-//! pages, a writer spends `c + w / r` with a codec (compression time per byte, plus the wire
-//! time of what is left at ratio `r`) and `w` without: a codec pays when `c < w (1 - 1/r)`. The
-//! wire time `w` is what the writers measure around their socket writes (their sockets stay
-//! full on a link that is the bottleneck, so a write lasts as long as the link takes; on a fast
-//! link the encryption and copy dominate and `w` is small), `c` and `r` what they measure
-//! compressing. [`Compressor`] keeps running averages of the three, shared by all writers of a
-//! migration, and picks for each frame the codec with the least time per byte; every
-//! [`PROBE_EVERY`]-th frame tries another codec so that its figures stay current.
+//! A writer compresses a frame and queues it on its socket, whose send buffer holds several
+//! frames ([`crate::transport::SEND_BUFFER_BYTES`]), so the link carries one frame while the
+//! writer compresses the next. Per byte of pages a writer then moves at the pace of the slower
+//! of the two: `max(c, w / r)` with a codec (compression time per byte; the wire time per byte
+//! `w` of the writer's share of the link, over the ratio `r`), and `w` without one. Compressing
+//! pays while the link is the bottleneck, and stops paying once the CPU is (on a slow host, or
+//! a fast link). `w` is the link's pace as [`crate::transport::LinkGauge`] reads it from the
+//! socket's queue while the link is busy; `c` and `r` are what the writers measure compressing
+//! (`c` as wall time, so a CPU shared with the vCPUs and the destination counts as it should).
+//! [`Compressor`] keeps running averages of them, shared by all writers of a migration, and
+//! picks for each frame the codec with the least time per byte; every [`PROBE_EVERY`]-th frame
+//! tries another codec so that its figures stay current. Until the link has been seen busy,
+//! nothing says it is slower than the writers: frames go plain.
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -17,13 +21,14 @@ use std::time::Duration;
 use serde::Serialize;
 
 use crate::stream::Codec;
+use crate::transport::LinkSample;
 
 /// Every this many frames a writer tries a codec other than the chosen one (auto mode).
 pub const PROBE_EVERY: u64 = 16;
 /// The zstd level of [`Compress::Zstd`] and of auto mode: the one that compresses real guest
 /// memory about 2.6x at roughly three times LZ4's CPU cost.
 pub const ZSTD_LEVEL: i32 = 1;
-/// Weight of the newest sample in the running averages.
+/// How much older measurements fade with each new one (see `Sums`).
 const ALPHA: f64 = 0.2;
 
 /// How a migration compresses its Pages frames.
@@ -92,13 +97,41 @@ pub struct CompressionReport {
     pub compressed_out_bytes: u64,
 }
 
+/// Sums of what was measured, older measurements fading (each new one scales the sums by
+/// `1 - ALPHA` before adding itself): a rate is the ratio of two sums, in which each frame or
+/// sample counts by its size. An average of per-frame rates would let a frame of a few bytes,
+/// whose compression is all fixed cost, or a burst of acknowledgements after a stall, weigh as
+/// much as a full frame.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Sums([f64; 3]);
+
+impl Sums {
+    fn add(&mut self, new: [f64; 3]) {
+        for (s, n) in self.0.iter_mut().zip(new) {
+            *s = *s * (1.0 - ALPHA) + n;
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, Default)]
 struct Figures {
-    /// Nanoseconds per byte of pages to compress, and the ratio, per candidate (None: 0, 1).
-    compress_ns: [Option<f64>; 3],
-    ratio: [Option<f64>; 3],
-    /// Nanoseconds per byte on the wire.
-    wire_ns: Option<f64>,
+    /// Per candidate (None's unused): compression nanoseconds, bytes in, bytes out.
+    compress: [Option<Sums>; 3],
+    /// The link: nanoseconds, bytes carried.
+    wire: Option<Sums>,
+}
+
+impl Figures {
+    /// Nanoseconds per byte on the wire, once the link was seen busy.
+    fn wire_ns(&self) -> Option<f64> {
+        self.wire.map(|Sums([ns, bytes, _])| ns / bytes)
+    }
+
+    /// Candidate `i`'s nanoseconds per byte of pages and ratio, once it compressed a frame.
+    fn compression(&self, i: usize) -> Option<(f64, f64)> {
+        self.compress[i]
+            .map(|Sums([ns, bytes_in, bytes_out])| (ns / bytes_in, bytes_in / bytes_out))
+    }
 }
 
 /// One migration's compression: the mode, the figures auto mode decides on, the counts.
@@ -106,10 +139,6 @@ struct Figures {
 pub struct Compressor {
     mode: Compress,
     state: Mutex<(Figures, CompressionReport, u64)>,
-}
-
-fn average(old: Option<f64>, new: f64) -> Option<f64> {
-    Some(old.map_or(new, |o| o + ALPHA * (new - o)))
 }
 
 impl Compressor {
@@ -140,7 +169,7 @@ impl Compressor {
                 let n = state.2;
                 let figures = state.0;
                 // Until a codec has figures, or when its probe comes up, it is tried.
-                if let Some(i) = (1..3).find(|&i| figures.compress_ns[i].is_none()) {
+                if let Some(i) = (1..3).find(|&i| figures.compress[i].is_none()) {
                     return CANDIDATES[i];
                 }
                 if n.is_multiple_of(PROBE_EVERY) {
@@ -152,14 +181,15 @@ impl Compressor {
     }
 
     /// Records a frame of `frame_bytes` (as encoded) that `codec` turned into `wire_bytes` in
-    /// `compress_time`, and whose write took `write_time`.
+    /// `compress_time`; `link`: what the writer's link carried since its last write, if it was
+    /// busy (see [`crate::transport::LinkGauge`]).
     pub fn record(
         &self,
         codec: Codec,
         frame_bytes: usize,
         wire_bytes: usize,
         compress_time: Duration,
-        write_time: Duration,
+        link: Option<LinkSample>,
     ) {
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let (figures, report, _) = &mut *state;
@@ -167,15 +197,17 @@ impl Compressor {
             .iter()
             .position(|c| std::mem::discriminant(c) == std::mem::discriminant(&codec))
             .unwrap_or(0);
-        if frame_bytes > 0 && wire_bytes > 0 {
-            if i > 0 {
-                let ns = compress_time.as_nanos() as f64 / frame_bytes as f64;
-                figures.compress_ns[i] = average(figures.compress_ns[i], ns);
-                let ratio = frame_bytes as f64 / wire_bytes as f64;
-                figures.ratio[i] = average(figures.ratio[i], ratio);
-            }
-            let wire = write_time.as_nanos() as f64 / wire_bytes as f64;
-            figures.wire_ns = average(figures.wire_ns, wire);
+        if frame_bytes > 0 && wire_bytes > 0 && i > 0 {
+            let new = [
+                compress_time.as_nanos() as f64,
+                frame_bytes as f64,
+                wire_bytes as f64,
+            ];
+            figures.compress[i].get_or_insert_default().add(new);
+        }
+        if let Some(LinkSample { elapsed, bytes }) = link.filter(|l| l.bytes > 0) {
+            let new = [elapsed.as_nanos() as f64, bytes as f64, 0.0];
+            figures.wire.get_or_insert_default().add(new);
         }
         let compressed = wire_bytes < frame_bytes;
         match (codec, compressed) {
@@ -199,14 +231,15 @@ impl Compressor {
     }
 }
 
-/// The candidate with the least time per byte of pages: `c + w / r`, `w` for no codec.
+/// The candidate with the least time per byte of pages: `max(c, w / r)`, `w` for no codec
+/// (see the module's docs).
 fn best(f: &Figures) -> Codec {
-    let Some(w) = f.wire_ns else {
+    let Some(w) = f.wire_ns() else {
         return Codec::None;
     };
-    let cost = |i: usize| match (f.compress_ns[i], f.ratio[i]) {
+    let cost = |i: usize| match f.compression(i) {
         _ if i == 0 => w,
-        (Some(c), Some(r)) if r > 0.0 => c + w / r,
+        Some((c, r)) if r > 0.0 => c.max(w / r),
         _ => f64::INFINITY,
     };
     let i = (0..3)
@@ -229,42 +262,93 @@ mod tests {
                     mb,
                     out,
                     Duration::from_nanos((ns * mb as f64) as u64),
-                    Duration::from_nanos((wire_ns * out as f64) as u64),
+                    Some(LinkSample {
+                        elapsed: Duration::from_nanos((wire_ns * out as f64) as u64),
+                        bytes: out as u64,
+                    }),
                 );
             }
         }
     }
 
+    fn chosen(c: &Compressor) -> Codec {
+        best(&c.state.lock().unwrap().0)
+    }
+
     /// On a slow link the better ratio wins; on a fast one, compressing costs more than it
-    /// saves and frames go plain; in between, the cheap codec.
+    /// saves and frames go plain; in between, the codec whose compression keeps up with the
+    /// link; and a host whose CPU is slow moves to the cheaper codec on the same link.
     #[test]
     fn auto_compresses_when_the_link_is_the_bottleneck() {
         let lz4 = (1.0, 2.0);
         let zstd = (3.0, 2.6);
-        // 100 Mbit/s: 80 ns per byte; zstd (3 + 30.8) beats LZ4 (1 + 40).
+        // 100 Mbit/s: 80 ns per byte; zstd (max(3, 30.8)) beats LZ4 (max(1, 40)).
         let c = Compressor::new(Compress::Auto);
         feed(&c, 80.0, lz4, zstd);
-        assert_eq!(best(&c.state.lock().unwrap().0), Codec::Zstd(1));
-        // 1 Gbit/s: 8 ns per byte; LZ4 (1 + 4) beats zstd (3 + 3.1) and plain (8).
+        assert_eq!(chosen(&c), Codec::Zstd(1));
+        // A writer's share of 1 Gbit/s, 16 ns per byte: zstd (max(3, 6.2)) beats LZ4 (8).
         let c = Compressor::new(Compress::Auto);
-        feed(&c, 8.0, lz4, zstd);
-        assert_eq!(best(&c.state.lock().unwrap().0), Codec::Lz4);
+        feed(&c, 16.0, lz4, zstd);
+        assert_eq!(chosen(&c), Codec::Zstd(1));
+        // The same link on a host where zstd takes 9 ns per byte: LZ4 (8) beats it.
+        let c = Compressor::new(Compress::Auto);
+        feed(&c, 16.0, lz4, (9.0, 2.6));
+        assert_eq!(chosen(&c), Codec::Lz4);
+        // 4 ns per byte: LZ4 (max(1, 2)) beats zstd (3) and plain (4).
+        let c = Compressor::new(Compress::Auto);
+        feed(&c, 4.0, lz4, zstd);
+        assert_eq!(chosen(&c), Codec::Lz4);
         // 10 Gbit/s: 0.8 ns per byte, less than compressing costs.
         let c = Compressor::new(Compress::Auto);
         feed(&c, 0.8, lz4, zstd);
-        assert_eq!(best(&c.state.lock().unwrap().0), Codec::None);
-        // 4 ns per byte: LZ4 (1 + 2) beats zstd (3 + 1.54) and plain (4).
+        assert_eq!(chosen(&c), Codec::None);
+    }
+
+    /// Before the link has been seen busy, frames go plain; after, the probes' figures decide.
+    #[test]
+    fn auto_sends_plain_until_the_link_is_seen_busy() {
         let c = Compressor::new(Compress::Auto);
-        feed(&c, 4.0, lz4, zstd);
-        assert_eq!(best(&c.state.lock().unwrap().0), Codec::Lz4);
+        // The first frames try each codec once, to have their figures.
+        assert_eq!(c.choose(), Codec::Lz4);
+        c.record(Codec::Lz4, 1 << 20, 1 << 19, Duration::from_millis(1), None);
+        assert_eq!(c.choose(), Codec::Zstd(1));
+        c.record(
+            Codec::Zstd(1),
+            1 << 20,
+            1 << 18,
+            Duration::from_millis(3),
+            None,
+        );
+        assert_eq!(chosen(&c), Codec::None);
+        // A busy link at 100 ns per byte: zstd's quarter of the bytes wins.
+        let busy = |ms: u64| {
+            Some(LinkSample {
+                elapsed: Duration::from_millis(ms),
+                bytes: 1 << 20,
+            })
+        };
+        c.record(Codec::None, 1 << 20, 1 << 20, Duration::ZERO, busy(100));
+        assert_eq!(chosen(&c), Codec::Zstd(1));
+        // A burst of acknowledgements (a whole MiB in 10 us) hardly moves the link's pace.
+        c.record(
+            Codec::None,
+            1 << 20,
+            1 << 20,
+            Duration::ZERO,
+            Some(LinkSample {
+                elapsed: Duration::from_micros(10),
+                bytes: 1 << 20,
+            }),
+        );
+        assert_eq!(chosen(&c), Codec::Zstd(1));
     }
 
     #[test]
     fn fixed_modes_and_counts() {
         let c = Compressor::new(Compress::Lz4);
         assert_eq!(c.choose(), Codec::Lz4);
-        c.record(Codec::Lz4, 100, 50, Duration::ZERO, Duration::ZERO);
-        c.record(Codec::Lz4, 100, 100, Duration::ZERO, Duration::ZERO);
+        c.record(Codec::Lz4, 100, 50, Duration::ZERO, None);
+        c.record(Codec::Lz4, 100, 100, Duration::ZERO, None);
         let r = c.report();
         assert_eq!((r.lz4_frames, r.plain_frames), (1, 1));
         assert_eq!((r.compressed_in_bytes, r.compressed_out_bytes), (100, 50));

@@ -408,6 +408,13 @@ impl Connection {
         Ok(Cutter(self.socket.try_clone()?))
     }
 
+    /// Bytes written that the peer has not acknowledged (TCP) or read (Unix) yet: what the
+    /// link still has to carry of what was written (see [`LinkGauge`]). `None` where the
+    /// kernel does not say.
+    pub fn queued_bytes(&self) -> Option<u64> {
+        self.socket.queued_bytes()
+    }
+
     /// Whether the peer is on this host (a Unix socket): only then can fds be handed over.
     pub fn is_local(&self) -> bool {
         matches!(self.socket, Socket::Unix(_))
@@ -609,6 +616,77 @@ impl Write for Connection {
     }
 }
 
+/// Measures how fast a connection's link carries what its writer queued: the bytes the socket's
+/// queue lost over the time that passed, both between two writes and during one (what was
+/// queued before, plus what was written, less what is queued after), counted only while the
+/// queue stayed long (then the link, not the writer, set the pace) and summed until they make a
+/// sample of [`LinkGauge::SAMPLE_BYTES`] (acknowledgements come in whole segments, so shorter
+/// spans would read too fast or too slow). With a send buffer that holds several frames
+/// ([`SEND_BUFFER_BYTES`]) a write returns as soon as its bytes are queued, so the time a write
+/// blocks no longer tells the link's speed; this does, whether the writer compresses or not.
+#[derive(Debug, Default)]
+pub struct LinkGauge {
+    /// When the last write ended, and what was queued then.
+    after: Option<(Instant, u64)>,
+    /// When the current write started, and what was queued then.
+    before: Option<(Instant, u64)>,
+    /// Busy time and bytes drained, not yet a sample.
+    pending: (Duration, u64),
+}
+
+impl LinkGauge {
+    /// A queue at least this long when a span starts means the link never waited for the
+    /// writer during it.
+    pub const BUSY_BYTES: u64 = 128 << 10;
+    /// A sample spans at least this many drained bytes.
+    pub const SAMPLE_BYTES: u64 = 1 << 20;
+
+    /// Called just before writing on `conn`.
+    pub fn before_write(&mut self, conn: &Connection) {
+        let now = conn.queued_bytes().map(|q| (Instant::now(), q));
+        if let (Some((t0, q0)), Some((t1, q1))) = (self.after.take(), now) {
+            self.span(t1 - t0, q0, 0, q1);
+        }
+        self.before = now;
+    }
+
+    /// Called just after writing `written` bytes on `conn`: a sample of the link, when enough
+    /// busy time has gathered.
+    pub fn after_write(&mut self, conn: &Connection, written: u64) -> Option<LinkSample> {
+        let now = conn.queued_bytes().map(|q| (Instant::now(), q));
+        if let (Some((t0, q0)), Some((t1, q1))) = (self.before.take(), now) {
+            self.span(t1 - t0, q0, written, q1);
+        }
+        self.after = now;
+        let (elapsed, bytes) = self.pending;
+        (bytes >= Self::SAMPLE_BYTES).then(|| {
+            self.pending = (Duration::ZERO, 0);
+            LinkSample { elapsed, bytes }
+        })
+    }
+
+    /// A span of `elapsed` that started with `then` bytes queued, added `written`, and ended
+    /// with `now` queued: counted if the link was busy, else what had gathered is dropped.
+    fn span(&mut self, elapsed: Duration, then: u64, written: u64, now: u64) {
+        match (then + written).checked_sub(now) {
+            Some(drained) if then >= Self::BUSY_BYTES => {
+                self.pending.0 += elapsed;
+                self.pending.1 += drained;
+            }
+            _ => self.pending = (Duration::ZERO, 0),
+        }
+    }
+}
+
+/// A busy link's bytes carried over a time (see [`LinkGauge`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LinkSample {
+    /// How long it took.
+    pub elapsed: Duration,
+    /// The bytes it carried meanwhile.
+    pub bytes: u64,
+}
+
 /// Cuts a [`Connection`] (see [`Connection::cutter`]).
 pub struct Cutter(Socket);
 
@@ -655,6 +733,23 @@ impl Socket {
     }
 }
 
+impl Socket {
+    /// Bytes written to the socket that the peer has not yet acknowledged (TCP) or read (a
+    /// Unix socket): `SIOCOUTQ`. `None` where the kernel does not say.
+    fn queued_bytes(&self) -> Option<u64> {
+        use std::os::fd::AsRawFd;
+        let fd = match self {
+            Socket::Tcp(s) => s.as_raw_fd(),
+            Socket::Unix(s) => s.as_raw_fd(),
+        };
+        let mut queued: libc::c_int = 0;
+        // SAFETY: SIOCOUTQ (TIOCOUTQ) writes one c_int into `queued`, which is live and
+        // writable; `fd` is the open socket `self` owns.
+        let r = unsafe { libc::ioctl(fd, libc::TIOCOUTQ, &mut queued as *mut libc::c_int) };
+        (r == 0).then_some(queued.max(0) as u64)
+    }
+}
+
 impl Read for Socket {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         match self {
@@ -688,6 +783,38 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
         .cipher_suites
         .sort_by_key(|s| s.suite() != rustls::CipherSuite::TLS13_AES_128_GCM_SHA256);
     Arc::new(provider)
+}
+
+/// What the source asks for as each TCP connection's send buffer (the kernel doubles it for its
+/// own bookkeeping, and caps the request at `net.core.wmem_max`, 4 MiB by default).
+///
+/// A pages connection's writer compresses a frame and then writes it: while it compresses, the
+/// link carries only what the socket already holds. Left to autotuning on a link with little
+/// delay (a veth, a LAN) the buffer stays near the bandwidth-delay product, a few hundred KiB,
+/// which a 1 Gbit/s link drains before the next frame is compressed; a buffer that holds several
+/// compressed frames keeps it busy instead. It bounds memory the kernel may hold per connection,
+/// not what it does hold: a link faster than compression never fills it.
+pub const SEND_BUFFER_BYTES: usize = 4 << 20;
+
+fn set_send_buffer(s: &TcpStream) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let bytes = SEND_BUFFER_BYTES as libc::c_int;
+    // SAFETY: setsockopt reads `size_of::<c_int>()` bytes from `bytes`, a live c_int, and the
+    // fd is the open socket `s` borrows.
+    let r = unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_SNDBUF,
+            (&bytes as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
 }
 
 /// Connects to the destination at `endpoint` as the source, and completes the TLS handshake
@@ -748,6 +875,7 @@ pub fn connect_with(
             }
             let s = stream.ok_or_else(|| unreachable(last))?;
             s.set_nodelay(true).map_err(io_err("TCP_NODELAY"))?;
+            set_send_buffer(&s).map_err(io_err("SO_SNDBUF"))?;
             Socket::Tcp(s)
         }
         Endpoint::Unix(path) => Socket::Unix(UnixStream::connect(path).map_err(unreachable)?),
@@ -977,6 +1105,42 @@ mod tests {
         let d = std::env::temp_dir().join(format!("guestmem-tls-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
         d
+    }
+
+    /// The link's pace is read only while the queue stayed long (the writer was not what the
+    /// link waited for), between writes and during them, over a sample's worth of bytes.
+    #[test]
+    fn a_link_gauge_samples_only_a_busy_link() {
+        let ms = Duration::from_millis(1);
+        let mut g = LinkGauge::default();
+        // Between writes: 512 KiB drained in 1 ms with 2 MiB still queued.
+        g.span(ms, (2 << 20) + (512 << 10), 0, 2 << 20);
+        // During a write of 1 MiB: 512 KiB drained in 1 ms.
+        g.span(ms, 2 << 20, 1 << 20, (2 << 20) + (512 << 10));
+        assert_eq!(g.pending, (2 * ms, 1 << 20));
+        // The queue ran (nearly) dry: the writer set the pace, what gathered is dropped.
+        g.span(ms, 4 << 10, 1 << 20, 1 << 20);
+        assert_eq!(g.pending, (Duration::ZERO, 0));
+        // A span with nothing drained counts its time (a slow link), and one whose queue grew
+        // past what was written is not a link's doing.
+        g.span(ms, 1 << 20, 0, 1 << 20);
+        assert_eq!(g.pending, (ms, 0));
+        g.span(ms, 1 << 20, 0, 2 << 20);
+        assert_eq!(g.pending, (Duration::ZERO, 0));
+    }
+
+    /// Over a real socket whose reader does not read, the queue holds what was written; once
+    /// the reader reads, the gauge sees it drain.
+    #[test]
+    fn a_link_gauge_reads_the_socket_queue() {
+        let (a, mut b) = UnixStream::pair().unwrap();
+        let mut socket = Socket::Unix(a);
+        assert_eq!(socket.queued_bytes(), Some(0));
+        socket.write_all(&[7u8; 100_000]).unwrap();
+        assert!(socket.queued_bytes().unwrap() >= 100_000);
+        let mut buf = vec![0u8; 100_000];
+        b.read_exact(&mut buf).unwrap();
+        assert_eq!(socket.queued_bytes(), Some(0));
     }
 
     #[test]

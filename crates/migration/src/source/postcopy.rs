@@ -14,7 +14,7 @@ use guestmem_vm::layout;
 use crate::compress::Compressor;
 use crate::migrate::{link_error, read_frame, write_frame, Links};
 use crate::stream::{compress_pages, Codec, Frame, StreamError};
-use crate::transport::{Connection, Cutter};
+use crate::transport::{Connection, Cutter, LinkGauge};
 use crate::{Error, MigrationError, Result};
 
 use super::{thread_failed, unexpected};
@@ -237,6 +237,7 @@ pub(super) fn serve(
     } = counters;
     let mut out = Vec::with_capacity(crate::stream::MAX_REQUEST as usize + 64);
     let mut scratch = Vec::new();
+    let mut gauge = LinkGauge::default();
     loop {
         match read_frame(conn)? {
             Frame::Request { gpa, len } => {
@@ -259,6 +260,8 @@ pub(super) fn serve(
                 )
                 .map_err(Error::Stream)?;
                 if lines == 0 {
+                    // Not gauged: its bytes would count as drained by the link.
+                    gauge = LinkGauge::default();
                     write_frame(
                         conn,
                         &Frame::Zero {
@@ -271,18 +274,14 @@ pub(super) fn serve(
                     let (encoded, t) = (frame_out.len(), Instant::now());
                     compress_pages(&mut frame_out, codec, &mut scratch).map_err(Error::Stream)?;
                     let compress_time = t.elapsed();
-                    let t = Instant::now();
+                    gauge.before_write(conn);
                     conn.write_all(&frame_out)
                         .and_then(|()| conn.flush())
                         .map_err(|e| Error::Stream(e.into()))?;
-                    let write_time = t.elapsed();
-                    answers.compressor.record(
-                        codec,
-                        encoded,
-                        frame_out.len(),
-                        compress_time,
-                        write_time,
-                    );
+                    let link = gauge.after_write(conn, frame_out.len() as u64);
+                    answers
+                        .compressor
+                        .record(codec, encoded, frame_out.len(), compress_time, link);
                     if gpa != layout::SYS_GPA {
                         bytes.fetch_add(len as u64, Ordering::Relaxed);
                         wire.fetch_add(frame_out.len() as u64, Ordering::Relaxed);

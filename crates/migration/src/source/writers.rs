@@ -14,7 +14,7 @@ use crate::compress::Compressor;
 use crate::delta::{DeltaCache, Partition};
 use crate::migrate::{write_frame, BLOCK};
 use crate::stream::{compress_pages, compress_pages_stream, Codec, Frame, StreamError, ZstdStream};
-use crate::transport::Connection;
+use crate::transport::{Connection, LinkGauge};
 use crate::{Error, Result};
 
 use super::thread_failed;
@@ -161,6 +161,7 @@ impl Writers {
                         let mut pages = Vec::new();
                         let mut result = Ok(());
                         let mut hashing = Duration::ZERO;
+                        let mut gauge = LinkGauge::default();
                         for job in rx {
                             let sent = match job {
                                 Job::Pages {
@@ -208,15 +209,16 @@ impl Writers {
                                 .and_then(
                                     |(codec, encoded, compress_time)| {
                                         wire_bytes.fetch_add(out.len() as u64, Ordering::Relaxed);
-                                        let t = Instant::now();
+                                        gauge.before_write(&conn);
                                         conn.write_all(&out)
                                             .map_err(|e| Error::Stream(e.into()))?;
+                                        let link = gauge.after_write(&conn, out.len() as u64);
                                         compressor.record(
                                             codec,
                                             encoded,
                                             out.len(),
                                             compress_time,
-                                            t.elapsed(),
+                                            link,
                                         );
                                         Ok(())
                                     },
@@ -228,6 +230,9 @@ impl Writers {
                                     {
                                         cache.part(i).forget(*gpa, *count);
                                     }
+                                    // Written between two gauge readings, its bytes
+                                    // would count as drained by the link: no sample.
+                                    gauge = LinkGauge::default();
                                     write_frame(&mut conn, &f)
                                 }
                                 Job::Digest { gpa, len } => {
