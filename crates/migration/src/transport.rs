@@ -415,6 +415,15 @@ impl Connection {
         self.socket.queued_bytes()
     }
 
+    /// Gives a TCP connection a send buffer of [`SEND_BUFFER_BYTES`] (the kernel's
+    /// autotuning of it ends there); a Unix socket is left as it is.
+    pub fn enlarge_send_buffer(&self) -> io::Result<()> {
+        match &self.socket {
+            Socket::Tcp(s) => set_send_buffer(s),
+            Socket::Unix(_) => Ok(()),
+        }
+    }
+
     /// Whether the peer is on this host (a Unix socket): only then can fds be handed over.
     pub fn is_local(&self) -> bool {
         matches!(self.socket, Socket::Unix(_))
@@ -785,8 +794,10 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(provider)
 }
 
-/// What the source asks for as each TCP connection's send buffer (the kernel doubles it for its
-/// own bookkeeping, and caps the request at `net.core.wmem_max`, 4 MiB by default).
+/// The send buffer a pre-copy round's writers ask for on their TCP connections
+/// ([`Connection::enlarge_send_buffer`]; the kernel doubles it for its own bookkeeping, and caps
+/// the request at `net.core.wmem_max`, 4 MiB by default). Connections that only answer
+/// post-copy's requests keep the kernel's autotuning.
 ///
 /// A pages connection's writer compresses a frame and then writes it: while it compresses, the
 /// link carries only what the socket already holds. Left to autotuning on a link with little
@@ -875,7 +886,6 @@ pub fn connect_with(
             }
             let s = stream.ok_or_else(|| unreachable(last))?;
             s.set_nodelay(true).map_err(io_err("TCP_NODELAY"))?;
-            set_send_buffer(&s).map_err(io_err("SO_SNDBUF"))?;
             Socket::Tcp(s)
         }
         Endpoint::Unix(path) => Socket::Unix(UnixStream::connect(path).map_err(unreachable)?),

@@ -145,6 +145,12 @@ impl Writers {
         let mut threads = Vec::new();
         let streams = streams.into_iter().chain(std::iter::repeat_with(|| None));
         for (i, (mut conn, mut stream)) in conns.into_iter().zip(streams).enumerate() {
+            // So that the link carries one frame while the writer compresses the next (see
+            // `SEND_BUFFER_BYTES`); a connection that refuses keeps its own (the transfer is
+            // the same, the overlap smaller).
+            if let Err(e) = conn.enlarge_send_buffer() {
+                tracing::debug!("pages connection {i}: SO_SNDBUF: {e}");
+            }
             let (tx, rx) = sync_channel::<Job>(8);
             let memory = memory.clone();
             let wire_bytes = wire_bytes.clone();
