@@ -731,18 +731,6 @@ impl Socket {
         })
     }
 
-    /// Read and write timeouts (shared by every clone of the socket).
-    fn set_timeouts(&self, t: Option<Duration>) -> io::Result<()> {
-        // A zero duration means "forever" to std; the smallest bound instead.
-        let t = t.map(|d| d.max(Duration::from_millis(1)));
-        match self {
-            Socket::Tcp(s) => s.set_read_timeout(t).and_then(|()| s.set_write_timeout(t)),
-            Socket::Unix(s) => s.set_read_timeout(t).and_then(|()| s.set_write_timeout(t)),
-        }
-    }
-}
-
-impl Socket {
     /// Bytes written to the socket that the peer has not yet acknowledged (TCP) or read (a
     /// Unix socket): `SIOCOUTQ`. `None` where the kernel does not say.
     fn queued_bytes(&self) -> Option<u64> {
@@ -756,6 +744,16 @@ impl Socket {
         // writable; `fd` is the open socket `self` owns.
         let r = unsafe { libc::ioctl(fd, libc::TIOCOUTQ, &mut queued as *mut libc::c_int) };
         (r == 0).then_some(queued.max(0) as u64)
+    }
+
+    /// Read and write timeouts (shared by every clone of the socket).
+    fn set_timeouts(&self, t: Option<Duration>) -> io::Result<()> {
+        // A zero duration means "forever" to std; the smallest bound instead.
+        let t = t.map(|d| d.max(Duration::from_millis(1)));
+        match self {
+            Socket::Tcp(s) => s.set_read_timeout(t).and_then(|()| s.set_write_timeout(t)),
+            Socket::Unix(s) => s.set_read_timeout(t).and_then(|()| s.set_write_timeout(t)),
+        }
     }
 }
 
