@@ -136,8 +136,9 @@ pub struct Args {
     /// non-zero 64-byte lines).
     #[arg(long)]
     whole_pages: bool,
-    /// Compression modes to run guestmem with, each a row: none, lz4, zstd, auto.
-    #[arg(long, default_value = "none", value_delimiter = ',')]
+    /// Compression modes to run guestmem with, each a row: none, lz4, zstd, auto (the
+    /// default, as `migrate send`'s).
+    #[arg(long, default_value = "auto", value_delimiter = ',')]
     compress: Vec<Compress>,
     /// Delta cache sizes to run guestmem with (pre-copy), each a row per compression mode:
     /// MiB, or `auto` (4 % of guest memory); 0, the default, sends no deltas.

@@ -97,8 +97,9 @@ pub struct HowArgs {
     #[arg(long)]
     pub whole_pages: bool,
     /// Compression of the pages sent: none, lz4, zstd, or auto (whichever moves pages fastest
-    /// as measured while migrating: compressing pays on a slow link, not on a fast one).
-    #[arg(long, default_value = "none")]
+    /// as measured while migrating: compressing pays on a slow link, not on a fast one; the
+    /// default).
+    #[arg(long, default_value = "auto")]
     pub compress: Compress,
     /// Pre-copy: MiB of the cache of pages' last versions sent, against which re-dirtied pages
     /// travel as deltas (default 0: no deltas; it pays when the guest re-dirties the same pages

@@ -36,13 +36,14 @@ const ALPHA: f64 = 0.2;
 #[serde(rename_all = "lowercase")]
 pub enum Compress {
     /// Never (zero pages and zero lines are still left out).
-    #[default]
     None,
     /// LZ4, always.
     Lz4,
     /// zstd, always.
     Zstd,
-    /// Whichever of none, LZ4 and zstd moves pages fastest, as measured while migrating.
+    /// Whichever of none, LZ4 and zstd moves pages fastest, as measured while migrating: the
+    /// default, since it follows the link and the memory instead of assuming either.
+    #[default]
     Auto,
 }
 

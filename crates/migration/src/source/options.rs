@@ -95,7 +95,7 @@ impl Default for SendOptions {
             share_memory: false,
             tracking: None,
             whole_pages: false,
-            compress: Compress::None,
+            compress: Compress::Auto,
             delta_cache_bytes: Some(0),
             zstd_window_bytes: DEFAULT_ZSTD_WINDOW_BYTES,
             fault_cpus: None,
