@@ -164,6 +164,19 @@ fn bad_snapshots_are_refused_before_anything_runs() {
     let e = restore_err(&d.0);
     assert!(e.contains("truncated") && e.contains("memory"), "{e}");
 
+    // A file longer than its manifest says is not called truncated.
+    let d = copy("longer");
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(d.0.join("memory"))
+        .unwrap();
+    f.set_len(SIZE * 2).unwrap();
+    let e = restore_err(&d.0);
+    assert!(
+        e.contains("longer than written") && !e.contains("truncated") && e.contains("memory"),
+        "{e}"
+    );
+
     // One flipped byte in the guest's RAM region: the chunk's checksum catches it.
     let d = copy("flipped");
     flip_byte_in_ram(&d.0, 3 * 4096 + 8, 0x40);

@@ -71,8 +71,11 @@ pub enum Error {
         supported: u32,
     },
     /// A file shorter or longer than its manifest says.
-    #[error("{path}: truncated: {found} bytes, the manifest says {expected}")]
-    Truncated {
+    #[error(
+        "{path}: {found} bytes, the manifest says {expected}: {}",
+        length_mismatch(*found, *expected)
+    )]
+    WrongLength {
         /// The file.
         path: PathBuf,
         /// The manifest's length.
@@ -209,5 +212,14 @@ impl Error {
     pub(crate) fn io(path: &Path, op: &'static str) -> impl FnOnce(io::Error) -> Error {
         let path = path.to_path_buf();
         move |source| Error::Io { path, op, source }
+    }
+}
+
+/// What a file's length, against its manifest's, says happened to it.
+fn length_mismatch(found: u64, expected: u64) -> &'static str {
+    if found < expected {
+        "truncated"
+    } else {
+        "longer than written (bytes appended, or another file in its place)"
     }
 }

@@ -53,8 +53,13 @@ pub fn read_state(backend: &dyn Backend, manifest: &StoreManifest) -> Result<Vec
 fn check_state(backend: &dyn Backend, manifest: &StoreManifest, bytes: Vec<u8>) -> Result<Vec<u8>> {
     let key = state_key(&manifest.name);
     if bytes.len() as u64 != manifest.state_bytes {
+        let what = if (bytes.len() as u64) < manifest.state_bytes {
+            "truncated"
+        } else {
+            "longer than written"
+        };
         return Err(Error::Corrupt(format!(
-            "{}: {key}: {} bytes, the manifest says {}: truncated",
+            "{}: {key}: {} bytes, the manifest says {}: {what}",
             backend.describe(),
             bytes.len(),
             manifest.state_bytes

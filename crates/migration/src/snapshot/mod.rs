@@ -117,7 +117,7 @@ impl Snapshot {
         let state_path = dir.join(STATE);
         let state_json = read_regular(&state_path)?;
         if state_json.len() as u64 != manifest.state_bytes {
-            return Err(Error::Truncated {
+            return Err(Error::WrongLength {
                 path: state_path,
                 expected: manifest.state_bytes,
                 found: state_json.len() as u64,
@@ -141,7 +141,7 @@ impl Snapshot {
             let file = open_regular(&path)?;
             let len = file.metadata().map_err(Error::io(&path, "stat"))?.len();
             if len != manifest.file_bytes(which) {
-                return Err(Error::Truncated {
+                return Err(Error::WrongLength {
                     path,
                     expected: manifest.file_bytes(which),
                     found: len,
