@@ -21,9 +21,14 @@
 # linux-image-cloud-amd64, busybox-static, zstd, cpio). Safe to re-run: captures are replaced.
 # `scripts/image-stats.py IMAGE [IMAGE2]` prints what a capture contains.
 #
+# `--workload app` runs another kind of guest instead (scripts/capture-app-workload.py, with
+# Debian's python3 and its standard library copied into the initramfs): an application server's
+# managed heap (CPython objects, rendered JSON) beside an embedded SQLite database on tmpfs and
+# its page cache; its captures are named linux-2G-app-boot.raw.zst, linux-2G-app-load.raw.zst, ...
+#
 # Usage:
-#   scripts/capture-guest-memory.sh [-m 2G|1G|512M] [--load-seconds 40] [--gap 5] [--no-load2]
-#                                   [--out DIR]
+#   scripts/capture-guest-memory.sh [-m 2G|1G|512M] [--workload server|app] [--load-seconds 40]
+#                                   [--gap 5] [--no-load2] [--out DIR]
 #   scripts/capture-guest-memory.sh --excerpt FROM.raw.zst TO.raw.zst [--size 8M]
 #       cuts a small excerpt of a capture for the test suite (tests/data/linux-8M.raw.zst): a mix
 #       of regions spread over the whole image, see `image-stats.py --help` (excerpt).
@@ -32,11 +37,12 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 
-mem=2G load_seconds=40 gap=5 no_load2="" out=${GUESTMEM_IMAGES:-$HOME/.cache/guestmem/images}
+mem=2G workload=server load_seconds=40 gap=5 no_load2="" out=${GUESTMEM_IMAGES:-$HOME/.cache/guestmem/images}
 excerpt_from="" excerpt_to="" excerpt_size=8M
 while [ $# -gt 0 ]; do
   case "$1" in
     -m|--mem) mem=${2:?-m takes a size}; shift 2 ;;
+    --workload) workload=${2:?--workload takes server or app}; shift 2 ;;
     --load-seconds) load_seconds=${2:?--load-seconds takes seconds}; shift 2 ;;
     --gap) gap=${2:?--gap takes seconds}; shift 2 ;;
     --no-load2) no_load2=--no-load2; shift ;;
@@ -57,6 +63,10 @@ case "$mem" in
   *G) ram_mib=$(( ${mem%G} * 1024 )) ;;
   *M) ram_mib=${mem%M} ;;
   *) echo "capture-guest-memory: -m takes a size like 2G or 512M, not $mem" >&2; exit 2 ;;
+esac
+case "$workload" in
+  server|app) ;;
+  *) echo "capture-guest-memory: --workload takes server or app, not $workload" >&2; exit 2 ;;
 esac
 if [ "$ram_mib" -lt 256 ] || [ "$ram_mib" -gt 2048 ]; then
   # Above 2 GiB the PC machine may split RAM around the PCI hole; pmemsave 0..RAM would be wrong.
@@ -86,12 +96,12 @@ qemu_version=$(qemu-system-x86_64 --version | head -n 1)
 
 # The captures are made in a staging directory beside their final place and moved there only
 # when all of them are compressed: an interrupted run leaves the previous captures as they were.
-stage=$out/.linux-$mem.partial
+stage=$out/.linux-$mem-$workload.partial
 rm -rf "$stage"
 mkdir -p "$out" "$stage"
 work=$(mktemp -d "${TMPDIR:-/tmp}/guestmem-capture.XXXXXX")
 qemu_pid="" driver_pid=""
-prefix="linux-$mem"
+prefix="linux-$mem"; [ "$workload" = server ] || prefix="linux-$mem-$workload"
 cleanup() {
   for pid in $driver_pid $qemu_pid; do
     if kill -0 "$pid" 2>/dev/null; then
@@ -191,6 +201,24 @@ os.makedirs(sys.argv[1] + "/db", exist_ok=True)
 with gzip.open(sys.argv[1] + "/db/orders.db.gz", "wb", compresslevel=6) as f:
     f.write(b"".join(pages))
 PY
+if [ "$workload" = app ]; then
+  # Debian's python3 (not a pyenv or venv one), its libraries and standard library, SQLite.
+  py=/usr/bin/python3.11
+  [ -x "$py" ] || { echo "capture-guest-memory: --workload app needs $py (apt-get install python3)" >&2; exit 1; }
+  mkdir -p "$root/app" "$root/usr/bin"
+  cp "$py" "$root/usr/bin/python3"
+  cp "$here/capture-app-workload.py" "$root/app/workload.py"
+  mkdir -p "$root/data"
+  "$py" "$here/capture-app-workload.py" --build-db "$root/data/app.db" "$ram_mib"
+  (cd / && find usr/lib/python3.11 \( -name test -o -name tests -o -name idlelib -o -name tkinter \
+      -o -name turtledemo -o -name ensurepip -o -name lib2to3 -o -name site-packages \
+      -o -name dist-packages \) -prune -o -print | cpio -pdm --quiet "$root")
+  for bin in "$py" /usr/lib/python3.11/lib-dynload/_sqlite3.*.so; do
+    for lib in $(ldd "$bin" | grep -o '/[^ ]*'); do
+      mkdir -p "$root$(dirname "$lib")" && cp -L "$lib" "$root$lib"
+    done
+  done
+fi
 echo "root:x:0:0:root:/root:/bin/sh" > "$root/etc/passwd"
 echo "root:x:0:" > "$root/etc/group"
 echo "*/1 * * * * date >> /var/log/cron.log" > "$root/etc/crontabs/root"
@@ -208,6 +236,11 @@ mb=$(( $(awk '/^MemTotal/ {print $2}' /proc/meminfo) / 1024 ))
 echo "GUESTMEM-BOOTED mem_mib=$mb kernel=$(uname -r)"
 logger -t guestmem "boot marker printed"
 sleep 1
+if [ -f /app/workload.py ]; then
+  # The application guest (--workload app): it prints GUESTMEM-LOADED itself.
+  /usr/bin/python3 /app/workload.py &
+  while :; do sleep 3600; done
+fi
 pct() { echo $(( mb * $1 / 100 )); }   # MiB for a share of RAM
 t0=$(date +%s)
 
@@ -288,6 +321,8 @@ chmod +x "$root/init"
 echo "capture-guest-memory: initramfs $(( $(stat -c %s "$work/initrd.cpio.zst") >> 20 )) MiB compressed," \
      "kernel $kver, $qemu_version"
 
+workload_desc="scripts/capture-guest-memory.sh (busybox init: page cache, heap, random, rewriting loop)"
+[ "$workload" = app ] && workload_desc="scripts/capture-guest-memory.sh --workload app (CPython heap, SQLite database and cache, updating loop)"
 # --- Boot and capture --------------------------------------------------------------------------
 serial=$work/serial.log qmp=$work/qmp.sock
 qemu-system-x86_64 -accel tcg -cpu max -smp 2 -m "$mem" -nodefaults -display none -no-reboot \
@@ -301,7 +336,7 @@ python3 "$here/qmp-capture.py" --qmp "$qmp" --serial "$serial" --ram-bytes $(( r
   --out "$stage" --prefix "$prefix" --load-seconds "$load_seconds" --gap "$gap" $no_load2 \
   --qemu-pid "$qemu_pid" --meta "kernel=$kver" --meta "qemu=$qemu_version" \
   --meta "qemu_args=-accel tcg -cpu max -smp 2 -m $mem" --meta "ram=$mem" \
-  --meta "workload=scripts/capture-guest-memory.sh (busybox init: page cache, heap, random, rewriting loop)" &
+  --meta "workload=$workload_desc" &
 driver_pid=$!
 wait "$driver_pid" ||
   { echo "capture-guest-memory: capture failed; the guest's console said:" >&2; tail -n 20 "$serial" >&2; exit 1; }
