@@ -424,6 +424,12 @@ impl Connection {
         }
     }
 
+    /// The rate at which the peer acknowledged what was written, as the kernel last measured
+    /// it (TCP), in bytes per second (see [`AnswerGauge`]).
+    pub fn delivery_rate(&self) -> Option<u64> {
+        self.socket.delivery_rate()
+    }
+
     /// Whether the peer is on this host (a Unix socket): only then can fds be handed over.
     pub fn is_local(&self) -> bool {
         matches!(self.socket, Socket::Unix(_))
@@ -687,6 +693,50 @@ impl LinkGauge {
     }
 }
 
+/// Measures the link of a lock-step connection, where each answer written is followed by the
+/// peer's next request (post-copy's background fetches): there the queue drains between answers
+/// and [`LinkGauge`] never sees it stay long, and the time from an answer to the next request
+/// holds the peer's handling of it as much as the link. TCP measures the link itself: on every
+/// acknowledgement the kernel takes the rate at which the peer acknowledged the data in flight
+/// ([`Connection::delivery_rate`]). The estimate is the median of the last
+/// [`AnswerGauge::WINDOW`] such rates: an answer's burst is often shorter than what the link
+/// holds in flight, which reads it slow, and a shaper's burst allowance lets a short one through
+/// at the speed of the wire beneath, which reads it fast. A Unix socket gives none: its peer is
+/// on this host.
+#[derive(Debug, Default)]
+pub struct AnswerGauge {
+    /// The last rates measured, in bytes per second, newest last.
+    recent: std::collections::VecDeque<u64>,
+}
+
+impl AnswerGauge {
+    /// How many recent rates the estimate is the median of.
+    pub const WINDOW: usize = 8;
+
+    /// Called when the peer's next request arrived on `conn` (so that the last answer's
+    /// acknowledgements are in): the link's estimate, as a sample of [`LinkGauge::SAMPLE_BYTES`].
+    pub fn requested(&mut self, conn: &Connection) -> Option<LinkSample> {
+        self.rate(conn.delivery_rate())
+    }
+
+    fn rate(&mut self, measured: Option<u64>) -> Option<LinkSample> {
+        if let Some(rate) = measured.filter(|&r| r > 0) {
+            if self.recent.len() == Self::WINDOW {
+                self.recent.pop_front();
+            }
+            self.recent.push_back(rate);
+        }
+        let mut rates: Vec<u64> = self.recent.iter().copied().collect();
+        rates.sort_unstable();
+        let median = *rates.get(rates.len() / 2)?;
+        let bytes = LinkGauge::SAMPLE_BYTES;
+        Some(LinkSample {
+            elapsed: Duration::from_secs_f64(bytes as f64 / median as f64),
+            bytes,
+        })
+    }
+}
+
 /// A busy link's bytes carried over a time (see [`LinkGauge`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LinkSample {
@@ -744,6 +794,33 @@ impl Socket {
         // writable; `fd` is the open socket `self` owns.
         let r = unsafe { libc::ioctl(fd, libc::TIOCOUTQ, &mut queued as *mut libc::c_int) };
         (r == 0).then_some(queued.max(0) as u64)
+    }
+
+    /// The kernel's latest measure of the rate at which the peer acknowledged this TCP
+    /// socket's data, in bytes per second (`TCP_INFO`'s `tcpi_delivery_rate`). `None` for a
+    /// Unix socket, before any measure, or where the kernel does not say.
+    fn delivery_rate(&self) -> Option<u64> {
+        use std::os::fd::AsRawFd;
+        let Socket::Tcp(s) = self else {
+            return None;
+        };
+        // SAFETY: tcp_info is plain old data (integers only): all zeroes is a valid value.
+        let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+        let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+        // SAFETY: TCP_INFO writes at most `len` bytes into `info`, which is live, writable and
+        // that long, and sets `len` to what it wrote; the fd is the open socket `s` owns.
+        let r = unsafe {
+            libc::getsockopt(
+                s.as_raw_fd(),
+                libc::IPPROTO_TCP,
+                libc::TCP_INFO,
+                std::ptr::addr_of_mut!(info).cast(),
+                &mut len,
+            )
+        };
+        let end = std::mem::offset_of!(libc::tcp_info, tcpi_delivery_rate) + 8;
+        (r == 0 && len as usize >= end && info.tcpi_delivery_rate > 0)
+            .then_some(info.tcpi_delivery_rate)
     }
 
     /// Read and write timeouts (shared by every clone of the socket).
@@ -1117,6 +1194,54 @@ mod tests {
 
     /// The link's pace is read only while the queue stayed long (the writer was not what the
     /// link waited for), between writes and during them, over a sample's worth of bytes.
+    /// The median of the recent delivery rates is the estimate: one spike either way leaves it;
+    /// the rates age out after WINDOW others; no measure, no estimate.
+    #[test]
+    fn answer_gauge_takes_the_median_recent_delivery_rate() {
+        let mut g = AnswerGauge::default();
+        assert_eq!(g.rate(None), None, "nothing measured yet");
+        let mib_per_s =
+            |s: LinkSample| (s.bytes as f64 / s.elapsed.as_secs_f64() / 1048576.0).round();
+        assert_eq!(g.rate(Some(100 << 20)).map(mib_per_s), Some(100.0));
+        g.rate(Some(100 << 20));
+        assert_eq!(g.rate(Some(4000 << 20)).map(mib_per_s), Some(100.0));
+        assert_eq!(g.rate(Some(1 << 20)).map(mib_per_s), Some(100.0));
+        assert_eq!(g.rate(None).map(mib_per_s), Some(100.0));
+        for _ in 0..AnswerGauge::WINDOW {
+            g.rate(Some(50 << 20));
+        }
+        assert_eq!(g.rate(None).map(mib_per_s), Some(50.0));
+    }
+
+    /// A real TCP connection's delivery rate, once data was acknowledged; none on a Unix
+    /// socket.
+    #[test]
+    fn a_tcp_socket_reports_its_delivery_rate() {
+        use std::io::{Read as _, Write as _};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let reader = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let mut buf = vec![0u8; 1 << 20];
+            let mut got = 0;
+            while got < 4 << 20 {
+                got += s.read(&mut buf).unwrap();
+            }
+            s.write_all(b"k").unwrap();
+        });
+        let mut tcp = Socket::Tcp(std::net::TcpStream::connect(addr).unwrap());
+        tcp.write_all(&vec![7u8; 4 << 20]).unwrap();
+        let mut ack = [0u8; 1];
+        tcp.read_exact(&mut ack).unwrap();
+        reader.join().unwrap();
+        let rate = tcp
+            .delivery_rate()
+            .expect("a delivery rate after 4 MiB acknowledged");
+        assert!(rate > 1 << 20, "{rate} bytes/s on loopback");
+        let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
+        assert_eq!(Socket::Unix(a).delivery_rate(), None);
+    }
+
     #[test]
     fn a_link_gauge_samples_only_a_busy_link() {
         let ms = Duration::from_millis(1);

@@ -14,7 +14,7 @@ use guestmem_vm::layout;
 use crate::compress::Compressor;
 use crate::migrate::{link_error, read_frame, write_frame, Links};
 use crate::stream::{compress_pages, Codec, Frame, StreamError};
-use crate::transport::{Connection, Cutter, LinkGauge};
+use crate::transport::{AnswerGauge, Connection, Cutter};
 use crate::{Error, MigrationError, Result};
 
 use super::{thread_failed, unexpected};
@@ -237,13 +237,14 @@ pub(super) fn serve(
     } = counters;
     let mut out = Vec::with_capacity(crate::stream::MAX_REQUEST as usize + 64);
     let mut scratch = Vec::new();
-    // A fault's answer (an urgent connection's) is small and waited for: its queue never stays
-    // long, so the gauge would only add two syscalls to every fault.
+    // A fault's answer (an urgent connection's) is small and waited for: it would not measure
+    // the link, and the gauge would add a syscall to every fault.
     let gauged = !answers.urgent;
-    let mut gauge = LinkGauge::default();
+    let mut gauge = AnswerGauge::default();
     loop {
         match read_frame(conn)? {
             Frame::Request { gpa, len } => {
+                let link = if gauged { gauge.requested(conn) } else { None };
                 let mut frame_out = std::mem::take(&mut out);
                 // The answer lands in the destination pager's buffer: not fresh.
                 let lines = Frame::encode_pages_with(
@@ -263,8 +264,6 @@ pub(super) fn serve(
                 )
                 .map_err(Error::Stream)?;
                 if lines == 0 {
-                    // Not gauged: its bytes would count as drained by the link.
-                    gauge = LinkGauge::default();
                     write_frame(
                         conn,
                         &Frame::Zero {
@@ -277,15 +276,9 @@ pub(super) fn serve(
                     let (encoded, t) = (frame_out.len(), Instant::now());
                     compress_pages(&mut frame_out, codec, &mut scratch).map_err(Error::Stream)?;
                     let compress_time = t.elapsed();
-                    if gauged {
-                        gauge.before_write(conn);
-                    }
                     conn.write_all(&frame_out)
                         .and_then(|()| conn.flush())
                         .map_err(|e| Error::Stream(e.into()))?;
-                    let link = gauged
-                        .then(|| gauge.after_write(conn, frame_out.len() as u64))
-                        .flatten();
                     answers
                         .compressor
                         .record(codec, encoded, frame_out.len(), compress_time, link);
