@@ -11,6 +11,7 @@
 #
 #   scripts/kernel-lab.sh [--kernel debian-7.3|debian-6.1|PATH/bzImage] [--modules DIR]
 #                         [--suite gmem] [--timeout SECONDS] [--name NAME] [--out FILE]
+#                         [--fetch-only]
 #
 # --kernel PATH boots any kernel image (KVM built in, or its modules in --modules DIR, a
 # lib/modules/RELEASE tree). Times measured in the lab are under TCG: never compare them with
@@ -23,6 +24,7 @@ SUITE=gmem
 TIMEOUT=1500
 NAME=""
 OUT=""
+FETCH_ONLY=no
 while [ $# -gt 0 ]; do
     case "$1" in
         --kernel) KERNEL=$2; shift 2 ;;
@@ -31,7 +33,8 @@ while [ $# -gt 0 ]; do
         --timeout) TIMEOUT=$2; shift 2 ;;
         --name) NAME=$2; shift 2 ;;
         --out) OUT=$2; shift 2 ;;
-        -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+        --fetch-only) FETCH_ONLY=yes; shift ;;
+        -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
         *) echo "kernel-lab: unknown argument '$1' (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -94,7 +97,7 @@ case "$KERNEL" in
         if [ ! -f "$CACHE/debian-6.1/.complete" ]; then
             apt_private
             # The cloud kernel bookworm's metapackage points at now.
-            pkg=$(apt-cache "${APT_OPTS[@]}" depends linux-image-cloud-amd64/bookworm 2>/dev/null |
+            pkg=$(apt-cache "${APT_OPTS[@]}" depends linux-image-cloud-amd64 2>/dev/null |
                   awk '/Depends: linux-image-6\.1/ { print $2; exit }')
             [ -n "$pkg" ] || { echo "kernel-lab: no bookworm 6.1 cloud kernel in Debian's archive" >&2; exit 1; }
             fetch debian-6.1 "$pkg-unsigned"
@@ -110,6 +113,7 @@ case "$KERNEL" in
         ;;
 esac
 [ -n "${IMAGE:-}" ] && [ -f "$IMAGE" ] || { echo "kernel-lab: no kernel image found for '$KERNEL'" >&2; exit 1; }
+if [ $FETCH_ONLY = yes ]; then echo "kernel-lab: $IMAGE"; exit 0; fi
 OUT=${OUT:-$ROOT/docs/results/lab-$NAME.json}
 WORK="$ROOT/target/kernel-lab/$NAME"
 rm -rf "$WORK" && mkdir -p "$WORK"

@@ -514,8 +514,7 @@ fn a_destination_that_cannot_build_the_vm_refuses_before_anything_moves() {
         Ok(vm) => vm,
         Err(e) => return eprintln!("no guest_memfd VM here ({e}): nothing to refuse"),
     };
-    let missing = match guestmem_paging::check_demand_paging(gmem.memory().region("ram").unwrap())
-    {
+    let missing = match guestmem_paging::check_demand_paging(gmem.memory().region("ram").unwrap()) {
         Ok(()) => return eprintln!("this kernel demand pages guest_memfd: nothing to refuse"),
         Err(e) => e.to_string(),
     };

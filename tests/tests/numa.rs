@@ -145,10 +145,18 @@ fn gmem_placement_follows_bind_interleave_and_preferred() {
     };
     for node in &nodes {
         let placed = place(&format!("bind:{node}"));
-        assert_eq!(placed.get(node), Some(&GMEM_SIZE), "bind:{node}: {placed:?}");
+        assert_eq!(
+            placed.get(node),
+            Some(&GMEM_SIZE),
+            "bind:{node}: {placed:?}"
+        );
     }
     let placed = place(&format!("preferred:{last}"));
-    assert_eq!(placed.get(&last), Some(&GMEM_SIZE), "preferred:{last}: {placed:?}");
+    assert_eq!(
+        placed.get(&last),
+        Some(&GMEM_SIZE),
+        "preferred:{last}: {placed:?}"
+    );
     if first == last {
         let placed = place(&format!("interleave:{first}"));
         assert_eq!(placed.get(&first), Some(&GMEM_SIZE), "{placed:?}");

@@ -400,7 +400,11 @@ fn gmem_pager_is_served_or_refused_naming_what_is_missing() {
         }
     };
     let region = vm.memory().region("ram").unwrap();
-    let result = Pager::start(region, Arc::new(ZeroSource { size: 4 << 20 }), &PagerConfig::default());
+    let result = Pager::start(
+        region,
+        Arc::new(ZeroSource { size: 4 << 20 }),
+        &PagerConfig::default(),
+    );
     let checked = guestmem_paging::check_demand_paging(region);
     match result {
         Ok(pager) => {

@@ -603,7 +603,10 @@ fn assert_gmem_demand_paging_refusal(err: &str, probe: &serde_json::Value) {
         "{err}"
     );
     if probe["kvm_userfault"]["Ok"]["present"] == false {
-        assert!(err.contains("KVM Userfault (KVM_MEM_USERFAULT, KVM_CAP_USERFAULT) is absent"), "{err}");
+        assert!(
+            err.contains("KVM Userfault (KVM_MEM_USERFAULT, KVM_CAP_USERFAULT) is absent"),
+            "{err}"
+        );
     }
 }
 
@@ -632,15 +635,32 @@ fn gmem_snapshot_flat_and_store_full_restore_continue() {
     let store = format!("store:{}/store/gmem", root.display());
     for out in [flat.to_str().unwrap(), &store] {
         let o = guestmem(&[
-            "snapshot", "--out", out, "--memory", "32M", "--vcpus", "2", "--backend", "gmem",
-            "--after", "0.3",
+            "snapshot",
+            "--out",
+            out,
+            "--memory",
+            "32M",
+            "--vcpus",
+            "2",
+            "--backend",
+            "gmem",
+            "--after",
+            "0.3",
         ]);
         if !gmem_mappable(&probe) {
             assert_refused_for_lack_of_gmem(&o);
             continue;
         }
         assert!(o.status.success(), "{out}: {}", stderr(&o));
-        let o = guestmem(&["restore", out, "--mode", "full", "--run-for", "0.2", "--json"]);
+        let o = guestmem(&[
+            "restore",
+            out,
+            "--mode",
+            "full",
+            "--run-for",
+            "0.2",
+            "--json",
+        ]);
         assert!(o.status.success(), "{out}: {}", stderr(&o));
         let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
         assert_eq!(v["memory_digests_match"], true, "{out}: {v}");
@@ -658,7 +678,15 @@ fn gmem_lazy_restore_is_served_or_refused_naming_what_is_missing() {
     let dir = std::env::temp_dir().join(format!("guestmem-cli-gmem-lazy-{}", std::process::id()));
     let d = dir.to_str().unwrap();
     let o = guestmem(&[
-        "snapshot", "--out", d, "--memory", "32M", "--backend", "gmem", "--after", "0.2",
+        "snapshot",
+        "--out",
+        d,
+        "--memory",
+        "32M",
+        "--backend",
+        "gmem",
+        "--after",
+        "0.2",
     ]);
     if !gmem_mappable(&probe) {
         assert_refused_for_lack_of_gmem(&o);
@@ -671,7 +699,11 @@ fn gmem_lazy_restore_is_served_or_refused_naming_what_is_missing() {
         assert_eq!(v["guest_continued"], true, "{v}");
     } else {
         assert_gmem_demand_paging_refusal(&stderr(&o), &probe);
-        assert!(!stdout(&o).contains("guest pages written"), "{}", stdout(&o));
+        assert!(
+            !stdout(&o).contains("guest pages written"),
+            "{}",
+            stdout(&o)
+        );
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

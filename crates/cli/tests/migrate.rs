@@ -1166,7 +1166,11 @@ fn gmem_postcopy_is_served_or_refused_naming_what_is_missing() {
     let sent = Proc::spawn(
         "migrate send (gmem post-copy)",
         &[],
-        &send_args(&to, &keys, &["--backend", "gmem", "--mode", "postcopy", "--json"]),
+        &send_args(
+            &to,
+            &keys,
+            &["--backend", "gmem", "--mode", "postcopy", "--json"],
+        ),
     )
     .wait(LONG);
     let received = receive.wait(LONG);

@@ -28,7 +28,7 @@ mod source;
 
 pub use error::{Error, Result, UffdError};
 pub use pager::{
-    check_demand_paging, register_for_peer, OnFailure, Pager, PagerConfig, PagerStats, PeerPager, PeerRange,
-    PeerReleased,
+    check_demand_paging, register_for_peer, OnFailure, Pager, PagerConfig, PagerStats, PeerPager,
+    PeerRange, PeerReleased,
 };
 pub use source::{FileSource, PageSource, RemoteSource, WindowSource, ZeroSource};

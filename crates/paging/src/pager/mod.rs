@@ -165,7 +165,10 @@ fn guest_memfd_mode(region: &Region) -> std::result::Result<Mode, String> {
         uffd.register_with_mode(addr, len, mode)
             .map_err(|e| uffd_errno(&e))?;
         uffd.unregister(addr, len).map_err(|e| {
-            format!("UFFDIO_UNREGISTER after a successful registration failed: {}", uffd_errno(&e))
+            format!(
+                "UFFDIO_UNREGISTER after a successful registration failed: {}",
+                uffd_errno(&e)
+            )
         })
     };
     let missing = match attempt(RegisterMode::MISSING) {
@@ -186,9 +189,9 @@ fn guest_memfd_mode(region: &Region) -> std::result::Result<Mode, String> {
             "KVM Userfault (KVM_MEM_USERFAULT, KVM_CAP_USERFAULT) is absent ({})",
             u.detail
         ),
-        Err(e) => format!(
-            "KVM Userfault (KVM_MEM_USERFAULT, KVM_CAP_USERFAULT) could not be asked: {e}"
-        ),
+        Err(e) => {
+            format!("KVM Userfault (KVM_MEM_USERFAULT, KVM_CAP_USERFAULT) could not be asked: {e}")
+        }
     };
     Err(format!(
         "userfaultfd registration of a guest_memfd mapping failed (MISSING: {missing}; \
