@@ -73,6 +73,28 @@ if [ $GMEM = yes ]; then
         say "@@END numa $policy"
     done
 fi
+# What each gmem path says on this kernel, for the record: where a path is refused, its message.
+refusal() {
+    name=$1; shift
+    say "@@BEGIN refusal $name"
+    echo "\$ guestmem $*" > $R
+    timeout -s KILL "$LIMIT" guestmem "$@" > /tmp/r.out 2>&1
+    echo "exit $?" > $R
+    tail -n 5 /tmp/r.out > $R
+    say "@@END refusal $name"
+}
+if [ $GMEM = yes ]; then
+    guestmem snapshot --out /tmp/lab-snap --memory 16M --backend gmem --after 0.1 > /dev/null 2>&1
+    refusal lazy-restore restore /tmp/lab-snap --mode lazy --run-for 0.1
+    rm -rf /tmp/lab-snap
+else
+    refusal run run --memory 16M --backend gmem --workload touch
+    refusal snapshot snapshot --out /tmp/lab-snap --memory 16M --backend gmem --after 0.1
+    refusal numa numa --size 16M --backend gmem --numa bind:1
+    refusal populate bench populate --size 16M --backend gmem
+    guestmem migrate keys --out /tmp/lab-keys > /dev/null 2>&1
+    refusal migrate-send migrate send --to tcp:127.0.0.1:9 --keys /tmp/lab-keys --memory 16M --backend gmem
+fi
 say "@@LAB done"
 sync
 poweroff -f

@@ -34,7 +34,7 @@ def as_json(text):
 def main():
     ap = argparse.ArgumentParser()
     for a in ["results", "console", "out", "kernel", "image", "suite", "timeout", "seconds",
-              "qemu-exit", "attempts", "retry-reason", "commit"]:
+              "qemu-exit", "attempts", "retry-reason", "commit", "tcg-thread"]:
         ap.add_argument("--" + a, default="")
     args = ap.parse_args()
     try:
@@ -80,11 +80,14 @@ def main():
                           "never to be compared with host figures",
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "commit": args.commit,
+        "tree_dirty": subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                     capture_output=True, text=True).stdout.strip() != "",
         "kernel": args.kernel,
         "kernel_image": args.image,
         "kernel_release": lab.get("kernel"),
         "qemu": qemu.stdout.split("\n")[0] if qemu.returncode == 0 else None,
         "qemu_machine": "q35, -cpu EPYC,+svm,+npt, 2 vCPUs, 2 GiB in two NUMA nodes of 1 GiB",
+        "tcg_thread": args.tcg_thread,
         "guest_nodes_with_memory": lab.get("nodes"),
         "kvm_modules": modules,
         "dev_kvm": lab.get("kvm") == "yes",
@@ -106,6 +109,10 @@ def main():
     numa = {k[len("numa "):]: as_json(v) for k, v in sections.items() if k.startswith("numa ")}
     if numa:
         record["numa_gmem_64mib"] = numa
+    refusals = {k[len("refusal "):]: v.split("\n") for k, v in sections.items()
+                if k.startswith("refusal ")}
+    if refusals:
+        record["gmem_paths_refused_or_not"] = refusals
     if not completed:
         record["console_tail"] = [l.rstrip("\r") for l in console[-40:]]
     with open(args.out, "w") as f:

@@ -581,12 +581,12 @@ fn gmem_mappable(probe: &serde_json::Value) -> bool {
 }
 
 /// A gmem command refused because the kernel has no (host-mapped) guest_memfd: it failed,
-/// naming guest_memfd and what the kernel lacks, and no guest ran.
+/// naming the backend and what the kernel lacks.
 fn assert_refused_for_lack_of_gmem(o: &Output) {
     assert!(!o.status.success(), "{}", stdout(o));
     let err = stderr(o);
     assert!(
-        err.contains("guest_memfd")
+        err.contains("the gmem backend is not available")
             && (err.contains("KVM_CAP_GUEST_MEMFD") || err.contains("MMAP|INIT_SHARED")),
         "{err}"
     );
