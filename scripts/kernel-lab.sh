@@ -228,7 +228,7 @@ boot() {
     local start rc=0
     start=$(date +%s)
     timeout --kill-after=15 "$TIMEOUT" qemu-system-x86_64 \
-        -accel "tcg,thread=$TCG_THREAD" -machine q35 -cpu EPYC,+svm,+npt -smp 2 -m 2048 \
+        -accel "tcg,thread=$TCG_THREAD" -machine q35 -cpu EPYC,+svm,+npt -smp 2,sockets=2,cores=1,threads=1 -m 2048 \
         -object memory-backend-ram,id=m0,size=1G -object memory-backend-ram,id=m1,size=1G \
         -numa node,nodeid=0,cpus=0,memdev=m0 -numa node,nodeid=1,cpus=1,memdev=m1 \
         -kernel "$IMAGE" -initrd "$WORK/initramfs.cpio" \
