@@ -3,7 +3,8 @@
 # libclang (userfaultfd-sys generates its bindings at build time), binutils (the guest payload is
 # assembled at build time), iproute2 (`ip` and `tc`: `bench migrate --link` runs the two sides in
 # network namespaces joined by a shaped veth pair), QEMU and zstd (the QEMU peer of
-# `bench migrate`, and scripts/capture-guest-memory.sh) and the Rust components the checks use.
+# `bench migrate`, and scripts/capture-guest-memory.sh), busybox-static, cpio and xz-utils (the
+# kernel lab, scripts/kernel-lab.sh) and the Rust components the checks use.
 # Safe to run again.
 set -euo pipefail
 need=()
@@ -14,6 +15,11 @@ command -v ip >/dev/null 2>&1 || need+=(iproute2)
 command -v tc >/dev/null 2>&1 || need+=(iproute2)
 command -v qemu-system-x86_64 >/dev/null 2>&1 || need+=(qemu-system-x86)
 command -v zstd >/dev/null 2>&1 || need+=(zstd)
+# The kernel lab (scripts/kernel-lab.sh): a static busybox for its initramfs, cpio to pack it,
+# xz to unpack Debian's kernel modules.
+[ -x /bin/busybox ] && ! ldd /bin/busybox >/dev/null 2>&1 || need+=(busybox-static)
+command -v cpio >/dev/null 2>&1 || need+=(cpio)
+command -v xz >/dev/null 2>&1 || need+=(xz-utils)
 if [ ${#need[@]} -gt 0 ]; then
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
   $SUDO apt-get update -qq

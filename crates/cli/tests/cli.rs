@@ -560,3 +560,150 @@ fn page_server_refuses_a_fd_that_is_not_a_userfaultfd_once() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+// guest_memfd paths, as the kernel lab runs them (scripts/kernel-lab.sh, suite
+// scripts/lab-suites/gmem): each works where the running kernel offers what it needs, and is
+// refused naming what is missing where it does not, as `guestmem probe` finds by trying.
+
+/// `guestmem probe --json`.
+fn probe_json() -> serde_json::Value {
+    let o = guestmem(&["probe", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    serde_json::from_str(&stdout(&o)).unwrap()
+}
+
+/// Whether the kernel creates host-mapped guest_memfd (`MMAP|INIT_SHARED`), as the probe says.
+fn gmem_mappable(probe: &serde_json::Value) -> bool {
+    let names = &probe["kvm"]["Ok"]["guest_memfd_flags"]["Ok"]["names"];
+    ["MMAP", "INIT_SHARED"]
+        .iter()
+        .all(|f| names.as_array().is_some_and(|n| n.iter().any(|x| x == f)))
+}
+
+/// A gmem command refused because the kernel has no (host-mapped) guest_memfd: it failed,
+/// naming the backend and what the kernel lacks.
+fn assert_refused_for_lack_of_gmem(o: &Output) {
+    assert!(!o.status.success(), "{}", stdout(o));
+    let err = stderr(o);
+    assert!(
+        err.contains("the gmem backend is not available")
+            && (err.contains("KVM_CAP_GUEST_MEMFD") || err.contains("MMAP|INIT_SHARED")),
+        "{err}"
+    );
+}
+
+/// Whether demand paging a gmem region can work here: userfaultfd on its mapping, or KVM
+/// Userfault (which guestmem does not drive yet). The probe tries the latter; the former is
+/// tried by the pager itself, and its refusal must say both.
+fn assert_gmem_demand_paging_refusal(err: &str, probe: &serde_json::Value) {
+    assert!(
+        err.contains("userfaultfd registration of a guest_memfd mapping failed")
+            && err.contains("MISSING:")
+            && err.contains("KVM_MEM_USERFAULT"),
+        "{err}"
+    );
+    if probe["kvm_userfault"]["Ok"]["present"] == false {
+        assert!(
+            err.contains("KVM Userfault (KVM_MEM_USERFAULT, KVM_CAP_USERFAULT) is absent"),
+            "{err}"
+        );
+    }
+}
+
+/// `probe` names every bit the kernel returns: no capability is left as `unknown(0x..)`.
+#[test]
+fn gmem_probe_names_every_capability_bit() {
+    let o = guestmem(&["probe", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(!out.contains("unknown("), "{out}");
+    let text = guestmem(&["probe"]);
+    assert!(text.status.success(), "{}", stderr(&text));
+    assert!(!stdout(&text).contains("unknown("), "{}", stdout(&text));
+}
+
+/// A gmem VM snapshot into a flat directory and into a local chunk store, each restored in
+/// full: memory digests equal to the snapshot's, and the guest goes on.
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn gmem_snapshot_flat_and_store_full_restore_continue() {
+    let probe = probe_json();
+    let root = std::env::temp_dir().join(format!("guestmem-cli-gmem-snap-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(&root).unwrap();
+    let flat = root.join("flat");
+    let store = format!("store:{}/store/gmem", root.display());
+    for out in [flat.to_str().unwrap(), &store] {
+        let o = guestmem(&[
+            "snapshot",
+            "--out",
+            out,
+            "--memory",
+            "32M",
+            "--vcpus",
+            "2",
+            "--backend",
+            "gmem",
+            "--after",
+            "0.3",
+        ]);
+        if !gmem_mappable(&probe) {
+            assert_refused_for_lack_of_gmem(&o);
+            continue;
+        }
+        assert!(o.status.success(), "{out}: {}", stderr(&o));
+        let o = guestmem(&[
+            "restore",
+            out,
+            "--mode",
+            "full",
+            "--run-for",
+            "0.2",
+            "--json",
+        ]);
+        assert!(o.status.success(), "{out}: {}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+        assert_eq!(v["memory_digests_match"], true, "{out}: {v}");
+        assert_eq!(v["guest_continued"], true, "{out}: {v}");
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// A lazy restore of a gmem snapshot: served where userfaultfd registers the gmem mapping,
+/// else refused before the guest runs, naming the failed registration and KVM Userfault.
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn gmem_lazy_restore_is_served_or_refused_naming_what_is_missing() {
+    let probe = probe_json();
+    let dir = std::env::temp_dir().join(format!("guestmem-cli-gmem-lazy-{}", std::process::id()));
+    let d = dir.to_str().unwrap();
+    let o = guestmem(&[
+        "snapshot",
+        "--out",
+        d,
+        "--memory",
+        "32M",
+        "--backend",
+        "gmem",
+        "--after",
+        "0.2",
+    ]);
+    if !gmem_mappable(&probe) {
+        assert_refused_for_lack_of_gmem(&o);
+        return;
+    }
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = guestmem(&["restore", d, "--mode", "lazy", "--run-for", "0.2", "--json"]);
+    if o.status.success() {
+        let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+        assert_eq!(v["guest_continued"], true, "{v}");
+    } else {
+        assert_gmem_demand_paging_refusal(&stderr(&o), &probe);
+        assert!(
+            !stdout(&o).contains("guest pages written"),
+            "{}",
+            stdout(&o)
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -5,7 +5,9 @@
 //! - anon and hugetlb regions: userfaultfd `MISSING` faults, resolved with `UFFDIO_COPY`;
 //! - memfd regions: the page cache is filled through a second mapping of the fd, then mapped
 //!   into the guest's mapping with `UFFDIO_CONTINUE` (`MINOR` faults; `MISSING` ones for holes);
-//! - guest_memfd regions: refused; they need KVM Userfault (see [`Error::Unsupported`]).
+//! - guest_memfd regions: served as above where the kernel lets userfaultfd register their
+//!   mapping (found by trying it), else refused naming what is missing: that registration and
+//!   KVM Userfault (see [`Error::Unsupported`]).
 //!
 //! The region is cut into chunks (the fault-around size): a fault installs the whole chunk
 //! around the faulting page. Chunks are sharded by range over several userfaultfds, each
@@ -26,7 +28,7 @@ mod source;
 
 pub use error::{Error, Result, UffdError};
 pub use pager::{
-    register_for_peer, OnFailure, Pager, PagerConfig, PagerStats, PeerPager, PeerRange,
-    PeerReleased,
+    check_demand_paging, register_for_peer, OnFailure, Pager, PagerConfig, PagerStats, PeerPager,
+    PeerRange, PeerReleased,
 };
 pub use source::{FileSource, PageSource, RemoteSource, WindowSource, ZeroSource};

@@ -120,6 +120,10 @@ pub const UFFD_FEATURE_WP_UNPOPULATED: u64 = 1 << 13;
 pub const UFFD_FEATURE_POISON: u64 = 1 << 14;
 pub const UFFD_FEATURE_WP_ASYNC: u64 = 1 << 15;
 pub const UFFD_FEATURE_MOVE: u64 = 1 << 16;
+/// Read-write protection tracking (`UFFDIO_REGISTER_MODE_RWP`), newer than the system headers.
+pub const UFFD_FEATURE_RWP: u64 = 1 << 17;
+/// Asynchronous read-write protection faults, newer than the system headers.
+pub const UFFD_FEATURE_RWP_ASYNC: u64 = 1 << 18;
 
 /// `_UFFDIO_*` ioctl numbers; `uffdio_api.ioctls` / `uffdio_register.ioctls` set `1 << _UFFDIO_X`.
 pub const _UFFDIO_REGISTER: u32 = 0x00;
@@ -131,4 +135,8 @@ pub const _UFFDIO_MOVE: u32 = 0x05;
 pub const _UFFDIO_WRITEPROTECT: u32 = 0x06;
 pub const _UFFDIO_CONTINUE: u32 = 0x07;
 pub const _UFFDIO_POISON: u32 = 0x08;
+/// `UFFDIO_RWPROTECT`: sets or clears read-write protection on a range (newer than the system headers).
+pub const _UFFDIO_RWPROTECT: u32 = 0x09;
+/// `UFFDIO_SET_MODE`: changes a userfaultfd's mode after `UFFDIO_API` (newer than the system headers).
+pub const _UFFDIO_SET_MODE: u32 = 0x0A;
 pub const _UFFDIO_API: u32 = 0x3F;

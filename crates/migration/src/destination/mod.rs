@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use guestmem_memory::{Backend, GuestMemory, PAGE_SIZE};
+use guestmem_memory::{GuestMemory, PAGE_SIZE};
 use guestmem_paging::affinity::CpuSet;
 use guestmem_paging::Pager;
 use guestmem_vm::Vm;
@@ -222,23 +222,6 @@ pub fn receive_into<B: MachineBuilder>(
         return Err(refuse(&mut links, unsupported(why)));
     }
 
-    if setup.mode.has_postcopy() {
-        if let Some(r) = setup
-            .config
-            .regions
-            .iter()
-            .find(|r| r.backend == Backend::GuestMemfd)
-        {
-            return Err(refuse(
-                &mut links,
-                unsupported(format!(
-                    "{} of guest_memfd region '{}' needs KVM Userfault (KVM_MEM_USERFAULT, \
-                     KVM_CAP_USERFAULT), which this kernel lacks: migrate it with pre-copy",
-                    setup.mode, r.name
-                )),
-            ));
-        }
-    }
     let mut shared = std::collections::HashMap::new();
     if !setup.shared.is_empty() {
         write_frame(&mut links.pages[0], &Frame::Ready)?;
@@ -260,6 +243,22 @@ pub fn receive_into<B: MachineBuilder>(
         }
     };
     let memory = vm.memory().clone();
+    // Post-copy demand pages every region: one the kernel cannot serve (guest_memfd without
+    // userfaultfd on its mapping) is refused here, found by trying, before any page moves.
+    if setup.mode.has_postcopy() {
+        for region in memory.regions() {
+            if let Err(e) = guestmem_paging::check_demand_paging(region) {
+                return Err(refuse(
+                    &mut links,
+                    unsupported(format!(
+                        "{} cannot demand page its memory here: {}: migrate it with pre-copy",
+                        setup.mode,
+                        error_chain(&e, ": ")
+                    )),
+                ));
+            }
+        }
+    }
     // The rounds fill anonymous RAM in bulk: huge pages save 511 of every 512 faults.
     for region in memory.regions() {
         if let Err(e) = region.advise_huge_pages() {

@@ -248,7 +248,7 @@ pub(super) fn apply_pages(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use guestmem_memory::RegionSpec;
+    use guestmem_memory::{Backend, RegionSpec};
 
     /// Blocks are counted from each region's start and end with it: a region of 5 MiB at an
     /// address that is not a multiple of 2 MiB has blocks of 2, 2 and 1 MiB from its start.

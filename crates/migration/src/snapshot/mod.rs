@@ -469,7 +469,8 @@ pub struct LazyVm<M = Vm> {
 /// [`Pager`] that serves its pages from the memory file, checking each chunk's CRC-32 the first
 /// time any of it is fetched (a corrupt chunk stops the VM with an error naming the guest
 /// address). The sys region (page tables, payload, control blocks) is small and copied at once.
-/// Backends userfaultfd cannot serve (guest_memfd) are refused, naming the kernel feature.
+/// A guest_memfd region is refused, naming what is missing, where the kernel does not let
+/// userfaultfd serve its mapping (found by trying; see [`Pager::start`]).
 /// A diff snapshot's chunks come from the diff where it holds them, else from its base chain.
 /// When the snapshot has a recorded working set ([`LazyVm::record_working_set`]) and
 /// `config.prefetch` is empty, the pagers fetch that working set first.

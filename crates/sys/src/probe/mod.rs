@@ -267,6 +267,13 @@ pub fn probe() -> Probe {
     }
 }
 
+/// KVM Userfault asked on a VM of its own: for callers that have no VM fd at hand (a pager
+/// deciding whether a guest_memfd region can be demand paged). `Err` if no VM could be made.
+pub fn kvm_userfault_on_a_new_vm() -> Result<KvmUserfault, String> {
+    let (_kvm, vm) = throwaway_vm()?;
+    kvm_userfault(&vm)
+}
+
 impl Probe {
     /// Whether guest_memfd can be created with `GUEST_MEMFD_FLAG_MMAP`.
     pub fn has_guest_memfd_mmap(&self) -> bool {

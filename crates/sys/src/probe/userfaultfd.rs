@@ -28,6 +28,8 @@ pub(super) const UFFD_FEATURE_NAMES: &[(u64, &str)] = &[
     (uapi::UFFD_FEATURE_POISON, "POISON"),
     (uapi::UFFD_FEATURE_WP_ASYNC, "WP_ASYNC"),
     (uapi::UFFD_FEATURE_MOVE, "MOVE"),
+    (uapi::UFFD_FEATURE_RWP, "RWP"),
+    (uapi::UFFD_FEATURE_RWP_ASYNC, "RWP_ASYNC"),
 ];
 
 pub(super) const UFFD_IOCTL_NAMES: &[(u64, &str)] = &[
@@ -40,6 +42,8 @@ pub(super) const UFFD_IOCTL_NAMES: &[(u64, &str)] = &[
     (1 << uapi::_UFFDIO_WRITEPROTECT, "WRITEPROTECT"),
     (1 << uapi::_UFFDIO_CONTINUE, "CONTINUE"),
     (1 << uapi::_UFFDIO_POISON, "POISON"),
+    (1 << uapi::_UFFDIO_RWPROTECT, "RWPROTECT"),
+    (1 << uapi::_UFFDIO_SET_MODE, "SET_MODE"),
     (1 << uapi::_UFFDIO_API, "API"),
 ];
 

@@ -1,0 +1,100 @@
+#!/bin/busybox sh
+# The kernel lab's init (scripts/kernel-lab.sh): loads the KVM modules, runs the suite's tests
+# one by one, and writes markers and JSON to the second serial port (ttyS1), which the host
+# parses; the console (ttyS0) carries the kernel's messages and every test's own output.
+/bin/busybox --install -s /bin
+mount -t proc proc /proc
+mount -t sysfs sys /sys
+mount -t devtmpfs dev /dev
+mount -t tmpfs -o size=768m tmp /tmp
+export PATH=/bin:/sbin HOME=/root TMPDIR=/tmp RUST_BACKTRACE=1
+ip link set lo up
+R=/dev/ttyS1
+stty -F $R raw -echo 2>/dev/null
+say() { echo "$*" > $R; }
+now() { cut -d' ' -f1 /proc/uptime; }
+LIMIT=$(cat /lab/test-timeout 2>/dev/null || echo 600)
+
+say "@@LAB start"
+say "@@LAB kernel $(uname -r)"
+say "@@LAB nodes $(cat /sys/devices/system/node/has_memory 2>/dev/null)"
+for m in $(cat /lab/modules.order); do
+    if insmod "/lab/modules/$m"; then say "@@LAB module $m loaded"; else say "@@LAB module $m failed"; fi
+done
+if [ -e /dev/kvm ]; then say "@@LAB kvm yes"; else say "@@LAB kvm no"; fi
+
+say "@@BEGIN probe"
+guestmem probe --json > $R 2>&1
+say "@@END probe"
+echo "=== guestmem probe"
+guestmem probe
+
+# The suite: `TARGET TEST [needs=guest_memfd]` a line; each test alone, bounded.
+GMEM=no
+guestmem probe --json | grep -q '"MMAP"' && GMEM=yes
+while read -r target test needs; do
+    [ -n "$target" ] || continue
+    if [ "$needs" = "needs=guest_memfd" ] && [ $GMEM = no ]; then
+        say "@@TEST $target::$test skipped 0 host-mapped guest_memfd is absent (its refusal is tested by the gmem_ tests)"
+        continue
+    fi
+    echo "=== $target::$test"
+    start=$(now)
+    timeout -s KILL "$LIMIT" "/lab/bin/$target" --exact "$test" --test-threads=1 > /tmp/test.out 2>&1
+    rc=$?
+    end=$(now)
+    secs=$(awk -v a="$start" -v b="$end" 'BEGIN { printf "%.2f", b - a }')
+    cat /tmp/test.out
+    if [ $rc -eq 0 ] && grep -q '^test result: ok. 1 passed' /tmp/test.out; then
+        say "@@TEST $target::$test ok $secs"
+    elif [ $rc -eq 0 ] && grep -q '^test result: ok. 0 passed; 0 failed; 1 ignored' /tmp/test.out; then
+        say "@@TEST $target::$test ignored $secs"
+    else
+        why="exit $rc"
+        [ $rc -eq 137 ] && why="killed at the ${LIMIT} s limit"
+        grep -q '^running 0 tests' /tmp/test.out && why="no such test"
+        say "@@TEST $target::$test failed $secs $why"
+        say "@@BEGIN output $target::$test"
+        tail -n 60 /tmp/test.out > $R
+        say "@@END output $target::$test"
+    fi
+done < /lab/suite
+
+if [ $GMEM = yes ]; then
+    # Population of gmem by each method the kernel offers, beside mmap+memcpy (times: TCG).
+    say "@@BEGIN populate"
+    timeout -s KILL "$LIMIT" guestmem bench populate --size 64M --backend gmem --json > /tmp/b.out 2>&1
+    cat /tmp/b.out > $R
+    say "@@END populate"
+    # Where a 64 MiB gmem region's pages sit under each policy (move_pages).
+    for policy in bind:0 bind:1 interleave:0-1 preferred:1; do
+        say "@@BEGIN numa $policy"
+        timeout -s KILL "$LIMIT" guestmem numa --size 64M --backend gmem --numa $policy --json > $R 2>&1
+        say "@@END numa $policy"
+    done
+fi
+# What each gmem path says on this kernel, for the record: where a path is refused, its message.
+refusal() {
+    name=$1; shift
+    say "@@BEGIN refusal $name"
+    echo "\$ guestmem $*" > $R
+    timeout -s KILL "$LIMIT" guestmem "$@" > /tmp/r.out 2>&1
+    echo "exit $?" > $R
+    tail -n 5 /tmp/r.out > $R
+    say "@@END refusal $name"
+}
+if [ $GMEM = yes ]; then
+    guestmem snapshot --out /tmp/lab-snap --memory 16M --backend gmem --after 0.1 > /dev/null 2>&1
+    refusal lazy-restore restore /tmp/lab-snap --mode lazy --run-for 0.1
+    rm -rf /tmp/lab-snap
+else
+    refusal run run --memory 16M --backend gmem --workload touch
+    refusal snapshot snapshot --out /tmp/lab-snap --memory 16M --backend gmem --after 0.1
+    refusal numa numa --size 16M --backend gmem --numa bind:1
+    refusal populate bench populate --size 16M --backend gmem
+    guestmem migrate keys --out /tmp/lab-keys > /dev/null 2>&1
+    refusal migrate-send migrate send --to tcp:127.0.0.1:9 --keys /tmp/lab-keys --memory 16M --backend gmem
+fi
+say "@@LAB done"
+sync
+poweroff -f

@@ -1,0 +1,260 @@
+#!/usr/bin/env bash
+# The kernel lab: runs guestmem's tests on a kernel other than the host's, inside a QEMU TCG
+# guest with emulated AMD SVM and nested paging (so KVM's modules load and /dev/kvm works), two
+# vCPUs and two NUMA nodes. It fetches the kernel (Debian's packages, unpacked here, nothing
+# installed), builds an initramfs (busybox, the kernel's KVM modules, guestmem, the suite's test
+# binaries and the libraries they need), boots it, runs the suite's tests one by one, and writes
+# every test's result with the kernel's probe into docs/results/lab-NAME.json. Bounded: QEMU is
+# killed at the time limit; a panic, a hang or a missing end marker is a failed run, with the
+# console's last lines; a guest that stops early with nothing on its console is booted once more
+# (the record says so). Exits non-zero if a test failed or the run did not complete.
+#
+#   scripts/kernel-lab.sh [--kernel debian-7.3|debian-6.1|PATH/bzImage] [--modules DIR]
+#                         [--suite gmem] [--timeout SECONDS] [--name NAME] [--out FILE]
+#                         [--tcg-thread single|multi] [--fetch-only]
+#
+# --kernel PATH boots any kernel image (KVM built in, or its modules in --modules DIR, a
+# lib/modules/RELEASE tree). Times measured in the lab are under TCG: never compare them with
+# host figures. Needs qemu-system-x86, busybox-static, cpio, xz-utils (scripts/setup.sh).
+# TCG runs both vCPUs on one host thread by default: with a thread per vCPU (`multi`), QEMU 7.2
+# let one vCPU run a kernel text site another had just patched (an `Oops: int3` in a kernel
+# thread, then a panic); one thread emulates code patching exactly.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+KERNEL=debian-7.3
+MODULES=""
+SUITE=gmem
+TIMEOUT=1500
+NAME=""
+OUT=""
+FETCH_ONLY=no
+TCG_THREAD=single
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --kernel) KERNEL=$2; shift 2 ;;
+        --modules) MODULES=$2; shift 2 ;;
+        --suite) SUITE=$2; shift 2 ;;
+        --timeout) TIMEOUT=$2; shift 2 ;;
+        --name) NAME=$2; shift 2 ;;
+        --out) OUT=$2; shift 2 ;;
+        --fetch-only) FETCH_ONLY=yes; shift ;;
+        --tcg-thread) TCG_THREAD=$2; shift 2 ;;
+        -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+        *) echo "kernel-lab: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+    esac
+done
+SUITE_FILE="$ROOT/scripts/lab-suites/$SUITE"
+[ -f "$SUITE_FILE" ] || { echo "kernel-lab: no suite '$SUITE' ($SUITE_FILE)" >&2; exit 2; }
+for tool in qemu-system-x86_64 busybox cpio xz dpkg-deb apt-get depmod python3; do
+    command -v "$tool" >/dev/null || {
+        echo "kernel-lab: $tool is missing: run scripts/setup.sh" >&2; exit 2; }
+done
+BUSYBOX=$(command -v busybox)
+if ldd "$BUSYBOX" >/dev/null 2>&1; then
+    echo "kernel-lab: $BUSYBOX is dynamically linked: install busybox-static" >&2; exit 2
+fi
+CACHE="${XDG_CACHE_HOME:-$HOME/.cache}/guestmem/kernels"
+mkdir -p "$CACHE"
+
+# --- The kernel: an image, and (for Debian's) the tree its modules come from. ---------------
+# Debian's packages through a private sources list: nothing of the host's apt state is touched.
+apt_private() {
+    local dir=$CACHE/apt
+    mkdir -p "$dir/lists/partial" "$dir/cache/archives/partial"
+    cat > "$dir/sources.list" <<EOF
+deb http://deb.debian.org/debian trixie-backports main
+deb http://deb.debian.org/debian bookworm main
+deb http://deb.debian.org/debian-security bookworm-security main
+deb http://deb.debian.org/debian bookworm-updates main
+EOF
+    APT_OPTS=(-o "Dir::Etc::SourceList=$dir/sources.list" -o "Dir::State::Lists=$dir/lists"
+              -o "Dir::Cache=$dir/cache" -o "Dir::Etc::SourceParts=/dev/null"
+              -o "Debug::NoLocking=1" -o "APT::Sandbox::User=root")
+    if [ -z "$(find "$dir/lists" -maxdepth 1 -name '*Packages*' -mmin -1440 2>/dev/null | head -1)" ]; then
+        apt-get "${APT_OPTS[@]}" update -qq
+    fi
+}
+# fetch NAME PACKAGE... : downloads and unpacks the packages into $CACHE/NAME/root once.
+fetch() {
+    local name=$1; shift
+    local dir=$CACHE/$name
+    if [ -f "$dir/.complete" ]; then return; fi
+    rm -rf "$dir" && mkdir -p "$dir/debs" "$dir/root"
+    (cd "$dir/debs" && apt-get "${APT_OPTS[@]}" download "$@")
+    for deb in "$dir"/debs/*.deb; do dpkg-deb -x "$deb" "$dir/root"; done
+    printf '%s\n' "$@" > "$dir/packages"
+    touch "$dir/.complete"
+}
+case "$KERNEL" in
+    debian-7.3)
+        NAME=${NAME:-debian-7.3}
+        if [ ! -f "$CACHE/debian-7.3/.complete" ]; then
+            apt_private
+            img=linux-binary-unsigned-7.3.4+deb13-cloud-amd64
+            apt-cache "${APT_OPTS[@]}" show "$img" >/dev/null 2>&1 || img=linux-binary-7.3.4+deb13-cloud-amd64
+            fetch debian-7.3 "$img" linux-modules-7.3.4+deb13-cloud-amd64
+        fi
+        KROOT=$CACHE/debian-7.3/root
+        IMAGE=$(find "$KROOT" -path '*/modules/*' -name 'vmlinuz*' | head -1)
+        ;;
+    debian-6.1)
+        NAME=${NAME:-debian-6.1}
+        if [ ! -f "$CACHE/debian-6.1/.complete" ]; then
+            apt_private
+            # The cloud kernel bookworm's metapackage points at now.
+            pkg=$(apt-cache "${APT_OPTS[@]}" depends linux-image-cloud-amd64 2>/dev/null |
+                  awk '/Depends: linux-image-6\.1/ { print $2; exit }')
+            [ -n "$pkg" ] || { echo "kernel-lab: no bookworm 6.1 cloud kernel in Debian's archive" >&2; exit 1; }
+            fetch debian-6.1 "$pkg-unsigned"
+        fi
+        KROOT=$CACHE/debian-6.1/root
+        IMAGE=$(find "$KROOT/boot" -name 'vmlinuz-*' | head -1)
+        ;;
+    *)
+        [ -f "$KERNEL" ] || { echo "kernel-lab: --kernel '$KERNEL' is neither debian-7.3, debian-6.1 nor a file" >&2; exit 2; }
+        IMAGE=$(readlink -f "$KERNEL")
+        NAME=${NAME:-$(basename "$(dirname "$IMAGE")")}
+        KROOT=${MODULES:-}
+        ;;
+esac
+[ -n "${IMAGE:-}" ] && [ -f "$IMAGE" ] || { echo "kernel-lab: no kernel image found for '$KERNEL'" >&2; exit 1; }
+if [ $FETCH_ONLY = yes ]; then echo "kernel-lab: $IMAGE"; exit 0; fi
+OUT=${OUT:-$ROOT/docs/results/lab-$NAME.json}
+WORK="$ROOT/target/kernel-lab/$NAME"
+rm -rf "$WORK" && mkdir -p "$WORK"
+echo "kernel-lab: kernel $IMAGE ($NAME), suite $SUITE"
+
+# The KVM modules in load order (dependencies first), from modules.dep (made with depmod when
+# the package carries none), decompressed here: the guest's busybox insmod takes plain .ko.
+MODDIR=""
+if [ -n "$KROOT" ]; then
+    MODDIR=$(find "$KROOT" -maxdepth 4 -type d -path '*/lib/modules/*' | head -1)
+fi
+mkdir -p "$WORK/initramfs/lab/modules"
+: > "$WORK/initramfs/lab/modules.order"
+if [ -n "$MODDIR" ] && [ -d "$MODDIR" ]; then
+    release=$(basename "$MODDIR")
+    if [ ! -f "$MODDIR/modules.dep" ]; then
+        depmod -b "$(dirname "$(dirname "$(dirname "$MODDIR")")")" "$release" 2>/dev/null
+    fi
+    python3 - "$MODDIR/modules.dep" kvm-amd > "$WORK/modules.list" <<'PY'
+import sys
+dep = {}
+for line in open(sys.argv[1]):
+    mod, _, deps = line.partition(":")
+    dep[mod.strip()] = deps.split()
+name = sys.argv[2]
+want = [m for m in dep if m.rsplit("/", 1)[-1].split(".ko")[0].replace("_", "-") == name]
+order = []
+def visit(m):
+    for d in dep.get(m, []):
+        visit(d)
+    if m not in order:
+        order.append(m)
+for m in want:
+    visit(m)
+print("\n".join(order))
+PY
+    while read -r rel; do
+        [ -n "$rel" ] || continue
+        base=$(basename "$rel"); plain=${base%.xz}; plain=${plain%.zst}; plain=${plain%.gz}
+        case "$rel" in
+            *.xz) xz -dc "$MODDIR/$rel" > "$WORK/initramfs/lab/modules/$plain" ;;
+            *.zst) zstd -dcq "$MODDIR/$rel" > "$WORK/initramfs/lab/modules/$plain" ;;
+            *.gz) gzip -dc "$MODDIR/$rel" > "$WORK/initramfs/lab/modules/$plain" ;;
+            *) cp "$MODDIR/$rel" "$WORK/initramfs/lab/modules/$plain" ;;
+        esac
+        echo "$plain" >> "$WORK/initramfs/lab/modules.order"
+    done < "$WORK/modules.list"
+    echo "kernel-lab: modules $(tr '\n' ' ' < "$WORK/initramfs/lab/modules.order")"
+fi
+
+# --- guestmem and the suite's test binaries. --------------------------------------------
+# The suite file: one test a line, `PACKAGE TARGET TEST [needs=guest_memfd]`. Built as the
+# README's `cargo test --workspace --release` builds them (the same features: after it, as in
+# CI, nothing is rebuilt); guestmem's binary comes with them.
+cd "$ROOT"
+nice -n 10 cargo test --workspace --release --no-run --message-format=json |
+    python3 -c '
+import json, sys
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and "test" in m["target"]["kind"]:
+        print(m["package_id"], m["target"]["name"], m["executable"])
+' > "$WORK/all-executables"
+GUESTMEM_BIN="$ROOT/target/release/guestmem"
+[ -x "$GUESTMEM_BIN" ] || { echo "kernel-lab: $GUESTMEM_BIN was not built" >&2; exit 1; }
+awk '!/^#/ && NF >= 3 { print $1, $2 }' "$SUITE_FILE" | sort -u | while read -r pkg target; do
+    # package_id names the package: `path+file:///…/crates/cli#guestmem@0.1.0` (or `…#0.1.0`
+    # when the directory is the package's name).
+    exe=$(awk -v p="$pkg" -v t="$target" '$2 == t && ($1 ~ ("#" p "@") || $1 ~ ("/" p "#")) { print $3; exit }' "$WORK/all-executables")
+    [ -n "$exe" ] || { echo "kernel-lab: suite target $pkg/$target was not built" >&2; exit 1; }
+    echo "$target $exe"
+done > "$WORK/executables"
+I="$WORK/initramfs"
+mkdir -p "$I/bin" "$I/lab/bin" "$I/proc" "$I/sys" "$I/dev" "$I/tmp" "$I/root" "$I/etc"
+cp "$BUSYBOX" "$I/bin/busybox"
+# guestmem where the CLI tests look for it (CARGO_BIN_EXE_guestmem is an absolute path).
+mkdir -p "$I$(dirname "$GUESTMEM_BIN")"
+strip --strip-debug -o "$I$GUESTMEM_BIN" "$GUESTMEM_BIN"
+ln -s "$GUESTMEM_BIN" "$I/bin/guestmem"
+bins=("$GUESTMEM_BIN")
+while read -r target exe; do
+    strip --strip-debug -o "$I/lab/bin/$target" "$exe"
+    bins+=("$exe")
+done < "$WORK/executables"
+awk '!/^#/ && NF >= 3' "$SUITE_FILE" | while read -r pkg target test needs; do
+    grep -q "^$target " "$WORK/executables" ||
+        { echo "kernel-lab: suite target $pkg/$target was not built" >&2; exit 1; }
+    echo "$target $test ${needs:-}"
+done > "$I/lab/suite"
+# The shared libraries every binary names, at the paths the dynamic loader expects.
+for b in "${bins[@]}"; do ldd "$b" | grep -o '/[^ ]*'; done | sort -u | while read -r lib; do
+    mkdir -p "$I$(dirname "$lib")" && cp -L "$lib" "$I$lib"
+done
+echo "root:x:0:0:root:/root:/bin/sh" > "$I/etc/passwd"
+cp "$ROOT/scripts/kernel-lab-init.sh" "$I/init"
+echo "${TEST_TIMEOUT:-600}" > "$I/lab/test-timeout"
+chmod +x "$I/init"
+(cd "$I" && find . | cpio -o -H newc --quiet) > "$WORK/initramfs.cpio"
+echo "kernel-lab: initramfs $(du -m "$WORK/initramfs.cpio" | cut -f1) MiB"
+
+# --- Boot, bounded. ----------------------------------------------------------------------
+boot() {
+    rm -f "$WORK/console.log" "$WORK/results.log"
+    local start rc=0
+    start=$(date +%s)
+    timeout --kill-after=15 "$TIMEOUT" qemu-system-x86_64 \
+        -accel "tcg,thread=$TCG_THREAD" -machine q35 -cpu EPYC,+svm,+npt -smp 2,sockets=2,cores=1,threads=1 -m 2048 \
+        -object memory-backend-ram,id=m0,size=1G -object memory-backend-ram,id=m1,size=1G \
+        -numa node,nodeid=0,cpus=0,memdev=m0 -numa node,nodeid=1,cpus=1,memdev=m1 \
+        -kernel "$IMAGE" -initrd "$WORK/initramfs.cpio" \
+        -append "console=ttyS0 loglevel=5 panic=-1 rdinit=/init" \
+        -display none -monitor none -nic none -no-reboot \
+        -serial "file:$WORK/console.log" -serial "file:$WORK/results.log" \
+        2> "$WORK/qemu.stderr" || rc=$?
+    # QEMU's own complaints, without its warnings about CPUID bits TCG does not emulate.
+    grep -v "TCG doesn't support requested feature" "$WORK/qemu.stderr" >&2 || true
+    BOOT_SECONDS=$(( $(date +%s) - start ))
+    QEMU_RC=$rc
+}
+ATTEMPTS=1
+RETRY_REASON=""
+boot
+if ! grep -q '^@@LAB done' "$WORK/results.log" 2>/dev/null && [ ! -s "$WORK/console.log" ]; then
+    RETRY_REASON="the first boot stopped after ${BOOT_SECONDS} s (QEMU exit $QEMU_RC) with nothing on its console"
+    echo "kernel-lab: $RETRY_REASON; booting once more"
+    ATTEMPTS=2
+    boot
+fi
+mkdir -p "$(dirname "$OUT")"
+status=0
+python3 "$ROOT/scripts/kernel-lab-record.py" \
+    --results "$WORK/results.log" --console "$WORK/console.log" --out "$OUT" \
+    --kernel "$NAME" --image "$IMAGE" --suite "$SUITE" --timeout "$TIMEOUT" \
+    --seconds "$BOOT_SECONDS" --qemu-exit "$QEMU_RC" --attempts "$ATTEMPTS" \
+    --retry-reason "$RETRY_REASON" --tcg-thread "$TCG_THREAD" --commit "$(git -C "$ROOT" rev-parse --short HEAD)" || status=$?
+exit "$status"
