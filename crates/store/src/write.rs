@@ -163,12 +163,6 @@ fn write_state(
         .map(|(h, c)| (h, Some(c)))
         .collect();
 
-    struct Job {
-        region: usize,
-        index: usize,
-        gpa: u64,
-        len: usize,
-    }
     let mut jobs = Vec::new();
     let mut entries: Vec<Vec<Option<ChunkRef>>> = Vec::new();
     for (ri, region) in memory.regions().iter().enumerate() {
@@ -198,13 +192,104 @@ fn write_state(
         }
         entries.push(e);
     }
+    let threads = threads(backend);
+    let known = Mutex::new(known);
+    let (results, counts) = store_jobs(backend, memory, &jobs, &known, threads, false)?;
+    let known = known.into_inner().expect("not poisoned");
+    let mut table = PackTable::default();
+    for (ri, ci, h) in results {
+        entries[ri][ci] = Some(match h {
+            None => ChunkRef::Zero,
+            Some(hash) => table.entry(&known[&hash].expect("every claimed chunk was put")),
+        });
+    }
+
+    let mut report = StoreWriteReport {
+        snapshot: format!("{}/{name}", backend.describe()),
+        threads,
+        new_chunks: counts.new_chunks,
+        new_stored_bytes: counts.new_bytes,
+        new_packs: counts.packs,
+        deduplicated_chunks: counts.dedup,
+        ..Default::default()
+    };
+    let regions: Vec<StoreRegion> = memory
+        .regions()
+        .iter()
+        .zip(entries)
+        .map(|(region, e)| {
+            let chunks: Vec<ChunkRef> = e
+                .into_iter()
+                .map(|c| c.expect("every chunk done"))
+                .collect();
+            report.memory_bytes += region.size();
+            report.chunks += chunks.len() as u64;
+            report.zero_chunks += chunks.iter().filter(|c| **c == ChunkRef::Zero).count() as u64;
+            report.inherited_chunks +=
+                chunks.iter().filter(|c| **c == ChunkRef::Base).count() as u64;
+            StoreRegion {
+                spec: region.spec().clone(),
+                digest: None,
+                chunks,
+            }
+        })
+        .collect();
+    let mut manifest = StoreManifest {
+        format: FORMAT.into(),
+        version: VERSION,
+        name: name.to_string(),
+        config: config.clone(),
+        chunk_bytes: CHUNK_BYTES,
+        packs: table.into_ids(),
+        regions,
+        state_bytes: state_json.len() as u64,
+        state_blake3: blake3::hash(&state_json).to_hex().to_string(),
+        base,
+        checksum: String::new(),
+    };
+    manifest.seal();
+    report.stored_bytes = stored_bytes(&manifest);
+    commit(backend, &manifest, &state_json)?;
+    report.write_ms = t.elapsed().as_secs_f64() * 1e3;
+    Ok(report)
+}
+
+/// One chunk of guest memory to store: chunk `index` of region `region`, `len` bytes at `gpa`.
+pub(crate) struct Job {
+    pub(crate) region: usize,
+    pub(crate) index: usize,
+    pub(crate) gpa: u64,
+    pub(crate) len: usize,
+}
+
+/// What [`store_jobs`] put.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct Counts {
+    pub(crate) new_chunks: u64,
+    pub(crate) new_bytes: u64,
+    pub(crate) dedup: u64,
+    pub(crate) packs: u64,
+}
+
+/// Stores `jobs` on `threads` threads, runs of [`PACK_CHUNKS`] at a time, each run's chunks new
+/// to the store (not in `known`, which gains them) as one pack. `copy`: each chunk is copied
+/// out of guest memory before it is checked, hashed and compressed (the guest may be writing
+/// it: the bytes hashed are the bytes stored); else it is read in place (the VM is paused).
+/// Returns each job's (region, index, hash; `None` for a zero chunk).
+#[allow(clippy::type_complexity)]
+pub(crate) fn store_jobs(
+    backend: &dyn Backend,
+    memory: &GuestMemory,
+    jobs: &[Job],
+    known: &Mutex<HashMap<Hash, Option<Stored>>>,
+    threads: usize,
+    copy: bool,
+) -> Result<(Vec<(usize, usize, Option<Hash>)>, Counts)> {
     let runs: Vec<&[Job]> = jobs.chunks(PACK_CHUNKS).collect();
 
-    let threads = threads(backend);
     let next = AtomicUsize::new(0);
     let failed = AtomicBool::new(false);
     let first_error: Mutex<Option<Error>> = Mutex::new(None);
-    let known = Mutex::new(known);
     let results: Mutex<Vec<(usize, usize, Option<Hash>)>> = Mutex::new(Vec::new());
     let (new_chunks, new_bytes, dedup, packs) = (
         AtomicU64::new(0),
@@ -220,18 +305,25 @@ fn write_state(
                 let mut mine = Vec::new();
                 // One run: its chunks hashed and, those new to the store, compressed into one
                 // pack, put when the run is done.
-                let run = |run: &[Job],
-                           c: &mut zstd::bulk::Compressor<'_>,
-                           mine: &mut Vec<(usize, usize, Option<Hash>)>|
+                let mut copied = vec![0u8; if copy { CHUNK_BYTES as usize } else { 0 }];
+                let mut run = |run: &[Job],
+                               c: &mut zstd::bulk::Compressor<'_>,
+                               mine: &mut Vec<(usize, usize, Option<Hash>)>|
                  -> Result<()> {
                     let mut pack = Vec::new();
                     let mut placed: Vec<(Hash, u64, u64)> = Vec::new();
                     for job in run {
-                        // SAFETY: the VM is paused (holding `&Vm` proves no vCPU of
-                        // guestmem's VM runs, and it has no other thread writing its memory;
-                        // `write_machine`'s caller paused its machine and devices); the chunk
-                        // is read in place (zero check, hash, compression), not copied.
-                        let bytes = unsafe { memory.bytes(job.gpa, job.len as u64) }?;
+                        let bytes = if copy {
+                            memory.read(job.gpa, &mut copied[..job.len])?;
+                            &copied[..job.len]
+                        } else {
+                            // SAFETY: the VM is paused (holding `&Vm` proves no vCPU of
+                            // guestmem's VM runs, and it has no other thread writing its
+                            // memory; `write_machine`'s caller paused its machine and
+                            // devices); the chunk is read in place (zero check, hash,
+                            // compression), not copied.
+                            unsafe { memory.bytes(job.gpa, job.len as u64) }?
+                        };
                         if chunk::is_zero(bytes) {
                             mine.push((job.region, job.index, None));
                             continue;
@@ -298,63 +390,13 @@ fn write_state(
     if let Some(e) = first_error.into_inner().expect("not poisoned") {
         return Err(e);
     }
-    let known = known.into_inner().expect("not poisoned");
-    let mut table = PackTable::default();
-    for (ri, ci, h) in results.into_inner().expect("not poisoned") {
-        entries[ri][ci] = Some(match h {
-            None => ChunkRef::Zero,
-            Some(hash) => table.entry(&known[&hash].expect("every claimed chunk was put")),
-        });
-    }
-
-    let mut report = StoreWriteReport {
-        snapshot: format!("{}/{name}", backend.describe()),
-        threads,
+    let counts = Counts {
         new_chunks: new_chunks.into_inner(),
-        new_stored_bytes: new_bytes.into_inner(),
-        new_packs: packs.into_inner(),
-        deduplicated_chunks: dedup.into_inner(),
-        ..Default::default()
+        new_bytes: new_bytes.into_inner(),
+        dedup: dedup.into_inner(),
+        packs: packs.into_inner(),
     };
-    let regions: Vec<StoreRegion> = memory
-        .regions()
-        .iter()
-        .zip(entries)
-        .map(|(region, e)| {
-            let chunks: Vec<ChunkRef> = e
-                .into_iter()
-                .map(|c| c.expect("every chunk done"))
-                .collect();
-            report.memory_bytes += region.size();
-            report.chunks += chunks.len() as u64;
-            report.zero_chunks += chunks.iter().filter(|c| **c == ChunkRef::Zero).count() as u64;
-            report.inherited_chunks +=
-                chunks.iter().filter(|c| **c == ChunkRef::Base).count() as u64;
-            StoreRegion {
-                spec: region.spec().clone(),
-                digest: None,
-                chunks,
-            }
-        })
-        .collect();
-    let mut manifest = StoreManifest {
-        format: FORMAT.into(),
-        version: VERSION,
-        name: name.to_string(),
-        config: config.clone(),
-        chunk_bytes: CHUNK_BYTES,
-        packs: table.into_ids(),
-        regions,
-        state_bytes: state_json.len() as u64,
-        state_blake3: blake3::hash(&state_json).to_hex().to_string(),
-        base,
-        checksum: String::new(),
-    };
-    manifest.seal();
-    report.stored_bytes = stored_bytes(&manifest);
-    commit(backend, &manifest, &state_json)?;
-    report.write_ms = t.elapsed().as_secs_f64() * 1e3;
-    Ok(report)
+    Ok((results.into_inner().expect("not poisoned"), counts))
 }
 
 /// The stored bytes of the distinct chunks `manifest` itself lists.
