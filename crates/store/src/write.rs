@@ -66,7 +66,7 @@ pub struct StoreWriteReport {
 
 /// How many threads compress and put chunks: every core for a local store; more for a remote
 /// one, whose puts mostly wait on the network.
-fn threads(backend: &dyn Backend) -> usize {
+pub(crate) fn threads(backend: &dyn Backend) -> usize {
     let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
     if backend.remote() {
         cores.max(8)
@@ -128,26 +128,7 @@ fn write_state(
     let _lease = Lease::acquire(backend, "write", name)?;
     let base = match diff {
         None => None,
-        Some((base_name, _)) => {
-            if base_name == name {
-                return Err(Error::Write(format!(
-                    "{}/{name}: a diff cannot replace its own base",
-                    backend.describe()
-                )));
-            }
-            let base = StoreManifest::load(backend, base_name)?;
-            if base.config != *config || base.chunk_bytes != CHUNK_BYTES {
-                return Err(Error::Write(format!(
-                    "{}/{base_name}: the base snapshot is of another VM configuration or chunk \
-                     size",
-                    backend.describe()
-                )));
-            }
-            Some(StoreBase {
-                name: base_name.to_string(),
-                checksum: base.checksum,
-            })
-        }
+        Some((base_name, _)) => Some(base_of(backend, name, base_name, config)?),
     };
     let dirty = diff.map(|(_, d)| d);
 
@@ -397,6 +378,33 @@ pub(crate) fn store_jobs(
         packs: packs.into_inner(),
     };
     Ok((results.into_inner().expect("not poisoned"), counts))
+}
+
+/// How a diff `name` of a VM of `config` names its base `base_name` (of the same store and
+/// configuration, and not `name` itself).
+pub(crate) fn base_of(
+    backend: &dyn Backend,
+    name: &str,
+    base_name: &str,
+    config: &VmConfig,
+) -> Result<StoreBase> {
+    if base_name == name {
+        return Err(Error::Write(format!(
+            "{}/{name}: a diff cannot replace its own base",
+            backend.describe()
+        )));
+    }
+    let base = StoreManifest::load(backend, base_name)?;
+    if base.config != *config || base.chunk_bytes != CHUNK_BYTES {
+        return Err(Error::Write(format!(
+            "{}/{base_name}: the base snapshot is of another VM configuration or chunk size",
+            backend.describe()
+        )));
+    }
+    Ok(StoreBase {
+        name: base_name.to_string(),
+        checksum: base.checksum,
+    })
 }
 
 /// The stored bytes of the distinct chunks `manifest` itself lists.

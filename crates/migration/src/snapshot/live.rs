@@ -197,7 +197,7 @@ fn rounds<M: Machine + ?Sized, S: LiveSink>(
     let mut dirty = harvest_and_clear(tracker)?;
     // The first round: every tracked chunk (full), or what was written since the base (diff).
     let mut todo = if full {
-        chunks_of(&memory, chunk, |r| tracked(r))
+        chunks_of(&memory, chunk, tracked)
     } else {
         dirty_chunks(&memory, chunk, &dirty)
     };
