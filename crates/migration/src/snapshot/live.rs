@@ -365,7 +365,13 @@ impl FlatSink {
     fn create(memory: &GuestMemory, dir: &Path) -> Result<FlatSink> {
         let create = |f: RegionFile| {
             let path = dir.join(f.name());
-            File::create(&path)
+            // Read too: the region digests are computed from what was written.
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(&path)
                 .map(|file| (file, path.clone()))
                 .map_err(Error::io(&path, "create"))
         };
