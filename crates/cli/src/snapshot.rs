@@ -38,6 +38,10 @@ pub struct SnapshotArgs {
     /// bytes from another page: with `--image`, memory stays as dense as a real guest's).
     #[arg(long)]
     rewrite: bool,
+    /// Limit the workload to this many pages per second (all vCPUs together; default: as
+    /// fast as it goes).
+    #[arg(long)]
+    pages_per_s: Option<u64>,
     /// Then also write a diff snapshot into this directory: the guest goes on for
     /// `--diff-after` seconds, watched by dirty tracking, and only the chunks it wrote since
     /// the snapshot in `--out` (the diff's base) are stored.
@@ -207,14 +211,16 @@ pub fn snapshot(mut args: SnapshotArgs) -> crate::Result<()> {
     }
     let mut vm = Vm::new(&args.vm.config()?)?;
     args.vm.load_image(&vm)?;
+    // Each vCPU's share of the rate.
+    let rate = args.pages_per_s.map(|r| (r / args.vm.vcpus as u64).max(1));
     let dirty = if args.rewrite {
         Workload::Rewrite {
-            pages_per_s: None,
+            pages_per_s: rate,
             passes: None,
         }
     } else {
         Workload::Dirty {
-            pages_per_s: None,
+            pages_per_s: rate,
             passes: None,
             fill_first: false,
         }

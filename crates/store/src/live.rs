@@ -52,6 +52,11 @@ impl LiveSink for StoreSink<'_> {
         CHUNK_BYTES
     }
 
+    /// Every chunk is stored whole (hashed and compressed).
+    fn cost(&self, chunks: u64, _dirty_bytes: u64) -> u64 {
+        chunks * CHUNK_BYTES
+    }
+
     fn store(
         &mut self,
         memory: &GuestMemory,

@@ -51,7 +51,9 @@ pub struct LiveOptions {
     /// The dirty-tracking mode of a full snapshot (`None`: [`Mode::best`]); a diff uses the
     /// tracker it is given.
     pub mode: Option<Mode>,
-    /// Pause once a round leaves at most this many dirty bytes to store.
+    /// Pause once a round leaves at most this much to store (as [`LiveSink::cost`] counts
+    /// it), or once a round leaves no less than the one before (more rounds would not shrink
+    /// the pause).
     pub final_bytes: u64,
     /// Rounds while the guest runs, at most (the first, which stores everything, included);
     /// then the guest pauses whatever is left.
@@ -66,8 +68,8 @@ impl Default for LiveOptions {
     fn default() -> Self {
         LiveOptions {
             mode: None,
-            final_bytes: 8 << 20,
-            max_rounds: 8,
+            final_bytes: 2 << 20,
+            max_rounds: 16,
             keep_tracking: false,
         }
     }
@@ -106,6 +108,14 @@ pub struct LiveReport {
 pub trait LiveSink {
     /// The chunk size: a multiple of 64 pages.
     fn chunk_bytes(&self) -> u64;
+
+    /// The bytes that storing `chunks` chunks holding `dirty_bytes` of dirty pages costs
+    /// (what decides when to pause): the dirty pages by default, for a sink that writes only
+    /// those.
+    fn cost(&self, chunks: u64, dirty_bytes: u64) -> u64 {
+        let _ = chunks;
+        dirty_bytes
+    }
 
     /// Stores the chunks `chunks` (region index, chunk index) of `memory`, which the guest may
     /// be writing meanwhile (read it by copying: [`GuestMemory::read`]). `dirty` is the round's
@@ -202,6 +212,7 @@ fn rounds<M: Machine + ?Sized, S: LiveSink>(
         dirty_chunks(&memory, chunk, &dirty)
     };
     let mut first = true;
+    let mut last_left = u64::MAX;
     loop {
         let r = Instant::now();
         let bytes = sink.store(&memory, &todo, (!first).then_some(&dirty[..]))?;
@@ -215,10 +226,13 @@ fn rounds<M: Machine + ?Sized, S: LiveSink>(
         components.mark_dirty(&memory)?;
         dirty = harvest_and_clear(tracker)?;
         todo = dirty_chunks(&memory, chunk, &dirty);
-        let left: u64 = dirty.iter().map(|d| d.count() * PAGE_SIZE).sum();
-        if left <= opts.final_bytes || report.rounds.len() >= opts.max_rounds.max(1) {
+        let dirty_bytes = dirty.iter().map(|d| d.count() * PAGE_SIZE).sum();
+        let left = sink.cost(todo.len() as u64, dirty_bytes);
+        let shrinking = left < last_left || report.rounds.len() < 2;
+        if left <= opts.final_bytes || !shrinking || report.rounds.len() >= opts.max_rounds.max(1) {
             break;
         }
+        last_left = left;
     }
     // The pause: the last dirty set, guest_memfd regions whole, the states.
     let p = Instant::now();
