@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use guestmem_memory::GuestMemory;
 use guestmem_migration::component::{Components, Machine};
-use guestmem_migration::snapshot::live::{capture, LiveOptions, LiveReport, LiveSink};
+use guestmem_migration::snapshot::live::{capture, ChunkSource, LiveOptions, LiveReport, LiveSink};
 use guestmem_migration::snapshot::SavedState;
 use guestmem_tracking::{DirtyBitmap, Tracker};
 
@@ -60,6 +60,7 @@ impl LiveSink for StoreSink<'_> {
     fn store(
         &mut self,
         memory: &GuestMemory,
+        source: &dyn ChunkSource,
         chunks: &[(usize, usize)],
         _dirty: Option<&[DirtyBitmap]>,
     ) -> guestmem_migration::Result<u64> {
@@ -77,7 +78,17 @@ impl LiveSink for StoreSink<'_> {
                 }
             })
             .collect();
-        match store_jobs(self.backend, memory, &jobs, &self.known, self.threads, true) {
+        let read = |job: &Job, buf: &mut [u8]| -> Result<()> {
+            Ok(source.read(job.region, job.index, job.gpa, buf)?)
+        };
+        match store_jobs(
+            self.backend,
+            memory,
+            &jobs,
+            &self.known,
+            self.threads,
+            Some(&read),
+        ) {
             Ok((results, counts)) => {
                 for (ri, ci, h) in results {
                     self.chunks[ri][ci] = Some(h);

@@ -175,7 +175,7 @@ fn write_state(
     }
     let threads = threads(backend);
     let known = Mutex::new(known);
-    let (results, counts) = store_jobs(backend, memory, &jobs, &known, threads, false)?;
+    let (results, counts) = store_jobs(backend, memory, &jobs, &known, threads, None)?;
     let known = known.into_inner().expect("not poisoned");
     let mut table = PackTable::default();
     for (ri, ci, h) in results {
@@ -252,11 +252,14 @@ pub(crate) struct Counts {
     pub(crate) packs: u64,
 }
 
+/// How [`store_jobs`] gets a chunk's bytes when it does not read them in place: into the
+/// buffer, a copy (the guest may be writing its memory: the bytes hashed are the bytes stored).
+pub(crate) type ReadChunk<'a> = &'a (dyn Fn(&Job, &mut [u8]) -> Result<()> + Sync);
+
 /// Stores `jobs` on `threads` threads, runs of [`PACK_CHUNKS`] at a time, each run's chunks new
-/// to the store (not in `known`, which gains them) as one pack. `copy`: each chunk is copied
-/// out of guest memory before it is checked, hashed and compressed (the guest may be writing
-/// it: the bytes hashed are the bytes stored); else it is read in place (the VM is paused).
-/// Returns each job's (region, index, hash; `None` for a zero chunk).
+/// to the store (not in `known`, which gains them) as one pack. Each chunk is read with `copy`,
+/// or without it in place from `memory` (the VM is paused). Returns each job's (region, index,
+/// hash; `None` for a zero chunk).
 #[allow(clippy::type_complexity)]
 pub(crate) fn store_jobs(
     backend: &dyn Backend,
@@ -264,7 +267,7 @@ pub(crate) fn store_jobs(
     jobs: &[Job],
     known: &Mutex<HashMap<Hash, Option<Stored>>>,
     threads: usize,
-    copy: bool,
+    copy: Option<ReadChunk<'_>>,
 ) -> Result<(Vec<(usize, usize, Option<Hash>)>, Counts)> {
     let runs: Vec<&[Job]> = jobs.chunks(PACK_CHUNKS).collect();
 
@@ -286,7 +289,14 @@ pub(crate) fn store_jobs(
                 let mut mine = Vec::new();
                 // One run: its chunks hashed and, those new to the store, compressed into one
                 // pack, put when the run is done.
-                let mut copied = vec![0u8; if copy { CHUNK_BYTES as usize } else { 0 }];
+                let mut copied = vec![
+                    0u8;
+                    if copy.is_some() {
+                        CHUNK_BYTES as usize
+                    } else {
+                        0
+                    }
+                ];
                 let mut run = |run: &[Job],
                                c: &mut zstd::bulk::Compressor<'_>,
                                mine: &mut Vec<(usize, usize, Option<Hash>)>|
@@ -294,8 +304,8 @@ pub(crate) fn store_jobs(
                     let mut pack = Vec::new();
                     let mut placed: Vec<(Hash, u64, u64)> = Vec::new();
                     for job in run {
-                        let bytes = if copy {
-                            memory.read(job.gpa, &mut copied[..job.len])?;
+                        let bytes = if let Some(read) = copy {
+                            read(job, &mut copied[..job.len])?;
                             &copied[..job.len]
                         } else {
                             // SAFETY: the VM is paused (holding `&Vm` proves no vCPU of

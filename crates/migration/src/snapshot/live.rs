@@ -117,16 +117,61 @@ pub trait LiveSink {
         dirty_bytes
     }
 
-    /// Stores the chunks `chunks` (region index, chunk index) of `memory`, which the guest may
-    /// be writing meanwhile (read it by copying: [`GuestMemory::read`]). `dirty` is the round's
-    /// dirty pages (`None`: every page); a chunk stored before needs only those updated, a
-    /// chunk stored for the first time is stored whole. Returns the bytes written.
+    /// Stores the chunks `chunks` (region index, chunk index) of `memory`, their bytes read
+    /// from `source` (guest memory, which the guest may be writing meanwhile, or the copies
+    /// taken during the pause). `dirty` is the round's dirty pages (`None`: every page); a
+    /// chunk stored before needs only those updated, a chunk stored for the first time is
+    /// stored whole. Returns the bytes written.
     fn store(
         &mut self,
         memory: &GuestMemory,
+        source: &dyn ChunkSource,
         chunks: &[(usize, usize)],
         dirty: Option<&[DirtyBitmap]>,
     ) -> Result<u64>;
+}
+
+/// Where a round reads its chunks' bytes: guest memory (copied out, never read in place while
+/// the guest may write it), or the copies the pause took.
+pub trait ChunkSource: Sync {
+    /// Puts chunk `index` of region `region`, which starts at `gpa`, into `buf` (its length).
+    fn read(&self, region: usize, index: usize, gpa: u64, buf: &mut [u8]) -> Result<()>;
+}
+
+impl ChunkSource for GuestMemory {
+    fn read(&self, _region: usize, _index: usize, gpa: u64, buf: &mut [u8]) -> Result<()> {
+        Ok(GuestMemory::read(self, gpa, buf)?)
+    }
+}
+
+/// The chunks the pause copied, stored after the guest resumed.
+struct Frozen(std::collections::HashMap<(usize, usize), Vec<u8>>);
+
+impl Frozen {
+    /// Copies `chunks` of `memory` (paused).
+    fn copy(memory: &GuestMemory, chunk: u64, chunks: &[(usize, usize)]) -> Result<Frozen> {
+        let mut map = std::collections::HashMap::with_capacity(chunks.len());
+        for &(ri, ci) in chunks {
+            let region = &memory.regions()[ri];
+            let offset = ci as u64 * chunk;
+            let mut bytes = vec![0u8; chunk.min(region.size() - offset) as usize];
+            GuestMemory::read(memory, region.gpa() + offset, &mut bytes)?;
+            map.insert((ri, ci), bytes);
+        }
+        Ok(Frozen(map))
+    }
+}
+
+impl ChunkSource for Frozen {
+    fn read(&self, region: usize, index: usize, _gpa: u64, buf: &mut [u8]) -> Result<()> {
+        let bytes = self.0.get(&(region, index)).ok_or_else(|| {
+            Error::Write(format!(
+                "region {region} chunk {index} was not copied during the pause"
+            ))
+        })?;
+        buf.copy_from_slice(bytes);
+        Ok(())
+    }
 }
 
 /// The states a live snapshot saved during its pause.
@@ -215,7 +260,7 @@ fn rounds<M: Machine + ?Sized, S: LiveSink>(
     let mut last_left = u64::MAX;
     loop {
         let r = Instant::now();
-        let bytes = sink.store(&memory, &todo, (!first).then_some(&dirty[..]))?;
+        let bytes = sink.store(&memory, &*memory, &todo, (!first).then_some(&dirty[..]))?;
         report.rounds.push(LiveRound {
             chunks: todo.len() as u64,
             bytes,
@@ -234,58 +279,83 @@ fn rounds<M: Machine + ?Sized, S: LiveSink>(
         }
         last_left = left;
     }
-    // The pause: the last dirty set, guest_memfd regions whole, the states.
+    // The pause: the last dirty set and guest_memfd regions whole copied, the states saved;
+    // the copies are stored once the guest runs again.
     let p = Instant::now();
     machine.pause()?;
     let paused = components
         .pause()
-        .and_then(|()| paused_round(machine, components, sink, tracker, dirty, todo));
+        .and_then(|()| paused_round(machine, components, tracker, dirty, todo, chunk));
     let resumed = components.resume().and_then(|()| machine.resume());
     let pause_ms = p.elapsed().as_secs_f64() * 1e3;
-    let (machine_state, states, mut last, untracked) = paused?;
+    let Paused {
+        machine: machine_state,
+        components: states,
+        frozen,
+        dirty,
+        todo,
+        untracked,
+    } = paused?;
     resumed?;
-    last.ms = pause_ms;
-    report.rounds.push(last);
+    let r = Instant::now();
+    let mut bytes = sink.store(&memory, &frozen, &todo, Some(&dirty))?;
+    bytes += sink.store(&memory, &frozen, &untracked, None)?;
+    report.rounds.push(LiveRound {
+        chunks: frozen.0.len() as u64,
+        bytes,
+        ms: r.elapsed().as_secs_f64() * 1e3,
+        paused: true,
+    });
     report.pause_ms = pause_ms;
-    report.paused_untracked_bytes = untracked;
+    report.paused_untracked_bytes = untracked
+        .iter()
+        .map(|&(ri, ci)| chunk.min(memory.regions()[ri].size() - ci as u64 * chunk))
+        .sum();
     report.total_ms = t.elapsed().as_secs_f64() * 1e3;
     Ok((machine_state, states, report))
 }
 
+/// What the pause took: the states, the copies of the chunks left to store, the last dirty
+/// set and which chunks it and the untracked regions have.
+struct Paused {
+    machine: Vec<u8>,
+    components: Vec<ComponentState>,
+    frozen: Frozen,
+    dirty: Vec<DirtyBitmap>,
+    todo: Vec<(usize, usize)>,
+    untracked: Vec<(usize, usize)>,
+}
+
 /// The paused round: the pages dirtied since the last harvest (merged into `dirty`, whose
-/// chunks `todo` are), every chunk of the untracked regions, then the states.
-fn paused_round<M: Machine + ?Sized, S: LiveSink>(
+/// chunks `todo` are) and every chunk of the untracked regions copied, then the states saved.
+fn paused_round<M: Machine + ?Sized>(
     machine: &mut M,
     components: &mut Components<'_>,
-    sink: &mut S,
     tracker: &mut Tracker,
     dirty: Vec<DirtyBitmap>,
     todo: Vec<(usize, usize)>,
-) -> Result<(Vec<u8>, Vec<ComponentState>, LiveRound, u64)> {
+    chunk: u64,
+) -> Result<Paused> {
     let memory = machine.memory().clone();
-    let chunk = sink.chunk_bytes();
     components.mark_dirty(&memory)?;
     let dirty = guestmem_tracking::merge(dirty, harvest_and_clear(tracker)?);
     let mut todo = todo;
     todo.extend(dirty_chunks(&memory, chunk, &dirty));
     todo.sort_unstable();
     todo.dedup();
-    let mut bytes = sink.store(&memory, &todo, Some(&dirty))?;
     let untracked = chunks_of(&memory, chunk, |r| !tracked(r));
-    let untracked_bytes: u64 = untracked
-        .iter()
-        .map(|&(r, i)| chunk.min(memory.regions()[r].size() - i as u64 * chunk))
-        .sum();
-    bytes += sink.store(&memory, &untracked, None)?;
-    let states = components.save()?;
+    let all: Vec<(usize, usize)> = todo.iter().chain(&untracked).copied().collect();
+    let frozen = Frozen::copy(&memory, chunk, &all)?;
+    let components_state = components.save()?;
     let machine_state = machine.save()?;
-    let round = LiveRound {
-        chunks: (todo.len() + untracked.len()) as u64,
-        bytes,
-        ms: 0.0,
-        paused: true,
-    };
-    Ok((machine_state, states, round, untracked_bytes))
+    Ok(Paused {
+        machine: machine_state,
+        components: components_state,
+        frozen,
+        dirty,
+        todo,
+        untracked,
+    })
 }
 
 /// A harvest, its pages cleared at once (manual mode: logged again from now on), so that the
@@ -417,6 +487,7 @@ impl FlatSink {
     fn store_one(
         &mut self,
         memory: &GuestMemory,
+        source: &dyn ChunkSource,
         ri: usize,
         ci: usize,
         dirty: Option<&[DirtyBitmap]>,
@@ -426,7 +497,7 @@ impl FlatSink {
         let len = CHUNK_BYTES.min(region.size() - offset) as usize;
         let gpa = region.gpa() + offset;
         let bytes = &mut self.buf[..len];
-        memory.read(gpa, bytes)?;
+        source.read(ri, ci, gpa, bytes)?;
         let (which, file_offset, chunks) = &mut self.regions[ri];
         let (file, path) = &self.files[*which as usize];
         let fresh = chunks[ci].is_none();
@@ -477,12 +548,13 @@ impl LiveSink for FlatSink {
     fn store(
         &mut self,
         memory: &GuestMemory,
+        source: &dyn ChunkSource,
         chunks: &[(usize, usize)],
         dirty: Option<&[DirtyBitmap]>,
     ) -> Result<u64> {
         let mut written = 0;
         for &(ri, ci) in chunks {
-            written += self.store_one(memory, ri, ci, dirty)?;
+            written += self.store_one(memory, source, ri, ci, dirty)?;
         }
         Ok(written)
     }
