@@ -4,14 +4,18 @@
 //! The design is pre-copy's, aimed at a file instead of a peer: dirty tracking starts
 //! ([`Mode::best`], or the caller's tracker for a diff), every chunk is stored while the guest
 //! runs, then rounds store again the chunks the guest dirtied meanwhile (their checksums
-//! recomputed from the bytes stored), until a round's dirty set is small
-//! ([`LiveOptions::final_bytes`]) or the rounds run out; then the machine and its components
-//! pause, the last harvest is stored, guest_memfd regions (which KVM cannot dirty-log) are
-//! stored whole, the states are saved, and the guest resumes. Only then is the snapshot
-//! finished (its digests, its manifest, atomically as a paused write does) while the guest
-//! runs on. Every page's last store follows its last write before the pause (the dirty log
-//! reports each write after the clear that precedes a store), so the snapshot is the guest's
-//! memory at the pause.
+//! recomputed from the bytes stored), until what a round leaves is small
+//! ([`LiveOptions::final_bytes`], as [`LiveSink::cost`] counts it), stops shrinking, or the
+//! rounds run out. Then the machine and its components pause, and the pause only copies: the
+//! chunks of the last harvest and every chunk of the guest_memfd regions (which KVM cannot
+//! dirty-log) into host memory, and the states. The guest resumes, and those copies are
+//! stored, the snapshot finished (its digests, its manifest, atomically as a paused write
+//! does) while it runs on. Every page's last store follows its last write before the pause
+//! (the dirty log reports each write after the clear that precedes a store, and the pause's
+//! copies are the memory at the pause), so the snapshot is the guest's memory at the pause.
+//! The pause therefore costs a memory copy of the last dirty chunks, not their compression or
+//! I/O; a guest_memfd region is copied whole during it (a live snapshot of such a VM pauses
+//! about as long as copying that region takes).
 //!
 //! Write-protect copy-on-write (userfaultfd `WP_ASYNC`, as QEMU's background snapshot and
 //! forkd do) was the alternative: it pauses only to arm the protection, and each first write
