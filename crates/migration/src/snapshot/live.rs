@@ -800,3 +800,76 @@ fn region_digest(
     }
     Ok(h)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use guestmem_memory::{Backend, RegionSpec};
+
+    const SIZE: u64 = 2 * CHUNK_BYTES;
+
+    fn memory() -> GuestMemory {
+        GuestMemory::new(&[RegionSpec::new("ram", 0, SIZE, Backend::Anon)], None).unwrap()
+    }
+
+    fn bitmap(pages: &[u64]) -> Vec<DirtyBitmap> {
+        let mut bits = vec![0u64; (SIZE / PAGE_SIZE / 64) as usize];
+        for p in pages {
+            bits[(p / 64) as usize] |= 1 << (p % 64);
+        }
+        vec![DirtyBitmap {
+            slot: 0,
+            gpa: 0,
+            pages: SIZE / PAGE_SIZE,
+            bits,
+        }]
+    }
+
+    #[test]
+    fn dirty_pages_name_their_chunks_once_in_order() {
+        let m = memory();
+        let per_chunk = CHUNK_BYTES / PAGE_SIZE;
+        let dirty = bitmap(&[per_chunk + 3, 0, 1, per_chunk + 4]);
+        assert_eq!(dirty_chunks(&m, CHUNK_BYTES, &dirty), vec![(0, 0), (0, 1)]);
+        assert!(dirty_chunks(&m, CHUNK_BYTES, &bitmap(&[])).is_empty());
+        assert_eq!(
+            dirty_chunks(&m, CHUNK_BYTES, &bitmap(&[per_chunk])),
+            vec![(0, 1)]
+        );
+    }
+
+    /// A chunk stored again gets only its dirty pages written: a page zeroed since is a hole
+    /// again, a page changed since holds its new bytes, and the checksum is the new chunk's.
+    #[test]
+    fn a_chunk_stored_again_updates_its_dirty_pages_only() {
+        let m = memory();
+        let dir = std::env::temp_dir().join(format!("guestmem-live-unit-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut sink = FlatSink::create(&m, &dir).unwrap();
+        m.write(0, &[1u8; 2 * PAGE_SIZE as usize]).unwrap();
+        m.write(5 * PAGE_SIZE, &[2u8; PAGE_SIZE as usize]).unwrap();
+        sink.store(&m, &m, &[(0, 0)], None).unwrap();
+        // Page 0 zeroed, page 5 changed, page 1 changed but not reported dirty.
+        m.write(0, &[0u8; PAGE_SIZE as usize]).unwrap();
+        m.write(5 * PAGE_SIZE, &[3u8; PAGE_SIZE as usize]).unwrap();
+        m.write(PAGE_SIZE, &[9u8; PAGE_SIZE as usize]).unwrap();
+        let written = sink
+            .store(&m, &m, &[(0, 0)], Some(&bitmap(&[0, 5])))
+            .unwrap();
+        assert_eq!(written, PAGE_SIZE, "only page 5 written, page 0 punched");
+        let file = std::fs::read(dir.join("memory")).unwrap();
+        let page = |p: usize| &file[p * PAGE_SIZE as usize..(p + 1) * PAGE_SIZE as usize];
+        assert!(page(0).iter().all(|&b| b == 0));
+        assert!(
+            page(1).iter().all(|&b| b == 1),
+            "an unreported page is left alone"
+        );
+        assert!(page(5).iter().all(|&b| b == 3));
+        let mut chunk = vec![0u8; CHUNK_BYTES as usize];
+        GuestMemory::read(&m, 0, &mut chunk).unwrap();
+        let now = sink.regions[0].2[0].unwrap();
+        assert_eq!(now.crc32, crc32fast::hash(&chunk));
+        assert_eq!(now.data, 2 * PAGE_SIZE);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
