@@ -12,6 +12,7 @@ use serde::Serialize;
 
 use crate::vm_args::VmArgs;
 
+mod live;
 mod store;
 
 pub(crate) use store::is_store;
@@ -37,6 +38,10 @@ pub struct SnapshotArgs {
     /// bytes from another page: with `--image`, memory stays as dense as a real guest's).
     #[arg(long)]
     rewrite: bool,
+    /// Limit the workload to this many pages per second (all vCPUs together; default: as
+    /// fast as it goes).
+    #[arg(long)]
+    pages_per_s: Option<u64>,
     /// Then also write a diff snapshot into this directory: the guest goes on for
     /// `--diff-after` seconds, watched by dirty tracking, and only the chunks it wrote since
     /// the snapshot in `--out` (the diff's base) are stored.
@@ -45,6 +50,16 @@ pub struct SnapshotArgs {
     /// With `--diff`: how long the guest runs between the base and the diff, in seconds.
     #[arg(long, default_value_t = 0.2, requires = "diff")]
     diff_after: f64,
+    /// Write the snapshot (and the diff) while the guest runs: dirty-tracked rounds, then a
+    /// short pause for what the guest changed since and its state; reports the pause, the
+    /// rounds and the guest's rate during the write against before it (measured over the
+    /// second half of `--after`).
+    #[arg(long)]
+    live: bool,
+    /// With `--live`: then also write the same guest paused (deleted again) and compare its
+    /// time and stored bytes with the live snapshot's.
+    #[arg(long, requires = "live")]
+    compare_paused: bool,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -196,20 +211,25 @@ pub fn snapshot(mut args: SnapshotArgs) -> crate::Result<()> {
     }
     let mut vm = Vm::new(&args.vm.config()?)?;
     args.vm.load_image(&vm)?;
+    // Each vCPU's share of the rate.
+    let rate = args.pages_per_s.map(|r| (r / args.vm.vcpus as u64).max(1));
     let dirty = if args.rewrite {
         Workload::Rewrite {
-            pages_per_s: None,
+            pages_per_s: rate,
             passes: None,
         }
     } else {
         Workload::Dirty {
-            pages_per_s: None,
+            pages_per_s: rate,
             passes: None,
             fill_first: false,
         }
     };
     let work = VcpuWork::split(dirty, layout::RAM_GPA, args.vm.memory, args.vm.vcpus, 1);
     let running = vm.start(&work)?;
+    if args.live {
+        return live_snapshot(running, after, &out, &args, diff_after);
+    }
     std::thread::sleep(after);
     running.pause()?;
     if store::is_store(&out) {
@@ -285,6 +305,42 @@ pub fn snapshot(mut args: SnapshotArgs) -> crate::Result<()> {
                 d.pages_done_per_vcpu
             );
         }
+    }
+    Ok(())
+}
+
+/// `--live`: the guest's undisturbed rate over the second half of `after`, then the live
+/// snapshot (and diff) while it runs; the guest is stopped at the end.
+fn live_snapshot(
+    running: guestmem_vm::RunningVm<'_>,
+    after: Duration,
+    out: &std::path::Path,
+    args: &SnapshotArgs,
+    diff_after: Duration,
+) -> crate::Result<()> {
+    let pages = |r: &guestmem_vm::RunningVm<'_>| -> u64 { r.progress().iter().map(|p| p.0).sum() };
+    std::thread::sleep(after / 2);
+    let (p0, t0) = (pages(&running), Instant::now());
+    std::thread::sleep(after - after / 2);
+    let undisturbed = (pages(&running) - p0) as f64 / t0.elapsed().as_secs_f64();
+    let mut machine = guestmem_migration::component::PayloadVm::running(running);
+    let written = live::snapshot(
+        &mut machine,
+        undisturbed,
+        out,
+        args.diff.as_deref(),
+        diff_after,
+        args.compare_paused,
+    );
+    if let Some(running) = machine.into_running() {
+        running.stop();
+        running.wait(Duration::from_secs(30))?;
+    }
+    let written = written?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&written)?);
+    } else {
+        written.print();
     }
     Ok(())
 }

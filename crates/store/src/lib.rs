@@ -30,6 +30,7 @@ pub mod backend;
 pub mod cache;
 pub mod chunk;
 pub mod gc;
+pub mod live;
 pub mod local;
 pub mod location;
 pub mod manifest;

@@ -66,7 +66,7 @@ pub struct StoreWriteReport {
 
 /// How many threads compress and put chunks: every core for a local store; more for a remote
 /// one, whose puts mostly wait on the network.
-fn threads(backend: &dyn Backend) -> usize {
+pub(crate) fn threads(backend: &dyn Backend) -> usize {
     let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
     if backend.remote() {
         cores.max(8)
@@ -128,26 +128,7 @@ fn write_state(
     let _lease = Lease::acquire(backend, "write", name)?;
     let base = match diff {
         None => None,
-        Some((base_name, _)) => {
-            if base_name == name {
-                return Err(Error::Write(format!(
-                    "{}/{name}: a diff cannot replace its own base",
-                    backend.describe()
-                )));
-            }
-            let base = StoreManifest::load(backend, base_name)?;
-            if base.config != *config || base.chunk_bytes != CHUNK_BYTES {
-                return Err(Error::Write(format!(
-                    "{}/{base_name}: the base snapshot is of another VM configuration or chunk \
-                     size",
-                    backend.describe()
-                )));
-            }
-            Some(StoreBase {
-                name: base_name.to_string(),
-                checksum: base.checksum,
-            })
-        }
+        Some((base_name, _)) => Some(base_of(backend, name, base_name, config)?),
     };
     let dirty = diff.map(|(_, d)| d);
 
@@ -163,12 +144,6 @@ fn write_state(
         .map(|(h, c)| (h, Some(c)))
         .collect();
 
-    struct Job {
-        region: usize,
-        index: usize,
-        gpa: u64,
-        len: usize,
-    }
     let mut jobs = Vec::new();
     let mut entries: Vec<Vec<Option<ChunkRef>>> = Vec::new();
     for (ri, region) in memory.regions().iter().enumerate() {
@@ -198,13 +173,107 @@ fn write_state(
         }
         entries.push(e);
     }
+    let threads = threads(backend);
+    let known = Mutex::new(known);
+    let (results, counts) = store_jobs(backend, memory, &jobs, &known, threads, None)?;
+    let known = known.into_inner().expect("not poisoned");
+    let mut table = PackTable::default();
+    for (ri, ci, h) in results {
+        entries[ri][ci] = Some(match h {
+            None => ChunkRef::Zero,
+            Some(hash) => table.entry(&known[&hash].expect("every claimed chunk was put")),
+        });
+    }
+
+    let mut report = StoreWriteReport {
+        snapshot: format!("{}/{name}", backend.describe()),
+        threads,
+        new_chunks: counts.new_chunks,
+        new_stored_bytes: counts.new_bytes,
+        new_packs: counts.packs,
+        deduplicated_chunks: counts.dedup,
+        ..Default::default()
+    };
+    let regions: Vec<StoreRegion> = memory
+        .regions()
+        .iter()
+        .zip(entries)
+        .map(|(region, e)| {
+            let chunks: Vec<ChunkRef> = e
+                .into_iter()
+                .map(|c| c.expect("every chunk done"))
+                .collect();
+            report.memory_bytes += region.size();
+            report.chunks += chunks.len() as u64;
+            report.zero_chunks += chunks.iter().filter(|c| **c == ChunkRef::Zero).count() as u64;
+            report.inherited_chunks +=
+                chunks.iter().filter(|c| **c == ChunkRef::Base).count() as u64;
+            StoreRegion {
+                spec: region.spec().clone(),
+                digest: None,
+                chunks,
+            }
+        })
+        .collect();
+    let mut manifest = StoreManifest {
+        format: FORMAT.into(),
+        version: VERSION,
+        name: name.to_string(),
+        config: config.clone(),
+        chunk_bytes: CHUNK_BYTES,
+        packs: table.into_ids(),
+        regions,
+        state_bytes: state_json.len() as u64,
+        state_blake3: blake3::hash(&state_json).to_hex().to_string(),
+        base,
+        checksum: String::new(),
+    };
+    manifest.seal();
+    report.stored_bytes = stored_bytes(&manifest);
+    commit(backend, &manifest, &state_json)?;
+    report.write_ms = t.elapsed().as_secs_f64() * 1e3;
+    Ok(report)
+}
+
+/// One chunk of guest memory to store: chunk `index` of region `region`, `len` bytes at `gpa`.
+pub(crate) struct Job {
+    pub(crate) region: usize,
+    pub(crate) index: usize,
+    pub(crate) gpa: u64,
+    pub(crate) len: usize,
+}
+
+/// What [`store_jobs`] put.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct Counts {
+    pub(crate) new_chunks: u64,
+    pub(crate) new_bytes: u64,
+    pub(crate) dedup: u64,
+    pub(crate) packs: u64,
+}
+
+/// How [`store_jobs`] gets a chunk's bytes when it does not read them in place: into the
+/// buffer, a copy (the guest may be writing its memory: the bytes hashed are the bytes stored).
+pub(crate) type ReadChunk<'a> = &'a (dyn Fn(&Job, &mut [u8]) -> Result<()> + Sync);
+
+/// Stores `jobs` on `threads` threads, runs of [`PACK_CHUNKS`] at a time, each run's chunks new
+/// to the store (not in `known`, which gains them) as one pack. Each chunk is read with `copy`,
+/// or without it in place from `memory` (the VM is paused). Returns each job's (region, index,
+/// hash; `None` for a zero chunk).
+#[allow(clippy::type_complexity)]
+pub(crate) fn store_jobs(
+    backend: &dyn Backend,
+    memory: &GuestMemory,
+    jobs: &[Job],
+    known: &Mutex<HashMap<Hash, Option<Stored>>>,
+    threads: usize,
+    copy: Option<ReadChunk<'_>>,
+) -> Result<(Vec<(usize, usize, Option<Hash>)>, Counts)> {
     let runs: Vec<&[Job]> = jobs.chunks(PACK_CHUNKS).collect();
 
-    let threads = threads(backend);
     let next = AtomicUsize::new(0);
     let failed = AtomicBool::new(false);
     let first_error: Mutex<Option<Error>> = Mutex::new(None);
-    let known = Mutex::new(known);
     let results: Mutex<Vec<(usize, usize, Option<Hash>)>> = Mutex::new(Vec::new());
     let (new_chunks, new_bytes, dedup, packs) = (
         AtomicU64::new(0),
@@ -220,18 +289,32 @@ fn write_state(
                 let mut mine = Vec::new();
                 // One run: its chunks hashed and, those new to the store, compressed into one
                 // pack, put when the run is done.
-                let run = |run: &[Job],
-                           c: &mut zstd::bulk::Compressor<'_>,
-                           mine: &mut Vec<(usize, usize, Option<Hash>)>|
+                let mut copied = vec![
+                    0u8;
+                    if copy.is_some() {
+                        CHUNK_BYTES as usize
+                    } else {
+                        0
+                    }
+                ];
+                let mut run = |run: &[Job],
+                               c: &mut zstd::bulk::Compressor<'_>,
+                               mine: &mut Vec<(usize, usize, Option<Hash>)>|
                  -> Result<()> {
                     let mut pack = Vec::new();
                     let mut placed: Vec<(Hash, u64, u64)> = Vec::new();
                     for job in run {
-                        // SAFETY: the VM is paused (holding `&Vm` proves no vCPU of
-                        // guestmem's VM runs, and it has no other thread writing its memory;
-                        // `write_machine`'s caller paused its machine and devices); the chunk
-                        // is read in place (zero check, hash, compression), not copied.
-                        let bytes = unsafe { memory.bytes(job.gpa, job.len as u64) }?;
+                        let bytes = if let Some(read) = copy {
+                            read(job, &mut copied[..job.len])?;
+                            &copied[..job.len]
+                        } else {
+                            // SAFETY: the VM is paused (holding `&Vm` proves no vCPU of
+                            // guestmem's VM runs, and it has no other thread writing its
+                            // memory; `write_machine`'s caller paused its machine and
+                            // devices); the chunk is read in place (zero check, hash,
+                            // compression), not copied.
+                            unsafe { memory.bytes(job.gpa, job.len as u64) }?
+                        };
                         if chunk::is_zero(bytes) {
                             mine.push((job.region, job.index, None));
                             continue;
@@ -298,63 +381,40 @@ fn write_state(
     if let Some(e) = first_error.into_inner().expect("not poisoned") {
         return Err(e);
     }
-    let known = known.into_inner().expect("not poisoned");
-    let mut table = PackTable::default();
-    for (ri, ci, h) in results.into_inner().expect("not poisoned") {
-        entries[ri][ci] = Some(match h {
-            None => ChunkRef::Zero,
-            Some(hash) => table.entry(&known[&hash].expect("every claimed chunk was put")),
-        });
-    }
-
-    let mut report = StoreWriteReport {
-        snapshot: format!("{}/{name}", backend.describe()),
-        threads,
+    let counts = Counts {
         new_chunks: new_chunks.into_inner(),
-        new_stored_bytes: new_bytes.into_inner(),
-        new_packs: packs.into_inner(),
-        deduplicated_chunks: dedup.into_inner(),
-        ..Default::default()
+        new_bytes: new_bytes.into_inner(),
+        dedup: dedup.into_inner(),
+        packs: packs.into_inner(),
     };
-    let regions: Vec<StoreRegion> = memory
-        .regions()
-        .iter()
-        .zip(entries)
-        .map(|(region, e)| {
-            let chunks: Vec<ChunkRef> = e
-                .into_iter()
-                .map(|c| c.expect("every chunk done"))
-                .collect();
-            report.memory_bytes += region.size();
-            report.chunks += chunks.len() as u64;
-            report.zero_chunks += chunks.iter().filter(|c| **c == ChunkRef::Zero).count() as u64;
-            report.inherited_chunks +=
-                chunks.iter().filter(|c| **c == ChunkRef::Base).count() as u64;
-            StoreRegion {
-                spec: region.spec().clone(),
-                digest: None,
-                chunks,
-            }
-        })
-        .collect();
-    let mut manifest = StoreManifest {
-        format: FORMAT.into(),
-        version: VERSION,
-        name: name.to_string(),
-        config: config.clone(),
-        chunk_bytes: CHUNK_BYTES,
-        packs: table.into_ids(),
-        regions,
-        state_bytes: state_json.len() as u64,
-        state_blake3: blake3::hash(&state_json).to_hex().to_string(),
-        base,
-        checksum: String::new(),
-    };
-    manifest.seal();
-    report.stored_bytes = stored_bytes(&manifest);
-    commit(backend, &manifest, &state_json)?;
-    report.write_ms = t.elapsed().as_secs_f64() * 1e3;
-    Ok(report)
+    Ok((results.into_inner().expect("not poisoned"), counts))
+}
+
+/// How a diff `name` of a VM of `config` names its base `base_name` (of the same store and
+/// configuration, and not `name` itself).
+pub(crate) fn base_of(
+    backend: &dyn Backend,
+    name: &str,
+    base_name: &str,
+    config: &VmConfig,
+) -> Result<StoreBase> {
+    if base_name == name {
+        return Err(Error::Write(format!(
+            "{}/{name}: a diff cannot replace its own base",
+            backend.describe()
+        )));
+    }
+    let base = StoreManifest::load(backend, base_name)?;
+    if base.config != *config || base.chunk_bytes != CHUNK_BYTES {
+        return Err(Error::Write(format!(
+            "{}/{base_name}: the base snapshot is of another VM configuration or chunk size",
+            backend.describe()
+        )));
+    }
+    Ok(StoreBase {
+        name: base_name.to_string(),
+        checksum: base.checksum,
+    })
 }
 
 /// The stored bytes of the distinct chunks `manifest` itself lists.

@@ -33,6 +33,7 @@
 //! [`PayloadVm`]: crate::component::PayloadVm
 //! [`MachineBuilder`]: crate::component::MachineBuilder
 
+pub mod live;
 mod manifest;
 mod prepared;
 mod sparse;

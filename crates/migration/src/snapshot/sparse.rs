@@ -102,7 +102,7 @@ pub(crate) fn zeros_hasher(len: u64) -> crc32fast::Hasher {
 }
 
 /// Whether `bytes` are all zero (16 bytes at a time, which the compiler vectorizes).
-fn is_zero(bytes: &[u8]) -> bool {
+pub(crate) fn is_zero(bytes: &[u8]) -> bool {
     let mut words = bytes.chunks_exact(16);
     let mut acc = 0u128;
     for w in &mut words {

@@ -128,7 +128,7 @@ pub fn write_machine_diff<M: Machine + ?Sized>(
 
 /// How a diff of a VM of `config` written into `dir` names its `base`, which must be of the
 /// same configuration and not `dir` itself.
-fn base_ref(config: &VmConfig, dir: &Path, base: &Path) -> Result<BaseRef> {
+pub(super) fn base_ref(config: &VmConfig, dir: &Path, base: &Path) -> Result<BaseRef> {
     let base_snapshot = Snapshot::open(base)?;
     if base_snapshot.manifest.config != *config {
         return Err(Error::Write(format!(
@@ -174,7 +174,7 @@ fn write_snapshot(
 }
 
 /// Refuses to replace `dir` when it is not a directory or holds anything but snapshot files.
-fn check_replaceable(dir: &Path) -> Result<()> {
+pub(super) fn check_replaceable(dir: &Path) -> Result<()> {
     let entries = match std::fs::read_dir(dir) {
         Ok(entries) => entries,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
@@ -197,7 +197,7 @@ fn check_replaceable(dir: &Path) -> Result<()> {
 }
 
 /// A fresh hidden directory beside `dir` (the same file system, so the commit is a rename).
-fn staging_dir(dir: &Path) -> Result<PathBuf> {
+pub(super) fn staging_dir(dir: &Path) -> Result<PathBuf> {
     let name = dir.file_name().ok_or_else(|| {
         Error::Write(format!(
             "{}: not a directory name a snapshot can be written to",
@@ -221,7 +221,7 @@ fn staging_dir(dir: &Path) -> Result<PathBuf> {
 }
 
 /// Makes `staging` the snapshot at `dir` in one step, then deletes what was there.
-fn commit(staging: &Path, dir: &Path) -> Result<()> {
+pub(super) fn commit(staging: &Path, dir: &Path) -> Result<()> {
     let c = |p: &Path| CString::new(p.as_os_str().as_bytes()).expect("paths have no NUL");
     let (from, to) = (c(staging), c(dir));
     if dir.exists() {
@@ -253,7 +253,7 @@ fn commit(staging: &Path, dir: &Path) -> Result<()> {
     Ok(())
 }
 
-fn sync_dir(dir: &Path) -> Result<()> {
+pub(super) fn sync_dir(dir: &Path) -> Result<()> {
     File::open(dir)
         .and_then(|d| d.sync_all())
         .map_err(Error::io(dir, "sync directory"))

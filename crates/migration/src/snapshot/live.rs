@@ -1,0 +1,875 @@
+//! Live snapshots: guest memory is written while the guest runs, and the guest is paused only
+//! to write what it changed since, and to save its vCPU and component state.
+//!
+//! The design is pre-copy's, aimed at a file instead of a peer: dirty tracking starts
+//! ([`Mode::best`], or the caller's tracker for a diff), every chunk is stored while the guest
+//! runs, then rounds store again the chunks the guest dirtied meanwhile (their checksums
+//! recomputed from the bytes stored), until what a round leaves is small
+//! ([`LiveOptions::final_bytes`], as [`LiveSink::cost`] counts it), stops shrinking, or the
+//! rounds run out. Then the machine and its components pause, and the pause only copies: the
+//! chunks of the last harvest and every chunk of the guest_memfd regions (which KVM cannot
+//! dirty-log) into host memory, and the states. The guest resumes, and those copies are
+//! stored, the snapshot finished (its digests, its manifest, atomically as a paused write
+//! does) while it runs on. Every page's last store follows its last write before the pause
+//! (the dirty log reports each write after the clear that precedes a store, and the pause's
+//! copies are the memory at the pause), so the snapshot is the guest's memory at the pause.
+//! The pause therefore costs a memory copy of the last dirty chunks, not their compression or
+//! I/O; a guest_memfd region is copied whole during it (a live snapshot of such a VM pauses
+//! about as long as copying that region takes).
+//!
+//! Write-protect copy-on-write (userfaultfd `WP_ASYNC`, as QEMU's background snapshot and
+//! forkd do) was the alternative: it pauses only to arm the protection, and each first write
+//! afterwards copies the page out. It was not chosen: on KVM hosts with shadow paging (such as
+//! the project's) every first write to a protected page already costs a shadow-paging fault,
+//! whichever mechanism protects it, so write-protect would not spare the guest that cost; it
+//! would add a userfaultfd round trip on every copied page, hold a copy of every written page
+//! until it is stored, and not cover guest_memfd either (userfaultfd cannot register it). Dirty
+//! rounds reuse the tracker that pre-copy migration has proven, bound the extra memory to one
+//! chunk per writer, and cost the guest only the dirty log's faults while the write runs.
+//!
+//! A [`LiveSink`] is where the chunks go: the flat snapshot directory here
+//! ([`write_machine_live`]), or a chunk store (crate guestmem_store).
+
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use guestmem_memory::{digest_bytes, GuestMemory, PageBuf, DIGEST_SEED, PAGE_SIZE};
+use guestmem_tracking::{tracked, DirtyBitmap, Mode, Tracker};
+use serde::Serialize;
+
+use super::manifest::{
+    BaseRef, Chunk, Manifest, RegionFile, RegionImage, CHUNK_BYTES, FORMAT, VERSION,
+};
+use super::sparse::is_zero;
+use super::write::{check_replaceable, commit, staging_dir, sync_dir, write_file, WriteReport};
+use super::{SavedState, Snapshot, MANIFEST, STATE};
+use crate::component::{ComponentState, Components, Machine};
+use crate::{Error, Result};
+
+/// How a live snapshot decides when to pause.
+#[derive(Debug, Clone)]
+pub struct LiveOptions {
+    /// The dirty-tracking mode of a full snapshot (`None`: [`Mode::best`]); a diff uses the
+    /// tracker it is given.
+    pub mode: Option<Mode>,
+    /// Pause once a round leaves at most this much to store (as [`LiveSink::cost`] counts
+    /// it), or once a round leaves no less than the one before (more rounds would not shrink
+    /// the pause).
+    pub final_bytes: u64,
+    /// Rounds while the guest runs, at most (the first, which stores everything, included);
+    /// then the guest pauses whatever is left.
+    pub max_rounds: usize,
+    /// Hand the tracker back (in [`Captured::tracker`], [`LiveWrite::tracker`]) still
+    /// running, reporting what the guest writes after the pause: the tracker of a diff over
+    /// this snapshot.
+    pub keep_tracking: bool,
+}
+
+impl Default for LiveOptions {
+    fn default() -> Self {
+        LiveOptions {
+            mode: None,
+            final_bytes: 2 << 20,
+            max_rounds: 16,
+            keep_tracking: false,
+        }
+    }
+}
+
+/// One round of a live snapshot.
+#[derive(Debug, Clone, Serialize)]
+pub struct LiveRound {
+    /// Chunks stored.
+    pub chunks: u64,
+    /// Bytes the sink wrote (see [`LiveSink::store`]).
+    pub bytes: u64,
+    /// How long the round took, in ms.
+    pub ms: f64,
+    /// Whether the guest was paused (the last round).
+    pub paused: bool,
+}
+
+/// What a live snapshot did.
+#[derive(Debug, Clone, Serialize)]
+pub struct LiveReport {
+    /// How long the guest was paused, in ms (pause, last round, states saved, resume).
+    pub pause_ms: f64,
+    /// From the start to the snapshot in place, in ms.
+    pub total_ms: f64,
+    /// The tracking mode.
+    pub tracking: &'static str,
+    /// The rounds, the paused one last.
+    pub rounds: Vec<LiveRound>,
+    /// Bytes of guest_memfd regions (not dirty-loggable) stored whole while paused.
+    pub paused_untracked_bytes: u64,
+}
+
+/// Where a live snapshot's chunks go. Chunk `i` of a region covers its bytes
+/// `[i * chunk_bytes, (i + 1) * chunk_bytes)` (the last one shorter).
+pub trait LiveSink {
+    /// The chunk size: a multiple of 64 pages.
+    fn chunk_bytes(&self) -> u64;
+
+    /// The bytes that storing `chunks` chunks holding `dirty_bytes` of dirty pages costs
+    /// (what decides when to pause): the dirty pages by default, for a sink that writes only
+    /// those.
+    fn cost(&self, chunks: u64, dirty_bytes: u64) -> u64 {
+        let _ = chunks;
+        dirty_bytes
+    }
+
+    /// Stores the chunks `chunks` (region index, chunk index) of `memory`, their bytes read
+    /// from `source` (guest memory, which the guest may be writing meanwhile, or the copies
+    /// taken during the pause). `dirty` is the round's dirty pages (`None`: every page); a
+    /// chunk stored before needs only those updated, a chunk stored for the first time is
+    /// stored whole. Returns the bytes written.
+    fn store(
+        &mut self,
+        memory: &GuestMemory,
+        source: &dyn ChunkSource,
+        chunks: &[(usize, usize)],
+        dirty: Option<&[DirtyBitmap]>,
+    ) -> Result<u64>;
+}
+
+/// Where a round reads its chunks' bytes: guest memory (copied out, never read in place while
+/// the guest may write it), or the copies the pause took.
+pub trait ChunkSource: Sync {
+    /// Puts chunk `index` of region `region`, which starts at `gpa`, into `buf` (its length).
+    fn read(&self, region: usize, index: usize, gpa: u64, buf: &mut [u8]) -> Result<()>;
+}
+
+impl ChunkSource for GuestMemory {
+    fn read(&self, _region: usize, _index: usize, gpa: u64, buf: &mut [u8]) -> Result<()> {
+        Ok(GuestMemory::read(self, gpa, buf)?)
+    }
+}
+
+/// The chunks the pause copied, stored after the guest resumed.
+struct Frozen(std::collections::HashMap<(usize, usize), Vec<u8>>);
+
+impl Frozen {
+    /// Copies `chunks` of `memory` (paused).
+    fn copy(memory: &GuestMemory, chunk: u64, chunks: &[(usize, usize)]) -> Result<Frozen> {
+        let mut map = std::collections::HashMap::with_capacity(chunks.len());
+        for &(ri, ci) in chunks {
+            let region = &memory.regions()[ri];
+            let offset = ci as u64 * chunk;
+            let mut bytes = vec![0u8; chunk.min(region.size() - offset) as usize];
+            GuestMemory::read(memory, region.gpa() + offset, &mut bytes)?;
+            map.insert((ri, ci), bytes);
+        }
+        Ok(Frozen(map))
+    }
+}
+
+impl ChunkSource for Frozen {
+    fn read(&self, region: usize, index: usize, _gpa: u64, buf: &mut [u8]) -> Result<()> {
+        let bytes = self.0.get(&(region, index)).ok_or_else(|| {
+            Error::Write(format!(
+                "region {region} chunk {index} was not copied during the pause"
+            ))
+        })?;
+        buf.copy_from_slice(bytes);
+        Ok(())
+    }
+}
+
+/// The states a live snapshot saved during its pause.
+pub struct Captured {
+    /// What [`Machine::save`] gave.
+    pub machine: Vec<u8>,
+    /// The components' states.
+    pub components: Vec<ComponentState>,
+    /// The rounds and the pause.
+    pub report: LiveReport,
+    /// With [`LiveOptions::keep_tracking`], the tracker, reporting writes since the pause.
+    pub tracker: Option<Tracker>,
+}
+
+/// Runs a live snapshot's rounds into `sink` (see the module docs): `machine` and its
+/// `components` run on entry and run again on return, error or not (unless resuming them
+/// fails). `diff`: the tracker started when the diff's base was taken (its first harvest is
+/// what the diff stores); `None`: a full snapshot under a tracker of `opts.mode`.
+pub fn capture<M: Machine + ?Sized, S: LiveSink>(
+    machine: &mut M,
+    components: &mut Components<'_>,
+    sink: &mut S,
+    diff: Option<Tracker>,
+    opts: &LiveOptions,
+) -> Result<Captured> {
+    let t = Instant::now();
+    let full = diff.is_none();
+    let mut tracker = match diff {
+        Some(tracker) => tracker,
+        None => machine.start_tracking(match opts.mode {
+            Some(mode) => mode,
+            None => Mode::best()?,
+        })?,
+    };
+    let tracking = tracker.mode().name();
+    let captured = rounds(machine, components, sink, &mut tracker, full, opts, t);
+    let kept = match captured.is_ok() && opts.keep_tracking {
+        true => Some(tracker),
+        false => {
+            let stopped = tracker.stop();
+            if captured.is_ok() {
+                stopped?;
+            }
+            None
+        }
+    };
+    let (machine_state, states, mut report) = captured?;
+    report.tracking = tracking;
+    Ok(Captured {
+        machine: machine_state,
+        components: states,
+        report,
+        tracker: kept,
+    })
+}
+
+type Rounds = (Vec<u8>, Vec<ComponentState>, LiveReport);
+
+fn rounds<M: Machine + ?Sized, S: LiveSink>(
+    machine: &mut M,
+    components: &mut Components<'_>,
+    sink: &mut S,
+    tracker: &mut Tracker,
+    full: bool,
+    opts: &LiveOptions,
+    t: Instant,
+) -> Result<Rounds> {
+    let memory = machine.memory().clone();
+    let chunk = sink.chunk_bytes();
+    let mut report = LiveReport {
+        pause_ms: 0.0,
+        total_ms: 0.0,
+        tracking: "",
+        rounds: Vec::new(),
+        paused_untracked_bytes: 0,
+    };
+    components.mark_dirty(&memory)?;
+    let mut dirty = harvest_and_clear(tracker)?;
+    // The first round: every tracked chunk (full), or what was written since the base (diff).
+    let mut todo = if full {
+        chunks_of(&memory, chunk, tracked)
+    } else {
+        dirty_chunks(&memory, chunk, &dirty)
+    };
+    let mut first = true;
+    let mut last_left = u64::MAX;
+    loop {
+        let r = Instant::now();
+        let bytes = sink.store(&memory, &*memory, &todo, (!first).then_some(&dirty[..]))?;
+        report.rounds.push(LiveRound {
+            chunks: todo.len() as u64,
+            bytes,
+            ms: r.elapsed().as_secs_f64() * 1e3,
+            paused: false,
+        });
+        first = false;
+        components.mark_dirty(&memory)?;
+        dirty = harvest_and_clear(tracker)?;
+        todo = dirty_chunks(&memory, chunk, &dirty);
+        let dirty_bytes = dirty.iter().map(|d| d.count() * PAGE_SIZE).sum();
+        let left = sink.cost(todo.len() as u64, dirty_bytes);
+        let shrinking = left < last_left || report.rounds.len() < 2;
+        if left <= opts.final_bytes || !shrinking || report.rounds.len() >= opts.max_rounds.max(1) {
+            break;
+        }
+        last_left = left;
+    }
+    // The pause: the last dirty set and guest_memfd regions whole copied, the states saved;
+    // the copies are stored once the guest runs again.
+    let p = Instant::now();
+    machine.pause()?;
+    let paused = components
+        .pause()
+        .and_then(|()| paused_round(machine, components, tracker, dirty, todo, chunk));
+    let resumed = components.resume().and_then(|()| machine.resume());
+    let pause_ms = p.elapsed().as_secs_f64() * 1e3;
+    let Paused {
+        machine: machine_state,
+        components: states,
+        frozen,
+        dirty,
+        todo,
+        untracked,
+    } = paused?;
+    resumed?;
+    let r = Instant::now();
+    let mut bytes = sink.store(&memory, &frozen, &todo, Some(&dirty))?;
+    bytes += sink.store(&memory, &frozen, &untracked, None)?;
+    report.rounds.push(LiveRound {
+        chunks: frozen.0.len() as u64,
+        bytes,
+        ms: r.elapsed().as_secs_f64() * 1e3,
+        paused: true,
+    });
+    report.pause_ms = pause_ms;
+    report.paused_untracked_bytes = untracked
+        .iter()
+        .map(|&(ri, ci)| chunk.min(memory.regions()[ri].size() - ci as u64 * chunk))
+        .sum();
+    report.total_ms = t.elapsed().as_secs_f64() * 1e3;
+    Ok((machine_state, states, report))
+}
+
+/// What the pause took: the states, the copies of the chunks left to store, the last dirty
+/// set and which chunks it and the untracked regions have.
+struct Paused {
+    machine: Vec<u8>,
+    components: Vec<ComponentState>,
+    frozen: Frozen,
+    dirty: Vec<DirtyBitmap>,
+    todo: Vec<(usize, usize)>,
+    untracked: Vec<(usize, usize)>,
+}
+
+/// The paused round: the pages dirtied since the last harvest (merged into `dirty`, whose
+/// chunks `todo` are) and every chunk of the untracked regions copied, then the states saved.
+fn paused_round<M: Machine + ?Sized>(
+    machine: &mut M,
+    components: &mut Components<'_>,
+    tracker: &mut Tracker,
+    dirty: Vec<DirtyBitmap>,
+    todo: Vec<(usize, usize)>,
+    chunk: u64,
+) -> Result<Paused> {
+    let memory = machine.memory().clone();
+    components.mark_dirty(&memory)?;
+    let dirty = guestmem_tracking::merge(dirty, harvest_and_clear(tracker)?);
+    let mut todo = todo;
+    todo.extend(dirty_chunks(&memory, chunk, &dirty));
+    todo.sort_unstable();
+    todo.dedup();
+    let untracked = chunks_of(&memory, chunk, |r| !tracked(r));
+    let all: Vec<(usize, usize)> = todo.iter().chain(&untracked).copied().collect();
+    let frozen = Frozen::copy(&memory, chunk, &all)?;
+    let components_state = components.save()?;
+    let machine_state = machine.save()?;
+    Ok(Paused {
+        machine: machine_state,
+        components: components_state,
+        frozen,
+        dirty,
+        todo,
+        untracked,
+    })
+}
+
+/// A harvest, its pages cleared at once (manual mode: logged again from now on), so that the
+/// stores that follow read the pages after their clear. Only the runs of 64-page words that
+/// hold dirty pages are cleared.
+fn harvest_and_clear(tracker: &mut Tracker) -> Result<Vec<DirtyBitmap>> {
+    let dirty = tracker.harvest()?;
+    for d in &dirty {
+        let mut w = 0;
+        while w < d.bits.len() {
+            if d.bits[w] == 0 {
+                w += 1;
+                continue;
+            }
+            let start = w;
+            while w < d.bits.len() && d.bits[w] != 0 {
+                w += 1;
+            }
+            let first = start as u64 * 64;
+            tracker.clear(d, first, (w as u64 * 64).min(d.pages) - first)?;
+        }
+    }
+    Ok(dirty)
+}
+
+/// Every chunk of the regions `pick` selects.
+fn chunks_of(
+    memory: &GuestMemory,
+    chunk: u64,
+    pick: impl Fn(&guestmem_memory::Region) -> bool,
+) -> Vec<(usize, usize)> {
+    let mut all = Vec::new();
+    for (ri, region) in memory.regions().iter().enumerate() {
+        if pick(region) {
+            all.extend((0..region.size().div_ceil(chunk) as usize).map(|i| (ri, i)));
+        }
+    }
+    all
+}
+
+/// The chunks holding a page that `dirty` reports, in order.
+pub fn dirty_chunks(
+    memory: &GuestMemory,
+    chunk: u64,
+    dirty: &[DirtyBitmap],
+) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    for (ri, region) in memory.regions().iter().enumerate() {
+        for d in dirty.iter().filter(|d| d.gpa == region.gpa()) {
+            for (gpa, len) in d.ranges() {
+                let first = (gpa - region.gpa()) / chunk;
+                let last = (gpa - region.gpa() + len - 1) / chunk;
+                for i in first..=last {
+                    if out.last() != Some(&(ri, i as usize)) {
+                        out.push((ri, i as usize));
+                    }
+                }
+            }
+        }
+    }
+    out.sort_unstable();
+    out.dedup();
+    out
+}
+
+/// Whether `dirty` reports the page at `gpa`.
+pub fn page_dirty(dirty: &[DirtyBitmap], gpa: u64) -> bool {
+    dirty.iter().any(|d| d.contains(gpa))
+}
+
+/// A flat snapshot directory being written live: its staging directory's files and what each
+/// chunk holds so far.
+struct FlatSink {
+    /// `memory` and `sys`, indexed by `RegionFile as usize`, with their paths.
+    files: [(File, PathBuf); 2],
+    /// Per region: its file, its offset there, and each chunk's state (`None`: not stored).
+    regions: Vec<(RegionFile, u64, Vec<Option<ChunkNow>>)>,
+    buf: PageBuf,
+}
+
+/// What a stored chunk holds now.
+#[derive(Clone, Copy)]
+struct ChunkNow {
+    crc32: u32,
+    zero: bool,
+    /// Bytes of its non-zero pages.
+    data: u64,
+}
+
+impl FlatSink {
+    fn create(memory: &GuestMemory, dir: &Path) -> Result<FlatSink> {
+        let create = |f: RegionFile| {
+            let path = dir.join(f.name());
+            // Read too: the region digests are computed from what was written.
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(&path)
+                .map(|file| (file, path.clone()))
+                .map_err(Error::io(&path, "create"))
+        };
+        let files = [create(RegionFile::Memory)?, create(RegionFile::Sys)?];
+        let mut ends = [0u64; 2];
+        let regions = memory
+            .regions()
+            .iter()
+            .map(|region| {
+                let which = RegionFile::for_region(region.spec());
+                let offset = ends[which as usize];
+                ends[which as usize] += region.size();
+                let n = region.size().div_ceil(CHUNK_BYTES) as usize;
+                (which, offset, vec![None; n])
+            })
+            .collect();
+        for ((file, path), end) in files.iter().zip(ends) {
+            file.set_len(end).map_err(Error::io(path, "set length"))?;
+        }
+        Ok(FlatSink {
+            files,
+            regions,
+            buf: PageBuf::zeroed(CHUNK_BYTES as usize),
+        })
+    }
+
+    /// Stores one chunk: all of it the first time, else its pages `dirty` reports (zero pages
+    /// as holes punched, the others written). Returns the bytes written.
+    fn store_one(
+        &mut self,
+        memory: &GuestMemory,
+        source: &dyn ChunkSource,
+        ri: usize,
+        ci: usize,
+        dirty: Option<&[DirtyBitmap]>,
+    ) -> Result<u64> {
+        let region = &memory.regions()[ri];
+        let offset = ci as u64 * CHUNK_BYTES;
+        let len = CHUNK_BYTES.min(region.size() - offset) as usize;
+        let gpa = region.gpa() + offset;
+        let bytes = &mut self.buf[..len];
+        source.read(ri, ci, gpa, bytes)?;
+        let (which, file_offset, chunks) = &mut self.regions[ri];
+        let (file, path) = &self.files[*which as usize];
+        let fresh = chunks[ci].is_none();
+        let page = PAGE_SIZE as usize;
+        let update =
+            |p: usize| fresh || dirty.is_none_or(|d| page_dirty(d, gpa + (p * page) as u64));
+        let at = *file_offset + offset;
+        let (mut written, mut data) = (0u64, 0u64);
+        let pages = len / page;
+        let mut p = 0;
+        while p < pages {
+            let zero = is_zero(&bytes[p * page..(p + 1) * page]);
+            data += if zero { 0 } else { page as u64 };
+            if !update(p) {
+                p += 1;
+                continue;
+            }
+            let start = p;
+            p += 1;
+            while p < pages && update(p) && is_zero(&bytes[p * page..(p + 1) * page]) == zero {
+                data += if zero { 0 } else { page as u64 };
+                p += 1;
+            }
+            let run = start * page..p * page;
+            if !zero {
+                file.write_all_at(&bytes[run.clone()], at + run.start as u64)
+                    .map_err(Error::io(path, "write"))?;
+                written += run.len() as u64;
+            } else if !fresh {
+                punch_hole(file, at + run.start as u64, run.len() as u64)
+                    .map_err(Error::io(path, "punch a hole"))?;
+            }
+        }
+        chunks[ci] = Some(ChunkNow {
+            crc32: crc32fast::hash(bytes),
+            zero: data == 0,
+            data,
+        });
+        Ok(written)
+    }
+}
+
+impl LiveSink for FlatSink {
+    fn chunk_bytes(&self) -> u64 {
+        CHUNK_BYTES
+    }
+
+    fn store(
+        &mut self,
+        memory: &GuestMemory,
+        source: &dyn ChunkSource,
+        chunks: &[(usize, usize)],
+        dirty: Option<&[DirtyBitmap]>,
+    ) -> Result<u64> {
+        let mut written = 0;
+        for &(ri, ci) in chunks {
+            written += self.store_one(memory, source, ri, ci, dirty)?;
+        }
+        Ok(written)
+    }
+}
+
+/// Zeroes `len` bytes of `file` at `at` for good (a hole, as a paused write leaves zero pages).
+fn punch_hole(file: &File, at: u64, len: u64) -> std::io::Result<()> {
+    // SAFETY: fallocate on an fd we hold, within the file's length; it changes only the file.
+    let r = unsafe {
+        libc::fallocate(
+            file.as_raw_fd(),
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            at as libc::off_t,
+            len as libc::off_t,
+        )
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// What [`write_machine_live`] did.
+pub struct LiveWrite {
+    /// The snapshot as written (what a paused write reports).
+    pub report: WriteReport,
+    /// The rounds and the pause.
+    pub live: LiveReport,
+    /// With [`LiveOptions::keep_tracking`]: the tracker, reporting writes since the pause.
+    pub tracker: Option<Tracker>,
+}
+
+/// A live diff's base: the flat snapshot it is written over, and the tracker started when that
+/// snapshot was taken (bitmap or ring mode: it must report only what was written since).
+pub struct LiveBase<'a> {
+    /// The base snapshot's directory.
+    pub dir: &'a Path,
+    /// Its tracker.
+    pub tracker: Tracker,
+}
+
+/// Writes a snapshot of the running `machine` and its `components` into `dir` while they run
+/// (see the module docs); they run again on return, error or not. A snapshot already in `dir`
+/// is replaced atomically only when the new one is complete, as [`super::write()`] does; a
+/// failed write leaves it intact. With `base`, a diff over it that stores only the chunks
+/// written since it was taken.
+pub fn write_machine_live<M: Machine + ?Sized>(
+    machine: &mut M,
+    components: &mut Components<'_>,
+    dir: &Path,
+    base: Option<LiveBase<'_>>,
+    opts: &LiveOptions,
+) -> Result<LiveWrite> {
+    let t = Instant::now();
+    let resolved = std::fs::canonicalize(dir).ok();
+    let dir = resolved.as_deref().unwrap_or(dir);
+    check_replaceable(dir)?;
+    let (base_ref, tracker) = match base {
+        None => (None, None),
+        Some(b) => (
+            Some((
+                super::write::base_ref(machine.config(), dir, b.dir)?,
+                Snapshot::open(b.dir)?,
+            )),
+            Some(b.tracker),
+        ),
+    };
+    let staging = staging_dir(dir)?;
+    std::fs::create_dir(&staging).map_err(Error::io(&staging, "create directory"))?;
+    let written = (|| {
+        let mut sink = FlatSink::create(machine.memory(), &staging)?;
+        let captured = capture(machine, components, &mut sink, tracker, opts)?;
+        let written = finish(
+            machine,
+            &sink,
+            &staging,
+            captured.machine,
+            &captured.components,
+            base_ref,
+        )
+        .and_then(|report| {
+            sync_dir(&staging)?;
+            commit(&staging, dir)?;
+            Ok(report)
+        });
+        let report = match written {
+            Ok(report) => report,
+            Err(e) => {
+                if let Some(tracker) = captured.tracker {
+                    let _ = tracker.stop();
+                }
+                return Err(e);
+            }
+        };
+        let mut live = captured.report;
+        live.total_ms = t.elapsed().as_secs_f64() * 1e3;
+        Ok(LiveWrite {
+            report,
+            live,
+            tracker: captured.tracker,
+        })
+    })();
+    if written.is_err() {
+        // Nothing of the failed write stays; the previous snapshot (if any) is untouched.
+        let _ = std::fs::remove_dir_all(&staging);
+    }
+    written
+}
+
+/// Writes the state and manifest of a live snapshot whose memory `sink` holds, the region
+/// digests computed from the files written (the guest's memory at the pause; the guest has
+/// moved on since).
+fn finish<M: Machine + ?Sized>(
+    machine: &M,
+    sink: &FlatSink,
+    dir: &Path,
+    machine_state: Vec<u8>,
+    components: &[ComponentState],
+    base: Option<(BaseRef, Snapshot)>,
+) -> Result<WriteReport> {
+    let state_json = serde_json::to_vec(&SavedState {
+        machine: machine_state,
+        components: components.to_vec(),
+    })
+    .map_err(|e| Error::Json {
+        path: dir.join(STATE),
+        source: e,
+    })?;
+    write_file(&dir.join(STATE), &state_json)?;
+    let mut report = WriteReport {
+        memory_bytes: 0,
+        data_bytes: 0,
+        zero_chunks: 0,
+        chunks: 0,
+    };
+    let mut regions = Vec::new();
+    let mut ends = [0u64; 2];
+    for (region, (which, file_offset, chunks)) in
+        machine.memory().regions().iter().zip(&sink.regions)
+    {
+        let (file, path) = &sink.files[*which as usize];
+        let chunks: Vec<Chunk> = chunks
+            .iter()
+            .map(|c| match c {
+                None => Chunk {
+                    crc32: 0,
+                    zero: false,
+                    inherited: true,
+                },
+                Some(c) => {
+                    report.data_bytes += c.data;
+                    report.zero_chunks += c.zero as u64;
+                    Chunk {
+                        crc32: c.crc32,
+                        zero: c.zero,
+                        inherited: false,
+                    }
+                }
+            })
+            .collect();
+        report.chunks += chunks.len() as u64;
+        report.memory_bytes += region.size();
+        ends[*which as usize] = ends[*which as usize].max(file_offset + region.size());
+        regions.push(RegionImage {
+            spec: region.spec().clone(),
+            file: *which,
+            file_offset: *file_offset,
+            digest: region_digest(
+                file,
+                path,
+                *file_offset,
+                region.size(),
+                regions.len(),
+                &chunks,
+                base.as_ref().map(|(_, b)| b),
+            )?,
+            chunks,
+        });
+    }
+    for (file, path) in &sink.files {
+        file.sync_all().map_err(Error::io(path, "sync"))?;
+    }
+    let mut manifest = Manifest {
+        format: FORMAT.into(),
+        version: VERSION,
+        config: machine.config().clone(),
+        regions,
+        chunk_bytes: CHUNK_BYTES,
+        state_bytes: state_json.len() as u64,
+        state_blake3: blake3::hash(&state_json).to_hex().to_string(),
+        memory_file_bytes: ends[RegionFile::Memory as usize],
+        sys_file_bytes: ends[RegionFile::Sys as usize],
+        base: base.map(|(r, _)| r),
+        checksum: String::new(),
+    };
+    manifest.seal();
+    let json = serde_json::to_vec(&manifest).map_err(|e| Error::Json {
+        path: dir.join(MANIFEST),
+        source: e,
+    })?;
+    write_file(&dir.join(MANIFEST), &json)?;
+    Ok(report)
+}
+
+/// `GuestMemory::digest` of region `ri`, `len` bytes, as the snapshot holds it: its stored
+/// chunks from `file` at `at` (the bytes stored: the guest's memory at the pause; the guest has
+/// moved on since), its inherited ones from the diff's `base`.
+fn region_digest(
+    file: &File,
+    path: &Path,
+    at: u64,
+    len: u64,
+    ri: usize,
+    chunks: &[Chunk],
+    base: Option<&Snapshot>,
+) -> Result<u64> {
+    let mut buf = vec![0u8; CHUNK_BYTES as usize];
+    let mut h = DIGEST_SEED;
+    for (ci, c) in chunks.iter().enumerate() {
+        let offset = ci as u64 * CHUNK_BYTES;
+        let n = CHUNK_BYTES.min(len - offset) as usize;
+        let bytes = &mut buf[..n];
+        match (c.inherited, base) {
+            (false, _) => file
+                .read_exact_at(bytes, at + offset)
+                .map_err(Error::io(path, "read back"))?,
+            (true, Some(base)) => {
+                bytes.fill(0);
+                base.chunk(ri, ci, bytes)?;
+            }
+            (true, None) => {
+                return Err(Error::Write(format!(
+                    "{}: chunk {ci} was never stored",
+                    path.display()
+                )))
+            }
+        }
+        h = digest_bytes(h, bytes);
+    }
+    Ok(h)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use guestmem_memory::{Backend, RegionSpec};
+
+    const SIZE: u64 = 2 * CHUNK_BYTES;
+
+    fn memory() -> GuestMemory {
+        GuestMemory::new(&[RegionSpec::new("ram", 0, SIZE, Backend::Anon)], None).unwrap()
+    }
+
+    fn bitmap(pages: &[u64]) -> Vec<DirtyBitmap> {
+        let mut bits = vec![0u64; (SIZE / PAGE_SIZE / 64) as usize];
+        for p in pages {
+            bits[(p / 64) as usize] |= 1 << (p % 64);
+        }
+        vec![DirtyBitmap {
+            slot: 0,
+            gpa: 0,
+            pages: SIZE / PAGE_SIZE,
+            bits,
+        }]
+    }
+
+    #[test]
+    fn dirty_pages_name_their_chunks_once_in_order() {
+        let m = memory();
+        let per_chunk = CHUNK_BYTES / PAGE_SIZE;
+        let dirty = bitmap(&[per_chunk + 3, 0, 1, per_chunk + 4]);
+        assert_eq!(dirty_chunks(&m, CHUNK_BYTES, &dirty), vec![(0, 0), (0, 1)]);
+        assert!(dirty_chunks(&m, CHUNK_BYTES, &bitmap(&[])).is_empty());
+        assert_eq!(
+            dirty_chunks(&m, CHUNK_BYTES, &bitmap(&[per_chunk])),
+            vec![(0, 1)]
+        );
+    }
+
+    /// A chunk stored again gets only its dirty pages written: a page zeroed since is a hole
+    /// again, a page changed since holds its new bytes, and the checksum is the new chunk's.
+    #[test]
+    fn a_chunk_stored_again_updates_its_dirty_pages_only() {
+        let m = memory();
+        let dir = std::env::temp_dir().join(format!("guestmem-live-unit-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut sink = FlatSink::create(&m, &dir).unwrap();
+        m.write(0, &[1u8; 2 * PAGE_SIZE as usize]).unwrap();
+        m.write(5 * PAGE_SIZE, &[2u8; PAGE_SIZE as usize]).unwrap();
+        sink.store(&m, &m, &[(0, 0)], None).unwrap();
+        // Page 0 zeroed, page 5 changed, page 1 changed but not reported dirty.
+        m.write(0, &[0u8; PAGE_SIZE as usize]).unwrap();
+        m.write(5 * PAGE_SIZE, &[3u8; PAGE_SIZE as usize]).unwrap();
+        m.write(PAGE_SIZE, &[9u8; PAGE_SIZE as usize]).unwrap();
+        let written = sink
+            .store(&m, &m, &[(0, 0)], Some(&bitmap(&[0, 5])))
+            .unwrap();
+        assert_eq!(written, PAGE_SIZE, "only page 5 written, page 0 punched");
+        let file = std::fs::read(dir.join("memory")).unwrap();
+        let page = |p: usize| &file[p * PAGE_SIZE as usize..(p + 1) * PAGE_SIZE as usize];
+        assert!(page(0).iter().all(|&b| b == 0));
+        assert!(
+            page(1).iter().all(|&b| b == 1),
+            "an unreported page is left alone"
+        );
+        assert!(page(5).iter().all(|&b| b == 3));
+        let mut chunk = vec![0u8; CHUNK_BYTES as usize];
+        GuestMemory::read(&m, 0, &mut chunk).unwrap();
+        let now = sink.regions[0].2[0].unwrap();
+        assert_eq!(now.crc32, crc32fast::hash(&chunk));
+        assert_eq!(now.data, 2 * PAGE_SIZE);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,234 @@
+//! Live snapshots into a store: the rounds of `guestmem_migration::snapshot::live` (see
+//! there for the design and why), each round's chunks hashed, compressed and put as packs
+//! while the guest runs, a chunk dirtied again stored again under its new hash; the manifest
+//! names each chunk's last version, and is put last, as a paused write's is. The versions a
+//! later round replaced stay in their packs until [`crate::gc`] collects them.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Instant;
+
+use guestmem_memory::GuestMemory;
+use guestmem_migration::component::{Components, Machine};
+use guestmem_migration::snapshot::live::{capture, ChunkSource, LiveOptions, LiveReport, LiveSink};
+use guestmem_migration::snapshot::SavedState;
+use guestmem_tracking::{DirtyBitmap, Tracker};
+
+use crate::backend::Backend;
+use crate::chunk::{Hash, Stored, CHUNK_BYTES};
+use crate::gc::Lease;
+use crate::manifest::{ChunkRef, PackTable, StoreManifest, StoreRegion, FORMAT, VERSION};
+use crate::write::{
+    base_of, check_name, commit, known_chunks, store_jobs, stored_bytes, threads, Counts, Job,
+    StoreWriteReport,
+};
+use crate::{Error, Result};
+
+/// What [`write_machine_live`] did.
+pub struct StoreLiveWrite {
+    /// The snapshot as written; its counts of new chunks and bytes cover every round (a chunk
+    /// stored again counts again).
+    pub report: StoreWriteReport,
+    /// The rounds and the pause.
+    pub live: LiveReport,
+    /// With [`LiveOptions::keep_tracking`]: the tracker, reporting writes since the pause.
+    pub tracker: Option<Tracker>,
+}
+
+/// The chunks put so far, and what each chunk of guest memory holds now.
+struct StoreSink<'a> {
+    backend: &'a dyn Backend,
+    threads: usize,
+    known: Mutex<HashMap<Hash, Option<Stored>>>,
+    /// Per region, per chunk: `None` not stored yet, `Some(None)` zero, else its hash.
+    chunks: Vec<Vec<Option<Option<Hash>>>>,
+    counts: Counts,
+    /// The store's own error, when a round failed on it.
+    failed: Option<Error>,
+}
+
+impl LiveSink for StoreSink<'_> {
+    fn chunk_bytes(&self) -> u64 {
+        CHUNK_BYTES
+    }
+
+    /// Every chunk is stored whole (hashed and compressed).
+    fn cost(&self, chunks: u64, _dirty_bytes: u64) -> u64 {
+        chunks * CHUNK_BYTES
+    }
+
+    fn store(
+        &mut self,
+        memory: &GuestMemory,
+        source: &dyn ChunkSource,
+        chunks: &[(usize, usize)],
+        _dirty: Option<&[DirtyBitmap]>,
+    ) -> guestmem_migration::Result<u64> {
+        let regions = memory.regions();
+        let jobs: Vec<Job> = chunks
+            .iter()
+            .map(|&(region, index)| {
+                let r = &regions[region];
+                let offset = index as u64 * CHUNK_BYTES;
+                Job {
+                    region,
+                    index,
+                    gpa: r.gpa() + offset,
+                    len: CHUNK_BYTES.min(r.size() - offset) as usize,
+                }
+            })
+            .collect();
+        let read = |job: &Job, buf: &mut [u8]| -> Result<()> {
+            Ok(source.read(job.region, job.index, job.gpa, buf)?)
+        };
+        match store_jobs(
+            self.backend,
+            memory,
+            &jobs,
+            &self.known,
+            self.threads,
+            Some(&read),
+        ) {
+            Ok((results, counts)) => {
+                for (ri, ci, h) in results {
+                    self.chunks[ri][ci] = Some(h);
+                }
+                self.counts.new_chunks += counts.new_chunks;
+                self.counts.new_bytes += counts.new_bytes;
+                self.counts.dedup += counts.dedup;
+                self.counts.packs += counts.packs;
+                Ok(counts.new_bytes)
+            }
+            Err(e) => {
+                let message = format!(
+                    "{}: a round's chunks were not stored",
+                    self.backend.describe()
+                );
+                self.failed = Some(e);
+                Err(guestmem_migration::Error::Write(message))
+            }
+        }
+    }
+}
+
+/// Writes a snapshot of the running `machine` and its `components` as `name` into `backend`
+/// while they run (see the module docs); they run again on return, error or not. A snapshot
+/// of that name is replaced only when the new manifest is put; a failed write puts none. With
+/// `base` (a snapshot of the same store, and the tracker started when it was taken), a diff
+/// that stores only the chunks written since.
+pub fn write_machine_live<M: Machine + ?Sized>(
+    backend: &dyn Backend,
+    name: &str,
+    machine: &mut M,
+    components: &mut Components<'_>,
+    base: Option<(&str, Tracker)>,
+    opts: &LiveOptions,
+) -> Result<StoreLiveWrite> {
+    let t = Instant::now();
+    check_name(name)?;
+    let _lease = Lease::acquire(backend, "write", name)?;
+    let (base, tracker) = match base {
+        None => (None, None),
+        Some((base_name, tracker)) => match base_of(backend, name, base_name, machine.config()) {
+            Ok(b) => (Some(b), Some(tracker)),
+            Err(e) => {
+                let _ = tracker.stop();
+                return Err(e);
+            }
+        },
+    };
+    let known = known_chunks(backend)?
+        .into_iter()
+        .map(|(h, c)| (h, Some(c)))
+        .collect();
+    let mut sink = StoreSink {
+        backend,
+        threads: threads(backend),
+        known: Mutex::new(known),
+        chunks: machine
+            .memory()
+            .regions()
+            .iter()
+            .map(|r| vec![None; r.size().div_ceil(CHUNK_BYTES) as usize])
+            .collect(),
+        counts: Counts::default(),
+        failed: None,
+    };
+    let captured = match capture(machine, components, &mut sink, tracker, opts) {
+        Ok(c) => c,
+        Err(e) => return Err(sink.failed.take().unwrap_or(Error::Migration(e))),
+    };
+    let state_json = serde_json::to_vec(&SavedState {
+        machine: captured.machine,
+        components: captured.components,
+    })
+    .expect("a saved state serializes");
+    let diff = base.is_some();
+    let known = sink.known.into_inner().expect("not poisoned");
+    let mut table = PackTable::default();
+    let mut report = StoreWriteReport {
+        snapshot: format!("{}/{name}", backend.describe()),
+        threads: sink.threads,
+        new_chunks: sink.counts.new_chunks,
+        new_stored_bytes: sink.counts.new_bytes,
+        new_packs: sink.counts.packs,
+        deduplicated_chunks: sink.counts.dedup,
+        ..Default::default()
+    };
+    let mut regions = Vec::new();
+    for (region, chunks) in machine.memory().regions().iter().zip(sink.chunks) {
+        let mut refs = Vec::with_capacity(chunks.len());
+        for (ci, c) in chunks.into_iter().enumerate() {
+            refs.push(match c {
+                None if diff => ChunkRef::Base,
+                None => {
+                    return Err(Error::Write(format!(
+                        "{}/{name}: region '{}' chunk {ci} was never stored",
+                        backend.describe(),
+                        region.name()
+                    )))
+                }
+                Some(None) => ChunkRef::Zero,
+                Some(Some(h)) => table.entry(&known[&h].expect("every claimed chunk was put")),
+            });
+        }
+        report.memory_bytes += region.size();
+        report.chunks += refs.len() as u64;
+        report.zero_chunks += refs.iter().filter(|c| **c == ChunkRef::Zero).count() as u64;
+        report.inherited_chunks += refs.iter().filter(|c| **c == ChunkRef::Base).count() as u64;
+        regions.push(StoreRegion {
+            spec: region.spec().clone(),
+            digest: None,
+            chunks: refs,
+        });
+    }
+    let mut manifest = StoreManifest {
+        format: FORMAT.into(),
+        version: VERSION,
+        name: name.to_string(),
+        config: machine.config().clone(),
+        chunk_bytes: CHUNK_BYTES,
+        packs: table.into_ids(),
+        regions,
+        state_bytes: state_json.len() as u64,
+        state_blake3: blake3::hash(&state_json).to_hex().to_string(),
+        base,
+        checksum: String::new(),
+    };
+    manifest.seal();
+    report.stored_bytes = stored_bytes(&manifest);
+    if let Err(e) = commit(backend, &manifest, &state_json) {
+        if let Some(tracker) = captured.tracker {
+            let _ = tracker.stop();
+        }
+        return Err(e);
+    }
+    report.write_ms = t.elapsed().as_secs_f64() * 1e3;
+    let mut live = captured.report;
+    live.total_ms = report.write_ms;
+    Ok(StoreLiveWrite {
+        report,
+        live,
+        tracker: captured.tracker,
+    })
+}

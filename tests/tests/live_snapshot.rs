@@ -1,0 +1,456 @@
+//! Live snapshots (flat and chunk store, full and diff) of a guest that keeps writing: each
+//! restores, in full and lazily, to exactly the guest's memory at its pause (a digest taken
+//! during the pause by a component, saved with the snapshot, against the restored memory's);
+//! a guest_memfd region is stored during the pause; a failed live write leaves the guest
+//! running and the previous snapshot intact.
+
+mod common;
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::{assert_pages_consistent, resume_and_check_continuation, TempDir};
+use guestmem_memory::{Backend as MemBackend, GuestMemory};
+use guestmem_migration::component::{Component, ComponentError, Components, PayloadVm};
+use guestmem_migration::snapshot::live::{write_machine_live, LiveBase, LiveOptions, LiveReport};
+use guestmem_migration::snapshot::{self, RestoreMode, Snapshot};
+use guestmem_paging::PagerConfig;
+use guestmem_store::backend::{Backend, ObjectInfo};
+use guestmem_store::local::LocalBackend;
+use guestmem_store::restore::StoreSnapshot;
+use guestmem_vm::{layout, VcpuWork, Vm, VmConfig, Workload};
+
+const SIZE: u64 = 32 << 20;
+
+/// A component that, during the pause, takes the digest of every region of guest memory and
+/// the guest's page counters: its saved state, kept with the snapshot.
+struct PauseDigest {
+    memory: Arc<GuestMemory>,
+    vcpus: usize,
+}
+
+/// What [`PauseDigest`] saved: the region digests, then each vCPU's pages done.
+fn parse_saved(state: &[u8], regions: usize) -> (Vec<u64>, Vec<u64>) {
+    let words: Vec<u64> = state
+        .chunks_exact(8)
+        .map(|w| u64::from_le_bytes(w.try_into().unwrap()))
+        .collect();
+    (words[..regions].to_vec(), words[regions..].to_vec())
+}
+
+impl Component for PauseDigest {
+    fn name(&self) -> &str {
+        "pause-digest"
+    }
+    fn pause(&mut self) -> Result<(), ComponentError> {
+        Ok(())
+    }
+    fn resume(&mut self) -> Result<(), ComponentError> {
+        Ok(())
+    }
+    fn save(&mut self) -> Result<Vec<u8>, ComponentError> {
+        let mut out = Vec::new();
+        for r in self.memory.regions() {
+            out.extend(self.memory.digest(r.gpa(), r.size())?.to_le_bytes());
+        }
+        for id in 0..self.vcpus {
+            let done = self
+                .memory
+                .read_u64(layout::control_gpa(id) + guestmem_vm::payload::CTL_PAGES_DONE)?;
+            out.extend(done.to_le_bytes());
+        }
+        Ok(out)
+    }
+    fn restore(&mut self, _state: &[u8]) -> Result<(), ComponentError> {
+        Ok(())
+    }
+}
+
+fn digests(vm: &Vm) -> Vec<u64> {
+    vm.memory()
+        .regions()
+        .iter()
+        .map(|r| vm.memory().digest(r.gpa(), r.size()).unwrap())
+        .collect()
+}
+
+/// The `dirty` workload over the first half of RAM (the second half, filled with a pattern,
+/// is not written after the start: a diff inherits it).
+fn half_work(vcpus: usize) -> Vec<VcpuWork> {
+    let dirty = Workload::Dirty {
+        pages_per_s: None,
+        passes: None,
+        fill_first: false,
+    };
+    VcpuWork::split(dirty, layout::RAM_GPA, SIZE / 2, vcpus, 9)
+}
+
+fn fill_second_half(vm: &Vm) {
+    let data = common::pattern((SIZE / 2) as usize, 7);
+    vm.memory()
+        .write(layout::RAM_GPA + SIZE / 2, &data)
+        .unwrap();
+}
+
+/// The guest is still running and going on.
+fn assert_running(machine: &mut PayloadVm<'_>) {
+    let running = machine
+        .as_running()
+        .expect("the guest runs after a live snapshot");
+    let before: u64 = running.progress().iter().map(|p| p.0).sum();
+    std::thread::sleep(Duration::from_millis(20));
+    let after: u64 = running.progress().iter().map(|p| p.0).sum();
+    assert!(after > before, "the guest goes on: {before} -> {after}");
+}
+
+fn assert_live(live: &LiveReport) {
+    let last = live.rounds.last().unwrap();
+    assert!(last.paused, "{live:?}");
+    assert!(live.rounds[..live.rounds.len() - 1]
+        .iter()
+        .all(|r| !r.paused));
+    assert!(live.rounds.len() >= 2, "{live:?}");
+}
+
+/// Flat snapshot at `dir`: full and lazy restores both hold the memory digested at the pause,
+/// and the guest goes on from the counters it had then.
+fn check_flat(dir: &Path, work: &[VcpuWork]) {
+    let snap = Snapshot::open(dir).unwrap();
+    let saved = &snap.components()[0];
+    assert_eq!(saved.name, "pause-digest");
+    let (want, pages) = parse_saved(&saved.data, snap.manifest().regions.len());
+    let mut vm = snapshot::restore(&snap, RestoreMode::Full).unwrap();
+    assert_eq!(digests(&vm), want, "{}: full restore", dir.display());
+    for (image, d) in snap.manifest().regions.iter().zip(&want) {
+        assert_eq!(image.digest, *d, "the manifest's digest is the pause's");
+    }
+    assert_eq!(vm.pages_done(), pages);
+    assert_pages_consistent(&vm, work, &pages);
+    resume_and_check_continuation(&mut vm, work, &pages);
+    drop(vm);
+    let lazy = snapshot::restore_lazy(&snap, &PagerConfig::default()).unwrap();
+    for p in &lazy.pagers {
+        assert!(p.wait_resident(Duration::from_secs(60)).unwrap());
+    }
+    assert_eq!(digests(&lazy.vm), want, "{}: lazy restore", dir.display());
+}
+
+#[test]
+#[cfg_attr(
+    not(all(kvm, uffd)),
+    ignore = "no usable /dev/kvm and /dev/userfaultfd on this host"
+)]
+fn live_flat_snapshot_and_diff_are_the_memory_at_their_pause() {
+    let tmp = TempDir::new("live-flat");
+    let (full, diff) = (tmp.0.join("full"), tmp.0.join("diff"));
+    let mut vm = Vm::new(&VmConfig::simple(2, SIZE, MemBackend::Anon)).unwrap();
+    fill_second_half(&vm);
+    let work = half_work(2);
+    let memory = vm.memory().clone();
+    let mut machine = PayloadVm::running(vm.start(&work).unwrap());
+    std::thread::sleep(Duration::from_millis(100));
+    let mut probe = PauseDigest {
+        memory: memory.clone(),
+        vcpus: 2,
+    };
+    let opts = LiveOptions {
+        keep_tracking: true,
+        ..LiveOptions::default()
+    };
+    let w = {
+        let mut components = Components::new(vec![&mut probe as &mut dyn Component]).unwrap();
+        write_machine_live(&mut machine, &mut components, &full, None, &opts).unwrap()
+    };
+    assert_live(&w.live);
+    assert_eq!(w.report.memory_bytes, memory.size());
+    assert_running(&mut machine);
+
+    std::thread::sleep(Duration::from_millis(50));
+    let base = LiveBase {
+        dir: &full,
+        tracker: w.tracker.expect("kept"),
+    };
+    let d = {
+        let mut components = Components::new(vec![&mut probe as &mut dyn Component]).unwrap();
+        write_machine_live(
+            &mut machine,
+            &mut components,
+            &diff,
+            Some(base),
+            &LiveOptions::default(),
+        )
+        .unwrap()
+    };
+    assert_live(&d.live);
+    assert_running(&mut machine);
+    let running = machine.into_running().unwrap();
+    running.stop();
+    running.wait(Duration::from_secs(30)).unwrap();
+
+    // The diff stores only what was written since its base: the second half is inherited.
+    let inherited = Snapshot::open(&diff)
+        .unwrap()
+        .manifest()
+        .regions
+        .iter()
+        .flat_map(|r| &r.chunks)
+        .filter(|c| c.inherited)
+        .count() as u64;
+    assert!(inherited >= SIZE / 2 / snapshot::CHUNK_BYTES, "{inherited}");
+    check_flat(&full, &work);
+    check_flat(&diff, &work);
+}
+
+#[test]
+#[cfg_attr(
+    not(all(kvm, uffd)),
+    ignore = "no usable /dev/kvm and /dev/userfaultfd on this host"
+)]
+fn a_guest_memfd_region_is_stored_during_the_pause() {
+    let tmp = TempDir::new("live-gmem");
+    let dir = tmp.0.join("snap");
+    let mut vm = Vm::new(&VmConfig::simple(2, SIZE, MemBackend::GuestMemfd)).unwrap();
+    let work = half_work(2);
+    let memory = vm.memory().clone();
+    let mut machine = PayloadVm::running(vm.start(&work).unwrap());
+    std::thread::sleep(Duration::from_millis(50));
+    let mut probe = PauseDigest { memory, vcpus: 2 };
+    let w = {
+        let mut components = Components::new(vec![&mut probe as &mut dyn Component]).unwrap();
+        write_machine_live(
+            &mut machine,
+            &mut components,
+            &dir,
+            None,
+            &LiveOptions::default(),
+        )
+        .unwrap()
+    };
+    assert_eq!(w.live.paused_untracked_bytes, SIZE, "{:?}", w.live);
+    assert_running(&mut machine);
+    let running = machine.into_running().unwrap();
+    running.stop();
+    running.wait(Duration::from_secs(30)).unwrap();
+    let snap = Snapshot::open(&dir).unwrap();
+    let (want, pages) = parse_saved(&snap.components()[0].data, 2);
+    let mut vm = snapshot::restore(&snap, RestoreMode::Full).unwrap();
+    assert_eq!(digests(&vm), want);
+    resume_and_check_continuation(&mut vm, &work, &pages);
+}
+
+/// Store snapshot `name`: full and lazy restores hold the memory digested at the pause.
+fn check_store(backend: &Arc<dyn Backend>, name: &str, work: &[VcpuWork], tmp: &TempDir) {
+    let cache = guestmem_store::cache::ChunkCache::open(&tmp.0.join("cache"), 1 << 30).unwrap();
+    let snap = StoreSnapshot::open(backend.clone(), name, Some(cache)).unwrap();
+    let (want, pages) = parse_saved(&snap.components[0].data, 2);
+    let mut vm = snap.restore_full().unwrap();
+    assert_eq!(digests(&vm), want, "{name}: full restore");
+    assert_pages_consistent(&vm, work, &pages);
+    resume_and_check_continuation(&mut vm, work, &pages);
+    drop(vm);
+    let lazy = snap.restore_lazy(&PagerConfig::default()).unwrap();
+    for p in &lazy.pagers {
+        assert!(p.wait_resident(Duration::from_secs(60)).unwrap());
+    }
+    assert_eq!(digests(&lazy.vm), want, "{name}: lazy restore");
+}
+
+#[test]
+#[cfg_attr(
+    not(all(kvm, uffd)),
+    ignore = "no usable /dev/kvm and /dev/userfaultfd on this host"
+)]
+fn live_store_snapshot_and_diff_are_the_memory_at_their_pause() {
+    let tmp = TempDir::new("live-store");
+    let backend: Arc<dyn Backend> = Arc::new(LocalBackend::new(&tmp.0.join("store")));
+    let mut vm = Vm::new(&VmConfig::simple(2, SIZE, MemBackend::Anon)).unwrap();
+    fill_second_half(&vm);
+    let work = half_work(2);
+    let memory = vm.memory().clone();
+    let mut machine = PayloadVm::running(vm.start(&work).unwrap());
+    std::thread::sleep(Duration::from_millis(100));
+    let mut probe = PauseDigest { memory, vcpus: 2 };
+    let opts = LiveOptions {
+        keep_tracking: true,
+        ..LiveOptions::default()
+    };
+    let w = {
+        let mut c = Components::new(vec![&mut probe as &mut dyn Component]).unwrap();
+        guestmem_store::live::write_machine_live(
+            &*backend,
+            "base",
+            &mut machine,
+            &mut c,
+            None,
+            &opts,
+        )
+        .unwrap()
+    };
+    assert_live(&w.live);
+    assert_running(&mut machine);
+    std::thread::sleep(Duration::from_millis(50));
+    let d = {
+        let mut c = Components::new(vec![&mut probe as &mut dyn Component]).unwrap();
+        let base = Some(("base", w.tracker.expect("kept")));
+        guestmem_store::live::write_machine_live(
+            &*backend,
+            "diff",
+            &mut machine,
+            &mut c,
+            base,
+            &LiveOptions::default(),
+        )
+        .unwrap()
+    };
+    assert_live(&d.live);
+    let chunks_per_half = SIZE / 2 / guestmem_store::chunk::CHUNK_BYTES;
+    assert!(
+        d.report.inherited_chunks >= chunks_per_half,
+        "{:?}",
+        d.report
+    );
+    assert_running(&mut machine);
+    let running = machine.into_running().unwrap();
+    running.stop();
+    running.wait(Duration::from_secs(30)).unwrap();
+    check_store(&backend, "base", &work, &tmp);
+    check_store(&backend, "diff", &work, &tmp);
+}
+
+/// A local store that refuses chunk puts once armed.
+struct Refusing {
+    inner: LocalBackend,
+    armed: Mutex<bool>,
+}
+
+impl Backend for Refusing {
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+    fn get(&self, key: &str) -> guestmem_store::Result<Vec<u8>> {
+        self.inner.get(key)
+    }
+    fn get_range(&self, key: &str, start: u64, len: u64) -> guestmem_store::Result<Vec<u8>> {
+        self.inner.get_range(key, start, len)
+    }
+    fn put(&self, key: &str, bytes: &[u8]) -> guestmem_store::Result<()> {
+        self.inner.put(key, bytes)
+    }
+    fn put_chunk(&self, key: &str, bytes: &[u8]) -> guestmem_store::Result<()> {
+        if *self.armed.lock().unwrap() {
+            return Err(guestmem_store::Error::Write(format!(
+                "{key}: refused by the test"
+            )));
+        }
+        self.inner.put_chunk(key, bytes)
+    }
+    fn sync(&self) -> guestmem_store::Result<()> {
+        self.inner.sync()
+    }
+    fn exists(&self, key: &str) -> guestmem_store::Result<bool> {
+        self.inner.exists(key)
+    }
+    fn list(&self, prefix: &str) -> guestmem_store::Result<Vec<ObjectInfo>> {
+        self.inner.list(prefix)
+    }
+    fn delete(&self, key: &str) -> guestmem_store::Result<()> {
+        self.inner.delete(key)
+    }
+    fn remote(&self) -> bool {
+        false
+    }
+}
+
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn a_failed_live_snapshot_leaves_the_guest_running_and_the_previous_snapshot() {
+    // Flat: a 24 MiB tmpfs holds one snapshot of 16 MiB of written RAM, not two.
+    let mnt = TempDir::new("live-enospc");
+    let status = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=24m", "guestmem-test"])
+        .arg(&mnt.0)
+        .status()
+        .expect("mount runs");
+    assert!(status.success(), "mounting a 24 MiB tmpfs (needs root)");
+    struct Unmount<'a>(&'a Path);
+    impl Drop for Unmount<'_> {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount").arg(self.0).status();
+        }
+    }
+    let _unmount = Unmount(&mnt.0);
+    let dir = mnt.0.join("snap");
+    let store_dir = TempDir::new("live-refused");
+    let store = Refusing {
+        inner: LocalBackend::new(&store_dir.0.join("store")),
+        armed: Mutex::new(false),
+    };
+
+    let mut vm = Vm::new(&VmConfig::simple(2, SIZE, MemBackend::Anon)).unwrap();
+    let work = half_work(2);
+    let running = vm.start(&work).unwrap();
+    common::wait_for_generation(&running, 1);
+    let vm = running.pause().unwrap();
+    snapshot::write(vm, &dir).unwrap();
+    guestmem_store::write::write(&store, "snap", vm, None).unwrap();
+    let at_first = vm.pages_done();
+    let first_manifest = std::fs::read(dir.join("manifest.json")).unwrap();
+    let first_store = guestmem_store::StoreManifest::load(&store, "snap").unwrap();
+
+    let mut machine = PayloadVm::running(vm.resume().unwrap());
+    let e = write_machine_live(
+        &mut machine,
+        &mut Components::none(),
+        &dir,
+        None,
+        &LiveOptions::default(),
+    )
+    .err()
+    .expect("the disk is full");
+    let e = guestmem_migration::error_chain(&e, ": ");
+    assert!(e.contains("No space left on device"), "{e}");
+    assert_running(&mut machine);
+    *store.armed.lock().unwrap() = true;
+    let e = guestmem_store::live::write_machine_live(
+        &store,
+        "snap",
+        &mut machine,
+        &mut Components::none(),
+        None,
+        &LiveOptions::default(),
+    )
+    .err()
+    .expect("the store refuses")
+    .to_string();
+    assert!(e.contains("refused by the test"), "{e}");
+    assert_running(&mut machine);
+    let running = machine.into_running().unwrap();
+    running.stop();
+    running.wait(Duration::from_secs(30)).unwrap();
+
+    // Both earlier snapshots are there, unchanged, and restore to the first pause.
+    assert_eq!(
+        std::fs::read(dir.join("manifest.json")).unwrap(),
+        first_manifest
+    );
+    let leftovers: Vec<_> = std::fs::read_dir(&mnt.0)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(leftovers, vec![std::ffi::OsString::from("snap")]);
+    let mut restored =
+        snapshot::restore(&Snapshot::open(&dir).unwrap(), RestoreMode::Full).unwrap();
+    assert_eq!(restored.pages_done(), at_first);
+    resume_and_check_continuation(&mut restored, &work, &at_first);
+    assert_eq!(
+        guestmem_store::StoreManifest::load(&store, "snap")
+            .unwrap()
+            .checksum,
+        first_store.checksum
+    );
+    let store: Arc<dyn Backend> = Arc::new(store.inner);
+    let snap = StoreSnapshot::open(store, "snap", None).unwrap();
+    let restored = snap.restore_full().unwrap();
+    assert_eq!(restored.pages_done(), at_first);
+}
