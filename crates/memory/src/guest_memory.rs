@@ -6,7 +6,7 @@ use kvm_ioctls::VmFd;
 
 use guestmem_sys::uapi::{KVM_MEM_LOG_DIRTY_PAGES, KVM_MEM_READONLY};
 
-use crate::{Error, MemslotManager, Region, RegionSpec, Result, SlotFlags};
+use crate::{Error, MemslotManager, Region, RegionSpec, Result, SlotFlags, UserfaultRouter};
 
 /// Starting value of [`digest_bytes`] (the FNV-1a 64-bit offset basis).
 pub const DIGEST_SEED: u64 = 0xcbf2_9ce4_8422_2325;
@@ -35,6 +35,7 @@ fn digest_word(h: u64, word: u64) -> u64 {
 pub struct GuestMemory {
     regions: Vec<Arc<Region>>,
     memslots: OnceLock<Arc<MemslotManager>>,
+    userfault: UserfaultRouter,
 }
 
 impl GuestMemory {
@@ -61,7 +62,14 @@ impl GuestMemory {
         Ok(GuestMemory {
             regions,
             memslots: OnceLock::new(),
+            userfault: UserfaultRouter::default(),
         })
+    }
+
+    /// Where the vCPU loop hands KVM Userfault exits: the pagers of userfault memslots add
+    /// their ranges to it (see [`UserfaultRouter`]).
+    pub fn userfault_router(&self) -> &UserfaultRouter {
+        &self.userfault
     }
 
     /// The regions, in guest address order (memslot `i` is region `i`).

@@ -23,6 +23,7 @@ mod error;
 mod pager;
 pub mod priority;
 mod source;
+mod userfault;
 
 pub use error::{Error, Result, UffdError};
 pub use pager::{
@@ -30,3 +31,4 @@ pub use pager::{
     PeerReleased,
 };
 pub use source::{FileSource, PageSource, RemoteSource, WindowSource, ZeroSource};
+pub use userfault::UserfaultPager;

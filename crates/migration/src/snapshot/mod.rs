@@ -50,7 +50,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use guestmem_memory::{Backend, GuestMemory, PageBuf, Region, RegionSpec};
-use guestmem_paging::{PageSource, Pager, PagerConfig};
+use guestmem_paging::{PageSource, Pager, PagerConfig, UserfaultPager};
 use guestmem_vm::{layout, Vm, VmState};
 
 use crate::component::{MachineBuilder, SharedFiles, TargetMachine, VmBuilder};
@@ -455,8 +455,11 @@ fn restore_on<M: TargetMachine>(mut vm: M, snapshot: &Snapshot, mode: RestoreMod
 /// first access and in the background. The pagers are dropped (and their threads joined) before
 /// the VM and its memory, as the field order says.
 pub struct LazyVm<M = Vm> {
-    /// The pagers bringing the memory in, one per RAM region.
+    /// The pagers bringing the memory in, one per RAM region (but guest_memfd ones).
     pub pagers: Vec<Pager>,
+    /// The KVM Userfault pagers bringing guest_memfd regions in (see [`UserfaultPager`]): the
+    /// vCPU loop hands them its userfault exits.
+    pub userfault_pagers: Vec<UserfaultPager>,
     /// The VM, not running yet.
     pub vm: M,
     /// Where the restore spent its time, step by step (the VM's build steps included).
@@ -522,6 +525,7 @@ fn lazy_on<M: TargetMachine>(
     };
     lap(&mut phases, &mut t, "read the working set");
     let mut pagers = Vec::new();
+    let mut userfault_pagers = Vec::new();
     let memory = vm.memory().clone();
     for (i, (region, image)) in memory
         .regions()
@@ -542,6 +546,24 @@ fn lazy_on<M: TargetMachine>(
         if let Some(ws) = &working_set {
             config.prefetch = ws.offsets(&image.spec.name);
         }
+        // guest_memfd: KVM maps its pages for the guest without the host mapping, so only
+        // KVM Userfault sees the vCPUs' first accesses; where it is absent, the pager below
+        // refuses the region, naming what is missing.
+        if region.backend() == Backend::GuestMemfd {
+            match UserfaultPager::start(&memory, i, Arc::new(source), &config) {
+                Ok(p) => {
+                    userfault_pagers.push(p);
+                    continue;
+                }
+                Err(e @ guestmem_paging::Error::Unsupported { .. }) => {
+                    tracing::debug!("KVM Userfault unavailable: {e}");
+                    let source = SnapshotSource::new(snapshot, i)?;
+                    pagers.push(Pager::start(region, Arc::new(source), &config)?);
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
         pagers.push(Pager::start(region, Arc::new(source), &config)?);
     }
     lap(&mut phases, &mut t, "start pagers");
@@ -549,6 +571,7 @@ fn lazy_on<M: TargetMachine>(
     lap(&mut phases, &mut t, "restore vCPU state");
     Ok(LazyVm {
         pagers,
+        userfault_pagers,
         vm,
         phases,
         prefetched: working_set.is_some(),
