@@ -76,6 +76,19 @@ impl UserfaultPager {
         source: Arc<dyn PageSource>,
         config: &PagerConfig,
     ) -> Result<UserfaultPager> {
+        UserfaultPager::start_partial(memory, index, source, config, &|_| false)
+    }
+
+    /// Like [`UserfaultPager::start`] over a region whose contents are already right, except
+    /// in the chunks (of `config.fault_around` bytes) for which `resident(offset)` is false:
+    /// only those keep their bits set and are fetched (post-copy after a pre-copy round).
+    pub fn start_partial(
+        memory: &GuestMemory,
+        index: usize,
+        source: Arc<dyn PageSource>,
+        config: &PagerConfig,
+        resident: &dyn Fn(u64) -> bool,
+    ) -> Result<UserfaultPager> {
         let region = memory
             .regions()
             .get(index)
@@ -139,6 +152,13 @@ impl UserfaultPager {
             }
         }
         let bitmap = Arc::new(UserfaultBitmap::all_set(size));
+        let mut offset = 0;
+        while offset < size {
+            if resident(offset) {
+                bitmap.clear(offset / PAGE_SIZE, chunk.min(size - offset) / PAGE_SIZE);
+            }
+            offset += chunk;
+        }
         manager
             .set_userfault(index as u32, Some(bitmap.clone()))
             .map_err(|e| Error::Unsupported {
@@ -237,6 +257,11 @@ impl UserfaultPager {
     /// When the last page was installed, if it was.
     pub fn resident_at(&self) -> Option<Instant> {
         self.inner.resident_at.get().copied()
+    }
+
+    /// The region's bytes.
+    pub fn size(&self) -> u64 {
+        self.inner.region.size()
     }
 
     /// Region offsets of the chunks the vCPUs faulted on, in order (a working set).
@@ -437,7 +462,7 @@ impl Inner {
 
     /// Records the first failure, stops the VM with it and returns its text.
     fn fail(&self, e: Error) -> String {
-        let text = e.to_string();
+        let text = guestmem_sys::error_chain(&e, ": ");
         let mut slot = self.failure.lock().expect("failure lock");
         slot.get_or_insert_with(|| text.clone());
         if let Some(abort) = &self.abort {

@@ -56,10 +56,11 @@ pub fn guest_memfd_uffd(vm: &VmFd) -> Result<GuestMemfdUffd, String> {
             .user_mode_only(false)
             .create()
             .map_err(|e| format!("userfaultfd could not be opened: {e}"))?;
-        uffd.register_with_mode(addr, len, mode).map_err(|e| match e {
-            userfaultfd::Error::SystemError(errno) => format!("{errno:?}"),
-            other => other.to_string(),
-        })?;
+        uffd.register_with_mode(addr, len, mode)
+            .map_err(|e| match e {
+                userfaultfd::Error::SystemError(errno) => format!("{errno:?}"),
+                other => other.to_string(),
+            })?;
         uffd.unregister(addr, len)
             .map_err(|e| format!("UFFDIO_UNREGISTER after registering: {e}"))
     };

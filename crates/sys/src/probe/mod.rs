@@ -281,7 +281,12 @@ pub fn probe() -> Probe {
         }
         Err(e) => {
             let skipped = format!("skipped: {e}");
-            (Err(e), Err(skipped.clone()), Err(skipped.clone()), Err(skipped))
+            (
+                Err(e),
+                Err(skipped.clone()),
+                Err(skipped.clone()),
+                Err(skipped),
+            )
         }
     };
     Probe {
