@@ -124,6 +124,21 @@ impl GuestMemory {
         Ok(())
     }
 
+    /// Writes `data` at `gpa` with `pwrite` into the region's file instead of through its
+    /// mapping (guest_memfd `write()`: no host page tables built, no fault per page), marking
+    /// the range VMM-dirty as [`Self::write`] does. An error (a guest_memfd created without
+    /// `GUEST_MEMFD_FLAG_WRITE`, a region without a file) leaves the memory unchanged; the
+    /// caller then writes through the mapping.
+    pub fn write_file(&self, gpa: u64, data: &[u8]) -> std::io::Result<()> {
+        let (region, _) = self
+            .find(gpa, data.len() as u64)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
+        let offset = gpa - region.gpa();
+        crate::populate::pwrite_all(region, offset, data)?;
+        region.vmm_dirty().mark(offset, data.len() as u64);
+        Ok(())
+    }
+
     /// The `len` bytes of guest memory at `gpa` as a slice to read, without a copy: for a
     /// writer of a paused VM's memory (a snapshot) that hashes and compresses it in place.
     ///

@@ -814,6 +814,8 @@ pub(crate) fn copy_chunks(
     buf: &mut [u8],
 ) -> Result<()> {
     let size = snapshot.manifest.regions[index].spec.size;
+    // guest_memfd: `write()` where the fd takes it (the seeds kernel), else the mapping.
+    let mut by_write = region.backend() == Backend::GuestMemfd;
     for i in 0..snapshot.manifest.regions[index].chunks.len() {
         let offset = i as u64 * CHUNK_BYTES;
         let len = CHUNK_BYTES.min(size - offset) as usize;
@@ -822,7 +824,17 @@ pub(crate) fn copy_chunks(
         };
         for r in ranges {
             for (start, run) in nonzero_page_runs(&buf[r.clone()]) {
-                memory.write(region.gpa() + offset + (r.start + start) as u64, run)?;
+                let gpa = region.gpa() + offset + (r.start + start) as u64;
+                if by_write {
+                    match memory.write_file(gpa, run) {
+                        Ok(()) => continue,
+                        Err(e) => {
+                            tracing::debug!("guest_memfd write() unavailable ({e}): copying");
+                            by_write = false;
+                        }
+                    }
+                }
+                memory.write(gpa, run)?;
             }
         }
     }
