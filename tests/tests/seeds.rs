@@ -14,9 +14,6 @@ use guestmem_paging::PagerConfig;
 use guestmem_vm::{Vm, VmConfig};
 
 const SIZE: u64 = 8 << 20;
-const NEEDS_SEEDS: &str =
-    "needs the seeds kernel (scripts/build-seeds-kernel.sh): run in the kernel lab with --ignored";
-
 /// `probe` finds all three features present, by trying them.
 #[test]
 #[ignore = "needs the seeds kernel (scripts/build-seeds-kernel.sh): run in the kernel lab with --ignored"]
@@ -36,7 +33,6 @@ fn probe_finds_the_three_seed_features() {
         .guest_memfd_uffd
         .expect("guest_memfd userfaultfd probe ran");
     assert!(uffd.missing && uffd.minor, "{}", uffd.detail);
-    let _ = NEEDS_SEEDS;
 }
 
 /// A snapshot of a guest_memfd VM restores lazily through KVM Userfault: the guest runs at
@@ -127,7 +123,7 @@ fn gmem_population_uses_write() {
     let mut vm = Vm::new(&VmConfig::simple(1, SIZE, Backend::GuestMemfd)).unwrap();
     let image: Vec<u8> = (0..SIZE as usize)
         .map(|i| {
-            if (i / 4096) % 3 == 0 {
+            if (i / 4096).is_multiple_of(3) {
                 0
             } else {
                 (i * 7 % 251) as u8
