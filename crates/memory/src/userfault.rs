@@ -100,10 +100,13 @@ pub trait UserfaultHandler: Send + Sync {
     fn handle(&self, gpa: u64, size: u64) -> std::result::Result<(), String>;
 }
 
+/// One route: guest address, bytes, and the handler of that range.
+type Route = (u64, u64, Arc<dyn UserfaultHandler>);
+
 /// The handlers of one VM's userfault memslots, by guest range.
 #[derive(Default)]
 pub struct UserfaultRouter {
-    routes: RwLock<Vec<(u64, u64, Arc<dyn UserfaultHandler>)>>,
+    routes: RwLock<Vec<Route>>,
 }
 
 impl std::fmt::Debug for UserfaultRouter {
