@@ -14,7 +14,9 @@ use std::time::{Duration, Instant};
 
 use guestmem_memory::{Backend, PAGE_SIZE};
 use guestmem_paging::affinity::CpuSet;
-use guestmem_paging::{FileSource, PageSource, Pager, PagerConfig, PagerStats, RemoteSource};
+use guestmem_paging::{
+    FileSource, PageSource, Pager, PagerConfig, PagerStats, RemoteSource, UserfaultPager,
+};
 use guestmem_vm::{layout, VcpuWork, Vm, VmConfig, Workload};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
@@ -30,6 +32,33 @@ enum Mode {
     /// userfaultfd MINOR faults on memfd memory: fill the page cache, then UFFDIO_CONTINUE.
     #[value(name = "MINOR", alias = "minor")]
     Minor,
+    /// KVM Userfault on guest_memfd memory: the memslot's userfault bitmap makes each vCPU's
+    /// first access exit; the pager writes the chunk into the guest_memfd and clears its bits.
+    #[value(name = "KVM_USERFAULT", alias = "kvm-userfault")]
+    KvmUserfault,
+}
+
+/// The pager of a demand-paging run.
+enum Paging {
+    Uffd(Pager),
+    Kvm(UserfaultPager),
+}
+
+impl Paging {
+    fn stats(&self) -> PagerStats {
+        match self {
+            Paging::Uffd(p) => p.stats(),
+            Paging::Kvm(p) => p.stats(),
+        }
+    }
+
+    /// The pager's own memory: the userfaultfd pager's, or the userfault bitmap.
+    fn memory_bytes(&self, size: u64) -> u64 {
+        match self {
+            Paging::Uffd(p) => p.memory_bytes(),
+            Paging::Kvm(_) => size.div_ceil(PAGE_SIZE).div_ceil(64) * 8,
+        }
+    }
 }
 
 #[derive(clap::Args)]
@@ -141,6 +170,7 @@ pub fn main(args: Args) -> crate::Result<()> {
     let backend = match args.mode {
         Mode::Missing => Backend::Anon,
         Mode::Minor => Backend::Memfd,
+        Mode::KvmUserfault => Backend::GuestMemfd,
     };
     let max_vcpus = *args.vcpus.iter().max().expect("not empty");
     let file = source_file(max_vcpus as u64 * args.bytes, !args.json)?;
@@ -163,8 +193,19 @@ pub fn main(args: Args) -> crate::Result<()> {
                 let ram = vm.memory().region("ram").expect("the VM has a ram region");
                 let source = source(&args, &file, pager_cpus)?;
                 remote = source.remote;
-                let pager = Pager::start(ram, source.pages, &pager_config(&args, vm, vcpus))?;
-                Ok(Some(pager))
+                let config = pager_config(&args, vm, vcpus);
+                if args.mode == Mode::KvmUserfault {
+                    let index = vm
+                        .memory()
+                        .regions()
+                        .iter()
+                        .position(|r| r.name() == "ram")
+                        .expect("the VM has a ram region");
+                    let pager = UserfaultPager::start(vm.memory(), index, source.pages, &config)?;
+                    return Ok(Some(Paging::Kvm(pager)));
+                }
+                let pager = Pager::start(ram, source.pages, &config)?;
+                Ok(Some(Paging::Uffd(pager)))
             })?;
             if demand > best.2 {
                 (stats, pager_memory) = pager.expect("the demand-paging run has a pager");
@@ -336,7 +377,7 @@ fn touch_rate(
     size: u64,
     backend: Backend,
     vcpu_cpus: Option<CpuSet>,
-    prepare: impl FnOnce(&Vm) -> crate::Result<Option<Pager>>,
+    prepare: impl FnOnce(&Vm) -> crate::Result<Option<Paging>>,
 ) -> crate::Result<(f64, Option<(PagerStats, u64)>)> {
     let mut vm = Vm::new(&VmConfig::simple(vcpus, size, backend))?;
     let work = VcpuWork::split(Workload::Touch, layout::RAM_GPA, size, vcpus, 1);
@@ -350,7 +391,7 @@ fn touch_rate(
     let report = spawned_on(vcpu_cpus, || vm.start(&work))??.wait(STALL)?;
     let seconds = started.elapsed().as_secs_f64();
     // The pager goes before the VM (and its memory).
-    let pager = pager.map(|p| (p.stats(), p.memory_bytes()));
+    let pager = pager.map(|p| (p.stats(), p.memory_bytes(size)));
     Ok((report.total_pages as f64 / seconds, pager))
 }
 
@@ -411,6 +452,7 @@ fn print_table(out: &Output) {
     let mode = match out.mode {
         Mode::Missing => "MISSING",
         Mode::Minor => "MINOR",
+        Mode::KvmUserfault => "KVM_USERFAULT",
     };
     let source = if out.delay_us > 0 {
         format!("remote, {} us per request", out.delay_us)

@@ -50,6 +50,7 @@ fn kvm_rows(p: &Probe, rows: &mut Vec<Row>) {
             rows.push(row("kvm", "unavailable", e));
             rows.push(row("kvm.guest_memfd_write", "unknown", "needs /dev/kvm"));
             rows.push(row("kvm.userfault", "unknown", "needs /dev/kvm"));
+            rows.push(row("kvm.guest_memfd_uffd", "unknown", "needs /dev/kvm"));
             return;
         }
     };
@@ -129,6 +130,9 @@ fn kvm_rows(p: &Probe, rows: &mut Vec<Row>) {
     ));
     rows.push(row_res("kvm.userfault", &p.kvm_userfault, |u| {
         (present_absent(u.present), u.detail.clone())
+    }));
+    rows.push(row_res("kvm.guest_memfd_uffd", &p.guest_memfd_uffd, |u| {
+        (present_absent(u.present()), u.detail.clone())
     }));
 }
 

@@ -357,6 +357,9 @@ pub fn restore(args: RestoreArgs) -> crate::Result<()> {
     }
     let mut peer = None;
     let mut prefetched = false;
+    // KVM Userfault pagers (guest_memfd regions): they serve the vCPUs' userfault exits for
+    // as long as they live.
+    let mut userfault_pagers = Vec::new();
     let (mut vm, pagers) = match args.mode {
         Mode::Full => (snapshot::restore(&snap, RestoreMode::Full)?, Vec::new()),
         Mode::Map => (snapshot::restore(&snap, RestoreMode::Map)?, Vec::new()),
@@ -381,6 +384,7 @@ pub fn restore(args: RestoreArgs) -> crate::Result<()> {
                 tracing::info!("lazy restore: {phase}: {:.3} ms", d.as_secs_f64() * 1e3);
             }
             prefetched = lazy.prefetched;
+            userfault_pagers = lazy.userfault_pagers;
             (lazy.vm, lazy.pagers)
         }
     };
@@ -409,6 +413,7 @@ pub fn restore(args: RestoreArgs) -> crate::Result<()> {
         Ok(snapshot::record_working_set(&snap, &vm, &pagers)?)
     })?;
     drop(pagers);
+    drop(userfault_pagers);
     drop(peer);
     let out = RestoreOutput {
         mode: match args.mode {

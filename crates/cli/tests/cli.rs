@@ -592,21 +592,12 @@ fn assert_refused_for_lack_of_gmem(o: &Output) {
     );
 }
 
-/// Whether demand paging a gmem region can work here: userfaultfd on its mapping, or KVM
-/// Userfault (which guestmem does not drive yet). The probe tries the latter; the former is
-/// tried by the pager itself, and its refusal must say both.
+/// Demand paging a gmem region needs KVM Userfault (userfaultfd never sees a vCPU's accesses
+/// to guest_memfd): where the kernel lacks it, the refusal names it.
 fn assert_gmem_demand_paging_refusal(err: &str, probe: &serde_json::Value) {
-    assert!(
-        err.contains("userfaultfd registration of a guest_memfd mapping failed")
-            && err.contains("MISSING:")
-            && err.contains("KVM_MEM_USERFAULT"),
-        "{err}"
-    );
+    assert!(err.contains("KVM_MEM_USERFAULT"), "{err}");
     if probe["kvm_userfault"]["Ok"]["present"] == false {
-        assert!(
-            err.contains("KVM Userfault (KVM_MEM_USERFAULT, KVM_CAP_USERFAULT) is absent"),
-            "{err}"
-        );
+        assert!(err.contains("absent") || err.contains("lacks"), "{err}");
     }
 }
 

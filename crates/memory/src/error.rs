@@ -210,6 +210,14 @@ pub enum Error {
     /// The memory is registered as memslots already.
     #[error("guest memory is already registered as memslots")]
     AlreadyRegistered,
+    /// A KVM Userfault bitmap that does not fit a region's memslot.
+    #[error("region '{region}': KVM Userfault: {reason}")]
+    Userfault {
+        /// The region.
+        region: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// A memory image that cannot be used.
     #[error("memory image {path}: {reason}")]
     Image {

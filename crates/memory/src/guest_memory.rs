@@ -6,7 +6,7 @@ use kvm_ioctls::VmFd;
 
 use guestmem_sys::uapi::{KVM_MEM_LOG_DIRTY_PAGES, KVM_MEM_READONLY};
 
-use crate::{Error, MemslotManager, Region, RegionSpec, Result, SlotFlags};
+use crate::{Error, MemslotManager, Region, RegionSpec, Result, SlotFlags, UserfaultRouter};
 
 /// Starting value of [`digest_bytes`] (the FNV-1a 64-bit offset basis).
 pub const DIGEST_SEED: u64 = 0xcbf2_9ce4_8422_2325;
@@ -35,6 +35,7 @@ fn digest_word(h: u64, word: u64) -> u64 {
 pub struct GuestMemory {
     regions: Vec<Arc<Region>>,
     memslots: OnceLock<Arc<MemslotManager>>,
+    userfault: UserfaultRouter,
 }
 
 impl GuestMemory {
@@ -61,7 +62,14 @@ impl GuestMemory {
         Ok(GuestMemory {
             regions,
             memslots: OnceLock::new(),
+            userfault: UserfaultRouter::default(),
         })
+    }
+
+    /// Where the vCPU loop hands KVM Userfault exits: the pagers of userfault memslots add
+    /// their ranges to it (see [`UserfaultRouter`]).
+    pub fn userfault_router(&self) -> &UserfaultRouter {
+        &self.userfault
     }
 
     /// The regions, in guest address order (memslot `i` is region `i`).
@@ -113,6 +121,21 @@ impl GuestMemory {
             .mark(gpa - region.gpa(), data.len() as u64);
         // SAFETY: as in `read`, with the roles swapped.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
+        Ok(())
+    }
+
+    /// Writes `data` at `gpa` with `pwrite` into the region's file instead of through its
+    /// mapping (guest_memfd `write()`: no host page tables built, no fault per page), marking
+    /// the range VMM-dirty as [`Self::write`] does. An error (a guest_memfd created without
+    /// `GUEST_MEMFD_FLAG_WRITE`, a region without a file) leaves the memory unchanged; the
+    /// caller then writes through the mapping.
+    pub fn write_file(&self, gpa: u64, data: &[u8]) -> std::io::Result<()> {
+        let (region, _) = self
+            .find(gpa, data.len() as u64)
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
+        let offset = gpa - region.gpa();
+        crate::populate::pwrite_all(region, offset, data)?;
+        region.vmm_dirty().mark(offset, data.len() as u64);
         Ok(())
     }
 

@@ -16,6 +16,7 @@ mod numa;
 mod page_buf;
 mod populate;
 mod region;
+mod userfault;
 pub mod vmm_compat;
 
 pub use dirty_marks::DirtyMarks;
@@ -28,6 +29,7 @@ pub use numa::{node_pages, nodes_with_memory, NumaMode, NumaPolicy};
 pub use page_buf::PageBuf;
 pub use populate::{populate, populate_with, Method, Populated, Source};
 pub use region::{hugetlbfs_mount, Backend, Region, RegionSpec, HUGE_PAGE_SIZE};
+pub use userfault::{UserfaultBitmap, UserfaultHandler, UserfaultRouter};
 
 /// The base page size of guest memory (x86-64).
 pub const PAGE_SIZE: u64 = 4096;

@@ -21,14 +21,14 @@ use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, Weak};
 use guestmem_sys::uapi::{
     kvm_userspace_memory_region, kvm_userspace_memory_region2, KVM_CAP_NR_MEMSLOTS,
     KVM_CAP_USER_MEMORY2, KVM_MEM_GUEST_MEMFD, KVM_MEM_LOG_DIRTY_PAGES, KVM_MEM_READONLY,
-    KVM_SET_USER_MEMORY_REGION, KVM_SET_USER_MEMORY_REGION2, MEMBARRIER_CMD_PRIVATE_EXPEDITED,
-    MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED,
+    KVM_MEM_USERFAULT_CANDIDATE, KVM_SET_USER_MEMORY_REGION, KVM_SET_USER_MEMORY_REGION2,
+    MEMBARRIER_CMD_PRIVATE_EXPEDITED, MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED,
 };
 use kvm_ioctls::VmFd;
 use vmm_sys_util::ioctl::ioctl_with_ref;
 
 use crate::mapping_cache::{CachedMapping, HandleState};
-use crate::{Backend, Error, Region, Result};
+use crate::{Backend, Error, Region, Result, UserfaultBitmap, PAGE_SIZE};
 
 /// The flags of a memslot that the VMM chooses (`KVM_MEM_GUEST_MEMFD` follows from the region).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -54,6 +54,9 @@ pub struct Memslot {
     pub region_offset: u64,
     /// Its KVM flags.
     pub flags: SlotFlags,
+    /// KVM Userfault: the slot's userfault bitmap (`KVM_MEM_USERFAULT`), kept alive as long
+    /// as the slot, since KVM reads it on every fault.
+    pub userfault: Option<Arc<UserfaultBitmap>>,
 }
 
 impl Memslot {
@@ -91,6 +94,9 @@ impl Memslot {
         }
         if self.guest_memfd() {
             flags |= KVM_MEM_GUEST_MEMFD;
+        }
+        if self.userfault.is_some() {
+            flags |= KVM_MEM_USERFAULT_CANDIDATE;
         }
         flags
     }
@@ -267,6 +273,7 @@ impl MemslotManager {
             region: region.clone(),
             region_offset,
             flags,
+            userfault: None,
         };
         self.commit(&mut table, Change::Set(slot))?;
         Ok(id)
@@ -296,6 +303,28 @@ impl MemslotManager {
     /// Sets the flags of slot `id` (e.g. turns dirty logging on or off).
     pub fn set_flags(&self, id: u32, flags: SlotFlags) -> Result<()> {
         self.update(id, |s| s.flags = flags)
+    }
+
+    /// Gives slot `id` a KVM Userfault bitmap (`KVM_MEM_USERFAULT`), or takes it away (`None`).
+    /// A guest_memfd slot is deleted and created anew with it (KVM does not change a guest_memfd
+    /// slot's flags in place), so call it before the vCPUs run. The bitmap must cover the slot.
+    pub fn set_userfault(&self, id: u32, bitmap: Option<Arc<UserfaultBitmap>>) -> Result<()> {
+        let mut table = self.table.write().expect("memslot table lock");
+        let mut slot = table.get(id)?.clone();
+        if let Some(b) = &bitmap {
+            if b.pages() < slot.size.div_ceil(PAGE_SIZE) {
+                return Err(Error::Userfault {
+                    region: slot.region.name().into(),
+                    reason: format!(
+                        "the userfault bitmap covers {} pages, the slot {}",
+                        b.pages(),
+                        slot.size.div_ceil(PAGE_SIZE)
+                    ),
+                });
+            }
+        }
+        slot.userfault = bitmap;
+        self.commit(&mut table, Change::Set(slot))
     }
 
     fn update(&self, id: u32, edit: impl FnOnce(&mut Memslot)) -> Result<()> {
@@ -452,7 +481,7 @@ impl MemslotManager {
     /// ioctl on kernels without it.
     fn set_user_memory_region(&self, slot: &Memslot, delete: bool) -> Result<()> {
         let (host, _) = slot.host_range(slot.gpa, 0).expect("slot start");
-        let mr = kvm_userspace_memory_region2 {
+        let mut mr = kvm_userspace_memory_region2 {
             slot: slot.id,
             flags: slot.kvm_flags(),
             guest_phys_addr: slot.gpa,
@@ -470,6 +499,10 @@ impl MemslotManager {
                 .map_or(0, |fd| fd.as_raw_fd() as u32),
             ..Default::default()
         };
+        // The KVM Userfault series puts `__u64 userfault_bitmap` where `pad2[0]` is.
+        if let Some(bitmap) = &slot.userfault {
+            mr.pad2[0] = bitmap.addr();
+        }
         let ret = if self.has_region2 {
             // SAFETY: `mr` is a fully initialised kvm_userspace_memory_region2 describing memory
             // that the slot's `Arc<Region>` keeps mapped for as long as the slot exists.

@@ -387,7 +387,7 @@ fn discard(region: &Region, dst: u64, len: u64) -> Result<()> {
 
 /// `pwrite` of all of `data` at `dst` on the region's fd; a short write continues, zero bytes
 /// written is an error.
-fn pwrite_all(region: &Region, dst: u64, data: &[u8]) -> io::Result<()> {
+pub(crate) fn pwrite_all(region: &Region, dst: u64, data: &[u8]) -> io::Result<()> {
     let fd = region
         .fd()
         .ok_or_else(|| io::Error::new(io::ErrorKind::Unsupported, "the region has no fd"))?;

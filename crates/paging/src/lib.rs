@@ -25,6 +25,7 @@ mod error;
 mod pager;
 pub mod priority;
 mod source;
+mod userfault;
 
 pub use error::{Error, Result, UffdError};
 pub use pager::{
@@ -32,3 +33,4 @@ pub use pager::{
     PeerRange, PeerReleased,
 };
 pub use source::{FileSource, PageSource, RemoteSource, WindowSource, ZeroSource};
+pub use userfault::UserfaultPager;

@@ -31,13 +31,20 @@ pub const KVM_CAP_GUEST_MEMFD_FLAGS: u32 = 244;
 pub const GUEST_MEMFD_FLAG_MMAP: u64 = 1 << 0;
 /// `GUEST_MEMFD_FLAG_INIT_SHARED`: the fd's memory starts shared (host-accessible).
 pub const GUEST_MEMFD_FLAG_INIT_SHARED: u64 = 1 << 1;
-/// `GUEST_MEMFD_FLAG_WRITE` as proposed by seed 000 (not upstream; confirm by trying).
-pub const GUEST_MEMFD_FLAG_WRITE_CANDIDATE: u64 = 1 << 2;
+/// `GUEST_MEMFD_FLAG_WRITE` of the guest_memfd `write()` series (not upstream; confirm by
+/// trying): bit 3 in Firecracker's 6.18 kernel and in the seeds kernel (`kernel/seeds`), bit 2
+/// being the direct map removal series' `GUEST_MEMFD_FLAG_NO_DIRECT_MAP`.
+pub const GUEST_MEMFD_FLAG_WRITE_CANDIDATE: u64 = 1 << 3;
 
-/// `KVM_MEM_USERFAULT` as carried by the KVM Userfault series (seed 001; not upstream).
+/// `KVM_MEM_USERFAULT` as carried by the KVM Userfault series (not upstream; confirm by trying).
 pub const KVM_MEM_USERFAULT_CANDIDATE: u32 = 1 << 3;
-/// `KVM_MEMORY_EXIT_FLAG_USERFAULT` as carried by the KVM Userfault series (seed 001).
+/// `KVM_MEMORY_EXIT_FLAG_USERFAULT` as carried by the KVM Userfault series: set in
+/// `kvm_run.memory_fault.flags` of a `KVM_EXIT_MEMORY_FAULT` whose page is marked in the
+/// memslot's userfault bitmap.
 pub const KVM_MEMORY_EXIT_FLAG_USERFAULT_CANDIDATE: u64 = 1 << 4;
+/// `KVM_CAP_USERFAULT` in the seeds kernel (245 in Firecracker's 6.18 kernel, where 7.3 has
+/// `KVM_CAP_ARM_SEA_TO_USER`): informative only; the probe tries the memslot flag instead.
+pub const KVM_CAP_USERFAULT_SEEDS: u32 = 252;
 
 /// `KVM_DIRTY_GFN_F_DIRTY`: the ring entry holds a dirty gfn for userspace to collect.
 pub const KVM_DIRTY_GFN_F_DIRTY: u32 = 1 << 0;

@@ -10,7 +10,8 @@ use vmm_sys_util::signal::{register_signal_handler, SIGRTMIN};
 use crate::layout;
 use crate::payload::{DONE_GPA, SLEEP_GPA};
 use crate::{Error, Result};
-use guestmem_sys::uapi::KVM_EXIT_DIRTY_RING_FULL;
+use guestmem_memory::GuestMemory;
+use guestmem_sys::uapi::{KVM_EXIT_DIRTY_RING_FULL, KVM_MEMORY_EXIT_FLAG_USERFAULT_CANDIDATE};
 
 /// The signal that kicks a vCPU thread out of `KVM_RUN` (its handler does nothing; the point is
 /// the `EINTR`).
@@ -122,6 +123,9 @@ pub(crate) enum Outcome {
 /// A full dirty ring (`KVM_EXIT_DIRTY_RING_FULL`, counted in `ring_full`) is waited out: the
 /// kernel stopped the vCPU before the ring overflowed and refuses to re-enter the guest until the
 /// harvester has collected the ring and issued `KVM_RESET_DIRTY_RINGS`, so no entry is lost.
+/// A KVM Userfault exit (an access to a page still marked in its memslot's userfault bitmap)
+/// is handed to `memory`'s [`UserfaultRouter`](guestmem_memory::UserfaultRouter), whose pager
+/// installs the page and clears its bit; the vCPU then runs again.
 pub(crate) fn run_loop(
     id: usize,
     vcpu: &mut VcpuFd,
@@ -129,6 +133,7 @@ pub(crate) fn run_loop(
     ring_full: &AtomicU64,
     throttle: &AtomicU64,
     tsc_khz: u64,
+    memory: &GuestMemory,
 ) -> Outcome {
     loop {
         if kicked.load(Ordering::Acquire) {
@@ -143,6 +148,14 @@ pub(crate) fn run_loop(
                 let ns = ticks.saturating_mul(1_000_000) / tsc_khz.max(1);
                 std::thread::sleep(std::time::Duration::from_nanos(ns.min(2_000_000)));
                 continue;
+            }
+            Ok(VcpuExit::MemoryFault { flags, gpa, size })
+                if flags & KVM_MEMORY_EXIT_FLAG_USERFAULT_CANDIDATE != 0 =>
+            {
+                match memory.userfault_router().handle(gpa, size) {
+                    Ok(()) => continue,
+                    Err(reason) => format!("KVM Userfault at {gpa:#x}: {reason}"),
+                }
             }
             Ok(VcpuExit::Unsupported(KVM_EXIT_DIRTY_RING_FULL)) => {
                 ring_full.fetch_add(1, Ordering::Relaxed);

@@ -327,11 +327,13 @@ impl Vm {
                 let ring_full = self.dirty_ring_full_exits.clone();
                 let throttle = self.throttle.clone();
                 let tsc_khz = self.tsc_khz;
+                let memory = self.memory.clone();
                 std::thread::Builder::new()
                     .name(format!("vcpu{id}"))
                     .spawn(move || {
-                        let outcome =
-                            vcpu::run_loop(id, &mut v, &kicked, &ring_full, &throttle, tsc_khz);
+                        let outcome = vcpu::run_loop(
+                            id, &mut v, &kicked, &ring_full, &throttle, tsc_khz, &memory,
+                        );
                         let _ = done.send(id);
                         (v, outcome)
                     })

@@ -19,9 +19,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use guestmem_memory::{GuestMemory, PAGE_SIZE};
+use guestmem_memory::{Backend, GuestMemory, PAGE_SIZE};
 use guestmem_paging::affinity::CpuSet;
-use guestmem_paging::Pager;
+use guestmem_paging::{Pager, UserfaultPager};
 use guestmem_vm::Vm;
 use serde::{Deserialize, Serialize};
 
@@ -152,6 +152,8 @@ pub struct Transfer {
 struct Postcopy {
     link: Arc<PostcopyLink>,
     pagers: Vec<Pager>,
+    /// guest_memfd regions, paged through KVM Userfault.
+    userfault_pagers: Vec<UserfaultPager>,
     listener: Arc<Listener>,
     migration: u64,
 }
@@ -222,6 +224,32 @@ pub fn receive_into<B: MachineBuilder>(
         return Err(refuse(&mut links, unsupported(why)));
     }
 
+    if setup.mode.has_postcopy() {
+        if let Some(r) = setup
+            .config
+            .regions
+            .iter()
+            .find(|r| r.backend == Backend::GuestMemfd)
+        {
+            // Found by trying a userfault memslot on a VM of its own (see UserfaultPager).
+            let missing = match guestmem_sys::probe::kvm_userfault_on_a_new_vm() {
+                Ok(u) if u.present => None,
+                Ok(u) => Some(u.detail),
+                Err(e) => Some(e),
+            };
+            if let Some(why) = missing {
+                return Err(refuse(
+                    &mut links,
+                    unsupported(format!(
+                        "{} of guest_memfd region '{}' needs KVM Userfault (KVM_MEM_USERFAULT, \
+                         KVM_CAP_USERFAULT), which this kernel lacks ({why}): migrate it with \
+                         pre-copy",
+                        setup.mode, r.name
+                    )),
+                ));
+            }
+        }
+    }
     let mut shared = std::collections::HashMap::new();
     if !setup.shared.is_empty() {
         write_frame(&mut links.pages[0], &Frame::Ready)?;
@@ -496,9 +524,10 @@ pub fn receive_into<B: MachineBuilder>(
     let heartbeat = HEARTBEAT_INTERVAL.min(listener.timeouts().idle / 4);
     let postcopy = match &switchover.postcopy {
         Some(stale) => match arm_postcopy(&vm, &setup.shared, stale, &links, opts, heartbeat) {
-            Ok((link, pagers)) => Some(Postcopy {
+            Ok((link, pagers, userfault_pagers)) => Some(Postcopy {
                 link,
                 pagers,
+                userfault_pagers,
                 listener,
                 migration: links.migration,
             }),

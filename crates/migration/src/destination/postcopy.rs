@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use guestmem_memory::PAGE_SIZE;
-use guestmem_paging::{PageSource, Pager, PagerConfig};
+use guestmem_memory::{Backend, PAGE_SIZE};
+use guestmem_paging::{PageSource, Pager, PagerConfig, UserfaultPager};
 use guestmem_vm::layout;
 
 use super::*;
@@ -29,7 +29,7 @@ pub(super) fn arm_postcopy(
     links: &Links,
     opts: &ReceiveOptions,
     heartbeat: Duration,
-) -> Result<(Arc<PostcopyLink>, Vec<Pager>)> {
+) -> Result<(Arc<PostcopyLink>, Vec<Pager>, Vec<UserfaultPager>)> {
     let link = Arc::new(PostcopyLink::new(
         links.pages.len(),
         links.urgent.len(),
@@ -37,11 +37,13 @@ pub(super) fn arm_postcopy(
         heartbeat,
     ));
     let mut pagers = Vec::new();
-    for region in vm
+    let mut userfault_pagers = Vec::new();
+    for (index, region) in vm
         .memory()
         .regions()
         .iter()
-        .filter(|r| r.gpa() != layout::SYS_GPA && !shared.contains(&r.name().to_string()))
+        .enumerate()
+        .filter(|(_, r)| r.gpa() != layout::SYS_GPA && !shared.contains(&r.name().to_string()))
     {
         let bits = stale
             .iter()
@@ -99,6 +101,24 @@ pub(super) fn arm_postcopy(
             gpa: region.gpa(),
             size: region.size(),
         };
+        // guest_memfd: KVM maps its pages for the guest without the host mapping, so only KVM
+        // Userfault sees the vCPUs' first accesses (where it is absent, the region is refused,
+        // naming what is missing: the destination checked that before anything moved).
+        if region.backend() == Backend::GuestMemfd {
+            match UserfaultPager::start_partial(
+                vm.memory(),
+                index,
+                Arc::new(source.clone()),
+                &config,
+                &|offset| !is_stale(offset),
+            ) {
+                Ok(p) => {
+                    userfault_pagers.push(p);
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
         pagers.push(Pager::start_partial(
             region,
             Arc::new(source),
@@ -106,7 +126,7 @@ pub(super) fn arm_postcopy(
             &|offset| !is_stale(offset),
         )?);
     }
-    Ok((link, pagers))
+    Ok((link, pagers, userfault_pagers))
 }
 
 /// The destination's end of the post-copy link: lock-step requests on the pages connections
@@ -492,6 +512,7 @@ fn request(
 }
 
 /// One RAM region's bytes, fetched from the migration source.
+#[derive(Clone)]
 struct RegionSource {
     link: Arc<PostcopyLink>,
     gpa: u64,

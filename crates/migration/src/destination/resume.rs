@@ -49,7 +49,8 @@ impl Transfer {
     /// Post-copy: memory still to arrive, in bytes (0 once everything is resident).
     pub fn missing_bytes(&self) -> u64 {
         self.postcopy.as_ref().map_or(0, |p| {
-            p.pagers
+            let uffd: u64 = p
+                .pagers
                 .iter()
                 .map(|pager| {
                     let s = pager.stats();
@@ -59,7 +60,13 @@ impl Transfer {
                         pager.size().saturating_sub(s.resident_bytes)
                     }
                 })
-                .sum()
+                .sum();
+            let kvm: u64 = p
+                .userfault_pagers
+                .iter()
+                .map(|pager| pager.size().saturating_sub(pager.stats().resident_bytes))
+                .sum();
+            uffd + kvm
         })
     }
 
@@ -78,6 +85,11 @@ impl Transfer {
                     all = false;
                 }
             }
+            for pager in &p.userfault_pagers {
+                if !pager.wait_resident(Duration::from_millis(50))? {
+                    all = false;
+                }
+            }
             if all {
                 break;
             }
@@ -85,14 +97,27 @@ impl Transfer {
         let mut report = self.report.clone();
         // From Running to the last pager's retirement, however late `finish` is called (not
         // the time `finish` waited: ~0 when the guest ran for longer than post-copy took).
-        let retired = p.pagers.iter().filter_map(Pager::retired_at).max();
+        let retired = p
+            .pagers
+            .iter()
+            .filter_map(Pager::retired_at)
+            .chain(
+                p.userfault_pagers
+                    .iter()
+                    .filter_map(UserfaultPager::resident_at),
+            )
+            .max();
         report.resident_ms = match (self.running_at, retired) {
             (Some(running), Some(retired)) => retired.saturating_duration_since(running),
             _ => started.elapsed(),
         }
         .as_secs_f64()
             * 1e3;
-        report.faults = p.pagers.iter().map(|pg| pg.stats().faults).sum();
+        report.faults = p.pagers.iter().map(|pg| pg.stats().faults).sum::<u64>()
+            + p.userfault_pagers
+                .iter()
+                .map(|pg| pg.stats().faults)
+                .sum::<u64>();
         p.link.fill_report(&mut report);
         let json = serde_json::to_vec(&report).expect("a report serializes");
         p.link.close(&json)?;

@@ -51,7 +51,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use guestmem_memory::{Backend, GuestMemory, PageBuf, Region, RegionSpec};
-use guestmem_paging::{PageSource, Pager, PagerConfig};
+use guestmem_paging::{PageSource, Pager, PagerConfig, UserfaultPager};
 use guestmem_vm::{layout, Vm, VmState};
 
 use crate::component::{MachineBuilder, SharedFiles, TargetMachine, VmBuilder};
@@ -456,8 +456,11 @@ fn restore_on<M: TargetMachine>(mut vm: M, snapshot: &Snapshot, mode: RestoreMod
 /// first access and in the background. The pagers are dropped (and their threads joined) before
 /// the VM and its memory, as the field order says.
 pub struct LazyVm<M = Vm> {
-    /// The pagers bringing the memory in, one per RAM region.
+    /// The pagers bringing the memory in, one per RAM region (but guest_memfd ones).
     pub pagers: Vec<Pager>,
+    /// The KVM Userfault pagers bringing guest_memfd regions in (see [`UserfaultPager`]): the
+    /// vCPU loop hands them its userfault exits.
+    pub userfault_pagers: Vec<UserfaultPager>,
     /// The VM, not running yet.
     pub vm: M,
     /// Where the restore spent its time, step by step (the VM's build steps included).
@@ -524,6 +527,7 @@ fn lazy_on<M: TargetMachine>(
     };
     lap(&mut phases, &mut t, "read the working set");
     let mut pagers = Vec::new();
+    let mut userfault_pagers = Vec::new();
     let memory = vm.memory().clone();
     for (i, (region, image)) in memory
         .regions()
@@ -544,6 +548,19 @@ fn lazy_on<M: TargetMachine>(
         if let Some(ws) = &working_set {
             config.prefetch = ws.offsets(&image.spec.name);
         }
+        // guest_memfd: KVM maps its pages for the guest without the host mapping, so only
+        // KVM Userfault sees the vCPUs' first accesses; where it is absent, the region is
+        // refused, naming what is missing (a userfaultfd pager would let the guest run on
+        // pages never fetched).
+        if region.backend() == Backend::GuestMemfd {
+            match UserfaultPager::start(&memory, i, Arc::new(source), &config) {
+                Ok(p) => {
+                    userfault_pagers.push(p);
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
         pagers.push(Pager::start(region, Arc::new(source), &config)?);
     }
     lap(&mut phases, &mut t, "start pagers");
@@ -551,6 +568,7 @@ fn lazy_on<M: TargetMachine>(
     lap(&mut phases, &mut t, "restore vCPU state");
     Ok(LazyVm {
         pagers,
+        userfault_pagers,
         vm,
         phases,
         prefetched: working_set.is_some(),
@@ -793,6 +811,8 @@ pub(crate) fn copy_chunks(
     buf: &mut [u8],
 ) -> Result<()> {
     let size = snapshot.manifest.regions[index].spec.size;
+    // guest_memfd: `write()` where the fd takes it (the seeds kernel), else the mapping.
+    let mut by_write = region.backend() == Backend::GuestMemfd;
     for i in 0..snapshot.manifest.regions[index].chunks.len() {
         let offset = i as u64 * CHUNK_BYTES;
         let len = CHUNK_BYTES.min(size - offset) as usize;
@@ -801,7 +821,17 @@ pub(crate) fn copy_chunks(
         };
         for r in ranges {
             for (start, run) in nonzero_page_runs(&buf[r.clone()]) {
-                memory.write(region.gpa() + offset + (r.start + start) as u64, run)?;
+                let gpa = region.gpa() + offset + (r.start + start) as u64;
+                if by_write {
+                    match memory.write_file(gpa, run) {
+                        Ok(()) => continue,
+                        Err(e) => {
+                            tracing::debug!("guest_memfd write() unavailable ({e}): copying");
+                            by_write = false;
+                        }
+                    }
+                }
+                memory.write(gpa, run)?;
             }
         }
     }

@@ -147,79 +147,38 @@ unsafe impl Send for Shared {}
 // SAFETY: as above.
 unsafe impl Sync for Shared {}
 
-/// How userfaultfd can serve a guest_memfd region on the running kernel, found by trying to
-/// register the region's own mapping (and unregistering it again): `MISSING` faults resolved by
-/// copy, else `MINOR` faults resolved by `UFFDIO_CONTINUE` through a second mapping of the fd.
-/// When neither registration is accepted, the reason names what failed and whether KVM
-/// Userfault (the other way to demand page guest_memfd) is there, as a fresh VM answers it.
-fn guest_memfd_mode(region: &Region) -> std::result::Result<Mode, String> {
-    let addr = region.host_addr() as *mut libc::c_void;
-    let len = region.size() as usize;
-    let attempt = |mode: RegisterMode| -> std::result::Result<(), String> {
-        let uffd = UffdBuilder::new()
-            .close_on_exec(true)
-            .non_blocking(true)
-            .user_mode_only(false)
-            .create()
-            .map_err(|e| format!("userfaultfd could not be opened: {}", uffd_errno(&e)))?;
-        uffd.register_with_mode(addr, len, mode)
-            .map_err(|e| uffd_errno(&e))?;
-        uffd.unregister(addr, len).map_err(|e| {
-            format!(
-                "UFFDIO_UNREGISTER after a successful registration failed: {}",
-                uffd_errno(&e)
-            )
-        })
-    };
-    let missing = match attempt(RegisterMode::MISSING) {
-        Ok(()) => return Ok(Mode::Copy),
-        Err(e) => e,
-    };
-    let minor = match attempt(RegisterMode::MISSING | RegisterMode::MINOR) {
-        Ok(()) => return Ok(Mode::Continue),
-        Err(e) => e,
-    };
-    let userfault = match guestmem_sys::probe::kvm_userfault_on_a_new_vm() {
-        Ok(u) if u.present => format!(
-            "KVM Userfault (KVM_MEM_USERFAULT, KVM_CAP_USERFAULT) is present, but guestmem does \
-             not drive it yet ({})",
-            u.detail
-        ),
-        Ok(u) => format!(
-            "KVM Userfault (KVM_MEM_USERFAULT, KVM_CAP_USERFAULT) is absent ({})",
-            u.detail
-        ),
-        Err(e) => {
-            format!("KVM Userfault (KVM_MEM_USERFAULT, KVM_CAP_USERFAULT) could not be asked: {e}")
-        }
-    };
-    Err(format!(
-        "userfaultfd registration of a guest_memfd mapping failed (MISSING: {missing}; \
-         MISSING|MINOR: {minor}), and {userfault}"
-    ))
+/// Why the userfaultfd [`Pager`] never serves a guest_memfd region: userfaultfd sees accesses
+/// through the host's mapping only, and KVM maps guest_memfd pages for the guest without it, so
+/// a vCPU would run on pages never fetched (zeros) even where the kernel lets userfaultfd
+/// register the mapping. Such a region is demand paged through KVM Userfault
+/// ([`crate::UserfaultPager`]); the reason says whether this kernel has it, as a fresh VM
+/// answers.
+fn guest_memfd_refusal() -> (bool, String) {
+    const WHY: &str = "userfaultfd sees only the host mapping's accesses, never a vCPU's to \
+                       guest_memfd: its demand paging needs KVM Userfault (KVM_MEM_USERFAULT, \
+                       KVM_CAP_USERFAULT)";
+    match guestmem_sys::probe::kvm_userfault_on_a_new_vm() {
+        Ok(u) if u.present => (true, format!("{WHY}, which this kernel has ({})", u.detail)),
+        Ok(u) => (false, format!("{WHY}, which is absent here ({})", u.detail)),
+        Err(e) => (false, format!("{WHY}, which could not be asked for: {e}")),
+    }
 }
 
-/// Whether a [`Pager`] can demand page `region` on the running kernel, without starting one:
-/// `Ok` for every backend but guest_memfd, whose mapping is tried (see [`Pager::start`]); the
-/// refusal names what is missing. For callers that must refuse before anything moves.
+/// Whether guestmem can demand page `region` on the running kernel, without starting a pager:
+/// `Ok` for every backend but guest_memfd, which needs KVM Userfault (found by trying it, see
+/// [`crate::UserfaultPager`]); the refusal names what is missing. For callers that must refuse
+/// before anything moves.
 pub fn check_demand_paging(region: &Region) -> Result<()> {
     if region.backend() != Backend::GuestMemfd {
         return Ok(());
     }
-    guest_memfd_mode(region)
-        .map(|_| ())
-        .map_err(|reason| Error::Unsupported {
+    match guest_memfd_refusal() {
+        (true, _) => Ok(()),
+        (false, reason) => Err(Error::Unsupported {
             region: region.name().to_string(),
             backend: region.backend(),
             reason,
-        })
-}
-
-/// The errno of a userfaultfd crate error by name (`EINVAL`), else its text.
-fn uffd_errno(e: &userfaultfd::Error) -> String {
-    match e {
-        userfaultfd::Error::SystemError(errno) => format!("{errno:?}"),
-        other => other.to_string(),
+        }),
     }
 }
 
@@ -255,11 +214,11 @@ impl Pager {
             Backend::Anon | Backend::MemfdHugetlb | Backend::Hugetlbfs => Mode::Copy,
             Backend::Memfd => Mode::Continue,
             Backend::GuestMemfd => {
-                guest_memfd_mode(region).map_err(|reason| Error::Unsupported {
-                    region: name.clone(),
+                return Err(Error::Unsupported {
+                    region: name,
                     backend,
-                    reason,
-                })?
+                    reason: guest_memfd_refusal().1,
+                })
             }
         };
         let page = backend.page_size();

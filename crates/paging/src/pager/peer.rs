@@ -314,8 +314,8 @@ fn serve_peer_faults(uffd: &Uffd, ranges: &[Arc<Shared>], stop: i32) {
 
 /// The VMM's side of a [`PeerPager`]: creates a userfaultfd with `UFFD_EVENT_REMOVE` and
 /// registers every one of `regions` on it in `MISSING` mode, for a page server to serve (the fd
-/// is to be sent to it). A guest_memfd region is registered where the kernel accepts it (found by
-/// trying), else refused naming what is missing, as by [`Pager::start`](super::Pager::start).
+/// is to be sent to it). A guest_memfd region is refused, as by
+/// [`Pager::start`](super::Pager::start): userfaultfd never sees a vCPU's accesses to it.
 pub fn register_for_peer(regions: &[&Region]) -> Result<OwnedFd> {
     let mut features = UFFD_FEATURE_EVENT_REMOVE;
     for r in regions {
@@ -323,25 +323,13 @@ pub fn register_for_peer(regions: &[&Region]) -> Result<OwnedFd> {
             Backend::Anon => 0,
             Backend::Memfd => UFFD_FEATURE_MISSING_SHMEM,
             Backend::MemfdHugetlb | Backend::Hugetlbfs => UFFD_FEATURE_MISSING_HUGETLBFS,
-            backend @ Backend::GuestMemfd => match super::guest_memfd_mode(r) {
-                Ok(super::Mode::Copy) => 0,
-                Ok(super::Mode::Continue) => {
-                    return Err(Error::Unsupported {
-                        region: r.name().into(),
-                        backend,
-                        reason: "userfaultfd registers this guest_memfd mapping for MINOR \
-                                 faults only, and a page server serves MISSING faults"
-                            .into(),
-                    })
-                }
-                Err(reason) => {
-                    return Err(Error::Unsupported {
-                        region: r.name().into(),
-                        backend,
-                        reason,
-                    })
-                }
-            },
+            backend @ Backend::GuestMemfd => {
+                return Err(Error::Unsupported {
+                    region: r.name().into(),
+                    backend,
+                    reason: super::guest_memfd_refusal().1,
+                })
+            }
         };
     }
     let name = regions.first().map(|r| r.name()).unwrap_or("none");

@@ -20,6 +20,7 @@ pub(super) fn throwaway_vm() -> Result<(Kvm, VmFd), String> {
 pub(super) const GUEST_MEMFD_FLAG_NAMES: &[(u64, &str)] = &[
     (uapi::GUEST_MEMFD_FLAG_MMAP, "MMAP"),
     (uapi::GUEST_MEMFD_FLAG_INIT_SHARED, "INIT_SHARED"),
+    (uapi::GUEST_MEMFD_FLAG_WRITE_CANDIDATE, "WRITE"),
 ];
 
 pub(super) const MANUAL_DIRTY_LOG_NAMES: &[(u64, &str)] = &[

@@ -9,6 +9,7 @@
 //! them, because their flag numbers moved between patch versions; see [`guest_memfd_write`] and
 //! [`kvm_userfault`].
 
+mod gmem_uffd;
 mod gmem_write;
 mod host;
 mod hugepages;
@@ -20,6 +21,7 @@ mod util;
 
 use serde::Serialize;
 
+pub use gmem_uffd::guest_memfd_uffd;
 pub use gmem_write::guest_memfd_write;
 pub use host::host;
 pub use hugepages::{hugetlb, thp};
@@ -40,6 +42,8 @@ pub struct Probe {
     pub guest_memfd_write: Result<GuestMemfdWrite, String>,
     /// KVM Userfault (seed 001, not upstream), found by trying a `KVM_MEM_USERFAULT` memslot.
     pub kvm_userfault: Result<KvmUserfault, String>,
+    /// userfaultfd on a guest_memfd mapping (not upstream), found by trying to register one.
+    pub guest_memfd_uffd: Result<GuestMemfdUffd, String>,
     /// userfaultfd API: the features and ioctls the kernel offers.
     pub userfaultfd: Result<Userfaultfd, String>,
     /// Transparent huge page modes.
@@ -153,6 +157,26 @@ pub struct KvmUserfault {
     pub detail: String,
 }
 
+/// Whether userfaultfd can register a guest_memfd's host mapping, per mode. Registration
+/// alone does not page a guest: KVM maps guest_memfd pages for the guest without going through
+/// that mapping, so only KVM Userfault sees a vCPU's first access.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct GuestMemfdUffd {
+    /// `UFFDIO_REGISTER_MODE_MISSING` accepted.
+    pub missing: bool,
+    /// `UFFDIO_REGISTER_MODE_MINOR` accepted.
+    pub minor: bool,
+    /// What the attempts found.
+    pub detail: String,
+}
+
+impl GuestMemfdUffd {
+    /// Whether either mode registered.
+    pub fn present(&self) -> bool {
+        self.missing || self.minor
+    }
+}
+
 /// The answer of `UFFDIO_API` with `features = 0`.
 #[derive(Debug, Clone, Serialize)]
 pub struct Userfaultfd {
@@ -242,17 +266,27 @@ pub struct SyscallCheck {
 /// Asks the kernel everything [`Probe`] holds. Never panics.
 pub fn probe() -> Probe {
     let host = host();
-    let (kvm, guest_memfd_write, kvm_userfault) = match throwaway_vm() {
+    let (kvm, guest_memfd_write, kvm_userfault, guest_memfd_uffd) = match throwaway_vm() {
         Ok((kvm, vm)) => {
             let caps = kvm_caps(&kvm, &vm);
             let gmem_flags = caps.guest_memfd_flags.as_ref().map(|f| f.raw).unwrap_or(0);
             let write = guest_memfd_write(&vm, gmem_flags);
             let userfault = kvm_userfault(&vm);
-            (Ok(caps), write, userfault)
+            let uffd = if caps.guest_memfd_flags.as_ref().is_ok_and(|f| f.has("MMAP")) {
+                guest_memfd_uffd(&vm)
+            } else {
+                Err("skipped: guest_memfd cannot be mapped (no GUEST_MEMFD_FLAG_MMAP)".into())
+            };
+            (Ok(caps), write, userfault, uffd)
         }
         Err(e) => {
             let skipped = format!("skipped: {e}");
-            (Err(e), Err(skipped.clone()), Err(skipped))
+            (
+                Err(e),
+                Err(skipped.clone()),
+                Err(skipped.clone()),
+                Err(skipped),
+            )
         }
     };
     Probe {
@@ -260,6 +294,7 @@ pub fn probe() -> Probe {
         kvm,
         guest_memfd_write,
         kvm_userfault,
+        guest_memfd_uffd,
         userfaultfd: userfaultfd(),
         thp: thp(),
         hugetlb: hugetlb(),
