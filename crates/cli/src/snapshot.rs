@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use guestmem_migration::firecracker;
 use guestmem_migration::snapshot::{self, RestoreMode, Snapshot};
-use guestmem_paging::{Pager, PagerConfig};
+use guestmem_paging::{Pager, PagerConfig, PagerStats, UserfaultPager};
 use guestmem_tracking::{Mode as TrackingMode, Tracker};
 use guestmem_vm::{layout, VcpuWork, Vm, Workload};
 use serde::Serialize;
@@ -151,6 +151,7 @@ use crate::units::seconds;
 pub(crate) fn run_restored(
     vm: &mut Vm,
     pagers: &[Pager],
+    userfault_pagers: &[UserfaultPager],
     run_for: Duration,
     t: Instant,
 ) -> crate::Result<(Vec<u64>, Vec<u64>, Option<f64>)> {
@@ -167,27 +168,30 @@ pub(crate) fn run_restored(
         }
         resident_ms = Some(t.elapsed().as_secs_f64() * 1e3);
     }
+    for pager in userfault_pagers {
+        if !pager.wait_resident(Duration::from_secs(300))? {
+            return Err("the lazily restored memory did not become resident in 300 s".into());
+        }
+        resident_ms = Some(t.elapsed().as_secs_f64() * 1e3);
+    }
     Ok((before, after, resident_ms))
 }
 
 /// A lazy restore's working set: fetched first when the snapshot had one, else recorded
 /// (`record`) from the faults of this run, for the next lazy restore to fetch first.
 pub(crate) fn working_set_output(
-    pagers: &[Pager],
+    stats: &[PagerStats],
     prefetched: bool,
     record: impl FnOnce() -> crate::Result<usize>,
 ) -> crate::Result<Option<WorkingSetOutput>> {
-    if pagers.is_empty() {
+    if stats.is_empty() {
         return Ok(None);
     }
-    let faults = pagers.iter().map(|p| p.stats().faults).sum();
+    let faults = stats.iter().map(|s| s.faults).sum();
     Ok(Some(if prefetched {
         WorkingSetOutput {
             action: "fetched first",
-            chunks: pagers
-                .iter()
-                .map(|p| p.stats().prefetch_chunks)
-                .sum::<u64>() as usize,
+            chunks: stats.iter().map(|s| s.prefetch_chunks).sum::<u64>() as usize,
             faults,
         }
     } else {
@@ -197,6 +201,18 @@ pub(crate) fn working_set_output(
             faults,
         }
     }))
+}
+
+/// The statistics of a lazy restore's pagers, of both kinds.
+pub(crate) fn pager_stats(
+    pagers: &[Pager],
+    userfault_pagers: &[UserfaultPager],
+) -> Vec<PagerStats> {
+    pagers
+        .iter()
+        .map(Pager::stats)
+        .chain(userfault_pagers.iter().map(UserfaultPager::stats))
+        .collect()
 }
 
 pub fn snapshot(mut args: SnapshotArgs) -> crate::Result<()> {
@@ -408,10 +424,17 @@ pub fn restore(args: RestoreArgs) -> crate::Result<()> {
         )
         .into());
     }
-    let (before, after, resident_ms) = run_restored(&mut vm, &pagers, run_for, t)?;
-    let working_set = working_set_output(&pagers, prefetched, || {
-        Ok(snapshot::record_working_set(&snap, &vm, &pagers)?)
-    })?;
+    let (before, after, resident_ms) =
+        run_restored(&mut vm, &pagers, &userfault_pagers, run_for, t)?;
+    let working_set =
+        working_set_output(&pager_stats(&pagers, &userfault_pagers), prefetched, || {
+            Ok(snapshot::record_working_set_with(
+                &snap,
+                vm.memory(),
+                &pagers,
+                &userfault_pagers,
+            )?)
+        })?;
     drop(pagers);
     drop(userfault_pagers);
     drop(peer);

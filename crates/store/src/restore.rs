@@ -13,8 +13,10 @@ use guestmem_migration::component::{
 };
 use guestmem_migration::firecracker::{self, PeerRestoredVm, ServedMemory, ServedRegion};
 use guestmem_migration::snapshot::SavedState;
-use guestmem_migration::snapshot::{PreparedVm, WorkingSetRegion};
-use guestmem_paging::{Pager, PagerConfig};
+use guestmem_migration::snapshot::{
+    start_region_pagers, PreparedVm, RegionPagers, WorkingSetRegion,
+};
+use guestmem_paging::{PageSource, Pager, PagerConfig, UserfaultPager};
 use guestmem_vm::{layout, Vm};
 use serde::{Deserialize, Serialize};
 
@@ -461,15 +463,17 @@ impl StoreSnapshot {
             write_non_zero(vm.memory(), gpa, &bytes)?;
         }
         let working_set = working_set?;
-        let mut pagers = Vec::new();
-        for (i, region) in vm.memory().regions().iter().enumerate() {
-            if region.gpa() == layout::SYS_GPA {
-                continue;
-            }
-            let image = &self.manifest.regions[i];
-            let source = self.source(i);
+        let memory = vm.memory().clone();
+        let abort = vm.abort_handle();
+        // The same pagers as a flat snapshot's lazy restore (KVM Userfault for guest_memfd),
+        // the source being the store's chunks, each checked against its hash.
+        let RegionPagers {
+            pagers,
+            userfault_pagers,
+        } = start_region_pagers(&memory, |i, _| {
+            let source: Arc<dyn PageSource> = Arc::new(self.source(i));
             let mut config = PagerConfig {
-                abort: vm.abort_handle(),
+                abort: abort.clone(),
                 realtime_handlers: true,
                 // A fault waits for one store chunk, not a 2 MiB window of them (the guest
                 // runs sooner); readahead and the background sweep keep several in flight.
@@ -479,18 +483,20 @@ impl StoreSnapshot {
                 ..config.clone()
             };
             if let Some(ws) = &working_set {
+                let name = &self.manifest.regions[i].spec.name;
                 config.prefetch = ws
                     .regions
                     .iter()
-                    .find(|r| r.name == image.spec.name)
+                    .find(|r| &r.name == name)
                     .map(|r| r.chunks.clone())
                     .unwrap_or_default();
             }
-            pagers.push(Pager::start(region, Arc::new(source), &config)?);
-        }
+            Ok((source, config))
+        })?;
         vm.restore(&self.machine)?;
         Ok(LazyStoreVm {
             pagers,
+            userfault_pagers,
             vm,
             ready: t.elapsed(),
             prefetched: working_set.is_some(),
@@ -533,7 +539,19 @@ impl StoreSnapshot {
     /// Records the chunks the guest of `lazy` faulted on, in order, for the next lazy restore
     /// of this snapshot (on any host) to fetch first. Returns how many it lists.
     pub fn record_working_set<M: TargetMachine>(&self, vm: &M, pagers: &[Pager]) -> Result<usize> {
-        let regions = guestmem_migration::snapshot::regions_of_memory(vm.memory(), pagers);
+        self.record_working_set_with(vm, pagers, &[])
+    }
+
+    /// [`StoreSnapshot::record_working_set`] with the KVM Userfault pagers of the guest_memfd
+    /// regions too ([`LazyStoreVm::userfault_pagers`]).
+    pub fn record_working_set_with<M: TargetMachine>(
+        &self,
+        vm: &M,
+        pagers: &[Pager],
+        userfault_pagers: &[UserfaultPager],
+    ) -> Result<usize> {
+        let regions =
+            guestmem_migration::snapshot::regions_of_pagers(vm.memory(), pagers, userfault_pagers);
         let n = regions.iter().map(|r| r.chunks.len()).sum();
         let mut ws = StoreWorkingSet {
             format: WORKING_SET_FORMAT.into(),
@@ -551,8 +569,11 @@ impl StoreSnapshot {
 
 /// A VM restored lazily from a store; the pagers go before the VM (field order).
 pub struct LazyStoreVm<M = Vm> {
-    /// The pagers bringing its memory in.
+    /// The userfaultfd pagers bringing its memory in (guest_memfd regions left out).
     pub pagers: Vec<Pager>,
+    /// The KVM Userfault pagers bringing its guest_memfd regions in (see [`UserfaultPager`]):
+    /// the vCPU loop hands them its userfault exits.
+    pub userfault_pagers: Vec<UserfaultPager>,
     /// The VM.
     pub vm: M,
     /// From the start of the restore to the vCPUs being ready.

@@ -254,6 +254,9 @@ pub(super) fn restore(args: &RestoreArgs) -> crate::Result<()> {
     }
     // A page server's connection and our copy of the userfaultfd, held while the guest runs.
     let mut peer = None;
+    // KVM Userfault pagers (guest_memfd regions): they serve the vCPUs' userfault exits for
+    // as long as they live.
+    let mut userfault_pagers = Vec::new();
     let (mut vm, pagers, prefetched) = match args.mode {
         Mode::Map => {
             return Err(format!(
@@ -273,18 +276,23 @@ pub(super) fn restore(args: &RestoreArgs) -> crate::Result<()> {
         }
         Mode::Lazy => {
             let lazy = snap.restore_lazy(&PagerConfig::default())?;
+            userfault_pagers = lazy.userfault_pagers;
             (lazy.vm, lazy.pagers, lazy.prefetched)
         }
     };
     let restore_ms = t.elapsed().as_secs_f64() * 1e3;
     // restore_full compared every digest already (it refuses otherwise).
     let memory_digests_match = matches!(args.mode, Mode::Full).then_some(true);
-    let (before, after, resident_ms) = super::run_restored(&mut vm, &pagers, run_for, t)?;
+    let (before, after, resident_ms) =
+        super::run_restored(&mut vm, &pagers, &userfault_pagers, run_for, t)?;
     drop(peer);
-    let working_set = super::working_set_output(&pagers, prefetched, || {
-        Ok(snap.record_working_set(&vm, &pagers)?)
-    })?;
+    let working_set = super::working_set_output(
+        &super::pager_stats(&pagers, &userfault_pagers),
+        prefetched,
+        || Ok(snap.record_working_set_with(&vm, &pagers, &userfault_pagers)?),
+    )?;
     drop(pagers);
+    drop(userfault_pagers);
     let out = StoreRestoreOutput {
         mode: match args.mode {
             Mode::Full => "full",

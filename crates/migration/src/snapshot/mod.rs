@@ -35,6 +35,7 @@
 
 pub mod live;
 mod manifest;
+mod pagers;
 mod prepared;
 mod sparse;
 mod working_set;
@@ -61,10 +62,12 @@ pub use manifest::{
     canonical_checksum, check_config_layout, BaseRef, Chunk, Manifest, RegionFile, RegionImage,
     CHUNK_BYTES, FORMAT, MAX_BASE_DEPTH, VERSION,
 };
+pub use pagers::{start_region_pagers, RegionPagers};
 pub use prepared::{layout_mismatch, PreparedVm};
 use sparse::{nonzero_page_runs, read_sparse};
 pub use working_set::{
-    regions_of, regions_of_memory, WorkingSet, WorkingSetRegion, WORKING_SET_FORMAT,
+    regions_of, regions_of_memory, regions_of_pagers, WorkingSet, WorkingSetRegion,
+    WORKING_SET_FORMAT,
 };
 pub use write::{
     write, write_diff, write_machine, write_machine_diff, write_with_components, WriteReport,
@@ -526,43 +529,24 @@ fn lazy_on<M: TargetMachine>(
         None
     };
     lap(&mut phases, &mut t, "read the working set");
-    let mut pagers = Vec::new();
-    let mut userfault_pagers = Vec::new();
     let memory = vm.memory().clone();
-    for (i, (region, image)) in memory
-        .regions()
-        .iter()
-        .zip(&snapshot.manifest.regions)
-        .enumerate()
-    {
-        if region.gpa() == layout::SYS_GPA {
-            continue;
-        }
-        let source = SnapshotSource::new(snapshot, i)?;
+    let abort = vm.abort_handle();
+    let RegionPagers {
+        pagers,
+        userfault_pagers,
+    } = start_region_pagers(&memory, |i, _| {
+        let source: Arc<dyn PageSource> = Arc::new(SnapshotSource::new(snapshot, i)?);
         let mut config = PagerConfig {
-            abort: vm.abort_handle(),
+            abort: abort.clone(),
             // The restored vCPUs wait on their faults from the first instruction on.
             realtime_handlers: true,
             ..config.clone()
         };
         if let Some(ws) = &working_set {
-            config.prefetch = ws.offsets(&image.spec.name);
+            config.prefetch = ws.offsets(&snapshot.manifest.regions[i].spec.name);
         }
-        // guest_memfd: KVM maps its pages for the guest without the host mapping, so only
-        // KVM Userfault sees the vCPUs' first accesses; where it is absent, the region is
-        // refused, naming what is missing (a userfaultfd pager would let the guest run on
-        // pages never fetched).
-        if region.backend() == Backend::GuestMemfd {
-            match UserfaultPager::start(&memory, i, Arc::new(source), &config) {
-                Ok(p) => {
-                    userfault_pagers.push(p);
-                    continue;
-                }
-                Err(e) => return Err(e.into()),
-            }
-        }
-        pagers.push(Pager::start(region, Arc::new(source), &config)?);
-    }
+        Ok((source, config))
+    })?;
     lap(&mut phases, &mut t, "start pagers");
     vm.restore(&snapshot.machine)?;
     lap(&mut phases, &mut t, "restore vCPU state");
@@ -580,22 +564,29 @@ impl<M: TargetMachine> LazyVm<M> {
     /// `snapshot` (see [`Snapshot::working_set`]), for the next lazy restore to fetch first.
     /// Returns how many chunks it lists.
     pub fn record_working_set(&self, snapshot: &Snapshot) -> Result<usize> {
-        record_working_set_of(snapshot, self.vm.memory(), &self.pagers)
+        record_working_set_with(
+            snapshot,
+            self.vm.memory(),
+            &self.pagers,
+            &self.userfault_pagers,
+        )
     }
 }
 
 /// [`LazyVm::record_working_set`] for a lazy restore taken apart (`pagers` in the order
 /// [`restore_lazy`] made them).
 pub fn record_working_set(snapshot: &Snapshot, vm: &Vm, pagers: &[Pager]) -> Result<usize> {
-    record_working_set_of(snapshot, vm.memory(), pagers)
+    record_working_set_with(snapshot, vm.memory(), pagers, &[])
 }
 
-fn record_working_set_of(
+/// [`record_working_set`] with the KVM Userfault pagers of the guest_memfd regions too.
+pub fn record_working_set_with(
     snapshot: &Snapshot,
     memory: &GuestMemory,
     pagers: &[Pager],
+    userfault_pagers: &[UserfaultPager],
 ) -> Result<usize> {
-    let regions = working_set::regions_of_memory(memory, pagers);
+    let regions = working_set::regions_of_pagers(memory, pagers, userfault_pagers);
     let n = regions.iter().map(|r| r.chunks.len()).sum();
     snapshot.write_working_set(regions)?;
     Ok(n)

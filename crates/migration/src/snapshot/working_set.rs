@@ -1,8 +1,8 @@
 //! `working-set.json`: the chunks a lazily restored guest faulted on first, kept beside the
 //! snapshot for the next lazy restore to fetch first.
 
-use guestmem_memory::GuestMemory;
-use guestmem_paging::Pager;
+use guestmem_memory::{Backend, GuestMemory};
+use guestmem_paging::{Pager, UserfaultPager};
 use guestmem_vm::{layout, Vm};
 use serde::{Deserialize, Serialize};
 
@@ -48,14 +48,33 @@ pub fn regions_of(vm: &Vm, pagers: &[Pager]) -> Vec<WorkingSetRegion> {
 
 /// [`regions_of`] for any VM's guest memory.
 pub fn regions_of_memory(memory: &GuestMemory, pagers: &[Pager]) -> Vec<WorkingSetRegion> {
+    regions_of_pagers(memory, pagers, &[])
+}
+
+/// [`regions_of_memory`] with the KVM Userfault pagers of the guest_memfd regions too (as
+/// [`super::start_region_pagers`] starts them: `pagers` for the other RAM regions, in order,
+/// `userfault_pagers` for the guest_memfd ones).
+pub fn regions_of_pagers(
+    memory: &GuestMemory,
+    pagers: &[Pager],
+    userfault_pagers: &[UserfaultPager],
+) -> Vec<WorkingSetRegion> {
+    let mut pagers = pagers.iter();
+    let mut userfault_pagers = userfault_pagers.iter();
     memory
         .regions()
         .iter()
         .filter(|r| r.gpa() != layout::SYS_GPA)
-        .zip(pagers)
-        .map(|(region, pager)| WorkingSetRegion {
-            name: region.name().to_string(),
-            chunks: pager.fault_order(),
+        .filter_map(|region| {
+            let chunks = if region.backend() == Backend::GuestMemfd {
+                userfault_pagers.next()?.fault_order()
+            } else {
+                pagers.next()?.fault_order()
+            };
+            Some(WorkingSetRegion {
+                name: region.name().to_string(),
+                chunks,
+            })
         })
         .collect()
 }
