@@ -712,3 +712,54 @@ fn minio_lazy_restore_stops_on_a_damaged_chunk() {
         "{e}"
     );
 }
+
+/// A lazy restore of a guest_memfd VM from a local store goes through KVM Userfault: where the
+/// kernel has it the region gets a KVM Userfault pager (no userfaultfd pager), where it lacks
+/// it the restore is refused naming KVM Userfault before any vCPU runs (the seeds suite runs
+/// the guest on such a restore: tests/tests/seeds.rs).
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn gmem_store_lazy_restore_is_served_or_refused_naming_kvm_userfault() {
+    let tmp = TempDir::new("store-gmem-lazy");
+    let config = VmConfig::simple(1, 8 << 20, MemBackend::GuestMemfd);
+    let vm = match Vm::new(&config) {
+        Ok(vm) => vm,
+        Err(e) => {
+            // No host-mapped guest_memfd on this kernel: refused naming what it lacks.
+            let msg = e.to_string();
+            assert!(
+                msg.contains("KVM_CAP_GUEST_MEMFD") || msg.contains("MMAP|INIT_SHARED"),
+                "{msg}"
+            );
+            return;
+        }
+    };
+    let backend: Arc<dyn Backend> = Arc::new(LocalBackend::new(&tmp.0.join("store")));
+    write(&*backend, "gmem", &vm, None).unwrap();
+    drop(vm);
+    let snap = StoreSnapshot::open(backend, "gmem", None).unwrap();
+    let restored = snap.restore_lazy(&PagerConfig::default());
+    let userfault = guestmem_sys::probe::kvm_userfault_on_a_new_vm().unwrap();
+    if userfault.present {
+        let lazy = restored.unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            lazy.pagers.is_empty(),
+            "no userfaultfd pager for guest_memfd"
+        );
+        assert_eq!(lazy.userfault_pagers.len(), 1);
+        assert!(lazy.userfault_pagers[0]
+            .wait_resident(Duration::from_secs(60))
+            .unwrap());
+        snap.check_memory(lazy.vm.memory()).unwrap();
+    } else {
+        let e = restored.err().expect("refused without KVM Userfault");
+        let msg = guestmem_sys::error_chain(&e, ": ");
+        assert!(
+            msg.contains("region 'ram'")
+                && msg.contains("KVM Userfault")
+                && msg.contains("KVM_MEM_USERFAULT")
+                && msg.contains("is absent"),
+            "{msg}"
+        );
+    }
+}

@@ -33,4 +33,4 @@ pub use pager::{
     PeerRange, PeerReleased,
 };
 pub use source::{FileSource, PageSource, RemoteSource, WindowSource, ZeroSource};
-pub use userfault::UserfaultPager;
+pub use userfault::{UserfaultPager, HOST_UFFD, HOST_WAIT};

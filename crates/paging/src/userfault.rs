@@ -14,10 +14,13 @@
 //! after its bytes are in the file, under the chunk's lock, so no vCPU ever maps a page before
 //! its bytes are there; bits are never set again.
 //!
-//! What it does not catch: accesses through the host mapping (the VMM's own, and KVM's
-//! emulated ones) to a chunk not yet installed read zeros. guestmem's VMM touches guest RAM
-//! only after [`UserfaultPager::wait_resident`] (digests, snapshots), and its payload's device
-//! state lives in the sys region, which a lazy restore copies at once.
+//! Accesses through the host mapping (the VMM's own, and KVM's emulated ones) are not vCPU
+//! accesses: where the kernel has userfaultfd on guest_memfd, the pager registers the mapping
+//! too and serves them the same way ([`host`]); [`UserfaultPager::host_access`] says whether it
+//! did. Where the kernel lacks it, such an access to a chunk not yet installed would read
+//! zeros: the VMM reads a range only after [`UserfaultPager::make_resident`] or
+//! [`UserfaultPager::wait_resident`] (guestmem's does: digests, snapshots, working sets), and
+//! its payload's device state lives in the sys region, which a lazy restore copies at once.
 
 use std::io;
 use std::os::fd::AsRawFd;
@@ -31,6 +34,15 @@ use guestmem_vm::AbortHandle;
 
 use crate::{Error, PageSource, PagerConfig, PagerStats, Result};
 
+mod host;
+
+/// [`UserfaultPager::host_access`] where the host mapping is registered with userfaultfd.
+pub const HOST_UFFD: &str = "userfaultfd (MISSING) on the guest_memfd mapping, served by the \
+                             same pager";
+/// [`UserfaultPager::host_access`] where the kernel refused the registration.
+pub const HOST_WAIT: &str = "not trapped: the VMM reads a range only once it is resident \
+                             (make_resident, wait_resident)";
+
 /// How installed pages get into the region.
 const INSTALL_WRITE: u8 = 0;
 const INSTALL_COPY: u8 = 1;
@@ -41,6 +53,10 @@ const INSTALL_COPY: u8 = 1;
 pub struct UserfaultPager {
     inner: Arc<Inner>,
     background: Option<JoinHandle<()>>,
+    /// The host mapping's userfaultfd registration, where the kernel takes it.
+    host: Option<host::HostUffd>,
+    /// What serves host accesses (see [`UserfaultPager::host_access`]).
+    host_access: String,
 }
 
 struct Inner {
@@ -62,6 +78,13 @@ struct Inner {
     fault_order: Mutex<Vec<u64>>,
     failure: Mutex<Option<String>>,
     resident_at: OnceLock<Instant>,
+    /// The userfaultfd the host mapping is registered with (guest_memfd, where the kernel
+    /// takes it), and whether it still is.
+    host_uffd: OnceLock<Arc<userfaultfd::Uffd>>,
+    host_armed: AtomicBool,
+    host_stop: AtomicBool,
+    host_faults: AtomicU64,
+    host_chunks: AtomicU64,
 }
 
 impl UserfaultPager {
@@ -193,7 +216,22 @@ impl UserfaultPager {
             fault_order: Mutex::new(Vec::new()),
             failure: Mutex::new(None),
             resident_at: OnceLock::new(),
+            host_uffd: OnceLock::new(),
+            host_armed: AtomicBool::new(false),
+            host_stop: AtomicBool::new(false),
+            host_faults: AtomicU64::new(0),
+            host_chunks: AtomicU64::new(0),
         });
+        // The host mapping too, before anything can read it (guest_memfd only: any other
+        // backend's mapping is what the vCPUs use, installed before the bits clear).
+        let (host, host_access) = if inner.region.backend() == Backend::GuestMemfd {
+            match host::arm(&inner) {
+                Ok(h) => (Some(h), HOST_UFFD.to_string()),
+                Err(why) => (None, format!("{HOST_WAIT}: {why}")),
+            }
+        } else {
+            (None, "the host mapping is the guest's".to_string())
+        };
         memory
             .userfault_router()
             .add(inner.region.gpa(), size, inner.clone());
@@ -213,7 +251,12 @@ impl UserfaultPager {
         } else {
             None
         };
-        Ok(UserfaultPager { inner, background })
+        Ok(UserfaultPager {
+            inner,
+            background,
+            host,
+            host_access,
+        })
     }
 
     /// What it has done so far (`faults`: userfault exits handed to it).
@@ -283,6 +326,48 @@ impl UserfaultPager {
         self.inner.chunk
     }
 
+    /// What serves the VMM's own accesses through the host mapping (and KVM's emulated ones)
+    /// to pages not yet installed: [`HOST_UFFD`] where the mapping is registered with
+    /// userfaultfd, else [`HOST_WAIT`] and the kernel's refusal.
+    pub fn host_access(&self) -> &str {
+        &self.host_access
+    }
+
+    /// Whether host accesses are served by the pager (the mapping registered with
+    /// userfaultfd, see [`UserfaultPager::host_access`]) until every page is installed.
+    pub fn serves_host_access(&self) -> bool {
+        self.host.is_some()
+    }
+
+    /// Host accesses to pages not yet installed, served through the mapping's userfaultfd,
+    /// and the chunks they installed.
+    pub fn host_faults(&self) -> (u64, u64) {
+        (
+            self.inner.host_faults.load(Ordering::Relaxed),
+            self.inner.host_chunks.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Installs every chunk of region offsets `[offset, offset + len)` not installed yet
+    /// (fetched and checked, as a vCPU's exit would): for a VMM about to read that range
+    /// through the host mapping where the mapping is not registered with userfaultfd.
+    pub fn make_resident(&self, offset: u64, len: u64) -> Result<()> {
+        let size = self.inner.region.size();
+        let end = offset.saturating_add(len).min(size);
+        let mut chunk = offset / self.inner.chunk;
+        while chunk * self.inner.chunk < end {
+            if let Err(e) = self.inner.install_chunk(chunk) {
+                let reason = self.inner.fail(e);
+                return Err(Error::Stopped {
+                    region: self.inner.region.name().into(),
+                    reason,
+                });
+            }
+            chunk += 1;
+        }
+        Ok(())
+    }
+
     /// How pages are installed: `"write"` (guest_memfd `write()`) or `"copy"` (through the
     /// host mapping, where the fd does not take `write()`).
     pub fn install_method(&self) -> &'static str {
@@ -299,6 +384,8 @@ impl Drop for UserfaultPager {
         if let Some(t) = self.background.take() {
             let _ = t.join();
         }
+        // The host mapping's registration goes with it (nobody would serve it).
+        self.host.take();
     }
 }
 
@@ -411,6 +498,9 @@ impl Inner {
                     })
                 }
             }
+        }
+        if self.put_registered(offset, data)? {
+            return Ok(());
         }
         // SAFETY: `offset + data.len()` lies inside the region's mapping (a chunk of it); the
         // range belongs to a chunk whose bits are still set, so no vCPU maps it yet, and the
