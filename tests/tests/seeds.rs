@@ -5,12 +5,20 @@
 
 mod common;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use common::{assert_pages_consistent, dirty_work, resume_and_check_continuation, TempDir};
-use guestmem_memory::{populate, Backend, Method, Source};
+use guestmem_memory::{populate, Backend, Method, Source, PAGE_SIZE};
 use guestmem_migration::snapshot::{self, Snapshot};
 use guestmem_paging::PagerConfig;
+use guestmem_store::backend::Backend as StoreBackend;
+use guestmem_store::chunk as store_chunk;
+use guestmem_store::local::LocalBackend;
+use guestmem_store::manifest::StoreManifest;
+use guestmem_store::restore::StoreSnapshot;
+use guestmem_store::write::write as store_write;
+use guestmem_vm::layout::RAM_GPA;
 use guestmem_vm::{Vm, VmConfig};
 
 const SIZE: u64 = 8 << 20;
@@ -158,8 +166,6 @@ fn gmem_postcopy_through_kvm_userfault() {
     use guestmem_migration::transport::{
         generate_credentials, Credentials, Endpoint, Listener, Role,
     };
-    use std::sync::Arc;
-
     let dir = TempDir::new("seeds-postcopy-gmem");
     generate_credentials(&dir.0).unwrap();
     let endpoint = Endpoint::Unix(dir.0.join("sock"));
@@ -246,4 +252,174 @@ fn gmem_postcopy_through_kvm_userfault() {
         "the memory came over post-copy: {dest_report:?}"
     );
     assert!(report.postcopy_requests > 0);
+}
+
+/// A 2-vCPU guest_memfd VM running `dirty` over SIZE bytes, paused after two passes, written
+/// to a local store in `dir` as snapshot "gmem": the store, the pages done per vCPU, and the
+/// digest of each region at the snapshot.
+fn gmem_store_snapshot(dir: &TempDir) -> (Arc<dyn StoreBackend>, Vec<u64>, Vec<u64>, Vm) {
+    let mut vm = Vm::new(&VmConfig::simple(2, SIZE, Backend::GuestMemfd)).unwrap();
+    let running = vm.start(&dirty_work(2, SIZE)).unwrap();
+    common::wait_for_generation(&running, 2);
+    running.pause().unwrap();
+    let backend: Arc<dyn StoreBackend> = Arc::new(LocalBackend::new(&dir.0.join("store")));
+    store_write(&*backend, "gmem", &vm, None).unwrap();
+    let digests = region_digests(vm.memory());
+    (backend, vm.pages_done(), digests, vm)
+}
+
+fn region_digests(m: &guestmem_memory::GuestMemory) -> Vec<u64> {
+    m.regions()
+        .iter()
+        .map(|r| m.digest(r.gpa(), r.size()).unwrap())
+        .collect()
+}
+
+/// A guest_memfd VM restores lazily from the chunk store through KVM Userfault: the guest runs
+/// at once and carries on while its exits bring the chunks in (each checked against its hash);
+/// left alone, the background fetch brings in exactly the snapshot's memory (digests, and the
+/// manifest's hashes chunk by chunk); the faults are recorded as a working set, which the next
+/// lazy restore fetches first.
+#[test]
+#[ignore = "needs the seeds kernel (scripts/build-seeds-kernel.sh): run in the kernel lab with --ignored"]
+fn gmem_store_lazy_restore_through_kvm_userfault() {
+    let dir = TempDir::new("seeds-store-lazy-gmem");
+    let (backend, at_snapshot, want, source_vm) = gmem_store_snapshot(&dir);
+    drop(source_vm);
+    let work = dirty_work(2, SIZE);
+    let snap = StoreSnapshot::open(backend.clone(), "gmem", None).unwrap();
+    let quiet = PagerConfig {
+        background: false,
+        ..PagerConfig::default()
+    };
+    let mut lazy = snap.restore_lazy(&quiet).unwrap();
+    assert!(
+        lazy.pagers.is_empty(),
+        "no userfaultfd pager for guest_memfd"
+    );
+    assert_eq!(lazy.userfault_pagers.len(), 1);
+    assert!(!lazy.prefetched);
+    assert_eq!(lazy.vm.pages_done(), at_snapshot);
+    resume_and_check_continuation(&mut lazy.vm, &work, &at_snapshot);
+    let stats = lazy.userfault_pagers[0].stats();
+    assert!(stats.faults > 0 && stats.fault_chunks > 0, "{stats:?}");
+    assert_eq!(stats.background_chunks, 0, "{stats:?}");
+    let recorded = snap
+        .record_working_set_with(&lazy.vm, &lazy.pagers, &lazy.userfault_pagers)
+        .unwrap();
+    assert_eq!(recorded as u64, stats.fault_chunks);
+    drop(lazy);
+
+    let lazy = snap.restore_lazy(&PagerConfig::default()).unwrap();
+    assert!(lazy.prefetched, "the recorded working set is fetched first");
+    let pager = &lazy.userfault_pagers[0];
+    assert!(pager.wait_resident(Duration::from_secs(60)).unwrap());
+    let stats = pager.stats();
+    assert_eq!(stats.prefetch_chunks as usize, recorded, "{stats:?}");
+    assert_eq!(region_digests(lazy.vm.memory()), want);
+    snap.check_memory(lazy.vm.memory()).unwrap();
+    assert_pages_consistent(&lazy.vm, &work, &at_snapshot);
+}
+
+/// A damaged chunk of a guest_memfd store snapshot: the lazily restored guest stops with the
+/// error naming the chunk when a vCPU first touches it, and the background fetch stops the
+/// restore with the same error; the guest never runs on the chunk's bytes.
+#[test]
+#[ignore = "needs the seeds kernel (scripts/build-seeds-kernel.sh): run in the kernel lab with --ignored"]
+fn gmem_store_lazy_restore_refuses_a_damaged_chunk() {
+    let dir = TempDir::new("seeds-store-lazy-gmem-bad");
+    let (backend, _, _, source_vm) = gmem_store_snapshot(&dir);
+    drop(source_vm);
+    let manifest = StoreManifest::load(&*backend, "gmem").unwrap();
+    let c = StoreManifest::stored(&manifest.regions[1].chunks[0], &manifest.pack_ids())
+        .expect("the guest wrote the first chunk of RAM");
+    let key = c.object_key();
+    let mut bytes = backend.get(&key).unwrap();
+    bytes[(c.offset() + c.stored / 2) as usize] ^= 1;
+    backend.put(&key, &bytes).unwrap();
+    let named = |e: &str| {
+        assert!(
+            e.contains("corrupt store snapshot")
+                && e.contains("region 'ram' chunk 0 (offset 0x0)")
+                && e.contains(&store_chunk::hex(&c.hash)),
+            "{e}"
+        );
+    };
+
+    let snap = StoreSnapshot::open(backend.clone(), "gmem", None).unwrap();
+    let quiet = PagerConfig {
+        background: false,
+        ..PagerConfig::default()
+    };
+    let mut lazy = snap.restore_lazy(&quiet).unwrap();
+    let running = lazy.vm.resume().unwrap();
+    let e = running
+        .wait(Duration::from_secs(60))
+        .unwrap_err()
+        .to_string();
+    named(&e);
+    drop(lazy);
+
+    let lazy = snap.restore_lazy(&PagerConfig::default()).unwrap();
+    let e = lazy.userfault_pagers[0]
+        .wait_resident(Duration::from_secs(60))
+        .unwrap_err();
+    named(&guestmem_sys::error_chain(&e, ": "));
+}
+
+/// The VMM's own reads of a lazily restored guest_memfd region (through its host mapping, which
+/// KVM Userfault does not trap) are served by the same pager through userfaultfd on the
+/// mapping: before any vCPU runs and with no background fetch, a page never fetched reads the
+/// snapshot's bytes, its chunk's bits are cleared, the whole memory's digest is the snapshot's,
+/// and the guest then carries on.
+#[test]
+#[ignore = "needs the seeds kernel (scripts/build-seeds-kernel.sh): run in the kernel lab with --ignored"]
+fn gmem_host_read_of_an_unfetched_page_gets_the_snapshot_bytes() {
+    let dir = TempDir::new("seeds-store-gmem-host-read");
+    let (backend, at_snapshot, want, source_vm) = gmem_store_snapshot(&dir);
+    // A page in the second half of RAM holding data at the snapshot.
+    let page = PAGE_SIZE as usize;
+    let mut expected = vec![0u8; page];
+    let mut gpa = RAM_GPA + SIZE / 2;
+    loop {
+        source_vm.memory().read(gpa, &mut expected).unwrap();
+        if expected.iter().any(|b| *b != 0) {
+            break;
+        }
+        gpa += PAGE_SIZE;
+        assert!(
+            gpa < RAM_GPA + SIZE,
+            "the guest wrote the second half of RAM"
+        );
+    }
+    drop(source_vm);
+    let snap = StoreSnapshot::open(backend, "gmem", None).unwrap();
+    let quiet = PagerConfig {
+        background: false,
+        ..PagerConfig::default()
+    };
+    let mut lazy = snap.restore_lazy(&quiet).unwrap();
+    let pager = &lazy.userfault_pagers[0];
+    assert!(pager.serves_host_access(), "{}", pager.host_access());
+    assert_eq!(pager.host_access(), guestmem_paging::HOST_UFFD);
+    assert_eq!(pager.stats().resident_bytes, 0);
+
+    let mut seen = vec![0u8; page];
+    lazy.vm.memory().read(gpa, &mut seen).unwrap();
+    assert!(seen == expected, "the VMM read the snapshot's bytes");
+    let (faults, chunks) = pager.host_faults();
+    assert!(
+        faults >= 1 && chunks == 1,
+        "{faults} faults, {chunks} chunks"
+    );
+    // The same chunk, the same bits: installed once, and a vCPU will not exit on it.
+    assert_eq!(pager.stats().resident_bytes, pager.chunk_bytes());
+    assert_eq!(pager.stats().faults, 0, "no vCPU ran yet");
+
+    // Every other page too (zero pages of fetched chunks included): the digest is the
+    // snapshot's, and every bit is clear.
+    assert_eq!(region_digests(lazy.vm.memory()), want);
+    assert!(pager.wait_resident(Duration::from_secs(5)).unwrap());
+    let work = dirty_work(2, SIZE);
+    resume_and_check_continuation(&mut lazy.vm, &work, &at_snapshot);
 }
