@@ -722,7 +722,7 @@ fn minio_lazy_restore_stops_on_a_damaged_chunk() {
 fn gmem_store_lazy_restore_is_served_or_refused_naming_kvm_userfault() {
     let tmp = TempDir::new("store-gmem-lazy");
     let config = VmConfig::simple(1, 8 << 20, MemBackend::GuestMemfd);
-    let vm = match Vm::new(&config) {
+    let mut vm = match Vm::new(&config) {
         Ok(vm) => vm,
         Err(e) => {
             // No host-mapped guest_memfd on this kernel: refused naming what it lacks.
@@ -734,6 +734,10 @@ fn gmem_store_lazy_restore_is_served_or_refused_naming_kvm_userfault() {
             return;
         }
     };
+    let running = vm.start(&dirty_work(1, 8 << 20)).unwrap();
+    wait_for_generation(&running, 1);
+    running.pause().unwrap();
+    let at_snapshot = vm.pages_done();
     let backend: Arc<dyn Backend> = Arc::new(LocalBackend::new(&tmp.0.join("store")));
     write(&*backend, "gmem", &vm, None).unwrap();
     drop(vm);
@@ -751,6 +755,7 @@ fn gmem_store_lazy_restore_is_served_or_refused_naming_kvm_userfault() {
             .wait_resident(Duration::from_secs(60))
             .unwrap());
         snap.check_memory(lazy.vm.memory()).unwrap();
+        assert_eq!(lazy.vm.pages_done(), at_snapshot);
     } else {
         let e = restored.err().expect("refused without KVM Userfault");
         let msg = guestmem_sys::error_chain(&e, ": ");

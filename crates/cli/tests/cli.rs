@@ -660,41 +660,56 @@ fn gmem_snapshot_flat_and_store_full_restore_continue() {
     let _ = std::fs::remove_dir_all(&root);
 }
 
-/// A lazy restore of a gmem snapshot: served where userfaultfd registers the gmem mapping,
-/// else refused before the guest runs, naming the failed registration and KVM Userfault.
+/// A lazy restore of a gmem snapshot, flat and from a local chunk store: served through KVM
+/// Userfault where the kernel has it (the guest goes on, all memory resident, the working set
+/// recorded), else refused before the guest runs, naming KVM Userfault.
 #[test]
 #[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
 fn gmem_lazy_restore_is_served_or_refused_naming_what_is_missing() {
     let probe = probe_json();
     let dir = std::env::temp_dir().join(format!("guestmem-cli-gmem-lazy-{}", std::process::id()));
-    let d = dir.to_str().unwrap();
-    let o = guestmem(&[
-        "snapshot",
-        "--out",
-        d,
-        "--memory",
-        "32M",
-        "--backend",
-        "gmem",
-        "--after",
-        "0.2",
-    ]);
-    if !gmem_mappable(&probe) {
-        assert_refused_for_lack_of_gmem(&o);
-        return;
-    }
-    assert!(o.status.success(), "{}", stderr(&o));
-    let o = guestmem(&["restore", d, "--mode", "lazy", "--run-for", "0.2", "--json"]);
-    if o.status.success() {
-        let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
-        assert_eq!(v["guest_continued"], true, "{v}");
-    } else {
-        assert_gmem_demand_paging_refusal(&stderr(&o), &probe);
-        assert!(
-            !stdout(&o).contains("guest pages written"),
-            "{}",
-            stdout(&o)
-        );
+    let _ = std::fs::remove_dir_all(&dir);
+    let flat = dir.join("flat");
+    let store = format!("store:{}/store/gmem", dir.display());
+    for out in [flat.to_str().unwrap(), &store] {
+        let o = guestmem(&[
+            "snapshot",
+            "--out",
+            out,
+            "--memory",
+            "32M",
+            "--backend",
+            "gmem",
+            "--after",
+            "0.2",
+        ]);
+        if !gmem_mappable(&probe) {
+            assert_refused_for_lack_of_gmem(&o);
+            continue;
+        }
+        assert!(o.status.success(), "{out}: {}", stderr(&o));
+        let o = guestmem(&[
+            "restore",
+            out,
+            "--mode",
+            "lazy",
+            "--run-for",
+            "0.2",
+            "--json",
+        ]);
+        if o.status.success() {
+            let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+            assert_eq!(v["guest_continued"], true, "{out}: {v}");
+            assert!(v["resident_ms"].is_number(), "{out}: {v}");
+            assert_eq!(v["working_set"]["action"], "recorded", "{out}: {v}");
+        } else {
+            assert_gmem_demand_paging_refusal(&stderr(&o), &probe);
+            assert!(
+                !stdout(&o).contains("guest pages written"),
+                "{out}: {}",
+                stdout(&o)
+            );
+        }
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

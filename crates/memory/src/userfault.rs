@@ -7,7 +7,8 @@
 //! It is the one way to demand page a guest_memfd region: KVM maps guest_memfd pages for the
 //! guest straight from the file, never through the host mapping, so userfaultfd on that mapping
 //! sees only the VMM's own accesses. It catches only vCPU accesses: KVM's and the VMM's own
-//! accesses to the host mapping are not trapped (the pagers using it serve those first).
+//! accesses to the host mapping are not trapped by it (the pager registers the mapping with
+//! userfaultfd for those where the kernel lets it, else serves them before the VMM reads).
 //!
 //! [`UserfaultBitmap`] is the bitmap KVM reads; [`UserfaultRouter`] (one per
 //! [`crate::GuestMemory`]) hands each exit to the handler of the range it falls in.

@@ -1,7 +1,9 @@
 //! Restoring a VM from a store snapshot: in full (every chunk fetched, checked and copied in,
 //! the regions' digests compared, before any vCPU runs) or lazily (the guest runs at once while
 //! a pager per RAM region brings the chunks in — the recorded working set first — each chunk
-//! checked before any of its bytes reach the guest).
+//! checked before any of its bytes reach the guest). A guest_memfd region is paged through KVM
+//! Userfault, as a flat snapshot's is ([`start_region_pagers`]), and refused naming it where the
+//! kernel lacks it.
 
 use std::path::Path;
 use std::sync::Arc;
