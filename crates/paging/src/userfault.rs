@@ -153,27 +153,7 @@ impl UserfaultPager {
         })?;
         // Asked on a VM of its own first: a guest_memfd slot is deleted before it is created
         // anew with the flag, and a refusal then would leave the VM without it.
-        match guestmem_sys::probe::kvm_userfault_on_a_new_vm() {
-            Ok(u) if u.present => {}
-            Ok(u) => {
-                return Err(Error::Unsupported {
-                    region: name,
-                    backend: region.backend(),
-                    reason: format!(
-                        "KVM Userfault (a KVM_MEM_USERFAULT memslot with a userfault bitmap) is \
-                         absent: {}",
-                        u.detail
-                    ),
-                })
-            }
-            Err(e) => {
-                return Err(Error::Unsupported {
-                    region: name,
-                    backend: region.backend(),
-                    reason: format!("KVM Userfault could not be asked: {e}"),
-                })
-            }
-        }
+        require_kvm_userfault(&region)?;
         let bitmap = Arc::new(UserfaultBitmap::all_set(size));
         let mut offset = 0;
         while offset < size {
@@ -192,46 +172,9 @@ impl UserfaultPager {
                      refused: {e}"
                 ),
             })?;
-        let chunks = size.div_ceil(chunk) as usize;
-        let inner = Arc::new(Inner {
-            install: AtomicU8::new(if region.backend() == Backend::GuestMemfd {
-                INSTALL_WRITE
-            } else {
-                INSTALL_COPY
-            }),
-            region,
-            source,
-            bitmap,
-            chunk,
-            locks: (0..chunks).map(|_| Mutex::new(())).collect(),
-            fetch_attempts: config.fetch_attempts.max(1),
-            retry_delay: config.retry_delay,
-            abort: config.abort.clone(),
-            stop: AtomicBool::new(false),
-            faults: AtomicU64::new(0),
-            fault_chunks: AtomicU64::new(0),
-            background_chunks: AtomicU64::new(0),
-            prefetch_chunks: AtomicU64::new(0),
-            prefetch_done: AtomicBool::new(config.prefetch.is_empty()),
-            fault_order: Mutex::new(Vec::new()),
-            failure: Mutex::new(None),
-            resident_at: OnceLock::new(),
-            host_uffd: OnceLock::new(),
-            host_armed: AtomicBool::new(false),
-            host_stop: AtomicBool::new(false),
-            host_faults: AtomicU64::new(0),
-            host_chunks: AtomicU64::new(0),
-        });
-        // The host mapping too, before anything can read it (guest_memfd only: any other
-        // backend's mapping is what the vCPUs use, installed before the bits clear).
-        let (host, host_access) = if inner.region.backend() == Backend::GuestMemfd {
-            match host::arm(&inner) {
-                Ok(h) => (Some(h), HOST_UFFD.to_string()),
-                Err(why) => (None, format!("{HOST_WAIT}: {why}")),
-            }
-        } else {
-            (None, "the host mapping is the guest's".to_string())
-        };
+        let inner = Arc::new(Inner::new(region, source, bitmap, chunk, config));
+        // The host mapping too, before anything can read it.
+        let (host, host_access) = host::arm_if_gmem(&inner);
         memory
             .userfault_router()
             .add(inner.region.gpa(), size, inner.clone());
@@ -417,7 +360,63 @@ impl UserfaultHandler for Inner {
     }
 }
 
+/// Refuses, naming what is missing, unless a fresh VM takes a KVM Userfault memslot.
+fn require_kvm_userfault(region: &Region) -> Result<()> {
+    let reason = match guestmem_sys::probe::kvm_userfault_on_a_new_vm() {
+        Ok(u) if u.present => return Ok(()),
+        Ok(u) => format!(
+            "KVM Userfault (a KVM_MEM_USERFAULT memslot with a userfault bitmap) is absent: {}",
+            u.detail
+        ),
+        Err(e) => format!("KVM Userfault could not be asked: {e}"),
+    };
+    Err(Error::Unsupported {
+        region: region.name().to_string(),
+        backend: region.backend(),
+        reason,
+    })
+}
+
 impl Inner {
+    fn new(
+        region: Arc<Region>,
+        source: Arc<dyn PageSource>,
+        bitmap: Arc<UserfaultBitmap>,
+        chunk: u64,
+        config: &PagerConfig,
+    ) -> Inner {
+        let chunks = region.size().div_ceil(chunk) as usize;
+        Inner {
+            install: AtomicU8::new(if region.backend() == Backend::GuestMemfd {
+                INSTALL_WRITE
+            } else {
+                INSTALL_COPY
+            }),
+            region,
+            source,
+            bitmap,
+            chunk,
+            locks: (0..chunks).map(|_| Mutex::new(())).collect(),
+            fetch_attempts: config.fetch_attempts.max(1),
+            retry_delay: config.retry_delay,
+            abort: config.abort.clone(),
+            stop: AtomicBool::new(false),
+            faults: AtomicU64::new(0),
+            fault_chunks: AtomicU64::new(0),
+            background_chunks: AtomicU64::new(0),
+            prefetch_chunks: AtomicU64::new(0),
+            prefetch_done: AtomicBool::new(config.prefetch.is_empty()),
+            fault_order: Mutex::new(Vec::new()),
+            failure: Mutex::new(None),
+            resident_at: OnceLock::new(),
+            host_uffd: OnceLock::new(),
+            host_armed: AtomicBool::new(false),
+            host_stop: AtomicBool::new(false),
+            host_faults: AtomicU64::new(0),
+            host_chunks: AtomicU64::new(0),
+        }
+    }
+
     /// Installs chunk `chunk` unless it is installed already: fetch, write the non-zero pages,
     /// then clear the chunk's bits, all under the chunk's lock. Returns whether it installed.
     fn install_chunk(&self, chunk: u64) -> Result<bool> {

@@ -17,7 +17,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use guestmem_memory::PAGE_SIZE;
+use guestmem_memory::{Backend, PAGE_SIZE};
 use userfaultfd::{Event, EventBuffer, RegisterMode, Uffd, UffdBuilder};
 
 use super::Inner;
@@ -34,10 +34,23 @@ pub(super) struct HostUffd {
     thread: Option<JoinHandle<()>>,
 }
 
+/// [`arm`] for a guest_memfd region (any other backend's mapping is what the vCPUs use,
+/// installed before the bits clear): the registration, if the kernel took it, and what serves
+/// host accesses (see [`super::UserfaultPager::host_access`]).
+pub(super) fn arm_if_gmem(inner: &Arc<Inner>) -> (Option<HostUffd>, String) {
+    if inner.region.backend() != Backend::GuestMemfd {
+        return (None, "the host mapping is the guest's".to_string());
+    }
+    match arm(inner) {
+        Ok(h) => (Some(h), super::HOST_UFFD.to_string()),
+        Err(why) => (None, format!("{}: {why}", super::HOST_WAIT)),
+    }
+}
+
 /// Registers `inner`'s region mapping with a userfaultfd in `MISSING` mode and starts the
 /// thread serving it. `Err` says why the kernel refused (no userfaultfd on guest_memfd): the
 /// pager then runs without it, the VMM waiting for residency before it reads guest RAM.
-pub(super) fn arm(inner: &Arc<Inner>) -> std::result::Result<HostUffd, String> {
+fn arm(inner: &Arc<Inner>) -> std::result::Result<HostUffd, String> {
     let uffd = UffdBuilder::new()
         .close_on_exec(true)
         .non_blocking(true)
