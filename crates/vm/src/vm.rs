@@ -289,10 +289,18 @@ impl Vm {
     /// Puts a saved state into this VM's vCPUs (built with the same configuration); the guest
     /// goes on from there at the next [`Vm::resume`]. Memory is restored separately.
     pub fn restore_state(&mut self, saved: &VmState) -> Result<()> {
-        if saved.vcpus.len() != self.vcpus.len() || saved.work.len() != self.vcpus.len() {
+        if saved.vcpus.len() != self.vcpus.len() {
             return Err(Error::Config(format!(
                 "the saved state has {} vCPUs, this VM {}",
                 saved.vcpus.len(),
+                self.vcpus.len()
+            )));
+        }
+        if saved.work.len() != self.vcpus.len() {
+            return Err(Error::Config(format!(
+                "the saved state has the guest work of {} vCPUs, this VM has {} vCPUs \
+                 (a state saved before the VM first ran has none)",
+                saved.work.len(),
                 self.vcpus.len()
             )));
         }
