@@ -7,15 +7,20 @@
 //! [`ZSTD_LEVEL`], LZ4, or none; a frame that does not shrink stays plain). Then, per codec:
 //!
 //! - the destination's floor: each frame decompressed with the same crate (zstd's bulk
-//!   decompressor, `lz4_flex`) into a reused buffer, and its pages copied once (each page
-//!   whole, or line by line) into a fresh anonymous mapping of the image's size, as a receiver
-//!   must: `dest_floor_cpu_s_per_gib`. Split into its parts: `decompress_cpu_s_per_gib` (into
-//!   the reused buffer only), and the copy into the fresh mapping alone
-//!   (`copy_fresh_cpu_s_per_gib`: page faults, the kernel's page clear and on a virtual host
-//!   the hypervisor backing each new page) and again into the same, now present, pages
-//!   (`copy_present_cpu_s_per_gib`: the copy alone);
-//! - the source's floor: each encoded frame compressed with the crate's own call, nothing
-//!   else (`source_floor_cpu_s_per_gib`).
+//!   decompressor, `lz4_flex`) into a reused buffer, and its pages copied once into a fresh
+//!   anonymous mapping of the image's size, as a receiver must, the cheaper of two ways:
+//!   `memcpy` (each page whole, or line by line; a page fault and the kernel's page clear
+//!   per page) or `UFFDIO_COPY` (runs of whole pages straight from the buffer, pages with
+//!   zero lines spread into a page-sized buffer first; no fault, no clear):
+//!   `dest_floor_cpu_s_per_gib`, with each way's figure (`dest_floor_memcpy_cpu_s_per_gib`,
+//!   `dest_floor_uffd_cpu_s_per_gib`). Its parts: `decompress_cpu_s_per_gib` (into the
+//!   reused buffer only), and the `memcpy` into the fresh mapping alone
+//!   (`copy_fresh_cpu_s_per_gib`: on a virtual host this includes the hypervisor backing each
+//!   new page) and again into the same, now present, pages (`copy_present_cpu_s_per_gib`:
+//!   the copy alone);
+//! - the source's floor: each encoded frame compressed with the crate's own call, plus one
+//!   copy of the pages out of guest memory (`copy_present_cpu_s_per_gib`):
+//!   `source_floor_cpu_s_per_gib`.
 //!
 //! CPU time is the measuring thread's (`getrusage(RUSAGE_THREAD)`: user and system, so page
 //! faults count), per GiB of pages the frames carry (zero pages of the image are not sent, as
@@ -84,15 +89,19 @@ pub struct CodecFloor {
     pub frames: usize,
     pub page_bytes: u64,
     pub wire_bytes: u64,
-    /// Decompression and one copy into a fresh mapping, per GiB of pages.
+    /// Decompression and one copy into a fresh mapping, per GiB of pages: the cheaper of
+    /// the two ways, and each.
     pub dest_floor_cpu_s_per_gib: f64,
+    pub dest_floor_memcpy_cpu_s_per_gib: f64,
+    pub dest_floor_uffd_cpu_s_per_gib: f64,
     pub decompress_cpu_s_per_gib: f64,
     pub copy_fresh_cpu_s_per_gib: f64,
     pub copy_present_cpu_s_per_gib: f64,
-    /// Compression of the encoded frames, per GiB of pages.
+    /// Compression of the encoded frames and one copy of their pages, per GiB of pages.
     pub source_floor_cpu_s_per_gib: f64,
-    /// Each run's destination floor.
-    pub dest_floor_cpu_s_per_gib_runs: Vec<f64>,
+    /// Each run's destination floors (`memcpy`, `UFFDIO_COPY`).
+    pub dest_floor_memcpy_cpu_s_per_gib_runs: Vec<f64>,
+    pub dest_floor_uffd_cpu_s_per_gib_runs: Vec<f64>,
 }
 
 #[derive(Serialize)]
@@ -122,17 +131,20 @@ pub fn main(args: Args) -> crate::Result<()> {
     } else {
         println!(
             "CPU floor of a migration's ends on {} ({} MiB), CPU-s per GiB of pages sent, \
-             median of {} run(s); dest = decompress + one copy into a fresh mapping",
+             median of {} run(s); dest = decompress + one copy into a fresh mapping (the \
+             cheaper of memcpy and UFFDIO_COPY)",
             out.image.display(),
             out.image_bytes >> 20,
             out.runs
         );
         println!(
-            "{:>6} {:>7} {:>9} {:>9} {:>11} {:>11} {:>12} {:>11} {:>11}",
+            "{:>6} {:>7} {:>9} {:>9} {:>9} {:>9} {:>11} {:>11} {:>12} {:>11} {:>11}",
             "codec",
             "frames",
             "wire MiB",
             "dest",
+            "memcpy",
+            "uffd",
             "decompress",
             "copy fresh",
             "copy present",
@@ -141,11 +153,13 @@ pub fn main(args: Args) -> crate::Result<()> {
         );
         for f in &out.floors {
             println!(
-                "{:>6} {:>7} {:>9.0} {:>9.3} {:>11.3} {:>11.3} {:>12.3} {:>11.3} {:>11.0}",
+                "{:>6} {:>7} {:>9.0} {:>9.3} {:>9.3} {:>9.3} {:>11.3} {:>11.3} {:>12.3} {:>11.3} {:>11.0}",
                 format!("{:?}", f.codec).to_lowercase(),
                 f.frames,
                 f.wire_bytes as f64 / (1 << 20) as f64,
                 f.dest_floor_cpu_s_per_gib,
+                f.dest_floor_memcpy_cpu_s_per_gib,
+                f.dest_floor_uffd_cpu_s_per_gib,
                 f.decompress_cpu_s_per_gib,
                 f.copy_fresh_cpu_s_per_gib,
                 f.copy_present_cpu_s_per_gib,
@@ -181,11 +195,13 @@ pub fn measure(image: &[u8], codecs: &[FloorCodec], runs: usize) -> crate::Resul
         let (frames, page_bytes, source_s) = encode(image, codec.codec())?;
         let gib = page_bytes as f64 / (1u64 << 30) as f64;
         let mut dest = Vec::new();
+        let mut uffd = Vec::new();
         let mut decompress = Vec::new();
         let mut fresh = Vec::new();
         let mut present = Vec::new();
         for _ in 0..runs {
             dest.push(receive(&frames, image.len(), Pass::Both)? / gib);
+            uffd.push(receive(&frames, image.len(), Pass::Uffd)? / gib);
             decompress.push(receive(&frames, image.len(), Pass::Decompress)? / gib);
             let (f, p) = copy_only(&frames, image.len())?;
             fresh.push(f / gib);
@@ -196,12 +212,15 @@ pub fn measure(image: &[u8], codecs: &[FloorCodec], runs: usize) -> crate::Resul
             frames: frames.len(),
             page_bytes,
             wire_bytes: frames.iter().map(|f| f.len() as u64).sum(),
-            dest_floor_cpu_s_per_gib: median(dest.clone()),
+            dest_floor_cpu_s_per_gib: median(dest.clone()).min(median(uffd.clone())),
+            dest_floor_memcpy_cpu_s_per_gib: median(dest.clone()),
+            dest_floor_uffd_cpu_s_per_gib: median(uffd.clone()),
             decompress_cpu_s_per_gib: median(decompress),
             copy_fresh_cpu_s_per_gib: median(fresh),
-            copy_present_cpu_s_per_gib: median(present),
-            source_floor_cpu_s_per_gib: source_s / gib,
-            dest_floor_cpu_s_per_gib_runs: dest,
+            copy_present_cpu_s_per_gib: median(present.clone()),
+            source_floor_cpu_s_per_gib: source_s / gib + median(present.clone()),
+            dest_floor_memcpy_cpu_s_per_gib_runs: dest,
+            dest_floor_uffd_cpu_s_per_gib_runs: uffd,
         });
     }
     Ok(floors)
@@ -262,6 +281,8 @@ fn encode(image: &[u8], codec: Codec) -> crate::Result<(Vec<Vec<u8>>, u64, f64)>
 enum Pass {
     /// Decompress each frame and copy its pages into the fresh mapping.
     Both,
+    /// The same, the pages copied by `UFFDIO_COPY`.
+    Uffd,
     /// Decompress only.
     Decompress,
 }
@@ -272,6 +293,11 @@ fn receive(frames: &[Vec<u8>], size: usize, pass: Pass) -> crate::Result<f64> {
     let mut map = Fresh::new(size)?;
     let mut inflated = vec![0u8; HEADER + PAGES_HEADER + 8 * (BLOCK / PAGE) + BLOCK + 4];
     let mut zstd = zstd::bulk::Decompressor::new()?;
+    let uffd = match pass {
+        Pass::Uffd => Some(Registered::new(&mut map)?),
+        _ => None,
+    };
+    let mut page = vec![0u8; PAGE];
     let t = thread_cpu_s();
     for f in frames {
         let inner: &[u8] = if f[4] == PAGES_Z {
@@ -290,13 +316,97 @@ fn receive(frames: &[Vec<u8>], size: usize, pass: Pass) -> crate::Result<f64> {
         } else {
             f
         };
-        if pass == Pass::Both {
-            spread(inner, map.bytes());
+        match &uffd {
+            Some(u) => u.spread(inner, &mut page)?,
+            None if pass == Pass::Both => spread(inner, map.bytes()),
+            None => {}
         }
     }
     let secs = thread_cpu_s() - t;
+    drop(uffd);
     std::hint::black_box(map.bytes());
     Ok(secs)
+}
+
+/// A fresh mapping registered with userfaultfd (missing pages), so that `UFFDIO_COPY` fills it.
+struct Registered {
+    uffd: userfaultfd::Uffd,
+    base: usize,
+    len: usize,
+}
+
+impl Registered {
+    fn new(map: &mut Fresh) -> crate::Result<Registered> {
+        let uffd = userfaultfd::UffdBuilder::new()
+            .close_on_exec(true)
+            .non_blocking(true)
+            .user_mode_only(true)
+            .create()
+            .map_err(|e| format!("userfaultfd: {e}"))?;
+        let (base, len) = (map.ptr as usize, map.len);
+        uffd.register(map.ptr.cast(), len)
+            .map_err(|e| format!("UFFDIO_REGISTER: {e}"))?;
+        Ok(Registered { uffd, base, len })
+    }
+
+    /// Copies `len` bytes from `src` to `offset` of the mapping (missing pages).
+    fn copy(&self, src: &[u8], offset: usize) -> crate::Result<()> {
+        if offset + src.len() > self.len {
+            return Err(format!("a frame's pages at {offset:#x} lie outside the image").into());
+        }
+        let mut done = 0;
+        while done < src.len() {
+            // SAFETY: the destination lies inside the registered mapping (checked above), whose
+            // pages are missing (each is copied once); `src` is borrowed for the call.
+            let r = unsafe {
+                self.uffd.copy(
+                    src[done..].as_ptr().cast(),
+                    (self.base + offset + done) as *mut libc::c_void,
+                    src.len() - done,
+                    true,
+                )
+            };
+            match r {
+                Ok(n) | Err(userfaultfd::Error::PartiallyCopied(n)) if n > 0 => done += n,
+                Ok(_) | Err(userfaultfd::Error::PartiallyCopied(_)) => {}
+                Err(e) => return Err(format!("UFFDIO_COPY: {e}").into()),
+            }
+        }
+        Ok(())
+    }
+
+    /// [`spread`] by `UFFDIO_COPY`: runs of whole pages straight from `frame`, a page with zero
+    /// lines through `page`.
+    fn spread(&self, frame: &[u8], page: &mut [u8]) -> crate::Result<()> {
+        let gpa = u64::from_le_bytes(frame[HEADER..HEADER + 8].try_into().expect("8")) as usize;
+        let count =
+            u32::from_le_bytes(frame[HEADER + 8..HEADER + 12].try_into().expect("4")) as usize;
+        let masks: Vec<u64> = frame[HEADER + PAGES_HEADER..HEADER + PAGES_HEADER + 8 * count]
+            .chunks_exact(8)
+            .map(|m| u64::from_le_bytes(m.try_into().expect("8")))
+            .collect();
+        let mut at = HEADER + PAGES_HEADER + 8 * count;
+        let mut p = 0;
+        while p < count {
+            if masks[p] == u64::MAX {
+                let run = masks[p..].iter().take_while(|&&m| m == u64::MAX).count();
+                self.copy(&frame[at..at + run * PAGE], gpa + p * PAGE)?;
+                (p, at) = (p + run, at + run * PAGE);
+                continue;
+            }
+            for (l, line) in page.chunks_exact_mut(LINE).enumerate() {
+                if masks[p] >> l & 1 == 1 {
+                    line.copy_from_slice(&frame[at..at + LINE]);
+                    at += LINE;
+                } else {
+                    line.fill(0);
+                }
+            }
+            self.copy(page, gpa + p * PAGE)?;
+            p += 1;
+        }
+        Ok(())
+    }
 }
 
 /// CPU seconds to copy the (plain) pages of `frames` into a fresh mapping, then again into the
@@ -447,6 +557,26 @@ mod tests {
             }
             assert!(memory == image, "{codec:?}");
             assert!(receive(&frames, image.len(), Pass::Both).unwrap() >= 0.0);
+            // UFFDIO_COPY lands the same bytes.
+            let mut map = Fresh::new(image.len()).unwrap();
+            let uffd = Registered::new(&mut map).unwrap();
+            let mut page = vec![0u8; PAGE];
+            for f in &frames {
+                let inner = if f[4] == PAGES_Z {
+                    let len = u32::from_le_bytes(f[16..20].try_into().unwrap()) as usize;
+                    let z = &f[HEADER + Z_HEADER..f.len() - 4];
+                    match f[HEADER] {
+                        1 => lz4_flex::block::decompress(z, len).unwrap(),
+                        _ => zstd.decompress(z, len).unwrap(),
+                    }
+                } else {
+                    f.clone()
+                };
+                uffd.spread(&inner, &mut page).unwrap();
+            }
+            drop(uffd);
+            // Pages never copied (the zero ones) read as zero once unregistered.
+            assert!(map.bytes() == &image[..], "{codec:?} by UFFDIO_COPY");
         }
     }
 }

@@ -615,19 +615,6 @@ pub fn main(args: Args) -> crate::Result<()> {
         ProgressStyle::with_template("{bar:30} {pos}/{len} {elapsed_precise} {msg}")
             .expect("valid template"),
     );
-    let floors = match (&args.image, args.floor_runs) {
-        (Some(image), n) if n > 0 => {
-            bar.set_message("the CPU floor on the image");
-            let image = crate::floor::read_image(image)?;
-            let codecs = [
-                crate::floor::FloorCodec::Zstd,
-                crate::floor::FloorCodec::Lz4,
-                crate::floor::FloorCodec::None,
-            ];
-            Some(Floors(crate::floor::measure(&image, &codecs, n)?))
-        }
-        _ => None,
-    };
     let load_before = crate::envelope::load_average();
     let mut rows = Vec::new();
     let mut qemu_rows = Vec::new();
@@ -653,26 +640,17 @@ pub fn main(args: Args) -> crate::Result<()> {
                             window >> 20,
                             i + 1
                         ));
-                        let mut run = run_once(
+                        runs.push(run_once(
                             &args,
                             link.as_ref(),
                             size,
                             rate,
                             mode,
                             (compress, delta, window),
-                        )?;
-                        run.floor = floors.as_ref().and_then(|f| f.mix(&run.report.compression));
-                        runs.push(run);
+                        )?);
                         bar.inc(1);
                     }
-                    rows.push(median_row(
-                        args.link,
-                        size,
-                        rate,
-                        mode,
-                        (compress, delta, window),
-                        &runs,
-                    ));
+                    rows.push((size, rate, mode, (compress, delta, window), runs));
                 }
             }
             // The image laid out for QEMU, once per size.
@@ -734,6 +712,30 @@ pub fn main(args: Args) -> crate::Result<()> {
             }
         }
     }
+    // The floor after the migrations, so that the memory it frees is not what their
+    // destinations land in (on a virtual host, recently freed memory is cheaper to touch).
+    let floors = match (&args.image, args.floor_runs) {
+        (Some(image), n) if n > 0 => {
+            bar.set_message("the CPU floor on the image");
+            let image = crate::floor::read_image(image)?;
+            let codecs = [
+                crate::floor::FloorCodec::Zstd,
+                crate::floor::FloorCodec::Lz4,
+                crate::floor::FloorCodec::None,
+            ];
+            Some(Floors(crate::floor::measure(&image, &codecs, n)?))
+        }
+        _ => None,
+    };
+    let rows = rows
+        .into_iter()
+        .map(|(size, rate, mode, variant, mut runs)| {
+            for run in &mut runs {
+                run.floor = floors.as_ref().and_then(|f| f.mix(&run.report.compression));
+            }
+            median_row(args.link, size, rate, mode, variant, &runs)
+        })
+        .collect();
     bar.finish_and_clear();
     let delay = link.as_ref().map_or(0.0, Link::delay_ms_each_way);
     drop(link);
