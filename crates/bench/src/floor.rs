@@ -302,8 +302,7 @@ fn receive(frames: &[Vec<u8>], size: usize, pass: Pass) -> crate::Result<f64> {
     for f in frames {
         let inner: &[u8] = if f[4] == PAGES_Z {
             let codec = f[HEADER];
-            let len =
-                u32::from_le_bytes(f[HEADER + 4..HEADER + 8].try_into().expect("4")) as usize;
+            let len = u32::from_le_bytes(f[HEADER + 4..HEADER + 8].try_into().expect("4")) as usize;
             let z = &f[HEADER + Z_HEADER..f.len() - 4];
             let got = match codec {
                 1 => lz4_flex::block::decompress_into(z, &mut inflated[..len])?,
@@ -420,8 +419,7 @@ fn copy_only(frames: &[Vec<u8>], size: usize) -> crate::Result<(f64, f64)> {
             if f[4] != PAGES_Z {
                 return Ok(f.clone());
             }
-            let len =
-                u32::from_le_bytes(f[HEADER + 4..HEADER + 8].try_into().expect("4")) as usize;
+            let len = u32::from_le_bytes(f[HEADER + 4..HEADER + 8].try_into().expect("4")) as usize;
             let z = &f[HEADER + Z_HEADER..f.len() - 4];
             Ok(match f[HEADER] {
                 1 => lz4_flex::block::decompress(z, len)?,
@@ -444,8 +442,7 @@ fn copy_only(frames: &[Vec<u8>], size: usize) -> crate::Result<(f64, f64)> {
 /// the others line by line (their zero lines left as the fresh mapping has them).
 fn spread(frame: &[u8], memory: &mut [u8]) {
     let gpa = u64::from_le_bytes(frame[HEADER..HEADER + 8].try_into().expect("8")) as usize;
-    let count =
-        u32::from_le_bytes(frame[HEADER + 8..HEADER + 12].try_into().expect("4")) as usize;
+    let count = u32::from_le_bytes(frame[HEADER + 8..HEADER + 12].try_into().expect("4")) as usize;
     let masks = &frame[HEADER + PAGES_HEADER..HEADER + PAGES_HEADER + 8 * count];
     let mut at = HEADER + PAGES_HEADER + 8 * count;
     for (p, m) in masks.chunks_exact(8).enumerate() {
@@ -533,7 +530,7 @@ mod tests {
         for (i, b) in image.iter_mut().enumerate() {
             // Whole pages, pages with a few lines, zero pages.
             let page = i / PAGE;
-            if page % 3 == 0 || (page % 3 == 1 && (i % PAGE) < 2 * LINE) {
+            if page.is_multiple_of(3) || (page % 3 == 1 && (i % PAGE) < 2 * LINE) {
                 *b = (i % 251) as u8;
             }
         }

@@ -147,9 +147,11 @@ pub(super) fn apply_pages(
                     |gpa, len, _| place(gpa, len as u64),
                 )
             }
-            None => Frame::read_into_stream(&mut conn, &mut buf, zstream.as_mut(), |gpa, len, _| {
-                place(gpa, len as u64)
-            }),
+            None => {
+                Frame::read_into_stream(&mut conn, &mut buf, zstream.as_mut(), |gpa, len, _| {
+                    place(gpa, len as u64)
+                })
+            }
         };
         if let Some(e) = failed {
             break Err(e);
