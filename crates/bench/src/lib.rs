@@ -14,6 +14,7 @@ mod delay_proxy;
 mod demand_paging;
 mod dirty_log;
 pub(crate) mod envelope;
+mod floor;
 pub mod link;
 mod memslots;
 mod migrate;
@@ -38,6 +39,9 @@ pub enum Bench {
     Memslots(memslots::Args),
     /// Seed 003: dirty-page tracking per mode, like the kernel's dirty_log_perf_test.
     DirtyLog(dirty_log::Args),
+    /// Issue 33: the CPU floor of a migration's ends on a real image (decompression and one
+    /// copy into fresh memory; compression).
+    Floor(floor::Args),
     /// Issue 8: live migration per size, dirty rate and mode, beside QEMU's pre-copy.
     Migrate(migrate::Args),
     /// The QEMU peer of `bench migrate`: the same workload live-migrated by QEMU's pre-copy.
@@ -59,6 +63,7 @@ pub fn main(bench: Bench) -> Result<()> {
         Bench::DemandPaging(args) => demand_paging::main(args),
         Bench::Memslots(args) => memslots::main(args),
         Bench::DirtyLog(args) => dirty_log::main(args),
+        Bench::Floor(args) => floor::main(args),
         Bench::Migrate(args) => migrate::main(args),
         Bench::QemuMigrate(args) => qemu_migrate::main(args),
         Bench::Restore(args) => restore::main(args),

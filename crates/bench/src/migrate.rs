@@ -180,6 +180,11 @@ pub struct Args {
     /// `--connections` channels): none, zlib, zstd.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "none,zstd")]
     qemu_compress: Vec<qemu_peer::MultifdCompression>,
+    /// With `--image`: runs of the CPU floor of both ends on the image (`bench floor`, each
+    /// codec), measured once before the migrations and divided into their CPU
+    /// (`dest_cpu_to_floor`, `source_cpu_to_floor`); 0: none.
+    #[arg(long, default_value_t = 1)]
+    floor_runs: usize,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
@@ -239,6 +244,35 @@ struct Run {
     /// CPU time of the source's and the destination's migration threads.
     source_cpu_s: f64,
     destination_cpu_s: f64,
+    /// The floors of both ends for this run's mix of codecs (see [`Floors::mix`]).
+    floor: Option<(f64, f64)>,
+}
+
+/// The CPU floor of both ends per codec on the image, CPU-s per GiB of pages
+/// ([`crate::floor`]).
+struct Floors(Vec<crate::floor::CodecFloor>);
+
+impl Floors {
+    /// The floors of the destination and the source for a migration whose frames went as
+    /// `c` says: each codec's floor weighted by its share of the frames.
+    fn mix(&self, c: &CompressionReport) -> Option<(f64, f64)> {
+        let of = |codec| self.0.iter().find(|f| f.codec == codec);
+        let parts = [
+            (c.zstd_frames, of(crate::floor::FloorCodec::Zstd)?),
+            (c.lz4_frames, of(crate::floor::FloorCodec::Lz4)?),
+            (c.plain_frames, of(crate::floor::FloorCodec::None)?),
+        ];
+        let frames: u64 = parts.iter().map(|p| p.0).sum();
+        (frames > 0).then(|| {
+            parts.iter().fold((0.0, 0.0), |(d, s), (n, f)| {
+                let w = *n as f64 / frames as f64;
+                (
+                    d + w * f.dest_floor_cpu_s_per_gib,
+                    s + w * f.source_floor_cpu_s_per_gib,
+                )
+            })
+        })
+    }
 }
 
 /// A delta cache size for the bench: MiB, or the default share of guest memory.
@@ -310,6 +344,16 @@ struct Row {
     /// CPU seconds of the source's and the destination's threads, vCPUs left out.
     source_cpu_s: f64,
     destination_cpu_s: f64,
+    /// The same per GiB of pages sent (all rounds; `sent_mib`).
+    source_cpu_s_per_gib: f64,
+    dest_cpu_s_per_gib: f64,
+    /// With `--image`: the floors of both ends on the image for the run's mix of codecs
+    /// (decompression and one copy into fresh memory; compression; see `bench floor`), CPU-s
+    /// per GiB of pages, and each end's CPU over its floor (medians of the runs').
+    dest_floor_cpu_s_per_gib: Option<f64>,
+    source_floor_cpu_s_per_gib: Option<f64>,
+    dest_cpu_to_floor: Option<f64>,
+    source_cpu_to_floor: Option<f64>,
     /// What the pages of the rounds after the first took on the wire.
     later_rounds_wire_mib: f64,
     /// The delta cache's size, and its hit rate over the re-sent pages looked up.
@@ -451,6 +495,8 @@ struct Output {
     qemu_rows: Vec<QemuRow>,
     /// Why there are no QEMU rows, if there are none.
     qemu_note: Option<String>,
+    /// With `--image`: the floors of both ends per codec (`bench floor`).
+    floors: Vec<crate::floor::CodecFloor>,
     comparisons: Vec<Comparison>,
     /// 4 GiB, 64 MiB/s, pre-copy (None when that case was not run).
     target_4g_64mib_precopy: Option<PrecopyTarget>,
@@ -604,14 +650,7 @@ pub fn main(args: Args) -> crate::Result<()> {
                         )?);
                         bar.inc(1);
                     }
-                    rows.push(median_row(
-                        args.link,
-                        size,
-                        rate,
-                        mode,
-                        (compress, delta, window),
-                        &runs,
-                    ));
+                    rows.push((size, rate, mode, (compress, delta, window), runs));
                 }
             }
             // The image laid out for QEMU, once per size.
@@ -673,11 +712,36 @@ pub fn main(args: Args) -> crate::Result<()> {
             }
         }
     }
+    // The floor after the migrations, so that the memory it frees is not what their
+    // destinations land in (on a virtual host, recently freed memory is cheaper to touch).
+    let floors = match (&args.image, args.floor_runs) {
+        (Some(image), n) if n > 0 => {
+            bar.set_message("the CPU floor on the image");
+            let image = crate::floor::read_image(image)?;
+            let codecs = [
+                crate::floor::FloorCodec::Zstd,
+                crate::floor::FloorCodec::Lz4,
+                crate::floor::FloorCodec::None,
+            ];
+            Some(Floors(crate::floor::measure(&image, &codecs, n)?))
+        }
+        _ => None,
+    };
+    let rows = rows
+        .into_iter()
+        .map(|(size, rate, mode, variant, mut runs)| {
+            for run in &mut runs {
+                run.floor = floors.as_ref().and_then(|f| f.mix(&run.report.compression));
+            }
+            median_row(args.link, size, rate, mode, variant, &runs)
+        })
+        .collect();
     bar.finish_and_clear();
     let delay = link.as_ref().map_or(0.0, Link::delay_ms_each_way);
     drop(link);
     mark_best(&mut qemu_rows);
     let mut out = output(&args, rows, qemu_rows, qemu_note, load_before);
+    out.floors = floors.map(|f| f.0).unwrap_or_default();
     out.link_measured_mib_per_s = link_measured_mib_per_s;
     out.link_delay_ms_each_way = delay;
     if args.json {
@@ -791,6 +855,7 @@ fn output(
         rows,
         qemu_rows,
         qemu_note,
+        floors: Vec::new(),
         comparisons,
         target_4g_64mib_precopy: target,
         postcopy_fault_p99_us_max: p99,
@@ -1086,6 +1151,7 @@ fn run_once(
         steal_percent,
         source_cpu_s: cpu_s[0],
         destination_cpu_s: cpu_s[1],
+        floor: None,
     })
 }
 
@@ -1143,6 +1209,12 @@ fn median_row(
     let steady = m(&|r| r.steady_pages_per_s);
     let during = m(&|r| r.during_pages_per_s);
     let extra = m(&|r| r.report.source_extra_bytes as f64);
+    // GiB of pages a run sent, and a figure of its floors (None unless every run has them).
+    let gib = |r: &Run| (r.report.bytes as f64 / (1u64 << 30) as f64).max(1e-9);
+    let floor = |f: &dyn Fn(&Run, (f64, f64)) -> f64| -> Option<f64> {
+        let v: Option<Vec<f64>> = runs.iter().map(|r| r.floor.map(|x| f(r, x))).collect();
+        v.filter(|v| !v.is_empty()).map(median)
+    };
     let compression = runs
         .first()
         .map(|r| r.report.compression.clone())
@@ -1189,6 +1261,12 @@ fn median_row(
         compression_chosen,
         source_cpu_s: m(&|r| r.source_cpu_s),
         destination_cpu_s: m(&|r| r.destination_cpu_s),
+        source_cpu_s_per_gib: m(&|r| r.source_cpu_s / gib(r)),
+        dest_cpu_s_per_gib: m(&|r| r.destination_cpu_s / gib(r)),
+        dest_floor_cpu_s_per_gib: floor(&|_, (d, _)| d),
+        source_floor_cpu_s_per_gib: floor(&|_, (_, s)| s),
+        dest_cpu_to_floor: floor(&|r, (d, _)| r.destination_cpu_s / gib(r) / d),
+        source_cpu_to_floor: floor(&|r, (_, s)| r.source_cpu_s / gib(r) / s),
         later_rounds_wire_mib: m(&|r| {
             r.report
                 .rounds
@@ -1421,6 +1499,24 @@ fn print_table(out: &Output) {
     }
     if let Some(note) = &out.qemu_note {
         println!("no QEMU rows: {note}");
+    }
+    for r in &out.rows {
+        let floor = |f: Option<f64>, ratio: Option<f64>| match (f, ratio) {
+            (Some(f), Some(x)) => format!(" (floor {f:.2}, {x:.2}x)"),
+            _ => String::new(),
+        };
+        println!(
+            "{} MiB, {}, {} {:?}: CPU-s per GiB of pages sent: destination {:.2}{}, source \
+             {:.2}{}",
+            r.memory_bytes >> 20,
+            rate(r.dirty_mib_per_s),
+            r.mode.name(),
+            r.compress,
+            r.dest_cpu_s_per_gib,
+            floor(r.dest_floor_cpu_s_per_gib, r.dest_cpu_to_floor),
+            r.source_cpu_s_per_gib,
+            floor(r.source_floor_cpu_s_per_gib, r.source_cpu_to_floor),
+        );
     }
     let met = |m: bool| if m { "met" } else { "MISSED" };
     for c in &out.comparisons {

@@ -11,7 +11,7 @@ use super::*;
 use crate::chunk_digests::ChunkDigests;
 use crate::landing::Landing;
 use crate::migrate::{block_connection, write_frame, BLOCK};
-use crate::stream::{Frame, FrameRef, Lend, ZstdStreamDecoder};
+use crate::stream::{Frame, FrameRef, ZstdStreamDecoder};
 use crate::transport::Connection;
 use crate::{error_chain, Error, MigrationError, Result};
 
@@ -85,8 +85,9 @@ pub(super) fn apply_pages(
         Err(e) => return (conn, Err(Error::Stream(e))),
     };
     let zeros = PageBuf::zeroed(BLOCK as usize);
-    // Where a landing is armed, Pages frames are read here and landed from here.
-    let mut staging = PageBuf::zeroed(if landing.is_some() { BLOCK as usize } else { 0 });
+    // Where a landing is armed, the pages of a frame with zero lines are spread here (whole)
+    // and landed from here; whole pages land straight from the frame.
+    let mut scratch = PageBuf::zeroed(if landing.is_some() { BLOCK as usize } else { 0 });
     let mut stats = ReaderStats {
         pages: 0,
         zero_pages: 0,
@@ -113,40 +114,50 @@ pub(super) fn apply_pages(
         }
         Ok(t.elapsed())
     };
-    // Pages are read from the connection straight into guest memory; the other frames into
-    // one buffer kept for all of them.
+    // Pages are read from the connection straight into guest memory, or landed; the other
+    // frames into one buffer kept for all of them.
     let mut buf = Vec::new();
     let result = loop {
-        let staged = std::cell::Cell::new(false);
-        let (slot, staged_ref) = (&mut staging, &staged);
-        let place = move |gpa: u64, len: usize, lend: Lend| {
-            // Taken out of the closure, which is called once: the slice may outlive the call.
-            let slot = slot;
-            if let (Some(_), Lend::Pages { fresh }) = (landing, lend) {
-                // Pages that overwrite what is there are read into the staging buffer and
-                // landed from it (the range checked first: outside memory, they are declined).
-                if len <= slot.len() && memory.find(gpa, len as u64).is_ok() {
-                    let s = &mut slot[..len];
-                    if fresh {
-                        s.fill(0);
-                    }
-                    staged_ref.set(true);
-                    return Some(s);
-                }
-            }
+        let place = |gpa: u64, len: u64| {
             // SAFETY: the VM does not run before the rounds end, and each 2 MiB block travels
             // on one connection only (a frame never crosses a block), so no other thread
             // touches these bytes while they are read (or patched by a delta); a damaged
             // frame fails the migration, and this memory is thrown away with the VM.
-            unsafe { memory.bytes_mut(gpa, len as u64) }.ok()
+            unsafe { memory.bytes_mut(gpa, len) }.ok()
         };
-        let frame = match Frame::read_into_stream(&mut conn, &mut buf, zstream.as_mut(), place) {
+        // Why a landing failed, when it did (the stream only sees that it did).
+        let mut failed: Option<Error> = None;
+        let read = match landing {
+            Some(l) => {
+                let mut land = |gpa: u64, pages: &[u8]| {
+                    let landed = memory
+                        .find(gpa, pages.len() as u64)
+                        .map_err(outside_memory)
+                        .and_then(|_| l.land(memory, gpa, pages));
+                    landed.map_err(|e| {
+                        failed = Some(e);
+                        std::io::Error::other("landing pages failed")
+                    })
+                };
+                Frame::read_into_landing(
+                    &mut conn,
+                    &mut buf,
+                    zstream.as_mut(),
+                    (&mut scratch[..], &mut land),
+                    |gpa, len, _| place(gpa, len as u64),
+                )
+            }
+            None => {
+                Frame::read_into_stream(&mut conn, &mut buf, zstream.as_mut(), |gpa, len, _| {
+                    place(gpa, len as u64)
+                })
+            }
+        };
+        if let Some(e) = failed {
+            break Err(e);
+        }
+        let frame = match read {
             Ok(FrameRef::Placed { gpa, len, .. } | FrameRef::Patched { gpa, len }) => {
-                if let (true, Some(landing)) = (staged.get(), landing) {
-                    if let Err(e) = landing.land(memory, gpa, &staging[..len]) {
-                        break Err(e);
-                    }
-                }
                 stats.pages += len as u64 / PAGE_SIZE;
                 if let Some(at) = corrupt.filter(|&at| at >= gpa && at - gpa < len as u64) {
                     let flipped = memory.read_u64(at).map(|w| w ^ 1);

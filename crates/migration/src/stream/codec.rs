@@ -95,6 +95,7 @@ impl Frame {
         len: usize,
         buf: &'b mut Vec<u8>,
         stream: Option<&mut ZstdStreamDecoder>,
+        landing: Option<(&mut [u8], &mut Land<'_>)>,
         place: impl FnOnce(u64, usize, Lend) -> Option<&'b mut [u8]>,
     ) -> Result<FrameRef<'b>, StreamError> {
         let malformed = |what: String| Err(StreamError::Malformed(format!("PagesZ frame: {what}")));
@@ -142,6 +143,12 @@ impl Frame {
             ));
         }
         *buf = compressed;
+        if let (Some((scratch, land)), kind::PAGES) = (landing, inner[4]) {
+            // Landed from where it was decompressed, once checked whole.
+            let frame = Frame::land_inner(&inner, scratch, land);
+            INFLATED.set(inner);
+            return frame;
+        }
         let mut rest = &inner[..];
         let frame = Frame::read_into(&mut rest, buf, place);
         let left = rest.len();
@@ -151,6 +158,32 @@ impl Frame {
             return malformed(format!("{left} bytes after its inner frame"));
         }
         Ok(frame)
+    }
+}
+
+impl Frame {
+    /// A decompressed inner Pages frame (header, payload, CRC: exactly `inner`), checked as
+    /// [`Frame::read_into`] checks one, then landed ([`Frame::land_pages`]).
+    fn land_inner(
+        inner: &[u8],
+        scratch: &mut [u8],
+        land: &mut Land<'_>,
+    ) -> Result<FrameRef<'static>, StreamError> {
+        let mut rest = inner;
+        let (header, len) = Frame::read_header(&mut rest)?;
+        if rest.len() != len + 4 {
+            return Err(StreamError::Malformed(format!(
+                "PagesZ frame: its inner frame announces {len} bytes of payload, {} follow \
+                 its header",
+                rest.len().saturating_sub(4)
+            )));
+        }
+        let found = u32::from_le_bytes(rest[len..].try_into().expect("4 bytes"));
+        let mut hasher = crc32fast::Hasher::new();
+        hasher.update(&header);
+        hasher.update(&rest[..len]);
+        check_crc(found, hasher.finalize())?;
+        Frame::land_pages(&rest[..len], scratch, land)
     }
 }
 

@@ -252,9 +252,35 @@ impl Frame {
         stream: Option<&mut ZstdStreamDecoder>,
         place: impl FnOnce(u64, usize, Lend) -> Option<&'b mut [u8]>,
     ) -> Result<FrameRef<'b>, StreamError> {
+        Frame::read_any(r, buf, stream, None, place)
+    }
+
+    /// [`Frame::read_into_stream`], but a Pages frame (plain, or the one a PagesZ frame holds)
+    /// is read whole into `buf` (or decompressed into the thread's buffer), its CRC checked,
+    /// and only then handed to `land` from there ([`Land`]): runs of whole pages as they are,
+    /// the pages with zero lines spread into `scratch` first (a multiple of the page size),
+    /// zero lines written. It comes back as [`FrameRef::Placed`]; no byte of a damaged frame
+    /// is landed. `place` still takes PagesD frames.
+    pub fn read_into_landing<'b>(
+        r: &mut impl Read,
+        buf: &'b mut Vec<u8>,
+        stream: Option<&mut ZstdStreamDecoder>,
+        (scratch, land): (&mut [u8], &mut Land<'_>),
+        place: impl FnOnce(u64, usize, Lend) -> Option<&'b mut [u8]>,
+    ) -> Result<FrameRef<'b>, StreamError> {
+        Frame::read_any(r, buf, stream, Some((scratch, land)), place)
+    }
+
+    fn read_any<'b>(
+        r: &mut impl Read,
+        buf: &'b mut Vec<u8>,
+        stream: Option<&mut ZstdStreamDecoder>,
+        landing: Option<(&mut [u8], &mut Land<'_>)>,
+        place: impl FnOnce(u64, usize, Lend) -> Option<&'b mut [u8]>,
+    ) -> Result<FrameRef<'b>, StreamError> {
         let (header, len) = Frame::read_header(r)?;
         if header[4] == kind::PAGES_Z {
-            return Frame::read_compressed(r, &header, len, buf, stream, place);
+            return Frame::read_compressed(r, &header, len, buf, stream, landing, place);
         }
 
         if header[4] == kind::PAGES_D {
@@ -263,6 +289,10 @@ impl Frame {
         if header[4] != kind::PAGES {
             Frame::read_payload(r, &header, len, buf)?;
             return Frame::decode(header[4], &buf[..len]).map(FrameRef::Frame);
+        }
+        if let Some((scratch, land)) = landing {
+            Frame::read_payload(r, &header, len, buf)?;
+            return Frame::land_pages(&buf[..len], scratch, land);
         }
         Frame::read_pages(r, &header, len, buf, place)
     }

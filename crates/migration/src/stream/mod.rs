@@ -64,6 +64,7 @@ use std::io;
 
 pub use codec::{compress_pages, Codec};
 pub use frame::{Frame, FrameRef, Lend};
+pub use pages_frame::Land;
 pub(crate) use zstd_stream::free_aside;
 pub use zstd_stream::{
     check_window_log, compress_pages_stream, ZstdStream, ZstdStreamDecoder, ZSTD_WINDOW_LOG_MAX,

@@ -101,36 +101,12 @@ impl Frame {
         let mut head = [0u8; PAGES_HEADER];
         r.read_exact(&mut head)?;
         hasher.update(&head);
-        let gpa = u64::from_le_bytes(head[..8].try_into().expect("8 bytes"));
-        let count = u32::from_le_bytes(head[8..12].try_into().expect("4 bytes")) as usize;
-        let flags = u32::from_le_bytes(head[12..].try_into().expect("4 bytes"));
-        if !gpa.is_multiple_of(PAGE as u64) {
-            return malformed(format!("unaligned gpa {gpa:#x}"));
-        }
-        if count == 0 || count > MAX_FRAME_PAGES || flags & !FRESH != 0 {
-            return malformed(format!(
-                "{count} pages (1 to {MAX_FRAME_PAGES}), flags {flags:#x}"
-            ));
-        }
-        if len < PAGES_HEADER + 8 * count {
-            return malformed(format!("{len} bytes cannot hold {count} masks"));
-        }
+        let (gpa, count, fresh) = pages_head(&head, len)?;
         let mut mask_bytes = [0u8; 8 * MAX_FRAME_PAGES];
         let mask_bytes = &mut mask_bytes[..8 * count];
         r.read_exact(mask_bytes)?;
         hasher.update(mask_bytes);
-        let masks: Vec<u64> = mask_bytes
-            .chunks_exact(8)
-            .map(|m| u64::from_le_bytes(m.try_into().expect("8 bytes")))
-            .collect();
-        let line_bytes = masks.iter().map(|m| m.count_ones() as usize).sum::<usize>() * LINE;
-        if PAGES_HEADER + 8 * count + line_bytes != len {
-            return malformed(format!(
-                "its masks announce {line_bytes} bytes of lines, its length leaves {}",
-                len - PAGES_HEADER - 8 * count
-            ));
-        }
-        let fresh = flags & FRESH != 0;
+        let masks = masks_of(mask_bytes, len)?;
         let size = count * PAGE;
         let placed = match place(gpa, size, Lend::Pages { fresh }) {
             Some(dst) => {
@@ -163,6 +139,111 @@ impl Frame {
             }
         })
     }
+    /// Lands a Pages frame's payload that is already in memory and checked (its CRC matched):
+    /// runs of whole pages go to `land` straight from `payload`; pages with zero lines are
+    /// spread into `scratch` (whole pages, zero lines written, so what they land over does not
+    /// matter) and landed from there, consecutive ones together.
+    pub(super) fn land_pages(
+        payload: &[u8],
+        scratch: &mut [u8],
+        land: &mut Land<'_>,
+    ) -> Result<FrameRef<'static>, StreamError> {
+        let len = payload.len();
+        if len < PAGES_HEADER {
+            return Err(StreamError::Malformed(format!(
+                "Pages frame: {len} bytes, shorter than its header"
+            )));
+        }
+        let head = payload[..PAGES_HEADER].try_into().expect("16 bytes");
+        let (gpa, count, fresh) = pages_head(head, len)?;
+        let lines_at = PAGES_HEADER + 8 * count;
+        let masks = masks_of(&payload[PAGES_HEADER..lines_at], len)?;
+        let batch = (scratch.len() / PAGE).max(1);
+        let (mut p, mut at) = (0, lines_at);
+        // Spread pages waiting in `scratch`: (first page, how many).
+        let mut spread = (0, 0);
+        let flush = |spread: &mut (usize, usize), scratch: &[u8], land: &mut Land<'_>| {
+            let (first, n) = std::mem::take(spread);
+            match n {
+                0 => Ok(()),
+                n => land(gpa + (first * PAGE) as u64, &scratch[..n * PAGE]),
+            }
+        };
+        while p < count {
+            if masks[p] == u64::MAX {
+                flush(&mut spread, scratch, land)?;
+                let run = masks[p..].iter().take_while(|&&m| m == u64::MAX).count();
+                land(gpa + (p * PAGE) as u64, &payload[at..at + run * PAGE])?;
+                (p, at) = (p + run, at + run * PAGE);
+                continue;
+            }
+            if spread.1 == batch {
+                flush(&mut spread, scratch, land)?;
+            }
+            if spread.1 == 0 {
+                spread.0 = p;
+            }
+            let page = &mut scratch[spread.1 * PAGE..(spread.1 + 1) * PAGE];
+            for (l, line) in page.chunks_exact_mut(LINE).enumerate() {
+                if masks[p] >> l & 1 == 1 {
+                    line.copy_from_slice(&payload[at..at + LINE]);
+                    at += LINE;
+                } else {
+                    line.fill(0);
+                }
+            }
+            spread.1 += 1;
+            p += 1;
+        }
+        flush(&mut spread, scratch, land)?;
+        Ok(FrameRef::Placed {
+            gpa,
+            len: count * PAGE,
+            fresh,
+        })
+    }
+}
+
+/// Where [`Frame::read_into_landing`] lands pages: `land(gpa, pages)` writes whole pages at
+/// `gpa` (an error there fails the read).
+pub type Land<'a> = dyn FnMut(u64, &[u8]) -> io::Result<()> + 'a;
+
+/// A Pages payload's header (`len`: the payload's length), checked: gpa, page count, fresh.
+fn pages_head(head: &[u8; PAGES_HEADER], len: usize) -> Result<(u64, usize, bool), StreamError> {
+    let malformed = |what: String| Err(StreamError::Malformed(format!("Pages frame: {what}")));
+    let gpa = u64::from_le_bytes(head[..8].try_into().expect("8 bytes"));
+    let count = u32::from_le_bytes(head[8..12].try_into().expect("4 bytes")) as usize;
+    let flags = u32::from_le_bytes(head[12..].try_into().expect("4 bytes"));
+    if !gpa.is_multiple_of(PAGE as u64) {
+        return malformed(format!("unaligned gpa {gpa:#x}"));
+    }
+    if count == 0 || count > MAX_FRAME_PAGES || flags & !FRESH != 0 {
+        return malformed(format!(
+            "{count} pages (1 to {MAX_FRAME_PAGES}), flags {flags:#x}"
+        ));
+    }
+    if len < PAGES_HEADER + 8 * count {
+        return malformed(format!("{len} bytes cannot hold {count} masks"));
+    }
+    Ok((gpa, count, flags & FRESH != 0))
+}
+
+/// A Pages payload's masks (`len`: the payload's length), checked against it: the lines they
+/// announce fill the payload exactly.
+fn masks_of(mask_bytes: &[u8], len: usize) -> Result<Vec<u64>, StreamError> {
+    let masks: Vec<u64> = mask_bytes
+        .chunks_exact(8)
+        .map(|m| u64::from_le_bytes(m.try_into().expect("8 bytes")))
+        .collect();
+    let line_bytes = masks.iter().map(|m| m.count_ones() as usize).sum::<usize>() * LINE;
+    let head = PAGES_HEADER + mask_bytes.len();
+    if head + line_bytes != len {
+        return Err(StreamError::Malformed(format!(
+            "Pages frame: its masks announce {line_bytes} bytes of lines, its length leaves {}",
+            len - head
+        )));
+    }
+    Ok(masks)
 }
 
 /// Which 64-byte lines of `page` are not all zero (bit `i`: line `i`).
@@ -277,6 +358,78 @@ mod tests {
             Frame::read_into(&mut &bad[..], &mut buf, |_, _, _| Some(&mut target[..])),
             Err(StreamError::Checksum { .. })
         ));
+    }
+
+    /// Landed frames (plain and compressed, fresh or not, scratch smaller than the frame's
+    /// spread pages) rebuild the pages exactly over any older contents, each call whole pages
+    /// inside the frame; a damaged frame lands nothing.
+    #[test]
+    fn landed_pages_come_out_whole_and_only_once_checked() {
+        // Sparse pages (zero lines, a zero page) then dense ones, so that runs alternate.
+        let mut pages = sparse_pages(5);
+        pages.extend(crate::stream::test_pages::dense_pages(4));
+        pages.extend(sparse_pages(3));
+        let gpa = 0x40_0000u64;
+        for (fresh, codec) in [
+            (true, Codec::None),
+            (false, Codec::None),
+            (true, Codec::Lz4),
+            (false, Codec::Zstd(1)),
+        ] {
+            let mut out = Vec::new();
+            Frame::encode_pages_with(&mut out, gpa, pages.len(), fresh, false, |at, piece| {
+                piece.copy_from_slice(&pages[at..at + piece.len()]);
+                Ok(())
+            })
+            .unwrap();
+            compress_pages(&mut out, codec, &mut Vec::new()).unwrap();
+            for scratch_pages in [1, 2, 512] {
+                let mut memory = vec![0xaau8; pages.len()];
+                let mut calls = 0;
+                let mut land = |at: u64, bytes: &[u8]| {
+                    assert!(at >= gpa && bytes.len().is_multiple_of(PAGE) && !bytes.is_empty());
+                    let o = (at - gpa) as usize;
+                    memory[o..o + bytes.len()].copy_from_slice(bytes);
+                    calls += 1;
+                    Ok(())
+                };
+                let mut scratch = vec![0x55u8; scratch_pages * PAGE];
+                let mut buf = Vec::new();
+                let got = Frame::read_into_landing(
+                    &mut &out[..],
+                    &mut buf,
+                    None,
+                    (&mut scratch[..], &mut land),
+                    |_, _, _| None,
+                )
+                .unwrap();
+                assert_eq!(
+                    got,
+                    FrameRef::Placed {
+                        gpa,
+                        len: pages.len(),
+                        fresh
+                    }
+                );
+                assert!(calls >= 3, "{calls} landings");
+                assert!(memory == pages, "{codec:?}, fresh {fresh}, {scratch_pages}");
+            }
+            // A flipped bit anywhere after the header: an error, and nothing landed.
+            for at in [HEADER + 3, out.len() / 2, out.len() - 2] {
+                let mut bad = out.clone();
+                bad[at] ^= 1;
+                let mut land = |_: u64, _: &[u8]| -> io::Result<()> { panic!("landed") };
+                let mut buf = Vec::new();
+                let got = Frame::read_into_landing(
+                    &mut &bad[..],
+                    &mut buf,
+                    None,
+                    (&mut [0u8; PAGE][..], &mut land),
+                    |_, _, _| None,
+                );
+                assert!(got.is_err(), "{codec:?}, byte {at}");
+            }
+        }
     }
 
     /// Only the non-zero lines of each page travel; the receiver rebuilds the pages exactly,
