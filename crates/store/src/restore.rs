@@ -486,6 +486,8 @@ impl StoreSnapshot {
                     .map(|r| r.chunks.clone())
                     .unwrap_or_default();
             }
+            // Clones share the pages of this very snapshot: its manifest checksum names them.
+            config.share = config.share.map(|s| s.of(&self.manifest.checksum));
             pagers.push(Pager::start(region, Arc::new(source), &config)?);
         }
         vm.restore(&self.machine)?;

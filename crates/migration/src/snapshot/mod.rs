@@ -548,6 +548,8 @@ fn lazy_on<M: TargetMachine>(
         if let Some(ws) = &working_set {
             config.prefetch = ws.offsets(&image.spec.name);
         }
+        // Clones share the pages of this very snapshot: its manifest checksum names them.
+        config.share = config.share.map(|s| s.of(&snapshot.manifest.checksum));
         // guest_memfd: KVM maps its pages for the guest without the host mapping, so only
         // KVM Userfault sees the vCPUs' first accesses; where it is absent, the region is
         // refused, naming what is missing (a userfaultfd pager would let the guest run on
