@@ -58,6 +58,11 @@ pub struct Args {
     /// The guest's rewrite rate over all vCPUs, MiB/s.
     #[arg(long, default_value_t = 16)]
     dirty_mib_per_s: u64,
+    /// The largest N also restored without sharing: beyond it the unshared memory is
+    /// estimated as N times the per-clone growth of the largest unshared fleet measured
+    /// (`unshared_estimated`), as unshared clones of a large image may not fit in the host.
+    #[arg(long, default_value_t = 4)]
+    unshared_max: usize,
     /// Restores of the storm (0: no storm).
     #[arg(long, default_value_t = 100)]
     storm: usize,
@@ -109,6 +114,9 @@ struct Row {
     growth_to_touched_plus_written: f64,
     /// `process_mem_growth_mib` / the same without sharing (sharing rows).
     growth_to_unshared: Option<f64>,
+    /// The unshared growth it compares with was estimated, not measured (see
+    /// `--unshared-max`).
+    unshared_estimated: bool,
 }
 
 #[derive(Serialize)]
@@ -164,7 +172,14 @@ pub fn main(args: Args) -> crate::Result<()> {
                 r.host_mem_growth_mib,
                 r.growth_to_touched_plus_written,
                 r.growth_to_unshared
-                    .map(|g| format!(", {g:.2}x unshared"))
+                    .map(|g| format!(
+                        ", {g:.2}x unshared{}",
+                        if r.unshared_estimated {
+                            " (estimated)"
+                        } else {
+                            ""
+                        }
+                    ))
                     .unwrap_or_default()
             );
         }
@@ -241,15 +256,28 @@ fn rows_and_storms(
     share: &Share,
 ) -> crate::Result<(Vec<Row>, Vec<Storm>)> {
     let mut rows = Vec::new();
+    // The per-clone unshared growth of the largest unshared fleet so far, MiB.
+    let mut per_clone = None;
     for &n in &args.clones {
-        let unshared = fleet(args, run, source, n, None)?;
+        let unshared = if n <= args.unshared_max {
+            Some(fleet(args, run, source, n, None)?)
+        } else {
+            None
+        };
         let _ = std::fs::remove_dir_all(&share.dir);
         let shared = fleet(args, run, source, n, Some(share))?;
         let touched = shared.touched_bytes as f64 / MIB;
-        let unshared_row = unshared.row(n, false, touched, None);
-        let unshared_growth = unshared_row.process_mem_growth_mib;
-        rows.push(unshared_row);
-        rows.push(shared.row(n, true, touched, Some(unshared_growth)));
+        let (unshared_growth, estimated) = match unshared {
+            Some(u) => {
+                let row = u.row(n, false, touched, None, false);
+                let growth = row.process_mem_growth_mib;
+                per_clone = Some(growth / n as f64);
+                rows.push(row);
+                (Some(growth), false)
+            }
+            None => (per_clone.map(|g| g * n as f64), true),
+        };
+        rows.push(shared.row(n, true, touched, unshared_growth, estimated));
     }
     let mut storms = Vec::new();
     if args.storm > 0 {
@@ -430,7 +458,14 @@ fn fleet(
 }
 
 impl Fleet {
-    fn row(&self, n: usize, shared: bool, touched_mib: f64, unshared: Option<f64>) -> Row {
+    fn row(
+        &self,
+        n: usize,
+        shared: bool,
+        touched_mib: f64,
+        unshared: Option<f64>,
+        unshared_estimated: bool,
+    ) -> Row {
         let of = |f: fn(&CloneTimes) -> f64| self.times.iter().map(f).collect::<Vec<_>>();
         let ready = of(|t| t.ready_ms);
         let first = of(|t| t.first_progress_ms);
@@ -452,6 +487,7 @@ impl Fleet {
             written_mib: written,
             growth_to_touched_plus_written: growth / (touched_mib + written).max(1e-9),
             growth_to_unshared: unshared.filter(|_| shared).map(|u| growth / u.max(1e-9)),
+            unshared_estimated,
         }
     }
 }
