@@ -24,7 +24,7 @@
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
-use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{DirBuilderExt, FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -124,12 +124,18 @@ impl SharedImage {
                 source,
             }
         };
-        std::fs::create_dir_all(&share.dir).map_err(io_err("creating", &share.dir))?;
-        check_tmpfs(&share.dir).map_err(|reason| Error::Share {
-            region: region.into(),
-            path: share.dir.clone(),
-            reason,
-        })?;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&share.dir)
+            .map_err(io_err("creating", &share.dir))?;
+        check_tmpfs(&share.dir)
+            .and_then(|()| check_owner(&share.dir))
+            .map_err(|reason| Error::Share {
+                region: region.into(),
+                path: share.dir.clone(),
+                reason,
+            })?;
         let data = OpenOptions::new()
             .read(true)
             .write(true)
@@ -139,6 +145,11 @@ impl SharedImage {
             .open(&path)
             .map_err(io_err("opening", &path))?;
         let meta = data.metadata().map_err(io_err("stat", &path))?;
+        check_owner(&path).map_err(|reason| Error::Share {
+            region: region.into(),
+            path: path.clone(),
+            reason,
+        })?;
         if meta.len() > size {
             return Err(Error::Share {
                 region: region.into(),
@@ -334,6 +345,24 @@ fn open_sidecar(path: &Path, header: &[u8], len: u64) -> io::Result<File> {
     }
 }
 
+/// `Err` when `path` belongs to another user or others may write it: its bytes reach the
+/// guests, so only this user may have put them there.
+fn check_owner(path: &Path) -> std::result::Result<(), String> {
+    let meta = std::fs::symlink_metadata(path).map_err(|e| format!("stat: {e}"))?;
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    if meta.uid() != me || meta.mode() & 0o022 != 0 || meta.file_type().is_symlink() {
+        return Err(format!(
+            "owned by uid {} with mode {:o} (a symlink: {}): only this user (uid {me}) may \
+             write what clones map",
+            meta.uid(),
+            meta.mode() & 0o7777,
+            meta.file_type().is_symlink()
+        ));
+    }
+    Ok(())
+}
+
 /// `Err` naming the file system when `dir` is not on tmpfs (userfaultfd `MINOR` faults, which
 /// map the shared pages, exist for shmem and hugetlbfs only).
 fn check_tmpfs(dir: &Path) -> std::result::Result<(), String> {
@@ -401,6 +430,10 @@ mod tests {
         // No snapshot id.
         let e = SharedImage::open(&Share::new(&d), "ram", 1 << 20).unwrap_err();
         assert!(e.to_string().contains("content id"), "{e}");
+        // A directory others may write into.
+        std::fs::set_permissions(&d, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+        let e = SharedImage::open(&share, "ram", 1 << 20).unwrap_err();
+        assert!(e.to_string().contains("only this user"), "{e}");
         std::fs::remove_dir_all(&d).unwrap();
     }
 
