@@ -443,11 +443,12 @@ impl Pager {
     pub fn memory_bytes(&self) -> u64 {
         let s = &self.shared;
         let threads = (s.handlers + s.readahead_threads + usize::from(s.background)) as u64;
-        let bounce = if s.mode == Mode::Copy && s.source.mapped().is_none() {
-            s.bounce
-        } else {
-            0
-        };
+        let bounce =
+            if (s.mode == Mode::Copy && s.source.mapped().is_none()) || s.mode == Mode::Shared {
+                s.bounce
+            } else {
+                0
+            };
         let event_buffers = s.handlers as u64 * EVENT_BATCH as u64 * 32;
         let queue = s
             .readahead_queue
