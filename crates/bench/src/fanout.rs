@@ -17,7 +17,8 @@
 //!   at a time; each restores, runs to its first progress and goes. `restores_per_s`,
 //!   `ready_p99_ms`, and the process's descriptors and anonymous memory before and after.
 //!
-//! `--prepared` restores into VMs built before each restore's clock starts (a warm pool).
+//! `--prepared` restores into VMs built before each restore's clock starts (a warm pool);
+//! `--open-once` restores every clone from the snapshot opened once before the clocks start.
 //! The store and the shared image are removed afterwards. Self-contained: the only hook is the
 //! `Fanout` variant of `guestmem bench`.
 
@@ -72,6 +73,11 @@ pub struct Args {
     /// Restore into prepared VMs (built before each restore's clock starts).
     #[arg(long)]
     prepared: bool,
+    /// Open the store snapshot once, before the clocks start, and restore every clone from it
+    /// (as a restore service holding it open would): ready leaves out reading and checking
+    /// the manifest and the state.
+    #[arg(long)]
+    open_once: bool,
     /// Where the shared image goes (tmpfs).
     #[arg(long, default_value = Share::DEFAULT_DIR)]
     share_dir: PathBuf,
@@ -86,6 +92,7 @@ struct Output {
     vcpus_per_clone: usize,
     run_s: f64,
     prepared: bool,
+    open_once: bool,
     working_set_mib: f64,
     rows: Vec<Row>,
     storms: Vec<Storm>,
@@ -206,6 +213,8 @@ struct Source {
     backend: Arc<dyn Backend>,
     name: String,
     config: VmConfig,
+    /// The snapshot opened once (`--open-once`).
+    opened: Option<StoreSnapshot>,
 }
 
 fn bench(args: &Args, run: Duration, temp: &Path) -> crate::Result<Output> {
@@ -215,10 +224,11 @@ fn bench(args: &Args, run: Duration, temp: &Path) -> crate::Result<Output> {
     write(&*backend, &name, &vm, None)?;
     let config = vm.config().clone();
     drop(vm);
-    let source = Source {
+    let mut source = Source {
         backend,
         name,
         config,
+        opened: None,
     };
     // One restore runs `run` and records its working set for the clones to prefetch.
     let snap = StoreSnapshot::open(source.backend.clone(), &source.name, None)?;
@@ -230,6 +240,14 @@ fn bench(args: &Args, run: Duration, temp: &Path) -> crate::Result<Output> {
     let chunks = snap.record_working_set(&lazy.vm, &lazy.pagers)?;
     let working_set_mib = (chunks as u64 * snap.manifest.chunk_bytes) as f64 / MIB;
     drop(lazy);
+    // Opened after the working set is recorded, which it reads.
+    if args.open_once {
+        source.opened = Some(StoreSnapshot::open(
+            source.backend.clone(),
+            &source.name,
+            None,
+        )?);
+    }
     let share = Share::new(
         args.share_dir
             .join(format!("fanout-{}", std::process::id())),
@@ -243,6 +261,7 @@ fn bench(args: &Args, run: Duration, temp: &Path) -> crate::Result<Output> {
         vcpus_per_clone: args.vcpus,
         run_s: args.run_s,
         prepared: args.prepared,
+        open_once: args.open_once,
         working_set_mib,
         rows,
         storms,
@@ -336,7 +355,14 @@ fn restore(
         None
     };
     let t = Instant::now();
-    let snap = StoreSnapshot::open(source.backend.clone(), &source.name, None)?;
+    let fresh;
+    let snap = match &source.opened {
+        Some(s) => s,
+        None => {
+            fresh = StoreSnapshot::open(source.backend.clone(), &source.name, None)?;
+            &fresh
+        }
+    };
     let lazy = match pool {
         Some(p) => snap.restore_lazy_into(p, &quiet(share))?,
         None => snap.restore_lazy(&quiet(share))?,
