@@ -238,3 +238,38 @@ fn a_damaged_chunk_is_refused_by_every_clone() {
         "{e}"
     );
 }
+
+/// Clones restored and read at once, each from its own thread: they race to publish the same
+/// chunks, and every one of them reads exactly the snapshot's bytes.
+#[test]
+#[cfg_attr(
+    not(all(kvm, uffd)),
+    ignore = "no usable /dev/kvm and /dev/userfaultfd on this host"
+)]
+fn clones_racing_to_publish_the_same_chunks_all_read_the_snapshots_bytes() {
+    let dir = TempDir::new("clones-race");
+    snapshot_running_vm(&VmConfig::simple(2, RAM, MemBackend::Anon), RAM, &dir.0);
+    let snap = Snapshot::open(&dir.0).unwrap();
+    let full = snapshot::restore(&snap, snapshot::RestoreMode::Full).unwrap();
+    let snapshot_ram = ram_bytes(&full);
+    drop(full);
+    let share = ShareDir::new("race");
+    let config = PagerConfig {
+        // The background sweeps race the readers too.
+        background: true,
+        ..share.config()
+    };
+    let start = std::sync::Barrier::new(4);
+    std::thread::scope(|s| {
+        for clone in 0..4 {
+            let (snap, config, start, snapshot_ram) = (&snap, &config, &start, &snapshot_ram);
+            s.spawn(move || {
+                start.wait();
+                let lazy = snapshot::restore_lazy(snap, config).unwrap();
+                assert!(ram_bytes(&lazy.vm) == *snapshot_ram, "clone {clone}");
+            });
+        }
+    });
+    let image = share.image(&snap.manifest().checksum);
+    assert_eq!(image.resident_bytes(), image.published_bytes());
+}
