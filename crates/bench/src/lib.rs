@@ -14,6 +14,7 @@ mod delay_proxy;
 mod demand_paging;
 mod dirty_log;
 pub(crate) mod envelope;
+mod fanout;
 mod floor;
 pub mod link;
 mod memslots;
@@ -53,6 +54,9 @@ pub enum Bench {
     /// Issue 15: a snapshot of a guest from a real memory image in the chunk store (stored
     /// size, write rate, clones, restores from the store).
     Snapshot(snapshot_store::Args),
+    /// Issue 31: many clones of one snapshot restored at once, sharing one copy of its memory
+    /// or not (readiness, memory growth), and a restore storm.
+    Fanout(fanout::Args),
 }
 
 /// Runs one bench (the envelope's run starts here).
@@ -68,6 +72,7 @@ pub fn main(bench: Bench) -> Result<()> {
         Bench::QemuMigrate(args) => qemu_migrate::main(args),
         Bench::Restore(args) => restore::main(args),
         Bench::Snapshot(args) => snapshot_store::main(args),
+        Bench::Fanout(args) => fanout::main(args),
     }
 }
 

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use guestmem_migration::firecracker;
 use guestmem_migration::snapshot::{self, RestoreMode, Snapshot};
-use guestmem_paging::{Pager, PagerConfig, PagerStats, UserfaultPager};
+use guestmem_paging::{Pager, PagerConfig, PagerStats, Share, UserfaultPager};
 use guestmem_tracking::{Mode as TrackingMode, Tracker};
 use guestmem_vm::{layout, VcpuWork, Vm, Workload};
 use serde::Serialize;
@@ -82,12 +82,36 @@ pub struct RestoreArgs {
     /// against the snapshot's CRC-32 before the guest can run on it.
     #[arg(long, value_name = "SOCKET")]
     uffd_socket: Option<PathBuf>,
+    /// With `--mode lazy`: share the snapshot's clean pages with every other clone of it on
+    /// this host, through one image per snapshot in DIR (on tmpfs; default /dev/shm/guestmem),
+    /// each clone mapping it copy-on-write and owning only the pages it writes. The image
+    /// stays in DIR (host memory) after the clones exit, for the next ones: delete it to free
+    /// it. Anonymous RAM only.
+    #[arg(long, value_name = "DIR", num_args = 0..=1, default_missing_value = Share::DEFAULT_DIR)]
+    share: Option<PathBuf>,
     /// How long to let the restored guest run, in seconds.
     #[arg(long, default_value_t = 1.0)]
     run_for: f64,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
+}
+
+impl RestoreArgs {
+    /// The lazy restore's pager configuration: the defaults, sharing memory with `--share`
+    /// (which only an in-process lazy restore takes).
+    fn pager_config(&self) -> crate::Result<PagerConfig> {
+        if self.share.is_some() && (!matches!(self.mode, Mode::Lazy) || self.uffd_socket.is_some())
+        {
+            return Err(
+                "--share needs --mode lazy (served in this process, not --uffd-socket)".into(),
+            );
+        }
+        Ok(PagerConfig {
+            share: self.share.as_ref().map(Share::new),
+            ..PagerConfig::default()
+        })
+    }
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -371,6 +395,7 @@ pub fn restore(args: RestoreArgs) -> crate::Result<()> {
     if args.uffd_socket.is_some() && !matches!(args.mode, Mode::Lazy) {
         return Err("--uffd-socket needs --mode lazy".into());
     }
+    let pager_config = args.pager_config()?;
     let mut peer = None;
     let mut prefetched = false;
     // KVM Userfault pagers (guest_memfd regions): they serve the vCPUs' userfault exits for
@@ -395,7 +420,7 @@ pub fn restore(args: RestoreArgs) -> crate::Result<()> {
             (restored.vm, Vec::new())
         }
         Mode::Lazy => {
-            let lazy = snapshot::restore_lazy(&snap, &PagerConfig::default())?;
+            let lazy = snapshot::restore_lazy(&snap, &pager_config)?;
             for (phase, d) in &lazy.phases {
                 tracing::info!("lazy restore: {phase}: {:.3} ms", d.as_secs_f64() * 1e3);
             }

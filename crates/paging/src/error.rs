@@ -65,6 +65,29 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+    /// A shared image of a snapshot's memory (see [`crate::SharedImage`]) cannot be used.
+    #[error("region '{region}': shared memory {}: {reason}", path.display())]
+    Share {
+        /// The region.
+        region: String,
+        /// The file or directory.
+        path: std::path::PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A system call on a shared image failed.
+    #[error("region '{region}': shared memory {}: {op} failed", path.display())]
+    ShareIo {
+        /// The region.
+        region: String,
+        /// The file or directory.
+        path: std::path::PathBuf,
+        /// The call.
+        op: &'static str,
+        /// The kernel's error.
+        #[source]
+        source: io::Error,
+    },
     /// The page source could not provide a range, retries included.
     #[error("region '{region}': the page source failed to provide guest address {gpa:#x} (+{len:#x}) after {attempts} attempts")]
     SourceFailed {

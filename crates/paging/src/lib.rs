@@ -24,6 +24,7 @@ pub mod affinity;
 mod error;
 mod pager;
 pub mod priority;
+mod shared;
 mod source;
 mod userfault;
 
@@ -32,5 +33,6 @@ pub use pager::{
     check_demand_paging, register_for_peer, OnFailure, Pager, PagerConfig, PagerStats, PeerPager,
     PeerRange, PeerReleased,
 };
+pub use shared::{Share, SharedImage};
 pub use source::{FileSource, PageSource, RemoteSource, WindowSource, ZeroSource};
 pub use userfault::{UserfaultPager, HOST_UFFD, HOST_WAIT};

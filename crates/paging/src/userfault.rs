@@ -121,6 +121,9 @@ impl UserfaultPager {
                 reason: format!("the memory has {} regions", memory.regions().len()),
             })?;
         let name = region.name().to_string();
+        if config.share.is_some() {
+            return Err(crate::pager::share_refusal(&region));
+        }
         let size = region.size();
         if source.size() < size {
             return Err(Error::Config {

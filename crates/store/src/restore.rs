@@ -493,6 +493,8 @@ impl StoreSnapshot {
                     .map(|r| r.chunks.clone())
                     .unwrap_or_default();
             }
+            // Clones share the pages of this very snapshot: its manifest checksum names them.
+            config.share = config.share.map(|s| s.of(&self.manifest.checksum));
             Ok((source, config))
         })?;
         vm.restore(&self.machine)?;

@@ -5,7 +5,6 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use guestmem_paging::PagerConfig;
 use guestmem_store::cache::ChunkCache;
 use guestmem_store::location::{is_store_url, Location, StoreUrl};
 use guestmem_store::restore::StoreSnapshot;
@@ -252,6 +251,7 @@ pub(super) fn restore(args: &RestoreArgs) -> crate::Result<()> {
     if args.uffd_socket.is_some() && !matches!(args.mode, Mode::Lazy) {
         return Err("--uffd-socket needs --mode lazy".into());
     }
+    let pager_config = args.pager_config()?;
     // A page server's connection and our copy of the userfaultfd, held while the guest runs.
     let mut peer = None;
     // KVM Userfault pagers (guest_memfd regions): they serve the vCPUs' userfault exits for
@@ -275,7 +275,7 @@ pub(super) fn restore(args: &RestoreArgs) -> crate::Result<()> {
             (restored.vm, Vec::new(), false)
         }
         Mode::Lazy => {
-            let lazy = snap.restore_lazy(&PagerConfig::default())?;
+            let lazy = snap.restore_lazy(&pager_config)?;
             userfault_pagers = lazy.userfault_pagers;
             (lazy.vm, lazy.pagers, lazy.prefetched)
         }

@@ -545,6 +545,8 @@ fn lazy_on<M: TargetMachine>(
         if let Some(ws) = &working_set {
             config.prefetch = ws.offsets(&snapshot.manifest.regions[i].spec.name);
         }
+        // Clones share the pages of this very snapshot: its manifest checksum names them.
+        config.share = config.share.map(|s| s.of(&snapshot.manifest.checksum));
         Ok((source, config))
     })?;
     lap(&mut phases, &mut t, "start pagers");

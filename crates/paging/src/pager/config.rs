@@ -49,6 +49,11 @@ pub struct PagerConfig {
     /// vCPUs' CPUs. Each must be one the process may run on. `None`: wherever the scheduler
     /// puts them.
     pub cpus: Option<Vec<usize>>,
+    /// Share the snapshot's clean pages with the other clones restored from it on this host
+    /// (see [`SharedImage`](crate::SharedImage)): the region becomes a copy-on-write mapping of
+    /// the snapshot's shared image, filled by whichever clone first needs a chunk. Anonymous
+    /// regions only; the restore sets the snapshot's id.
+    pub share: Option<crate::Share>,
 }
 
 impl Default for PagerConfig {
@@ -66,6 +71,7 @@ impl Default for PagerConfig {
             prefetch: Vec::new(),
             realtime_handlers: false,
             cpus: None,
+            share: None,
         }
     }
 }

@@ -20,6 +20,9 @@ impl Shared {
         bounce: &mut PageBuf,
         by: By,
     ) -> Result<bool> {
+        if self.mode == Mode::Shared {
+            return self.install_shared(chunks, shard, bounce, by);
+        }
         let uffd = &self.uffds[shard];
         let (start, len) = self.byte_range(chunks);
         if self.mode == Mode::Copy && self.page == 4096 && self.source.is_zero(start, len) {
@@ -127,6 +130,7 @@ impl Shared {
                 }
                 self.map_page_cache(uffd, start, len)
             }
+            Mode::Shared => unreachable!("served by install_shared"),
             Mode::Continue => {
                 // SAFETY: the chunk lies inside the alias mapping, and no one else writes it
                 // while we hold it in FETCHING (the guest's mapping of it is not populated yet,
@@ -162,6 +166,7 @@ impl Shared {
     ) {
         let uffd = &self.uffds[shard];
         let result = match self.mode {
+            Mode::Shared => self.refill_shared(uffd, off),
             Mode::Copy => {
                 bounce.grow_to(self.page as usize);
                 bounce[..self.page as usize].fill(0);

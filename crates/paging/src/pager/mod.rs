@@ -4,6 +4,7 @@ mod config;
 mod install;
 mod peer;
 mod serve;
+mod shared_install;
 
 use std::collections::VecDeque;
 use std::io;
@@ -23,10 +24,12 @@ use guestmem_vm::AbortHandle;
 use userfaultfd::{FeatureFlags, RegisterMode, Uffd, UffdBuilder};
 
 use crate::affinity::CpuSet;
-use crate::{Error, PageSource, Result, UffdError};
+use crate::{Error, PageSource, Result, SharedImage, UffdError};
 
 pub use config::{PagerConfig, PagerStats};
 pub use peer::{register_for_peer, PeerPager, PeerRange};
+pub(crate) use shared_install::share_refusal;
+use shared_install::shared_image;
 
 /// How faults are resolved, by backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,6 +38,10 @@ enum Mode {
     Copy,
     /// The page cache is filled through `alias`, then `UFFDIO_CONTINUE` maps it (memfd).
     Continue,
+    /// A clone's copy-on-write mapping of a snapshot's [`SharedImage`]: a published chunk is
+    /// mapped with `UFFDIO_CONTINUE`; an unpublished one is fetched, written into the image and
+    /// published first (anon regions restored with [`PagerConfig::share`]).
+    Shared,
 }
 
 /// Who installs a chunk (for the stats; only a fault waits for a chunk someone else holds).
@@ -89,6 +96,8 @@ struct Shared {
     /// The memfd itself (`Mode::Continue`; -1 otherwise): a mapped source is written into its
     /// page cache with `pwrite`, which fills whole pages without zeroing them first.
     memfd: RawFd,
+    /// The shared image this clone maps (`Mode::Shared`).
+    image: Option<Arc<SharedImage>>,
     uffds: Vec<Uffd>,
     /// The chunks each userfaultfd covers.
     shards: Vec<Range<usize>>,
@@ -210,7 +219,9 @@ impl Pager {
             reason,
         };
         let backend = region.backend();
+        let image = shared_image(region, config)?;
         let mode = match backend {
+            _ if image.is_some() => Mode::Shared,
             Backend::Anon | Backend::MemfdHugetlb | Backend::Hugetlbfs => Mode::Copy,
             Backend::Memfd => Mode::Continue,
             Backend::GuestMemfd => {
@@ -258,13 +269,14 @@ impl Pager {
 
         let mut features = UFFD_FEATURE_EVENT_REMOVE;
         features |= match backend {
+            _ if mode == Mode::Shared => UFFD_FEATURE_MISSING_SHMEM | UFFD_FEATURE_MINOR_SHMEM,
             Backend::Memfd => UFFD_FEATURE_MISSING_SHMEM | UFFD_FEATURE_MINOR_SHMEM,
             Backend::MemfdHugetlb | Backend::Hugetlbfs => UFFD_FEATURE_MISSING_HUGETLBFS,
             _ => 0,
         };
         let register_mode = match mode {
             Mode::Copy => RegisterMode::MISSING,
-            Mode::Continue => RegisterMode::MISSING | RegisterMode::MINOR,
+            Mode::Continue | Mode::Shared => RegisterMode::MISSING | RegisterMode::MINOR,
         };
         let uffd_err = |op, source| Error::Uffd {
             region: name.clone(),
@@ -297,10 +309,11 @@ impl Pager {
 
         let memfd = match mode {
             Mode::Copy => -1,
+            Mode::Shared => image.as_ref().expect("shared mode has an image").fd(),
             Mode::Continue => region.fd().expect("memfd regions have an fd").as_raw_fd(),
         };
         let alias = match mode {
-            Mode::Copy => 0,
+            Mode::Copy | Mode::Shared => 0,
             Mode::Continue => {
                 let fd = memfd;
                 // SAFETY: a fresh shared mapping of the region's own fd and size; it aliases
@@ -334,7 +347,7 @@ impl Pager {
                 source: io::Error::last_os_error(),
             });
         }
-        let shared = Arc::new(Shared::new(
+        let mut shared = Shared::new(
             Layout {
                 region: name,
                 gpa: region.gpa(),
@@ -353,7 +366,9 @@ impl Pager {
             // SAFETY: `stop` is the fresh eventfd from above.
             unsafe { OwnedFd::from_raw_fd(stop) },
             None,
-        ));
+        );
+        shared.image = image;
+        let shared = Arc::new(shared);
         for (c, state) in shared.states.iter().enumerate() {
             if resident(c as u64 * chunk) {
                 state.store(RESIDENT, Ordering::Release);
@@ -428,11 +443,12 @@ impl Pager {
     pub fn memory_bytes(&self) -> u64 {
         let s = &self.shared;
         let threads = (s.handlers + s.readahead_threads + usize::from(s.background)) as u64;
-        let bounce = if s.mode == Mode::Copy && s.source.mapped().is_none() {
-            s.bounce
-        } else {
-            0
-        };
+        let bounce =
+            if (s.mode == Mode::Copy && s.source.mapped().is_none()) || s.mode == Mode::Shared {
+                s.bounce
+            } else {
+                0
+            };
         let event_buffers = s.handlers as u64 * EVENT_BATCH as u64 * 32;
         let queue = s
             .readahead_queue

@@ -62,6 +62,7 @@ impl Shared {
             mode,
             alias,
             memfd,
+            image: None,
             uffds,
             shards,
             states: (0..chunks).map(|_| AtomicU8::new(ABSENT)).collect(),

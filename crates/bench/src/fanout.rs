@@ -1,0 +1,683 @@
+//! `guestmem bench fanout`: many clones of one snapshot on one host, with and without sharing
+//! their memory (issue 31's clone fleet). A guest started from a real memory image runs
+//! `rewrite` for `--run-s` seconds and is snapshotted into a fresh local chunk store; one lazy
+//! restore records its working set. Then, per `--clones N`:
+//!
+//! - N lazy restores of the snapshot at once, each in its own thread, without sharing and then
+//!   sharing one image (`--share-dir`, emptied first): each clone prefetches the working set
+//!   and runs `rewrite` for `--run-s`. Per mode: `ready_p50_ms`/`ready_p95_ms` (restore start to
+//!   vCPUs ready), `first_progress_p50_ms`/`first_progress_p95_ms` (to the guest's first
+//!   completed page), `working_set_p50_ms`/`working_set_p95_ms` (to its working set
+//!   prefetched); the memory the clones added while all are alive: `host_mem_growth_mib` from
+//!   /proc/meminfo (AnonPages + Shmem: the whole host's, noisy beside other work) and
+//!   `process_mem_growth_mib` (the bench's anonymous pages plus the shared image's pages);
+//!   beside the unique pages touched (the image's published pages) plus the pages the clones
+//!   wrote: `growth_to_touched_plus_written`, and for sharing `growth_to_unshared`.
+//! - a restore storm (`--storm` restores, sharing): one after another, then `--storm-parallel`
+//!   at a time; each restores, runs to its first progress and goes. `restores_per_s`,
+//!   `ready_p99_ms`, and the process's descriptors and anonymous memory before and after.
+//!
+//! `--prepared` restores into VMs built before each restore's clock starts (a warm pool);
+//! `--open-once` restores every clone from the snapshot opened once before the clocks start.
+//! The store and the shared image are removed afterwards. Self-contained: the only hook is the
+//! `Fanout` variant of `guestmem bench`.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Barrier, Mutex};
+use std::time::{Duration, Instant};
+
+use guestmem_memory::Backend as MemBackend;
+use guestmem_migration::snapshot::PreparedVm;
+use guestmem_paging::{PagerConfig, Share};
+use guestmem_store::local::LocalBackend;
+use guestmem_store::restore::{LazyStoreVm, StoreSnapshot};
+use guestmem_store::write::write;
+use guestmem_store::Backend;
+use guestmem_vm::{layout, VcpuWork, Vm, VmConfig, Workload};
+use serde::Serialize;
+
+use crate::units::parse_size;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// The memory image the guest starts from (raw or zstd, e.g. linux-2G-load.raw.zst).
+    #[arg(long)]
+    image: PathBuf,
+    /// Guest memory size (at least the image's).
+    #[arg(long, default_value = "2G", value_parser = parse_size)]
+    memory: u64,
+    /// vCPUs per clone.
+    #[arg(long, default_value_t = 1)]
+    vcpus: usize,
+    /// Clones restored at once, one row each.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,16")]
+    clones: Vec<usize>,
+    /// How long the guest runs before its snapshot, and each clone after its restore, in s.
+    #[arg(long, default_value_t = 2.0)]
+    run_s: f64,
+    /// The guest's rewrite rate over all vCPUs, MiB/s.
+    #[arg(long, default_value_t = 16)]
+    dirty_mib_per_s: u64,
+    /// The largest N also restored without sharing: beyond it the unshared memory is
+    /// estimated as N times the per-clone growth of the largest unshared fleet measured
+    /// (`unshared_estimated`), as unshared clones of a large image may not fit in the host.
+    #[arg(long, default_value_t = 4)]
+    unshared_max: usize,
+    /// Restores of the storm (0: no storm).
+    #[arg(long, default_value_t = 100)]
+    storm: usize,
+    /// Restores at a time in the storm's second half.
+    #[arg(long, default_value_t = 16)]
+    storm_parallel: usize,
+    /// Restore into prepared VMs (built before each restore's clock starts).
+    #[arg(long)]
+    prepared: bool,
+    /// Open the store snapshot once, before the clocks start, and restore every clone from it
+    /// (as a restore service holding it open would): ready leaves out reading and checking
+    /// the manifest and the state.
+    #[arg(long)]
+    open_once: bool,
+    /// Where the shared image goes (tmpfs).
+    #[arg(long, default_value = Share::DEFAULT_DIR)]
+    share_dir: PathBuf,
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Serialize)]
+struct Output {
+    image: PathBuf,
+    memory_bytes: u64,
+    vcpus_per_clone: usize,
+    run_s: f64,
+    prepared: bool,
+    open_once: bool,
+    working_set_mib: f64,
+    rows: Vec<Row>,
+    storms: Vec<Storm>,
+}
+
+#[derive(Serialize)]
+struct Row {
+    clones: usize,
+    shared: bool,
+    ready_p50_ms: f64,
+    ready_p95_ms: f64,
+    first_progress_p50_ms: f64,
+    first_progress_p95_ms: f64,
+    working_set_p50_ms: f64,
+    working_set_p95_ms: f64,
+    /// /proc/meminfo AnonPages + Shmem, while all clones live, minus before (noisy: the
+    /// whole host's).
+    host_mem_growth_mib: f64,
+    /// The bench's RssAnon plus the shared image's pages, minus before.
+    process_mem_growth_mib: f64,
+    /// The shared image's published bytes (the sharing row of the same N).
+    unique_touched_mib: f64,
+    /// Pages the clones' guests completed (each a page written), all clones.
+    written_mib: f64,
+    /// `process_mem_growth_mib / (unique_touched_mib + written_mib)`.
+    growth_to_touched_plus_written: f64,
+    /// `process_mem_growth_mib` / the same without sharing (sharing rows).
+    growth_to_unshared: Option<f64>,
+    /// The unshared growth it compares with was estimated, not measured (see
+    /// `--unshared-max`).
+    unshared_estimated: bool,
+}
+
+#[derive(Serialize)]
+struct Storm {
+    restores: usize,
+    at_a_time: usize,
+    restores_per_s: f64,
+    ready_p50_ms: f64,
+    ready_p99_ms: f64,
+    fds_before: usize,
+    fds_after: usize,
+    rss_anon_before_mib: f64,
+    rss_anon_after_mib: f64,
+}
+
+/// What one clone measured.
+#[derive(Clone, Copy, Default)]
+struct CloneTimes {
+    ready_ms: f64,
+    first_progress_ms: f64,
+    working_set_ms: f64,
+    pages_written: u64,
+}
+
+pub fn main(args: Args) -> crate::Result<()> {
+    let run = crate::units::seconds(args.run_s, "--run-s")?;
+    if args.clones.contains(&0) || args.vcpus == 0 {
+        return Err("--clones and --vcpus: 1 or more".into());
+    }
+    if !args.image.exists() {
+        return Err(format!("--image {}: no such file", args.image.display()).into());
+    }
+    let temp = std::env::temp_dir().join(format!("guestmem-bench-fanout-{}", std::process::id()));
+    let out = bench(&args, run, &temp);
+    let _ = std::fs::remove_dir_all(&temp);
+    let out = out?;
+    if args.json {
+        crate::envelope::print(&out)?;
+    } else {
+        for r in &out.rows {
+            println!(
+                "{:>3} clones {:>9}: ready p50 {:.1} p95 {:.1} ms, first progress p50 {:.1} \
+                 p95 {:.1} ms, working set p95 {:.1} ms, memory +{:.0} MiB (host +{:.0}), \
+                 {:.2}x touched+written{}",
+                r.clones,
+                if r.shared { "shared" } else { "unshared" },
+                r.ready_p50_ms,
+                r.ready_p95_ms,
+                r.first_progress_p50_ms,
+                r.first_progress_p95_ms,
+                r.working_set_p95_ms,
+                r.process_mem_growth_mib,
+                r.host_mem_growth_mib,
+                r.growth_to_touched_plus_written,
+                r.growth_to_unshared
+                    .map(|g| format!(
+                        ", {g:.2}x unshared{}",
+                        if r.unshared_estimated {
+                            " (estimated)"
+                        } else {
+                            ""
+                        }
+                    ))
+                    .unwrap_or_default()
+            );
+        }
+        for s in &out.storms {
+            println!(
+                "storm of {} restores, {} at a time: {:.1}/s, ready p99 {:.1} ms; fds {} -> {}, \
+                 anon {:.0} -> {:.0} MiB",
+                s.restores,
+                s.at_a_time,
+                s.restores_per_s,
+                s.ready_p99_ms,
+                s.fds_before,
+                s.fds_after,
+                s.rss_anon_before_mib,
+                s.rss_anon_after_mib
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The snapshot the clones restore: a store and its name.
+struct Source {
+    backend: Arc<dyn Backend>,
+    name: String,
+    config: VmConfig,
+    /// The snapshot opened once (`--open-once`).
+    opened: Option<StoreSnapshot>,
+}
+
+fn bench(args: &Args, run: Duration, temp: &Path) -> crate::Result<Output> {
+    let backend: Arc<dyn Backend> = Arc::new(LocalBackend::new(&temp.join("store")));
+    let name = "fanout".to_string();
+    let vm = guest(args, run)?;
+    write(&*backend, &name, &vm, None)?;
+    let config = vm.config().clone();
+    drop(vm);
+    let mut source = Source {
+        backend,
+        name,
+        config,
+        opened: None,
+    };
+    // One restore runs `run` and records its working set for the clones to prefetch.
+    let snap = StoreSnapshot::open(source.backend.clone(), &source.name, None)?;
+    let mut lazy = snap.restore_lazy(&quiet(None))?;
+    let running = lazy.vm.resume()?;
+    std::thread::sleep(run);
+    running.stop();
+    running.wait(Duration::from_secs(30))?;
+    let chunks = snap.record_working_set(&lazy.vm, &lazy.pagers)?;
+    let working_set_mib = (chunks as u64 * snap.manifest.chunk_bytes) as f64 / MIB;
+    drop(lazy);
+    // Opened after the working set is recorded, which it reads.
+    if args.open_once {
+        source.opened = Some(StoreSnapshot::open(
+            source.backend.clone(),
+            &source.name,
+            None,
+        )?);
+    }
+    let share = Share::new(
+        args.share_dir
+            .join(format!("fanout-{}", std::process::id())),
+    );
+    let result = rows_and_storms(args, run, &source, &share);
+    let _ = std::fs::remove_dir_all(&share.dir);
+    let (rows, storms) = result?;
+    Ok(Output {
+        image: args.image.clone(),
+        memory_bytes: args.memory,
+        vcpus_per_clone: args.vcpus,
+        run_s: args.run_s,
+        prepared: args.prepared,
+        open_once: args.open_once,
+        working_set_mib,
+        rows,
+        storms,
+    })
+}
+
+fn rows_and_storms(
+    args: &Args,
+    run: Duration,
+    source: &Source,
+    share: &Share,
+) -> crate::Result<(Vec<Row>, Vec<Storm>)> {
+    let mut rows = Vec::new();
+    // The per-clone unshared growth of the largest unshared fleet so far, MiB.
+    let mut per_clone = None;
+    for &n in &args.clones {
+        let unshared = if n <= args.unshared_max {
+            Some(fleet(args, run, source, n, None)?)
+        } else {
+            None
+        };
+        let _ = std::fs::remove_dir_all(&share.dir);
+        let shared = fleet(args, run, source, n, Some(share))?;
+        let touched = shared.touched_bytes as f64 / MIB;
+        let (unshared_growth, estimated) = match unshared {
+            Some(u) => {
+                let row = u.row(n, false, touched, None, false);
+                let growth = row.process_mem_growth_mib;
+                per_clone = Some(growth / n as f64);
+                rows.push(row);
+                (Some(growth), false)
+            }
+            None => (per_clone.map(|g| g * n as f64), true),
+        };
+        rows.push(shared.row(n, true, touched, unshared_growth, estimated));
+    }
+    let mut storms = Vec::new();
+    if args.storm > 0 {
+        for at_a_time in [1, args.storm_parallel.max(1)] {
+            storms.push(storm(args, source, share, at_a_time)?);
+        }
+    }
+    Ok((rows, storms))
+}
+
+const MIB: f64 = (1 << 20) as f64;
+
+/// A guest from the image, run `run` seconds, paused.
+fn guest(args: &Args, run: Duration) -> crate::Result<Vm> {
+    let mut vm = Vm::new(&VmConfig::simple(args.vcpus, args.memory, MemBackend::Anon))?;
+    let ram = vm.memory().region("ram").ok_or("no region 'ram'")?;
+    guestmem_memory::load_image(ram, &args.image)?;
+    let work = VcpuWork::split(
+        Workload::Rewrite {
+            pages_per_s: Some(
+                (args.dirty_mib_per_s.saturating_mul(256) / args.vcpus as u64).max(1),
+            ),
+            passes: None,
+        },
+        layout::RAM_GPA,
+        args.memory,
+        args.vcpus,
+        1,
+    );
+    let running = vm.start(&work)?;
+    std::thread::sleep(run);
+    running.pause()?;
+    Ok(vm)
+}
+
+/// Demand paging with the working set first and no background sweep (memory is what the
+/// clones touch), sharing through `share` if given.
+fn quiet(share: Option<&Share>) -> PagerConfig {
+    PagerConfig {
+        background: false,
+        share: share.cloned(),
+        ..PagerConfig::default()
+    }
+}
+
+/// One lazy restore of `source`, timed from before it opens the snapshot (a prepared VM is
+/// built before that).
+fn restore(
+    source: &Source,
+    share: Option<&Share>,
+    prepared: bool,
+) -> crate::Result<(LazyStoreVm, Instant)> {
+    let pool = if prepared {
+        Some(PreparedVm::new(&source.config)?)
+    } else {
+        None
+    };
+    let t = Instant::now();
+    let fresh;
+    let snap = match &source.opened {
+        Some(s) => s,
+        None => {
+            fresh = StoreSnapshot::open(source.backend.clone(), &source.name, None)?;
+            &fresh
+        }
+    };
+    let lazy = match pool {
+        Some(p) => snap.restore_lazy_into(p, &quiet(share))?,
+        None => snap.restore_lazy(&quiet(share))?,
+    };
+    Ok((lazy, t))
+}
+
+/// A clone: restored, run `run` (its first progress and working set timed), stopped; held
+/// until `hold` lets it go (the memory is measured while every clone lives).
+fn clone_run(
+    source: &Source,
+    share: Option<&Share>,
+    prepared: bool,
+    run: Duration,
+    start: &Barrier,
+    done: &Barrier,
+    hold: &Barrier,
+) -> crate::Result<CloneTimes> {
+    start.wait();
+    let measured = (|| {
+        let (mut lazy, t) = restore(source, share, prepared)?;
+        let ready = t.elapsed();
+        let before = lazy.vm.pages_done();
+        let pagers = &lazy.pagers;
+        let running = lazy.vm.resume()?;
+        let (mut first, mut ws) = (None, None);
+        while t.elapsed() < ready + run || first.is_none() || ws.is_none() {
+            if first.is_none()
+                && running
+                    .progress()
+                    .iter()
+                    .zip(&before)
+                    .any(|((p, _), b)| p > b)
+            {
+                first = Some(t.elapsed());
+            }
+            if ws.is_none() && pagers.iter().all(|p| p.stats().prefetch_done) {
+                ws = Some(t.elapsed());
+            }
+            if t.elapsed() > ready + Duration::from_secs(120) {
+                return Err(
+                    "a clone made no progress or never had its working set in 120 s".into(),
+                );
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        running.stop();
+        let report = running.wait(Duration::from_secs(30))?;
+        let written: u64 = report
+            .vcpus
+            .iter()
+            .zip(&before)
+            .map(|(v, b)| v.pages.saturating_sub(*b))
+            .sum();
+        let ms = |d: Option<Duration>| d.unwrap_or_default().as_secs_f64() * 1e3;
+        crate::Result::Ok((
+            CloneTimes {
+                ready_ms: ready.as_secs_f64() * 1e3,
+                first_progress_ms: ms(first),
+                working_set_ms: ms(ws),
+                pages_written: written,
+            },
+            lazy,
+        ))
+    })();
+    done.wait();
+    hold.wait();
+    measured.map(|(times, lazy)| {
+        drop(lazy);
+        times
+    })
+}
+
+/// What one fleet of N clones measured.
+struct Fleet {
+    times: Vec<CloneTimes>,
+    host_growth: f64,
+    process_growth: f64,
+    touched_bytes: u64,
+}
+
+/// N clones restored at once, in threads of their own; the memory measured once all ran.
+fn fleet(
+    args: &Args,
+    run: Duration,
+    source: &Source,
+    n: usize,
+    share: Option<&Share>,
+) -> crate::Result<Fleet> {
+    let image_path = share.map(|s| s.dir.clone());
+    let before = Counters::now(image_path.as_deref());
+    let (start, done, hold) = (Barrier::new(n), Barrier::new(n + 1), Barrier::new(n + 1));
+    let results = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..n)
+            .map(|_| {
+                s.spawn(|| {
+                    clone_run(source, share, args.prepared, run, &start, &done, &hold)
+                        .map_err(|e| e.to_string())
+                })
+            })
+            .collect();
+        done.wait();
+        let after = Counters::now(image_path.as_deref());
+        hold.wait();
+        let times: Vec<_> = handles
+            .into_iter()
+            .map(|h| h.join().expect("a clone thread panicked"))
+            .collect();
+        (after, times)
+    });
+    let (after, times) = results;
+    let times = times.into_iter().collect::<Result<Vec<_>, String>>()?;
+    Ok(Fleet {
+        times,
+        host_growth: after.host - before.host,
+        process_growth: (after.anon + after.image) - (before.anon + before.image),
+        touched_bytes: after.published,
+    })
+}
+
+impl Fleet {
+    fn row(
+        &self,
+        n: usize,
+        shared: bool,
+        touched_mib: f64,
+        unshared: Option<f64>,
+        unshared_estimated: bool,
+    ) -> Row {
+        let of = |f: fn(&CloneTimes) -> f64| self.times.iter().map(f).collect::<Vec<_>>();
+        let ready = of(|t| t.ready_ms);
+        let first = of(|t| t.first_progress_ms);
+        let ws = of(|t| t.working_set_ms);
+        let written = self.times.iter().map(|t| t.pages_written).sum::<u64>() as f64 * 4096.0 / MIB;
+        let growth = self.process_growth / MIB;
+        Row {
+            clones: n,
+            shared,
+            ready_p50_ms: percentile(&ready, 50.0),
+            ready_p95_ms: percentile(&ready, 95.0),
+            first_progress_p50_ms: percentile(&first, 50.0),
+            first_progress_p95_ms: percentile(&first, 95.0),
+            working_set_p50_ms: percentile(&ws, 50.0),
+            working_set_p95_ms: percentile(&ws, 95.0),
+            host_mem_growth_mib: self.host_growth / MIB,
+            process_mem_growth_mib: growth,
+            unique_touched_mib: touched_mib,
+            written_mib: written,
+            growth_to_touched_plus_written: growth / (touched_mib + written).max(1e-9),
+            growth_to_unshared: unshared.filter(|_| shared).map(|u| growth / u.max(1e-9)),
+            unshared_estimated,
+        }
+    }
+}
+
+/// `restores` restores of `source` (sharing), `at_a_time` at once: each restores, runs to its
+/// first progress and is dropped. One restore before the counters warms the image.
+fn storm(args: &Args, source: &Source, share: &Share, at_a_time: usize) -> crate::Result<Storm> {
+    let once = || -> crate::Result<f64> {
+        let (mut lazy, t) = restore(source, Some(share), args.prepared)?;
+        let ready = t.elapsed().as_secs_f64() * 1e3;
+        let before = lazy.vm.pages_done();
+        let running = lazy.vm.resume()?;
+        while !running
+            .progress()
+            .iter()
+            .zip(&before)
+            .any(|((p, _), b)| p > b)
+        {
+            if t.elapsed() > Duration::from_secs(60) {
+                return Err("a restored guest made no progress in 60 s".into());
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        running.stop();
+        running.wait(Duration::from_secs(30))?;
+        Ok(ready)
+    };
+    once()?;
+    let (fds_before, anon_before) = (fds(), Counters::now(None).anon);
+    let next = AtomicUsize::new(0);
+    let readies = Mutex::new(Vec::with_capacity(args.storm));
+    let failure = Mutex::new(None);
+    let t = Instant::now();
+    std::thread::scope(|s| {
+        for _ in 0..at_a_time {
+            s.spawn(|| {
+                while next.fetch_add(1, Ordering::Relaxed) < args.storm {
+                    match once() {
+                        Ok(r) => readies.lock().expect("not poisoned").push(r),
+                        Err(e) => *failure.lock().expect("not poisoned") = Some(e.to_string()),
+                    }
+                }
+            });
+        }
+    });
+    let wall = t.elapsed().as_secs_f64();
+    if let Some(e) = failure.into_inner().expect("not poisoned") {
+        return Err(e.into());
+    }
+    let readies = readies.into_inner().expect("not poisoned");
+    Ok(Storm {
+        restores: args.storm,
+        at_a_time,
+        restores_per_s: args.storm as f64 / wall,
+        ready_p50_ms: percentile(&readies, 50.0),
+        ready_p99_ms: percentile(&readies, 99.0),
+        fds_before,
+        fds_after: fds(),
+        rss_anon_before_mib: anon_before / MIB,
+        rss_anon_after_mib: Counters::now(None).anon / MIB,
+    })
+}
+
+/// The `p`th percentile (nearest rank) of `v`.
+fn percentile(v: &[f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let rank = ((p / 100.0) * s.len() as f64).ceil().max(1.0) as usize;
+    s[rank.min(s.len()) - 1]
+}
+
+/// The process's open descriptors.
+fn fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count())
+}
+
+/// Memory counters, in bytes.
+struct Counters {
+    /// /proc/meminfo AnonPages + Shmem.
+    host: f64,
+    /// This process's RssAnon.
+    anon: f64,
+    /// The shared images' pages (files in the share directory, not sidecars).
+    image: f64,
+    /// Their published bytes.
+    published: u64,
+}
+
+impl Counters {
+    fn now(share_dir: Option<&Path>) -> Counters {
+        // Memory the allocator holds after a free is not the clones': hand it back first.
+        // SAFETY: malloc_trim only returns free heap memory to the kernel.
+        unsafe { libc::malloc_trim(0) };
+        let kb = |text: &str, key: &str| -> f64 {
+            text.lines()
+                .find(|l| l.starts_with(key))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse::<f64>().ok())
+                .unwrap_or(0.0)
+                * 1024.0
+        };
+        let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+        let (mut image, mut published) = (0.0, 0);
+        for entry in share_dir
+            .and_then(|d| std::fs::read_dir(d).ok())
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let path = entry.path();
+            if path.extension().is_some() {
+                continue;
+            }
+            image += entry
+                .metadata()
+                .map_or(0, |m| std::os::unix::fs::MetadataExt::blocks(&m) * 512)
+                as f64;
+            published += published_bytes(&path);
+        }
+        Counters {
+            host: kb(&meminfo, "AnonPages:") + kb(&meminfo, "Shmem:"),
+            anon: kb(&status, "RssAnon:"),
+            image,
+            published,
+        }
+    }
+}
+
+/// The published bytes of the shared image at `path` (its sidecar's bits set).
+fn published_bytes(path: &Path) -> u64 {
+    let bits = path.with_file_name(format!(
+        "{}.bits",
+        path.file_name().unwrap_or_default().to_string_lossy()
+    ));
+    // The sidecar: a 4 KiB header, then one bit per page.
+    std::fs::read(bits).map_or(0, |b| {
+        b.get(4096..)
+            .unwrap_or_default()
+            .iter()
+            .map(|x| x.count_ones() as u64 * 4096)
+            .sum()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn nearest_rank_percentiles() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(super::percentile(&v, 50.0), 50.0);
+        assert_eq!(super::percentile(&v, 95.0), 95.0);
+        assert_eq!(super::percentile(&v, 99.0), 99.0);
+        assert_eq!(super::percentile(&[3.0], 99.0), 3.0);
+    }
+
+    #[test]
+    fn bad_arguments_are_refused_before_any_work() {
+        let e = crate::refusal(&["--image", "/nonexistent"], super::main);
+        assert!(e.contains("/nonexistent"), "{e}");
+        let e = crate::refusal(&["--image", "/x", "--clones", "0"], super::main);
+        assert!(e.contains("--clones"), "{e}");
+    }
+}
