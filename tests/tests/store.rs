@@ -33,7 +33,12 @@ const SIZE: u64 = 32 << 20;
 
 /// A 2-vCPU VM running `dirty` over SIZE bytes, paused after two passes.
 fn paused_vm() -> Vm {
-    let mut vm = Vm::new(&VmConfig::simple(2, SIZE, MemBackend::Anon)).unwrap();
+    paused_vm_on(MemBackend::Anon)
+}
+
+/// [`paused_vm`] with its memory on `backend`.
+fn paused_vm_on(backend: MemBackend) -> Vm {
+    let mut vm = Vm::new(&VmConfig::simple(2, SIZE, backend)).unwrap();
     let running = vm.start(&dirty_work(2, SIZE)).unwrap();
     wait_for_generation(&running, 2);
     running.pause().unwrap();
@@ -160,6 +165,34 @@ fn round_trip(backend: Arc<dyn Backend>, tmp: &TempDir) {
 fn local_store_round_trip_full_and_lazy() {
     let tmp = TempDir::new("store-local");
     round_trip(Arc::new(LocalBackend::new(&tmp.0.join("store"))), &tmp);
+}
+
+/// A memfd VM restored lazily from a local store: its pages are installed in the memfd's page
+/// cache (userfaultfd MINOR and `UFFDIO_CONTINUE`), which must hold the store's bytes, not the
+/// zeros of a freshly allocated page.
+#[test]
+#[cfg_attr(
+    not(all(kvm, uffd)),
+    ignore = "no usable /dev/kvm and /dev/userfaultfd on this host"
+)]
+fn local_store_lazy_restore_of_a_memfd_vm() {
+    let tmp = TempDir::new("store-memfd-lazy");
+    let backend: Arc<dyn Backend> = Arc::new(LocalBackend::new(&tmp.0.join("store")));
+    let vm = paused_vm_on(MemBackend::Memfd);
+    let at_snapshot = vm.pages_done();
+    let want = digests(&vm);
+    write(&*backend, "memfd", &vm, None).unwrap();
+    drop(vm);
+    let snap = StoreSnapshot::open(backend, "memfd", None).unwrap();
+    let lazy = snap.restore_lazy(&PagerConfig::default()).unwrap();
+    let (pagers, mut vm) = (lazy.pagers, lazy.vm);
+    assert!(!pagers.is_empty());
+    for p in &pagers {
+        assert!(p.wait_resident(Duration::from_secs(60)).unwrap());
+    }
+    assert_eq!(digests(&vm), want, "lazy restore of a memfd VM");
+    memory_checked_chunk_by_chunk(&snap, &vm);
+    resume_and_check_continuation(&mut vm, &dirty_work(2, SIZE), &at_snapshot);
 }
 
 #[test]

@@ -150,7 +150,21 @@ impl Shared {
                         libc::MADV_POPULATE_WRITE,
                     )
                 };
-                self.fetch(start, len, dst, by, &mut |_, _| true)?;
+                // A source may hand its pieces from its own buffers (the chunk store does):
+                // each piece lands at its place in the alias unless it is already there.
+                let alias = dst.as_mut_ptr();
+                self.fetch(start, len, dst, by, &mut |at, piece| {
+                    // SAFETY: the source hands pieces inside `[start, start + len)`, so
+                    // `at - start + piece.len() <= len` bytes fit the chunk's alias range;
+                    // `copy` allows the piece to overlap it (a source filling `dst` itself).
+                    unsafe {
+                        let to = alias.add((at - start) as usize);
+                        if !std::ptr::eq(to, piece.as_ptr()) {
+                            std::ptr::copy(piece.as_ptr(), to, piece.len());
+                        }
+                    }
+                    true
+                })?;
                 self.map_page_cache(uffd, start, len)
             }
         }
