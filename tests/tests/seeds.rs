@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use common::{assert_pages_consistent, dirty_work, resume_and_check_continuation, TempDir};
 use guestmem_memory::{populate, Backend, Method, Source};
-use guestmem_migration::snapshot::{self, Snapshot};
 use guestmem_paging::PagerConfig;
+use guestmem_snapshot::{self as snapshot, Snapshot};
 use guestmem_vm::{Vm, VmConfig};
 
 const SIZE: u64 = 8 << 20;

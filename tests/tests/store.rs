@@ -310,7 +310,7 @@ fn a_store_written_before_packs_is_read_and_its_chunks_reused() {
     }
     // Its state object held guestmem's VM state alone (the machine's blob, no components).
     let key = guestmem_store::manifest::state_key("old");
-    let saved: guestmem_migration::snapshot::SavedState =
+    let saved: guestmem_snapshot::SavedState =
         serde_json::from_slice(&b.get(&key).unwrap()).unwrap();
     b.put(&key, &saved.machine).unwrap();
     m.state_bytes = saved.machine.len() as u64;

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::migrate::{read_hello, write_frame, ChannelRole, Hello, Links, Mode};
+use crate::protocol::{read_hello, write_frame, ChannelRole, Hello, Links, Mode};
 use crate::stream::Frame;
 use crate::transport::{Accepted, Connection, Listener, Role, Timeouts};
 use crate::{error_chain, Error, MigrationError, Result};

@@ -10,7 +10,7 @@ use guestmem_memory::{GuestMemory, PageBuf, PAGE_SIZE};
 use super::*;
 use crate::chunk_digests::ChunkDigests;
 use crate::landing::Landing;
-use crate::migrate::{block_connection, write_frame, BLOCK};
+use crate::protocol::{block_connection, write_frame, BLOCK};
 use crate::stream::{Frame, FrameRef, Lend, ZstdStreamDecoder};
 use crate::transport::Connection;
 use crate::{error_chain, Error, MigrationError, Result};
