@@ -210,7 +210,7 @@ fn dedup_diff_merge_gc(backend: Arc<dyn Backend>) {
     resume_and_check_continuation(&mut vm, &dirty_work(2, SIZE), &at_diff);
     drop(vm);
 
-    let merged = gc::merge(b, "diff", "merged").unwrap();
+    let merged = guestmem_store::merge::merge(b, "diff", "merged").unwrap();
     assert!(merged.base.is_none());
     assert!(merged
         .regions

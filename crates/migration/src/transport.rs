@@ -17,6 +17,7 @@
 //! connection waits at most [`IDLE_TIMEOUT`] for the peer ([`Timeouts`] changes both, e.g. for
 //! tests).
 
+use std::any::Any;
 use std::io::{self, Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -988,9 +989,9 @@ pub struct Listener {
     config: Arc<ServerConfig>,
     timeouts: Timeouts,
     own_problem: Option<String>,
-    /// The destination's admission of connections (see `destination::Gate`), started by the
-    /// first receive.
-    pub(crate) gate: OnceLock<Arc<crate::destination::Gate>>,
+    /// What admits its connections, attached by the first receive on it (the destination's
+    /// gate, one migration at a time): opaque to the transport, which only keeps it.
+    pub(crate) gate: OnceLock<Arc<dyn Any + Send + Sync>>,
 }
 
 enum ListenerSocket {

@@ -34,6 +34,7 @@ pub mod live;
 pub mod local;
 pub mod location;
 pub mod manifest;
+pub mod merge;
 pub mod restore;
 pub mod s3;
 pub mod source;

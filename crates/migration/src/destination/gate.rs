@@ -77,6 +77,8 @@ impl Gate {
                 gate
             })
             .clone()
+            .downcast::<Gate>()
+            .expect("only a Gate admits a listener's connections")
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, GateState> {

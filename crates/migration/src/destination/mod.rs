@@ -11,7 +11,6 @@ mod postcopy;
 mod resume;
 
 pub(crate) use gate::{Claim, Gate};
-pub(crate) use pages::outside_memory;
 use pages::{apply_pages, ReaderDigests};
 use postcopy::{arm_postcopy, PostcopyLink};
 
@@ -25,14 +24,13 @@ use guestmem_paging::{Pager, UserfaultPager};
 use guestmem_vm::Vm;
 use serde::{Deserialize, Serialize};
 
-use crate::chunk_digests::{self, ChunkDigests, RegionDigest};
+use crate::chunk_digests::{self, memory_digest, ChunkDigests, RegionDigest};
 use crate::component::Components;
 use crate::landing::Landing;
 use crate::protocol::{
     link_error, read_frame, read_json, unexpected_frame, write_frame, Links, Mode, Setup,
     Switchover, BLOCK, FORMAT, HEARTBEAT_INTERVAL,
 };
-use crate::source::memory_digest;
 use crate::stream::{Frame, ZstdStreamDecoder};
 use crate::transport::{Cutter, Listener};
 use crate::{error_chain, Error, MigrationError, Peer, Result};

@@ -942,13 +942,3 @@ fn stale_chunks(dirty: &[DirtyBitmap], gpa: u64, size: u64) -> Vec<u64> {
     }
     bits
 }
-
-/// One digest per region, in order (see [`GuestMemory::digest`]): the digest check of a source
-/// that predates chunk digests (see [`Setup::verify_chunk`]).
-pub(crate) fn memory_digest(memory: &GuestMemory) -> Result<u64> {
-    let mut h = guestmem_memory::DIGEST_SEED;
-    for r in memory.regions() {
-        h = guestmem_memory::digest_bytes(h, &memory.digest(r.gpa(), r.size())?.to_le_bytes());
-    }
-    Ok(h)
-}
