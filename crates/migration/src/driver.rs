@@ -69,7 +69,7 @@ pub struct Restored<M = Vm> {
 }
 
 /// Restores `snapshot` ([`Restore`] says how) into the VM `builder` builds for its
-/// configuration (guestmem's own with [`crate::component::VmBuilder`]), hands it the machine
+/// configuration (guestmem's own with [`guestmem_contract::VmBuilder`]), hands it the machine
 /// state ([`TargetMachine::restore`]) and each of `components` its saved state (by name; a
 /// state without its component, or the reverse, is refused before anything runs).
 pub fn restore<B: MachineBuilder>(

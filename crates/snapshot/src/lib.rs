@@ -366,7 +366,7 @@ fn parse_saved_state(bytes: &[u8], path: &Path) -> Result<SavedState> {
 }
 
 /// Parses the state of guestmem's own VM (the JSON of a [`VmState`], as
-/// [`guestmem_contract::component::PayloadVm`] saves it; read from `path`) for a VM of `vcpus` vCPUs: its
+/// [`guestmem_contract::PayloadVm`] saves it; read from `path`) for a VM of `vcpus` vCPUs: its
 /// shape, and one vCPU state and one workload per vCPU.
 pub fn parse_state(bytes: &[u8], vcpus: usize, path: &Path) -> Result<VmState> {
     let state: VmState = serde_json::from_slice(bytes).map_err(|e| Error::Json {
