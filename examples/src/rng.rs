@@ -3,7 +3,7 @@
 //! (vm-memory's traits, [`guestmem_memory::vmm_compat`]), so every byte it writes is in the
 //! next dirty harvest. Its state (the queue's indices and addresses, its counters, which
 //! sequence number each buffer holds) is saved and restored through
-//! [`guestmem_migration::component::Component`].
+//! [`guestmem_contract::component::Component`].
 //!
 //! The payload runs no virtio driver, so the guest's side is emulated from the VMM, in guest
 //! memory only (it migrates with it): [`RngDevice::post_buffers`] writes the descriptor table
@@ -20,9 +20,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use guestmem_contract::component::{Component, ComponentError};
 use guestmem_memory::vmm_compat::VmGuestMemory;
 use guestmem_memory::GuestMemory;
-use guestmem_migration::component::{Component, ComponentError};
 use guestmem_vm::payload::page_value;
 use serde::{Deserialize, Serialize};
 use virtio_queue::desc::split::Descriptor;

@@ -12,16 +12,15 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use guestmem_contract::component::{Component, ComponentError, Components};
+use guestmem_contract::{PayloadVm, SharedFiles};
 use guestmem_memory::{Backend, GuestMemory, RegionSpec};
-use guestmem_migration::component::{
-    Component, ComponentError, Components, PayloadVm, SharedFiles,
-};
 use guestmem_migration::compress::Compress;
 use guestmem_migration::driver::{self, Restore};
 use guestmem_migration::migrate::{self, Links, Mode, ReceiveOptions, SendOptions};
-use guestmem_migration::snapshot::{PreparedVm, Snapshot};
 use guestmem_migration::transport::{generate_credentials, Credentials, Endpoint, Listener, Role};
 use guestmem_paging::PagerConfig;
+use guestmem_snapshot::{PreparedVm, Snapshot};
 use guestmem_vm::{layout, RunningVm, VcpuWork, Vm, VmConfig, Workload};
 
 use crate::rng::{self, RngDevice, Stats, Writes};
@@ -114,13 +113,13 @@ pub fn device() -> RngDevice {
 /// The VMM's builder for the receiving side (the destination of a migration, a restore):
 /// guestmem's VM for the configuration that comes, refused unless it has the device's region
 /// where the device expects it (the source is then told why, and keeps its guest).
-pub fn build(config: &VmConfig, shared: SharedFiles) -> guestmem_migration::Result<Vm> {
+pub fn build(config: &VmConfig, shared: SharedFiles) -> guestmem_contract::Result<Vm> {
     if !config
         .regions
         .iter()
         .any(|r| r.gpa == DEVICE_GPA && r.size >= rng::REGION_SIZE)
     {
-        return Err(guestmem_migration::Error::Machine {
+        return Err(guestmem_contract::Error::Machine {
             op: "build",
             source: format!(
                 "no region of {} bytes at {DEVICE_GPA:#x} for device 'rng0'",

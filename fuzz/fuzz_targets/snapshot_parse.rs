@@ -6,7 +6,7 @@
 
 use std::path::Path;
 
-use guestmem_migration::snapshot::{parse_state, Manifest, WorkingSet};
+use guestmem_snapshot::{parse_state, Manifest, WorkingSet};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

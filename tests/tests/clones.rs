@@ -13,8 +13,8 @@ use common::{
     wait_for_generation, TempDir,
 };
 use guestmem_memory::Backend as MemBackend;
-use guestmem_migration::snapshot::{self, Snapshot};
 use guestmem_paging::{PagerConfig, Share, SharedImage};
+use guestmem_snapshot::{self as snapshot, Snapshot};
 use guestmem_store::backend::Backend;
 use guestmem_store::local::LocalBackend;
 use guestmem_store::manifest::StoreManifest;

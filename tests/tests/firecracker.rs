@@ -16,12 +16,12 @@ use common::{
     snapshot_running_vm, HugePages, TempDir,
 };
 use guestmem_memory::{Backend, Region, RegionSpec, PAGE_SIZE};
-use guestmem_migration::firecracker::{
+use guestmem_pageserver::{
     check_userfaultfd, parse_mappings, restore_lazy_via_socket, send_handshake, serve_connection,
     GuestRegionUffdMapping, PageServerConfig, PeerProcess, ServedMemory, Session,
 };
-use guestmem_migration::snapshot::{self, Snapshot};
 use guestmem_paging::{register_for_peer, PagerConfig};
+use guestmem_snapshot::{self as snapshot, Snapshot};
 use guestmem_vm::{layout, VmConfig};
 
 const SIZE: u64 = 8 << 20;
@@ -32,7 +32,7 @@ fn spawn_server(
     socket: &Path,
     memory: ServedMemory,
     pager: PagerConfig,
-) -> mpsc::Receiver<guestmem_migration::Result<Session>> {
+) -> mpsc::Receiver<guestmem_pageserver::Result<Session>> {
     let listener = UnixListener::bind(socket).unwrap();
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
@@ -239,7 +239,7 @@ fn server_error(mem: &ServedMemory, message: &[u8], with_fd: bool) -> String {
 
 /// The cause a handshake of `bytes` is refused with (what the JSON parser says of it).
 fn serde_json_error(bytes: &[u8]) -> String {
-    let e = guestmem_migration::firecracker::parse_mappings(bytes).unwrap_err();
+    let e = guestmem_pageserver::parse_mappings(bytes).unwrap_err();
     std::error::Error::source(&e)
         .expect("a JSON error has its cause")
         .to_string()

@@ -11,11 +11,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::{assert_pages_consistent, resume_and_check_continuation, TempDir};
+use guestmem_contract::component::{Component, ComponentError, Components};
+use guestmem_contract::PayloadVm;
 use guestmem_memory::{Backend as MemBackend, GuestMemory};
-use guestmem_migration::component::{Component, ComponentError, Components, PayloadVm};
-use guestmem_migration::snapshot::live::{write_machine_live, LiveBase, LiveOptions, LiveReport};
-use guestmem_migration::snapshot::{self, RestoreMode, Snapshot};
 use guestmem_paging::PagerConfig;
+use guestmem_snapshot::live::{write_machine_live, LiveBase, LiveOptions, LiveReport};
+use guestmem_snapshot::{self as snapshot, RestoreMode, Snapshot};
 use guestmem_store::backend::{Backend, ObjectInfo};
 use guestmem_store::local::LocalBackend;
 use guestmem_store::restore::StoreSnapshot;

@@ -13,9 +13,9 @@ use common::{
     TempDir,
 };
 use guestmem_memory::Backend;
-use guestmem_migration::snapshot::{self, PreparedVm, RestoreMode, Snapshot};
-use guestmem_migration::Error;
 use guestmem_paging::PagerConfig;
+use guestmem_snapshot::Error;
+use guestmem_snapshot::{self as snapshot, PreparedVm, RestoreMode, Snapshot};
 use guestmem_store::local::LocalBackend;
 use guestmem_store::restore::StoreSnapshot;
 use guestmem_vm::{Vm, VmConfig};

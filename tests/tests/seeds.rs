@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use common::{assert_pages_consistent, dirty_work, resume_and_check_continuation, TempDir};
 use guestmem_memory::{populate, Backend, Method, Source, PAGE_SIZE};
-use guestmem_migration::snapshot::{self, Snapshot};
 use guestmem_paging::PagerConfig;
+use guestmem_snapshot::{self as snapshot, Snapshot};
 use guestmem_store::backend::Backend as StoreBackend;
 use guestmem_store::chunk as store_chunk;
 use guestmem_store::local::LocalBackend;

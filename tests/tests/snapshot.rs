@@ -9,8 +9,8 @@ use common::{
     snapshot_running_vm, wait_for_generation, TempDir,
 };
 use guestmem_memory::{Backend, RegionSpec};
-use guestmem_migration::snapshot::{self, RestoreMode, Snapshot};
 use guestmem_paging::PagerConfig;
+use guestmem_snapshot::{self as snapshot, RestoreMode, Snapshot};
 use guestmem_vm::{layout, Vm, VmConfig};
 
 const SIZE: u64 = 8 << 20;

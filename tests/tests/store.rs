@@ -243,7 +243,7 @@ fn dedup_diff_merge_gc(backend: Arc<dyn Backend>) {
     resume_and_check_continuation(&mut vm, &dirty_work(2, SIZE), &at_diff);
     drop(vm);
 
-    let merged = gc::merge(b, "diff", "merged").unwrap();
+    let merged = guestmem_store::merge::merge(b, "diff", "merged").unwrap();
     assert!(merged.base.is_none());
     assert!(merged
         .regions
@@ -343,7 +343,7 @@ fn a_store_written_before_packs_is_read_and_its_chunks_reused() {
     }
     // Its state object held guestmem's VM state alone (the machine's blob, no components).
     let key = guestmem_store::manifest::state_key("old");
-    let saved: guestmem_migration::snapshot::SavedState =
+    let saved: guestmem_snapshot::SavedState =
         serde_json::from_slice(&b.get(&key).unwrap()).unwrap();
     b.put(&key, &saved.machine).unwrap();
     m.state_bytes = saved.machine.len() as u64;

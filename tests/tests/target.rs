@@ -10,16 +10,15 @@ mod common;
 use std::sync::Arc;
 
 use common::{assert_pages_consistent, dirty_work, wait_for_generation, TempDir};
+use guestmem_contract::component::{Components, Machine};
+use guestmem_contract::{Error, Result};
+use guestmem_contract::{MachineBuilder, PayloadVm, SharedFiles, TargetMachine};
 use guestmem_memory::{Backend, GuestMemory};
-use guestmem_migration::component::{
-    Components, Machine, MachineBuilder, PayloadVm, SharedFiles, TargetMachine,
-};
 use guestmem_migration::driver::{self, Restore};
 use guestmem_migration::migrate::{Links, Mode, ReceiveOptions, SendOptions};
-use guestmem_migration::snapshot::{RestoreMode, Snapshot};
 use guestmem_migration::transport::{generate_credentials, Credentials, Endpoint, Listener, Role};
-use guestmem_migration::{Error, Result};
 use guestmem_paging::PagerConfig;
+use guestmem_snapshot::{RestoreMode, Snapshot};
 use guestmem_tracking::Tracker;
 use guestmem_vm::{AbortHandle, RunningVm, Vm, VmConfig};
 
@@ -189,7 +188,7 @@ fn a_builder_that_refuses_and_a_state_that_does_not_load_fail_the_restore() {
             source: format!("{} vCPUs do not fit here", config.vcpus).into(),
         })
     };
-    let e = guestmem_migration::snapshot::restore_with(&snap, RestoreMode::Full, &mut refuse)
+    let e = guestmem_snapshot::restore_with(&snap, RestoreMode::Full, &mut refuse)
         .err()
         .expect("refused");
     assert_eq!(
@@ -198,16 +197,16 @@ fn a_builder_that_refuses_and_a_state_that_does_not_load_fail_the_restore() {
     );
 
     // guestmem's own VM cannot read the VMM's blob: refused before anything runs.
-    let e = guestmem_migration::snapshot::restore(&snap, RestoreMode::Full)
+    let e = guestmem_snapshot::restore(&snap, RestoreMode::Full)
         .err()
         .expect("refused");
     assert!(
         matches!(
             e,
-            Error::Machine {
+            guestmem_snapshot::Error::Contract(Error::Machine {
                 op: "read the saved state",
                 ..
-            }
+            })
         ),
         "{e:?}"
     );
@@ -363,7 +362,7 @@ fn a_vmm_machine_goes_through_a_chunk_store() {
     wait_for_generation(&running, 2);
     let mut machine = SourceVm(PayloadVm::running(running));
     machine.pause().unwrap();
-    let state = guestmem_migration::component::ComponentState {
+    let state = guestmem_contract::component::ComponentState {
         name: "dev0".into(),
         data: vec![1, 2, 3],
     };

@@ -28,8 +28,8 @@ use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 
 use guestmem_memory::Backend as MemBackend;
-use guestmem_migration::snapshot::PreparedVm;
 use guestmem_paging::{PagerConfig, Share};
+use guestmem_snapshot::PreparedVm;
 use guestmem_store::local::LocalBackend;
 use guestmem_store::restore::{LazyStoreVm, StoreSnapshot};
 use guestmem_store::write::write;

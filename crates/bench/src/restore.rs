@@ -26,8 +26,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use guestmem_memory::{Backend, PAGE_SIZE};
-use guestmem_migration::snapshot::{self, LazyVm, PreparedVm, RestoreMode, Snapshot};
 use guestmem_paging::{PagerConfig, PagerStats};
+use guestmem_snapshot::{self as snapshot, LazyVm, PreparedVm, RestoreMode, Snapshot};
 use guestmem_vm::{layout, RunningVm, VcpuWork, Vm, VmConfig, Workload};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;

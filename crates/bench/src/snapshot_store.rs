@@ -28,8 +28,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use guestmem_memory::Backend as MemBackend;
-use guestmem_migration::snapshot::{self, LazyVm, Snapshot};
 use guestmem_paging::{Pager, PagerConfig};
+use guestmem_snapshot::{self as snapshot, LazyVm, Snapshot};
 use guestmem_store::cache::ChunkCache;
 use guestmem_store::chunk::{CHUNK_BYTES, ZSTD_LEVEL};
 use guestmem_store::location::StoreUrl;

@@ -398,7 +398,7 @@ pub fn run_source(
             // had not fetched and the vCPU state of that moment: keep them.
             let kept =
                 std::env::temp_dir().join(format!("guestmem-migrate-{}-kept", std::process::id()));
-            let keeping = match guestmem_migration::snapshot::write(&vm, &kept) {
+            let keeping = match guestmem_snapshot::write(&vm, &kept) {
                 Ok(_) => format!(
                     "they are kept in the snapshot {} (the source's memory and vCPU state at the \
                      switch-over; `guestmem restore` can start it)",

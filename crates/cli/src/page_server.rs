@@ -6,7 +6,7 @@
 use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 
-use guestmem_migration::firecracker::{self, PageServerConfig, ServedMemory};
+use guestmem_pageserver::{self as firecracker, PageServerConfig, ServedMemory};
 
 #[derive(clap::Args)]
 #[command(group(clap::ArgGroup::new("memory").required(true).args(["snapshot", "mem_file"])))]

@@ -3,9 +3,9 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use guestmem_migration::firecracker;
-use guestmem_migration::snapshot::{self, RestoreMode, Snapshot};
+use guestmem_pageserver as firecracker;
 use guestmem_paging::{Pager, PagerConfig, PagerStats, Share, UserfaultPager};
+use guestmem_snapshot::{self as snapshot, RestoreMode, Snapshot};
 use guestmem_tracking::{Mode as TrackingMode, Tracker};
 use guestmem_vm::{layout, VcpuWork, Vm, Workload};
 use serde::Serialize;
@@ -363,7 +363,7 @@ fn live_snapshot(
     let (p0, t0) = (pages(&running), Instant::now());
     std::thread::sleep(after - after / 2);
     let undisturbed = (pages(&running) - p0) as f64 / t0.elapsed().as_secs_f64();
-    let mut machine = guestmem_migration::component::PayloadVm::running(running);
+    let mut machine = guestmem_contract::PayloadVm::running(running);
     let written = live::snapshot(
         &mut machine,
         undisturbed,

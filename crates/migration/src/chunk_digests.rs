@@ -256,6 +256,16 @@ impl ChunkDigests {
     }
 }
 
+/// One digest per region, in order (see [`GuestMemory::digest`]): the digest check of a source
+/// that predates chunk digests (see `Setup::verify_chunk` on the destination).
+pub(crate) fn memory_digest(memory: &GuestMemory) -> Result<u64> {
+    let mut h = guestmem_memory::DIGEST_SEED;
+    for r in memory.regions() {
+        h = guestmem_memory::digest_bytes(h, &memory.digest(r.gpa(), r.size())?.to_le_bytes());
+    }
+    Ok(h)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

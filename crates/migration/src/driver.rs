@@ -25,11 +25,12 @@ use std::sync::Arc;
 use guestmem_paging::{Pager, PagerConfig};
 use guestmem_vm::Vm;
 
-use crate::component::{Components, Machine, MachineBuilder, TargetMachine};
+use crate::component::{Components, Machine};
 use crate::migrate::{Incoming, ReceiveOptions, Transfer};
 use crate::snapshot::{self, PreparedVm, RestoreMode, Snapshot, WriteReport};
 use crate::transport::Listener;
 use crate::Result;
+use guestmem_contract::{MachineBuilder, TargetMachine};
 
 pub use crate::migrate::{send_machine as send, MachineFailure};
 
@@ -44,7 +45,7 @@ pub fn snapshot<M: Machine + ?Sized>(
     machine.pause()?;
     components.pause()?;
     let states = components.save()?;
-    snapshot::write_machine(machine, dir, &states)
+    Ok(snapshot::write_machine(machine, dir, &states)?)
 }
 
 /// How [`restore`] brings the memory back.
@@ -68,7 +69,7 @@ pub struct Restored<M = Vm> {
 }
 
 /// Restores `snapshot` ([`Restore`] says how) into the VM `builder` builds for its
-/// configuration (guestmem's own with [`crate::component::VmBuilder`]), hands it the machine
+/// configuration (guestmem's own with [`guestmem_contract::VmBuilder`]), hands it the machine
 /// state ([`TargetMachine::restore`]) and each of `components` its saved state (by name; a
 /// state without its component, or the reverse, is refused before anything runs).
 pub fn restore<B: MachineBuilder>(

@@ -21,8 +21,7 @@ use guestmem_memory::{Backend, GuestMemory};
 use userfaultfd::{Event, FeatureFlags, Uffd, UffdBuilder};
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::destination::outside_memory;
-use crate::{Error, MigrationError, Result};
+use crate::{error_chain, Error, MigrationError, Result};
 
 fn failure(op: &str, e: impl std::error::Error + Send + Sync + 'static) -> Error {
     MigrationError::Landing {
@@ -382,6 +381,17 @@ fn answer_faults(uffd: &Uffd, ranges: &[(usize, usize)], stop: &EventFd, zero_fa
             }
         }
     }
+}
+
+/// The error of a frame whose pages fall outside this VM's memory.
+pub(crate) fn outside_memory(e: guestmem_memory::Error) -> Error {
+    MigrationError::Unsupported {
+        reason: format!(
+            "the source sent pages outside this VM's memory: {}",
+            error_chain(&e, ": ")
+        ),
+    }
+    .into()
 }
 
 #[cfg(test)]

@@ -1,5 +1,5 @@
 //! Store maintenance that must not race a snapshot being written: leases, garbage
-//! collection, deleting and merging snapshots.
+//! collection, deleting snapshots (merging them is [`crate::merge`]).
 //!
 //! Safety against a concurrent write rests on two kinds of lease object under `leases/`:
 //! a writer (a snapshot write or a merge) puts `leases/write-…` before it looks at which
@@ -19,9 +19,7 @@ use serde::Serialize;
 
 use crate::backend::Backend;
 use crate::chunk;
-use crate::manifest::{
-    manifest_key, resolve, state_key, working_set_key, ChunkRef, PackTable, StoreManifest,
-};
+use crate::manifest::{manifest_key, state_key, working_set_key, StoreManifest};
 use crate::{Error, Result};
 
 /// A lease older than this is a crashed writer's or collector's.
@@ -244,48 +242,6 @@ pub fn delete(backend: &dyn Backend, name: &str) -> Result<()> {
     backend.delete(&manifest_key(name))?;
     backend.delete(&state_key(name))?;
     backend.delete(&working_set_key(name))
-}
-
-/// Merges snapshot `name` and its base chain into one snapshot `into` of the same store that
-/// stands alone: a manifest operation (every chunk is already stored; none is read or put).
-pub fn merge(backend: &dyn Backend, name: &str, into: &str) -> Result<StoreManifest> {
-    crate::write::check_name(into)?;
-    let _lease = Lease::acquire(backend, "merge", into)?;
-    let source = StoreManifest::load(backend, name)?;
-    let resolved = resolve(backend, &source)?;
-    let state = crate::restore::read_state(backend, &source)?;
-    let mut merged = source.clone();
-    merged.name = into.to_string();
-    merged.base = None;
-    merged.version = crate::manifest::VERSION;
-    let mut table = PackTable::default();
-    for (region, chunks) in merged.regions.iter_mut().zip(resolved) {
-        region.chunks = chunks
-            .into_iter()
-            .map(|c| match c {
-                None => ChunkRef::Zero,
-                Some(c) => table.entry(&c),
-            })
-            .collect();
-    }
-    merged.packs = table.into_ids();
-    // The packs and chunks must all be there: merging over a damaged store would hide the
-    // damage.
-    for key in merged
-        .data_chunks()
-        .map(|c| c.object_key())
-        .collect::<HashSet<_>>()
-    {
-        if !backend.exists(&key)? {
-            return Err(Error::Missing {
-                store: backend.describe(),
-                key: format!("{key} (holding chunks of snapshot '{name}')"),
-            });
-        }
-    }
-    merged.seal();
-    crate::write::commit(backend, &merged, &state)?;
-    Ok(merged)
 }
 
 #[cfg(test)]

@@ -34,6 +34,7 @@ pub mod live;
 pub mod local;
 pub mod location;
 pub mod manifest;
+pub mod merge;
 pub mod restore;
 pub mod s3;
 pub mod source;
@@ -214,9 +215,15 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
-    /// A snapshot or migration operation failed.
+    /// A snapshot operation failed.
     #[error(transparent)]
-    Migration(#[from] guestmem_migration::Error),
+    Snapshot(#[from] guestmem_snapshot::Error),
+    /// The VMM's machine or one of its components failed.
+    #[error(transparent)]
+    Contract(#[from] guestmem_contract::Error),
+    /// The page server failed.
+    #[error(transparent)]
+    PageServer(#[from] guestmem_pageserver::Error),
     /// The VM failed.
     #[error(transparent)]
     Vm(#[from] guestmem_vm::Error),
@@ -237,5 +244,5 @@ impl Error {
 
 /// An error and its causes in one line, each cause once (to sort errors by what they say).
 pub(crate) fn chain_text(e: &(dyn std::error::Error + 'static)) -> String {
-    guestmem_migration::error_chain(e, ": ")
+    guestmem_snapshot::error_chain(e, ": ")
 }

@@ -1,4 +1,4 @@
-//! Live snapshots into a store: the rounds of `guestmem_migration::snapshot::live` (see
+//! Live snapshots into a store: the rounds of `guestmem_snapshot::live` (see
 //! there for the design and why), each round's chunks hashed, compressed and put as packs
 //! while the guest runs, a chunk dirtied again stored again under its new hash; the manifest
 //! names each chunk's last version, and is put last, as a paused write's is. The versions a
@@ -8,10 +8,10 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Instant;
 
+use guestmem_contract::component::{Components, Machine};
 use guestmem_memory::GuestMemory;
-use guestmem_migration::component::{Components, Machine};
-use guestmem_migration::snapshot::live::{capture, ChunkSource, LiveOptions, LiveReport, LiveSink};
-use guestmem_migration::snapshot::SavedState;
+use guestmem_snapshot::live::{capture, ChunkSource, LiveOptions, LiveReport, LiveSink};
+use guestmem_snapshot::SavedState;
 use guestmem_tracking::{DirtyBitmap, Tracker};
 
 use crate::backend::Backend;
@@ -63,7 +63,7 @@ impl LiveSink for StoreSink<'_> {
         source: &dyn ChunkSource,
         chunks: &[(usize, usize)],
         _dirty: Option<&[DirtyBitmap]>,
-    ) -> guestmem_migration::Result<u64> {
+    ) -> guestmem_snapshot::Result<u64> {
         let regions = memory.regions();
         let jobs: Vec<Job> = chunks
             .iter()
@@ -105,7 +105,7 @@ impl LiveSink for StoreSink<'_> {
                     self.backend.describe()
                 );
                 self.failed = Some(e);
-                Err(guestmem_migration::Error::Write(message))
+                Err(guestmem_snapshot::Error::Write(message))
             }
         }
     }
@@ -156,7 +156,7 @@ pub fn write_machine_live<M: Machine + ?Sized>(
     };
     let captured = match capture(machine, components, &mut sink, tracker, opts) {
         Ok(c) => c,
-        Err(e) => return Err(sink.failed.take().unwrap_or(Error::Migration(e))),
+        Err(e) => return Err(sink.failed.take().unwrap_or(Error::Snapshot(e))),
     };
     let state_json = serde_json::to_vec(&SavedState {
         machine: captured.machine,

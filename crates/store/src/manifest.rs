@@ -16,7 +16,7 @@ use guestmem_memory::{RegionSpec, PAGE_SIZE};
 use guestmem_vm::VmConfig;
 use serde::{Deserialize, Serialize};
 
-use guestmem_migration::snapshot::check_config_layout;
+use guestmem_snapshot::check_config_layout;
 
 use crate::backend::Backend;
 use crate::chunk::{self, Hash, Loc, Stored};
@@ -233,7 +233,7 @@ impl StoreManifest {
     pub fn compute_checksum(&self) -> String {
         let mut canonical = self.clone();
         canonical.checksum.clear();
-        guestmem_migration::snapshot::canonical_checksum(&canonical)
+        guestmem_snapshot::canonical_checksum(&canonical)
     }
 
     /// Sets the checksum.

@@ -9,16 +9,13 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use guestmem_contract::component::ComponentState;
+use guestmem_contract::{payload_state_of, MachineBuilder, SharedFiles, TargetMachine, VmBuilder};
 use guestmem_memory::{GuestMemory, PAGE_SIZE};
-use guestmem_migration::component::{
-    payload_state_of, ComponentState, MachineBuilder, SharedFiles, TargetMachine, VmBuilder,
-};
-use guestmem_migration::firecracker::{self, PeerRestoredVm, ServedMemory, ServedRegion};
-use guestmem_migration::snapshot::SavedState;
-use guestmem_migration::snapshot::{
-    start_region_pagers, PreparedVm, RegionPagers, WorkingSetRegion,
-};
+use guestmem_pageserver::{self as firecracker, PeerRestoredVm, ServedMemory, ServedRegion};
 use guestmem_paging::{PageSource, Pager, PagerConfig, UserfaultPager};
+use guestmem_snapshot::SavedState;
+use guestmem_snapshot::{start_region_pagers, PreparedVm, RegionPagers, WorkingSetRegion};
 use guestmem_vm::{layout, Vm};
 use serde::{Deserialize, Serialize};
 
@@ -105,11 +102,7 @@ impl StoreSnapshot {
         let label = format!("{}/{}", backend.describe(), state_key(name));
         let (machine, components) = if manifest.version < 2 {
             // Version 1 kept guestmem's own VM state alone, as its machine saves it.
-            guestmem_migration::snapshot::parse_state(
-                &state_json,
-                manifest.config.vcpus,
-                Path::new(&label),
-            )?;
+            guestmem_snapshot::parse_state(&state_json, manifest.config.vcpus, Path::new(&label))?;
             (state_json, Vec::new())
         } else {
             let saved: SavedState =
@@ -554,8 +547,7 @@ impl StoreSnapshot {
         pagers: &[Pager],
         userfault_pagers: &[UserfaultPager],
     ) -> Result<usize> {
-        let regions =
-            guestmem_migration::snapshot::regions_of_pagers(vm.memory(), pagers, userfault_pagers);
+        let regions = guestmem_snapshot::regions_of_pagers(vm.memory(), pagers, userfault_pagers);
         let n = regions.iter().map(|r| r.chunks.len()).sum();
         let mut ws = StoreWorkingSet {
             format: WORKING_SET_FORMAT.into(),
@@ -607,7 +599,7 @@ impl StoreWorkingSet {
     fn compute_checksum(&self) -> String {
         let mut c = self.clone();
         c.checksum.clear();
-        guestmem_migration::snapshot::canonical_checksum(&c)
+        guestmem_snapshot::canonical_checksum(&c)
     }
 }
 

@@ -14,9 +14,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
 
+use guestmem_contract::component::{ComponentState, Machine};
 use guestmem_memory::{GuestMemory, PAGE_SIZE};
-use guestmem_migration::component::{ComponentState, Machine};
-use guestmem_migration::snapshot::SavedState;
+use guestmem_snapshot::SavedState;
 use guestmem_tracking::DirtyBitmap;
 use guestmem_vm::{Vm, VmConfig};
 use serde::Serialize;
@@ -85,7 +85,7 @@ pub fn write(
     vm: &Vm,
     diff: Option<(&str, &[DirtyBitmap])>,
 ) -> Result<StoreWriteReport> {
-    let state = guestmem_migration::component::payload_state(vm)?;
+    let state = guestmem_contract::payload_state(vm)?;
     write_state(backend, name, vm.config(), vm.memory(), state, &[], diff)
 }
 

@@ -7,9 +7,9 @@ use crate::payload;
 
 /// The sys region: [SYS_GPA, SYS_GPA + SYS_SIZE). Starts at 1 MiB, clear of legacy PC areas, so
 /// that other VMMs can load the same image at the same address.
-pub const SYS_GPA: u64 = 0x10_0000;
+pub const SYS_GPA: u64 = payload::SYS_GPA;
 /// The sys region's bytes.
-pub const SYS_SIZE: u64 = 0x70_0000;
+pub const SYS_SIZE: u64 = payload::SYS_SIZE;
 /// The payload image is loaded here; its entry point is its first byte.
 pub const PAYLOAD_GPA: u64 = payload::PAYLOAD_GPA;
 /// The most bytes the payload image may take.

@@ -182,9 +182,14 @@ impl std::str::FromStr for PvhWorkload {
     }
 }
 
+/// The sys region's first byte (see [`crate::layout`]): 1 MiB, clear of legacy PC areas.
+pub const SYS_GPA: u64 = 0x10_0000;
+/// The sys region's bytes.
+pub const SYS_SIZE: u64 = 0x70_0000;
+
 /// The lowest start of a PVH workload's range: the end of the payload area (page tables,
 /// control blocks), 8 MiB.
-pub const MIN_RANGE_START: u64 = crate::layout::SYS_GPA + crate::layout::SYS_SIZE;
+pub const MIN_RANGE_START: u64 = SYS_GPA + SYS_SIZE;
 
 /// Parameters no PVH payload can run with.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

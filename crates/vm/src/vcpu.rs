@@ -2,6 +2,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use kvm_bindings::{kvm_segment, CpuId, KVM_MAX_CPUID_ENTRIES};
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd};
@@ -18,6 +19,9 @@ use guestmem_sys::uapi::{KVM_EXIT_DIRTY_RING_FULL, KVM_MEMORY_EXIT_FLAG_USERFAUL
 pub(crate) fn kick_signal() -> libc::c_int {
     SIGRTMIN()
 }
+
+/// The throttle's period: a vCPU throttled to `p` % sleeps `p` % of each period.
+pub const THROTTLE_PERIOD: Duration = Duration::from_millis(10);
 
 extern "C" fn on_kick(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
 
@@ -168,7 +172,7 @@ pub(crate) fn run_loop(
                 // A throttle tick (see RunningVm::set_throttle): sit out the throttled share.
                 let percent = throttle.load(Ordering::Acquire);
                 if percent > 0 && !kicked.load(Ordering::Acquire) {
-                    std::thread::sleep(crate::vm::THROTTLE_PERIOD * percent as u32 / 100);
+                    std::thread::sleep(THROTTLE_PERIOD * percent as u32 / 100);
                 }
                 continue;
             }

@@ -13,7 +13,7 @@ use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 
 use crate::payload::*;
 use crate::state::{self, VmState};
-use crate::vcpu::{self, Outcome};
+use crate::vcpu::{self, Outcome, THROTTLE_PERIOD};
 use crate::{layout, DirtyRing, Error, Result, RunReport, VcpuReport, VcpuWork, Workload};
 
 /// What VM to build: vCPU count and guest RAM regions (placed anywhere above the sys region).
@@ -484,9 +484,6 @@ pub struct RunningVm<'a> {
     /// The thread that kicks the vCPUs every [`THROTTLE_PERIOD`] while they are throttled.
     ticker: Option<(Arc<AtomicBool>, JoinHandle<()>)>,
 }
-
-/// The throttle's period: a vCPU throttled to `p` % sleeps `p` % of each period.
-pub const THROTTLE_PERIOD: Duration = Duration::from_millis(10);
 
 impl<'a> RunningVm<'a> {
     /// The VM's guest memory.

@@ -10,7 +10,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use guestmem_memory::{Backend, HUGE_PAGE_SIZE, PAGE_SIZE};
-use guestmem_migration::snapshot;
+use guestmem_snapshot as snapshot;
 use guestmem_vm::payload::page_value;
 use guestmem_vm::{layout, RunningVm, VcpuWork, Vm, VmConfig, Workload};
 

@@ -5,9 +5,10 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use guestmem_migration::component::{Components, Machine, PayloadVm};
-use guestmem_migration::snapshot::live::{write_machine_live, LiveBase, LiveOptions, LiveReport};
-use guestmem_migration::snapshot::{self, WriteReport};
+use guestmem_contract::component::{Components, Machine};
+use guestmem_contract::PayloadVm;
+use guestmem_snapshot::live::{write_machine_live, LiveBase, LiveOptions, LiveReport};
+use guestmem_snapshot::{self as snapshot, WriteReport};
 use guestmem_store::location::Location;
 use guestmem_store::write::StoreWriteReport;
 use guestmem_tracking::Tracker;

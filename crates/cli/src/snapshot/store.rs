@@ -61,7 +61,7 @@ pub fn run_op(op: StoreOp) -> crate::Result<()> {
                 .into());
             }
             let backend = from.store.open()?;
-            let merged = guestmem_store::gc::merge(&*backend, &from.name, &to.name)?;
+            let merged = guestmem_store::merge::merge(&*backend, &from.name, &to.name)?;
             println!(
                 "merged {snapshot} into {out}: {} chunks, {} MiB stored, no base",
                 merged.regions.iter().map(|r| r.chunks.len()).sum::<usize>(),

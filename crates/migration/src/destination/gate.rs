@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::migrate::{read_hello, write_frame, ChannelRole, Hello, Links, Mode};
+use crate::protocol::{read_hello, write_frame, ChannelRole, Hello, Links, Mode};
 use crate::stream::Frame;
 use crate::transport::{Accepted, Connection, Listener, Role, Timeouts};
 use crate::{error_chain, Error, MigrationError, Result};
@@ -77,6 +77,8 @@ impl Gate {
                 gate
             })
             .clone()
+            .downcast::<Gate>()
+            .expect("only a Gate admits a listener's connections")
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, GateState> {

@@ -11,7 +11,6 @@ mod postcopy;
 mod resume;
 
 pub(crate) use gate::{Claim, Gate};
-pub(crate) use pages::outside_memory;
 use pages::{apply_pages, ReaderDigests};
 use postcopy::{arm_postcopy, PostcopyLink};
 
@@ -25,22 +24,22 @@ use guestmem_paging::{Pager, UserfaultPager};
 use guestmem_vm::Vm;
 use serde::{Deserialize, Serialize};
 
-use crate::chunk_digests::{self, ChunkDigests, RegionDigest};
-use crate::component::{Components, MachineBuilder, TargetMachine, VmBuilder};
+use crate::chunk_digests::{self, memory_digest, ChunkDigests, RegionDigest};
+use crate::component::Components;
 use crate::landing::Landing;
-use crate::migrate::{
+use crate::protocol::{
     link_error, read_frame, read_json, unexpected_frame, write_frame, Links, Mode, Setup,
     Switchover, BLOCK, FORMAT, HEARTBEAT_INTERVAL,
 };
-use crate::source::memory_digest;
 use crate::stream::{Frame, ZstdStreamDecoder};
 use crate::transport::{Cutter, Listener};
 use crate::{error_chain, Error, MigrationError, Peer, Result};
+use guestmem_contract::{MachineBuilder, TargetMachine, VmBuilder};
 
 /// Post-copy, after the link broke: how long the destination's vCPUs wait for the source to
 /// reconnect (it tries every second by itself, and `guestmem migrate resume` can point it
 /// elsewhere) before the VM stops with an error. Longer than the source takes to give up on an
-/// unresponsive destination (twice [`crate::migrate::DEAD_PEER_TIMEOUT`]), so that the side
+/// unresponsive destination (twice [`crate::protocol::DEAD_PEER_TIMEOUT`]), so that the side
 /// that holds the missing pages gives up first.
 pub const RESUME_TIMEOUT: Duration = Duration::from_secs(45);
 
@@ -56,7 +55,7 @@ pub struct ReceiveOptions {
     /// background fetch; [`PagerConfig::cpus`](guestmem_paging::PagerConfig::cpus)). See [`SendOptions::fault_cpus`] for the
     /// source's side. `None`: wherever the scheduler puts them.
     ///
-    /// [`SendOptions::fault_cpus`]: crate::migrate::SendOptions::fault_cpus
+    /// [`SendOptions::fault_cpus`]: crate::protocol::SendOptions::fault_cpus
     pub fault_cpus: Option<Vec<usize>>,
     /// Test hook, never set outside tests: each pre-copy Pages frame that lands on this guest
     /// address has the word there flipped, as a receive path that misplaces bytes would (the

@@ -9,11 +9,11 @@ use guestmem_memory::{GuestMemory, PageBuf, PAGE_SIZE};
 
 use super::*;
 use crate::chunk_digests::ChunkDigests;
-use crate::landing::Landing;
-use crate::migrate::{block_connection, write_frame, BLOCK};
+use crate::landing::{outside_memory, Landing};
+use crate::protocol::{block_connection, write_frame, BLOCK};
 use crate::stream::{Frame, FrameRef, ZstdStreamDecoder};
 use crate::transport::Connection;
-use crate::{error_chain, Error, MigrationError, Result};
+use crate::{Error, MigrationError, Result};
 
 pub(super) struct ReaderStats {
     pub(super) pages: u64,
@@ -41,17 +41,6 @@ impl ReaderDigests {
             block_connection(region, offset, self.connections) == self.reader
         })
     }
-}
-
-/// The error of a frame whose pages fall outside this VM's memory.
-pub(crate) fn outside_memory(e: guestmem_memory::Error) -> Error {
-    MigrationError::Unsupported {
-        reason: format!(
-            "the source sent pages outside this VM's memory: {}",
-            error_chain(&e, ": ")
-        ),
-    }
-    .into()
 }
 
 /// The 2 MiB block (counted from its region's start, as the source sends them) holding `gpa`.

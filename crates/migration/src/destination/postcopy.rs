@@ -11,14 +11,14 @@ use guestmem_paging::{PageSource, Pager, PagerConfig, UserfaultPager};
 use guestmem_vm::layout;
 
 use super::*;
-use crate::component::TargetMachine;
-use crate::migrate::{
+use crate::protocol::{
     frame_name, percentile, write_frame, Links, StaleChunks, BLOCK, POSTCOPY_CHUNK,
     POSTCOPY_FAULT_BYTES,
 };
 use crate::stream::{Frame, FrameRef, Lend, MAX_REQUEST};
 use crate::transport::{Connection, Cutter, Listener};
 use crate::{error_chain, Error, MigrationError, Result};
+use guestmem_contract::TargetMachine;
 
 /// Discards the stale chunks of each RAM region and starts its pager (nothing fetches until
 /// the link opens, after Running).

@@ -6,10 +6,10 @@ use std::time::{Duration, Instant};
 use guestmem_paging::Pager;
 
 use super::*;
-use crate::component::TargetMachine;
-use crate::migrate::{link_error, write_frame, Mode};
+use crate::protocol::{link_error, write_frame, Mode};
 use crate::stream::Frame;
 use crate::{MigrationError, Result};
+use guestmem_contract::TargetMachine;
 
 impl Transfer {
     /// Runs the received VM's vCPUs ([`TargetMachine::resume`]), tells the source (the

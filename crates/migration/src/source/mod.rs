@@ -22,16 +22,17 @@ use guestmem_tracking::{full_bitmaps, merge, DirtyBitmap, Tracker};
 use guestmem_vm::{layout, RunningVm, VmConfig};
 
 use crate::chunk_digests::{self, ChunkDigests, DIGEST_CHUNK};
-use crate::component::{Components, Machine, PayloadVm};
+use crate::component::{Components, Machine};
 use crate::compress::{CompressionReport, Compressor};
 use crate::delta::{DeltaCache, DeltaReport};
-use crate::migrate::{
+use crate::protocol::{
     block_connection, link_error, read_frame, unexpected_frame, write_frame, Links, Mode, Setup,
     StaleChunks, Switchover, BLOCK, POSTCOPY_CHUNK,
 };
 use crate::stream::{Frame, ZstdStream};
 use crate::transport::Connection;
 use crate::{Error, MigrationError, Peer, Result};
+use guestmem_contract::PayloadVm;
 
 /// Pre-copy goes on below the downtime target while rounds keep halving the dirty set, until
 /// the estimate is this fraction of the target (50 ms: about 1.6 ms).
@@ -147,9 +148,12 @@ pub fn send_machine(
     // Switch-over: the guest and its devices stop here.
     let paused = Instant::now();
     if let Err(error) = machine.pause() {
-        return Err(MachineFailure { error, kept: false });
+        return Err(MachineFailure {
+            error: error.into(),
+            kept: false,
+        });
     }
-    let switched = components.pause().and_then(|()| {
+    let switched = components.pause().map_err(Error::from).and_then(|()| {
         source.switch_over(
             machine,
             components,
@@ -367,7 +371,7 @@ impl<'o> Source<'o> {
         let setup = Setup {
             config: config.clone(),
             mode: self.opts.mode,
-            format: crate::migrate::FORMAT,
+            format: crate::protocol::FORMAT,
             shared: shared.iter().map(|r| r.name().to_string()).collect(),
             verify: self.verifies(),
             verify_chunk: self.chunks.as_ref().map(|c| c.chunk()),
@@ -937,14 +941,4 @@ fn stale_chunks(dirty: &[DirtyBitmap], gpa: u64, size: u64) -> Vec<u64> {
         }
     }
     bits
-}
-
-/// One digest per region, in order (see [`GuestMemory::digest`]): the digest check of a source
-/// that predates chunk digests (see [`Setup::verify_chunk`]).
-pub(crate) fn memory_digest(memory: &GuestMemory) -> Result<u64> {
-    let mut h = guestmem_memory::DIGEST_SEED;
-    for r in memory.regions() {
-        h = guestmem_memory::digest_bytes(h, &memory.digest(r.gpa(), r.size())?.to_le_bytes());
-    }
-    Ok(h)
 }

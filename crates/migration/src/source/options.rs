@@ -9,7 +9,7 @@ use serde::Serialize;
 use crate::compress::{Compress, CompressionReport};
 use crate::delta::DeltaReport;
 use crate::destination::DestinationReport;
-use crate::migrate::{Links, Mode, Resume};
+use crate::protocol::{Links, Mode, Resume};
 use crate::{Error, MigrationError, Result};
 
 /// Called with the migration's progress.
@@ -74,7 +74,7 @@ pub struct SendOptions {
     /// CPU keeps a fault's round trip on one CPU: no cross-CPU wake-up, and one CPU, not two,
     /// that must not be preempted meanwhile. `None`: wherever the scheduler puts them.
     ///
-    /// [`ReceiveOptions::fault_cpus`]: crate::migrate::ReceiveOptions::fault_cpus
+    /// [`ReceiveOptions::fault_cpus`]: crate::protocol::ReceiveOptions::fault_cpus
     pub fault_cpus: Option<Vec<usize>>,
     /// Called after every round and while post-copy runs.
     pub progress: Option<ProgressFn>,

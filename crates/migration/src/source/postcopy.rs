@@ -12,7 +12,7 @@ use guestmem_paging::affinity::CpuSet;
 use guestmem_vm::layout;
 
 use crate::compress::Compressor;
-use crate::migrate::{link_error, read_frame, write_frame, Links};
+use crate::protocol::{link_error, read_frame, write_frame, Links};
 use crate::stream::{compress_pages, Codec, Frame, StreamError};
 use crate::transport::{AnswerGauge, Connection, Cutter};
 use crate::{Error, MigrationError, Result};

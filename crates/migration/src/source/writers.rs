@@ -12,7 +12,7 @@ use guestmem_memory::{GuestMemory, PAGE_SIZE};
 use crate::chunk_digests::ChunkDigests;
 use crate::compress::Compressor;
 use crate::delta::{DeltaCache, Partition};
-use crate::migrate::{write_frame, BLOCK};
+use crate::protocol::{write_frame, BLOCK};
 use crate::stream::{compress_pages, compress_pages_stream, Codec, Frame, StreamError, ZstdStream};
 use crate::transport::{Connection, LinkGauge};
 use crate::{Error, Result};

@@ -35,8 +35,12 @@ use guestmem_vm::{layout, Vm};
 use serde::{Deserialize, Serialize};
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
-use crate::snapshot::{self, Snapshot, SnapshotSource};
-use crate::{Error, Result};
+use guestmem_snapshot::{self as snapshot, Snapshot, SnapshotSource};
+
+pub use error::{Error, Result};
+pub use guestmem_sys::error_chain;
+
+mod error;
 
 /// Largest handshake message accepted (a VMM has a handful of regions).
 const MAX_MESSAGE: usize = 1 << 20;
@@ -860,9 +864,12 @@ pub fn restore_lazy_via_socket(snapshot: &Snapshot, socket: &Path) -> Result<Pee
             base.dir.display()
         )));
     }
-    let state = crate::payload::state_of(snapshot.machine_state())?;
-    let vm =
-        snapshot::vm_for_lazy_restore(snapshot, &mut crate::component::VmBuilder, &mut Vec::new())?;
+    let state = guestmem_contract::payload_state_of(snapshot.machine_state())?;
+    let vm = snapshot::vm_for_lazy_restore(
+        snapshot,
+        &mut guestmem_contract::VmBuilder,
+        &mut Vec::new(),
+    )?;
     hand_ram_to_server(vm, &state, socket)
 }
 

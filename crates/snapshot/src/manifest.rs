@@ -22,7 +22,7 @@ use crate::{Error, Result};
 pub const FORMAT: &str = "guestmem-snapshot";
 /// The manifest version this code writes and reads (2: checksummed manifest, diff bound to its
 /// base's checksum, the sys region in its own file; 3: `state.json` holds the machine's state
-/// as the opaque blob its [`crate::component::Machine`] saved, beside the components', where
+/// as the opaque blob its [`guestmem_contract::component::Machine`] saved, beside the components', where
 /// version 2 held guestmem's own VM state, its payload's workloads included, field by field).
 /// A snapshot of another version is refused naming its version ([`crate::Error::Version`]).
 pub const VERSION: u32 = 3;

@@ -25,8 +25,8 @@ use super::manifest::{
 };
 use super::sparse::nonzero_page_runs;
 use super::{SavedState, Snapshot, MANIFEST, STATE, WORKING_SET};
-use crate::component::{ComponentState, Machine};
 use crate::{Error, Result};
+use guestmem_contract::component::{ComponentState, Machine};
 
 /// The files a snapshot directory may hold; a directory holding anything else is not
 /// replaced (it is not a snapshot, and replacing it would delete someone's files).
@@ -59,7 +59,7 @@ impl<'a> Source<'a> {
         Ok(Source {
             config: vm.config(),
             memory: vm.memory(),
-            state: crate::payload::save(vm)?,
+            state: guestmem_contract::payload_state(vm)?,
         })
     }
 

@@ -28,11 +28,12 @@
 //! [`MachineBuilder`] builds ([`restore_with`], [`restore_lazy_with`]); [`write()`],
 //! [`restore()`] and [`restore_lazy`] are those for guestmem's own VM.
 //!
-//! [`Machine`]: crate::component::Machine
-//! [`Component`]: crate::component::Component
-//! [`PayloadVm`]: crate::component::PayloadVm
-//! [`MachineBuilder`]: crate::component::MachineBuilder
+//! [`Machine`]: guestmem_contract::component::Machine
+//! [`Component`]: guestmem_contract::component::Component
+//! [`PayloadVm`]: guestmem_contract::PayloadVm
+//! [`MachineBuilder`]: guestmem_contract::MachineBuilder
 
+mod error;
 pub mod live;
 mod manifest;
 mod pagers;
@@ -55,9 +56,11 @@ use guestmem_memory::{Backend, GuestMemory, PageBuf, Region, RegionSpec};
 use guestmem_paging::{PageSource, Pager, PagerConfig, UserfaultPager};
 use guestmem_vm::{layout, Vm, VmState};
 
-use crate::component::{MachineBuilder, SharedFiles, TargetMachine, VmBuilder};
+use guestmem_contract::{MachineBuilder, SharedFiles, TargetMachine, VmBuilder};
 use serde::{Deserialize, Serialize};
 
+pub use error::{Error, Result};
+pub use guestmem_sys::error_chain;
 pub use manifest::{
     canonical_checksum, check_config_layout, BaseRef, Chunk, Manifest, RegionFile, RegionImage,
     CHUNK_BYTES, FORMAT, MAX_BASE_DEPTH, VERSION,
@@ -73,8 +76,7 @@ pub use write::{
     write, write_diff, write_machine, write_machine_diff, write_with_components, WriteReport,
 };
 
-use crate::component::ComponentState;
-use crate::{Error, Result};
+use guestmem_contract::component::ComponentState;
 
 const MANIFEST: &str = "manifest.json";
 const STATE: &str = "state.json";
@@ -84,7 +86,7 @@ const WORKING_SET: &str = "working-set.json";
 pub struct Snapshot {
     dir: PathBuf,
     manifest: Manifest,
-    /// The machine's state, as its [`crate::component::Machine::save`] gave it.
+    /// The machine's state, as its [`guestmem_contract::component::Machine::save`] gave it.
     machine: Vec<u8>,
     /// The components' states, saved with the VM's.
     components: Vec<ComponentState>,
@@ -263,7 +265,7 @@ impl Snapshot {
         format!("snapshot {}", self.dir.display())
     }
 
-    /// The VM's state, as its machine saved it ([`crate::component::Machine::save`]), for
+    /// The VM's state, as its machine saved it ([`guestmem_contract::component::Machine::save`]), for
     /// [`TargetMachine::restore`].
     pub fn machine_state(&self) -> &[u8] {
         &self.machine
@@ -351,8 +353,8 @@ pub(crate) fn read_regular(path: &Path) -> Result<Vec<u8>> {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SavedState {
-    /// What [`crate::component::Machine::save`] gave.
-    #[serde(with = "crate::component::hex_bytes")]
+    /// What [`guestmem_contract::component::Machine::save`] gave.
+    #[serde(with = "guestmem_contract::component::hex_bytes")]
     pub machine: Vec<u8>,
     /// The components' states.
     #[serde(default)]
@@ -367,7 +369,7 @@ fn parse_saved_state(bytes: &[u8], path: &Path) -> Result<SavedState> {
 }
 
 /// Parses the state of guestmem's own VM (the JSON of a [`VmState`], as
-/// [`crate::component::PayloadVm`] saves it; read from `path`) for a VM of `vcpus` vCPUs: its
+/// [`guestmem_contract::PayloadVm`] saves it; read from `path`) for a VM of `vcpus` vCPUs: its
 /// shape, and one vCPU state and one workload per vCPU.
 pub fn parse_state(bytes: &[u8], vcpus: usize, path: &Path) -> Result<VmState> {
     let state: VmState = serde_json::from_slice(bytes).map_err(|e| Error::Json {
@@ -604,7 +606,7 @@ fn lap(phases: &mut Vec<(String, Duration)>, t: &mut Instant, name: &str) {
 /// The first steps of every lazy restore: build the VM, check its layout, and copy in the sys
 /// region (page tables, payload, control blocks: small, and needed at once). The guest RAM
 /// regions are left to a pager.
-pub(crate) fn vm_for_lazy_restore<B: MachineBuilder>(
+pub fn vm_for_lazy_restore<B: MachineBuilder>(
     snapshot: &Snapshot,
     builder: &mut B,
     phases: &mut Vec<(String, Duration)>,
@@ -635,7 +637,8 @@ fn lazy_vm_on<M: TargetMachine>(
 
 /// One region's bytes in a snapshot's memory file (and, for a diff snapshot, its bases'),
 /// each chunk checked against its CRC-32 before any of it is served.
-pub(crate) struct SnapshotSource {
+#[derive(Debug)]
+pub struct SnapshotSource {
     /// The snapshot directory (named in errors).
     dir: PathBuf,
     name: String,
@@ -648,7 +651,8 @@ pub(crate) struct SnapshotSource {
 }
 
 impl SnapshotSource {
-    pub(crate) fn new(snapshot: &Snapshot, region: usize) -> Result<SnapshotSource> {
+    /// The source of region `region` (its index in the manifest) of `snapshot`.
+    pub fn new(snapshot: &Snapshot, region: usize) -> Result<SnapshotSource> {
         let mut chain = vec![snapshot];
         while let Some(base) = &chain.last().expect("one").base {
             chain.push(base);

@@ -50,15 +50,6 @@ use crate::stream::{Frame, StreamError};
 use crate::transport::{self, Connection, Credentials, Endpoint};
 use crate::{Error, MigrationError, Peer, Result};
 
-pub use crate::destination::{
-    receive, receive_components, receive_into, DestinationReport, Incoming, ReceiveOptions,
-    Transfer, RESUME_TIMEOUT,
-};
-pub use crate::source::{
-    send, send_machine, Failure, MachineFailure, Progress, ProgressFn, Reconnect, Report, Round,
-    SendOptions, DEFAULT_ZSTD_WINDOW_BYTES,
-};
-
 /// How the memory moves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]

@@ -46,8 +46,8 @@ use super::manifest::{
 use super::sparse::is_zero;
 use super::write::{check_replaceable, commit, staging_dir, sync_dir, write_file, WriteReport};
 use super::{SavedState, Snapshot, MANIFEST, STATE};
-use crate::component::{ComponentState, Components, Machine};
 use crate::{Error, Result};
+use guestmem_contract::component::{ComponentState, Components, Machine};
 
 /// How a live snapshot decides when to pause.
 #[derive(Debug, Clone)]
@@ -289,6 +289,7 @@ fn rounds<M: Machine + ?Sized, S: LiveSink>(
     machine.pause()?;
     let paused = components
         .pause()
+        .map_err(Error::from)
         .and_then(|()| paused_round(machine, components, tracker, dirty, todo, chunk));
     let resumed = components.resume().and_then(|()| machine.resume());
     let pause_ms = p.elapsed().as_secs_f64() * 1e3;

@@ -38,11 +38,9 @@ use guestmem_tracking::Tracker;
 use guestmem_vm::VmConfig;
 use serde::{Deserialize, Serialize};
 
-pub use crate::payload::{
-    save as payload_state, state_of as payload_state_of, PayloadVm, VmBuilder,
-};
-pub use crate::target::{MachineBuilder, SharedFiles, TargetMachine};
 use crate::{Error, Result};
+#[cfg(doc)]
+use crate::{MachineBuilder, PayloadVm, TargetMachine, VmBuilder};
 
 /// What a component's own operations fail with: its error, boxed (the driver adds the
 /// component's name and the operation, see [`Error::Component`]).
@@ -235,9 +233,10 @@ pub trait Machine {
 }
 
 /// A [`ComponentState`]'s bytes as a hex string in JSON.
-pub(crate) mod hex_bytes {
+pub mod hex_bytes {
     use serde::{Deserialize, Deserializer, Serializer};
 
+    /// Writes `bytes` as a hex string.
     pub fn serialize<S: Serializer>(bytes: &[u8], s: S) -> Result<S::Ok, S::Error> {
         const DIGITS: &[u8; 16] = b"0123456789abcdef";
         let mut out = String::with_capacity(bytes.len() * 2);
@@ -248,6 +247,7 @@ pub(crate) mod hex_bytes {
         s.serialize_str(&out)
     }
 
+    /// Reads a hex string's bytes.
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
         let s = <std::borrow::Cow<'de, str>>::deserialize(d)?;
         decode(s.as_bytes()).map_err(serde::de::Error::custom)

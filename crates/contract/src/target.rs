@@ -13,7 +13,7 @@
 //!   [`TargetMachine::resume`] runs it once the memory is in place.
 //!
 //! guestmem's own VM is one implementation ([`guestmem_vm::Vm`] is a [`TargetMachine`],
-//! [`VmBuilder`](crate::component::VmBuilder) builds it); any closure
+//! [`VmBuilder`](crate::VmBuilder) builds it); any closure
 //! `FnMut(&VmConfig, SharedFiles) -> Result<M>` is a builder.
 
 use std::collections::HashMap;

@@ -1,0 +1,412 @@
+//! One TLS connection to the peer: connecting, the handshake, bounded reads and writes, and the errors that name the peer.
+
+use super::*;
+
+/// A byte stream to the peer, authenticated and encrypted.
+pub trait Channel: Read + Write + Send {}
+impl<T: Read + Write + Send> Channel for T {}
+
+/// One TLS connection to the peer, with a handle that can cut it from another thread. Its reads
+/// and writes wait at most the idle timeout for the peer; the error then names the peer.
+pub struct Connection {
+    tls: Box<dyn Channel>,
+    socket: Socket,
+    /// Who is on the other end, for errors ("the destination at tcp:...").
+    peer: String,
+    idle: Option<Duration>,
+    /// The certificate the peer presented.
+    peer_cert: Option<CertificateDer<'static>>,
+    /// What is wrong with our own certificate (named with any TLS failure).
+    own_problem: Option<String>,
+}
+
+impl Connection {
+    /// A handle that shuts the underlying socket down (both ways), which ends any read or write
+    /// blocked on it, in whatever thread, with an error.
+    pub fn cutter(&self) -> io::Result<Cutter> {
+        Ok(Cutter(self.socket.try_clone()?))
+    }
+
+    /// Bytes written that the peer has not acknowledged (TCP) or read (Unix) yet: what the
+    /// link still has to carry of what was written (see [`LinkGauge`]). `None` where the
+    /// kernel does not say.
+    pub fn queued_bytes(&self) -> Option<u64> {
+        self.socket.queued_bytes()
+    }
+
+    /// Gives a TCP connection a send buffer of [`SEND_BUFFER_BYTES`] (the kernel's
+    /// autotuning of it ends there); a Unix socket is left as it is.
+    pub fn enlarge_send_buffer(&self) -> io::Result<()> {
+        match &self.socket {
+            Socket::Tcp(s) => set_send_buffer(s),
+            Socket::Unix(_) => Ok(()),
+        }
+    }
+
+    /// The rate at which the peer acknowledged what was written, as the kernel last measured
+    /// it (TCP), in bytes per second (see [`AnswerGauge`]).
+    pub fn delivery_rate(&self) -> Option<u64> {
+        self.socket.delivery_rate()
+    }
+
+    /// Whether the peer is on this host (a Unix socket): only then can fds be handed over.
+    pub fn is_local(&self) -> bool {
+        matches!(self.socket, Socket::Unix(_))
+    }
+
+    /// Who is on the other end ("the source at 127.0.0.1:40000").
+    pub fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    /// Checks that the peer's certificate is of `role` (the destination checks that a source
+    /// connects, not another destination).
+    pub fn check_peer_role(&self, role: Role) -> std::result::Result<(), String> {
+        let cert = self
+            .peer_cert
+            .as_ref()
+            .ok_or_else(|| format!("{} presented no certificate", self.peer))?;
+        names_role(cert, role).map_err(|why| {
+            format!(
+                "{} presented a certificate of the wrong role: {why}",
+                self.peer
+            )
+        })
+    }
+
+    /// Hands `fds` to the peer over the Unix socket, one `SCM_RIGHTS` message of one byte each,
+    /// outside the TLS stream: both sides must be at a point of the protocol where no TLS data
+    /// is in flight (the receiver asked for them and waits in [`Connection::recv_fds`]).
+    pub fn send_fds(&self, fds: &[std::os::fd::RawFd]) -> io::Result<()> {
+        use vmm_sys_util::sock_ctrl_msg::ScmSocket;
+        let Socket::Unix(s) = &self.socket else {
+            return Err(io::Error::other(
+                "file descriptors travel only over Unix sockets",
+            ));
+        };
+        for &fd in fds {
+            s.send_with_fd(&[1u8][..], fd).map_err(io::Error::other)?;
+        }
+        Ok(())
+    }
+
+    /// Receives `count` fds sent by [`Connection::send_fds`].
+    pub fn recv_fds(&self, count: usize) -> io::Result<Vec<std::os::fd::OwnedFd>> {
+        use vmm_sys_util::sock_ctrl_msg::ScmSocket;
+        let Socket::Unix(s) = &self.socket else {
+            return Err(io::Error::other(
+                "file descriptors travel only over Unix sockets",
+            ));
+        };
+        (0..count)
+            .map(|i| {
+                let mut byte = [0u8; 1];
+                match s
+                    .recv_with_fd(&mut byte)
+                    .map_err(|e| self.explain(io::Error::other(e), "sent no memory file"))?
+                {
+                    (1, Some(file)) => Ok(std::os::fd::OwnedFd::from(file)),
+                    _ => Err(io::Error::other(format!(
+                        "file descriptor {} of {count} did not come",
+                        i + 1
+                    ))),
+                }
+            })
+            .collect()
+    }
+
+    /// Bounds how long a read or a write waits for the peer (`None`: forever).
+    pub fn set_idle_timeout(&mut self, timeout: Option<Duration>) -> io::Result<()> {
+        self.socket.set_timeouts(timeout)?;
+        self.idle = timeout;
+        Ok(())
+    }
+
+    /// Turns a socket timeout into an error naming the wait and the peer, and a TLS failure
+    /// into one naming the alert.
+    fn explain(&self, e: io::Error, what: &str) -> io::Error {
+        if matches!(
+            e.kind(),
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+        ) {
+            return io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!(
+                    "{} {what} for {} s (the idle timeout of a migration connection)",
+                    self.peer,
+                    self.idle.unwrap_or_default().as_secs_f64()
+                ),
+            );
+        }
+        match tls_error(&e) {
+            Some(tls) => io::Error::new(
+                e.kind(),
+                with_own(explain_tls(tls, &self.peer), self.own_problem.as_deref()),
+            ),
+            None if e.kind() == io::ErrorKind::UnexpectedEof => io::Error::new(
+                e.kind(),
+                format!(
+                    "{} closed the connection in the middle of the stream (it ended, died or \
+                     was cut off)",
+                    self.peer
+                ),
+            ),
+            None => e,
+        }
+    }
+
+    /// After a write failed because the peer hung up: the TLS alert it may have sent first
+    /// (it refused our certificate), read within a second.
+    fn alert_after(&mut self, e: io::Error) -> io::Error {
+        if !matches!(
+            e.kind(),
+            io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset
+        ) {
+            return e;
+        }
+        let _ = self.socket.set_timeouts(Some(Duration::from_secs(1)));
+        let mut byte = [0u8; 1];
+        let alert = match self.tls.read(&mut byte) {
+            Err(r) if tls_error(&r).is_some() => Some(r),
+            _ => None,
+        };
+        let _ = self.socket.set_timeouts(self.idle);
+        match alert {
+            Some(r) => self.explain(r, "sent nothing"),
+            None => e,
+        }
+    }
+}
+
+/// `reason`, and what is wrong with our own certificate if anything.
+pub(super) fn with_own(reason: String, own: Option<&str>) -> String {
+    match own {
+        Some(own) => format!("{reason} ({own})"),
+        None => reason,
+    }
+}
+
+/// The rustls error inside an I/O error, if it is one.
+pub(super) fn tls_error(e: &io::Error) -> Option<&rustls::Error> {
+    e.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>())
+}
+
+/// What a TLS failure means, in the terms of a migration.
+pub(super) fn explain_tls(e: &rustls::Error, peer: &str) -> String {
+    use rustls::AlertDescription as A;
+    match e {
+        rustls::Error::AlertReceived(a) => {
+            let why = match a {
+                A::CertificateExpired => "our certificate has expired (or is not valid yet)",
+                A::UnknownCA => "our certificate is signed by a CA it does not trust",
+                A::BadCertificate | A::CertificateUnknown => {
+                    "our certificate is not one it accepts (wrong role or name)"
+                }
+                A::CertificateRequired => "it requires a certificate",
+                _ => "it refused the session",
+            };
+            format!("{peer} refused the TLS handshake: {why} (TLS alert {a:?})")
+        }
+        rustls::Error::InvalidCertificate(
+            c @ (rustls::CertificateError::NotValidForName
+            | rustls::CertificateError::NotValidForNameContext { .. }),
+        ) => format!(
+            "{peer} presented a certificate of the wrong role: {c} (a source must present a \
+             {SOURCE_NAME} certificate, a destination a {DESTINATION_NAME} one)"
+        ),
+        rustls::Error::InvalidCertificate(c) => {
+            format!("{peer} presented a certificate we refuse: {c}")
+        }
+        other => format!("TLS with {peer}: {other}"),
+    }
+}
+
+impl Read for Connection {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.tls
+            .read(buf)
+            .map_err(|e| self.explain(e, "sent nothing"))
+    }
+}
+
+impl Write for Connection {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self.tls.write(buf) {
+            Ok(n) => Ok(n),
+            Err(e) => {
+                let e = self.alert_after(e);
+                Err(self.explain(e, "took no data"))
+            }
+        }
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        match self.tls.flush() {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                let e = self.alert_after(e);
+                Err(self.explain(e, "took no data"))
+            }
+        }
+    }
+}
+
+/// ring's suites with TLS 1.3 AES-128-GCM first (both peers run this provider, so it is the
+/// one negotiated): guest memory is the bulk of the traffic, and AES-128 does 10 rounds per
+/// block where AES-256 does 14.
+pub(super) fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    let mut provider = rustls::crypto::ring::default_provider();
+    provider
+        .cipher_suites
+        .sort_by_key(|s| s.suite() != rustls::CipherSuite::TLS13_AES_128_GCM_SHA256);
+    Arc::new(provider)
+}
+
+/// Connects to the destination at `endpoint` as the source, and completes the TLS handshake
+/// (with the default [`Timeouts`]).
+pub fn connect(endpoint: &Endpoint, creds: &Credentials) -> Result<Connection> {
+    connect_with(endpoint, creds, Timeouts::default())
+}
+
+/// [`connect`] with other bounds.
+pub fn connect_with(
+    endpoint: &Endpoint,
+    creds: &Credentials,
+    timeouts: Timeouts,
+) -> Result<Connection> {
+    let peer_role = creds.role.peer();
+    let peer = format!("the {} at {endpoint}", peer_role.word());
+    let unreachable = |source: io::Error| {
+        if matches!(
+            source.kind(),
+            io::ErrorKind::ConnectionRefused | io::ErrorKind::NotFound
+        ) {
+            TransportError::Unreachable {
+                endpoint: endpoint.to_string(),
+                error: source,
+            }
+        } else if matches!(
+            source.kind(),
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+        ) {
+            TransportError::Timeout {
+                wait: "connecting",
+                peer: peer.clone(),
+                after: timeouts.handshake,
+            }
+        } else {
+            TransportError::Io {
+                what: format!("connect to {endpoint}"),
+                error: source,
+            }
+        }
+    };
+    let socket = match endpoint {
+        Endpoint::Tcp(addr) => {
+            let addrs: Vec<_> = addr
+                .to_socket_addrs()
+                .map_err(io_err(format!("resolve {endpoint}")))?
+                .collect();
+            let mut last = io::Error::new(io::ErrorKind::NotFound, "no address");
+            let mut stream = None;
+            for a in addrs {
+                match TcpStream::connect_timeout(&a, timeouts.handshake) {
+                    Ok(s) => {
+                        stream = Some(s);
+                        break;
+                    }
+                    Err(e) => last = e,
+                }
+            }
+            let s = stream.ok_or_else(|| unreachable(last))?;
+            s.set_nodelay(true).map_err(io_err("TCP_NODELAY"))?;
+            Socket::Tcp(s)
+        }
+        Endpoint::Unix(path) => Socket::Unix(UnixStream::connect(path).map_err(unreachable)?),
+    };
+    let config = ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| TransportError::Setup(e.to_string()))?
+        .with_root_certificates(creds.roots()?)
+        .with_client_auth_cert(vec![creds.cert.clone()], creds.key.clone_key())
+        .map_err(|e| TransportError::Setup(format!("our certificate or key is unusable: {e}")))?;
+    let name = ServerName::try_from(peer_role.name()).expect("a valid DNS name");
+    let conn = ClientConnection::new(Arc::new(config), name)
+        .map_err(|e| TransportError::Setup(e.to_string()))?;
+    handshake(
+        StreamOwned::new(conn, socket),
+        peer,
+        timeouts,
+        creds.problem.clone(),
+    )
+}
+
+/// Drives the handshake to its end now (within the handshake timeout), so that a refused peer
+/// is an error here, not at the first read or write.
+pub(super) fn handshake<C, D>(
+    mut stream: StreamOwned<C, Socket>,
+    peer: String,
+    timeouts: Timeouts,
+    own_problem: Option<String>,
+) -> Result<Connection>
+where
+    C: std::ops::DerefMut + std::ops::Deref<Target = rustls::ConnectionCommon<D>> + Send + 'static,
+    D: rustls::SideData + 'static,
+{
+    let deadline = Instant::now() + timeouts.handshake;
+    while stream.conn.is_handshaking() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let timed_out = || TransportError::Timeout {
+            wait: "the TLS handshake",
+            peer: peer.clone(),
+            after: timeouts.handshake,
+        };
+        if left.is_zero() {
+            return Err(timed_out());
+        }
+        stream
+            .sock
+            .set_timeouts(Some(left))
+            .map_err(io_err("socket timeout"))?;
+        if let Err(e) = stream.conn.complete_io(&mut stream.sock) {
+            if matches!(
+                e.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+            ) {
+                return Err(timed_out());
+            }
+            // Tell the peer why before hanging up (rustls queued the alert).
+            let _ = stream.conn.write_tls(&mut stream.sock);
+            let reason = match tls_error(&e) {
+                Some(tls) => explain_tls(tls, &peer),
+                None if e.kind() == io::ErrorKind::UnexpectedEof => {
+                    format!(
+                        "{peer} hung up during the handshake (it may have refused our certificate)"
+                    )
+                }
+                None => e.to_string(),
+            };
+            let reason = with_own(reason, own_problem.as_deref());
+            return Err(TransportError::Tls { peer, reason });
+        }
+    }
+    let peer_cert = stream
+        .conn
+        .peer_certificates()
+        .and_then(|c| c.first())
+        .map(|c| c.clone().into_owned());
+    let socket = stream
+        .sock
+        .try_clone()
+        .map_err(io_err("dup of the connection's socket"))?;
+    socket
+        .set_timeouts(Some(timeouts.idle))
+        .map_err(io_err("socket timeout"))?;
+    Ok(Connection {
+        tls: Box::new(stream),
+        socket,
+        peer,
+        idle: Some(timeouts.idle),
+        peer_cert,
+        own_problem,
+    })
+}

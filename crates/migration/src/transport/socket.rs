@@ -1,0 +1,149 @@
+//! The sockets under TLS (TCP or Unix) and the cutter that shuts one down from another thread.
+
+use super::*;
+
+/// Cuts a [`Connection`] (see [`Connection::cutter`]).
+pub struct Cutter(pub(super) Socket);
+
+impl Cutter {
+    /// Shuts the connection down both ways: its reads and writes fail at once.
+    pub fn cut(&self) {
+        let _ = match &self.0 {
+            Socket::Tcp(s) => s.shutdown(std::net::Shutdown::Both),
+            Socket::Unix(s) => s.shutdown(std::net::Shutdown::Both),
+        };
+    }
+
+    /// Ends the reads only (a blocked one returns at once); writes still go, e.g. an Abort
+    /// telling the peer why.
+    pub fn cut_reads(&self) {
+        let _ = match &self.0 {
+            Socket::Tcp(s) => s.shutdown(std::net::Shutdown::Read),
+            Socket::Unix(s) => s.shutdown(std::net::Shutdown::Read),
+        };
+    }
+}
+
+pub(super) enum Socket {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+impl Socket {
+    pub(super) fn try_clone(&self) -> io::Result<Socket> {
+        Ok(match self {
+            Socket::Tcp(s) => Socket::Tcp(s.try_clone()?),
+            Socket::Unix(s) => Socket::Unix(s.try_clone()?),
+        })
+    }
+
+    /// Bytes written to the socket that the peer has not yet acknowledged (TCP) or read (a
+    /// Unix socket): `SIOCOUTQ`. `None` where the kernel does not say.
+    pub(super) fn queued_bytes(&self) -> Option<u64> {
+        use std::os::fd::AsRawFd;
+        let fd = match self {
+            Socket::Tcp(s) => s.as_raw_fd(),
+            Socket::Unix(s) => s.as_raw_fd(),
+        };
+        let mut queued: libc::c_int = 0;
+        // SAFETY: SIOCOUTQ (TIOCOUTQ) writes one c_int into `queued`, which is live and
+        // writable; `fd` is the open socket `self` owns.
+        let r = unsafe { libc::ioctl(fd, libc::TIOCOUTQ, &mut queued as *mut libc::c_int) };
+        (r == 0).then_some(queued.max(0) as u64)
+    }
+
+    /// The kernel's latest measure of the rate at which the peer acknowledged this TCP
+    /// socket's data, in bytes per second (`TCP_INFO`'s `tcpi_delivery_rate`). `None` for a
+    /// Unix socket, before any measure, or where the kernel does not say.
+    pub(super) fn delivery_rate(&self) -> Option<u64> {
+        use std::os::fd::AsRawFd;
+        let Socket::Tcp(s) = self else {
+            return None;
+        };
+        // SAFETY: tcp_info is plain old data (integers only): all zeroes is a valid value.
+        let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+        let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+        // SAFETY: TCP_INFO writes at most `len` bytes into `info`, which is live, writable and
+        // that long, and sets `len` to what it wrote; the fd is the open socket `s` owns.
+        let r = unsafe {
+            libc::getsockopt(
+                s.as_raw_fd(),
+                libc::IPPROTO_TCP,
+                libc::TCP_INFO,
+                std::ptr::addr_of_mut!(info).cast(),
+                &mut len,
+            )
+        };
+        let end = std::mem::offset_of!(libc::tcp_info, tcpi_delivery_rate) + 8;
+        (r == 0 && len as usize >= end && info.tcpi_delivery_rate > 0)
+            .then_some(info.tcpi_delivery_rate)
+    }
+
+    /// Read and write timeouts (shared by every clone of the socket).
+    pub(super) fn set_timeouts(&self, t: Option<Duration>) -> io::Result<()> {
+        // A zero duration means "forever" to std; the smallest bound instead.
+        let t = t.map(|d| d.max(Duration::from_millis(1)));
+        match self {
+            Socket::Tcp(s) => s.set_read_timeout(t).and_then(|()| s.set_write_timeout(t)),
+            Socket::Unix(s) => s.set_read_timeout(t).and_then(|()| s.set_write_timeout(t)),
+        }
+    }
+}
+
+impl Read for Socket {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Socket::Tcp(s) => s.read(buf),
+            Socket::Unix(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for Socket {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Socket::Tcp(s) => s.write(buf),
+            Socket::Unix(s) => s.write(buf),
+        }
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        match self {
+            Socket::Tcp(s) => s.flush(),
+            Socket::Unix(s) => s.flush(),
+        }
+    }
+}
+
+/// The send buffer a pre-copy round's writers ask for on their TCP connections
+/// ([`Connection::enlarge_send_buffer`]; the kernel doubles it for its own bookkeeping, and caps
+/// the request at `net.core.wmem_max`, 4 MiB by default). Connections that only answer
+/// post-copy's requests keep the kernel's autotuning.
+///
+/// A pages connection's writer compresses a frame and then writes it: while it compresses, the
+/// link carries only what the socket already holds. Left to autotuning on a link with little
+/// delay (a veth, a LAN) the buffer stays near the bandwidth-delay product, a few hundred KiB,
+/// which a 1 Gbit/s link drains before the next frame is compressed; a buffer that holds several
+/// compressed frames keeps it busy instead. It bounds memory the kernel may hold per connection,
+/// not what it does hold: a link faster than compression never fills it.
+pub const SEND_BUFFER_BYTES: usize = 4 << 20;
+
+pub(super) fn set_send_buffer(s: &TcpStream) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let bytes = SEND_BUFFER_BYTES as libc::c_int;
+    // SAFETY: setsockopt reads `size_of::<c_int>()` bytes from `bytes`, a live c_int, and the
+    // fd is the open socket `s` borrows.
+    let r = unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_SNDBUF,
+            (&bytes as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}

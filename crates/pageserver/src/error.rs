@@ -1,0 +1,80 @@
+//! Why the page-server protocol or serving failed.
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+/// What page-server operations return.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Why a page server, or the VMM side of its handshake, failed.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A file operation failed.
+    #[error("{path}: {op} failed")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The operation.
+        op: &'static str,
+        /// The operating system's error.
+        #[source]
+        source: io::Error,
+    },
+    /// The Firecracker page-server protocol was not followed.
+    #[error("page-server protocol: {0}")]
+    Protocol(String),
+    /// A step of the Firecracker page-server protocol failed for a cause of its own (a socket
+    /// that would not receive, a query of the system that failed).
+    #[error("page-server protocol: {what}")]
+    ProtocolIo {
+        /// The step: receiving the handshake message, reading what its fd is, ...
+        what: String,
+        /// The operating system's error.
+        #[source]
+        source: io::Error,
+    },
+    /// The page-server handshake message is not the JSON it should be.
+    #[error(
+        "page-server protocol: the handshake message is not a JSON array of \
+         GuestRegionUffdMapping {{base_host_virt_addr, size, offset[, page_size][, \
+         page_size_kib]}}"
+    )]
+    HandshakeJson {
+        /// Why it does not parse.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The page server killed its peer (the VMM) for a failure serving it, so that its guest
+    /// never runs on memory it could not be given.
+    #[error("page-server: peer pid {pid} killed")]
+    PeerKilled {
+        /// The peer's pid.
+        pid: i32,
+        /// The failure.
+        #[source]
+        source: Box<Error>,
+    },
+    /// A snapshot that cannot be restored this way.
+    #[error("cannot restore here: {0}")]
+    Layout(String),
+    /// The VM failed.
+    #[error(transparent)]
+    Vm(#[from] guestmem_vm::Error),
+    /// Demand paging failed.
+    #[error(transparent)]
+    Paging(#[from] guestmem_paging::Error),
+    /// The snapshot served or restored from failed.
+    #[error(transparent)]
+    Snapshot(#[from] guestmem_snapshot::Error),
+    /// The VMM's machine failed.
+    #[error(transparent)]
+    Contract(#[from] guestmem_contract::Error),
+}
+
+impl Error {
+    /// A file operation's error, naming the file and the operation.
+    pub fn io(path: &Path, op: &'static str) -> impl FnOnce(io::Error) -> Error {
+        let path = path.to_path_buf();
+        move |source| Error::Io { path, op, source }
+    }
+}

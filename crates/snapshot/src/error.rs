@@ -1,0 +1,113 @@
+//! Why a snapshot could not be written or restored.
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+/// What snapshot operations return.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Why a snapshot or restore failed.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A file operation failed.
+    #[error("{path}: {op} failed")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The operation.
+        op: &'static str,
+        /// The operating system's error.
+        #[source]
+        source: io::Error,
+    },
+    /// A file that is not the JSON it should be.
+    #[error("{path}: not valid JSON of the expected shape")]
+    Json {
+        /// The file.
+        path: PathBuf,
+        /// Why it does not parse.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// A manifest of another format.
+    #[error("{path}: not a guestmem snapshot (format {found})")]
+    NotASnapshot {
+        /// The file.
+        path: PathBuf,
+        /// The format it names.
+        found: String,
+    },
+    /// A snapshot of another version.
+    #[error("{path}: snapshot version {found}; this guestmem reads version {supported}")]
+    Version {
+        /// The file.
+        path: PathBuf,
+        /// Its version.
+        found: u64,
+        /// The version this build reads.
+        supported: u32,
+    },
+    /// A file shorter or longer than its manifest says.
+    #[error(
+        "{path}: {found} bytes, the manifest says {expected}: {}",
+        length_mismatch(*found, *expected)
+    )]
+    WrongLength {
+        /// The file.
+        path: PathBuf,
+        /// The manifest's length.
+        expected: u64,
+        /// The file's.
+        found: u64,
+    },
+    /// A snapshot whose bytes are not what its manifest says.
+    #[error("corrupt snapshot: {0}")]
+    Corrupt(String),
+    /// A snapshot that cannot be restored here.
+    #[error("cannot restore here: {0}")]
+    Layout(String),
+    /// A snapshot taken of a VM of another configuration than the prepared VM it was to be
+    /// restored into; nothing of it was restored.
+    #[error("{snapshot} does not fit the prepared VM: {reason}; nothing was restored")]
+    PreparedMismatch {
+        /// The snapshot.
+        snapshot: String,
+        /// What differs (vCPUs, regions and their address, size, backend).
+        reason: String,
+    },
+    /// A snapshot that cannot be written.
+    #[error("cannot write the snapshot: {0}")]
+    Write(String),
+    /// The VM failed.
+    #[error(transparent)]
+    Vm(#[from] guestmem_vm::Error),
+    /// Guest memory failed.
+    #[error(transparent)]
+    Memory(#[from] guestmem_memory::Error),
+    /// Demand paging failed.
+    #[error(transparent)]
+    Paging(#[from] guestmem_paging::Error),
+    /// Dirty tracking failed.
+    #[error(transparent)]
+    Tracking(#[from] guestmem_tracking::Error),
+    /// The VMM's machine or one of its components failed.
+    #[error(transparent)]
+    Contract(#[from] guestmem_contract::Error),
+}
+
+impl Error {
+    /// A file operation's error, naming the file and the operation.
+    pub fn io(path: &Path, op: &'static str) -> impl FnOnce(io::Error) -> Error {
+        let path = path.to_path_buf();
+        move |source| Error::Io { path, op, source }
+    }
+}
+
+/// What a file's length, against its manifest's, says happened to it.
+fn length_mismatch(found: u64, expected: u64) -> &'static str {
+    if found < expected {
+        "truncated"
+    } else {
+        "longer than written (bytes appended, or another file in its place)"
+    }
+}
