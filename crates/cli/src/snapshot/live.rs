@@ -9,7 +9,7 @@ use guestmem_contract::component::{Components, Machine};
 use guestmem_contract::PayloadVm;
 use guestmem_snapshot::live::{write_machine_live, LiveBase, LiveOptions, LiveReport};
 use guestmem_snapshot::{self as snapshot, WriteReport};
-use guestmem_store::location::Location;
+use guestmem_store::location::{Location, StoreUrl};
 use guestmem_store::write::StoreWriteReport;
 use guestmem_tracking::Tracker;
 use serde::Serialize;
@@ -75,6 +75,13 @@ struct PausedOutput {
     live_stored_ratio: f64,
     /// The live snapshot's total time against the paused write's.
     live_time_ratio: f64,
+    /// Chunks the paused write found stored already (it writes into a fresh store: only
+    /// those repeated within the guest's own memory).
+    deduplicated_chunks: u64,
+    /// A store: the same paused write into the live snapshot's own store, just after (its
+    /// chunks mostly there already, so hashed but not compressed or put): not a paused
+    /// write's cost, shown to tell the two apart.
+    same_store_write_ms: Option<f64>,
 }
 
 /// The guest's pages done so far, all vCPUs.
@@ -244,6 +251,7 @@ fn paused_reference(
     machine.pause()?;
     let vm = machine.as_paused().ok_or("the VM did not pause")?;
     let t = Instant::now();
+    let (mut deduplicated, mut same_store_ms) = (0, None);
     let stored = match target {
         Target::Flat(dir) => {
             let mut name = dir.file_name().unwrap_or_default().to_os_string();
@@ -255,10 +263,15 @@ fn paused_reference(
             (r.data_bytes, write_ms)
         }
         Target::Store(at) => {
+            let r = reference_store(&at.store, &at.name, |backend| {
+                guestmem_store::write::write(backend, &at.name, vm, None)
+            })?;
+            deduplicated = r.deduplicated_chunks;
             let backend = at.store.open()?;
             let name = format!("{}.paused-reference", at.name);
-            let r = guestmem_store::write::write(&*backend, &name, vm, None)?;
+            let same = guestmem_store::write::write(&*backend, &name, vm, None)?;
             guestmem_store::gc::delete(&*backend, &name)?;
+            same_store_ms = Some(same.write_ms);
             (r.stored_bytes, r.write_ms)
         }
     };
@@ -268,5 +281,45 @@ fn paused_reference(
         stored_bytes: stored.0,
         live_stored_ratio: live_report.stored_bytes() as f64 / stored.0 as f64,
         live_time_ratio: live.total_ms / stored.1,
+        deduplicated_chunks: deduplicated,
+        same_store_write_ms: same_store_ms,
     })
+}
+
+/// Runs `write` on a fresh, empty store beside `store` (a sibling directory, or a sibling S3
+/// prefix), then removes it: a paused write into the live snapshot's own store would find
+/// nearly every chunk there already (the live write just put them) and only hash, not
+/// compress or put, so its time would not be a paused write's.
+fn reference_store<T>(
+    store: &StoreUrl,
+    name: &str,
+    write: impl FnOnce(&dyn guestmem_store::Backend) -> guestmem_store::Result<T>,
+) -> crate::Result<T> {
+    const SUFFIX: &str = ".paused-reference";
+    match store {
+        StoreUrl::Local(dir) => {
+            let mut name = dir.file_name().unwrap_or_default().to_os_string();
+            name.push(SUFFIX);
+            let reference = dir.with_file_name(name);
+            if reference.exists() {
+                std::fs::remove_dir_all(&reference)?;
+            }
+            let written = write(&*StoreUrl::Local(reference.clone()).open()?);
+            let removed = std::fs::remove_dir_all(&reference);
+            let written = written?;
+            removed?;
+            Ok(written)
+        }
+        StoreUrl::S3 { bucket, prefix } => {
+            let reference = StoreUrl::S3 {
+                bucket: bucket.clone(),
+                prefix: format!("{}{SUFFIX}", prefix.trim_end_matches('/')),
+            };
+            let backend = reference.open()?;
+            let written = write(&*backend)?;
+            guestmem_store::gc::delete(&*backend, name)?;
+            guestmem_store::gc::gc(&*backend, Duration::ZERO)?;
+            Ok(written)
+        }
+    }
 }
