@@ -1,9 +1,9 @@
 //! `guestmem bench dirty-log`: the kernel's dirty_log_perf_test, for each tracking mode in one
-//! run (seed 003): populate, enable logging, per-iteration dirty time and get/clear time, disable;
-//! then the guest's dirty rate in a migration-like loop (a fresh pre-copy: enable, first pass over
-//! all memory, then rounds; harvest every 100 ms, send at a set bandwidth, clear each chunk just
-//! before sending it), with no tracking and under each mode; and the idle harvest of a large,
-//! sparse VM.
+//! run (O(1) write-protect-all dirty tracking): populate, enable logging, per-iteration dirty time
+//! and get/clear time, disable; then the guest's dirty rate in a migration-like loop (a fresh
+//! pre-copy: enable, first pass over all memory, then rounds; harvest every 100 ms, send at a set
+//! bandwidth, clear each chunk just before sending it), with no tracking and under each mode; and
+//! the idle harvest of a large, sparse VM.
 //!
 //! Each mode's VM is populated once; then everything after it (enable, the dirty-log iterations,
 //! disable, the loop) runs `--runs` times on it, and each of those figures carries its runs,

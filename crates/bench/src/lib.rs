@@ -34,7 +34,7 @@ pub type Result<T> = std::result::Result<T, Box<dyn std::error::Error + Send + S
 pub enum Bench {
     /// Seed 000: populating a region from an image, method by method, against mmap+memcpy.
     Populate(populate::Args),
-    /// Demand paging rate with guestmem's pager vs the pre-populated baseline (seed 001).
+    /// Demand paging rate with guestmem's pager vs the pre-populated baseline (KVM Userfault).
     DemandPaging(demand_paging::Args),
     /// Seed 002: memslot_perf_test over the memslot manager, and cached vs fresh device accesses.
     Memslots(memslots::Args),

@@ -1,4 +1,4 @@
-//! `guestmem bench memslots`: the kernel's memslot_perf_test over the memslot manager (seed 002),
+//! `guestmem bench memslots`: the kernel's memslot_perf_test over the memslot manager,
 //! the manager's cost over the raw `KVM_SET_USER_MEMORY_REGION2` ioctl, and one device access
 //! through a cached handle vs a fresh lookup.
 //!

@@ -1,4 +1,4 @@
-//! `guestmem bench migrate` (issue 8): live migration on loopback, per guest memory size, guest
+//! `guestmem bench migrate`: live migration on loopback, per guest memory size, guest
 //! dirty rate and mode (pre-copy, post-copy, hybrid), beside QEMU's pre-copy of the same
 //! workload in the same invocation ([`qemu_peer::precopy`]).
 //!

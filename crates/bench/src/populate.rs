@@ -1,7 +1,8 @@
-//! `guestmem bench populate`: seed 000's table. Fills a fresh region with an image by plain
-//! mmap+memcpy (the baseline), then by each population method, then copies once more into the
-//! already-populated memory (the floor: the copy alone). Each method gets a fresh region; every
-//! result is checked byte for byte against the image outside the timed part.
+//! `guestmem bench populate`: the population table (guest_memfd write() and the other methods).
+//! Fills a fresh region with an image by plain mmap+memcpy (the baseline), then by each population
+//! method, then copies once more into the already-populated memory (the floor: the copy alone).
+//! Each method gets a fresh region; every result is checked byte for byte against the image outside
+//! the timed part.
 
 use std::time::Instant;
 

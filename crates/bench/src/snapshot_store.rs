@@ -1,4 +1,4 @@
-//! `guestmem bench snapshot`: issue 15's chunk store on a guest started from a captured real
+//! `guestmem bench snapshot`: the chunk store on a guest started from a captured real
 //! memory image. The guest runs the `rewrite` workload over the image for `--run-s` seconds (at
 //! `--dirty-mib-per-s`) and
 //! is snapshotted into a store (a fresh local store, or `--store s3://…|store:…`):
@@ -20,7 +20,8 @@
 //!   store's endpoint, half the round trip each way: this kernel has no `netem`.
 //!
 //! The bench deletes its snapshots afterwards; in a given store their chunks go at its next
-//! `guestmem snapshot gc`. Self-contained: the only hook is the `Snapshot` variant of `guestmem bench`.
+//! `guestmem snapshot gc`. Self-contained: the only hook is the `Snapshot` variant of `guestmem
+//! bench`.
 
 use std::net::ToSocketAddrs;
 use std::path::PathBuf;
