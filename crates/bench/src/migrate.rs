@@ -510,53 +510,10 @@ struct Output {
 }
 
 pub fn main(args: Args) -> crate::Result<()> {
-    if args.sizes.is_empty() || args.rates.is_empty() || args.modes.is_empty() {
-        return Err("--sizes, --rates and --modes each need at least one value".into());
-    }
-    if args.repeat == 0 {
-        return Err("--repeat: at least 1 run is needed".into());
-    }
-    if args.vcpus == 0 || args.vcpus > layout::MAX_VCPUS {
-        return Err(format!("--vcpus: 1 to {} are supported", layout::MAX_VCPUS).into());
-    }
-    if args.connections == 0 || args.connections > 64 {
-        return Err("--connections must be 1 to 64".into());
-    }
-    if let Some(cpus) = &args.fault_cpus.0 {
-        CpuSet::new(cpus).map_err(|e| format!("--fault-cpus: {e}"))?;
-    }
-    if let Some(&s) = args
-        .sizes
-        .iter()
-        .find(|&&s| s < (64 << 20) || !s.is_multiple_of(2 << 20))
-    {
-        return Err(format!("--sizes: {s} is not a multiple of 2 MiB of at least 64 MiB").into());
-    }
+    check_args(&args)?;
     let modes = &args.modes;
-    let run_qemu = !args.no_qemu && modes.contains(&Mode::Precopy);
-    let mut qemu_note = None;
-    let qemu_ok = run_qemu && {
-        match qemu_available() {
-            Ok(()) => true,
-            Err(why) => {
-                eprintln!("guestmem: no QEMU peer rows: {why}");
-                qemu_note = Some(why);
-                false
-            }
-        }
-    };
-    if args.no_qemu {
-        qemu_note = Some("--no-qemu".into());
-    }
+    let (qemu_ok, qemu_note) = qemu_peer_rows(&args)?;
     let cases = args.sizes.len() * args.rates.len();
-    if qemu_ok && args.qemu_channels.is_empty() {
-        return Err("--qemu-channels: name at least one of tls, plain (or pass --no-qemu)".into());
-    }
-    if qemu_ok && args.qemu_compress.is_empty() {
-        return Err(
-            "--qemu-compress: name at least one of none, zlib, zstd (or pass --no-qemu)".into(),
-        );
-    }
     if let Some(image) = &args.image {
         std::fs::metadata(image).map_err(|e| format!("--image {}: {e}", image.display()))?;
     }
@@ -565,44 +522,13 @@ pub fn main(args: Args) -> crate::Result<()> {
         link::Speed::Loopback => None,
         speed => Some(Link::create(speed)?),
     };
-    let link_measured_mib_per_s = match &link {
-        Some(l) => {
-            let rate = l.measure(Duration::from_millis(1500))? / (1 << 20) as f64;
-            if !args.json {
-                eprintln!(
-                    "{} link: one TCP connection moves {rate:.0} MiB/s",
-                    args.link.name()
-                );
-            }
-            Some(rate)
-        }
-        None => None,
-    };
-    let qemu_configs: Vec<(qemu_peer::Channel, Option<qemu_peer::Multifd>)> = args
-        .qemu_channels
-        .iter()
-        .flat_map(|&channel| {
-            args.qemu_compress.iter().map(move |&compression| {
-                (
-                    channel,
-                    Some(qemu_peer::Multifd {
-                        channels: args.connections,
-                        compression,
-                    }),
-                )
-            })
-        })
-        .collect();
+    let link_measured_mib_per_s = measure_link(&args, link.as_ref())?;
+    let qemu_configs = qemu_configs(&args);
     let qemu_cases = if qemu_ok { qemu_configs.len() } else { 0 };
-    // The zstd windows make rows only with zstd (and auto).
-    let windows = |c: Compress| match c {
-        Compress::Zstd | Compress::Auto => args.zstd_window_bytes.clone(),
-        _ => args.zstd_window_bytes.iter().take(1).copied().collect(),
-    };
     let variants = args
         .compress
         .iter()
-        .map(|&c| windows(c).len())
+        .map(|&c| zstd_windows(&args, c).len())
         .sum::<usize>()
         * args.delta_cache_mib.len();
     let total = cases * (modes.len() * variants + qemu_cases) * args.repeat;
@@ -621,37 +547,7 @@ pub fn main(args: Args) -> crate::Result<()> {
     for &size in &args.sizes {
         for &rate in &args.rates {
             for &mode in modes {
-                let mut variants = Vec::new();
-                for &c in &args.compress {
-                    for w in windows(c) {
-                        for &d in &args.delta_cache_mib {
-                            variants.push((c, d, w));
-                        }
-                    }
-                }
-                for (compress, delta, window) in variants {
-                    let mut runs = Vec::new();
-                    for i in 0..args.repeat {
-                        bar.set_message(format!(
-                            "{} MiB, {}, {mode}, compress {compress:?}, zstd window {} MiB, delta \
-                             {delta:?}: run {}",
-                            size >> 20,
-                            rate.label(),
-                            window >> 20,
-                            i + 1
-                        ));
-                        runs.push(run_once(
-                            &args,
-                            link.as_ref(),
-                            size,
-                            rate,
-                            mode,
-                            (compress, delta, window),
-                        )?);
-                        bar.inc(1);
-                    }
-                    rows.push((size, rate, mode, (compress, delta, window), runs));
-                }
+                rows.extend(guestmem_rows(&args, link.as_ref(), size, rate, mode, &bar)?);
             }
             // The image laid out for QEMU, once per size.
             let qemu_image = match (&args.image, qemu_ok) {
@@ -684,27 +580,7 @@ pub fn main(args: Args) -> crate::Result<()> {
                         i + 1
                     ));
                     let steal = Steal::start();
-                    let mut figures = qemu_peer::precopy(&config)?;
-                    // QEMU 7.2 has said "completed" with a total time and downtime of 0 (one
-                    // run in about a hundred): no figure of a migration, so the run is taken
-                    // again (twice at most).
-                    for _ in 0..2 {
-                        if figures.total_ms > 0 {
-                            break;
-                        }
-                        tracing::warn!(
-                            config = config.name(),
-                            "QEMU reported a total time of 0: run again"
-                        );
-                        figures = qemu_peer::precopy(&config)?;
-                    }
-                    if figures.total_ms == 0 {
-                        return Err(format!(
-                            "QEMU ({}) reported a total time of 0 three times in a row",
-                            config.name()
-                        )
-                        .into());
-                    }
+                    let figures = qemu_precopy(&config)?;
                     runs.push((figures, steal.percent()));
                     bar.inc(1);
                 }
@@ -714,19 +590,7 @@ pub fn main(args: Args) -> crate::Result<()> {
     }
     // The floor after the migrations, so that the memory it frees is not what their
     // destinations land in (on a virtual host, recently freed memory is cheaper to touch).
-    let floors = match (&args.image, args.floor_runs) {
-        (Some(image), n) if n > 0 => {
-            bar.set_message("the CPU floor on the image");
-            let image = crate::floor::read_image(image)?;
-            let codecs = [
-                crate::floor::FloorCodec::Zstd,
-                crate::floor::FloorCodec::Lz4,
-                crate::floor::FloorCodec::None,
-            ];
-            Some(Floors(crate::floor::measure(&image, &codecs, n)?))
-        }
-        _ => None,
-    };
+    let floors = measure_floors(&args, &bar)?;
     let rows = rows
         .into_iter()
         .map(|(size, rate, mode, variant, mut runs)| {
@@ -750,6 +614,198 @@ pub fn main(args: Args) -> crate::Result<()> {
         print_table(&out);
     }
     Ok(())
+}
+
+/// Refuses arguments no run can be made of.
+fn check_args(args: &Args) -> crate::Result<()> {
+    if args.sizes.is_empty() || args.rates.is_empty() || args.modes.is_empty() {
+        return Err("--sizes, --rates and --modes each need at least one value".into());
+    }
+    if args.repeat == 0 {
+        return Err("--repeat: at least 1 run is needed".into());
+    }
+    if args.vcpus == 0 || args.vcpus > layout::MAX_VCPUS {
+        return Err(format!("--vcpus: 1 to {} are supported", layout::MAX_VCPUS).into());
+    }
+    if args.connections == 0 || args.connections > 64 {
+        return Err("--connections must be 1 to 64".into());
+    }
+    if let Some(cpus) = &args.fault_cpus.0 {
+        CpuSet::new(cpus).map_err(|e| format!("--fault-cpus: {e}"))?;
+    }
+    if let Some(&s) = args
+        .sizes
+        .iter()
+        .find(|&&s| s < (64 << 20) || !s.is_multiple_of(2 << 20))
+    {
+        return Err(format!("--sizes: {s} is not a multiple of 2 MiB of at least 64 MiB").into());
+    }
+    Ok(())
+}
+
+/// Whether QEMU peer rows are run (pre-copy is asked for, `--no-qemu` is not, and QEMU is
+/// there), and why not when they are not; refuses QEMU options that name nothing.
+fn qemu_peer_rows(args: &Args) -> crate::Result<(bool, Option<String>)> {
+    let modes = &args.modes;
+    let run_qemu = !args.no_qemu && modes.contains(&Mode::Precopy);
+    let mut qemu_note = None;
+    let qemu_ok = run_qemu && {
+        match qemu_available() {
+            Ok(()) => true,
+            Err(why) => {
+                eprintln!("guestmem: no QEMU peer rows: {why}");
+                qemu_note = Some(why);
+                false
+            }
+        }
+    };
+    if args.no_qemu {
+        qemu_note = Some("--no-qemu".into());
+    }
+    if qemu_ok && args.qemu_channels.is_empty() {
+        return Err("--qemu-channels: name at least one of tls, plain (or pass --no-qemu)".into());
+    }
+    if qemu_ok && args.qemu_compress.is_empty() {
+        return Err(
+            "--qemu-compress: name at least one of none, zlib, zstd (or pass --no-qemu)".into(),
+        );
+    }
+    Ok((qemu_ok, qemu_note))
+}
+
+/// What one TCP connection moves over the shaped link, MiB/s (none on loopback).
+fn measure_link(args: &Args, link: Option<&Link>) -> crate::Result<Option<f64>> {
+    Ok(match link {
+        Some(l) => {
+            let rate = l.measure(Duration::from_millis(1500))? / (1 << 20) as f64;
+            if !args.json {
+                eprintln!(
+                    "{} link: one TCP connection moves {rate:.0} MiB/s",
+                    args.link.name()
+                );
+            }
+            Some(rate)
+        }
+        None => None,
+    })
+}
+
+/// QEMU's configurations: each channel with each multifd compression.
+fn qemu_configs(args: &Args) -> Vec<(qemu_peer::Channel, Option<qemu_peer::Multifd>)> {
+    args.qemu_channels
+        .iter()
+        .flat_map(|&channel| {
+            args.qemu_compress.iter().map(move |&compression| {
+                (
+                    channel,
+                    Some(qemu_peer::Multifd {
+                        channels: args.connections,
+                        compression,
+                    }),
+                )
+            })
+        })
+        .collect()
+}
+
+/// The zstd windows of compression `c`: they make rows only with zstd (and auto).
+fn zstd_windows(args: &Args, c: Compress) -> Vec<u64> {
+    match c {
+        Compress::Zstd | Compress::Auto => args.zstd_window_bytes.clone(),
+        _ => args.zstd_window_bytes.iter().take(1).copied().collect(),
+    }
+}
+
+/// One row's case and variant, with its runs.
+type RowRuns = (u64, Rate, Mode, (Compress, DeltaCacheArg, u64), Vec<Run>);
+
+/// guestmem's runs of one size, rate and mode: `--repeat` runs of each compression, zstd
+/// window and delta cache.
+fn guestmem_rows(
+    args: &Args,
+    link: Option<&Link>,
+    size: u64,
+    rate: Rate,
+    mode: Mode,
+    bar: &ProgressBar,
+) -> crate::Result<Vec<RowRuns>> {
+    let mut rows = Vec::new();
+    let mut variants = Vec::new();
+    for &c in &args.compress {
+        for w in zstd_windows(args, c) {
+            for &d in &args.delta_cache_mib {
+                variants.push((c, d, w));
+            }
+        }
+    }
+    for (compress, delta, window) in variants {
+        let mut runs = Vec::new();
+        for i in 0..args.repeat {
+            bar.set_message(format!(
+                "{} MiB, {}, {mode}, compress {compress:?}, zstd window {} MiB, delta \
+                 {delta:?}: run {}",
+                size >> 20,
+                rate.label(),
+                window >> 20,
+                i + 1
+            ));
+            runs.push(run_once(
+                args,
+                link,
+                size,
+                rate,
+                mode,
+                (compress, delta, window),
+            )?);
+            bar.inc(1);
+        }
+        rows.push((size, rate, mode, (compress, delta, window), runs));
+    }
+    Ok(rows)
+}
+
+/// QEMU's pre-copy of `config`, taken again (twice at most) when QEMU reports a total time of
+/// 0.
+fn qemu_precopy(config: &qemu_peer::Config) -> crate::Result<qemu_peer::QemuFigures> {
+    let mut figures = qemu_peer::precopy(config)?;
+    // QEMU 7.2 has said "completed" with a total time and downtime of 0 (one
+    // run in about a hundred): no figure of a migration, so the run is taken
+    // again (twice at most).
+    for _ in 0..2 {
+        if figures.total_ms > 0 {
+            break;
+        }
+        tracing::warn!(
+            config = config.name(),
+            "QEMU reported a total time of 0: run again"
+        );
+        figures = qemu_peer::precopy(config)?;
+    }
+    if figures.total_ms == 0 {
+        return Err(format!(
+            "QEMU ({}) reported a total time of 0 three times in a row",
+            config.name()
+        )
+        .into());
+    }
+    Ok(figures)
+}
+
+/// The CPU floor on the image, when there is one and `--floor-runs` asks for it.
+fn measure_floors(args: &Args, bar: &ProgressBar) -> crate::Result<Option<Floors>> {
+    Ok(match (&args.image, args.floor_runs) {
+        (Some(image), n) if n > 0 => {
+            bar.set_message("the CPU floor on the image");
+            let image = crate::floor::read_image(image)?;
+            let codecs = [
+                crate::floor::FloorCodec::Zstd,
+                crate::floor::FloorCodec::Lz4,
+                crate::floor::FloorCodec::None,
+            ];
+            Some(Floors(crate::floor::measure(&image, &codecs, n)?))
+        }
+        _ => None,
+    })
 }
 
 fn output(
