@@ -1427,6 +1427,14 @@ fn qemu_row(
 }
 
 fn print_table(out: &Output) {
+    print_heading(out);
+    print_rows(out);
+    print_cpu_per_gib(out);
+    print_targets(out);
+}
+
+/// What the table is of: the link, transport, guest, workload, runs and load.
+fn print_heading(out: &Output) {
     let link = match (out.link, out.link_measured_mib_per_s) {
         (link::Speed::Loopback, _) => "loopback (127.0.0.1)".to_string(),
         (l, rate) => format!(
@@ -1464,6 +1472,11 @@ fn print_table(out: &Output) {
         out.load_average_before.as_deref().unwrap_or("?"),
         out.load_average_after.as_deref().unwrap_or("?"),
     );
+}
+
+/// The table: guestmem's rows, each size and rate's QEMU rows after them (a table: one line per
+/// row, one argument per column).
+fn print_rows(out: &Output) {
     println!(
         "{:>8} {:>9} {:>26} {:>9} {:>9} {:>8} {:>9} {:>7} {:>6} {:>11} {:>6} {:>11} {:>15} {:>9} {:>8} {:>6}",
         "memory",
@@ -1483,36 +1496,12 @@ fn print_table(out: &Output) {
         "slowdown",
         "steal"
     );
-    let rate = |m: Option<u64>| m.map_or("idle".to_string(), |m| format!("{m} MiB/s"));
-    let steal = |s: Option<f64>| s.map_or("-".into(), |s| format!("{s:.1}%"));
     let mut printed_qemu = vec![false; out.qemu_rows.len()];
-    let print_qemu = |q: &QemuRow| {
-        println!(
-            "{:>8} {:>9} {:>26} {:>9.0} {:>9.0} {:>8.0} {:>9.0} {:>7} {:>6.0} {:>11} {:>6} {:>11} {:>15} {:>9} {:>7.1}% {:>6}",
-            format!("{} MiB", q.memory_bytes >> 20),
-            rate(q.dirty_mib_per_s),
-            format!("QEMU {}{}", q.config, if q.best { " *" } else { "" }),
-            q.total_ms,
-            q.downtime_ms,
-            q.sent_mib,
-            q.wire_bytes_per_guest_gib / (1 << 20) as f64,
-            q.first_pass_wire_bytes_per_guest_byte
-                .map_or("-".into(), |f| format!("{f:.2}")),
-            q.dirty_syncs,
-            format!("{:.1}/{:.1}", q.source_cpu_s, q.destination_cpu_s),
-            q.multifd.map_or("none", |m| m.compression.name()),
-            "-",
-            "-",
-            "-",
-            q.slowdown_percent,
-            steal(q.host_steal_percent)
-        );
-    };
     for (i, r) in out.rows.iter().enumerate() {
         println!(
             "{:>8} {:>9} {:>26} {:>9.1} {:>9.1} {:>8.1} {:>9.0} {:>7.2} {:>6.0} {:>11} {:>6} {:>11} {:>15} {:>9} {:>7.1}% {:>6}",
             format!("{} MiB", r.memory_bytes >> 20),
-            rate(r.dirty_mib_per_s),
+            rate_label(r.dirty_mib_per_s),
             format!("guestmem {} {:?}", r.mode.name(), r.compress) + if r.delta_cache_bytes > 0 { " +d" } else { "" },
             r.total_ms,
             r.downtime_ms,
@@ -1533,7 +1522,7 @@ fn print_table(out: &Output) {
             },
             format!("{:.2}%", r.source_extra_percent),
             r.slowdown_percent,
-            steal(r.host_steal_percent)
+            steal_label(r.host_steal_percent)
         );
         // The QEMU rows after the last guestmem row of their size and rate.
         let next_differs = out.rows.get(i + 1).is_none_or(|n| {
@@ -1542,7 +1531,7 @@ fn print_table(out: &Output) {
         if next_differs {
             for (j, q) in out.qemu_rows.iter().enumerate() {
                 if q.memory_bytes == r.memory_bytes && q.dirty_mib_per_s == r.dirty_mib_per_s {
-                    print_qemu(q);
+                    print_qemu_row(q);
                     printed_qemu[j] = true;
                 }
             }
@@ -1550,9 +1539,47 @@ fn print_table(out: &Output) {
     }
     for (j, q) in out.qemu_rows.iter().enumerate() {
         if !printed_qemu[j] {
-            print_qemu(q);
+            print_qemu_row(q);
         }
     }
+}
+
+/// A dirty rate's label.
+fn rate_label(m: Option<u64>) -> String {
+    m.map_or("idle".to_string(), |m| format!("{m} MiB/s"))
+}
+
+/// A steal percentage's label.
+fn steal_label(s: Option<f64>) -> String {
+    s.map_or("-".into(), |s| format!("{s:.1}%"))
+}
+
+/// One QEMU row of the table.
+fn print_qemu_row(q: &QemuRow) {
+    println!(
+        "{:>8} {:>9} {:>26} {:>9.0} {:>9.0} {:>8.0} {:>9.0} {:>7} {:>6.0} {:>11} {:>6} {:>11} {:>15} {:>9} {:>7.1}% {:>6}",
+        format!("{} MiB", q.memory_bytes >> 20),
+        rate_label(q.dirty_mib_per_s),
+        format!("QEMU {}{}", q.config, if q.best { " *" } else { "" }),
+        q.total_ms,
+        q.downtime_ms,
+        q.sent_mib,
+        q.wire_bytes_per_guest_gib / (1 << 20) as f64,
+        q.first_pass_wire_bytes_per_guest_byte
+            .map_or("-".into(), |f| format!("{f:.2}")),
+        q.dirty_syncs,
+        format!("{:.1}/{:.1}", q.source_cpu_s, q.destination_cpu_s),
+        q.multifd.map_or("none", |m| m.compression.name()),
+        "-",
+        "-",
+        "-",
+        q.slowdown_percent,
+        steal_label(q.host_steal_percent)
+    );
+}
+
+/// Why there are no QEMU rows, then each row's CPU per GiB of pages sent, beside the floor.
+fn print_cpu_per_gib(out: &Output) {
     if let Some(note) = &out.qemu_note {
         println!("no QEMU rows: {note}");
     }
@@ -1565,7 +1592,7 @@ fn print_table(out: &Output) {
             "{} MiB, {}, {} {:?}: CPU-s per GiB of pages sent: destination {:.2}{}, source \
              {:.2}{}",
             r.memory_bytes >> 20,
-            rate(r.dirty_mib_per_s),
+            rate_label(r.dirty_mib_per_s),
             r.mode.name(),
             r.compress,
             r.dest_cpu_s_per_gib,
@@ -1574,6 +1601,10 @@ fn print_table(out: &Output) {
             floor(r.source_floor_cpu_s_per_gib, r.source_cpu_to_floor),
         );
     }
+}
+
+/// The comparisons with QEMU and the targets, met or missed.
+fn print_targets(out: &Output) {
     let met = |m: bool| if m { "met" } else { "MISSED" };
     for c in &out.comparisons {
         println!(
@@ -1581,7 +1612,7 @@ fn print_table(out: &Output) {
              (target <= {}: {}), downtime_vs_qemu_best_ratio {:.2}, downtime {:.1} ms (target \
              <= 50: {}), first pass {:.2} of memory on the wire (target <= 0.3: {})",
             c.memory_bytes >> 20,
-            rate(c.dirty_mib_per_s),
+            rate_label(c.dirty_mib_per_s),
             c.link.name(),
             c.guestmem_compress,
             c.qemu_best_config,
