@@ -1076,37 +1076,7 @@ fn run_once(
     );
     let _ = std::fs::remove_dir_all(&dir.0);
     generate_credentials(&dir.0)?;
-    let host = match link {
-        Some(_) => Link::ip(Side::Destination),
-        None => "127.0.0.1",
-    };
-    let bind = match (args.transport, link) {
-        (Transport::Tcp, _) => Endpoint::Tcp(format!("{host}:0")),
-        (Transport::Unix, None) => Endpoint::Unix(dir.0.join("migrate.sock")),
-        (Transport::Unix, Some(_)) => {
-            return Err(
-                "--transport unix goes with --link loopback (a socket file crosses no \
-                        link)"
-                    .into(),
-            )
-        }
-    };
-    let dest_creds = Credentials::load(&dir.0, Role::Destination)?;
-    // The listener's socket (and so every connection it accepts) lives in the destination's
-    // namespace.
-    let listener = Arc::new(match link {
-        Some(l) => l.run_in(Side::Destination, || {
-            Ok(Listener::bind(&bind, &dest_creds)?)
-        })?,
-        None => Listener::bind(&bind, &dest_creds)?,
-    });
-    let to = match args.transport {
-        Transport::Tcp => Endpoint::Tcp(format!(
-            "{host}:{}",
-            listener.port().ok_or("the TCP listener has no port")?
-        )),
-        Transport::Unix => bind,
-    };
+    let (listener, to) = listen(args, link, &dir.0)?;
     let vcpus = args.vcpus;
     let fault_cpus = args.fault_cpus.0.clone();
     let dest = std::thread::Builder::new()
@@ -1123,35 +1093,9 @@ fn run_once(
     }
     let memory = vm.memory().clone();
     let running = vm.start(&work(size, vcpus, rate, args.rewrite))?;
-    let deadline = Instant::now() + FILL_TIMEOUT;
-    // `dirty` fills the memory with a first pass at full speed; `rewrite` runs on the image
-    // (or zeros) at the rate from the start.
-    while !args.rewrite && running.progress().iter().any(|&(_, g)| g < 1) {
-        if Instant::now() > deadline {
-            running.stop();
-            let _ = running.wait(Duration::from_secs(10));
-            return Err("the guest did not fill its memory in 300 s".into());
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    // The fill is done; the throttle paces from its end. Let it settle, then measure.
-    std::thread::sleep(Duration::from_millis(200));
-    let p0 = pages_done(&memory, vcpus)?;
-    let t0 = Instant::now();
-    std::thread::sleep(STEADY);
-    let steady_pages_per_s = (pages_done(&memory, vcpus)? - p0) as f64 / t0.elapsed().as_secs_f64();
+    let (running, steady_pages_per_s) = steady_rate(args, running, &memory, vcpus)?;
 
-    let opts = SendOptions {
-        mode,
-        downtime: Duration::from_millis(args.downtime_ms),
-        verify: false,
-        whole_pages: args.whole_pages,
-        compress,
-        delta_cache_bytes: delta.bytes(),
-        zstd_window_bytes,
-        fault_cpus: args.fault_cpus.0.clone(),
-        ..Default::default()
-    };
+    let opts = send_options(args, mode, (compress, delta, zstd_window_bytes));
     let creds = Credentials::load(&dir.0, Role::Source)?;
     let sampler = cpu::Sampler::start(vec![std::process::id()], 2, classify_thread);
     let connected = match link {
@@ -1211,6 +1155,95 @@ fn run_once(
     })
 }
 
+/// The destination's listener (its socket in the destination's namespace, over a link) and the
+/// endpoint the source connects to.
+fn listen(
+    args: &Args,
+    link: Option<&Link>,
+    dir: &std::path::Path,
+) -> crate::Result<(Arc<Listener>, Endpoint)> {
+    let host = match link {
+        Some(_) => Link::ip(Side::Destination),
+        None => "127.0.0.1",
+    };
+    let bind = match (args.transport, link) {
+        (Transport::Tcp, _) => Endpoint::Tcp(format!("{host}:0")),
+        (Transport::Unix, None) => Endpoint::Unix(dir.join("migrate.sock")),
+        (Transport::Unix, Some(_)) => {
+            return Err(
+                "--transport unix goes with --link loopback (a socket file crosses no \
+                        link)"
+                    .into(),
+            )
+        }
+    };
+    let dest_creds = Credentials::load(dir, Role::Destination)?;
+    // The listener's socket (and so every connection it accepts) lives in the destination's
+    // namespace.
+    let listener = Arc::new(match link {
+        Some(l) => l.run_in(Side::Destination, || {
+            Ok(Listener::bind(&bind, &dest_creds)?)
+        })?,
+        None => Listener::bind(&bind, &dest_creds)?,
+    });
+    let to = match args.transport {
+        Transport::Tcp => Endpoint::Tcp(format!(
+            "{host}:{}",
+            listener.port().ok_or("the TCP listener has no port")?
+        )),
+        Transport::Unix => bind,
+    };
+    Ok((listener, to))
+}
+
+/// Waits for `dirty`'s full first pass (not for `rewrite`, which runs at the rate from the
+/// start), then measures the guest's steady rate, pages written per second. A guest that does
+/// not fill its memory in time is stopped.
+fn steady_rate<'a>(
+    args: &Args,
+    running: guestmem_vm::RunningVm<'a>,
+    memory: &GuestMemory,
+    vcpus: usize,
+) -> crate::Result<(guestmem_vm::RunningVm<'a>, f64)> {
+    let deadline = Instant::now() + FILL_TIMEOUT;
+    // `dirty` fills the memory with a first pass at full speed; `rewrite` runs on the image
+    // (or zeros) at the rate from the start.
+    while !args.rewrite && running.progress().iter().any(|&(_, g)| g < 1) {
+        if Instant::now() > deadline {
+            running.stop();
+            let _ = running.wait(Duration::from_secs(10));
+            return Err("the guest did not fill its memory in 300 s".into());
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // The fill is done; the throttle paces from its end. Let it settle, then measure.
+    std::thread::sleep(Duration::from_millis(200));
+    let p0 = pages_done(memory, vcpus)?;
+    let t0 = Instant::now();
+    std::thread::sleep(STEADY);
+    let rate = (pages_done(memory, vcpus)? - p0) as f64 / t0.elapsed().as_secs_f64();
+    Ok((running, rate))
+}
+
+/// The source's options for a run in `mode` with compression, delta cache and zstd window.
+fn send_options(
+    args: &Args,
+    mode: Mode,
+    (compress, delta, zstd_window_bytes): (Compress, DeltaCacheArg, u64),
+) -> SendOptions {
+    SendOptions {
+        mode,
+        downtime: Duration::from_millis(args.downtime_ms),
+        verify: false,
+        whole_pages: args.whole_pages,
+        compress,
+        delta_cache_bytes: delta.bytes(),
+        zstd_window_bytes,
+        fault_cpus: args.fault_cpus.0.clone(),
+        ..Default::default()
+    }
+}
+
 /// Whose a thread of this process is during a migration, by its name: 0 the source, 1 the
 /// destination (its receiving threads and the bench's destination thread, whose unnamed
 /// children inherit its name), None for vCPUs and the sampler.
@@ -1243,6 +1276,19 @@ fn slowdown(steady: f64, during: f64) -> f64 {
     ((1.0 - during / steady) * 100.0).max(0.0)
 }
 
+/// The codec that compressed the most frames.
+fn compression_chosen(compression: &CompressionReport) -> &'static str {
+    [
+        (compression.plain_frames, "none"),
+        (compression.lz4_frames, "lz4"),
+        (compression.zstd_frames, "zstd"),
+    ]
+    .iter()
+    .max_by_key(|(n, _)| *n)
+    .map_or("none", |(_, name)| name)
+}
+
+/// One row of the table: the medians of `runs` (a table: one field per column).
 fn median_row(
     link: link::Speed,
     size: u64,
@@ -1275,14 +1321,7 @@ fn median_row(
         .first()
         .map(|r| r.report.compression.clone())
         .unwrap_or_default();
-    let compression_chosen = [
-        (compression.plain_frames, "none"),
-        (compression.lz4_frames, "lz4"),
-        (compression.zstd_frames, "zstd"),
-    ]
-    .iter()
-    .max_by_key(|(n, _)| *n)
-    .map_or("none", |(_, name)| name);
+    let compression_chosen = compression_chosen(&compression);
     Row {
         link,
         memory_bytes: size,
