@@ -439,7 +439,7 @@ struct Comparison {
     qemu_best_total_ms: f64,
     downtime_vs_qemu_best_ratio: f64,
     total_vs_qemu_best_ratio: f64,
-    /// Issue 19: total time at most this ratio of QEMU's best (1 Gbit/s: 0.6, else 0.8).
+    /// The pre-copy target: total time at most this ratio of QEMU's best (1 Gbit/s: 0.6, else 0.8).
     total_ratio_target: f64,
     total_target_met: bool,
     /// Downtime within 50 ms.
