@@ -1,5 +1,5 @@
-//! NUMA placement (seed 004): the policy round-trips on every backend, a missing node is
-//! refused, and populated pages are where the policy says.
+//! NUMA placement (guest_memfd NUMA mempolicy): the policy round-trips on every backend, a missing
+//! node is refused, and populated pages are where the policy says.
 
 mod common;
 

@@ -1,4 +1,4 @@
-//! Demand paging (issue 5): the guest reads exactly the page source's bytes, whatever the
+//! Demand paging: the guest reads exactly the page source's bytes, whatever the
 //! backend, vCPU count and number of userfaultfds; a failing source stops the VM with an error
 //! naming the guest address; the background fetcher makes the region resident.
 

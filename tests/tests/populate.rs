@@ -1,5 +1,6 @@
-//! Population (seed 000): exact bytes on every backend and by every method, zero pages left
-//! unallocated, and a clear error for each bad input with nothing written.
+//! Population (guest_memfd write() and the other methods): exact bytes on every backend and by
+//! every method, zero pages left unallocated, and a clear error for each bad input with nothing
+//! written.
 
 mod common;
 

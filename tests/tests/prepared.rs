@@ -1,4 +1,4 @@
-//! Restoring into a VM built ahead of time (a warm pool, issue 15): from a snapshot directory
+//! Restoring into a VM built ahead of time (a warm pool): from a snapshot directory
 //! and from a chunk store, in full, map and lazy mode, the guest gets the snapshot's bytes and
 //! goes on; a snapshot of another configuration is refused, naming what differs, before
 //! anything of it is restored.

@@ -1,4 +1,4 @@
-//! Snapshots in the chunk store (issue 15), on a real VM: written to a local store and to a
+//! Snapshots in the chunk store, on a real VM: written to a local store and to a
 //! real MinIO started by the test, restored in full and lazily, diffs and merges, garbage
 //! collection, and damaged or missing chunks refused before a guest runs on them.
 

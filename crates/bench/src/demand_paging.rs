@@ -176,100 +176,9 @@ pub fn main(args: Args) -> crate::Result<()> {
     let file = source_file(max_vcpus as u64 * args.bytes, !args.json)?;
     let mut columns = Vec::new();
     for &vcpus in &args.vcpus {
-        let size = vcpus as u64 * args.bytes;
-        let mut best = (0.0f64, 0.0f64, 0.0f64);
-        let mut stats = PagerStats::default();
-        let mut pager_memory = 0;
-        let mut observed_delay = None;
-        let mut rates = (Vec::new(), Vec::new(), Vec::new());
-        for _ in 0..args.repeat {
-            let (prepopulated, _) = touch_rate(vcpus, size, backend, vcpu_cpus, |vm| {
-                populate(vm, &file, size)?;
-                Ok(None)
-            })?;
-            let (first_touch, _) = touch_rate(vcpus, size, backend, vcpu_cpus, |_| Ok(None))?;
-            let mut remote = None;
-            let (demand, pager) = touch_rate(vcpus, size, backend, vcpu_cpus, |vm| {
-                let ram = vm.memory().region("ram").expect("the VM has a ram region");
-                let source = source(&args, &file, pager_cpus)?;
-                remote = source.remote;
-                let config = pager_config(&args, vm, vcpus);
-                if args.mode == Mode::KvmUserfault {
-                    let index = vm
-                        .memory()
-                        .regions()
-                        .iter()
-                        .position(|r| r.name() == "ram")
-                        .expect("the VM has a ram region");
-                    let pager = UserfaultPager::start(vm.memory(), index, source.pages, &config)?;
-                    return Ok(Some(Paging::Kvm(pager)));
-                }
-                let pager = Pager::start(ram, source.pages, &config)?;
-                Ok(Some(Paging::Uffd(pager)))
-            })?;
-            if demand > best.2 {
-                (stats, pager_memory) = pager.expect("the demand-paging run has a pager");
-                observed_delay = remote.and_then(|r| r.observed_delay());
-            }
-            rates.0.push(prepopulated);
-            rates.1.push(first_touch);
-            rates.2.push(demand);
-            best = (
-                best.0.max(prepopulated),
-                best.1.max(first_touch),
-                best.2.max(demand),
-            );
-        }
-        let (prepopulated, first_touch, demand) = best;
-        let figure = |v: &[f64]| Figure::of(v).expect("--repeat is at least 1, rates are not NaN");
-        let column = Column {
-            vcpus,
-            prepopulated_pages_per_s_figure: figure(&rates.0),
-            first_touch_pages_per_s_figure: figure(&rates.1),
-            demand_paging_pages_per_s_figure: figure(&rates.2),
-            prepopulated_pages_per_s: prepopulated,
-            first_touch_pages_per_s: first_touch,
-            demand_paging_pages_per_s: demand,
-            ratio_vs_prepopulated: demand / prepopulated,
-            observed_delay_us: observed_delay.map(|d| d.as_secs_f64() * 1e6),
-            pager_memory_bytes: pager_memory,
-            pager_memory_ratio_vs_guest: pager_memory as f64 / size as f64,
-            faults: stats.faults,
-            fault_chunks: stats.fault_chunks,
-            readahead_chunks: stats.readahead_chunks,
-            background_chunks: stats.background_chunks,
-        };
+        let column = column(&args, vcpus, backend, &file, (vcpu_cpus, pager_cpus))?;
         if !args.json {
-            println!("{vcpus} vCPUs x {} MiB:", args.bytes >> 20);
-            println!(
-                "  Pre-populated baseline: {:.0} pgs/sec",
-                column.prepopulated_pages_per_s
-            );
-            println!(
-                "  Kernel first-touch rate: {:.0} pgs/sec",
-                column.first_touch_pages_per_s
-            );
-            println!(
-                "  Overall demand paging rate: {:.0} pgs/sec",
-                column.demand_paging_pages_per_s
-            );
-            println!(
-                "  ratio_vs_prepopulated: {:.2}; faults {}, chunks by fault {}, by readahead {}, \
-                 by background {}; pager memory {} KiB ({:.3}% of guest memory)",
-                column.ratio_vs_prepopulated,
-                column.faults,
-                column.fault_chunks,
-                column.readahead_chunks,
-                column.background_chunks,
-                column.pager_memory_bytes >> 10,
-                column.pager_memory_ratio_vs_guest * 100.0
-            );
-            if let Some(us) = column.observed_delay_us {
-                println!(
-                    "  remote delay: {} us asked, {us:.0} us waited per request",
-                    args.delay_us
-                );
-            }
+            print_column(&args, &column);
         }
         columns.push(column);
     }
@@ -293,6 +202,127 @@ pub fn main(args: Args) -> crate::Result<()> {
         print_table(&out);
     }
     Ok(())
+}
+
+/// One column: `--repeat` runs of `vcpus` vCPUs touching their memory pre-populated, on first
+/// touch and demand-paged from `file`; the best rates, and the demand-paging run's pager figures.
+fn column(
+    args: &Args,
+    vcpus: usize,
+    backend: Backend,
+    file: &File,
+    (vcpu_cpus, pager_cpus): (Option<CpuSet>, Option<CpuSet>),
+) -> crate::Result<Column> {
+    let size = vcpus as u64 * args.bytes;
+    let mut best = (0.0f64, 0.0f64, 0.0f64);
+    let mut stats = PagerStats::default();
+    let mut pager_memory = 0;
+    let mut observed_delay = None;
+    let mut rates = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..args.repeat {
+        let (prepopulated, _) = touch_rate(vcpus, size, backend, vcpu_cpus, |vm| {
+            populate(vm, file, size)?;
+            Ok(None)
+        })?;
+        let (first_touch, _) = touch_rate(vcpus, size, backend, vcpu_cpus, |_| Ok(None))?;
+        let mut remote = None;
+        let (demand, pager) = touch_rate(vcpus, size, backend, vcpu_cpus, |vm| {
+            start_paging(args, vm, vcpus, file, pager_cpus, &mut remote)
+        })?;
+        if demand > best.2 {
+            (stats, pager_memory) = pager.expect("the demand-paging run has a pager");
+            observed_delay = remote.and_then(|r| r.observed_delay());
+        }
+        rates.0.push(prepopulated);
+        rates.1.push(first_touch);
+        rates.2.push(demand);
+        best = (
+            best.0.max(prepopulated),
+            best.1.max(first_touch),
+            best.2.max(demand),
+        );
+    }
+    let (prepopulated, first_touch, demand) = best;
+    let figure = |v: &[f64]| Figure::of(v).expect("--repeat is at least 1, rates are not NaN");
+    Ok(Column {
+        vcpus,
+        prepopulated_pages_per_s_figure: figure(&rates.0),
+        first_touch_pages_per_s_figure: figure(&rates.1),
+        demand_paging_pages_per_s_figure: figure(&rates.2),
+        prepopulated_pages_per_s: prepopulated,
+        first_touch_pages_per_s: first_touch,
+        demand_paging_pages_per_s: demand,
+        ratio_vs_prepopulated: demand / prepopulated,
+        observed_delay_us: observed_delay.map(|d| d.as_secs_f64() * 1e6),
+        pager_memory_bytes: pager_memory,
+        pager_memory_ratio_vs_guest: pager_memory as f64 / size as f64,
+        faults: stats.faults,
+        fault_chunks: stats.fault_chunks,
+        readahead_chunks: stats.readahead_chunks,
+        background_chunks: stats.background_chunks,
+    })
+}
+
+/// Starts the pager of a demand-paging run over `vm`'s `ram` region: a userfaultfd pager, or
+/// with KVM Userfault a userfault pager; `remote` gets the remote source, if there is one.
+fn start_paging(
+    args: &Args,
+    vm: &Vm,
+    vcpus: usize,
+    file: &File,
+    pager_cpus: Option<CpuSet>,
+    remote: &mut Option<Arc<RemoteSource>>,
+) -> crate::Result<Option<Paging>> {
+    let ram = vm.memory().region("ram").expect("the VM has a ram region");
+    let source = source(args, file, pager_cpus)?;
+    *remote = source.remote;
+    let config = pager_config(args, vm, vcpus);
+    if args.mode == Mode::KvmUserfault {
+        let index = vm
+            .memory()
+            .regions()
+            .iter()
+            .position(|r| r.name() == "ram")
+            .expect("the VM has a ram region");
+        let pager = UserfaultPager::start(vm.memory(), index, source.pages, &config)?;
+        return Ok(Some(Paging::Kvm(pager)));
+    }
+    let pager = Pager::start(ram, source.pages, &config)?;
+    Ok(Some(Paging::Uffd(pager)))
+}
+
+/// One column as text.
+fn print_column(args: &Args, column: &Column) {
+    println!("{} vCPUs x {} MiB:", column.vcpus, args.bytes >> 20);
+    println!(
+        "  Pre-populated baseline: {:.0} pgs/sec",
+        column.prepopulated_pages_per_s
+    );
+    println!(
+        "  Kernel first-touch rate: {:.0} pgs/sec",
+        column.first_touch_pages_per_s
+    );
+    println!(
+        "  Overall demand paging rate: {:.0} pgs/sec",
+        column.demand_paging_pages_per_s
+    );
+    println!(
+        "  ratio_vs_prepopulated: {:.2}; faults {}, chunks by fault {}, by readahead {}, \
+         by background {}; pager memory {} KiB ({:.3}% of guest memory)",
+        column.ratio_vs_prepopulated,
+        column.faults,
+        column.fault_chunks,
+        column.readahead_chunks,
+        column.background_chunks,
+        column.pager_memory_bytes >> 10,
+        column.pager_memory_ratio_vs_guest * 100.0
+    );
+    if let Some(us) = column.observed_delay_us {
+        println!(
+            "  remote delay: {} us asked, {us:.0} us waited per request",
+            args.delay_us
+        );
+    }
 }
 
 fn pager_config(args: &Args, vm: &Vm, vcpus: usize) -> PagerConfig {

@@ -1,9 +1,9 @@
 //! `guestmem bench dirty-log`: the kernel's dirty_log_perf_test, for each tracking mode in one
-//! run (seed 003): populate, enable logging, per-iteration dirty time and get/clear time, disable;
-//! then the guest's dirty rate in a migration-like loop (a fresh pre-copy: enable, first pass over
-//! all memory, then rounds; harvest every 100 ms, send at a set bandwidth, clear each chunk just
-//! before sending it), with no tracking and under each mode; and the idle harvest of a large,
-//! sparse VM.
+//! run (O(1) write-protect-all dirty tracking): populate, enable logging, per-iteration dirty time
+//! and get/clear time, disable; then the guest's dirty rate in a migration-like loop (a fresh
+//! pre-copy: enable, first pass over all memory, then rounds; harvest every 100 ms, send at a set
+//! bandwidth, clear each chunk just before sending it), with no tracking and under each mode; and
+//! the idle harvest of a large, sparse VM.
 //!
 //! Each mode's VM is populated once; then everything after it (enable, the dirty-log iterations,
 //! disable, the loop) runs `--runs` times on it, and each of those figures carries its runs,
@@ -285,40 +285,7 @@ fn measure_run(
         write_percent: args.write_percent,
         passes: None,
     };
-    let (mut dirty_ms, mut get_ms, mut clear_ms) = (vec![], vec![], vec![]);
-    {
-        let running = vm.start(&work(mixed))?;
-        for i in 1..=args.iterations {
-            let t = Instant::now();
-            running.set_generation_limit(i);
-            // A pass may dirty more pages than a ring holds: ring mode harvests while it runs.
-            let mut get = Duration::ZERO;
-            let mut dirty = Vec::new();
-            while !pass_done(&running, i, t, stall)? {
-                if let Some(tracker) = tracker.as_mut().filter(|t| t.mode() == Mode::Ring) {
-                    let h = Instant::now();
-                    dirty.extend(tracker.harvest()?);
-                    get += h.elapsed();
-                }
-                std::thread::sleep(Duration::from_micros(200));
-            }
-            dirty_ms.push(ms(t));
-            if let Some(tracker) = tracker.as_mut() {
-                let h = Instant::now();
-                dirty.extend(tracker.harvest()?);
-                get_ms.push((get + h.elapsed()).as_secs_f64() * 1e3);
-                let t = Instant::now();
-                for b in &dirty {
-                    for first in (0..b.pages).step_by(CHUNK_PAGES as usize) {
-                        tracker.clear(b, first, CHUNK_PAGES.min(b.pages - first))?;
-                    }
-                }
-                clear_ms.push(ms(t));
-            }
-        }
-        running.stop();
-        running.wait(stall)?;
-    }
+    let (dirty_ms, get_ms, clear_ms) = iterations(vm, &mut tracker, &work(mixed), args)?;
 
     let t = Instant::now();
     if let Some(tracker) = tracker.take() {
@@ -334,24 +301,12 @@ fn measure_run(
     let mut loop_harvested_pages = 0;
     let pages_per_period = (args.send_mib_per_s << 20) / PAGE_SIZE / 10;
     let mut tracker = mode.map(|m| Tracker::start(vm, m)).transpose()?;
-    let mut queue: VecDeque<(Rc<DirtyBitmap>, u64)> = VecDeque::new();
-    if mode.is_some_and(|m| m != Mode::Manual) {
+    let mut queue = if mode.is_some_and(|m| m != Mode::Manual) {
         // Manual mode's first harvest reports all of memory by itself (INITIALLY_SET).
-        for (slot, r) in memory.regions().iter().enumerate() {
-            let pages = r.size() / PAGE_SIZE;
-            let all = Rc::new(DirtyBitmap {
-                slot: slot as u32,
-                gpa: r.gpa(),
-                pages,
-                bits: vec![u64::MAX; pages.div_ceil(64) as usize],
-            });
-            queue.extend(
-                (0..pages)
-                    .step_by(CHUNK_PAGES as usize)
-                    .map(|f| (all.clone(), f)),
-            );
-        }
-    }
+        all_of(&memory)
+    } else {
+        VecDeque::new()
+    };
     let report = {
         let running = vm.start(&work(mixed))?;
         let end = Instant::now() + Duration::from_secs_f64(args.loop_seconds);
@@ -360,24 +315,8 @@ fn measure_run(
             let Some(tracker) = tracker.as_mut() else {
                 continue;
             };
-            for b in tracker.harvest()? {
-                loop_harvested_pages += b.count();
-                let b = Rc::new(b);
-                queue.extend(
-                    (0..b.pages)
-                        .step_by(CHUNK_PAGES as usize)
-                        .map(|f| (b.clone(), f)),
-                );
-            }
-            let mut budget = pages_per_period;
-            while budget > 0 {
-                let Some((b, first)) = queue.pop_front() else {
-                    break;
-                };
-                let pages = CHUNK_PAGES.min(b.pages - first);
-                tracker.clear(&b, first, pages)?;
-                budget = budget.saturating_sub(send_chunk(&memory, &b, first, pages, &mut buf)?);
-            }
+            loop_harvested_pages +=
+                harvest_and_send(tracker, &memory, &mut queue, pages_per_period, &mut buf)?;
         }
         running.stop();
         running.wait(stall)?
@@ -394,6 +333,102 @@ fn measure_run(
         rate_pages_per_s: report.total_pages_per_s * args.write_percent as f64 / 100.0,
         loop_harvested_pages,
     })
+}
+
+/// The dirty-log iterations: the guest runs `work` one pass at a time; after each the dirty
+/// pages are harvested and cleared chunk by chunk. Milliseconds per pass (dirty), harvest (get)
+/// and clear.
+fn iterations(
+    vm: &mut Vm,
+    tracker: &mut Option<Tracker>,
+    work: &[VcpuWork],
+    args: &Args,
+) -> crate::Result<(Vec<f64>, Vec<f64>, Vec<f64>)> {
+    let (mut dirty_ms, mut get_ms, mut clear_ms) = (vec![], vec![], vec![]);
+    let running = vm.start(work)?;
+    for i in 1..=args.iterations {
+        let t = Instant::now();
+        running.set_generation_limit(i);
+        // A pass may dirty more pages than a ring holds: ring mode harvests while it runs.
+        let mut get = Duration::ZERO;
+        let mut dirty = Vec::new();
+        while !pass_done(&running, i, t, STALL)? {
+            if let Some(tracker) = tracker.as_mut().filter(|t| t.mode() == Mode::Ring) {
+                let h = Instant::now();
+                dirty.extend(tracker.harvest()?);
+                get += h.elapsed();
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        dirty_ms.push(ms(t));
+        if let Some(tracker) = tracker.as_mut() {
+            let h = Instant::now();
+            dirty.extend(tracker.harvest()?);
+            get_ms.push((get + h.elapsed()).as_secs_f64() * 1e3);
+            let t = Instant::now();
+            for b in &dirty {
+                for first in (0..b.pages).step_by(CHUNK_PAGES as usize) {
+                    tracker.clear(b, first, CHUNK_PAGES.min(b.pages - first))?;
+                }
+            }
+            clear_ms.push(ms(t));
+        }
+    }
+    running.stop();
+    running.wait(STALL)?;
+    Ok((dirty_ms, get_ms, clear_ms))
+}
+
+/// Every chunk of every region, as a fresh pre-copy's first pass sends them.
+fn all_of(memory: &GuestMemory) -> VecDeque<(Rc<DirtyBitmap>, u64)> {
+    let mut queue = VecDeque::new();
+    for (slot, r) in memory.regions().iter().enumerate() {
+        let pages = r.size() / PAGE_SIZE;
+        let all = Rc::new(DirtyBitmap {
+            slot: slot as u32,
+            gpa: r.gpa(),
+            pages,
+            bits: vec![u64::MAX; pages.div_ceil(64) as usize],
+        });
+        queue.extend(
+            (0..pages)
+                .step_by(CHUNK_PAGES as usize)
+                .map(|f| (all.clone(), f)),
+        );
+    }
+    queue
+}
+
+/// One period of the migration-like loop: harvests and queues the dirty chunks, then sends up
+/// to `pages_per_period` pages from the queue, clearing each chunk just before sending it.
+/// Returns the pages harvested.
+fn harvest_and_send(
+    tracker: &mut Tracker,
+    memory: &GuestMemory,
+    queue: &mut VecDeque<(Rc<DirtyBitmap>, u64)>,
+    pages_per_period: u64,
+    buf: &mut [u8],
+) -> crate::Result<u64> {
+    let mut harvested = 0;
+    for b in tracker.harvest()? {
+        harvested += b.count();
+        let b = Rc::new(b);
+        queue.extend(
+            (0..b.pages)
+                .step_by(CHUNK_PAGES as usize)
+                .map(|f| (b.clone(), f)),
+        );
+    }
+    let mut budget = pages_per_period;
+    while budget > 0 {
+        let Some((b, first)) = queue.pop_front() else {
+            break;
+        };
+        let pages = CHUNK_PAGES.min(b.pages - first);
+        tracker.clear(&b, first, pages)?;
+        budget = budget.saturating_sub(send_chunk(memory, &b, first, pages, buf)?);
+    }
+    Ok(harvested)
 }
 
 /// Clears each chunk of the harvest, then copies its dirty pages out, as a migration sends them.

@@ -1,5 +1,5 @@
 //! `guestmem bench fanout`: many clones of one snapshot on one host, with and without sharing
-//! their memory (issue 31's clone fleet). A guest started from a real memory image runs
+//! their memory (a fleet of clones). A guest started from a real memory image runs
 //! `rewrite` for `--run-s` seconds and is snapshotted into a fresh local chunk store; one lazy
 //! restore records its working set. Then, per `--clones N`:
 //!

@@ -1,5 +1,6 @@
-//! `guestmem bench floor` (issue 33): the least CPU a migration's two ends can spend per GiB of
-//! pages, measured outside guestmem's receive and send paths, on a real guest-memory image.
+//! `guestmem bench floor` (the migration CPU floor): the least CPU a migration's two ends can spend
+//! per GiB of pages, measured outside guestmem's receive and send paths, on a real guest-memory
+//! image.
 //!
 //! The image's pages are cut into frames as a pre-copy source's first round cuts them (runs of
 //! non-zero pages inside each 2 MiB block, zero lines squeezed out, [`Frame::encode_pages_with`])

@@ -32,18 +32,19 @@ pub type Result<T> = std::result::Result<T, Box<dyn std::error::Error + Send + S
 /// The benches, as `guestmem bench`'s subcommands.
 #[derive(Subcommand)]
 pub enum Bench {
-    /// Seed 000: populating a region from an image, method by method, against mmap+memcpy.
+    /// Populating a region from an image, method by method, against mmap+memcpy.
     Populate(populate::Args),
-    /// Demand paging rate with guestmem's pager vs the pre-populated baseline (seed 001).
+    /// Demand paging rate with guestmem's pager vs the pre-populated baseline (KVM Userfault).
     DemandPaging(demand_paging::Args),
-    /// Seed 002: memslot_perf_test over the memslot manager, and cached vs fresh device accesses.
+    /// memslot_perf_test over the memslot manager, and cached vs fresh device accesses.
     Memslots(memslots::Args),
-    /// Seed 003: dirty-page tracking per mode, like the kernel's dirty_log_perf_test.
+    /// O(1) write-protect-all dirty tracking: dirty-page tracking per mode, like the kernel's
+    /// dirty_log_perf_test.
     DirtyLog(dirty_log::Args),
-    /// Issue 33: the CPU floor of a migration's ends on a real image (decompression and one
+    /// The CPU floor of a migration's ends on a real image (decompression and one
     /// copy into fresh memory; compression).
     Floor(floor::Args),
-    /// Issue 8: live migration per size, dirty rate and mode, beside QEMU's pre-copy.
+    /// Live migration per size, dirty rate and mode, beside QEMU's pre-copy.
     Migrate(migrate::Args),
     /// The QEMU peer of `bench migrate`: the same workload live-migrated by QEMU's pre-copy.
     #[command(hide = true)]
@@ -51,10 +52,10 @@ pub enum Bench {
     /// Snapshot restore latency and time to a resident working set, per mode (Firecracker's
     /// restore-latency test).
     Restore(restore::Args),
-    /// Issue 15: a snapshot of a guest from a real memory image in the chunk store (stored
-    /// size, write rate, clones, restores from the store).
+    /// A snapshot of a guest from a real memory image in the chunk store (stored size, write
+    /// rate, clones, restores from the store).
     Snapshot(snapshot_store::Args),
-    /// Issue 31: many clones of one snapshot restored at once, sharing one copy of its memory
+    /// Many clones of one snapshot restored at once, sharing one copy of its memory
     /// or not (readiness, memory growth), and a restore storm.
     Fanout(fanout::Args),
 }

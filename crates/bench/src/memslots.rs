@@ -1,4 +1,4 @@
-//! `guestmem bench memslots`: the kernel's memslot_perf_test over the memslot manager (seed 002),
+//! `guestmem bench memslots`: the kernel's memslot_perf_test over the memslot manager,
 //! the manager's cost over the raw `KVM_SET_USER_MEMORY_REGION2` ioctl, and one device access
 //! through a cached handle vs a fresh lookup.
 //!
@@ -158,32 +158,7 @@ fn perf_test(n: u32, args: &Args) -> crate::Result<serde_json::Value> {
     let region = whole.region.clone();
     let windows = windows(n);
 
-    // Slot setup: the manager vs the raw ioctl, alternately, --runs times each. The raw ioctl
-    // uses the ids the manager would (1..=n: slot 0 is the VM's sys region).
-    let (mut manager_runs, mut raw_runs) = (Vec::new(), Vec::new());
-    for _ in 0..args.runs {
-        let t = Instant::now();
-        for (i, &(off, size)) in windows.iter().enumerate() {
-            raw_set(&vm, 1 + i as u32, &region, off, size)?;
-        }
-        raw_runs.push(t.elapsed().as_secs_f64());
-        for (i, &(off, _)) in windows.iter().enumerate() {
-            raw_set(&vm, 1 + i as u32, &region, off, 0)?;
-        }
-        let t = Instant::now();
-        let ids = windows
-            .iter()
-            .map(|&(off, size)| slots.add(&region, off, size, MEM_GPA + off, SlotFlags::default()))
-            .collect::<Result<Vec<_>, _>>()?;
-        manager_runs.push(t.elapsed().as_secs_f64());
-        for &id in &ids {
-            slots.remove(id)?;
-        }
-    }
-    for &(off, size) in &windows {
-        slots.add(&region, off, size, MEM_GPA + off, SlotFlags::default())?;
-    }
-    let (manager, raw) = (Figure::measured(&manager_runs), Figure::measured(&raw_runs));
+    let (manager, raw) = slot_setup(&vm, &slots, &region, &windows, args.runs)?;
     let (best_manager, best_raw) = (manager.min, raw.min);
     let overhead = (best_manager / best_raw - 1.0) * 100.0;
 
@@ -237,31 +212,8 @@ fn perf_test(n: u32, args: &Args) -> crate::Result<serde_json::Value> {
         );
     }
     let last = table.last().ok_or("no slots")?.clone();
-    let away = MEM_GPA + MEM_SIZE + (1 << 30);
     for (name, active) in [("move active area", true), ("move inactive area", false)] {
-        let stop = Arc::new(AtomicBool::new(false));
-        let device = active
-            .then(|| -> crate::Result<_> {
-                let h = slots.map(last.gpa, PAGE_SIZE)?;
-                let stop = stop.clone();
-                Ok(std::thread::spawn(move || {
-                    let mut writes = 0u64;
-                    while !stop.load(Ordering::Relaxed) {
-                        writes += h.write_u64(0, writes).is_ok() as u64;
-                    }
-                    writes
-                }))
-            })
-            .transpose()?;
-        let result = timed(seconds, runs, || {
-            slots.move_to(last.id, away)?;
-            slots.move_to(last.id, last.gpa)?;
-            Ok(())
-        });
-        stop.store(true, Ordering::Relaxed);
-        if let Some(d) = device {
-            d.join().map_err(|_| "device thread panicked")?;
-        }
+        let result = move_test(&slots, &last, active, seconds, runs);
         report(name, result?);
     }
     let mut pass = 0u64;
@@ -269,32 +221,7 @@ fn perf_test(n: u32, args: &Args) -> crate::Result<serde_json::Value> {
         "RW",
         timed(seconds, runs, || {
             pass += 1;
-            let work = VcpuWork::split(
-                Workload::Dirty {
-                    pages_per_s: None,
-                    passes: Some(1),
-                    fill_first: false,
-                },
-                MEM_GPA,
-                MEM_SIZE,
-                1,
-                pass,
-            );
-            let r = vm.run(&work, STALL)?;
-            let generation = r.vcpus[0].generation;
-            let mut word = [0u8; 8];
-            for gpa in (MEM_GPA..MEM_GPA + MEM_SIZE).step_by(PAGE_SIZE as usize) {
-                slots.read(gpa, &mut word)?;
-                let want = page_value(pass, gpa, generation - 1);
-                if u64::from_le_bytes(word) != want {
-                    return Err(format!(
-                        "RW: gpa {gpa:#x} holds {:#x}, the guest wrote {want:#x}",
-                        u64::from_le_bytes(word)
-                    )
-                    .into());
-                }
-            }
-            Ok(())
+            rw_pass(&mut vm, &slots, pass)
         })?,
     );
     if !args.json {
@@ -312,6 +239,109 @@ fn perf_test(n: u32, args: &Args) -> crate::Result<serde_json::Value> {
         "overhead_vs_raw_percent": overhead,
         "tests": results,
     }))
+}
+
+/// Slot setup of the whole test area: the manager vs the raw ioctl, alternately, `runs` times
+/// each; the manager's slots are left in place.
+fn slot_setup(
+    vm: &Vm,
+    slots: &MemslotManager,
+    region: &Arc<guestmem_memory::Region>,
+    windows: &[(u64, u64)],
+    runs: u32,
+) -> crate::Result<(Figure, Figure)> {
+    // Slot setup: the manager vs the raw ioctl, alternately, --runs times each. The raw ioctl
+    // uses the ids the manager would (1..=n: slot 0 is the VM's sys region).
+    let (mut manager_runs, mut raw_runs) = (Vec::new(), Vec::new());
+    for _ in 0..runs {
+        let t = Instant::now();
+        for (i, &(off, size)) in windows.iter().enumerate() {
+            raw_set(vm, 1 + i as u32, region, off, size)?;
+        }
+        raw_runs.push(t.elapsed().as_secs_f64());
+        for (i, &(off, _)) in windows.iter().enumerate() {
+            raw_set(vm, 1 + i as u32, region, off, 0)?;
+        }
+        let t = Instant::now();
+        let ids = windows
+            .iter()
+            .map(|&(off, size)| slots.add(region, off, size, MEM_GPA + off, SlotFlags::default()))
+            .collect::<Result<Vec<_>, _>>()?;
+        manager_runs.push(t.elapsed().as_secs_f64());
+        for &id in &ids {
+            slots.remove(id)?;
+        }
+    }
+    for &(off, size) in windows {
+        slots.add(region, off, size, MEM_GPA + off, SlotFlags::default())?;
+    }
+    Ok((Figure::measured(&manager_runs), Figure::measured(&raw_runs)))
+}
+
+/// Moves the last slot away and back, while a device thread writes to it (`active`) or not.
+fn move_test(
+    slots: &Arc<MemslotManager>,
+    last: &Memslot,
+    active: bool,
+    seconds: f64,
+    runs: u32,
+) -> crate::Result<Timed> {
+    let away = MEM_GPA + MEM_SIZE + (1 << 30);
+    let stop = Arc::new(AtomicBool::new(false));
+    let device = active
+        .then(|| -> crate::Result<_> {
+            let h = slots.map(last.gpa, PAGE_SIZE)?;
+            let stop = stop.clone();
+            Ok(std::thread::spawn(move || {
+                let mut writes = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    writes += h.write_u64(0, writes).is_ok() as u64;
+                }
+                writes
+            }))
+        })
+        .transpose()?;
+    let result = timed(seconds, runs, || {
+        slots.move_to(last.id, away)?;
+        slots.move_to(last.id, last.gpa)?;
+        Ok(())
+    });
+    stop.store(true, Ordering::Relaxed);
+    if let Some(d) = device {
+        d.join().map_err(|_| "device thread panicked")?;
+    }
+    result
+}
+
+/// One pass of the guest's `dirty` workload over the test area, each page's word then read
+/// back through the slots and checked.
+fn rw_pass(vm: &mut Vm, slots: &MemslotManager, pass: u64) -> crate::Result<()> {
+    let work = VcpuWork::split(
+        Workload::Dirty {
+            pages_per_s: None,
+            passes: Some(1),
+            fill_first: false,
+        },
+        MEM_GPA,
+        MEM_SIZE,
+        1,
+        pass,
+    );
+    let r = vm.run(&work, STALL)?;
+    let generation = r.vcpus[0].generation;
+    let mut word = [0u8; 8];
+    for gpa in (MEM_GPA..MEM_GPA + MEM_SIZE).step_by(PAGE_SIZE as usize) {
+        slots.read(gpa, &mut word)?;
+        let want = page_value(pass, gpa, generation - 1);
+        if u64::from_le_bytes(word) != want {
+            return Err(format!(
+                "RW: gpa {gpa:#x} holds {:#x}, the guest wrote {want:#x}",
+                u64::from_le_bytes(word)
+            )
+            .into());
+        }
+    }
+    Ok(())
 }
 
 /// What [`timed`] measured of one test.

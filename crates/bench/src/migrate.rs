@@ -1,4 +1,4 @@
-//! `guestmem bench migrate` (issue 8): live migration on loopback, per guest memory size, guest
+//! `guestmem bench migrate`: live migration on loopback, per guest memory size, guest
 //! dirty rate and mode (pre-copy, post-copy, hybrid), beside QEMU's pre-copy of the same
 //! workload in the same invocation ([`qemu_peer::precopy`]).
 //!
@@ -439,7 +439,7 @@ struct Comparison {
     qemu_best_total_ms: f64,
     downtime_vs_qemu_best_ratio: f64,
     total_vs_qemu_best_ratio: f64,
-    /// Issue 19: total time at most this ratio of QEMU's best (1 Gbit/s: 0.6, else 0.8).
+    /// The pre-copy target: total time at most this ratio of QEMU's best (1 Gbit/s: 0.6, else 0.8).
     total_ratio_target: f64,
     total_target_met: bool,
     /// Downtime within 50 ms.
@@ -510,53 +510,10 @@ struct Output {
 }
 
 pub fn main(args: Args) -> crate::Result<()> {
-    if args.sizes.is_empty() || args.rates.is_empty() || args.modes.is_empty() {
-        return Err("--sizes, --rates and --modes each need at least one value".into());
-    }
-    if args.repeat == 0 {
-        return Err("--repeat: at least 1 run is needed".into());
-    }
-    if args.vcpus == 0 || args.vcpus > layout::MAX_VCPUS {
-        return Err(format!("--vcpus: 1 to {} are supported", layout::MAX_VCPUS).into());
-    }
-    if args.connections == 0 || args.connections > 64 {
-        return Err("--connections must be 1 to 64".into());
-    }
-    if let Some(cpus) = &args.fault_cpus.0 {
-        CpuSet::new(cpus).map_err(|e| format!("--fault-cpus: {e}"))?;
-    }
-    if let Some(&s) = args
-        .sizes
-        .iter()
-        .find(|&&s| s < (64 << 20) || !s.is_multiple_of(2 << 20))
-    {
-        return Err(format!("--sizes: {s} is not a multiple of 2 MiB of at least 64 MiB").into());
-    }
+    check_args(&args)?;
     let modes = &args.modes;
-    let run_qemu = !args.no_qemu && modes.contains(&Mode::Precopy);
-    let mut qemu_note = None;
-    let qemu_ok = run_qemu && {
-        match qemu_available() {
-            Ok(()) => true,
-            Err(why) => {
-                eprintln!("guestmem: no QEMU peer rows: {why}");
-                qemu_note = Some(why);
-                false
-            }
-        }
-    };
-    if args.no_qemu {
-        qemu_note = Some("--no-qemu".into());
-    }
+    let (qemu_ok, qemu_note) = qemu_peer_rows(&args)?;
     let cases = args.sizes.len() * args.rates.len();
-    if qemu_ok && args.qemu_channels.is_empty() {
-        return Err("--qemu-channels: name at least one of tls, plain (or pass --no-qemu)".into());
-    }
-    if qemu_ok && args.qemu_compress.is_empty() {
-        return Err(
-            "--qemu-compress: name at least one of none, zlib, zstd (or pass --no-qemu)".into(),
-        );
-    }
     if let Some(image) = &args.image {
         std::fs::metadata(image).map_err(|e| format!("--image {}: {e}", image.display()))?;
     }
@@ -565,44 +522,13 @@ pub fn main(args: Args) -> crate::Result<()> {
         link::Speed::Loopback => None,
         speed => Some(Link::create(speed)?),
     };
-    let link_measured_mib_per_s = match &link {
-        Some(l) => {
-            let rate = l.measure(Duration::from_millis(1500))? / (1 << 20) as f64;
-            if !args.json {
-                eprintln!(
-                    "{} link: one TCP connection moves {rate:.0} MiB/s",
-                    args.link.name()
-                );
-            }
-            Some(rate)
-        }
-        None => None,
-    };
-    let qemu_configs: Vec<(qemu_peer::Channel, Option<qemu_peer::Multifd>)> = args
-        .qemu_channels
-        .iter()
-        .flat_map(|&channel| {
-            args.qemu_compress.iter().map(move |&compression| {
-                (
-                    channel,
-                    Some(qemu_peer::Multifd {
-                        channels: args.connections,
-                        compression,
-                    }),
-                )
-            })
-        })
-        .collect();
+    let link_measured_mib_per_s = measure_link(&args, link.as_ref())?;
+    let qemu_configs = qemu_configs(&args);
     let qemu_cases = if qemu_ok { qemu_configs.len() } else { 0 };
-    // The zstd windows make rows only with zstd (and auto).
-    let windows = |c: Compress| match c {
-        Compress::Zstd | Compress::Auto => args.zstd_window_bytes.clone(),
-        _ => args.zstd_window_bytes.iter().take(1).copied().collect(),
-    };
     let variants = args
         .compress
         .iter()
-        .map(|&c| windows(c).len())
+        .map(|&c| zstd_windows(&args, c).len())
         .sum::<usize>()
         * args.delta_cache_mib.len();
     let total = cases * (modes.len() * variants + qemu_cases) * args.repeat;
@@ -621,37 +547,7 @@ pub fn main(args: Args) -> crate::Result<()> {
     for &size in &args.sizes {
         for &rate in &args.rates {
             for &mode in modes {
-                let mut variants = Vec::new();
-                for &c in &args.compress {
-                    for w in windows(c) {
-                        for &d in &args.delta_cache_mib {
-                            variants.push((c, d, w));
-                        }
-                    }
-                }
-                for (compress, delta, window) in variants {
-                    let mut runs = Vec::new();
-                    for i in 0..args.repeat {
-                        bar.set_message(format!(
-                            "{} MiB, {}, {mode}, compress {compress:?}, zstd window {} MiB, delta \
-                             {delta:?}: run {}",
-                            size >> 20,
-                            rate.label(),
-                            window >> 20,
-                            i + 1
-                        ));
-                        runs.push(run_once(
-                            &args,
-                            link.as_ref(),
-                            size,
-                            rate,
-                            mode,
-                            (compress, delta, window),
-                        )?);
-                        bar.inc(1);
-                    }
-                    rows.push((size, rate, mode, (compress, delta, window), runs));
-                }
+                rows.extend(guestmem_rows(&args, link.as_ref(), size, rate, mode, &bar)?);
             }
             // The image laid out for QEMU, once per size.
             let qemu_image = match (&args.image, qemu_ok) {
@@ -684,27 +580,7 @@ pub fn main(args: Args) -> crate::Result<()> {
                         i + 1
                     ));
                     let steal = Steal::start();
-                    let mut figures = qemu_peer::precopy(&config)?;
-                    // QEMU 7.2 has said "completed" with a total time and downtime of 0 (one
-                    // run in about a hundred): no figure of a migration, so the run is taken
-                    // again (twice at most).
-                    for _ in 0..2 {
-                        if figures.total_ms > 0 {
-                            break;
-                        }
-                        tracing::warn!(
-                            config = config.name(),
-                            "QEMU reported a total time of 0: run again"
-                        );
-                        figures = qemu_peer::precopy(&config)?;
-                    }
-                    if figures.total_ms == 0 {
-                        return Err(format!(
-                            "QEMU ({}) reported a total time of 0 three times in a row",
-                            config.name()
-                        )
-                        .into());
-                    }
+                    let figures = qemu_precopy(&config)?;
                     runs.push((figures, steal.percent()));
                     bar.inc(1);
                 }
@@ -714,19 +590,7 @@ pub fn main(args: Args) -> crate::Result<()> {
     }
     // The floor after the migrations, so that the memory it frees is not what their
     // destinations land in (on a virtual host, recently freed memory is cheaper to touch).
-    let floors = match (&args.image, args.floor_runs) {
-        (Some(image), n) if n > 0 => {
-            bar.set_message("the CPU floor on the image");
-            let image = crate::floor::read_image(image)?;
-            let codecs = [
-                crate::floor::FloorCodec::Zstd,
-                crate::floor::FloorCodec::Lz4,
-                crate::floor::FloorCodec::None,
-            ];
-            Some(Floors(crate::floor::measure(&image, &codecs, n)?))
-        }
-        _ => None,
-    };
+    let floors = measure_floors(&args, &bar)?;
     let rows = rows
         .into_iter()
         .map(|(size, rate, mode, variant, mut runs)| {
@@ -750,6 +614,198 @@ pub fn main(args: Args) -> crate::Result<()> {
         print_table(&out);
     }
     Ok(())
+}
+
+/// Refuses arguments no run can be made of.
+fn check_args(args: &Args) -> crate::Result<()> {
+    if args.sizes.is_empty() || args.rates.is_empty() || args.modes.is_empty() {
+        return Err("--sizes, --rates and --modes each need at least one value".into());
+    }
+    if args.repeat == 0 {
+        return Err("--repeat: at least 1 run is needed".into());
+    }
+    if args.vcpus == 0 || args.vcpus > layout::MAX_VCPUS {
+        return Err(format!("--vcpus: 1 to {} are supported", layout::MAX_VCPUS).into());
+    }
+    if args.connections == 0 || args.connections > 64 {
+        return Err("--connections must be 1 to 64".into());
+    }
+    if let Some(cpus) = &args.fault_cpus.0 {
+        CpuSet::new(cpus).map_err(|e| format!("--fault-cpus: {e}"))?;
+    }
+    if let Some(&s) = args
+        .sizes
+        .iter()
+        .find(|&&s| s < (64 << 20) || !s.is_multiple_of(2 << 20))
+    {
+        return Err(format!("--sizes: {s} is not a multiple of 2 MiB of at least 64 MiB").into());
+    }
+    Ok(())
+}
+
+/// Whether QEMU peer rows are run (pre-copy is asked for, `--no-qemu` is not, and QEMU is
+/// there), and why not when they are not; refuses QEMU options that name nothing.
+fn qemu_peer_rows(args: &Args) -> crate::Result<(bool, Option<String>)> {
+    let modes = &args.modes;
+    let run_qemu = !args.no_qemu && modes.contains(&Mode::Precopy);
+    let mut qemu_note = None;
+    let qemu_ok = run_qemu && {
+        match qemu_available() {
+            Ok(()) => true,
+            Err(why) => {
+                eprintln!("guestmem: no QEMU peer rows: {why}");
+                qemu_note = Some(why);
+                false
+            }
+        }
+    };
+    if args.no_qemu {
+        qemu_note = Some("--no-qemu".into());
+    }
+    if qemu_ok && args.qemu_channels.is_empty() {
+        return Err("--qemu-channels: name at least one of tls, plain (or pass --no-qemu)".into());
+    }
+    if qemu_ok && args.qemu_compress.is_empty() {
+        return Err(
+            "--qemu-compress: name at least one of none, zlib, zstd (or pass --no-qemu)".into(),
+        );
+    }
+    Ok((qemu_ok, qemu_note))
+}
+
+/// What one TCP connection moves over the shaped link, MiB/s (none on loopback).
+fn measure_link(args: &Args, link: Option<&Link>) -> crate::Result<Option<f64>> {
+    Ok(match link {
+        Some(l) => {
+            let rate = l.measure(Duration::from_millis(1500))? / (1 << 20) as f64;
+            if !args.json {
+                eprintln!(
+                    "{} link: one TCP connection moves {rate:.0} MiB/s",
+                    args.link.name()
+                );
+            }
+            Some(rate)
+        }
+        None => None,
+    })
+}
+
+/// QEMU's configurations: each channel with each multifd compression.
+fn qemu_configs(args: &Args) -> Vec<(qemu_peer::Channel, Option<qemu_peer::Multifd>)> {
+    args.qemu_channels
+        .iter()
+        .flat_map(|&channel| {
+            args.qemu_compress.iter().map(move |&compression| {
+                (
+                    channel,
+                    Some(qemu_peer::Multifd {
+                        channels: args.connections,
+                        compression,
+                    }),
+                )
+            })
+        })
+        .collect()
+}
+
+/// The zstd windows of compression `c`: they make rows only with zstd (and auto).
+fn zstd_windows(args: &Args, c: Compress) -> Vec<u64> {
+    match c {
+        Compress::Zstd | Compress::Auto => args.zstd_window_bytes.clone(),
+        _ => args.zstd_window_bytes.iter().take(1).copied().collect(),
+    }
+}
+
+/// One row's case and variant, with its runs.
+type RowRuns = (u64, Rate, Mode, (Compress, DeltaCacheArg, u64), Vec<Run>);
+
+/// guestmem's runs of one size, rate and mode: `--repeat` runs of each compression, zstd
+/// window and delta cache.
+fn guestmem_rows(
+    args: &Args,
+    link: Option<&Link>,
+    size: u64,
+    rate: Rate,
+    mode: Mode,
+    bar: &ProgressBar,
+) -> crate::Result<Vec<RowRuns>> {
+    let mut rows = Vec::new();
+    let mut variants = Vec::new();
+    for &c in &args.compress {
+        for w in zstd_windows(args, c) {
+            for &d in &args.delta_cache_mib {
+                variants.push((c, d, w));
+            }
+        }
+    }
+    for (compress, delta, window) in variants {
+        let mut runs = Vec::new();
+        for i in 0..args.repeat {
+            bar.set_message(format!(
+                "{} MiB, {}, {mode}, compress {compress:?}, zstd window {} MiB, delta \
+                 {delta:?}: run {}",
+                size >> 20,
+                rate.label(),
+                window >> 20,
+                i + 1
+            ));
+            runs.push(run_once(
+                args,
+                link,
+                size,
+                rate,
+                mode,
+                (compress, delta, window),
+            )?);
+            bar.inc(1);
+        }
+        rows.push((size, rate, mode, (compress, delta, window), runs));
+    }
+    Ok(rows)
+}
+
+/// QEMU's pre-copy of `config`, taken again (twice at most) when QEMU reports a total time of
+/// 0.
+fn qemu_precopy(config: &qemu_peer::Config) -> crate::Result<qemu_peer::QemuFigures> {
+    let mut figures = qemu_peer::precopy(config)?;
+    // QEMU 7.2 has said "completed" with a total time and downtime of 0 (one
+    // run in about a hundred): no figure of a migration, so the run is taken
+    // again (twice at most).
+    for _ in 0..2 {
+        if figures.total_ms > 0 {
+            break;
+        }
+        tracing::warn!(
+            config = config.name(),
+            "QEMU reported a total time of 0: run again"
+        );
+        figures = qemu_peer::precopy(config)?;
+    }
+    if figures.total_ms == 0 {
+        return Err(format!(
+            "QEMU ({}) reported a total time of 0 three times in a row",
+            config.name()
+        )
+        .into());
+    }
+    Ok(figures)
+}
+
+/// The CPU floor on the image, when there is one and `--floor-runs` asks for it.
+fn measure_floors(args: &Args, bar: &ProgressBar) -> crate::Result<Option<Floors>> {
+    Ok(match (&args.image, args.floor_runs) {
+        (Some(image), n) if n > 0 => {
+            bar.set_message("the CPU floor on the image");
+            let image = crate::floor::read_image(image)?;
+            let codecs = [
+                crate::floor::FloorCodec::Zstd,
+                crate::floor::FloorCodec::Lz4,
+                crate::floor::FloorCodec::None,
+            ];
+            Some(Floors(crate::floor::measure(&image, &codecs, n)?))
+        }
+        _ => None,
+    })
 }
 
 fn output(
@@ -1020,37 +1076,7 @@ fn run_once(
     );
     let _ = std::fs::remove_dir_all(&dir.0);
     generate_credentials(&dir.0)?;
-    let host = match link {
-        Some(_) => Link::ip(Side::Destination),
-        None => "127.0.0.1",
-    };
-    let bind = match (args.transport, link) {
-        (Transport::Tcp, _) => Endpoint::Tcp(format!("{host}:0")),
-        (Transport::Unix, None) => Endpoint::Unix(dir.0.join("migrate.sock")),
-        (Transport::Unix, Some(_)) => {
-            return Err(
-                "--transport unix goes with --link loopback (a socket file crosses no \
-                        link)"
-                    .into(),
-            )
-        }
-    };
-    let dest_creds = Credentials::load(&dir.0, Role::Destination)?;
-    // The listener's socket (and so every connection it accepts) lives in the destination's
-    // namespace.
-    let listener = Arc::new(match link {
-        Some(l) => l.run_in(Side::Destination, || {
-            Ok(Listener::bind(&bind, &dest_creds)?)
-        })?,
-        None => Listener::bind(&bind, &dest_creds)?,
-    });
-    let to = match args.transport {
-        Transport::Tcp => Endpoint::Tcp(format!(
-            "{host}:{}",
-            listener.port().ok_or("the TCP listener has no port")?
-        )),
-        Transport::Unix => bind,
-    };
+    let (listener, to) = listen(args, link, &dir.0)?;
     let vcpus = args.vcpus;
     let fault_cpus = args.fault_cpus.0.clone();
     let dest = std::thread::Builder::new()
@@ -1067,35 +1093,9 @@ fn run_once(
     }
     let memory = vm.memory().clone();
     let running = vm.start(&work(size, vcpus, rate, args.rewrite))?;
-    let deadline = Instant::now() + FILL_TIMEOUT;
-    // `dirty` fills the memory with a first pass at full speed; `rewrite` runs on the image
-    // (or zeros) at the rate from the start.
-    while !args.rewrite && running.progress().iter().any(|&(_, g)| g < 1) {
-        if Instant::now() > deadline {
-            running.stop();
-            let _ = running.wait(Duration::from_secs(10));
-            return Err("the guest did not fill its memory in 300 s".into());
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    // The fill is done; the throttle paces from its end. Let it settle, then measure.
-    std::thread::sleep(Duration::from_millis(200));
-    let p0 = pages_done(&memory, vcpus)?;
-    let t0 = Instant::now();
-    std::thread::sleep(STEADY);
-    let steady_pages_per_s = (pages_done(&memory, vcpus)? - p0) as f64 / t0.elapsed().as_secs_f64();
+    let (running, steady_pages_per_s) = steady_rate(args, running, &memory, vcpus)?;
 
-    let opts = SendOptions {
-        mode,
-        downtime: Duration::from_millis(args.downtime_ms),
-        verify: false,
-        whole_pages: args.whole_pages,
-        compress,
-        delta_cache_bytes: delta.bytes(),
-        zstd_window_bytes,
-        fault_cpus: args.fault_cpus.0.clone(),
-        ..Default::default()
-    };
+    let opts = send_options(args, mode, (compress, delta, zstd_window_bytes));
     let creds = Credentials::load(&dir.0, Role::Source)?;
     let sampler = cpu::Sampler::start(vec![std::process::id()], 2, classify_thread);
     let connected = match link {
@@ -1155,6 +1155,95 @@ fn run_once(
     })
 }
 
+/// The destination's listener (its socket in the destination's namespace, over a link) and the
+/// endpoint the source connects to.
+fn listen(
+    args: &Args,
+    link: Option<&Link>,
+    dir: &std::path::Path,
+) -> crate::Result<(Arc<Listener>, Endpoint)> {
+    let host = match link {
+        Some(_) => Link::ip(Side::Destination),
+        None => "127.0.0.1",
+    };
+    let bind = match (args.transport, link) {
+        (Transport::Tcp, _) => Endpoint::Tcp(format!("{host}:0")),
+        (Transport::Unix, None) => Endpoint::Unix(dir.join("migrate.sock")),
+        (Transport::Unix, Some(_)) => {
+            return Err(
+                "--transport unix goes with --link loopback (a socket file crosses no \
+                        link)"
+                    .into(),
+            )
+        }
+    };
+    let dest_creds = Credentials::load(dir, Role::Destination)?;
+    // The listener's socket (and so every connection it accepts) lives in the destination's
+    // namespace.
+    let listener = Arc::new(match link {
+        Some(l) => l.run_in(Side::Destination, || {
+            Ok(Listener::bind(&bind, &dest_creds)?)
+        })?,
+        None => Listener::bind(&bind, &dest_creds)?,
+    });
+    let to = match args.transport {
+        Transport::Tcp => Endpoint::Tcp(format!(
+            "{host}:{}",
+            listener.port().ok_or("the TCP listener has no port")?
+        )),
+        Transport::Unix => bind,
+    };
+    Ok((listener, to))
+}
+
+/// Waits for `dirty`'s full first pass (not for `rewrite`, which runs at the rate from the
+/// start), then measures the guest's steady rate, pages written per second. A guest that does
+/// not fill its memory in time is stopped.
+fn steady_rate<'a>(
+    args: &Args,
+    running: guestmem_vm::RunningVm<'a>,
+    memory: &GuestMemory,
+    vcpus: usize,
+) -> crate::Result<(guestmem_vm::RunningVm<'a>, f64)> {
+    let deadline = Instant::now() + FILL_TIMEOUT;
+    // `dirty` fills the memory with a first pass at full speed; `rewrite` runs on the image
+    // (or zeros) at the rate from the start.
+    while !args.rewrite && running.progress().iter().any(|&(_, g)| g < 1) {
+        if Instant::now() > deadline {
+            running.stop();
+            let _ = running.wait(Duration::from_secs(10));
+            return Err("the guest did not fill its memory in 300 s".into());
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // The fill is done; the throttle paces from its end. Let it settle, then measure.
+    std::thread::sleep(Duration::from_millis(200));
+    let p0 = pages_done(memory, vcpus)?;
+    let t0 = Instant::now();
+    std::thread::sleep(STEADY);
+    let rate = (pages_done(memory, vcpus)? - p0) as f64 / t0.elapsed().as_secs_f64();
+    Ok((running, rate))
+}
+
+/// The source's options for a run in `mode` with compression, delta cache and zstd window.
+fn send_options(
+    args: &Args,
+    mode: Mode,
+    (compress, delta, zstd_window_bytes): (Compress, DeltaCacheArg, u64),
+) -> SendOptions {
+    SendOptions {
+        mode,
+        downtime: Duration::from_millis(args.downtime_ms),
+        verify: false,
+        whole_pages: args.whole_pages,
+        compress,
+        delta_cache_bytes: delta.bytes(),
+        zstd_window_bytes,
+        fault_cpus: args.fault_cpus.0.clone(),
+        ..Default::default()
+    }
+}
+
 /// Whose a thread of this process is during a migration, by its name: 0 the source, 1 the
 /// destination (its receiving threads and the bench's destination thread, whose unnamed
 /// children inherit its name), None for vCPUs and the sampler.
@@ -1187,6 +1276,19 @@ fn slowdown(steady: f64, during: f64) -> f64 {
     ((1.0 - during / steady) * 100.0).max(0.0)
 }
 
+/// The codec that compressed the most frames.
+fn compression_chosen(compression: &CompressionReport) -> &'static str {
+    [
+        (compression.plain_frames, "none"),
+        (compression.lz4_frames, "lz4"),
+        (compression.zstd_frames, "zstd"),
+    ]
+    .iter()
+    .max_by_key(|(n, _)| *n)
+    .map_or("none", |(_, name)| name)
+}
+
+/// One row of the table: the medians of `runs` (a table: one field per column).
 fn median_row(
     link: link::Speed,
     size: u64,
@@ -1219,14 +1321,7 @@ fn median_row(
         .first()
         .map(|r| r.report.compression.clone())
         .unwrap_or_default();
-    let compression_chosen = [
-        (compression.plain_frames, "none"),
-        (compression.lz4_frames, "lz4"),
-        (compression.zstd_frames, "zstd"),
-    ]
-    .iter()
-    .max_by_key(|(n, _)| *n)
-    .map_or("none", |(_, name)| name);
+    let compression_chosen = compression_chosen(&compression);
     Row {
         link,
         memory_bytes: size,
@@ -1371,6 +1466,14 @@ fn qemu_row(
 }
 
 fn print_table(out: &Output) {
+    print_heading(out);
+    print_rows(out);
+    print_cpu_per_gib(out);
+    print_targets(out);
+}
+
+/// What the table is of: the link, transport, guest, workload, runs and load.
+fn print_heading(out: &Output) {
     let link = match (out.link, out.link_measured_mib_per_s) {
         (link::Speed::Loopback, _) => "loopback (127.0.0.1)".to_string(),
         (l, rate) => format!(
@@ -1408,6 +1511,11 @@ fn print_table(out: &Output) {
         out.load_average_before.as_deref().unwrap_or("?"),
         out.load_average_after.as_deref().unwrap_or("?"),
     );
+}
+
+/// The table: guestmem's rows, each size and rate's QEMU rows after them (a table: one line per
+/// row, one argument per column).
+fn print_rows(out: &Output) {
     println!(
         "{:>8} {:>9} {:>26} {:>9} {:>9} {:>8} {:>9} {:>7} {:>6} {:>11} {:>6} {:>11} {:>15} {:>9} {:>8} {:>6}",
         "memory",
@@ -1427,36 +1535,12 @@ fn print_table(out: &Output) {
         "slowdown",
         "steal"
     );
-    let rate = |m: Option<u64>| m.map_or("idle".to_string(), |m| format!("{m} MiB/s"));
-    let steal = |s: Option<f64>| s.map_or("-".into(), |s| format!("{s:.1}%"));
     let mut printed_qemu = vec![false; out.qemu_rows.len()];
-    let print_qemu = |q: &QemuRow| {
-        println!(
-            "{:>8} {:>9} {:>26} {:>9.0} {:>9.0} {:>8.0} {:>9.0} {:>7} {:>6.0} {:>11} {:>6} {:>11} {:>15} {:>9} {:>7.1}% {:>6}",
-            format!("{} MiB", q.memory_bytes >> 20),
-            rate(q.dirty_mib_per_s),
-            format!("QEMU {}{}", q.config, if q.best { " *" } else { "" }),
-            q.total_ms,
-            q.downtime_ms,
-            q.sent_mib,
-            q.wire_bytes_per_guest_gib / (1 << 20) as f64,
-            q.first_pass_wire_bytes_per_guest_byte
-                .map_or("-".into(), |f| format!("{f:.2}")),
-            q.dirty_syncs,
-            format!("{:.1}/{:.1}", q.source_cpu_s, q.destination_cpu_s),
-            q.multifd.map_or("none", |m| m.compression.name()),
-            "-",
-            "-",
-            "-",
-            q.slowdown_percent,
-            steal(q.host_steal_percent)
-        );
-    };
     for (i, r) in out.rows.iter().enumerate() {
         println!(
             "{:>8} {:>9} {:>26} {:>9.1} {:>9.1} {:>8.1} {:>9.0} {:>7.2} {:>6.0} {:>11} {:>6} {:>11} {:>15} {:>9} {:>7.1}% {:>6}",
             format!("{} MiB", r.memory_bytes >> 20),
-            rate(r.dirty_mib_per_s),
+            rate_label(r.dirty_mib_per_s),
             format!("guestmem {} {:?}", r.mode.name(), r.compress) + if r.delta_cache_bytes > 0 { " +d" } else { "" },
             r.total_ms,
             r.downtime_ms,
@@ -1477,7 +1561,7 @@ fn print_table(out: &Output) {
             },
             format!("{:.2}%", r.source_extra_percent),
             r.slowdown_percent,
-            steal(r.host_steal_percent)
+            steal_label(r.host_steal_percent)
         );
         // The QEMU rows after the last guestmem row of their size and rate.
         let next_differs = out.rows.get(i + 1).is_none_or(|n| {
@@ -1486,7 +1570,7 @@ fn print_table(out: &Output) {
         if next_differs {
             for (j, q) in out.qemu_rows.iter().enumerate() {
                 if q.memory_bytes == r.memory_bytes && q.dirty_mib_per_s == r.dirty_mib_per_s {
-                    print_qemu(q);
+                    print_qemu_row(q);
                     printed_qemu[j] = true;
                 }
             }
@@ -1494,9 +1578,47 @@ fn print_table(out: &Output) {
     }
     for (j, q) in out.qemu_rows.iter().enumerate() {
         if !printed_qemu[j] {
-            print_qemu(q);
+            print_qemu_row(q);
         }
     }
+}
+
+/// A dirty rate's label.
+fn rate_label(m: Option<u64>) -> String {
+    m.map_or("idle".to_string(), |m| format!("{m} MiB/s"))
+}
+
+/// A steal percentage's label.
+fn steal_label(s: Option<f64>) -> String {
+    s.map_or("-".into(), |s| format!("{s:.1}%"))
+}
+
+/// One QEMU row of the table.
+fn print_qemu_row(q: &QemuRow) {
+    println!(
+        "{:>8} {:>9} {:>26} {:>9.0} {:>9.0} {:>8.0} {:>9.0} {:>7} {:>6.0} {:>11} {:>6} {:>11} {:>15} {:>9} {:>7.1}% {:>6}",
+        format!("{} MiB", q.memory_bytes >> 20),
+        rate_label(q.dirty_mib_per_s),
+        format!("QEMU {}{}", q.config, if q.best { " *" } else { "" }),
+        q.total_ms,
+        q.downtime_ms,
+        q.sent_mib,
+        q.wire_bytes_per_guest_gib / (1 << 20) as f64,
+        q.first_pass_wire_bytes_per_guest_byte
+            .map_or("-".into(), |f| format!("{f:.2}")),
+        q.dirty_syncs,
+        format!("{:.1}/{:.1}", q.source_cpu_s, q.destination_cpu_s),
+        q.multifd.map_or("none", |m| m.compression.name()),
+        "-",
+        "-",
+        "-",
+        q.slowdown_percent,
+        steal_label(q.host_steal_percent)
+    );
+}
+
+/// Why there are no QEMU rows, then each row's CPU per GiB of pages sent, beside the floor.
+fn print_cpu_per_gib(out: &Output) {
     if let Some(note) = &out.qemu_note {
         println!("no QEMU rows: {note}");
     }
@@ -1509,7 +1631,7 @@ fn print_table(out: &Output) {
             "{} MiB, {}, {} {:?}: CPU-s per GiB of pages sent: destination {:.2}{}, source \
              {:.2}{}",
             r.memory_bytes >> 20,
-            rate(r.dirty_mib_per_s),
+            rate_label(r.dirty_mib_per_s),
             r.mode.name(),
             r.compress,
             r.dest_cpu_s_per_gib,
@@ -1518,6 +1640,10 @@ fn print_table(out: &Output) {
             floor(r.source_floor_cpu_s_per_gib, r.source_cpu_to_floor),
         );
     }
+}
+
+/// The comparisons with QEMU and the targets, met or missed.
+fn print_targets(out: &Output) {
     let met = |m: bool| if m { "met" } else { "MISSED" };
     for c in &out.comparisons {
         println!(
@@ -1525,7 +1651,7 @@ fn print_table(out: &Output) {
              (target <= {}: {}), downtime_vs_qemu_best_ratio {:.2}, downtime {:.1} ms (target \
              <= 50: {}), first pass {:.2} of memory on the wire (target <= 0.3: {})",
             c.memory_bytes >> 20,
-            rate(c.dirty_mib_per_s),
+            rate_label(c.dirty_mib_per_s),
             c.link.name(),
             c.guestmem_compress,
             c.qemu_best_config,

@@ -1,7 +1,8 @@
-//! `guestmem bench populate`: seed 000's table. Fills a fresh region with an image by plain
-//! mmap+memcpy (the baseline), then by each population method, then copies once more into the
-//! already-populated memory (the floor: the copy alone). Each method gets a fresh region; every
-//! result is checked byte for byte against the image outside the timed part.
+//! `guestmem bench populate`: the population table (guest_memfd write() and the other methods).
+//! Fills a fresh region with an image by plain mmap+memcpy (the baseline), then by each population
+//! method, then copies once more into the already-populated memory (the floor: the copy alone).
+//! Each method gets a fresh region; every result is checked byte for byte against the image outside
+//! the timed part.
 
 use std::time::Instant;
 
@@ -80,19 +81,6 @@ pub fn main(args: Args) -> crate::Result<()> {
         let spec = RegionSpec::new("image", GPA, args.size, args.backend);
         Ok(GuestMemory::new(&[spec], Some(&vm))?)
     };
-    let check = |mem: &GuestMemory, what: &str| -> crate::Result<()> {
-        let mut buf = vec![0u8; 1 << 20];
-        for (i, chunk) in image.chunks(buf.len()).enumerate() {
-            let gpa = GPA + (i * buf.len()) as u64;
-            mem.read(gpa, &mut buf[..chunk.len()])?;
-            if buf[..chunk.len()] != *chunk {
-                return Err(
-                    format!("{what}: the region differs from the image near {gpa:#x}").into(),
-                );
-            }
-        }
-        Ok(())
-    };
 
     // The runs interleave the baseline and every method (memcpy, floor, method 1, method 2,
     // memcpy, ...), so that the machine's drift weighs on all of them alike.
@@ -113,7 +101,7 @@ pub fn main(args: Args) -> crate::Result<()> {
         let t = Instant::now();
         mem.write(GPA, &image)?;
         floor_runs.push(ms(t));
-        check(&mem, "memcpy")?;
+        check(&mem, &image, "memcpy")?;
         drop(mem);
         for (i, &method) in tried.iter().enumerate() {
             if last[i].as_ref().is_some_and(|done| done.method != method) {
@@ -124,7 +112,7 @@ pub fn main(args: Args) -> crate::Result<()> {
             let t = Instant::now();
             let done = populate_with(region, 0, args.size, Source::Bytes(&image), Some(method))?;
             method_runs[i].push(ms(t));
-            check(&mem, method.name())?;
+            check(&mem, &image, method.name())?;
             last[i] = Some(done);
         }
     }
@@ -132,26 +120,7 @@ pub fn main(args: Args) -> crate::Result<()> {
     let memcpy_ms = memcpy.median;
     let floor_ms = Figure::measured(&floor_runs).median;
 
-    let mut methods = Vec::new();
-    let mut unavailable = Vec::new();
-    for ((method, runs), done) in tried.into_iter().zip(method_runs).zip(last) {
-        let done = done.expect("at least one run");
-        if done.method != method {
-            unavailable.push((method, done.fallback_reason.unwrap_or_default()));
-            continue;
-        }
-        let ms_figure = Figure::measured(&runs);
-        let ms = ms_figure.median;
-        methods.push(MethodResult {
-            method,
-            ms,
-            ms_figure,
-            ratio_vs_memcpy: ms / memcpy_ms,
-            pages_copied: done.pages_copied,
-            zero_pages_skipped: done.zero_pages_skipped,
-            threads: done.threads,
-        });
-    }
+    let (methods, unavailable) = results(tried, method_runs, last, memcpy_ms);
     let best = methods
         .iter()
         .min_by(|a, b| a.ms.total_cmp(&b.ms))
@@ -175,6 +144,55 @@ pub fn main(args: Args) -> crate::Result<()> {
         crate::envelope::print(&out)?;
         return Ok(());
     }
+    print_text(&args, &out);
+    Ok(())
+}
+
+/// Checks that `mem` holds `image` (after the population `what`).
+fn check(mem: &GuestMemory, image: &[u8], what: &str) -> crate::Result<()> {
+    let mut buf = vec![0u8; 1 << 20];
+    for (i, chunk) in image.chunks(buf.len()).enumerate() {
+        let gpa = GPA + (i * buf.len()) as u64;
+        mem.read(gpa, &mut buf[..chunk.len()])?;
+        if buf[..chunk.len()] != *chunk {
+            return Err(format!("{what}: the region differs from the image near {gpa:#x}").into());
+        }
+    }
+    Ok(())
+}
+
+/// Each method's figures, or why it was unavailable (the population fell back to another).
+fn results(
+    tried: Vec<Method>,
+    method_runs: Vec<Vec<f64>>,
+    last: Vec<Option<Populated>>,
+    memcpy_ms: f64,
+) -> (Vec<MethodResult>, Vec<(Method, String)>) {
+    let mut methods = Vec::new();
+    let mut unavailable = Vec::new();
+    for ((method, runs), done) in tried.into_iter().zip(method_runs).zip(last) {
+        let done = done.expect("at least one run");
+        if done.method != method {
+            unavailable.push((method, done.fallback_reason.unwrap_or_default()));
+            continue;
+        }
+        let ms_figure = Figure::measured(&runs);
+        let ms = ms_figure.median;
+        methods.push(MethodResult {
+            method,
+            ms,
+            ms_figure,
+            ratio_vs_memcpy: ms / memcpy_ms,
+            pages_copied: done.pages_copied,
+            zero_pages_skipped: done.zero_pages_skipped,
+            threads: done.threads,
+        });
+    }
+    (methods, unavailable)
+}
+
+/// The figures as text.
+fn print_text(args: &Args, out: &Output) {
     println!(
         "Populating {} MiB of {} ({}% zero pages, median of {} runs):",
         args.size >> 20,
@@ -182,7 +200,7 @@ pub fn main(args: Args) -> crate::Result<()> {
         args.zero_percent,
         args.runs
     );
-    println!("- via memcpy: {memcpy_ms:.0} ms");
+    println!("- via memcpy: {:.0} ms", out.memcpy_ms);
     for &method in Method::candidates(args.backend) {
         if let Some(m) = out.methods.iter().find(|m| m.method == method) {
             println!(
@@ -196,14 +214,14 @@ pub fn main(args: Args) -> crate::Result<()> {
         }
     }
     println!(
-        "- floor, memcpy into populated memory: {floor_ms:.0} ms ({:+.0}%)",
+        "- floor, memcpy into populated memory: {:.0} ms ({:+.0}%)",
+        out.floor_ms,
         (out.floor_ratio_vs_memcpy - 1.0) * 100.0
     );
     println!(
         "best: {} at {:.2}x memcpy",
         out.best_method, out.ratio_vs_memcpy
     );
-    Ok(())
 }
 
 /// `size` bytes where every 8-byte word is non-zero, except runs of `run` bytes chosen (by a

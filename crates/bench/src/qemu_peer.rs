@@ -234,122 +234,22 @@ pub fn precopy(config: &Config) -> crate::Result<QemuFigures> {
         rewrite,
         link,
     } = *config;
-    if vcpus == 0 {
-        return Err("a QEMU guest needs at least one vCPU".into());
-    }
-    if mem < MIN_RANGE_START + (2 << 20) {
-        return Err(format!("{mem} bytes of guest RAM leave no room for the workload").into());
-    }
-    if multifd.is_some_and(|m| m.channels == 0 || m.channels > 255) {
-        return Err("QEMU's multifd-channels must be 1 to 255".into());
-    }
+    check_config(config)?;
     let qemu = std::env::var("GUESTMEM_QEMU").unwrap_or_else(|_| QEMU.to_string());
     let qemu_version = qemu_version(&qemu)?;
     let dir = TempDir::new()?;
     let elf = dir.path().join("payload.elf");
-    let tsc_khz = guestmem_vm::host_tsc_khz().map_err(|e| {
-        format!(
-            "cannot ask KVM for the TSC rate: {}",
-            guestmem_migration::error_chain(&e, ": ")
-        )
-    })?;
     let rate = dirty_pages_per_s.unwrap_or(IDLE_PAGES_PER_S);
-    let params = PvhParams::for_workload(
-        if rewrite {
-            PvhWorkload::Rewrite
-        } else {
-            PvhWorkload::Dirty
-        },
-        Some(rate),
-        !rewrite,
-        tsc_khz,
-        MIN_RANGE_START,
-        0,
-        1,
-    )?;
-    payload::write_pvh_elf(&elf, &params)?;
-
-    // With an image, RAM is the payload area plus the range, the image's size.
-    let mem = match image {
-        Some(i) => {
-            if i.range_bytes != mem {
-                return Err(format!(
-                    "the QEMU image file holds {} bytes of range, not {mem}",
-                    i.range_bytes
-                )
-                .into());
-            }
-            MIN_RANGE_START + mem
-        }
-        None => mem,
-    };
-    let mem_mib = mem.div_ceil(1 << 20);
-    let common: Vec<String> = [
-        "-accel",
-        "kvm",
-        "-cpu",
-        "host,-arch-capabilities",
-        "-m",
-        &format!("{mem_mib}M"),
-        "-smp",
-        &vcpus.to_string(),
-        "-kernel",
-        &elf.to_string_lossy(),
-        "-display",
-        "none",
-        "-nodefaults",
-        "-serial",
-        "none",
-        "-monitor",
-        "none",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    // RAM: the image file mapped privately (the source), or anonymous memory under the same
-    // name (the destination: migration matches RAM blocks by name).
-    let machine = |side: Side| -> Vec<String> {
-        match (image, side) {
-            (None, _) => vec!["-machine".into(), "pc".into()],
-            (Some(i), Side::Source) => vec![
-                "-object".into(),
-                format!(
-                    "memory-backend-file,id=ram0,size={mem_mib}M,mem-path={},share=off,\
-                     prealloc=on",
-                    i.path.display()
-                ),
-                "-machine".into(),
-                "pc,memory-backend=ram0".into(),
-            ],
-            (Some(_), Side::Destination) => vec![
-                "-object".into(),
-                format!("memory-backend-ram,id=ram0,size={mem_mib}M"),
-                "-machine".into(),
-                "pc,memory-backend=ram0".into(),
-            ],
-        }
-    };
-
-    // TLS: the credentials guestmem uses, laid out as QEMU's x509 directories want them.
-    let tls = |endpoint: &str| -> Vec<String> {
-        match channel {
-            Channel::Plain => Vec::new(),
-            Channel::Tls => vec![
-                "-object".into(),
-                format!(
-                    "tls-creds-x509,id=tls0,dir={},endpoint={endpoint},verify-peer=on",
-                    dir.path().join(endpoint).display()
-                ),
-            ],
-        }
-    };
+    write_payload(&elf, rewrite, rate)?;
+    let mem_mib = ram_bytes(image, mem)?.div_ceil(1 << 20);
+    let common = common_args(mem_mib, vcpus, &elf);
     if channel == Channel::Tls {
         qemu_credentials(dir.path())?;
     }
 
     let booted = Instant::now();
-    let mut src_args = machine(Side::Source);
-    src_args.extend(tls("client"));
+    let mut src_args = machine_args(image, Side::Source, mem_mib);
+    src_args.extend(tls_args(channel, dir.path(), "client"));
     let mut src = Qemu::start(&qemu, link, Side::Source, &common, &src_args, dir.path())?;
     src.wait_for(BOOT_TIMEOUT, "the guest workload to start", |c| {
         if c.state == STATE_BAD_WORKLOAD {
@@ -359,54 +259,19 @@ pub fn precopy(config: &Config) -> crate::Result<QemuFigures> {
     })?;
     let boot_ms = booted.elapsed().as_secs_f64() * 1e3;
     let image_words_matched = match image {
-        Some(i) => {
-            let mut matched = 0;
-            for &(gpa, word) in &i.samples {
-                let text = src.qmp.hmp(&format!("xp /1gx {gpa:#x}"))?;
-                if parse_xp(&text)?.first() == Some(&word) {
-                    matched += 1;
-                }
-            }
-            // The workload may have rewritten a sampled line since it started; most must
-            // still hold the image's words.
-            if matched * 2 < i.samples.len() {
-                return Err(format!(
-                    "the QEMU guest does not hold the image: {matched} of {} sampled words match",
-                    i.samples.len()
-                )
-                .into());
-            }
-            Some((matched, i.samples.len()))
-        }
+        Some(i) => Some(check_image(&mut src, i)?),
         None => None,
     };
     let range_pages = src.read(CTL_RANGE_PAGES, 1)?[0];
     let filled = Instant::now();
-    if rewrite {
-        // No fill: the workload rewrites the image at the rate from the start; let it run.
-        std::thread::sleep(Duration::from_secs(1));
-    } else {
-        let fill_timeout = Duration::from_secs(60) + Duration::from_millis(range_pages / 20);
-        src.wait_for(fill_timeout, "the guest to fill its range", |c| {
-            Ok(c.pages_done >= range_pages)
-        })?;
-    }
+    wait_filled(&mut src, rewrite, range_pages)?;
     let fill_ms = filled.elapsed().as_secs_f64() * 1e3;
     tracing::info!(boot_ms, fill_ms, range_pages, "QEMU source guest running");
 
-    let incoming = match link {
-        None => format!("tcp:127.0.0.1:{}", free_port()?),
-        // A fresh namespace: any port is free; vary it so that no earlier run's lingering
-        // connections can matter.
-        Some(_) => format!(
-            "tcp:{}:{}",
-            Link::ip(Side::Destination),
-            20000 + std::process::id() % 20000 + (booted.elapsed().subsec_micros() % 1000)
-        ),
-    };
+    let incoming = incoming_uri(link, booted)?;
     let mut incoming_args = vec!["-incoming".to_string(), "defer".to_string()];
-    incoming_args.extend(machine(Side::Destination));
-    incoming_args.extend(tls("server"));
+    incoming_args.extend(machine_args(image, Side::Destination, mem_mib));
+    incoming_args.extend(tls_args(channel, dir.path(), "server"));
     let mut dst = Qemu::start(
         &qemu,
         link,
@@ -415,36 +280,7 @@ pub fn precopy(config: &Config) -> crate::Result<QemuFigures> {
         &incoming_args,
         dir.path(),
     )?;
-    if let Some(m) = multifd {
-        for q in [&mut src.qmp, &mut dst.qmp] {
-            q.execute(
-                "migrate-set-capabilities",
-                Some(json!({ "capabilities": [{ "capability": "multifd", "state": true }] })),
-            )?;
-            q.execute(
-                "migrate-set-parameters",
-                Some(json!({
-                    "multifd-channels": m.channels,
-                    "multifd-compression": m.compression.name(),
-                })),
-            )?;
-        }
-    }
-    let mut src_params =
-        json!({ "downtime-limit": downtime_limit_ms, "max-bandwidth": MAX_BANDWIDTH });
-    if channel == Channel::Tls {
-        dst.qmp.execute(
-            "migrate-set-parameters",
-            Some(json!({ "tls-creds": "tls0" })),
-        )?;
-        src_params["tls-creds"] = json!("tls0");
-        // The name in the destination's certificate.
-        src_params["tls-hostname"] = json!(Role::Destination.name());
-    }
-    dst.qmp
-        .execute("migrate-incoming", Some(json!({ "uri": incoming })))?;
-    src.qmp
-        .execute("migrate-set-parameters", Some(src_params))?;
+    set_parameters(&mut src, &mut dst, config, &incoming)?;
     let before = src.control()?;
     let pids = vec![src.child.id(), dst.child.id()];
     // vCPU threads are "CPU n/KVM" (`debug-threads=on`).
@@ -452,37 +288,7 @@ pub fn precopy(config: &Config) -> crate::Result<QemuFigures> {
     let started = Instant::now();
     src.qmp
         .execute("migrate", Some(json!({ "uri": incoming })))?;
-    let mut first_pass_bytes = None;
-    let info = loop {
-        let info = src.qmp.execute("query-migrate", None)?;
-        if first_pass_bytes.is_none() && info["ram"]["dirty-sync-count"].as_u64() >= Some(2) {
-            first_pass_bytes = info["ram"]["transferred"].as_u64();
-        }
-        match info["status"].as_str() {
-            Some("completed") => break info,
-            Some("failed") | Some("cancelled") => {
-                return Err(format!(
-                    "QEMU's migration {}: {}",
-                    info["status"].as_str().unwrap_or_default(),
-                    info["error-desc"].as_str().unwrap_or("QEMU gave no reason")
-                )
-                .into())
-            }
-            _ => {}
-        }
-        if started.elapsed() > MIGRATE_TIMEOUT {
-            let remaining = info["ram"]["remaining"].as_u64().unwrap_or(0);
-            let _ = src.qmp.execute("migrate_cancel", None);
-            return Err(format!(
-                "QEMU's pre-copy did not complete in {} s ({} dirty syncs, {remaining} bytes \
-                 remaining, downtime limit {downtime_limit_ms} ms)",
-                MIGRATE_TIMEOUT.as_secs(),
-                info["ram"]["dirty-sync-count"]
-            )
-            .into());
-        }
-        std::thread::sleep(POLL);
-    };
+    let (info, first_pass_bytes) = wait_completed(&mut src, started, downtime_limit_ms)?;
     let migrate_s = started.elapsed().as_secs_f64();
     let cpu_s = sampler.stop();
     let figures = MigrateInfo::parse(&info)?;
@@ -491,23 +297,7 @@ pub fn precopy(config: &Config) -> crate::Result<QemuFigures> {
     let after = dst.control()?;
     let guest_pages_per_s_during =
         after.pages_done.saturating_sub(before.pages_done) as f64 / migrate_s.max(1e-9);
-    let t0 = Instant::now();
-    let wait = Duration::from_secs_f64(3.0 + 4.0 / rate as f64);
-    let carried_on = dst.wait_for(wait, "the guest to carry on in the destination", |c| {
-        Ok(c.pages_done > after.pages_done)
-    });
-    let status = dst.qmp.execute("query-status", None)?;
-    carried_on.map_err(|e| {
-        format!(
-            "after the migration, the destination guest makes no progress (QEMU status {}): {}",
-            status["status"],
-            guestmem_migration::error_chain(&*e, ": ")
-        )
-    })?;
-    std::thread::sleep(Duration::from_secs(1));
-    let last = dst.control()?;
-    let dest_pages_per_s =
-        last.pages_done.saturating_sub(after.pages_done) as f64 / t0.elapsed().as_secs_f64();
+    let dest_pages_per_s = destination_rate(&mut dst, &after, rate)?;
     drop(dst);
     drop(src);
 
@@ -539,6 +329,284 @@ pub fn precopy(config: &Config) -> crate::Result<QemuFigures> {
         guest_pages_per_s_during,
         dest_pages_per_s,
     })
+}
+
+/// Refuses a configuration QEMU's guest cannot run.
+fn check_config(config: &Config) -> crate::Result<()> {
+    if config.vcpus == 0 {
+        return Err("a QEMU guest needs at least one vCPU".into());
+    }
+    if config.mem < MIN_RANGE_START + (2 << 20) {
+        return Err(format!(
+            "{} bytes of guest RAM leave no room for the workload",
+            config.mem
+        )
+        .into());
+    }
+    if config
+        .multifd
+        .is_some_and(|m| m.channels == 0 || m.channels > 255)
+    {
+        return Err("QEMU's multifd-channels must be 1 to 255".into());
+    }
+    Ok(())
+}
+
+/// Writes the PVH payload that runs the workload (`rewrite` or `dirty`) at `rate` to `elf`.
+fn write_payload(elf: &Path, rewrite: bool, rate: u64) -> crate::Result<()> {
+    let tsc_khz = guestmem_vm::host_tsc_khz().map_err(|e| {
+        format!(
+            "cannot ask KVM for the TSC rate: {}",
+            guestmem_migration::error_chain(&e, ": ")
+        )
+    })?;
+    let params = PvhParams::for_workload(
+        if rewrite {
+            PvhWorkload::Rewrite
+        } else {
+            PvhWorkload::Dirty
+        },
+        Some(rate),
+        !rewrite,
+        tsc_khz,
+        MIN_RANGE_START,
+        0,
+        1,
+    )?;
+    payload::write_pvh_elf(elf, &params)?;
+    Ok(())
+}
+
+/// The guest's RAM: with an image, the payload area plus the range, the image's size.
+fn ram_bytes(image: Option<&QemuImage>, mem: u64) -> crate::Result<u64> {
+    Ok(match image {
+        Some(i) => {
+            if i.range_bytes != mem {
+                return Err(format!(
+                    "the QEMU image file holds {} bytes of range, not {mem}",
+                    i.range_bytes
+                )
+                .into());
+            }
+            MIN_RANGE_START + mem
+        }
+        None => mem,
+    })
+}
+
+/// QEMU's arguments common to both sides.
+fn common_args(mem_mib: u64, vcpus: usize, elf: &Path) -> Vec<String> {
+    [
+        "-accel",
+        "kvm",
+        "-cpu",
+        "host,-arch-capabilities",
+        "-m",
+        &format!("{mem_mib}M"),
+        "-smp",
+        &vcpus.to_string(),
+        "-kernel",
+        &elf.to_string_lossy(),
+        "-display",
+        "none",
+        "-nodefaults",
+        "-serial",
+        "none",
+        "-monitor",
+        "none",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+/// RAM: the image file mapped privately (the source), or anonymous memory under the same
+/// name (the destination: migration matches RAM blocks by name).
+fn machine_args(image: Option<&QemuImage>, side: Side, mem_mib: u64) -> Vec<String> {
+    match (image, side) {
+        (None, _) => vec!["-machine".into(), "pc".into()],
+        (Some(i), Side::Source) => vec![
+            "-object".into(),
+            format!(
+                "memory-backend-file,id=ram0,size={mem_mib}M,mem-path={},share=off,\
+                 prealloc=on",
+                i.path.display()
+            ),
+            "-machine".into(),
+            "pc,memory-backend=ram0".into(),
+        ],
+        (Some(_), Side::Destination) => vec![
+            "-object".into(),
+            format!("memory-backend-ram,id=ram0,size={mem_mib}M"),
+            "-machine".into(),
+            "pc,memory-backend=ram0".into(),
+        ],
+    }
+}
+
+/// TLS: the credentials guestmem uses, laid out in `dir` as QEMU's x509 directories want them.
+fn tls_args(channel: Channel, dir: &Path, endpoint: &str) -> Vec<String> {
+    match channel {
+        Channel::Plain => Vec::new(),
+        Channel::Tls => vec![
+            "-object".into(),
+            format!(
+                "tls-creds-x509,id=tls0,dir={},endpoint={endpoint},verify-peer=on",
+                dir.join(endpoint).display()
+            ),
+        ],
+    }
+}
+
+/// How many of the image's sampled words the source guest holds (of how many); most must.
+fn check_image(src: &mut Qemu, i: &QemuImage) -> crate::Result<(usize, usize)> {
+    let mut matched = 0;
+    for &(gpa, word) in &i.samples {
+        let text = src.qmp.hmp(&format!("xp /1gx {gpa:#x}"))?;
+        if parse_xp(&text)?.first() == Some(&word) {
+            matched += 1;
+        }
+    }
+    // The workload may have rewritten a sampled line since it started; most must
+    // still hold the image's words.
+    if matched * 2 < i.samples.len() {
+        return Err(format!(
+            "the QEMU guest does not hold the image: {matched} of {} sampled words match",
+            i.samples.len()
+        )
+        .into());
+    }
+    Ok((matched, i.samples.len()))
+}
+
+/// Waits for the `dirty` workload's first pass over its `range_pages`; `rewrite` has none.
+fn wait_filled(src: &mut Qemu, rewrite: bool, range_pages: u64) -> crate::Result<()> {
+    if rewrite {
+        // No fill: the workload rewrites the image at the rate from the start; let it run.
+        std::thread::sleep(Duration::from_secs(1));
+    } else {
+        let fill_timeout = Duration::from_secs(60) + Duration::from_millis(range_pages / 20);
+        src.wait_for(fill_timeout, "the guest to fill its range", |c| {
+            Ok(c.pages_done >= range_pages)
+        })?;
+    }
+    Ok(())
+}
+
+/// Where the destination listens.
+fn incoming_uri(link: Option<&Link>, booted: Instant) -> crate::Result<String> {
+    Ok(match link {
+        None => format!("tcp:127.0.0.1:{}", free_port()?),
+        // A fresh namespace: any port is free; vary it so that no earlier run's lingering
+        // connections can matter.
+        Some(_) => format!(
+            "tcp:{}:{}",
+            Link::ip(Side::Destination),
+            20000 + std::process::id() % 20000 + (booted.elapsed().subsec_micros() % 1000)
+        ),
+    })
+}
+
+/// Sets both sides' migration capabilities and parameters (multifd, TLS, downtime limit,
+/// bandwidth) and has the destination listen at `incoming`.
+fn set_parameters(
+    src: &mut Qemu,
+    dst: &mut Qemu,
+    config: &Config,
+    incoming: &str,
+) -> crate::Result<()> {
+    if let Some(m) = config.multifd {
+        for q in [&mut src.qmp, &mut dst.qmp] {
+            q.execute(
+                "migrate-set-capabilities",
+                Some(json!({ "capabilities": [{ "capability": "multifd", "state": true }] })),
+            )?;
+            q.execute(
+                "migrate-set-parameters",
+                Some(json!({
+                    "multifd-channels": m.channels,
+                    "multifd-compression": m.compression.name(),
+                })),
+            )?;
+        }
+    }
+    let mut src_params =
+        json!({ "downtime-limit": config.downtime_limit_ms, "max-bandwidth": MAX_BANDWIDTH });
+    if config.channel == Channel::Tls {
+        dst.qmp.execute(
+            "migrate-set-parameters",
+            Some(json!({ "tls-creds": "tls0" })),
+        )?;
+        src_params["tls-creds"] = json!("tls0");
+        // The name in the destination's certificate.
+        src_params["tls-hostname"] = json!(Role::Destination.name());
+    }
+    dst.qmp
+        .execute("migrate-incoming", Some(json!({ "uri": incoming })))?;
+    src.qmp
+        .execute("migrate-set-parameters", Some(src_params))?;
+    Ok(())
+}
+
+/// Polls the source until its migration completes: QEMU's last `query-migrate` and the bytes
+/// sent by the end of the first pass.
+fn wait_completed(
+    src: &mut Qemu,
+    started: Instant,
+    downtime_limit_ms: u64,
+) -> crate::Result<(Value, Option<u64>)> {
+    let mut first_pass_bytes = None;
+    loop {
+        let info = src.qmp.execute("query-migrate", None)?;
+        if first_pass_bytes.is_none() && info["ram"]["dirty-sync-count"].as_u64() >= Some(2) {
+            first_pass_bytes = info["ram"]["transferred"].as_u64();
+        }
+        match info["status"].as_str() {
+            Some("completed") => return Ok((info, first_pass_bytes)),
+            Some("failed") | Some("cancelled") => {
+                return Err(format!(
+                    "QEMU's migration {}: {}",
+                    info["status"].as_str().unwrap_or_default(),
+                    info["error-desc"].as_str().unwrap_or("QEMU gave no reason")
+                )
+                .into())
+            }
+            _ => {}
+        }
+        if started.elapsed() > MIGRATE_TIMEOUT {
+            let remaining = info["ram"]["remaining"].as_u64().unwrap_or(0);
+            let _ = src.qmp.execute("migrate_cancel", None);
+            return Err(format!(
+                "QEMU's pre-copy did not complete in {} s ({} dirty syncs, {remaining} bytes \
+                 remaining, downtime limit {downtime_limit_ms} ms)",
+                MIGRATE_TIMEOUT.as_secs(),
+                info["ram"]["dirty-sync-count"]
+            )
+            .into());
+        }
+        std::thread::sleep(POLL);
+    }
+}
+
+/// The destination guest's rate (pages written per second) once it carries on after the
+/// migration, from its control page `after` the migration.
+fn destination_rate(dst: &mut Qemu, after: &Control, rate: u64) -> crate::Result<f64> {
+    let t0 = Instant::now();
+    let wait = Duration::from_secs_f64(3.0 + 4.0 / rate as f64);
+    let carried_on = dst.wait_for(wait, "the guest to carry on in the destination", |c| {
+        Ok(c.pages_done > after.pages_done)
+    });
+    let status = dst.qmp.execute("query-status", None)?;
+    carried_on.map_err(|e| {
+        format!(
+            "after the migration, the destination guest makes no progress (QEMU status {}): {}",
+            status["status"],
+            guestmem_migration::error_chain(&*e, ": ")
+        )
+    })?;
+    std::thread::sleep(Duration::from_secs(1));
+    let last = dst.control()?;
+    Ok(last.pages_done.saturating_sub(after.pages_done) as f64 / t0.elapsed().as_secs_f64())
 }
 
 /// A memory image laid out for QEMU's guest RAM: a file of the payload area (8 MiB of zeros)

@@ -144,7 +144,7 @@ const LATENCY_DEFINITION: &str = "latency_ms: Snapshot::open to the first change
      pages-done counter (the restored guest ran and wrote a page); ready_ms: Snapshot::open to \
      the restore call returning (vCPU threads enter KVM_RUN next)";
 
-/// The target of a restore into a prepared VM (issue 15): ready within this.
+/// The target of a restore into a prepared VM (warm pool): ready within this.
 const PREPARED_READY_TARGET_MS: f64 = 2.0;
 
 /// The pause before each restore.

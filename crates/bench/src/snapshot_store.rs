@@ -1,4 +1,4 @@
-//! `guestmem bench snapshot`: issue 15's chunk store on a guest started from a captured real
+//! `guestmem bench snapshot`: the chunk store on a guest started from a captured real
 //! memory image. The guest runs the `rewrite` workload over the image for `--run-s` seconds (at
 //! `--dirty-mib-per-s`) and
 //! is snapshotted into a store (a fresh local store, or `--store s3://…|store:…`):
@@ -20,7 +20,8 @@
 //!   store's endpoint, half the round trip each way: this kernel has no `netem`.
 //!
 //! The bench deletes its snapshots afterwards; in a given store their chunks go at its next
-//! `guestmem snapshot gc`. Self-contained: the only hook is the `Snapshot` variant of `guestmem bench`.
+//! `guestmem snapshot gc`. Self-contained: the only hook is the `Snapshot` variant of `guestmem
+//! bench`.
 
 use std::net::ToSocketAddrs;
 use std::path::PathBuf;
@@ -337,18 +338,7 @@ fn bench(
     let runs = args.restore_runs.max(1);
     let mut file_resident_ms = None;
     if lazy {
-        let mut timings = Vec::new();
-        for _ in 0..runs {
-            let t = Instant::now();
-            let snap = Snapshot::open(&flat)?;
-            let LazyVm { mut vm, pagers, .. } =
-                snapshot::restore_lazy(&snap, &PagerConfig::default())?;
-            let ready = t.elapsed();
-            let (first_progress, resident) = run_until_resident(&mut vm, &pagers, t)?;
-            timings.push([ready, first_progress, resident].map(|d| d.as_secs_f64() * 1e3));
-        }
-        let _ = std::fs::remove_dir_all(&flat);
-        let row = RestoreRow::of("file", "lazy", None, &timings, None, None, None);
+        let row = file_lazy_restores(&flat, runs)?;
         file_resident_ms = Some(row.resident_ms);
         restores.push(row);
     }
@@ -372,30 +362,11 @@ fn bench(
                 backend.delete(&working_set_key(&name))?;
             }
             for (k, cache) in kinds.iter().enumerate() {
-                if *cache == Some("cold") {
-                    let _ = std::fs::remove_dir_all(&cache_dir);
-                }
-                let t = Instant::now();
-                let chunk_cache = match cache {
-                    Some(_) => Some(ChunkCache::open(&cache_dir, 64 << 30)?),
-                    None => None,
-                };
-                let snap = StoreSnapshot::open(backend.clone(), &name, chunk_cache)?;
-                let (mut vm, pagers) = if mode == "full" {
-                    (snap.restore_full()?, Vec::new())
-                } else {
-                    let lazy = snap.restore_lazy(&PagerConfig::default())?;
-                    (lazy.vm, lazy.pagers)
-                };
-                let ready = t.elapsed();
-                let (first_progress, resident) = run_until_resident(&mut vm, &pagers, t)?;
-                if mode == "lazy" && snap.working_set()?.is_none() {
-                    snap.record_working_set(&vm, &pagers)?;
-                }
-                installed[k] = Installed::of(&pagers);
-                drop(pagers);
-                timings[k].push([ready, first_progress, resident].map(|d| d.as_secs_f64() * 1e3));
-                fetched[k] = snap.fetcher.stats();
+                let (timing, stats, pagers_installed) =
+                    restore_once(&backend, &name, mode, *cache, &cache_dir)?;
+                installed[k] = pagers_installed;
+                timings[k].push(timing);
+                fetched[k] = stats;
             }
         }
         for (k, cache) in kinds.iter().enumerate() {
@@ -431,6 +402,60 @@ fn bench(
         clones_total_vs_one_ratio: (args.clones > 0).then(|| total as f64 / one as f64),
         restores,
     })
+}
+
+/// `runs` lazy restores of the guest's local snapshot file `flat` (the baseline of the store's
+/// lazy restores), which then goes.
+fn file_lazy_restores(flat: &std::path::Path, runs: usize) -> crate::Result<RestoreRow> {
+    let mut timings = Vec::new();
+    for _ in 0..runs {
+        let t = Instant::now();
+        let snap = Snapshot::open(flat)?;
+        let LazyVm { mut vm, pagers, .. } = snapshot::restore_lazy(&snap, &PagerConfig::default())?;
+        let ready = t.elapsed();
+        let (first_progress, resident) = run_until_resident(&mut vm, &pagers, t)?;
+        timings.push([ready, first_progress, resident].map(|d| d.as_secs_f64() * 1e3));
+    }
+    let _ = std::fs::remove_dir_all(flat);
+    Ok(RestoreRow::of(
+        "file", "lazy", None, &timings, None, None, None,
+    ))
+}
+
+/// One restore of the store's snapshot `name` in `mode`, with a cold or warm chunk cache in
+/// `cache_dir` (or none): its timings (ready, first progress, resident, ms), what it fetched,
+/// and what its pagers installed.
+fn restore_once(
+    backend: &Arc<dyn Backend>,
+    name: &str,
+    mode: &str,
+    cache: Option<&str>,
+    cache_dir: &std::path::Path,
+) -> crate::Result<([f64; 3], FetchStats, Option<Installed>)> {
+    if cache == Some("cold") {
+        let _ = std::fs::remove_dir_all(cache_dir);
+    }
+    let t = Instant::now();
+    let chunk_cache = match cache {
+        Some(_) => Some(ChunkCache::open(cache_dir, 64 << 30)?),
+        None => None,
+    };
+    let snap = StoreSnapshot::open(backend.clone(), name, chunk_cache)?;
+    let (mut vm, pagers) = if mode == "full" {
+        (snap.restore_full()?, Vec::new())
+    } else {
+        let lazy = snap.restore_lazy(&PagerConfig::default())?;
+        (lazy.vm, lazy.pagers)
+    };
+    let ready = t.elapsed();
+    let (first_progress, resident) = run_until_resident(&mut vm, &pagers, t)?;
+    if mode == "lazy" && snap.working_set()?.is_none() {
+        snap.record_working_set(&vm, &pagers)?;
+    }
+    let installed = Installed::of(&pagers);
+    drop(pagers);
+    let timing = [ready, first_progress, resident].map(|d| d.as_secs_f64() * 1e3);
+    Ok((timing, snap.fetcher.stats(), installed))
 }
 
 /// The CPU time (user and system) this process's threads have used so far, in seconds.

@@ -298,36 +298,7 @@ pub fn run_source(
     vm_args.load_image(&vm)?;
     let running = vm.start(work)?;
     std::thread::sleep(after);
-    let bar = show_progress.then(|| {
-        let bar = ProgressBar::new(0);
-        bar.set_style(
-            ProgressStyle::with_template("{spinner} {elapsed_precise} {msg}")
-                .expect("a valid template"),
-        );
-        bar.enable_steady_tick(Duration::from_millis(100));
-        bar
-    });
-    if let Some(bar) = &bar {
-        let bar = bar.clone();
-        opts.progress = Some(Arc::new(move |p: &migrate::Progress| {
-            bar.set_message(format!(
-                "{} round {}: {} MiB sent of {} MiB, dirty {:.1} MiB/s, link {:.0} MiB/s, \
-                 estimated downtime {:.1} ms{}",
-                p.phase,
-                p.round,
-                p.bytes >> 20,
-                p.guest_bytes >> 20,
-                p.dirty_rate_pages_per_s * 4096.0 / (1 << 20) as f64,
-                p.bandwidth_mib_per_s,
-                p.estimated_downtime_ms,
-                if p.throttle_percent > 0 {
-                    format!(", guest throttled {} %", p.throttle_percent)
-                } else {
-                    String::new()
-                }
-            ))
-        }));
-    }
+    let bar = show_progress.then(|| progress_bar(&mut opts));
     let creds = Arc::new(creds);
     let dead_after = seconds(how.dead_after, "--dead-after")?;
     if let Some(control) = control {
@@ -357,61 +328,90 @@ pub fn run_source(
         if let Some(bar) = bar {
             bar.finish_and_clear();
         }
-        match result {
-            Ok(report) => Ok(report),
-            Err(failure) => {
-                let failure = *failure;
-                match failure.vm {
-                    Some(running) => {
-                        let error = guestmem_migration::error_chain(&failure.error, ": ");
-                        eprintln!(
-                            "guestmem: migration failed: {error}; the source VM keeps running"
-                        );
-                        report_source_runs(&running);
-                        running.stop();
-                        let _ = running.wait(Duration::from_secs(10));
-                        Err((error, false))
-                    }
-                    None => {
-                        let error = guestmem_migration::error_chain(&failure.error, ": ");
-                        if error.contains(DEAD) || error.contains(UNRESPONSIVE) {
-                            Err((error, true))
-                        } else {
-                            Err((
-                                format!(
-                                    "{error} (the destination had taken the VM over; the source \
-                                     is stopped)"
-                                ),
-                                false,
-                            ))
-                        }
-                    }
-                }
-            }
-        }
+        result.map_err(|failure| send_failure(*failure))
     };
     match outcome {
         Ok(report) => Ok(report),
         Err((error, false)) => Err(error.into()),
-        Err((error, true)) => {
-            // The source VM, paused at the switch-over, holds the pages the dead destination
-            // had not fetched and the vCPU state of that moment: keep them.
-            let kept =
-                std::env::temp_dir().join(format!("guestmem-migrate-{}-kept", std::process::id()));
-            let keeping = match guestmem_snapshot::write(&vm, &kept) {
-                Ok(_) => format!(
-                    "they are kept in the snapshot {} (the source's memory and vCPU state at the \
-                     switch-over; `guestmem restore` can start it)",
-                    kept.display()
-                ),
-                Err(e) => format!(
-                    "keeping them in a snapshot failed ({})",
-                    guestmem_migration::error_chain(&e, ": ")
-                ),
-            };
-            Err(format!("{error}; {keeping}").into())
+        Err((error, true)) => Err(keep_after_dead_destination(&vm, &error).into()),
+    }
+}
+
+/// A spinner showing the migration's progress, fed by `opts.progress`.
+fn progress_bar(opts: &mut SendOptions) -> ProgressBar {
+    let bar = ProgressBar::new(0);
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} {elapsed_precise} {msg}")
+            .expect("a valid template"),
+    );
+    bar.enable_steady_tick(Duration::from_millis(100));
+    let shown = bar.clone();
+    opts.progress = Some(Arc::new(move |p: &migrate::Progress| {
+        shown.set_message(format!(
+            "{} round {}: {} MiB sent of {} MiB, dirty {:.1} MiB/s, link {:.0} MiB/s, \
+             estimated downtime {:.1} ms{}",
+            p.phase,
+            p.round,
+            p.bytes >> 20,
+            p.guest_bytes >> 20,
+            p.dirty_rate_pages_per_s * 4096.0 / (1 << 20) as f64,
+            p.bandwidth_mib_per_s,
+            p.estimated_downtime_ms,
+            if p.throttle_percent > 0 {
+                format!(", guest throttled {} %", p.throttle_percent)
+            } else {
+                String::new()
+            }
+        ))
+    }));
+    bar
+}
+
+/// A failed send: its error, and whether the destination was taken for dead. A source VM
+/// still running is shown to run on, then stopped.
+fn send_failure(failure: migrate::Failure<'_>) -> (String, bool) {
+    match failure.vm {
+        Some(running) => {
+            let error = guestmem_migration::error_chain(&failure.error, ": ");
+            eprintln!("guestmem: migration failed: {error}; the source VM keeps running");
+            report_source_runs(&running);
+            running.stop();
+            let _ = running.wait(Duration::from_secs(10));
+            (error, false)
+        }
+        None => {
+            let error = guestmem_migration::error_chain(&failure.error, ": ");
+            if error.contains(DEAD) || error.contains(UNRESPONSIVE) {
+                (error, true)
+            } else {
+                (
+                    format!(
+                        "{error} (the destination had taken the VM over; the source is stopped)"
+                    ),
+                    false,
+                )
+            }
         }
     }
+}
+
+/// The error of a migration whose destination was taken for dead, after keeping the source
+/// VM in a snapshot: paused at the switch-over, it holds the pages the dead destination had not
+/// fetched and the vCPU state of that moment.
+fn keep_after_dead_destination(vm: &Vm, error: &str) -> String {
+    let kept = std::env::temp_dir().join(format!("guestmem-migrate-{}-kept", std::process::id()));
+    let keeping = match guestmem_snapshot::write(vm, &kept) {
+        Ok(_) => format!(
+            "they are kept in the snapshot {} (the source's memory and vCPU state at the \
+             switch-over; `guestmem restore` can start it)",
+            kept.display()
+        ),
+        Err(e) => format!(
+            "keeping them in a snapshot failed ({})",
+            guestmem_migration::error_chain(&e, ": ")
+        ),
+    };
+    format!("{error}; {keeping}")
 }
 
 /// Shows that the source VM runs on after a failed migration: the pages its guest wrote in
@@ -464,41 +464,13 @@ fn wait_for_resume(
     );
     let broke = Instant::now();
     let mut refused_since: Option<Instant> = None;
-    let split = "The guest's state is split between the destination, which had its vCPUs and the \
-                 pages it had fetched, and this source, which holds every page the destination \
-                 had not fetched and the VM state at the switch-over";
     let mut last_try: Option<Instant> = None;
     loop {
         match listener.accept() {
             Ok((stream, _)) => {
-                let _ = stream.set_nonblocking(false);
-                let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
-                let mut line = String::new();
-                let mut reader = BufReader::new(&stream);
-                if reader.read_line(&mut line).is_err() {
-                    continue;
-                }
-                let endpoint = match line.trim() {
-                    "" => Ok(to.clone()),
-                    other => other.parse::<Endpoint>(),
-                };
-                let outcome = endpoint
-                    .map_err(guestmem_migration::Error::from)
-                    .and_then(|ep| resume.connect(&ep, creds).map(|links| (links, ep)));
-                let mut stream = &stream;
-                match outcome {
-                    Ok((links, ep)) => {
-                        let _ = writeln!(stream, "reconnected to {ep}; post-copy goes on");
-                        let _ = std::fs::remove_file(control);
-                        return Ok(links);
-                    }
-                    Err(e) => {
-                        let _ = writeln!(
-                            stream,
-                            "error: {}",
-                            guestmem_migration::error_chain(&e, ": ")
-                        );
-                    }
+                if let Some(links) = resume_as_asked(&stream, resume, to, creds) {
+                    let _ = std::fs::remove_file(control);
+                    return Ok(links);
                 }
                 continue;
             }
@@ -507,54 +479,114 @@ fn wait_for_resume(
         }
         if last_try.is_none_or(|t| t.elapsed() >= Duration::from_secs(1)) {
             last_try = Some(Instant::now());
-            match resume.connect(to, creds) {
-                Ok(links) => {
-                    eprintln!("guestmem: reconnected to {to}; post-copy goes on");
-                    let _ = std::fs::remove_file(control);
-                    return Ok(links);
-                }
-                Err(e)
-                    if e.is_unreachable()
-                        || guestmem_migration::error_chain(&e, ": ").contains("is not running") =>
-                {
-                    let e = guestmem_migration::error_chain(&e, ": ");
-                    let since = *refused_since.get_or_insert_with(Instant::now);
-                    if since.elapsed() >= dead_after {
-                        let _ = std::fs::remove_file(control);
-                        return Err(MigrationError::Dead {
-                            reason: format!(
-                                "{DEAD}: nothing has listened at {to} for {:.0} s since the \
-                                 post-copy link broke {:.0} s ago ({}; last attempt: {e}). \
-                                 {split}",
-                                since.elapsed().as_secs_f64(),
-                                broke.elapsed().as_secs_f64(),
-                                resume.reason
-                            ),
-                        }
-                        .into());
-                    }
-                }
-                Err(e) => {
-                    refused_since = None;
-                    let e = guestmem_migration::error_chain(&e, ": ");
-                    tracing::info!("reconnecting to {to}: {e}");
-                    if broke.elapsed() >= 2 * dead_after {
-                        let _ = std::fs::remove_file(control);
-                        return Err(MigrationError::Dead {
-                            reason: format!(
-                                "{UNRESPONSIVE}: no reconnection to {to} succeeded in the {:.0} \
-                                 s since the post-copy link broke ({}; last attempt: {e}). \
-                                 {split}",
-                                broke.elapsed().as_secs_f64(),
-                                resume.reason
-                            ),
-                        }
-                        .into());
-                    }
-                }
+            let attempt = reconnect(resume, to, creds, dead_after, broke, &mut refused_since);
+            if let Some(result) = attempt {
+                let _ = std::fs::remove_file(control);
+                return result;
             }
         }
         std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// What the error of a destination taken for dead says of where the guest's state is.
+const SPLIT: &str = "The guest's state is split between the destination, which had its vCPUs \
+                     and the pages it had fetched, and this source, which holds every page the \
+                     destination had not fetched and the VM state at the switch-over";
+
+/// Serves one `guestmem migrate resume` on the control socket: reconnects where its line says
+/// (`to` when empty) and answers how that went. The links, when it worked.
+fn resume_as_asked(
+    stream: &UnixStream,
+    resume: &migrate::Resume,
+    to: &Endpoint,
+    creds: &Credentials,
+) -> Option<Links> {
+    let _ = stream.set_nonblocking(false);
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
+    let mut line = String::new();
+    let mut reader = BufReader::new(stream);
+    if reader.read_line(&mut line).is_err() {
+        return None;
+    }
+    let endpoint = match line.trim() {
+        "" => Ok(to.clone()),
+        other => other.parse::<Endpoint>(),
+    };
+    let outcome = endpoint
+        .map_err(guestmem_migration::Error::from)
+        .and_then(|ep| resume.connect(&ep, creds).map(|links| (links, ep)));
+    let mut stream = stream;
+    match outcome {
+        Ok((links, ep)) => {
+            let _ = writeln!(stream, "reconnected to {ep}; post-copy goes on");
+            Some(links)
+        }
+        Err(e) => {
+            let _ = writeln!(
+                stream,
+                "error: {}",
+                guestmem_migration::error_chain(&e, ": ")
+            );
+            None
+        }
+    }
+}
+
+/// One attempt to reconnect to `to`: the links, the error of a destination taken for dead
+/// (nothing listened at `to` for `dead_after`, tracked in `refused_since`) or given up as
+/// unresponsive (no reconnection in twice `dead_after` since the link `broke`), or `None` to
+/// try again.
+fn reconnect(
+    resume: &migrate::Resume,
+    to: &Endpoint,
+    creds: &Credentials,
+    dead_after: Duration,
+    broke: Instant,
+    refused_since: &mut Option<Instant>,
+) -> Option<guestmem_migration::Result<Links>> {
+    match resume.connect(to, creds) {
+        Ok(links) => {
+            eprintln!("guestmem: reconnected to {to}; post-copy goes on");
+            Some(Ok(links))
+        }
+        Err(e)
+            if e.is_unreachable()
+                || guestmem_migration::error_chain(&e, ": ").contains("is not running") =>
+        {
+            let e = guestmem_migration::error_chain(&e, ": ");
+            let since = *refused_since.get_or_insert_with(Instant::now);
+            (since.elapsed() >= dead_after).then(|| {
+                Err(MigrationError::Dead {
+                    reason: format!(
+                        "{DEAD}: nothing has listened at {to} for {:.0} s since the \
+                         post-copy link broke {:.0} s ago ({}; last attempt: {e}). \
+                         {SPLIT}",
+                        since.elapsed().as_secs_f64(),
+                        broke.elapsed().as_secs_f64(),
+                        resume.reason
+                    ),
+                }
+                .into())
+            })
+        }
+        Err(e) => {
+            *refused_since = None;
+            let e = guestmem_migration::error_chain(&e, ": ");
+            tracing::info!("reconnecting to {to}: {e}");
+            (broke.elapsed() >= 2 * dead_after).then(|| {
+                Err(MigrationError::Dead {
+                    reason: format!(
+                        "{UNRESPONSIVE}: no reconnection to {to} succeeded in the {:.0} \
+                         s since the post-copy link broke ({}; last attempt: {e}). \
+                         {SPLIT}",
+                        broke.elapsed().as_secs_f64(),
+                        resume.reason
+                    ),
+                }
+                .into())
+            })
+        }
     }
 }
 
@@ -668,7 +700,20 @@ pub fn print_report(report: &Report, json: bool, plot: Option<&Path>) -> crate::
         println!("{}", serde_json::to_string_pretty(report)?);
         return Ok(());
     }
-    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    print_header(report);
+    print_traffic(report);
+    print_rounds(report);
+    print_postcopy(report);
+    Ok(())
+}
+
+/// Mebibytes in `b` bytes.
+fn mib(b: u64) -> f64 {
+    b as f64 / (1 << 20) as f64
+}
+
+/// The report's first lines: the migration's mode, size, total time and downtime.
+fn print_header(report: &Report) {
     println!(
         "migration ({}, {} connection{}, dirty tracking {}): {:.0} MiB guest",
         report.mode,
@@ -698,6 +743,10 @@ pub fn print_report(report: &Report, json: bool, plot: Option<&Path>) -> crate::
             String::new()
         }
     );
+}
+
+/// What went over the links: compression, zstd streams, the delta cache, bytes and pages.
+fn print_traffic(report: &Report) {
     let c = &report.compression;
     if c.lz4_frames + c.zstd_frames > 0 {
         println!(
@@ -755,6 +804,10 @@ pub fn print_report(report: &Report, json: bool, plot: Option<&Path>) -> crate::
             String::new()
         }
     );
+}
+
+/// One line per round (a table).
+fn print_rounds(report: &Report) {
     println!(
         "  round  start ms       ms     pages      zero      MiB  wire MiB  dirty after    MiB/s  throttle"
     );
@@ -773,6 +826,10 @@ pub fn print_report(report: &Report, json: bool, plot: Option<&Path>) -> crate::
             r.throttle_percent
         );
     }
+}
+
+/// Post-copy's requests, faults and link breaks, and the source's memory for the migration.
+fn print_postcopy(report: &Report) {
     if report.mode != Mode::Precopy {
         print!(
             "  post-copy: {} requests served, {:.1} MiB, all resident after {:.1} ms",
@@ -799,7 +856,6 @@ pub fn print_report(report: &Report, json: bool, plot: Option<&Path>) -> crate::
         mib(report.source_extra_bytes),
         report.source_extra_bytes as f64 * 100.0 / report.guest_bytes.max(1) as f64
     );
-    Ok(())
 }
 
 /// Dirty pages (bars) and bandwidth (line) per round, over time.

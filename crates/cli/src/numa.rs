@@ -1,5 +1,5 @@
 //! `guestmem numa`: creates a region under a NUMA policy, populates it, and prints where its
-//! pages are, per host node, in seed 004's before/after table shape.
+//! pages are, per host node, in the before/after table shape of guest_memfd NUMA mempolicy.
 
 use std::collections::BTreeMap;
 

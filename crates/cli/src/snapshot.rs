@@ -430,25 +430,7 @@ pub fn restore(args: RestoreArgs) -> crate::Result<()> {
         }
     };
     let restore_ms = t.elapsed().as_secs_f64() * 1e3;
-    // Full and map restores have all memory in place before the guest runs: check it whole.
-    // A lazy restore checks each chunk's CRC-32 as it pages it in.
-    let memory_digests_match = match args.mode {
-        Mode::Lazy => None,
-        Mode::Full | Mode::Map => {
-            let mut all = true;
-            for (region, image) in vm.memory().regions().iter().zip(&snap.manifest().regions) {
-                all &= vm.memory().digest(region.gpa(), region.size())? == image.digest;
-            }
-            Some(all)
-        }
-    };
-    if memory_digests_match == Some(false) {
-        return Err(format!(
-            "{}: restored memory differs from the snapshot's digests; the guest was not resumed",
-            args.dir.display()
-        )
-        .into());
-    }
+    let memory_digests_match = check_digests(&args, &vm, &snap)?;
     let (before, after, resident_ms) =
         run_restored(&mut vm, &pagers, &userfault_pagers, run_for, t)?;
     let working_set =
@@ -477,8 +459,43 @@ pub fn restore(args: RestoreArgs) -> crate::Result<()> {
         pages_at_snapshot_per_vcpu: before,
         pages_after_run_per_vcpu: after,
     };
+    print_restore(&args, &out)?;
+    if !out.guest_continued {
+        return Err("the restored guest did not go on running".into());
+    }
+    Ok(())
+}
+
+/// Whether a full or map restore's memory matches the snapshot's digests (`None` for a lazy
+/// restore, which checks each chunk's CRC-32 as it pages it in); a mismatch is an error, before
+/// the guest is resumed.
+fn check_digests(args: &RestoreArgs, vm: &Vm, snap: &Snapshot) -> crate::Result<Option<bool>> {
+    // Full and map restores have all memory in place before the guest runs: check it whole.
+    // A lazy restore checks each chunk's CRC-32 as it pages it in.
+    let memory_digests_match = match args.mode {
+        Mode::Lazy => None,
+        Mode::Full | Mode::Map => {
+            let mut all = true;
+            for (region, image) in vm.memory().regions().iter().zip(&snap.manifest().regions) {
+                all &= vm.memory().digest(region.gpa(), region.size())? == image.digest;
+            }
+            Some(all)
+        }
+    };
+    if memory_digests_match == Some(false) {
+        return Err(format!(
+            "{}: restored memory differs from the snapshot's digests; the guest was not resumed",
+            args.dir.display()
+        )
+        .into());
+    }
+    Ok(memory_digests_match)
+}
+
+/// Prints a restore's outcome as text (or JSON).
+fn print_restore(args: &RestoreArgs, out: &RestoreOutput) -> crate::Result<()> {
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        println!("{}", serde_json::to_string_pretty(out)?);
     } else {
         println!("restored ({}) in {:.1} ms", out.mode, out.restore_ms);
         match out.memory_digests_match {
@@ -508,9 +525,6 @@ pub fn restore(args: RestoreArgs) -> crate::Result<()> {
             "guest pages written per vCPU: {:?} at the snapshot, {:?} after running {:.1} s",
             out.pages_at_snapshot_per_vcpu, out.pages_after_run_per_vcpu, args.run_for
         );
-    }
-    if !out.guest_continued {
-        return Err("the restored guest did not go on running".into());
     }
     Ok(())
 }

@@ -1,5 +1,5 @@
 //! A cache of host mappings for the VMM's device accesses: the userspace counterpart of KVM's
-//! `gfn_to_pfn_cache` (seed 002).
+//! `gfn_to_pfn_cache` (the mapping cache).
 //!
 //! A [`CachedMapping`] covers one guest physical range (a virtqueue, a status page, a clock
 //! page). It keeps the host pointer of that range and the slot generation it was checked at, and

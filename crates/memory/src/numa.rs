@@ -1,12 +1,13 @@
-//! NUMA placement of a region's pages by policy (seed 004): `default`, `bind`, `interleave` or
-//! `preferred` over a list of host nodes, in force before the region's first page is allocated.
+//! NUMA placement of a region's pages by policy (guest_memfd NUMA mempolicy): `default`, `bind`,
+//! `interleave` or `preferred` over a list of host nodes, in force before the region's first page
+//! is allocated.
 //!
 //! - anon, memfd, hugetlbfs: `mbind` on the mapping (memfd and hugetlbfs keep it as the file's
 //!   shared policy).
-//! - guest_memfd: `mbind` on the mapping too, which is enough where the kernel has seed 004's
-//!   shared policy (found by trying: a second mapping of the fd reports the policy). Otherwise
-//!   the policy stays with that one mapping and does not steer allocation, so the pages are
-//!   allocated up front (`fallocate(KEEP_SIZE)`) by a thread that carries the policy
+//! - guest_memfd: `mbind` on the mapping too, which is enough where the kernel has guest_memfd
+//!   NUMA mempolicy's shared policy (found by trying: a second mapping of the fd reports the
+//!   policy). Otherwise the policy stays with that one mapping and does not steer allocation, so
+//!   the pages are allocated up front (`fallocate(KEEP_SIZE)`) by a thread that carries the policy
 //!   (`set_mempolicy`), and population threads carry it as well.
 
 use std::collections::BTreeMap;
@@ -221,7 +222,8 @@ pub(crate) fn apply(
         tracing::debug!(region = %spec.name, "guest_memfd keeps the policy as a shared policy");
         return Ok(());
     }
-    // The kernel lacks seed 004: allocate every page now, from a thread that carries the policy.
+    // The kernel lacks guest_memfd NUMA mempolicy: allocate every page now, from a thread that
+    // carries the policy.
     let raw = fd.as_raw_fd();
     let size = spec.size;
     std::thread::scope(|s| {
@@ -246,7 +248,8 @@ pub(crate) fn apply(
     Ok(())
 }
 
-/// Whether a second mapping of the guest_memfd reports `policy` (seed 004's shared policy).
+/// Whether a second mapping of the guest_memfd reports `policy` (guest_memfd NUMA mempolicy's
+/// shared policy).
 fn gmem_has_shared_policy(
     spec: &RegionSpec,
     fd: &std::os::fd::OwnedFd,

@@ -1,7 +1,7 @@
 //! Population: filling a region range from a source (a byte slice or an fd) on the critical path
 //! of every VM start, by the fastest mechanism the kernel and backend offer.
 //!
-//! - guest_memfd with `write()` (seed 000): `pwrite` on the fd, no host page tables at all. Found
+//! - guest_memfd with `write()`: `pwrite` on the fd, no host page tables at all. Found
 //!   by trying it on the region's own fd (an errno means "not here", never a flag number).
 //! - memfd: `pwrite`, split across threads (the kernel copies into the page cache; no host page
 //!   tables are built).
@@ -55,7 +55,7 @@ impl<'a> Source<'a> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Method {
-    /// `pwrite` on a guest_memfd created with write support (seed 000).
+    /// `pwrite` on a guest_memfd created with write support (guest_memfd write()).
     GmemWrite,
     /// `pwrite` on the region's memfd.
     Pwrite,
@@ -135,7 +135,7 @@ pub fn populate_with(
     let start = Instant::now();
     check_range(region, offset, len)?;
     let candidates = Method::candidates(region.backend());
-    // The fastest measured here (docs/benchmarks.md, seed 000).
+    // The fastest measured here (docs/benchmarks.md, guest_memfd write()).
     let mut method = method.unwrap_or(match region.backend() {
         Backend::GuestMemfd => Method::GmemWrite,
         Backend::Memfd => Method::Pwrite,

@@ -481,7 +481,7 @@ fn guest_memfd(spec: &RegionSpec, vm: Option<&VmFd>) -> Result<OwnedFd> {
         )));
     }
     let mut flags = wanted;
-    // guest_memfd write() (seed 000) may need a creation flag whose number is not settled: when
+    // guest_memfd write() may need a creation flag whose number is not settled: when
     // the kernel offers flags beyond MMAP|INIT_SHARED, the probe finds (by trying) which one.
     if offered & !wanted != 0 {
         if let Ok(GuestMemfdWrite {

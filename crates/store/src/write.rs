@@ -256,11 +256,13 @@ pub(crate) struct Counts {
 /// buffer, a copy (the guest may be writing its memory: the bytes hashed are the bytes stored).
 pub(crate) type ReadChunk<'a> = &'a (dyn Fn(&Job, &mut [u8]) -> Result<()> + Sync);
 
+/// One job's result: its region, its index, and its hash (`None` for a zero chunk).
+type Placed = (usize, usize, Option<Hash>);
+
 /// Stores `jobs` on `threads` threads, runs of [`PACK_CHUNKS`] at a time, each run's chunks new
 /// to the store (not in `known`, which gains them) as one pack. Each chunk is read with `copy`,
 /// or without it in place from `memory` (the VM is paused). Returns each job's (region, index,
 /// hash; `None` for a zero chunk).
-#[allow(clippy::type_complexity)]
 pub(crate) fn store_jobs(
     backend: &dyn Backend,
     memory: &GuestMemory,
@@ -268,27 +270,28 @@ pub(crate) fn store_jobs(
     known: &Mutex<HashMap<Hash, Option<Stored>>>,
     threads: usize,
     copy: Option<ReadChunk<'_>>,
-) -> Result<(Vec<(usize, usize, Option<Hash>)>, Counts)> {
+) -> Result<(Vec<Placed>, Counts)> {
     let runs: Vec<&[Job]> = jobs.chunks(PACK_CHUNKS).collect();
-
+    let packer = Packer {
+        backend,
+        memory,
+        known,
+        copy,
+        new_chunks: AtomicU64::new(0),
+        new_bytes: AtomicU64::new(0),
+        dedup: AtomicU64::new(0),
+        packs: AtomicU64::new(0),
+    };
     let next = AtomicUsize::new(0);
     let failed = AtomicBool::new(false);
     let first_error: Mutex<Option<Error>> = Mutex::new(None);
-    let results: Mutex<Vec<(usize, usize, Option<Hash>)>> = Mutex::new(Vec::new());
-    let (new_chunks, new_bytes, dedup, packs) = (
-        AtomicU64::new(0),
-        AtomicU64::new(0),
-        AtomicU64::new(0),
-        AtomicU64::new(0),
-    );
+    let results: Mutex<Vec<Placed>> = Mutex::new(Vec::new());
     std::thread::scope(|s| {
         for _ in 0..threads {
             s.spawn(|| {
                 let mut compressor =
                     zstd::bulk::Compressor::new(ZSTD_LEVEL).expect("a zstd compressor");
                 let mut mine = Vec::new();
-                // One run: its chunks hashed and, those new to the store, compressed into one
-                // pack, put when the run is done.
                 let mut copied = vec![
                     0u8;
                     if copy.is_some() {
@@ -297,78 +300,10 @@ pub(crate) fn store_jobs(
                         0
                     }
                 ];
-                let mut run = |run: &[Job],
-                               c: &mut zstd::bulk::Compressor<'_>,
-                               mine: &mut Vec<(usize, usize, Option<Hash>)>|
-                 -> Result<()> {
-                    let mut pack = Vec::new();
-                    let mut placed: Vec<(Hash, u64, u64)> = Vec::new();
-                    for job in run {
-                        let bytes = if let Some(read) = copy {
-                            read(job, &mut copied[..job.len])?;
-                            &copied[..job.len]
-                        } else {
-                            // SAFETY: the VM is paused (holding `&Vm` proves no vCPU of
-                            // guestmem's VM runs, and it has no other thread writing its
-                            // memory; `write_machine`'s caller paused its machine and
-                            // devices); the chunk is read in place (zero check, hash,
-                            // compression), not copied.
-                            unsafe { memory.bytes(job.gpa, job.len as u64) }?
-                        };
-                        if chunk::is_zero(bytes) {
-                            mine.push((job.region, job.index, None));
-                            continue;
-                        }
-                        let h = chunk::hash(bytes);
-                        mine.push((job.region, job.index, Some(h)));
-                        let claimed = {
-                            let mut k = known.lock().expect("not poisoned");
-                            match k.entry(h) {
-                                std::collections::hash_map::Entry::Occupied(_) => false,
-                                std::collections::hash_map::Entry::Vacant(v) => {
-                                    v.insert(None);
-                                    true
-                                }
-                            }
-                        };
-                        if !claimed {
-                            dedup.fetch_add(1, Ordering::Relaxed);
-                            continue;
-                        }
-                        let stored = chunk::encode(c, bytes);
-                        placed.push((h, pack.len() as u64, stored.len() as u64));
-                        pack.extend_from_slice(&stored);
-                    }
-                    if placed.is_empty() {
-                        return Ok(());
-                    }
-                    // The pack's id names its contents: the hashes of its chunks, in order.
-                    let mut id = blake3::Hasher::new();
-                    for (h, _, _) in &placed {
-                        id.update(h);
-                    }
-                    let id = *id.finalize().as_bytes();
-                    backend.put_chunk(&chunk::pack_key(&id), &pack)?;
-                    packs.fetch_add(1, Ordering::Relaxed);
-                    new_chunks.fetch_add(placed.len() as u64, Ordering::Relaxed);
-                    new_bytes.fetch_add(pack.len() as u64, Ordering::Relaxed);
-                    let mut k = known.lock().expect("not poisoned");
-                    for (hash, offset, stored) in placed {
-                        k.insert(
-                            hash,
-                            Some(Stored {
-                                hash,
-                                stored,
-                                loc: Loc::Pack { id, offset },
-                            }),
-                        );
-                    }
-                    Ok(())
-                };
                 while !failed.load(Ordering::Relaxed) {
                     let i = next.fetch_add(1, Ordering::Relaxed);
                     let Some(r) = runs.get(i) else { break };
-                    if let Err(e) = run(r, &mut compressor, &mut mine) {
+                    if let Err(e) = packer.run(r, &mut compressor, &mut copied, &mut mine) {
                         failed.store(true, Ordering::Relaxed);
                         first_error.lock().expect("not poisoned").get_or_insert(e);
                         break;
@@ -382,12 +317,110 @@ pub(crate) fn store_jobs(
         return Err(e);
     }
     let counts = Counts {
-        new_chunks: new_chunks.into_inner(),
-        new_bytes: new_bytes.into_inner(),
-        dedup: dedup.into_inner(),
-        packs: packs.into_inner(),
+        new_chunks: packer.new_chunks.into_inner(),
+        new_bytes: packer.new_bytes.into_inner(),
+        dedup: packer.dedup.into_inner(),
+        packs: packer.packs.into_inner(),
     };
     Ok((results.into_inner().expect("not poisoned"), counts))
+}
+
+/// What [`store_jobs`]'s threads share: where chunks come from and go, and the counts.
+struct Packer<'a> {
+    backend: &'a dyn Backend,
+    memory: &'a GuestMemory,
+    known: &'a Mutex<HashMap<Hash, Option<Stored>>>,
+    copy: Option<ReadChunk<'a>>,
+    new_chunks: AtomicU64,
+    new_bytes: AtomicU64,
+    dedup: AtomicU64,
+    packs: AtomicU64,
+}
+
+impl Packer<'_> {
+    /// One run: its chunks hashed (into `mine`) and, those new to the store, compressed into
+    /// one pack, put when the run is done. `copied` is the buffer a chunk is copied into.
+    fn run(
+        &self,
+        run: &[Job],
+        c: &mut zstd::bulk::Compressor<'_>,
+        copied: &mut [u8],
+        mine: &mut Vec<Placed>,
+    ) -> Result<()> {
+        let mut pack = Vec::new();
+        let mut placed: Vec<(Hash, u64, u64)> = Vec::new();
+        for job in run {
+            let bytes = if let Some(read) = self.copy {
+                read(job, &mut copied[..job.len])?;
+                &copied[..job.len]
+            } else {
+                // SAFETY: the VM is paused (holding `&Vm` proves no vCPU of
+                // guestmem's VM runs, and it has no other thread writing its
+                // memory; `write_machine`'s caller paused its machine and
+                // devices); the chunk is read in place (zero check, hash,
+                // compression), not copied.
+                unsafe { self.memory.bytes(job.gpa, job.len as u64) }?
+            };
+            if chunk::is_zero(bytes) {
+                mine.push((job.region, job.index, None));
+                continue;
+            }
+            let h = chunk::hash(bytes);
+            mine.push((job.region, job.index, Some(h)));
+            if !self.claim(h) {
+                self.dedup.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            let stored = chunk::encode(c, bytes);
+            placed.push((h, pack.len() as u64, stored.len() as u64));
+            pack.extend_from_slice(&stored);
+        }
+        if placed.is_empty() {
+            return Ok(());
+        }
+        self.put_pack(&pack, placed)
+    }
+
+    /// Whether this thread is the first to store `h` (it is then known, not yet stored).
+    fn claim(&self, h: Hash) -> bool {
+        let mut k = self.known.lock().expect("not poisoned");
+        match k.entry(h) {
+            std::collections::hash_map::Entry::Occupied(_) => false,
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(None);
+                true
+            }
+        }
+    }
+
+    /// Puts `pack`, whose chunks are `placed` (hash, offset, stored length), and records where
+    /// each of them is.
+    fn put_pack(&self, pack: &[u8], placed: Vec<(Hash, u64, u64)>) -> Result<()> {
+        // The pack's id names its contents: the hashes of its chunks, in order.
+        let mut id = blake3::Hasher::new();
+        for (h, _, _) in &placed {
+            id.update(h);
+        }
+        let id = *id.finalize().as_bytes();
+        self.backend.put_chunk(&chunk::pack_key(&id), pack)?;
+        self.packs.fetch_add(1, Ordering::Relaxed);
+        self.new_chunks
+            .fetch_add(placed.len() as u64, Ordering::Relaxed);
+        self.new_bytes
+            .fetch_add(pack.len() as u64, Ordering::Relaxed);
+        let mut k = self.known.lock().expect("not poisoned");
+        for (hash, offset, stored) in placed {
+            k.insert(
+                hash,
+                Some(Stored {
+                    hash,
+                    stored,
+                    loc: Loc::Pack { id, offset },
+                }),
+            );
+        }
+        Ok(())
+    }
 }
 
 /// How a diff `name` of a VM of `config` names its base `base_name` (of the same store and

@@ -1,5 +1,6 @@
 //! Dirty-page tracking over all of a VM's memslots, at a cost that follows the dirty pages rather
-//! than the memory size (seed 003's goal, reached with today's kernel interfaces).
+//! than the memory size (the goal of O(1) write-protect-all dirty tracking, reached with today's
+//! kernel interfaces).
 //!
 //! Three modes ([`Mode::best`] prefers manual, then ring, then bitmap; see its note):
 //! - [`Mode::Ring`]: per-vCPU dirty rings, collected while the vCPUs run, then

@@ -25,149 +25,174 @@ impl Shared {
         }
         let uffd = &self.uffds[shard];
         let (start, len) = self.byte_range(chunks);
-        if self.mode == Mode::Copy && self.page == 4096 && self.source.is_zero(start, len) {
-            // SAFETY: the range is the chunk, inside the registered region.
-            let zeroed = unsafe {
-                uffd.zeropage(
-                    (self.host + start as usize) as *mut libc::c_void,
-                    len as usize,
-                    true,
-                )
-            };
-            // Partly populated (EEXIST) or changing: the copy below handles those cases.
-            if matches!(zeroed, Ok(n) if n as u64 == len) {
-                return Ok(true);
-            }
+        if self.mode == Mode::Copy
+            && self.page == 4096
+            && self.source.is_zero(start, len)
+            && self.zero_chunk(uffd, start, len)
+        {
+            return Ok(true);
         }
         match self.mode {
-            Mode::Copy if self.source.mapped().is_some() => {
-                let src = self.source.mapped().expect("checked");
-                // SAFETY: the pager checked that the source holds at least the region's size.
-                let src = unsafe { src.add(start as usize) };
-                // Map the chunk's source pages in one call rather than one fault each inside
-                // the copy (the source stays lazy: only this chunk is read).
-                // SAFETY: advice on the source's own read-only mapping; it changes nothing.
-                unsafe {
-                    libc::madvise(
-                        src as *mut libc::c_void,
-                        len as usize,
-                        libc::MADV_POPULATE_READ,
-                    )
-                };
-                let copied = self.copy(uffd, src, start, len).map_err(|e| match e {
-                    e @ Error::Released { .. } => e,
-                    e => Error::SourceFailed {
-                        region: self.region.clone(),
-                        gpa: self.gpa + start,
-                        len,
-                        attempts: 1,
-                        source: io::Error::other(e),
-                    },
-                })?;
-                if copied {
-                    uffd.wake(
-                        (self.host + start as usize) as *mut libc::c_void,
-                        len as usize,
-                    )
-                    .map_err(|e| self.uffd_error("UFFDIO_WAKE", e))?;
-                }
-                Ok(copied)
-            }
-            Mode::Copy => {
-                // A background run is fetched as one request (up to BACKGROUND_BOUNCE_MAX):
-                // pieces of the fault-sized bounce would each be a round trip.
-                let size = match by {
-                    By::Background => len.min(BACKGROUND_BOUNCE_MAX).max(self.bounce),
-                    _ => self.bounce,
-                } as usize;
-                bounce.grow_to(size);
-                // The chunk is fetched as one range and copied in as its pieces arrive.
-                let mut copied = Ok(true);
-                self.fetch(start, len, &mut bounce[..size], by, &mut |off, piece| {
-                    copied = self.copy(uffd, piece.as_ptr(), off, piece.len() as u64);
-                    matches!(copied, Ok(true))
-                })?;
-                if !copied? {
-                    return Ok(false);
-                }
-                uffd.wake(
-                    (self.host + start as usize) as *mut libc::c_void,
-                    len as usize,
-                )
-                .map_err(|e| self.uffd_error("UFFDIO_WAKE", e))?;
-                Ok(true)
-            }
+            Mode::Copy if self.source.mapped().is_some() => self.copy_mapped(uffd, start, len),
+            Mode::Copy => self.copy_fetched(uffd, start, len, bounce, by),
             Mode::Continue if self.source.mapped().is_some() => {
-                let src = self.source.mapped().expect("checked");
-                let mut done = 0u64;
-                while done < len {
-                    // SAFETY: the pager checked that the source holds at least the region's
-                    // size; `pwrite` reads `len - done` bytes of it into the memfd's page cache
-                    // at the chunk's offset (whole pages: nothing is zeroed first). No one else
-                    // writes the chunk while we hold it in FETCHING.
-                    let n = unsafe {
-                        libc::pwrite(
-                            self.memfd,
-                            src.add((start + done) as usize).cast(),
-                            (len - done) as usize,
-                            (start + done) as libc::off_t,
-                        )
-                    };
-                    if n <= 0 {
-                        let e = io::Error::last_os_error();
-                        if n < 0 && e.kind() == io::ErrorKind::Interrupted {
-                            continue;
-                        }
-                        return Err(Error::SourceFailed {
-                            region: self.region.clone(),
-                            gpa: self.gpa + start + done,
-                            len: len - done,
-                            attempts: 1,
-                            source: e,
-                        });
-                    }
-                    done += n as u64;
-                }
-                self.map_page_cache(uffd, start, len)
+                self.continue_mapped(uffd, start, len)
             }
             Mode::Shared => unreachable!("served by install_shared"),
-            Mode::Continue => {
-                // SAFETY: the chunk lies inside the alias mapping, and no one else writes it
-                // while we hold it in FETCHING (the guest's mapping of it is not populated yet,
-                // so the guest cannot reach these pages).
-                let dst = unsafe {
-                    std::slice::from_raw_parts_mut(
-                        (self.alias + start as usize) as *mut u8,
-                        len as usize,
-                    )
-                };
-                // Allocate the chunk's page-cache pages in one call rather than one fault each.
-                // SAFETY: advice on our own alias mapping; it changes no contents.
-                unsafe {
-                    libc::madvise(
-                        dst.as_mut_ptr().cast(),
-                        dst.len(),
-                        libc::MADV_POPULATE_WRITE,
-                    )
-                };
-                // A source may hand its pieces from its own buffers (the chunk store does):
-                // each piece lands at its place in the alias unless it is already there.
-                let alias = dst.as_mut_ptr();
-                self.fetch(start, len, dst, by, &mut |at, piece| {
-                    // SAFETY: the source hands pieces inside `[start, start + len)`, so
-                    // `at - start + piece.len() <= len` bytes fit the chunk's alias range;
-                    // `copy` allows the piece to overlap it (a source filling `dst` itself).
-                    unsafe {
-                        let to = alias.add((at - start) as usize);
-                        if !std::ptr::eq(to, piece.as_ptr()) {
-                            std::ptr::copy(piece.as_ptr(), to, piece.len());
-                        }
-                    }
-                    true
-                })?;
-                self.map_page_cache(uffd, start, len)
-            }
+            Mode::Continue => self.continue_fetched(uffd, start, len, by),
         }
+    }
+
+    /// Maps zero pages over a chunk the source says is all zeros; false when it was partly
+    /// populated (EEXIST) or changing: the copy handles those cases.
+    fn zero_chunk(&self, uffd: &Uffd, start: u64, len: u64) -> bool {
+        // SAFETY: the range is the chunk, inside the registered region.
+        let zeroed = unsafe {
+            uffd.zeropage(
+                (self.host + start as usize) as *mut libc::c_void,
+                len as usize,
+                true,
+            )
+        };
+        matches!(zeroed, Ok(n) if n as u64 == len)
+    }
+
+    /// `UFFDIO_COPY` of a chunk straight from a mapped source.
+    fn copy_mapped(&self, uffd: &Uffd, start: u64, len: u64) -> Result<bool> {
+        let src = self.source.mapped().expect("checked");
+        // SAFETY: the pager checked that the source holds at least the region's size.
+        let src = unsafe { src.add(start as usize) };
+        // Map the chunk's source pages in one call rather than one fault each inside
+        // the copy (the source stays lazy: only this chunk is read).
+        // SAFETY: advice on the source's own read-only mapping; it changes nothing.
+        unsafe {
+            libc::madvise(
+                src as *mut libc::c_void,
+                len as usize,
+                libc::MADV_POPULATE_READ,
+            )
+        };
+        let copied = self.copy(uffd, src, start, len).map_err(|e| match e {
+            e @ Error::Released { .. } => e,
+            e => Error::SourceFailed {
+                region: self.region.clone(),
+                gpa: self.gpa + start,
+                len,
+                attempts: 1,
+                source: io::Error::other(e),
+            },
+        })?;
+        if copied {
+            uffd.wake(
+                (self.host + start as usize) as *mut libc::c_void,
+                len as usize,
+            )
+            .map_err(|e| self.uffd_error("UFFDIO_WAKE", e))?;
+        }
+        Ok(copied)
+    }
+
+    /// `UFFDIO_COPY` of a chunk fetched from the source through the bounce buffer.
+    fn copy_fetched(
+        &self,
+        uffd: &Uffd,
+        start: u64,
+        len: u64,
+        bounce: &mut PageBuf,
+        by: By,
+    ) -> Result<bool> {
+        // A background run is fetched as one request (up to BACKGROUND_BOUNCE_MAX):
+        // pieces of the fault-sized bounce would each be a round trip.
+        let size = match by {
+            By::Background => len.min(BACKGROUND_BOUNCE_MAX).max(self.bounce),
+            _ => self.bounce,
+        } as usize;
+        bounce.grow_to(size);
+        // The chunk is fetched as one range and copied in as its pieces arrive.
+        let mut copied = Ok(true);
+        self.fetch(start, len, &mut bounce[..size], by, &mut |off, piece| {
+            copied = self.copy(uffd, piece.as_ptr(), off, piece.len() as u64);
+            matches!(copied, Ok(true))
+        })?;
+        if !copied? {
+            return Ok(false);
+        }
+        uffd.wake(
+            (self.host + start as usize) as *mut libc::c_void,
+            len as usize,
+        )
+        .map_err(|e| self.uffd_error("UFFDIO_WAKE", e))?;
+        Ok(true)
+    }
+
+    /// Fills a memfd chunk's page cache from a mapped source with `pwrite`, then maps it.
+    fn continue_mapped(&self, uffd: &Uffd, start: u64, len: u64) -> Result<bool> {
+        let src = self.source.mapped().expect("checked");
+        let mut done = 0u64;
+        while done < len {
+            // SAFETY: the pager checked that the source holds at least the region's
+            // size; `pwrite` reads `len - done` bytes of it into the memfd's page cache
+            // at the chunk's offset (whole pages: nothing is zeroed first). No one else
+            // writes the chunk while we hold it in FETCHING.
+            let n = unsafe {
+                libc::pwrite(
+                    self.memfd,
+                    src.add((start + done) as usize).cast(),
+                    (len - done) as usize,
+                    (start + done) as libc::off_t,
+                )
+            };
+            if n <= 0 {
+                let e = io::Error::last_os_error();
+                if n < 0 && e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(Error::SourceFailed {
+                    region: self.region.clone(),
+                    gpa: self.gpa + start + done,
+                    len: len - done,
+                    attempts: 1,
+                    source: e,
+                });
+            }
+            done += n as u64;
+        }
+        self.map_page_cache(uffd, start, len)
+    }
+
+    /// Fills a memfd chunk's page cache from the source through the alias, then maps it.
+    fn continue_fetched(&self, uffd: &Uffd, start: u64, len: u64, by: By) -> Result<bool> {
+        // SAFETY: the chunk lies inside the alias mapping, and no one else writes it
+        // while we hold it in FETCHING (the guest's mapping of it is not populated yet,
+        // so the guest cannot reach these pages).
+        let dst = unsafe {
+            std::slice::from_raw_parts_mut((self.alias + start as usize) as *mut u8, len as usize)
+        };
+        // Allocate the chunk's page-cache pages in one call rather than one fault each.
+        // SAFETY: advice on our own alias mapping; it changes no contents.
+        unsafe {
+            libc::madvise(
+                dst.as_mut_ptr().cast(),
+                dst.len(),
+                libc::MADV_POPULATE_WRITE,
+            )
+        };
+        // A source may hand its pieces from its own buffers (the chunk store does):
+        // each piece lands at its place in the alias unless it is already there.
+        let alias = dst.as_mut_ptr();
+        self.fetch(start, len, dst, by, &mut |at, piece| {
+            // SAFETY: the source hands pieces inside `[start, start + len)`, so
+            // `at - start + piece.len() <= len` bytes fit the chunk's alias range;
+            // `copy` allows the piece to overlap it (a source filling `dst` itself).
+            unsafe {
+                let to = alias.add((at - start) as usize);
+                if !std::ptr::eq(to, piece.as_ptr()) {
+                    std::ptr::copy(piece.as_ptr(), to, piece.len());
+                }
+            }
+            true
+        })?;
+        self.map_page_cache(uffd, start, len)
     }
 
     /// A page of an installed chunk faulted again (see `on_fault`).

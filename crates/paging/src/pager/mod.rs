@@ -5,26 +5,22 @@ mod install;
 mod peer;
 mod serve;
 mod shared_install;
+mod start;
 
 use std::collections::VecDeque;
-use std::io;
 use std::ops::Range;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use guestmem_memory::{Backend, Region};
-use guestmem_sys::uapi::{
-    UFFD_FEATURE_EVENT_REMOVE, UFFD_FEATURE_MINOR_SHMEM, UFFD_FEATURE_MISSING_HUGETLBFS,
-    UFFD_FEATURE_MISSING_SHMEM,
-};
 use guestmem_vm::AbortHandle;
-use userfaultfd::{FeatureFlags, RegisterMode, Uffd, UffdBuilder};
+use userfaultfd::Uffd;
 
 use crate::affinity::CpuSet;
-use crate::{Error, PageSource, Result, SharedImage, UffdError};
+use crate::{Error, PageSource, Result, SharedImage};
 
 pub use config::{PagerConfig, PagerStats};
 pub use peer::{register_for_peer, PeerPager, PeerRange};
@@ -214,99 +210,19 @@ impl Pager {
         resident: &dyn Fn(u64) -> bool,
     ) -> Result<Pager> {
         let name = region.name().to_string();
-        let bad = |reason: String| Error::Config {
-            region: name.clone(),
-            reason,
-        };
         let backend = region.backend();
         let image = shared_image(region, config)?;
-        let mode = match backend {
-            _ if image.is_some() => Mode::Shared,
-            Backend::Anon | Backend::MemfdHugetlb | Backend::Hugetlbfs => Mode::Copy,
-            Backend::Memfd => Mode::Continue,
-            Backend::GuestMemfd => {
-                return Err(Error::Unsupported {
-                    region: name,
-                    backend,
-                    reason: guest_memfd_refusal().1,
-                })
-            }
-        };
+        let mode = start::mode(&name, backend, image.is_some())?;
         let page = backend.page_size();
         let size = region.size();
         let chunk = config.fault_around;
-        if !chunk.is_power_of_two() || chunk < page {
-            return Err(bad(format!(
-                "fault-around {chunk:#x} must be a power of two of at least the {backend} \
-                 backend's page size ({page:#x})"
-            )));
-        }
-        let chunks = size.div_ceil(chunk) as usize;
-        if config.uffds == 0 || config.uffds > chunks {
-            return Err(bad(format!(
-                "{} userfaultfds requested; 1 to {chunks} (one per {chunk:#x}-byte chunk) are \
-                 possible",
-                config.uffds
-            )));
-        }
-        if config.handlers == 0 {
-            return Err(bad(
-                "0 handler threads requested; at least 1 is needed".into()
-            ));
-        }
-        if config.fetch_attempts == 0 {
-            return Err(bad(
-                "0 fetch attempts requested; at least 1 is needed".into()
-            ));
-        }
-        if source.size() < size {
-            return Err(bad(format!(
-                "the page source holds {:#x} bytes, less than the region's {size:#x}",
-                source.size()
-            )));
-        }
-        let cpus = pager_cpus(config).map_err(bad)?;
-
-        let mut features = UFFD_FEATURE_EVENT_REMOVE;
-        features |= match backend {
-            _ if mode == Mode::Shared => UFFD_FEATURE_MISSING_SHMEM | UFFD_FEATURE_MINOR_SHMEM,
-            Backend::Memfd => UFFD_FEATURE_MISSING_SHMEM | UFFD_FEATURE_MINOR_SHMEM,
-            Backend::MemfdHugetlb | Backend::Hugetlbfs => UFFD_FEATURE_MISSING_HUGETLBFS,
-            _ => 0,
-        };
-        let register_mode = match mode {
-            Mode::Copy => RegisterMode::MISSING,
-            Mode::Continue | Mode::Shared => RegisterMode::MISSING | RegisterMode::MINOR,
-        };
-        let uffd_err = |op, source| Error::Uffd {
+        start::check_config(&name, backend, size, config, source.as_ref())?;
+        let cpus = pager_cpus(config).map_err(|reason| Error::Config {
             region: name.clone(),
-            op,
-            source: UffdError(source),
-        };
+            reason,
+        })?;
         let host = region.host_addr() as usize;
-        let shards: Vec<Range<usize>> = (0..config.uffds)
-            .map(|i| i * chunks / config.uffds..(i + 1) * chunks / config.uffds)
-            .collect();
-        let mut uffds = Vec::with_capacity(shards.len());
-        for shard in &shards {
-            let uffd = UffdBuilder::new()
-                .close_on_exec(true)
-                .non_blocking(true)
-                .user_mode_only(false)
-                .require_features(FeatureFlags::from_bits_retain(features))
-                .create()
-                .map_err(|e| uffd_err("userfaultfd / UFFDIO_API", e))?;
-            let start = shard.start as u64 * chunk;
-            let end = (shard.end as u64 * chunk).min(size);
-            uffd.register_with_mode(
-                (host + start as usize) as *mut libc::c_void,
-                (end - start) as usize,
-                register_mode,
-            )
-            .map_err(|e| uffd_err("UFFDIO_REGISTER", e))?;
-            uffds.push(uffd);
-        }
-
+        let (uffds, shards) = start::register(&name, backend, mode, host, size, config)?;
         let memfd = match mode {
             Mode::Copy => -1,
             Mode::Shared => image.as_ref().expect("shared mode has an image").fd(),
@@ -314,39 +230,9 @@ impl Pager {
         };
         let alias = match mode {
             Mode::Copy | Mode::Shared => 0,
-            Mode::Continue => {
-                let fd = memfd;
-                // SAFETY: a fresh shared mapping of the region's own fd and size; it aliases
-                // the region's memory only through the page cache, which is what we want.
-                let addr = unsafe {
-                    libc::mmap(
-                        std::ptr::null_mut(),
-                        size as usize,
-                        libc::PROT_READ | libc::PROT_WRITE,
-                        libc::MAP_SHARED,
-                        fd,
-                        0,
-                    )
-                };
-                if addr == libc::MAP_FAILED {
-                    return Err(Error::Os {
-                        region: name,
-                        op: "mmap of the memfd's second mapping",
-                        source: io::Error::last_os_error(),
-                    });
-                }
-                addr as usize
-            }
+            Mode::Continue => start::alias(&name, memfd, size)?,
         };
-        // SAFETY: eventfd returns a new fd (checked below) that nobody else owns.
-        let stop = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
-        if stop < 0 {
-            return Err(Error::Os {
-                region: name,
-                op: "eventfd",
-                source: io::Error::last_os_error(),
-            });
-        }
+        let stop = start::eventfd(&name)?;
         let mut shared = Shared::new(
             Layout {
                 region: name,
@@ -363,8 +249,7 @@ impl Pager {
             shards,
             source,
             config,
-            // SAFETY: `stop` is the fresh eventfd from above.
-            unsafe { OwnedFd::from_raw_fd(stop) },
+            stop,
             None,
         );
         shared.image = image;
@@ -376,10 +261,19 @@ impl Pager {
             }
         }
         let mut pager = Pager {
-            shared: shared.clone(),
+            shared,
             threads: Vec::new(),
             cpus,
         };
+        pager.spawn_workers(config)?;
+        tracing::debug!(region = %pager.shared.region, ?mode, uffds = pager.shared.uffds.len(), handlers = config.handlers, chunk, "pager started");
+        Ok(pager)
+    }
+
+    /// Starts the fault handlers (spread over the userfaultfds), the readahead threads and,
+    /// when asked for, the background fetcher.
+    fn spawn_workers(&mut self, config: &PagerConfig) -> Result<()> {
+        let shared = self.shared.clone();
         let n_uffds = shared.uffds.len();
         for t in 0..config.handlers {
             // Thread t serves uffd t % n when there are more threads than uffds, else every
@@ -390,22 +284,20 @@ impl Pager {
                 (t..n_uffds).step_by(config.handlers).collect()
             };
             let shared = shared.clone();
-            pager.spawn(format!("uffd-handler{t}"), move || {
+            self.spawn(format!("uffd-handler{t}"), move || {
                 shared.serve_faults(&served)
             })?;
         }
         for t in 0..config.readahead_threads {
             let shared = shared.clone();
-            pager.spawn(format!("uffd-readahead{t}"), move || {
+            self.spawn(format!("uffd-readahead{t}"), move || {
                 shared.serve_readahead()
             })?;
         }
         if config.background || !config.prefetch.is_empty() {
-            let shared = shared.clone();
-            pager.spawn("uffd-background".into(), move || shared.fetch_everything())?;
+            self.spawn("uffd-background".into(), move || shared.fetch_everything())?;
         }
-        tracing::debug!(region = %pager.shared.region, ?mode, uffds = n_uffds, handlers = config.handlers, chunk, "pager started");
-        Ok(pager)
+        Ok(())
     }
 
     fn spawn(&mut self, name: String, f: impl FnOnce() + Send + 'static) -> Result<()> {

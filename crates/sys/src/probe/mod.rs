@@ -38,9 +38,9 @@ pub struct Probe {
     pub host: Host,
     /// KVM capabilities, asked on a throw-away VM fd. `Err` if `/dev/kvm` did not open.
     pub kvm: Result<KvmCaps, String>,
-    /// guest_memfd `write()` (seed 000, not upstream), found by trying `pwrite`.
+    /// guest_memfd `write()` (not upstream), found by trying `pwrite`.
     pub guest_memfd_write: Result<GuestMemfdWrite, String>,
-    /// KVM Userfault (seed 001, not upstream), found by trying a `KVM_MEM_USERFAULT` memslot.
+    /// KVM Userfault (not upstream), found by trying a `KVM_MEM_USERFAULT` memslot.
     pub kvm_userfault: Result<KvmUserfault, String>,
     /// userfaultfd on a guest_memfd mapping (not upstream), found by trying to register one.
     pub guest_memfd_uffd: Result<GuestMemfdUffd, String>,
@@ -137,7 +137,7 @@ pub struct CapAnswer {
     pub answer: i64,
 }
 
-/// Whether guest_memfd supports `write()`/`pwrite()` (seed 000).
+/// Whether guest_memfd supports `write()`/`pwrite()` (guest_memfd write()).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct GuestMemfdWrite {
     /// Whether a write to a guest_memfd succeeded.
@@ -148,7 +148,7 @@ pub struct GuestMemfdWrite {
     pub detail: String,
 }
 
-/// Whether KVM accepts userfault memslots (seed 001).
+/// Whether KVM accepts userfault memslots (KVM Userfault).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct KvmUserfault {
     /// Whether a userfault memslot was accepted.
