@@ -204,10 +204,44 @@ impl Gate {
         stop: &dyn Fn() -> bool,
     ) -> Result<Option<(Links, Option<Claim>)>> {
         let resume = resume_of.is_some();
+        let Some(first) = self.wait_first(resume_of, stop) else {
+            return Ok(None);
+        };
+        let id = first.hello.migration;
+        // A resumption goes on under the claim of the migration it resumes.
+        let claim = (!resume).then(|| Claim {
+            gate: self.clone(),
+            migration: id,
+        });
+        let (pages, urgent) = (first.hello.pages, first.hello.urgent);
+        let mut main = first.conn;
+        if pages == 0 || pages > 64 || urgent > 64 {
+            return Err(abort_collection(
+                &mut main,
+                format!("{pages} pages and {urgent} urgent connections announced"),
+            ));
+        }
+        let mut slots = Slots {
+            slots: (0..pages + urgent).map(|_| None).collect(),
+            id,
+            pages,
+            urgent,
+            resume,
+        };
+        slots.slots[0] = Some(main);
+        self.gather(&mut slots, timeouts.handshake)?;
+        Ok(Some((slots.into_links(), claim)))
+    }
+
+    /// The first pages connection of migration `resume_of` (a resumption's), or of the one
+    /// the destination serves, once it arrives; `None` when `stop` says so first. Older
+    /// arrivals of a resumption belong to an attempt that was given up: they are dropped.
+    fn wait_first(&self, resume_of: Option<u64>, stop: &dyn Fn() -> bool) -> Option<Arrival> {
+        let resume = resume_of.is_some();
         let mut st = self.lock();
         let first = loop {
             if stop() {
-                return Ok(None);
+                return None;
             }
             let want = resume_of.or(st.current);
             if let Some(id) = want {
@@ -225,66 +259,30 @@ impl Gate {
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         };
-        let id = first.hello.migration;
-        // Older arrivals of a resumption belong to an attempt that was given up.
         if resume {
+            let id = first.hello.migration;
             st.arrived
                 .retain(|a| a.hello.migration != id || a.at >= first.at);
         }
-        drop(st);
-        // A resumption goes on under the claim of the migration it resumes.
-        let claim = (!resume).then(|| Claim {
-            gate: self.clone(),
-            migration: id,
-        });
-        let (pages, urgent) = (first.hello.pages, first.hello.urgent);
-        let mut main = first.conn;
-        let fail = |main: &mut Connection, reason: String| {
-            let _ = write_frame(
-                main,
-                &Frame::Abort {
-                    reason: reason.clone(),
-                },
-            );
-            Error::Migration(MigrationError::Connections { reason })
-        };
-        if pages == 0 || pages > 64 || urgent > 64 {
-            return Err(fail(
-                &mut main,
-                format!("{pages} pages and {urgent} urgent connections announced"),
-            ));
-        }
-        let mut slots: Vec<Option<Connection>> = (0..pages + urgent).map(|_| None).collect();
-        slots[0] = Some(main);
-        let deadline = Instant::now() + timeouts.handshake;
+        Some(first)
+    }
+
+    /// Fills `slots` with the migration's other connections as they arrive, up to `within`
+    /// from now; one missing then, out of range or twice refuses the migration.
+    fn gather(&self, slots: &mut Slots, within: Duration) -> Result<()> {
+        let deadline = Instant::now() + within;
         let mut st = self.lock();
-        while slots.iter().any(Option::is_none) {
-            let next = st.arrived.iter().position(|a| a.hello.migration == id);
+        while slots.slots.iter().any(Option::is_none) {
+            let next = st
+                .arrived
+                .iter()
+                .position(|a| a.hello.migration == slots.id);
             let Some(i) = next else {
                 let now = Instant::now();
                 if now >= deadline {
                     drop(st);
-                    let missing: Vec<String> = slots
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, s)| s.is_none())
-                        .map(|(i, _)| {
-                            if i < pages {
-                                format!("pages connection {i}")
-                            } else {
-                                format!("urgent connection {}", i - pages)
-                            }
-                        })
-                        .collect();
-                    let main = slots[0].as_mut().expect("the first connection");
-                    let why = format!(
-                        "{} of migration {id:#x} did not come within {} s of its first \
-                         connection (the handshake timeout; from {})",
-                        missing.join(", "),
-                        timeouts.handshake.as_secs_f64(),
-                        main.peer()
-                    );
-                    return Err(fail(main, why));
+                    let why = slots.late(within);
+                    return Err(abort_collection(slots.main(), why));
                 }
                 st = self
                     .changed
@@ -294,39 +292,104 @@ impl Gate {
                 continue;
             };
             let Arrival { conn, hello: h, .. } = st.arrived.remove(i);
-            let slot = match h.channel {
-                ChannelRole::Pages(i) if i < pages => Some(i),
-                ChannelRole::Urgent(i) if i < urgent => Some(pages + i),
-                _ => None,
-            };
-            let why = match slot {
-                None => Some(format!(
-                    "connection {:?} is outside the {pages} + {urgent} announced",
-                    h.channel
-                )),
-                Some(s) if slots[s].is_some() || h.resume != resume => Some(format!(
-                    "connection {:?} of migration {id:#x} came twice",
-                    h.channel
-                )),
-                Some(_) => None,
-            };
-            if let Some(why) = why {
-                drop(st);
-                let main = slots[0].as_mut().expect("the first connection");
-                return Err(fail(main, why));
+            match slots.slot_of(&h) {
+                Ok(s) => slots.slots[s] = Some(conn),
+                Err(why) => {
+                    drop(st);
+                    return Err(abort_collection(slots.main(), why));
+                }
             }
-            slots[slot.expect("checked")] = Some(conn);
         }
-        drop(st);
-        let mut all = slots.into_iter().map(|s| s.expect("every slot filled"));
-        let links = Links {
-            pages: all.by_ref().take(pages).collect(),
-            urgent: all.collect(),
-            migration: id,
-            mode: Mode::Precopy,
-        };
-        Ok(Some((links, claim)))
+        Ok(())
     }
+}
+
+/// A migration's connections being collected: pages connections first, then urgent ones.
+struct Slots {
+    slots: Vec<Option<Connection>>,
+    id: u64,
+    pages: usize,
+    urgent: usize,
+    resume: bool,
+}
+
+impl Slots {
+    /// The first connection, which carries refusals.
+    fn main(&mut self) -> &mut Connection {
+        self.slots[0].as_mut().expect("the first connection")
+    }
+
+    /// The slot of the connection that said `h`, or why it is refused.
+    fn slot_of(&self, h: &Hello) -> std::result::Result<usize, String> {
+        let (pages, urgent) = (self.pages, self.urgent);
+        let slot = match h.channel {
+            ChannelRole::Pages(i) if i < pages => Some(i),
+            ChannelRole::Urgent(i) if i < urgent => Some(pages + i),
+            _ => None,
+        };
+        match slot {
+            None => Err(format!(
+                "connection {:?} is outside the {pages} + {urgent} announced",
+                h.channel
+            )),
+            Some(s) if self.slots[s].is_some() || h.resume != self.resume => Err(format!(
+                "connection {:?} of migration {:#x} came twice",
+                h.channel, self.id
+            )),
+            Some(s) => Ok(s),
+        }
+    }
+
+    /// Why the connections still missing are refused, `within` after the first came.
+    fn late(&self, within: Duration) -> String {
+        let missing: Vec<String> = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.is_none())
+            .map(|(i, _)| {
+                if i < self.pages {
+                    format!("pages connection {i}")
+                } else {
+                    format!("urgent connection {}", i - self.pages)
+                }
+            })
+            .collect();
+        let main = self.slots[0].as_ref().expect("the first connection");
+        format!(
+            "{} of migration {:#x} did not come within {} s of its first \
+             connection (the handshake timeout; from {})",
+            missing.join(", "),
+            self.id,
+            within.as_secs_f64(),
+            main.peer()
+        )
+    }
+
+    /// The links, every slot filled.
+    fn into_links(self) -> Links {
+        let mut all = self
+            .slots
+            .into_iter()
+            .map(|s| s.expect("every slot filled"));
+        Links {
+            pages: all.by_ref().take(self.pages).collect(),
+            urgent: all.collect(),
+            migration: self.id,
+            mode: Mode::Precopy,
+        }
+    }
+}
+
+/// Tells the source why its connections are refused (an Abort on the first), and returns it.
+fn abort_collection(main: &mut Connection, reason: String) -> Error {
+    let _ = write_frame(
+        main,
+        &Frame::Abort {
+            reason: reason.clone(),
+        },
+    );
+    Error::Migration(MigrationError::Connections { reason })
 }
 
 /// Tells a refused connection why (an Abort), and lets it read that before the socket closes
@@ -337,5 +400,41 @@ fn refuse(conn: &mut Connection, why: String) {
         let _ = conn.set_idle_timeout(Some(Duration::from_secs(2)));
         let mut sink = [0u8; 4096];
         while matches!(io::Read::read(conn, &mut sink), Ok(n) if n > 0) {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Pages connections take the first slots and urgent ones the rest; a channel outside
+    /// those announced, or one that comes twice (or of the other kind of attempt), is refused.
+    #[test]
+    fn each_connection_takes_its_own_slot_once() {
+        let slots = Slots {
+            slots: vec![None, None, None],
+            id: 0x2a,
+            pages: 2,
+            urgent: 1,
+            resume: false,
+        };
+        let hello = |channel, resume| Hello {
+            guestmem_version: String::new(),
+            migration: 0x2a,
+            channel,
+            pages: 2,
+            urgent: 1,
+            resume,
+        };
+        assert_eq!(slots.slot_of(&hello(ChannelRole::Pages(1), false)), Ok(1));
+        assert_eq!(slots.slot_of(&hello(ChannelRole::Urgent(0), false)), Ok(2));
+        assert_eq!(
+            slots.slot_of(&hello(ChannelRole::Urgent(1), false)),
+            Err("connection Urgent(1) is outside the 2 + 1 announced".into())
+        );
+        assert_eq!(
+            slots.slot_of(&hello(ChannelRole::Pages(1), true)),
+            Err("connection Pages(1) of migration 0x2a came twice".into())
+        );
     }
 }

@@ -11,10 +11,8 @@ mod postcopy;
 mod resume;
 
 pub(crate) use gate::{Claim, Gate};
-use pages::{apply_pages, ReaderDigests};
 use postcopy::{arm_postcopy, PostcopyLink};
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -32,9 +30,9 @@ use crate::protocol::{
     Switchover, BLOCK, FORMAT, HEARTBEAT_INTERVAL,
 };
 use crate::stream::{Frame, ZstdStreamDecoder};
-use crate::transport::{Cutter, Listener};
+use crate::transport::Listener;
 use crate::{error_chain, Error, MigrationError, Peer, Result};
-use guestmem_contract::{MachineBuilder, TargetMachine, VmBuilder};
+use guestmem_contract::{MachineBuilder, SharedFiles, TargetMachine, VmBuilder};
 
 /// Post-copy, after the link broke: how long the destination's vCPUs wait for the source to
 /// reconnect (it tries every second by itself, and `guestmem migrate resume` can point it
@@ -191,387 +189,396 @@ pub fn receive_into<B: MachineBuilder>(
     builder: &mut B,
     components: &mut Components<'_>,
 ) -> Result<Incoming<B::Machine>> {
+    check_fault_cpus(opts)?;
+    let (mut rx, claim) = Receiving::admit(&listener)?;
+    let mut vm = rx.build(builder)?;
+    let memory = vm.memory().clone();
+    rx.say_hello()?;
+    let mut report = DestinationReport {
+        mode: Some(rx.setup.mode),
+        ..Default::default()
+    };
+    let chunks = chunk_digests_of(&rx.setup, &memory);
+    let chunks = rx.or_refuse(chunks)?;
+    let landing = arm_landing(&rx.setup, &memory);
+    let rounds = rx.receive_rounds(&memory, chunks.as_ref(), landing, opts, &mut report)?;
+    let verified = verify(
+        &rx.setup,
+        &memory,
+        chunks.as_deref(),
+        rounds.last_round_hashing,
+    )?;
+
+    let switchover = rx.read_switchover()?;
+    if let Some(r) = rounds
+        .last_rounds
+        .iter()
+        .find(|&&r| r != switchover.last_round)
+    {
+        return Err(rx.refuse(unsupported(format!(
+            "a pages connection ended at round {r}, the State says {}",
+            switchover.last_round
+        ))));
+    }
+    report.rounds = switchover.last_round;
+    if let Err(e) = vm.restore(&switchover.state) {
+        return Err(rx.refuse(unsupported(format!(
+            "the vCPU state does not load: {}",
+            error_chain(&e, ": ")
+        ))));
+    }
+    rx.check_digest(&switchover, verified, &memory, &mut report)?;
+    let postcopy = rx.arm_postcopy(&vm, &switchover, opts, listener)?;
+    rx.await_go(components, &switchover)?;
+    Ok(Incoming {
+        vm,
+        transfer: Transfer {
+            mode: rx.setup.mode,
+            links: Some(rx.links),
+            postcopy,
+            report,
+            running_at: None,
+            streams: rounds.streams,
+            _claim: claim,
+            _memory: memory,
+        },
+    })
+}
+
+/// The fault CPUs asked for, checked before any connection is taken.
+fn check_fault_cpus(opts: &ReceiveOptions) -> Result<()> {
     if let Some(cpus) = &opts.fault_cpus {
         CpuSet::new(cpus).map_err(|e| MigrationError::BadOption {
             option: "fault_cpus",
             reason: format!("fault CPUs: {e}"),
         })?;
     }
-    let gate = Gate::of(&listener);
-    let (mut links, claim) = gate
-        .collect(None, listener.timeouts(), &|| false)?
-        .expect("a receive is never stopped");
-    let claim = claim.expect("a new migration claims the destination");
-    let setup: Setup = read_json(&mut links.pages[0], "VM setup")?;
-    // Refusals are told to the source (which keeps the guest), causes included.
-    let refuse = |links: &mut Links, e: MigrationError| {
-        let reason = error_chain(&e, ": ");
-        let _ = write_frame(&mut links.pages[0], &Frame::Abort { reason });
-        Error::Migration(e)
-    };
-    let unsupported = |reason: String| MigrationError::Unsupported { reason };
-    if setup.format != FORMAT {
-        return Err(refuse(
-            &mut links,
-            MigrationError::Format {
-                found: setup.format,
-                supported: FORMAT,
-            },
-        ));
-    }
-    if let Some(Err(why)) = setup.zstd_window_log.map(crate::stream::check_window_log) {
-        return Err(refuse(&mut links, unsupported(why)));
+    Ok(())
+}
+
+/// A migration being received, up to the switch-over: its connections and the source's setup.
+struct Receiving {
+    links: Links,
+    setup: Setup,
+}
+
+impl Receiving {
+    /// Admits one migration on `listener` (see [`Gate::collect`]) and reads its setup, which
+    /// is refused here if this destination cannot take it.
+    fn admit(listener: &Arc<Listener>) -> Result<(Receiving, Claim)> {
+        let gate = Gate::of(listener);
+        let (mut links, claim) = gate
+            .collect(None, listener.timeouts(), &|| false)?
+            .expect("a receive is never stopped");
+        let claim = claim.expect("a new migration claims the destination");
+        let setup: Setup = read_json(&mut links.pages[0], "VM setup")?;
+        let mut rx = Receiving { links, setup };
+        if let Err(e) = check_setup(&rx.setup) {
+            return Err(rx.refuse(e));
+        }
+        Ok((rx, claim))
     }
 
-    if setup.mode.has_postcopy() {
-        if let Some(r) = setup
-            .config
-            .regions
-            .iter()
-            .find(|r| r.backend == Backend::GuestMemfd)
-        {
-            // Found by trying a userfault memslot on a VM of its own (see UserfaultPager).
-            let missing = match guestmem_sys::probe::kvm_userfault_on_a_new_vm() {
-                Ok(u) if u.present => None,
-                Ok(u) => Some(u.detail),
-                Err(e) => Some(e),
-            };
-            if let Some(why) = missing {
-                return Err(refuse(
-                    &mut links,
-                    unsupported(format!(
-                        "{} of guest_memfd region '{}' needs KVM Userfault (KVM_MEM_USERFAULT, \
-                         KVM_CAP_USERFAULT), which this kernel lacks ({why}): migrate it with \
-                         pre-copy",
-                        setup.mode, r.name
-                    )),
-                ));
-            }
+    /// `e`, told to the source (which keeps the guest), causes included.
+    fn refuse(&mut self, e: MigrationError) -> Error {
+        let reason = error_chain(&e, ": ");
+        let _ = write_frame(&mut self.links.pages[0], &Frame::Abort { reason });
+        Error::Migration(e)
+    }
+
+    /// `r`, its error refused (see [`Receiving::refuse`]).
+    fn or_refuse<T>(&mut self, r: std::result::Result<T, MigrationError>) -> Result<T> {
+        r.map_err(|e| self.refuse(e))
+    }
+
+    /// The VM `builder` builds from the setup's configuration (with the source's memory files,
+    /// if it shares any), its memory checked and prepared for the rounds.
+    fn build<B: MachineBuilder>(&mut self, builder: &mut B) -> Result<B::Machine> {
+        let mut shared = SharedFiles::new();
+        if !self.setup.shared.is_empty() {
+            write_frame(&mut self.links.pages[0], &Frame::Ready)?;
+            let fds = self.links.pages[0]
+                .recv_fds(self.setup.shared.len())
+                .map_err(|e| link_error("receiving the source's memory files", e))?;
+            shared.extend(self.setup.shared.iter().cloned().zip(fds));
         }
-    }
-    let mut shared = std::collections::HashMap::new();
-    if !setup.shared.is_empty() {
-        write_frame(&mut links.pages[0], &Frame::Ready)?;
-        let fds = links.pages[0]
-            .recv_fds(setup.shared.len())
-            .map_err(|e| link_error("receiving the source's memory files", e))?;
-        shared.extend(setup.shared.iter().cloned().zip(fds));
-    }
-    let mut vm = match builder.build(&setup.config, shared) {
-        Ok(vm) => vm,
-        Err(e) => {
-            return Err(refuse(
-                &mut links,
-                unsupported(format!(
+        let vm = match builder.build(&self.setup.config, shared) {
+            Ok(vm) => vm,
+            Err(e) => {
+                return Err(self.refuse(unsupported(format!(
                     "it cannot be built here: {}",
                     error_chain(&e, ": ")
-                )),
-            ))
-        }
-    };
-    let memory = vm.memory().clone();
-    // Post-copy demand pages every region: one the kernel cannot serve (guest_memfd without
-    // userfaultfd on its mapping) is refused here, found by trying, before any page moves.
-    if setup.mode.has_postcopy() {
-        for region in memory.regions() {
-            if let Err(e) = guestmem_paging::check_demand_paging(region) {
-                return Err(refuse(
-                    &mut links,
-                    unsupported(format!(
-                        "{} cannot demand page its memory here: {}: migrate it with pre-copy",
-                        setup.mode,
-                        error_chain(&e, ": ")
-                    )),
-                ));
+                ))))
             }
+        };
+        if let Err(e) = prepare_memory(vm.memory(), self.setup.mode) {
+            return Err(self.refuse(e));
         }
+        Ok(vm)
     }
-    // The rounds fill anonymous RAM in bulk: huge pages save 511 of every 512 faults.
-    for region in memory.regions() {
-        if let Err(e) = region.advise_huge_pages() {
-            return Err(refuse(
-                &mut links,
-                unsupported(format!(
-                    "its memory cannot be prepared here: {}",
-                    error_chain(&e, ": ")
-                )),
-            ));
-        }
-    }
-    let hello_back = serde_json::json!({ "guestmem_version": env!("CARGO_PKG_VERSION") });
-    write_frame(
-        &mut links.pages[0],
-        &Frame::Hello {
-            config_json: hello_back.to_string().into_bytes(),
-        },
-    )?;
-    let mut report = DestinationReport {
-        mode: Some(setup.mode),
-        ..Default::default()
-    };
-    // Chunk digests of the regions that travel, kept by the readers as pages land.
-    let chunks = match (setup.verify, setup.verify_chunk) {
-        (true, Some(chunk)) if chunk_digests::valid_chunk(chunk, BLOCK) => {
-            Some(Arc::new(ChunkDigests::new(
-                memory
-                    .regions()
-                    .iter()
-                    .filter(|r| !setup.shared.iter().any(|n| n == r.name()))
-                    .map(|r| (r.gpa(), r.size())),
-                chunk,
-            )))
-        }
-        (true, Some(chunk)) => {
-            return Err(refuse(
-                &mut links,
-                unsupported(format!(
-                    "digest chunks of {chunk} bytes: a power of two from {PAGE_SIZE} to {BLOCK} \
-                     is needed"
-                )),
-            ))
-        }
-        _ => None,
-    };
 
-    // Pre-copy's rounds land in fresh memory with UFFDIO_COPY where the kernel lets us (a
-    // refusal only costs speed: the pages are then written in place).
-    let landing = if setup.mode == Mode::Postcopy {
-        None
-    } else {
-        match Landing::arm(&memory, &setup.shared) {
-            Ok(l) => l.map(Arc::new),
-            Err(e) => {
-                tracing::warn!("pages land by plain writes: {}", error_chain(&e, ": "));
-                None
-            }
-        }
-    };
-
-    // The rounds: each pages connection is applied by its own thread, up to its last
-    // EndOfRound.
-    // A reader that fails ends the others' reads at once (their connections may be cut
-    // silently): the migration fails now, not after an idle timeout.
-    // The reader that failed first: its error is the migration's (the others' follow from it).
-    let cutters = Arc::new(links.cutters()?);
-    let first_failed = Arc::new(AtomicUsize::new(usize::MAX));
-    let connections = links.pages.len();
-    let readers: Vec<_> = std::mem::take(&mut links.pages)
-        .into_iter()
-        .enumerate()
-        .map(|(i, conn)| {
-            let memory = memory.clone();
-            let (cutters, first_failed) = (cutters.clone(), first_failed.clone());
-            let digests = chunks.clone().map(|chunks| ReaderDigests {
-                chunks,
-                reader: i,
-                connections,
-            });
-            let corrupt = opts.corrupt_landing_at;
-            let zstd_window_log = setup.zstd_window_log;
-            let landing = landing.clone();
-            std::thread::Builder::new()
-                .name(format!("migrate-rx{i}"))
-                .spawn(move || {
-                    let (conn, result) = apply_pages(
-                        conn,
-                        &memory,
-                        landing.as_deref(),
-                        digests.as_ref(),
-                        corrupt,
-                        zstd_window_log,
-                    );
-                    if result.is_err() {
-                        let _ = first_failed.compare_exchange(
-                            usize::MAX,
-                            i,
-                            Ordering::SeqCst,
-                            Ordering::SeqCst,
-                        );
-                        cutters.iter().for_each(Cutter::cut_reads);
-                    }
-                    (conn, result)
-                })
-                .expect("spawning a reader thread")
-        })
-        .collect();
-    let mut failures = Vec::new();
-    let mut streams = Vec::new();
-    let mut last_rounds = Vec::new();
-    let mut last_round_hashing = Duration::ZERO;
-    for (i, r) in readers.into_iter().enumerate() {
-        let (conn, result) = r.join().expect("a reader thread panicked");
-        links.pages.push(conn);
-        match result {
-            Ok(mut stats) => {
-                streams.extend(stats.zstream.take());
-                report.pages_received += stats.pages;
-                report.zero_pages_received += stats.zero_pages;
-                last_rounds.push(stats.last_round);
-                last_round_hashing = last_round_hashing.max(stats.last_round_hashing);
-                report.zstd_stream_bytes += stats.zstd_stream_bytes;
-            }
-            Err(e) => failures.push((i, e)),
-        }
-    }
-    let first = first_failed.load(Ordering::SeqCst);
-    let failure = match failures.iter().position(|(i, _)| *i == first) {
-        Some(at) => Some(failures.swap_remove(at).1),
-        None => failures.into_iter().next().map(|(_, e)| e),
-    };
-    if let Some(e) = failure {
-        return Err(refuse(
-            &mut links,
-            MigrationError::Receiving {
-                source: Box::new(e),
+    /// The destination's Hello, once its VM is built: the source may send the rounds.
+    fn say_hello(&mut self) -> Result<()> {
+        let hello_back = serde_json::json!({ "guestmem_version": env!("CARGO_PKG_VERSION") });
+        write_frame(
+            &mut self.links.pages[0],
+            &Frame::Hello {
+                config_json: hello_back.to_string().into_bytes(),
             },
-        ));
+        )
     }
-    // Every reader is done with it: the memory goes back to behaving as unregistered.
-    if let Some(landing) = landing.and_then(Arc::into_inner) {
-        let t = Instant::now();
-        match landing.disarm() {
-            Ok(stats) => tracing::debug!(
-                ?stats,
-                disarm_ms = t.elapsed().as_secs_f64() * 1e3,
-                "pages landed"
-            ),
-            Err(e) => {
-                return Err(refuse(
-                    &mut links,
-                    MigrationError::Receiving {
-                        source: Box::new(e),
-                    },
-                ))
-            }
-        }
-    }
-    // The memory is complete. With chunk digests, the readers hashed what they wrote; any
-    // chunk still stale (written on a connection that does not carry its block) is hashed
-    // now. Without (a source that predates them), all of memory is digested now, while the
-    // source digests its own.
-    let started = Instant::now();
-    let verified = match &chunks {
-        Some(chunks) => {
-            chunks.refresh_where(&memory, |_, _| true)?;
-            let regions = chunks.summary().ok_or(MigrationError::StaleDigests)?;
-            let took = last_round_hashing + started.elapsed();
-            Some((chunk_digests::combine(&regions), Some(regions), took))
-        }
-        None if setup.verify => Some((memory_digest(&memory)?, None, started.elapsed())),
-        None => None,
-    };
 
-    let switchover: Switchover = match read_frame(&mut links.pages[0])? {
-        Frame::State { state_json } => match serde_json::from_slice(&state_json) {
-            Ok(s) => s,
-            Err(source) => {
-                return Err(refuse(
-                    &mut links,
-                    MigrationError::BadMessage {
-                        peer: Peer::Source,
-                        what: "State",
-                        source,
-                    },
-                ))
-            }
-        },
-        other => return Err(refused_by_source(&other, "State")),
-    };
-    if let Some(r) = last_rounds.iter().find(|&&r| r != switchover.last_round) {
-        return Err(refuse(
-            &mut links,
-            unsupported(format!(
-                "a pages connection ended at round {r}, the State says {}",
-                switchover.last_round
-            )),
-        ));
+    /// The switch-over's State, read after the rounds.
+    fn read_switchover(&mut self) -> Result<Switchover> {
+        match read_frame(&mut self.links.pages[0])? {
+            Frame::State { state_json } => match serde_json::from_slice(&state_json) {
+                Ok(s) => Ok(s),
+                Err(source) => Err(self.refuse(MigrationError::BadMessage {
+                    peer: Peer::Source,
+                    what: "State",
+                    source,
+                })),
+            },
+            other => Err(refused_by_source(&other, "State")),
+        }
     }
-    report.rounds = switchover.last_round;
-    if let Err(e) = vm.restore(&switchover.state) {
-        return Err(refuse(
-            &mut links,
-            unsupported(format!(
-                "the vCPU state does not load: {}",
-                error_chain(&e, ": ")
-            )),
-        ));
-    }
-    if let Some(expected) = switchover.digest {
-        let (digest, regions, took) = match verified {
+
+    /// The memory digest compared with the source's, when the State carries one (computed now
+    /// if the setup did not announce it); a difference refuses the migration.
+    fn check_digest(
+        &mut self,
+        switchover: &Switchover,
+        verified: Option<Verified>,
+        memory: &GuestMemory,
+        report: &mut DestinationReport,
+    ) -> Result<()> {
+        let Some(expected) = switchover.digest else {
+            return Ok(());
+        };
+        let Verified {
+            digest,
+            regions,
+            took,
+        } = match verified {
             Some(v) => v,
             // A source that did not say so in its setup.
             None => {
                 let started = Instant::now();
-                (memory_digest(&memory)?, None, started.elapsed())
+                Verified {
+                    digest: memory_digest(memory)?,
+                    regions: None,
+                    took: started.elapsed(),
+                }
             }
         };
         report.verify_ms = took.as_secs_f64() * 1e3;
         report.digest = Some(digest);
         if digest != expected {
             let which = differing_regions(regions.as_deref(), switchover.region_digests.as_deref());
-            return Err(refuse(
-                &mut links,
-                MigrationError::DigestMismatch {
-                    found: digest,
-                    expected,
-                    regions: which,
-                },
-            ));
+            return Err(self.refuse(MigrationError::DigestMismatch {
+                found: digest,
+                expected,
+                regions: which,
+            }));
         }
+        Ok(())
     }
-    // Well within the idle timeout (the source's is taken to be the same as ours).
-    let heartbeat = HEARTBEAT_INTERVAL.min(listener.timeouts().idle / 4);
-    let postcopy = match &switchover.postcopy {
-        Some(stale) => match arm_postcopy(&vm, &setup.shared, stale, &links, opts, heartbeat) {
-            Ok((link, pagers, userfault_pagers)) => Some(Postcopy {
+
+    /// Post-copy's pagers and link, when the State asks for post-copy.
+    fn arm_postcopy(
+        &mut self,
+        vm: &impl TargetMachine,
+        switchover: &Switchover,
+        opts: &ReceiveOptions,
+        listener: Arc<Listener>,
+    ) -> Result<Option<Postcopy>> {
+        let Some(stale) = &switchover.postcopy else {
+            return Ok(None);
+        };
+        // Well within the idle timeout (the source's is taken to be the same as ours).
+        let heartbeat = HEARTBEAT_INTERVAL.min(listener.timeouts().idle / 4);
+        match arm_postcopy(vm, &self.setup.shared, stale, &self.links, opts, heartbeat) {
+            Ok((link, pagers, userfault_pagers)) => Ok(Some(Postcopy {
                 link,
                 pagers,
                 userfault_pagers,
                 listener,
-                migration: links.migration,
-            }),
-            Err(e) => {
-                return Err(refuse(
-                    &mut links,
-                    unsupported(format!(
-                        "post-copy cannot be armed: {}",
-                        error_chain(&e, ": ")
-                    )),
-                ))
-            }
-        },
-        None => None,
-    };
-
-    if let Err(e) = components.restore(&switchover.components) {
-        return Err(refuse(
-            &mut links,
-            unsupported(format!("the components' states: {}", error_chain(&e, ": "))),
-        ));
-    }
-    write_frame(&mut links.pages[0], &Frame::Ready)?;
-    match read_frame(&mut links.pages[0]) {
-        Ok(Frame::Go) => {}
-        Ok(other) => return Err(refused_by_source(&other, "Go")),
-        Err(e) => {
-            return Err(MigrationError::BrokeBeforeGo {
-                source: Box::new(e),
-            }
-            .into())
+                migration: self.links.migration,
+            })),
+            Err(e) => Err(self.refuse(unsupported(format!(
+                "post-copy cannot be armed: {}",
+                error_chain(&e, ": ")
+            )))),
         }
     }
-    Ok(Incoming {
-        vm,
-        transfer: Transfer {
-            mode: setup.mode,
-            links: Some(links),
-            postcopy,
-            report,
-            running_at: None,
-            streams,
-            _claim: claim,
-            _memory: memory,
-        },
+
+    /// The components' states handed over, Ready said, and the source's Go awaited.
+    fn await_go(&mut self, components: &mut Components<'_>, switchover: &Switchover) -> Result<()> {
+        if let Err(e) = components.restore(&switchover.components) {
+            return Err(self.refuse(unsupported(format!(
+                "the components' states: {}",
+                error_chain(&e, ": ")
+            ))));
+        }
+        write_frame(&mut self.links.pages[0], &Frame::Ready)?;
+        match read_frame(&mut self.links.pages[0]) {
+            Ok(Frame::Go) => Ok(()),
+            Ok(other) => Err(refused_by_source(&other, "Go")),
+            Err(e) => Err(MigrationError::BrokeBeforeGo {
+                source: Box::new(e),
+            }
+            .into()),
+        }
+    }
+}
+
+fn unsupported(reason: String) -> MigrationError {
+    MigrationError::Unsupported { reason }
+}
+
+/// Refuses a setup this destination cannot take: another format, a zstd window it does not
+/// allow, or post-copy of guest_memfd memory without KVM Userfault.
+fn check_setup(setup: &Setup) -> std::result::Result<(), MigrationError> {
+    if setup.format != FORMAT {
+        return Err(MigrationError::Format {
+            found: setup.format,
+            supported: FORMAT,
+        });
+    }
+    if let Some(Err(why)) = setup.zstd_window_log.map(crate::stream::check_window_log) {
+        return Err(unsupported(why));
+    }
+    if !setup.mode.has_postcopy() {
+        return Ok(());
+    }
+    let Some(r) = setup
+        .config
+        .regions
+        .iter()
+        .find(|r| r.backend == Backend::GuestMemfd)
+    else {
+        return Ok(());
+    };
+    // Found by trying a userfault memslot on a VM of its own (see UserfaultPager).
+    let missing = match guestmem_sys::probe::kvm_userfault_on_a_new_vm() {
+        Ok(u) if u.present => None,
+        Ok(u) => Some(u.detail),
+        Err(e) => Some(e),
+    };
+    match missing {
+        Some(why) => Err(unsupported(format!(
+            "{} of guest_memfd region '{}' needs KVM Userfault (KVM_MEM_USERFAULT, \
+             KVM_CAP_USERFAULT), which this kernel lacks ({why}): migrate it with \
+             pre-copy",
+            setup.mode, r.name
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// Checks that `mode` can page `memory` in (post-copy demand pages every region: one the
+/// kernel cannot serve, guest_memfd without userfaultfd on its mapping, is refused here, found
+/// by trying, before any page moves), and advises huge pages: the rounds fill anonymous RAM in
+/// bulk, and huge pages save 511 of every 512 faults.
+fn prepare_memory(memory: &GuestMemory, mode: Mode) -> std::result::Result<(), MigrationError> {
+    if mode.has_postcopy() {
+        for region in memory.regions() {
+            if let Err(e) = guestmem_paging::check_demand_paging(region) {
+                return Err(unsupported(format!(
+                    "{} cannot demand page its memory here: {}: migrate it with pre-copy",
+                    mode,
+                    error_chain(&e, ": ")
+                )));
+            }
+        }
+    }
+    for region in memory.regions() {
+        if let Err(e) = region.advise_huge_pages() {
+            return Err(unsupported(format!(
+                "its memory cannot be prepared here: {}",
+                error_chain(&e, ": ")
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The chunk digests of the regions that travel, kept by the readers as pages land, when the
+/// source verifies with chunks; a chunk size out of range is refused.
+fn chunk_digests_of(
+    setup: &Setup,
+    memory: &GuestMemory,
+) -> std::result::Result<Option<Arc<ChunkDigests>>, MigrationError> {
+    match (setup.verify, setup.verify_chunk) {
+        (true, Some(chunk)) if chunk_digests::valid_chunk(chunk, BLOCK) => {
+            Ok(Some(Arc::new(ChunkDigests::new(
+                memory
+                    .regions()
+                    .iter()
+                    .filter(|r| !setup.shared.iter().any(|n| n == r.name()))
+                    .map(|r| (r.gpa(), r.size())),
+                chunk,
+            ))))
+        }
+        (true, Some(chunk)) => Err(unsupported(format!(
+            "digest chunks of {chunk} bytes: a power of two from {PAGE_SIZE} to {BLOCK} \
+             is needed"
+        ))),
+        _ => Ok(None),
+    }
+}
+
+/// Pre-copy's rounds land in fresh memory with UFFDIO_COPY where the kernel lets us (a
+/// refusal only costs speed: the pages are then written in place).
+fn arm_landing(setup: &Setup, memory: &GuestMemory) -> Option<Arc<Landing>> {
+    if setup.mode == Mode::Postcopy {
+        return None;
+    }
+    match Landing::arm(memory, &setup.shared) {
+        Ok(l) => l.map(Arc::new),
+        Err(e) => {
+            tracing::warn!("pages land by plain writes: {}", error_chain(&e, ": "));
+            None
+        }
+    }
+}
+
+/// The destination's memory digest, its region digests (with chunk digests) and the time it
+/// took.
+struct Verified {
+    digest: u64,
+    regions: Option<Vec<RegionDigest>>,
+    took: Duration,
+}
+
+/// The memory digest once the memory is complete, when the setup asks for it. With chunk
+/// digests, the readers hashed what they wrote (in `last_round_hashing` for the last round);
+/// any chunk still stale (written on a connection that does not carry its block) is hashed
+/// now. Without (a source that predates them), all of memory is digested now, while the
+/// source digests its own.
+fn verify(
+    setup: &Setup,
+    memory: &GuestMemory,
+    chunks: Option<&ChunkDigests>,
+    last_round_hashing: Duration,
+) -> Result<Option<Verified>> {
+    let started = Instant::now();
+    Ok(match chunks {
+        Some(chunks) => {
+            chunks.refresh_where(memory, |_, _| true)?;
+            let regions = chunks.summary().ok_or(MigrationError::StaleDigests)?;
+            Some(Verified {
+                digest: chunk_digests::combine(&regions),
+                regions: Some(regions),
+                took: last_round_hashing + started.elapsed(),
+            })
+        }
+        None if setup.verify => Some(Verified {
+            digest: memory_digest(memory)?,
+            regions: None,
+            took: started.elapsed(),
+        }),
+        None => None,
     })
 }
 

@@ -2,6 +2,7 @@
 //! reader thread of its own, up to its last EndOfRound, with the chunk digests kept as they
 //! land.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -12,7 +13,7 @@ use crate::chunk_digests::ChunkDigests;
 use crate::landing::{outside_memory, Landing};
 use crate::protocol::{block_connection, write_frame, BLOCK};
 use crate::stream::{Frame, FrameRef, ZstdStreamDecoder};
-use crate::transport::Connection;
+use crate::transport::{Connection, Cutter};
 use crate::{Error, MigrationError, Result};
 
 pub(super) struct ReaderStats {
@@ -69,44 +70,80 @@ pub(super) fn apply_pages(
 ) -> (Connection, Result<ReaderStats>) {
     // The connection's zstd stream, as the source announced it: every frame of the stream
     // codec on this connection goes through it, in order.
-    let mut zstream = match zstd_window_log.map(ZstdStreamDecoder::new).transpose() {
+    let zstream = match zstd_window_log.map(ZstdStreamDecoder::new).transpose() {
         Ok(z) => z,
         Err(e) => return (conn, Err(Error::Stream(e))),
     };
-    let zeros = PageBuf::zeroed(BLOCK as usize);
-    // Where a landing is armed, the pages of a frame with zero lines are spread here (whole)
-    // and landed from here; whole pages land straight from the frame.
-    let mut scratch = PageBuf::zeroed(if landing.is_some() { BLOCK as usize } else { 0 });
-    let mut stats = ReaderStats {
-        pages: 0,
-        zero_pages: 0,
-        last_round: 0,
-        last_round_hashing: Duration::ZERO,
-        zstd_stream_bytes: 0,
-        zstream: None,
+    let mut applier = Applier {
+        memory,
+        landing,
+        digests,
+        corrupt,
+        zstream,
+        zeros: PageBuf::zeroed(BLOCK as usize),
+        // Where a landing is armed, the pages of a frame with zero lines are spread here
+        // (whole) and landed from here; whole pages land straight from the frame.
+        scratch: PageBuf::zeroed(if landing.is_some() { BLOCK as usize } else { 0 }),
+        buf: Vec::new(),
+        stats: ReaderStats {
+            pages: 0,
+            zero_pages: 0,
+            last_round: 0,
+            last_round_hashing: Duration::ZERO,
+            zstd_stream_bytes: 0,
+            zstream: None,
+        },
+        open: None,
+        hashing: Duration::ZERO,
     };
-    // The block the frames are landing in, and the hashing time of the round so far.
-    let mut open: Option<(u64, u64)> = None;
-    let mut hashing = Duration::ZERO;
-    let landed = |gpa: u64, len: u64, open: &mut Option<(u64, u64)>| -> Result<Duration> {
-        let Some(d) = digests else {
-            return Ok(Duration::ZERO);
-        };
-        d.chunks.mark(gpa, len);
-        let block = block_of(memory, gpa);
-        let t = Instant::now();
-        if block != *open {
-            if let Some((start, len)) = *open {
-                d.chunks.refresh(memory, start, len)?;
+    let result = applier.run(&mut conn);
+    (conn, result.map(|()| applier.stats))
+}
+
+/// One pages connection's reader, between frames (see [`apply_pages`]).
+struct Applier<'m> {
+    memory: &'m GuestMemory,
+    landing: Option<&'m Landing>,
+    digests: Option<&'m ReaderDigests>,
+    corrupt: Option<u64>,
+    zstream: Option<ZstdStreamDecoder>,
+    /// A block of zeros, for Zero frames written in place.
+    zeros: PageBuf,
+    /// See [`Frame::read_into_landing`].
+    scratch: PageBuf,
+    /// The frames other than pages are read into it (pages are read from the connection
+    /// straight into guest memory, or landed).
+    buf: Vec<u8>,
+    stats: ReaderStats,
+    /// The block the frames are landing in.
+    open: Option<(u64, u64)>,
+    /// The hashing time of the round so far.
+    hashing: Duration,
+}
+
+impl Applier<'_> {
+    /// Applies frames up to the last EndOfRound.
+    fn run(&mut self, conn: &mut Connection) -> Result<()> {
+        loop {
+            let Some(frame) = self.read(conn)? else {
+                continue;
+            };
+            match frame {
+                Frame::Zero { gpa, count } => self.zero(gpa, count)?,
+                Frame::EndOfRound { round, last } => {
+                    if self.end_round(conn, round, last)? {
+                        return Ok(());
+                    }
+                }
+                other => return Err(refused_by_source(&other, "pages")),
             }
-            *open = block;
         }
-        Ok(t.elapsed())
-    };
-    // Pages are read from the connection straight into guest memory, or landed; the other
-    // frames into one buffer kept for all of them.
-    let mut buf = Vec::new();
-    let result = loop {
+    }
+
+    /// Reads the next frame: pages (and deltas) land in guest memory here, and `None` says
+    /// so; any other frame is handed back.
+    fn read(&mut self, conn: &mut Connection) -> Result<Option<Frame>> {
+        let memory = self.memory;
         let place = |gpa: u64, len: u64| {
             // SAFETY: the VM does not run before the rounds end, and each 2 MiB block travels
             // on one connection only (a frame never crosses a block), so no other thread
@@ -116,7 +153,7 @@ pub(super) fn apply_pages(
         };
         // Why a landing failed, when it did (the stream only sees that it did).
         let mut failed: Option<Error> = None;
-        let read = match landing {
+        let read = match self.landing {
             Some(l) => {
                 let mut land = |gpa: u64, pages: &[u8]| {
                     let landed = memory
@@ -129,120 +166,292 @@ pub(super) fn apply_pages(
                     })
                 };
                 Frame::read_into_landing(
-                    &mut conn,
-                    &mut buf,
-                    zstream.as_mut(),
-                    (&mut scratch[..], &mut land),
+                    conn,
+                    &mut self.buf,
+                    self.zstream.as_mut(),
+                    (&mut self.scratch[..], &mut land),
                     |gpa, len, _| place(gpa, len as u64),
                 )
             }
-            None => {
-                Frame::read_into_stream(&mut conn, &mut buf, zstream.as_mut(), |gpa, len, _| {
-                    place(gpa, len as u64)
-                })
-            }
+            None => Frame::read_into_stream(
+                conn,
+                &mut self.buf,
+                self.zstream.as_mut(),
+                |gpa, len, _| place(gpa, len as u64),
+            ),
         };
         if let Some(e) = failed {
-            break Err(e);
+            return Err(e);
         }
-        let frame = match read {
+        match read {
             Ok(FrameRef::Placed { gpa, len, .. } | FrameRef::Patched { gpa, len }) => {
-                stats.pages += len as u64 / PAGE_SIZE;
-                if let Some(at) = corrupt.filter(|&at| at >= gpa && at - gpa < len as u64) {
-                    let flipped = memory.read_u64(at).map(|w| w ^ 1);
-                    if let Err(e) = flipped.and_then(|w| memory.write_u64(at, w)) {
-                        break Err(e.into());
-                    }
-                }
-                match landed(gpa, len as u64, &mut open) {
-                    Ok(t) => hashing += t,
-                    Err(e) => break Err(e),
-                }
-                continue;
+                self.placed(gpa, len as u64)?;
+                Ok(None)
             }
-            Ok(FrameRef::Pages { gpa, pages, .. }) => {
-                // `place` declined them: they are not inside this VM's memory.
-                break Err(MigrationError::Unsupported {
-                    reason: format!(
-                        "the source sent {} bytes of pages at {gpa:#x}, outside this VM's memory",
-                        pages.len()
-                    ),
-                }
-                .into());
+            // `place` declined them: they are not inside this VM's memory.
+            Ok(FrameRef::Pages { gpa, pages, .. }) => Err(MigrationError::Unsupported {
+                reason: format!(
+                    "the source sent {} bytes of pages at {gpa:#x}, outside this VM's memory",
+                    pages.len()
+                ),
             }
-            Ok(FrameRef::Frame(f)) => f,
-            Err(e) => break Err(Error::Stream(e)),
+            .into()),
+            Ok(FrameRef::Frame(f)) => Ok(Some(f)),
+            Err(e) => Err(Error::Stream(e)),
+        }
+    }
+
+    /// `len` bytes of pages at `gpa` are in guest memory: counted, corrupted if the test hook
+    /// asks, their chunks marked.
+    fn placed(&mut self, gpa: u64, len: u64) -> Result<()> {
+        self.stats.pages += len / PAGE_SIZE;
+        if let Some(at) = self.corrupt.filter(|&at| at >= gpa && at - gpa < len) {
+            let flipped = self.memory.read_u64(at).map(|w| w ^ 1);
+            flipped.and_then(|w| self.memory.write_u64(at, w))?;
+        }
+        self.landed(gpa, len)
+    }
+
+    /// A Zero frame: `count` pages of zeros at `gpa`, a block at a time.
+    fn zero(&mut self, gpa: u64, count: u64) -> Result<()> {
+        self.stats.zero_pages += count;
+        let mut done = 0;
+        while done < count * PAGE_SIZE {
+            let n = (count * PAGE_SIZE - done).min(BLOCK);
+            match self.landing {
+                Some(l) => l.zero(self.memory, gpa + done, n),
+                None => self
+                    .memory
+                    .write(gpa + done, &self.zeros[..n as usize])
+                    .map_err(outside_memory),
+            }?;
+            done += n;
+        }
+        self.landed(gpa, count * PAGE_SIZE)
+    }
+
+    /// With digests, marks the chunks of `len` bytes at `gpa` stale, and hashes those of the
+    /// block the frames were landing in, once they moved past it.
+    fn landed(&mut self, gpa: u64, len: u64) -> Result<()> {
+        let Some(d) = self.digests else {
+            return Ok(());
         };
-        let applied = match frame {
-            Frame::Zero { gpa, count } => {
-                stats.zero_pages += count;
-                let mut done = 0;
-                let mut r = Ok(());
-                while done < count * PAGE_SIZE && r.is_ok() {
-                    let n = (count * PAGE_SIZE - done).min(BLOCK);
-                    r = match landing {
-                        Some(l) => l.zero(memory, gpa + done, n),
-                        None => memory
-                            .write(gpa + done, &zeros[..n as usize])
-                            .map_err(outside_memory),
-                    };
-                    done += n;
-                }
-                if r.is_ok() {
-                    match landed(gpa, count * PAGE_SIZE, &mut open) {
-                        Ok(t) => hashing += t,
-                        Err(e) => break Err(e),
-                    }
-                }
-                r
+        d.chunks.mark(gpa, len);
+        let block = block_of(self.memory, gpa);
+        let t = Instant::now();
+        if block != self.open {
+            if let Some((start, len)) = self.open {
+                d.chunks.refresh(self.memory, start, len)?;
             }
-            Frame::EndOfRound { round, last } => {
-                stats.last_round = round;
-                // Everything before it is in guest memory: say so (unless it is the last), so
-                // that the source times its rounds (and pauses the guest) on what is applied,
-                // not what is buffered; then hash what is stale, while the next round comes.
-                if !last {
-                    if let Err(e) = write_frame(&mut conn, &Frame::EndOfRound { round, last }) {
-                        break Err(e);
-                    }
+            self.open = block;
+        }
+        self.hashing += t.elapsed();
+        Ok(())
+    }
+
+    /// An EndOfRound: everything before it is in guest memory. Says so (unless it is the
+    /// last), so that the source times its rounds (and pauses the guest) on what is applied,
+    /// not what is buffered; then hashes what is stale, while the next round comes. True after
+    /// the last round.
+    fn end_round(&mut self, conn: &mut Connection, round: u32, last: bool) -> Result<bool> {
+        self.stats.last_round = round;
+        if !last {
+            write_frame(conn, &Frame::EndOfRound { round, last })?;
+        }
+        self.hash_round(round)?;
+        if last {
+            self.stats.last_round_hashing = self.hashing;
+            self.stats.zstd_stream_bytes =
+                self.zstream.as_ref().map_or(0, |z| z.memory_bytes() as u64);
+            self.stats.zstream = self.zstream.take();
+            return Ok(true);
+        }
+        self.hashing = Duration::ZERO;
+        Ok(false)
+    }
+
+    /// With digests, after a round: hashes the open block's chunks and every stale chunk of
+    /// this reader's blocks.
+    fn hash_round(&mut self, round: u32) -> Result<()> {
+        let Some(d) = self.digests else {
+            return Ok(());
+        };
+        let t = Instant::now();
+        let swept = self
+            .open
+            .take()
+            .map_or(Ok(0), |(start, len)| {
+                d.chunks.refresh(self.memory, start, len)
+            })
+            .and_then(|a| d.sweep(self.memory).map(|b| a + b));
+        let took = t.elapsed();
+        self.hashing += took;
+        let bytes = swept?;
+        tracing::debug!(
+            round,
+            reader = d.reader,
+            in_round_ms = (self.hashing - took).as_secs_f64() * 1e3,
+            after_mib = bytes >> 20,
+            after_ms = took.as_secs_f64() * 1e3,
+            "chunk digests hashed"
+        );
+        Ok(())
+    }
+}
+
+/// What the rounds left, over all pages connections.
+pub(super) struct Rounds {
+    /// The connections' zstd stream decoders, to be freed once the guest runs.
+    pub(super) streams: Vec<ZstdStreamDecoder>,
+    /// Each connection's last round.
+    pub(super) last_rounds: Vec<u32>,
+    /// The longest a reader spent hashing chunks in and after the last round.
+    pub(super) last_round_hashing: Duration,
+}
+
+/// What a reader thread is handed: its place among the pages connections and what it lands
+/// pages with.
+struct Reader {
+    index: usize,
+    memory: Arc<GuestMemory>,
+    landing: Option<Arc<Landing>>,
+    digests: Option<ReaderDigests>,
+    corrupt: Option<u64>,
+    zstd_window_log: Option<u32>,
+}
+
+impl Reader {
+    /// Applies `conn`'s pages on a thread of its own ([`apply_pages`]). A reader that fails
+    /// records itself in `first_failed` (if it is the first) and ends the others' reads at
+    /// once (their connections may be cut silently): the migration fails now, not after an
+    /// idle timeout.
+    fn spawn(
+        self,
+        conn: Connection,
+        cutters: Arc<Vec<Cutter>>,
+        first_failed: Arc<AtomicUsize>,
+    ) -> std::thread::JoinHandle<(Connection, Result<ReaderStats>)> {
+        std::thread::Builder::new()
+            .name(format!("migrate-rx{}", self.index))
+            .spawn(move || {
+                let (conn, result) = apply_pages(
+                    conn,
+                    &self.memory,
+                    self.landing.as_deref(),
+                    self.digests.as_ref(),
+                    self.corrupt,
+                    self.zstd_window_log,
+                );
+                if result.is_err() {
+                    let _ = first_failed.compare_exchange(
+                        usize::MAX,
+                        self.index,
+                        Ordering::SeqCst,
+                        Ordering::SeqCst,
+                    );
+                    cutters.iter().for_each(Cutter::cut_reads);
                 }
-                if let Some(d) = digests {
-                    let t = Instant::now();
-                    let swept = open
-                        .take()
-                        .map_or(Ok(0), |(start, len)| d.chunks.refresh(memory, start, len))
-                        .and_then(|a| d.sweep(memory).map(|b| a + b));
-                    let took = t.elapsed();
-                    hashing += took;
-                    match swept {
-                        Ok(bytes) => tracing::debug!(
-                            round,
-                            reader = d.reader,
-                            in_round_ms = (hashing - took).as_secs_f64() * 1e3,
-                            after_mib = bytes >> 20,
-                            after_ms = took.as_secs_f64() * 1e3,
-                            "chunk digests hashed"
-                        ),
-                        Err(e) => break Err(e),
-                    }
-                }
-                if last {
-                    stats.last_round_hashing = hashing;
-                    stats.zstd_stream_bytes =
-                        zstream.as_ref().map_or(0, |z| z.memory_bytes() as u64);
-                    stats.zstream = zstream.take();
-                    break Ok(());
-                }
-                hashing = Duration::ZERO;
+                (conn, result)
+            })
+            .expect("spawning a reader thread")
+    }
+}
+
+impl Receiving {
+    /// The rounds: each pages connection is applied by its own thread, up to its last
+    /// EndOfRound; then the landing is disarmed. The first reader to fail gives the
+    /// migration's error (the others' follow from it), told to the source.
+    pub(super) fn receive_rounds(
+        &mut self,
+        memory: &Arc<GuestMemory>,
+        chunks: Option<&Arc<ChunkDigests>>,
+        landing: Option<Arc<Landing>>,
+        opts: &ReceiveOptions,
+        report: &mut DestinationReport,
+    ) -> Result<Rounds> {
+        let cutters = Arc::new(self.links.cutters()?);
+        let first_failed = Arc::new(AtomicUsize::new(usize::MAX));
+        let connections = self.links.pages.len();
+        let zstd_window_log = self.setup.zstd_window_log;
+        let readers: Vec<_> = std::mem::take(&mut self.links.pages)
+            .into_iter()
+            .enumerate()
+            .map(|(i, conn)| {
+                let reader = Reader {
+                    index: i,
+                    memory: memory.clone(),
+                    landing: landing.clone(),
+                    digests: chunks.cloned().map(|chunks| ReaderDigests {
+                        chunks,
+                        reader: i,
+                        connections,
+                    }),
+                    corrupt: opts.corrupt_landing_at,
+                    zstd_window_log,
+                };
+                reader.spawn(conn, cutters.clone(), first_failed.clone())
+            })
+            .collect();
+        let mut rounds = Rounds {
+            streams: Vec::new(),
+            last_rounds: Vec::new(),
+            last_round_hashing: Duration::ZERO,
+        };
+        let mut failures = Vec::new();
+        for (i, r) in readers.into_iter().enumerate() {
+            let (conn, result) = r.join().expect("a reader thread panicked");
+            self.links.pages.push(conn);
+            match result {
+                Ok(stats) => rounds.add(stats, report),
+                Err(e) => failures.push((i, e)),
+            }
+        }
+        let first = first_failed.load(Ordering::SeqCst);
+        let failure = match failures.iter().position(|(i, _)| *i == first) {
+            Some(at) => Some(failures.swap_remove(at).1),
+            None => failures.into_iter().next().map(|(_, e)| e),
+        };
+        if let Some(e) = failure {
+            return Err(self.refuse(MigrationError::Receiving {
+                source: Box::new(e),
+            }));
+        }
+        self.disarm(landing)?;
+        Ok(rounds)
+    }
+
+    /// Every reader is done with it: the memory goes back to behaving as unregistered.
+    fn disarm(&mut self, landing: Option<Arc<Landing>>) -> Result<()> {
+        let Some(landing) = landing.and_then(Arc::into_inner) else {
+            return Ok(());
+        };
+        let t = Instant::now();
+        match landing.disarm() {
+            Ok(stats) => {
+                tracing::debug!(
+                    ?stats,
+                    disarm_ms = t.elapsed().as_secs_f64() * 1e3,
+                    "pages landed"
+                );
                 Ok(())
             }
-            other => break Err(refused_by_source(&other, "pages")),
-        };
-        if let Err(e) = applied {
-            break Err(e);
+            Err(e) => Err(self.refuse(MigrationError::Receiving {
+                source: Box::new(e),
+            })),
         }
-    };
-    (conn, result.map(|()| stats))
+    }
+}
+
+impl Rounds {
+    /// A reader's stats, added to the rounds' and the report's.
+    fn add(&mut self, mut stats: ReaderStats, report: &mut DestinationReport) {
+        self.streams.extend(stats.zstream.take());
+        report.pages_received += stats.pages;
+        report.zero_pages_received += stats.zero_pages;
+        self.last_rounds.push(stats.last_round);
+        self.last_round_hashing = self.last_round_hashing.max(stats.last_round_hashing);
+        report.zstd_stream_bytes += stats.zstd_stream_bytes;
+    }
 }
 
 #[cfg(test)]

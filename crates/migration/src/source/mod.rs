@@ -81,101 +81,26 @@ pub fn send_machine(
     let started = Instant::now();
     let kept = |error| MachineFailure { error, kept: true };
     opts.check(links.pages.len()).map_err(kept)?;
-    let fault_cpus = opts
-        .fault_cpus
-        .as_deref()
-        .map(CpuSet::new)
-        .transpose()
-        .map_err(|e| {
-            kept(
-                MigrationError::BadOption {
-                    option: "fault_cpus",
-                    reason: format!("fault CPUs: {e}"),
-                }
-                .into(),
-            )
-        })?;
+    let fault_cpus = fault_cpus(opts).map_err(kept)?;
     let memory = machine.memory().clone();
     let mut source = Source::new(&memory, opts, &links, started);
     let mut tracker = None;
-    // While the guest runs: hello, then pre-copy rounds (one for hybrid, none for post-copy).
-    let precopy = source
-        .handshake(&mut links, machine.config())
-        .and_then(|()| {
-            if opts.mode == Mode::Postcopy {
-                return Ok(None);
-            }
-            let mode = match opts.tracking {
-                Some(m) => m,
-                None => guestmem_tracking::Mode::best()?,
-            };
-            source.tracking = mode.name().to_string();
-            let t = tracker.insert(machine.start_tracking(mode)?);
-            source.precopy(machine, components, t, &mut links).map(Some)
-        });
-    let pending = match precopy {
+    let pending = match source.run_precopy(machine, components, &mut tracker, &mut links) {
         Ok(p) => p,
         Err(error) => {
             let _ = machine.set_throttle(0);
-            if let Some(t) = tracker {
-                let _ = t.stop();
-            }
+            stop_tracking(tracker);
             return Err(kept(error));
         }
     };
-
-    // Post-copy's servers, reading on the urgent connections already (see PostcopyServers).
-    let servers = match opts.mode.has_postcopy().then(|| {
-        let mut servers = PostcopyServers::spawn(
-            links.pages.len(),
-            links.urgent.len(),
-            &memory,
-            fault_cpus,
-            source.compressor.clone(),
-        )?;
-        servers.hand(&mut links, true)?;
-        Ok(servers)
-    }) {
-        Some(Err(error)) => {
-            if let Some(t) = tracker {
-                let _ = t.stop();
-            }
+    let servers = match source.spawn_servers(&mut links, fault_cpus) {
+        Ok(servers) => servers,
+        Err(error) => {
+            stop_tracking(tracker);
             return Err(kept(error));
         }
-        servers => servers.map(|s| s.expect("checked")),
     };
-
-    // Switch-over: the guest and its devices stop here.
-    let paused = Instant::now();
-    if let Err(error) = machine.pause() {
-        return Err(MachineFailure {
-            error: error.into(),
-            kept: false,
-        });
-    }
-    let switched = components.pause().map_err(Error::from).and_then(|()| {
-        source.switch_over(
-            machine,
-            components,
-            tracker.as_mut(),
-            pending,
-            &mut links,
-            paused,
-        )
-    });
-    if let Err(error) = switched {
-        if let Some(t) = tracker {
-            let _ = t.stop();
-        }
-        if source.committed {
-            return Err(MachineFailure { error, kept: false });
-        }
-        let resumed = machine.resume().and_then(|()| components.resume());
-        return Err(MachineFailure {
-            error,
-            kept: resumed.is_ok(),
-        });
-    }
+    source.switch_over_or_resume(machine, components, &mut tracker, pending, &mut links)?;
 
     // After Go: the destination runs the guest; serve post-copy, then the Complete. Dirty
     // logging is switched off only then: it takes milliseconds (a memslot update per region)
@@ -189,22 +114,32 @@ pub fn send_machine(
             Err(e) => Err(e),
         }
     };
+    stop_tracking(tracker);
+    match done {
+        Ok(report_json) => Ok(source.finish_with(&report_json)),
+        Err(error) => Err(MachineFailure { error, kept: false }),
+    }
+}
+
+/// The fault CPUs asked for, checked.
+fn fault_cpus(opts: &SendOptions) -> Result<Option<CpuSet>> {
+    opts.fault_cpus
+        .as_deref()
+        .map(CpuSet::new)
+        .transpose()
+        .map_err(|e| {
+            MigrationError::BadOption {
+                option: "fault_cpus",
+                reason: format!("fault CPUs: {e}"),
+            }
+            .into()
+        })
+}
+
+/// Stops dirty logging, if it was started (its failure changes nothing then).
+fn stop_tracking(tracker: Option<Tracker>) {
     if let Some(t) = tracker {
         let _ = t.stop();
-    }
-    match done {
-        Ok(report_json) => {
-            source.report.destination = serde_json::from_slice(&report_json).ok();
-            if let Some(d) = &source.report.destination {
-                if opts.mode.has_postcopy() {
-                    // The Complete comes when the destination is done with the transfer, which
-                    // may be long after the last page went: the destination timed residency.
-                    source.report.postcopy_ms = d.resident_ms;
-                }
-            }
-            Ok(source.finish())
-        }
-        Err(error) => Err(MachineFailure { error, kept: false }),
     }
 }
 
@@ -241,6 +176,40 @@ struct Source<'o> {
 
 /// Pages dirtied and not sent yet when the guest stopped.
 type Pending = Vec<DirtyBitmap>;
+
+/// A round being queued to the writers, and what it counted so far.
+struct RoundQueue {
+    writers: Writers,
+    round: u32,
+    /// Pages in the round.
+    total: u64,
+    /// The delta cache's size in pages (0: none).
+    cache_pages: u64,
+    /// Pages queued, of them zero pages, and bytes of pages queued.
+    pages: u64,
+    zero_pages: u64,
+    bytes: u64,
+}
+
+impl RoundQueue {
+    /// What the next run does with the delta cache. Round 1 fills the cache with the last
+    /// pages it sends only (the others would be evicted before the round ends); later rounds
+    /// look every page up.
+    fn delta_use(&self) -> DeltaUse {
+        delta_use(self.round, self.cache_pages, self.total, self.pages)
+    }
+}
+
+/// What a run does with a delta cache of `cache_pages` in round `round` of `total` pages,
+/// `queued` of them queued before it (see [`RoundQueue::delta_use`]).
+fn delta_use(round: u32, cache_pages: u64, total: u64, queued: u64) -> DeltaUse {
+    match (cache_pages, round) {
+        (0, _) => DeltaUse::Off,
+        (_, 1) if queued + cache_pages < total => DeltaUse::Off,
+        (_, 1) => DeltaUse::Admit,
+        _ => DeltaUse::Try,
+    }
+}
 
 impl<'o> Source<'o> {
     fn new(
@@ -516,92 +485,28 @@ impl<'o> Source<'o> {
         tracker: &mut Option<&mut Tracker>,
         dirty: &[DirtyBitmap],
         round: u32,
-        mut writers: Writers,
+        writers: Writers,
         last: bool,
     ) -> Result<(Vec<Connection>, Round)> {
         let start = Instant::now();
         let start_ms = self.ms();
-        let (mut pages, mut zero_pages, mut bytes) = (0u64, 0u64, 0u64);
-        let n = writers.queues.len() as u64;
-        // Round 1 fills the delta cache with the last pages it sends only (the others would
-        // be evicted before the round ends); later rounds look every page up.
-        let total: u64 = dirty.iter().map(|b| b.count()).sum();
-        let cache_pages = self.delta.as_ref().map_or(0, |c| c.pages());
-        let delta_use = |pages: u64| match (cache_pages, round) {
-            (0, _) => DeltaUse::Off,
-            (_, 1) if pages + cache_pages < total => DeltaUse::Off,
-            (_, 1) => DeltaUse::Admit,
-            _ => DeltaUse::Try,
+        let mut q = RoundQueue {
+            writers,
+            round,
+            total: dirty.iter().map(|b| b.count()).sum(),
+            cache_pages: self.delta.as_ref().map_or(0, |c| c.pages()),
+            pages: 0,
+            zero_pages: 0,
+            bytes: 0,
         };
-        let queued = (|| -> Result<()> {
-            for b in dirty {
-                let sys = b.gpa == layout::SYS_GPA;
-                let tracked = tracked_gpa(&self.memory, b.gpa);
-                let block_pages = BLOCK / PAGE_SIZE;
-                let mut first = 0;
-                while first < b.pages {
-                    let count = block_pages.min(b.pages - first);
-                    let words =
-                        &b.bits[(first / 64) as usize..(first + count).div_ceil(64) as usize];
-                    if words.iter().all(|&w| w == 0) {
-                        first += count;
-                        continue;
-                    }
-                    if let Some(t) = tracker.as_mut().filter(|_| tracked) {
-                        t.clear(b, first, count)?;
-                    }
-                    let conn = block_connection(b.gpa, first * PAGE_SIZE, n as usize);
-                    // Runs of dirty pages in the block, split into zero and non-zero runs.
-                    let skip_zero = round == 1 && !sys;
-                    let mut run: Option<(u64, u64, bool)> = None; // (first page, pages, zero)
-                    for p in first..first + count {
-                        if b.bits[(p / 64) as usize] >> (p % 64) & 1 == 0 {
-                            if let Some(r) = run.take() {
-                                self.queue_run(
-                                    &mut writers,
-                                    conn,
-                                    b.gpa,
-                                    r,
-                                    skip_zero,
-                                    delta_use(pages),
-                                    &mut bytes,
-                                )?;
-                            }
-                            continue;
-                        }
-                        let zero = self.page_is_zero(b.gpa + p * PAGE_SIZE)?;
-                        pages += 1;
-                        zero_pages += u64::from(zero);
-                        if let Some((_, len, z)) = &mut run {
-                            if *z == zero {
-                                *len += 1;
-                                continue;
-                            }
-                        }
-                        if let Some(r) = run.take() {
-                            let d = delta_use(pages);
-                            self.queue_run(&mut writers, conn, b.gpa, r, skip_zero, d, &mut bytes)?;
-                        }
-                        run = Some((p, 1, zero));
-                    }
-                    if let Some(r) = run.take() {
-                        let d = delta_use(pages);
-                        self.queue_run(&mut writers, conn, b.gpa, r, skip_zero, d, &mut bytes)?;
-                    }
-                    // The block's dirty pages are cleared: its stale chunks can be hashed, by
-                    // the writer that sends it, once it has.
-                    if self.chunks.is_some() {
-                        let (gpa, len) = (b.gpa + first * PAGE_SIZE, count * PAGE_SIZE);
-                        writers.queue(conn, Job::Digest { gpa, len })?;
-                    }
-                    first += count;
-                }
-            }
-            for q in 0..writers.queues.len() {
-                writers.queue(q, Job::Frame(Frame::EndOfRound { round, last }))?;
-            }
-            Ok(())
-        })();
+        let queued = self.queue_round(tracker, dirty, last, &mut q);
+        let RoundQueue {
+            writers,
+            pages,
+            zero_pages,
+            bytes,
+            ..
+        } = q;
         let Joined {
             mut conns,
             streams,
@@ -624,21 +529,7 @@ impl<'o> Source<'o> {
             }
         }
         let ms = start.elapsed().as_secs_f64() * 1e3;
-        // The streams' memory (their windows fill as the first round goes), counted at its
-        // most; after the last round nothing uses them.
-        let held: usize = streams.iter().flatten().map(|s| s.memory_bytes()).sum();
-        self.report.zstd_stream_bytes = self.report.zstd_stream_bytes.max(held as u64);
-        // Kept after the last round too: they are freed once the guest runs at the destination
-        // (see `switch_over`).
-        self.zstd_streams = streams;
-        self.round_digest = digest_time;
-        if self.chunks.is_some() {
-            tracing::debug!(
-                round,
-                busiest_writer_ms = digest_time.as_secs_f64() * 1e3,
-                "chunk digests hashed"
-            );
-        }
+        self.keep_streams(streams, round, digest_time);
         self.report.bytes += bytes;
         self.report.wire_bytes += wire_bytes;
         self.report.pages_sent += pages - zero_pages;
@@ -660,6 +551,107 @@ impl<'o> Source<'o> {
                 throttle_percent: 0,
             },
         ))
+    }
+
+    /// Queues every dirty block of `dirty` to the writers, then each connection's EndOfRound.
+    fn queue_round(
+        &mut self,
+        tracker: &mut Option<&mut Tracker>,
+        dirty: &[DirtyBitmap],
+        last: bool,
+        q: &mut RoundQueue,
+    ) -> Result<()> {
+        for b in dirty {
+            let tracked = tracked_gpa(&self.memory, b.gpa);
+            let block_pages = BLOCK / PAGE_SIZE;
+            let mut first = 0;
+            while first < b.pages {
+                let count = block_pages.min(b.pages - first);
+                let words = &b.bits[(first / 64) as usize..(first + count).div_ceil(64) as usize];
+                if words.iter().all(|&w| w == 0) {
+                    first += count;
+                    continue;
+                }
+                if let Some(t) = tracker.as_mut().filter(|_| tracked) {
+                    t.clear(b, first, count)?;
+                }
+                self.queue_block(q, b, first, count)?;
+                first += count;
+            }
+        }
+        let round = q.round;
+        for i in 0..q.writers.queues.len() {
+            q.writers
+                .queue(i, Job::Frame(Frame::EndOfRound { round, last }))?;
+        }
+        Ok(())
+    }
+
+    /// Queues the dirty pages `first..first + count` of `b` (one block, its dirty bits
+    /// cleared) to the writer of its connection, as runs of zero and non-zero pages.
+    fn queue_block(
+        &mut self,
+        q: &mut RoundQueue,
+        b: &DirtyBitmap,
+        first: u64,
+        count: u64,
+    ) -> Result<()> {
+        let n = q.writers.queues.len();
+        let conn = block_connection(b.gpa, first * PAGE_SIZE, n);
+        let skip_zero = q.round == 1 && b.gpa != layout::SYS_GPA;
+        let mut run: Option<(u64, u64, bool)> = None; // (first page, pages, zero)
+        for p in first..first + count {
+            if b.bits[(p / 64) as usize] >> (p % 64) & 1 == 0 {
+                if let Some(r) = run.take() {
+                    let d = q.delta_use();
+                    self.queue_run(&mut q.writers, conn, b.gpa, r, skip_zero, d, &mut q.bytes)?;
+                }
+                continue;
+            }
+            let zero = self.page_is_zero(b.gpa + p * PAGE_SIZE)?;
+            q.pages += 1;
+            q.zero_pages += u64::from(zero);
+            if let Some((_, len, z)) = &mut run {
+                if *z == zero {
+                    *len += 1;
+                    continue;
+                }
+            }
+            if let Some(r) = run.take() {
+                let d = q.delta_use();
+                self.queue_run(&mut q.writers, conn, b.gpa, r, skip_zero, d, &mut q.bytes)?;
+            }
+            run = Some((p, 1, zero));
+        }
+        if let Some(r) = run.take() {
+            let d = q.delta_use();
+            self.queue_run(&mut q.writers, conn, b.gpa, r, skip_zero, d, &mut q.bytes)?;
+        }
+        // The block's dirty pages are cleared: its stale chunks can be hashed, by the writer
+        // that sends it, once it has.
+        if self.chunks.is_some() {
+            let (gpa, len) = (b.gpa + first * PAGE_SIZE, count * PAGE_SIZE);
+            q.writers.queue(conn, Job::Digest { gpa, len })?;
+        }
+        Ok(())
+    }
+
+    /// Keeps the writers' zstd streams after a round, their memory counted at its most (their
+    /// windows fill as the first round goes; after the last round nothing uses them, but they
+    /// are freed only once the guest runs at the destination, see `switch_over`), and the
+    /// busiest writer's hashing time.
+    fn keep_streams(&mut self, streams: Vec<Option<ZstdStream>>, round: u32, digest: Duration) {
+        let held: usize = streams.iter().flatten().map(|s| s.memory_bytes()).sum();
+        self.report.zstd_stream_bytes = self.report.zstd_stream_bytes.max(held as u64);
+        self.zstd_streams = streams;
+        self.round_digest = digest;
+        if self.chunks.is_some() {
+            tracing::debug!(
+                round,
+                busiest_writer_ms = digest.as_secs_f64() * 1e3,
+                "chunk digests hashed"
+            );
+        }
     }
 
     /// Reads the page with volatile loads (the guest may be writing it); stops at the first
@@ -817,6 +809,105 @@ impl<'o> Source<'o> {
         Ok(())
     }
 
+    /// While the guest runs: the handshake, then pre-copy's rounds (one for hybrid, none for
+    /// post-copy), the guest's writes tracked by the tracker put in `tracker`. Returns the
+    /// pages dirtied since the last round (`None` in post-copy).
+    fn run_precopy(
+        &mut self,
+        machine: &mut dyn Machine,
+        components: &mut Components<'_>,
+        tracker: &mut Option<Tracker>,
+        links: &mut Links,
+    ) -> Result<Option<Pending>> {
+        self.handshake(links, machine.config())?;
+        if self.opts.mode == Mode::Postcopy {
+            return Ok(None);
+        }
+        let mode = match self.opts.tracking {
+            Some(m) => m,
+            None => guestmem_tracking::Mode::best()?,
+        };
+        self.tracking = mode.name().to_string();
+        let t = tracker.insert(machine.start_tracking(mode)?);
+        self.precopy(machine, components, t, links).map(Some)
+    }
+
+    /// Post-copy's servers (in post-copy and hybrid), reading on the urgent connections
+    /// already (see PostcopyServers).
+    fn spawn_servers(
+        &self,
+        links: &mut Links,
+        fault_cpus: Option<CpuSet>,
+    ) -> Result<Option<PostcopyServers>> {
+        if !self.opts.mode.has_postcopy() {
+            return Ok(None);
+        }
+        let mut servers = PostcopyServers::spawn(
+            links.pages.len(),
+            links.urgent.len(),
+            &self.memory,
+            fault_cpus,
+            self.compressor.clone(),
+        )?;
+        servers.hand(links, true)?;
+        Ok(Some(servers))
+    }
+
+    /// Switch-over: the guest and its devices stop here ([`Source::switch_over`]). A failure
+    /// before Go resumes them (the source keeps the guest, if they resume); after Go, or if
+    /// the machine does not pause, the guest is not ours.
+    fn switch_over_or_resume(
+        &mut self,
+        machine: &mut dyn Machine,
+        components: &mut Components<'_>,
+        tracker: &mut Option<Tracker>,
+        pending: Option<Pending>,
+        links: &mut Links,
+    ) -> std::result::Result<(), MachineFailure> {
+        let paused = Instant::now();
+        if let Err(error) = machine.pause() {
+            return Err(MachineFailure {
+                error: error.into(),
+                kept: false,
+            });
+        }
+        let switched = components.pause().map_err(Error::from).and_then(|()| {
+            self.switch_over(
+                machine,
+                components,
+                tracker.as_mut(),
+                pending,
+                links,
+                paused,
+            )
+        });
+        let Err(error) = switched else {
+            return Ok(());
+        };
+        stop_tracking(tracker.take());
+        if self.committed {
+            return Err(MachineFailure { error, kept: false });
+        }
+        let resumed = machine.resume().and_then(|()| components.resume());
+        Err(MachineFailure {
+            error,
+            kept: resumed.is_ok(),
+        })
+    }
+
+    /// The report, with the destination's from its Complete.
+    fn finish_with(mut self, report_json: &[u8]) -> Report {
+        self.report.destination = serde_json::from_slice(report_json).ok();
+        if let Some(d) = &self.report.destination {
+            if self.opts.mode.has_postcopy() {
+                // The Complete comes when the destination is done with the transfer, which
+                // may be long after the last page went: the destination timed residency.
+                self.report.postcopy_ms = d.resident_ms;
+            }
+        }
+        self.finish()
+    }
+
     /// Serves the destination's post-copy requests on every connection until it says Complete
     /// on each, with `servers` (one thread per connection); a broken link waits for
     /// [`SendOptions::reconnect`] and goes on.
@@ -941,4 +1032,20 @@ fn stale_chunks(dirty: &[DirtyBitmap], gpa: u64, size: u64) -> Vec<u64> {
         }
     }
     bits
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Round 1 admits only the pages the cache can still hold at the round's end; later rounds
+    /// try every page; without a cache nothing is.
+    #[test]
+    fn round_one_admits_its_last_pages_and_later_rounds_try_them_all() {
+        assert_eq!(delta_use(1, 0, 100, 99), DeltaUse::Off);
+        assert_eq!(delta_use(3, 0, 100, 0), DeltaUse::Off);
+        assert_eq!(delta_use(1, 10, 100, 89), DeltaUse::Off);
+        assert_eq!(delta_use(1, 10, 100, 90), DeltaUse::Admit);
+        assert_eq!(delta_use(2, 10, 100, 0), DeltaUse::Try);
+    }
 }

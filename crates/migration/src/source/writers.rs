@@ -2,7 +2,7 @@
 
 use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{sync_channel, SyncSender};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -144,7 +144,7 @@ impl Writers {
         let mut queues = Vec::new();
         let mut threads = Vec::new();
         let streams = streams.into_iter().chain(std::iter::repeat_with(|| None));
-        for (i, (mut conn, mut stream)) in conns.into_iter().zip(streams).enumerate() {
+        for (i, (conn, stream)) in conns.into_iter().zip(streams).enumerate() {
             // So that the link carries one frame while the writer compresses the next (see
             // `SEND_BUFFER_BYTES`); a connection that refuses keeps its own (the transfer is
             // the same, the overlap smaller).
@@ -152,111 +152,29 @@ impl Writers {
                 tracing::debug!("pages connection {i}: SO_SNDBUF: {e}");
             }
             let (tx, rx) = sync_channel::<Job>(8);
-            let memory = memory.clone();
-            let wire_bytes = wire_bytes.clone();
-            let compressor = compressor.clone();
-            let chunks = chunks.clone();
-            let delta = delta.clone();
+            let writer = Writer {
+                index: i,
+                conn,
+                stream,
+                memory: memory.clone(),
+                whole_pages,
+                wire_bytes: wire_bytes.clone(),
+                compressor: compressor.clone(),
+                chunks: chunks.clone(),
+                delta: delta.clone(),
+                round,
+                last,
+                out: Vec::new(),
+                scratch: Vec::new(),
+                pages: Vec::new(),
+                hashing: Duration::ZERO,
+                gauge: LinkGauge::default(),
+            };
             queues.push(tx);
             threads.push(
                 std::thread::Builder::new()
                     .name(format!("migrate-tx{i}"))
-                    .spawn(move || {
-                        let mut out = Vec::with_capacity((BLOCK + 64) as usize);
-                        let mut scratch = Vec::new();
-                        let mut pages = Vec::new();
-                        let mut result = Ok(());
-                        let mut hashing = Duration::ZERO;
-                        let mut gauge = LinkGauge::default();
-                        for job in rx {
-                            let sent = match job {
-                                Job::Pages {
-                                    gpa,
-                                    len,
-                                    fresh,
-                                    delta: d,
-                                } => match delta.as_ref().filter(|_| d != DeltaUse::Off) {
-                                    Some(cache) => encode_cached(
-                                        &mut out,
-                                        &mut pages,
-                                        &memory,
-                                        &mut cache.part(i),
-                                        gpa,
-                                        len as usize,
-                                        fresh,
-                                        (d == DeltaUse::Try, round, last),
-                                    ),
-                                    None => Frame::encode_pages_with(
-                                        &mut out,
-                                        gpa,
-                                        len as usize,
-                                        fresh,
-                                        whole_pages,
-                                        |at, piece| {
-                                            memory.read(gpa + at as u64, piece).map_err(|e| {
-                                                StreamError::Malformed(crate::error_chain(&e, ": "))
-                                            })
-                                        },
-                                    )
-                                    .map(|_| ()),
-                                }
-                                .and_then(|()| {
-                                    let codec = compressor.choose();
-                                    let (encoded, t) = (out.len(), Instant::now());
-                                    match (codec, stream.as_mut()) {
-                                        (Codec::Zstd(_), Some(s)) => {
-                                            compress_pages_stream(&mut out, s, &mut scratch)?
-                                        }
-                                        _ => compress_pages(&mut out, codec, &mut scratch)?,
-                                    };
-                                    Ok((codec, encoded, t.elapsed()))
-                                })
-                                .map_err(Error::Stream)
-                                .and_then(
-                                    |(codec, encoded, compress_time)| {
-                                        wire_bytes.fetch_add(out.len() as u64, Ordering::Relaxed);
-                                        gauge.before_write(&conn);
-                                        conn.write_all(&out)
-                                            .map_err(|e| Error::Stream(e.into()))?;
-                                        let link = gauge.after_write(&conn, out.len() as u64);
-                                        compressor.record(
-                                            codec,
-                                            encoded,
-                                            out.len(),
-                                            compress_time,
-                                            link,
-                                        );
-                                        Ok(())
-                                    },
-                                ),
-                                Job::Frame(f) => {
-                                    // A page sent another way is no longer the version a
-                                    // delta could be made against.
-                                    if let (Some(cache), Frame::Zero { gpa, count }) = (&delta, &f)
-                                    {
-                                        cache.part(i).forget(*gpa, *count);
-                                    }
-                                    // Written between two gauge readings, its bytes
-                                    // would count as drained by the link: no sample.
-                                    gauge = LinkGauge::default();
-                                    write_frame(&mut conn, &f)
-                                }
-                                Job::Digest { gpa, len } => {
-                                    let t = Instant::now();
-                                    let hashed = chunks
-                                        .as_ref()
-                                        .map_or(Ok(0), |c| c.refresh(&memory, gpa, len));
-                                    hashing += t.elapsed();
-                                    hashed.map(|_| ())
-                                }
-                            };
-                            if let Err(e) = sent {
-                                result = Err(e);
-                                break;
-                            }
-                        }
-                        (conn, stream, result, hashing)
-                    })
+                    .spawn(move || writer.run(rx))
                     .expect("spawning a writer thread"),
             );
         }
@@ -306,5 +224,148 @@ impl Writers {
                 hashing,
             }),
         }
+    }
+}
+
+/// One writer thread: its pages connection, what it encodes with, and its buffers.
+struct Writer {
+    /// Its pages connection's index (and its partition of the delta cache).
+    index: usize,
+    conn: Connection,
+    stream: Option<ZstdStream>,
+    memory: Arc<GuestMemory>,
+    whole_pages: bool,
+    /// Bytes of Pages frames written, by all the writers.
+    wire_bytes: Arc<AtomicU64>,
+    compressor: Arc<Compressor>,
+    chunks: Option<Arc<ChunkDigests>>,
+    delta: Option<Arc<DeltaCache>>,
+    round: u32,
+    last: bool,
+    /// The frame being encoded.
+    out: Vec<u8>,
+    /// The compressor's buffer.
+    scratch: Vec<u8>,
+    /// The pages read for the delta cache.
+    pages: Vec<u8>,
+    /// Time spent hashing chunks.
+    hashing: Duration,
+    gauge: LinkGauge,
+}
+
+impl Writer {
+    /// Sends the jobs of `rx` in order, up to the first that fails.
+    fn run(mut self, rx: Receiver<Job>) -> WriterEnd {
+        self.out = Vec::with_capacity((BLOCK + 64) as usize);
+        let mut result = Ok(());
+        for job in rx {
+            let sent = match job {
+                Job::Pages {
+                    gpa,
+                    len,
+                    fresh,
+                    delta,
+                } => self.send_pages(gpa, len, fresh, delta),
+                Job::Frame(f) => self.send_frame(&f),
+                Job::Digest { gpa, len } => {
+                    let t = Instant::now();
+                    let hashed = self
+                        .chunks
+                        .as_ref()
+                        .map_or(Ok(0), |c| c.refresh(&self.memory, gpa, len));
+                    self.hashing += t.elapsed();
+                    hashed.map(|_| ())
+                }
+            };
+            if let Err(e) = sent {
+                result = Err(e);
+                break;
+            }
+        }
+        (self.conn, self.stream, result, self.hashing)
+    }
+
+    /// A Pages job: the pages encoded (through the delta cache, unless `delta` is off),
+    /// compressed, and written.
+    fn send_pages(&mut self, gpa: u64, len: u64, fresh: bool, delta: DeltaUse) -> Result<()> {
+        let (codec, encoded, compress_time) = self
+            .encode(gpa, len as usize, fresh, delta)
+            .and_then(|()| self.compress())
+            .map_err(Error::Stream)?;
+        self.wire_bytes
+            .fetch_add(self.out.len() as u64, Ordering::Relaxed);
+        self.gauge.before_write(&self.conn);
+        self.conn
+            .write_all(&self.out)
+            .map_err(|e| Error::Stream(e.into()))?;
+        let link = self.gauge.after_write(&self.conn, self.out.len() as u64);
+        self.compressor
+            .record(codec, encoded, self.out.len(), compress_time, link);
+        Ok(())
+    }
+
+    /// Encodes the `len` bytes of pages at `gpa` into `out`, read from guest memory.
+    fn encode(
+        &mut self,
+        gpa: u64,
+        len: usize,
+        fresh: bool,
+        delta: DeltaUse,
+    ) -> std::result::Result<(), StreamError> {
+        match self.delta.as_ref().filter(|_| delta != DeltaUse::Off) {
+            Some(cache) => encode_cached(
+                &mut self.out,
+                &mut self.pages,
+                &self.memory,
+                &mut cache.part(self.index),
+                gpa,
+                len,
+                fresh,
+                (delta == DeltaUse::Try, self.round, self.last),
+            ),
+            None => {
+                let memory = &self.memory;
+                Frame::encode_pages_with(
+                    &mut self.out,
+                    gpa,
+                    len,
+                    fresh,
+                    self.whole_pages,
+                    |at, piece| {
+                        memory
+                            .read(gpa + at as u64, piece)
+                            .map_err(|e| StreamError::Malformed(crate::error_chain(&e, ": ")))
+                    },
+                )
+                .map(|_| ())
+            }
+        }
+    }
+
+    /// Compresses the frame in `out` with the codec the compressor chooses (through the
+    /// connection's zstd stream, if it has one): the codec, the frame's size before and the
+    /// time it took.
+    fn compress(&mut self) -> std::result::Result<(Codec, usize, Duration), StreamError> {
+        let codec = self.compressor.choose();
+        let (encoded, t) = (self.out.len(), Instant::now());
+        match (codec, self.stream.as_mut()) {
+            (Codec::Zstd(_), Some(s)) => {
+                compress_pages_stream(&mut self.out, s, &mut self.scratch)?
+            }
+            _ => compress_pages(&mut self.out, codec, &mut self.scratch)?,
+        };
+        Ok((codec, encoded, t.elapsed()))
+    }
+
+    /// Any other frame, written as it is.
+    fn send_frame(&mut self, f: &Frame) -> Result<()> {
+        // A page sent another way is no longer the version a delta could be made against.
+        if let (Some(cache), Frame::Zero { gpa, count }) = (&self.delta, f) {
+            cache.part(self.index).forget(*gpa, *count);
+        }
+        // Written between two gauge readings, its bytes would count as drained by the link: no
+        // sample.
+        self.gauge = LinkGauge::default();
+        write_frame(&mut self.conn, f)
     }
 }
