@@ -2,7 +2,5 @@
 //! ([`rng::RngDevice`], `virtio-queue` over guestmem memory) that keeps writing guest memory,
 //! saved, restored and migrated through the component traits ([`vmm`]).
 
-#![warn(missing_docs)]
-
 pub mod rng;
 pub mod vmm;

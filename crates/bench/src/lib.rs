@@ -5,8 +5,6 @@
 //!
 //! The `guestmem` CLI parses [`Bench`] as its `bench` subcommand and hands it to [`main`].
 
-#![warn(missing_docs)]
-
 use clap::Subcommand;
 
 mod cpu;

@@ -4,8 +4,6 @@
 //! ([`component::Component`]). guestmem's own VM and payload is one implementation
 //! ([`PayloadVm`], [`VmBuilder`]).
 
-#![warn(missing_docs)]
-
 pub mod component;
 mod payload;
 mod target;

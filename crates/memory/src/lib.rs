@@ -4,8 +4,6 @@
 //! Host-side access never creates Rust references into guest memory: the guest (and other host
 //! threads) may change it at any time, so reads and writes copy through raw pointers.
 
-#![warn(missing_docs)]
-
 mod dirty_marks;
 mod error;
 mod guest_memory;

@@ -3,8 +3,6 @@
 //! [`delta`]), the source and the destination; and the driver ([`driver`]) that moves a VMM's
 //! machine by a migration or a snapshot (`guestmem-snapshot`).
 
-#![warn(missing_docs)]
-
 pub mod chunk_digests;
 pub mod compress;
 pub mod delta;

@@ -18,8 +18,6 @@
 //! from the source as one range ([`PageSource::fetch_pieces`]) and copied in as it arrives.
 //! The pager's threads can be pinned to host CPUs of their own ([`PagerConfig::cpus`]).
 
-#![warn(missing_docs)]
-
 pub mod affinity;
 mod error;
 mod pager;

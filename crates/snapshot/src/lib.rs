@@ -33,6 +33,17 @@
 //! [`PayloadVm`]: guestmem_contract::PayloadVm
 //! [`MachineBuilder`]: guestmem_contract::MachineBuilder
 
+// The workspace lint pass for this crate follows the restore-engine change.
+#![allow(
+    missing_debug_implementations,
+    clippy::cast_possible_truncation,
+    clippy::cast_lossless,
+    clippy::map_unwrap_or,
+    clippy::ptr_as_ptr,
+    clippy::semicolon_if_nothing_returned,
+    clippy::redundant_closure_for_method_calls
+)]
+
 mod error;
 pub mod live;
 mod manifest;

@@ -1,10 +1,21 @@
 //! Kernel interfaces guestmem needs beyond `kvm-bindings` and `libc` ([`uapi`]), and the
 //! capability probe ([`probe`]): what the running kernel offers, found by asking it.
 
-#![warn(missing_docs)]
+#[cfg(not(target_pointer_width = "64"))]
+compile_error!("guestmem builds only for 64-bit targets: guest addresses, offsets and page counts are `u64` and index memory as `usize`");
 
 pub mod probe;
 pub mod uapi;
+
+/// `v` as a `usize`: a guest address, offset, length or page count, which guestmem keeps as
+/// `u64`, used to index or size host memory. Never truncates: this crate, and so every guestmem
+/// crate, refuses to build for targets whose pointers are narrower than 64 bits.
+#[inline]
+#[must_use]
+#[allow(clippy::cast_possible_truncation)] // `usize` is 64 bits wide (the `compile_error!` above).
+pub const fn to_usize(v: u64) -> usize {
+    v as usize
+}
 
 /// `e` and its chain of causes, each once: a cause whose text is already there (an error that
 /// also prints its source, as some other crates' errors do) is left out, the others follow after

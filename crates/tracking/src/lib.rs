@@ -19,8 +19,6 @@
 //! The protocol, in every mode: `harvest`, then for each chunk of each [`DirtyBitmap`]: `clear`
 //! the chunk, then consume (read and send) its pages.
 
-#![warn(missing_docs)]
-
 use std::io;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;

@@ -3,8 +3,6 @@
 //! state and workloads); the host sets it up without firmware: identity page tables, segment
 //! registers and CPUID, then one control block per vCPU.
 
-#![warn(missing_docs)]
-
 mod dirty_ring;
 mod error;
 pub mod layout;
