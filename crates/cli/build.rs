@@ -4,7 +4,7 @@
 mod devices {
     include!("../../tests/build.rs");
     pub(super) fn gate() {
-        main()
+        main();
     }
 }
 

@@ -120,8 +120,21 @@ pub struct RngDevice {
     thread: Option<JoinHandle<()>>,
 }
 
+impl std::fmt::Debug for RngDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RngDevice")
+            .field("name", &self.name)
+            .field("base", &self.base)
+            .field("batch", &self.batch)
+            .field("interval", &self.interval)
+            .finish_non_exhaustive()
+    }
+}
+
 fn lock(inner: &Mutex<Inner>) -> MutexGuard<'_, Inner> {
-    inner.lock().unwrap_or_else(|e| e.into_inner())
+    inner
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// The bytes of the fill with sequence number `seq`: the number, then the values the
@@ -312,7 +325,10 @@ fn serve(
             // purpose (see `Writes`).
             unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), guard.as_ptr(), bytes.len()) };
             if shared.writes == Writes::RawReported {
-                let mut log = shared.raw_written.lock().unwrap_or_else(|e| e.into_inner());
+                let mut log = shared
+                    .raw_written
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
                 log.push((desc.addr().0, bytes.len() as u64));
             }
             bytes
@@ -412,7 +428,7 @@ impl Component for RngDevice {
             .shared
             .raw_written
             .lock()
-            .unwrap_or_else(|e| e.into_inner());
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         Ok(std::mem::take(&mut *log))
     }
 }

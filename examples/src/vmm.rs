@@ -355,8 +355,7 @@ mod tests {
             &VmConfig::simple(VCPUS, RAM, Backend::Memfd),
             SharedFiles::new(),
         )
-        .err()
-        .expect("refused");
+        .expect_err("refused");
         assert_eq!(
             guestmem_migration::error_chain(&e, ": "),
             format!(

@@ -485,7 +485,12 @@ fn the_vmm_side_sends_what_firecrackers_handlers_accept() {
     assert_eq!(regions.len(), ram.len());
     let mut offset = 0;
     for (m, image) in regions.iter().zip(&ram) {
-        let mut keys: Vec<&str> = m.as_object().unwrap().keys().map(|k| k.as_str()).collect();
+        let mut keys: Vec<&str> = m
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(std::string::String::as_str)
+            .collect();
         keys.sort();
         assert_eq!(
             keys,

@@ -165,7 +165,7 @@ fn invalid_slot_operations_are_errors() {
 fn exceeding_the_slot_limit_is_an_error() {
     let vm = vm(Backend::Anon);
     let slots = memslots(&vm);
-    let free = slots.max_slots() as u64 - slots.len() as u64;
+    let free = u64::from(slots.max_slots()) - slots.len() as u64;
     let r = region(&vm, "many", free * PAGE, Backend::Anon);
     for i in 0..free {
         slots
@@ -361,9 +361,9 @@ fn device_threads_survive_slot_changes() {
         let r = &regions[current];
         let at_map = words(r);
         epochs += 1;
-        epochs_written += settle(r, &at_map) as u64;
+        epochs_written += u64::from(settle(r, &at_map));
         slots.resize(id, PAGE).unwrap(); // the handles' page stays mapped
-        epochs_written += settle(r, &words(r)) as u64;
+        epochs_written += u64::from(settle(r, &words(r)));
         epochs += 1;
 
         slots.move_to(id, away).unwrap();

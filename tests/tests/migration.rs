@@ -524,8 +524,7 @@ fn a_destination_that_cannot_build_the_vm_refuses_before_anything_moves() {
     let listener = pair.listener.clone();
     let dest = std::thread::spawn(move || {
         migrate::receive(listener, &ReceiveOptions::default())
-            .err()
-            .expect("refused")
+            .expect_err("refused")
             .to_string()
     });
     let mut vm = source_vm(Backend::GuestMemfd);
@@ -591,8 +590,7 @@ fn junk_connections_are_refused_and_the_migration_after_them_goes_through() {
         Mode::Precopy,
         1,
     )
-    .err()
-    .expect("the destination is not ours");
+    .expect_err("the destination is not ours");
     assert!(e.to_string().contains("TLS"), "{e}");
 
     let source_creds = Credentials::load(&pair.dir.0, Role::Source).unwrap();
@@ -604,7 +602,7 @@ fn junk_connections_are_refused_and_the_migration_after_them_goes_through() {
             assert!(
                 reason.contains("not a guestmem migration stream"),
                 "{reason}"
-            )
+            );
         }
         other => panic!("expected an Abort, got {other:?}"),
     }
@@ -626,8 +624,7 @@ fn junk_connections_are_refused_and_the_migration_after_them_goes_through() {
         Mode::Precopy,
         1,
     )
-    .err()
-    .expect("a destination's certificate on a source");
+    .expect_err("a destination's certificate on a source");
     assert!(
         e.to_string()
             .contains("it is a destination certificate (guestmem-destination), where a source one"),
@@ -664,8 +661,7 @@ fn a_second_source_is_told_the_destination_is_busy_and_the_first_completes() {
     let first = pair.connect(Mode::Precopy, 2);
     let creds = Credentials::load(&pair.dir.0, Role::Source).unwrap();
     let e = Links::connect(&pair.endpoint, &creds, Mode::Precopy, 2)
-        .err()
-        .expect("the second source is refused");
+        .expect_err("the second source is refused");
     assert!(
         e.to_string()
             .contains("the destination is busy with another migration"),
@@ -692,8 +688,7 @@ fn a_missing_connection_is_waited_for_the_handshake_timeout_only() {
     let dest = std::thread::spawn(move || {
         let started = std::time::Instant::now();
         let e = migrate::receive(l, &ReceiveOptions::default())
-            .err()
-            .expect("refused")
+            .expect_err("refused")
             .to_string();
         (e, started.elapsed())
     });
@@ -780,8 +775,9 @@ fn freezing_relay(to: u16) -> (u16, Arc<std::sync::atomic::AtomicBool>) {
                             Ok(0) | Err(_) => return,
                             Ok(n) => n,
                         };
-                        if f.load(Ordering::SeqCst) || into.write_all(&buf[..n]).is_err() {
-                            continue;
+                        if !f.load(Ordering::SeqCst) {
+                            // A failed write is the peer gone: the next read ends the loop.
+                            let _ = into.write_all(&buf[..n]);
                         }
                     }
                 });
@@ -806,9 +802,7 @@ fn a_link_cut_silently_fails_both_sides_within_the_idle_timeout() {
     let (relay, frozen) = freezing_relay(listener.port().unwrap());
     let l = listener.clone();
     let dest = std::thread::spawn(move || {
-        let e = migrate::receive(l, &ReceiveOptions::default())
-            .err()
-            .expect("the link went silent");
+        let e = migrate::receive(l, &ReceiveOptions::default()).expect_err("the link went silent");
         (chain(&e), std::time::Instant::now())
     });
     let mut vm = source_vm(Backend::Anon);

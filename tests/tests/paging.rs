@@ -405,8 +405,7 @@ fn gmem_pager_is_refused_and_demand_paging_follows_kvm_userfault() {
         Arc::new(ZeroSource { size: 4 << 20 }),
         &PagerConfig::default(),
     )
-    .err()
-    .expect("a userfaultfd pager on guest_memfd must be refused");
+    .expect_err("a userfaultfd pager on guest_memfd must be refused");
     assert!(matches!(err, Error::Unsupported { .. }), "{err}");
     let msg = err.to_string();
     assert!(
@@ -437,7 +436,7 @@ fn bad_pager_configs_are_refused_with_the_reason() {
     let region = vm.memory().region("ram").unwrap();
     let zero = Arc::new(ZeroSource { size: 4 << 20 });
     let refuse = |source: Arc<dyn PageSource>, config: PagerConfig, needle: &str| {
-        let err = Pager::start(region, source, &config).err().expect(needle);
+        let err = Pager::start(region, source, &config).expect_err(needle);
         assert!(matches!(err, Error::Config { .. }), "{err}");
         let msg = err.to_string();
         assert!(

@@ -423,7 +423,7 @@ fn refusals(backend: Arc<dyn Backend>) {
     other.resize(c.stored as usize, 0);
     b.put(&key, &replaced(&good, &c, &other)).unwrap();
     let snap = StoreSnapshot::open(backend.clone(), "vm", None).unwrap();
-    let e = snap.restore_full().err().expect("refused").to_string();
+    let e = snap.restore_full().expect_err("refused").to_string();
     assert!(
         e.contains("/vm region 'ram'") && e.contains(&format!("chunk {index} ")),
         "{e}"
@@ -456,8 +456,7 @@ fn refusals(backend: Arc<dyn Backend>) {
         StoreSnapshot::open(backend.clone(), "vm", None)
             .unwrap()
             .restore_full()
-            .err()
-            .expect("refused")
+            .expect_err("refused")
     };
     let e = full_restore_error().to_string();
     assert!(
@@ -639,8 +638,8 @@ fn minio_on_a_full_disk_fails_and_leaves_no_manifest() {
 
 /// A tmpfs of `size` mounted in `tmp` (unmounted when the guard goes).
 fn small_tmpfs(tmp: &TempDir, size: &str) -> (std::path::PathBuf, impl Drop) {
-    // SAFETY: geteuid has no preconditions.
     assert_eq!(
+        // SAFETY: geteuid has no preconditions.
         unsafe { libc::geteuid() },
         0,
         "this test mounts a small tmpfs and needs root"

@@ -197,9 +197,7 @@ fn a_builder_that_refuses_and_a_state_that_does_not_load_fail_the_restore() {
     );
 
     // guestmem's own VM cannot read the VMM's blob: refused before anything runs.
-    let e = guestmem_snapshot::restore(&snap, RestoreMode::Full)
-        .err()
-        .expect("refused");
+    let e = guestmem_snapshot::restore(&snap, RestoreMode::Full).expect_err("refused");
     assert!(
         matches!(
             e,

@@ -300,7 +300,7 @@ fn mixed_writes_its_share_of_pages() {
             payload::page_value(5, gpa, 0)
         };
         assert_eq!(vm.memory().read_u64(gpa).unwrap(), expect, "page {gpa:#x}");
-        written += (draw >= 70) as u64;
+        written += u64::from(draw >= 70);
     }
     let share = written as f64 / (RAM / PAGE_SIZE) as f64;
     assert!((0.25..0.35).contains(&share), "{share}");

@@ -229,12 +229,7 @@ fn bad_regions_are_refused_naming_the_region() {
         regions,
         dirty_ring_bytes: None,
     };
-    let err = |regions| {
-        Vm::new(&config(regions))
-            .err()
-            .expect("refused")
-            .to_string()
-    };
+    let err = |regions| Vm::new(&config(regions)).expect_err("refused").to_string();
     let g = layout::RAM_GPA;
 
     let e = err(vec![RegionSpec::new("ram", g, 0, Backend::Anon)]);

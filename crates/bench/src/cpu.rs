@@ -43,7 +43,9 @@ impl Sampler {
             // `initial`: the threads there at the start count from their time then; those
             // born later from zero.
             move |initial: bool| {
-                let mut seen = seen.lock().unwrap_or_else(|p| p.into_inner());
+                let mut seen = seen
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
                 for (i, &pid) in pids.iter().enumerate() {
                     for (tid, name, ticks) in threads(pid) {
                         let first = if initial { ticks } else { 0 };
@@ -82,7 +84,10 @@ impl Sampler {
             let _ = t.join();
         }
         let mut secs = vec![0.0; self.classes];
-        let seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        let seen = self
+            .seen
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         for &(class, first, last) in seen.values() {
             if let Some(c) = class.filter(|&c| c < self.classes) {
                 secs[c] += last.saturating_sub(first) as f64 / TICKS_PER_S;

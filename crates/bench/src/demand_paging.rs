@@ -24,7 +24,7 @@ use serde::Serialize;
 use crate::envelope::Figure;
 use crate::units::parse_size;
 
-#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
 enum Mode {
     /// userfaultfd MISSING faults on anonymous memory, resolved with UFFDIO_COPY.
     #[value(name = "MISSING", alias = "missing")]
@@ -61,7 +61,7 @@ impl Paging {
     }
 }
 
-#[derive(clap::Args)]
+#[derive(Debug, clap::Args)]
 pub struct Args {
     /// vCPU counts to measure, e.g. 1,8,32,64 (one column each).
     #[arg(short = 'v', long, default_value = "1", value_delimiter = ',')]
@@ -492,7 +492,7 @@ fn print_table(out: &Output) {
     println!();
     let on = |cpus: &Option<Vec<usize>>| match cpus {
         Some(cpus) => {
-            let list: Vec<String> = cpus.iter().map(|c| c.to_string()).collect();
+            let list: Vec<String> = cpus.iter().map(std::string::ToString::to_string).collect();
             format!("on CPUs {}", list.join(","))
         }
         None => "not pinned".to_string(),

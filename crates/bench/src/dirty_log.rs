@@ -22,7 +22,7 @@ use serde::Serialize;
 use crate::envelope::Figure;
 use crate::units::parse_size;
 
-#[derive(clap::Args)]
+#[derive(Debug, clap::Args)]
 pub struct Args {
     /// vCPUs.
     #[arg(short = 'v', long, default_value_t = 1)]

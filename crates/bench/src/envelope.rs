@@ -74,10 +74,9 @@ impl Run {
             tree_dirty: env!("GUESTMEM_TREE_DIRTY") == "true",
             guestmem_version: env!("CARGO_PKG_VERSION"),
             kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease")
-                .map(|s| s.trim().to_string())
-                .unwrap_or_else(|_| "unknown".into()),
+                .map_or_else(|_| "unknown".into(), |s| s.trim().to_string()),
             cpu_model: cpu_model().unwrap_or_else(|| "unknown".into()),
-            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            cores: std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
             host_steal_percent: started.steal.percent().map(|p| (p * 100.0).round() / 100.0),
             load_average_start: started.load_average.clone(),
             load_average_end: load_average(),

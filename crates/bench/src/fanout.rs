@@ -39,7 +39,7 @@ use serde::Serialize;
 
 use crate::units::parse_size;
 
-#[derive(clap::Args)]
+#[derive(Debug, clap::Args)]
 pub struct Args {
     /// The memory image the guest starts from (raw or zstd, e.g. linux-2G-load.raw.zst).
     #[arg(long)]
@@ -590,7 +590,7 @@ fn percentile(v: &[f64], p: f64) -> f64 {
 
 /// The process's open descriptors.
 fn fds() -> usize {
-    std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count())
+    std::fs::read_dir("/proc/self/fd").map_or(0, std::iter::Iterator::count)
 }
 
 /// Memory counters, in bytes.
@@ -657,7 +657,7 @@ fn published_bytes(path: &Path) -> u64 {
         b.get(4096..)
             .unwrap_or_default()
             .iter()
-            .map(|x| x.count_ones() as u64 * 4096)
+            .map(|x| u64::from(x.count_ones()) * 4096)
             .sum()
     })
 }

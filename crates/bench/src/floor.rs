@@ -46,7 +46,7 @@ const Z_HEADER: usize = 8;
 /// The PagesZ frame kind.
 const PAGES_Z: u8 = 12;
 
-#[derive(clap::Args)]
+#[derive(Debug, clap::Args)]
 pub struct Args {
     /// The guest-memory image (raw or zstd-compressed), e.g.
     /// ~/.cache/guestmem/images/linux-2G-load.raw.zst.
@@ -157,7 +157,7 @@ pub fn main(args: Args) -> crate::Result<()> {
                 "{:>6} {:>7} {:>9.0} {:>9.3} {:>9.3} {:>9.3} {:>11.3} {:>11.3} {:>12.3} {:>11.3} {:>11.0}",
                 format!("{:?}", f.codec).to_lowercase(),
                 f.frames,
-                f.wire_bytes as f64 / (1 << 20) as f64,
+                f.wire_bytes as f64 / f64::from(1 << 20),
                 f.dest_floor_cpu_s_per_gib,
                 f.dest_floor_memcpy_cpu_s_per_gib,
                 f.dest_floor_uffd_cpu_s_per_gib,
@@ -165,7 +165,7 @@ pub fn main(args: Args) -> crate::Result<()> {
                 f.copy_fresh_cpu_s_per_gib,
                 f.copy_present_cpu_s_per_gib,
                 f.source_floor_cpu_s_per_gib,
-                f.page_bytes as f64 / (1 << 20) as f64
+                f.page_bytes as f64 / f64::from(1 << 20)
             );
         }
     }

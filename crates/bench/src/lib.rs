@@ -28,7 +28,7 @@ pub mod units;
 pub type Result<T> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
 /// The benches, as `guestmem bench`'s subcommands.
-#[derive(Subcommand)]
+#[derive(Debug, Subcommand)]
 pub enum Bench {
     /// Populating a region from an image, method by method, against mmap+memcpy.
     Populate(populate::Args),
@@ -96,7 +96,7 @@ impl Steal {
         let ticks = steal_ticks()?.checked_sub(self.ticks?)?;
         // /proc/stat counts in USER_HZ, which Linux fixes at 100 for user space.
         let hz = 100.0;
-        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+        let cpus = std::thread::available_parallelism().map_or(1, std::num::NonZero::get) as f64;
         let secs = self.at.elapsed().as_secs_f64();
         (secs > 0.0).then(|| ticks as f64 * 100.0 / (hz * cpus * secs))
     }

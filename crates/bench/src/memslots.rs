@@ -42,7 +42,7 @@ const UNMAP_SIZE: u64 = 128 << 20;
 const UNMAP_CHUNK: u64 = 2 << 20;
 const STALL: Duration = Duration::from_secs(30);
 
-#[derive(clap::Args)]
+#[derive(Debug, clap::Args)]
 pub struct Args {
     /// Slot counts for memslot_perf_test's tests (up to KVM_CAP_NR_MEMSLOTS - 1, e.g. 32763).
     #[arg(long, value_delimiter = ',', default_value = "8192")]
@@ -116,10 +116,10 @@ fn check_slot_count(flag: &str, n: u32, max_slots: u32) -> crate::Result<()> {
 /// remainder.
 fn windows(n: u32) -> Vec<(u64, u64)> {
     let pages = MEM_SIZE / PAGE_SIZE;
-    let per = pages / n as u64;
-    (0..n as u64)
+    let per = pages / u64::from(n);
+    (0..u64::from(n))
         .map(|i| {
-            let size = if i == n as u64 - 1 {
+            let size = if i == u64::from(n) - 1 {
                 pages - i * per
             } else {
                 per
@@ -295,7 +295,7 @@ fn move_test(
             Ok(std::thread::spawn(move || {
                 let mut writes = 0u64;
                 while !stop.load(Ordering::Relaxed) {
-                    writes += h.write_u64(0, writes).is_ok() as u64;
+                    writes += u64::from(h.write_u64(0, writes).is_ok());
                 }
                 writes
             }))

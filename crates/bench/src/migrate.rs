@@ -99,7 +99,7 @@ enum Transport {
     Unix,
 }
 
-#[derive(clap::Args)]
+#[derive(Debug, clap::Args)]
 pub struct Args {
     /// Guest memory sizes, e.g. 1G,4G.
     #[arg(long, default_value = "1G,4G", value_delimiter = ',', value_parser = parse_size)]
@@ -221,7 +221,7 @@ impl FaultCpus {
             Some(cpus) => format!(
                 "on CPU {}",
                 cpus.iter()
-                    .map(|c| c.to_string())
+                    .map(std::string::ToString::to_string)
                     .collect::<Vec<_>>()
                     .join(",")
             ),
@@ -677,7 +677,7 @@ fn qemu_peer_rows(args: &Args) -> crate::Result<(bool, Option<String>)> {
 fn measure_link(args: &Args, link: Option<&Link>) -> crate::Result<Option<f64>> {
     Ok(match link {
         Some(l) => {
-            let rate = l.measure(Duration::from_millis(1500))? / (1 << 20) as f64;
+            let rate = l.measure(Duration::from_millis(1500))? / f64::from(1 << 20);
             if !args.json {
                 eprintln!(
                     "{} link: one TCP connection moves {rate:.0} MiB/s",
@@ -1343,8 +1343,8 @@ fn median_row(
         downtime_ms: m(&|r| r.report.downtime_ms),
         total_ms_runs: runs.iter().map(|r| r.report.total_ms).collect(),
         downtime_ms_runs: runs.iter().map(|r| r.report.downtime_ms).collect(),
-        sent_mib: m(&|r| r.report.bytes as f64 / (1 << 20) as f64),
-        wire_mib: m(&|r| r.report.wire_bytes as f64 / (1 << 20) as f64),
+        sent_mib: m(&|r| r.report.bytes as f64 / f64::from(1 << 20)),
+        wire_mib: m(&|r| r.report.wire_bytes as f64 / f64::from(1 << 20)),
         first_pass_wire_bytes_per_guest_byte: m(&|r| {
             r.report.rounds.first().map_or(0.0, |x| x.wire_bytes as f64)
                 / r.report.guest_bytes.max(1) as f64
@@ -1369,11 +1369,11 @@ fn median_row(
                 .skip(1)
                 .map(|x| x.wire_bytes)
                 .sum::<u64>() as f64
-                / (1 << 20) as f64
+                / f64::from(1 << 20)
         }),
         delta_cache_bytes: runs.first().map_or(0, |r| r.report.delta.cache_bytes),
         delta_hit_rate: m(&|r| r.report.delta.hit_rate()),
-        delta_saved_mib: m(&|r| r.report.delta.bytes_saved() as f64 / (1 << 20) as f64),
+        delta_saved_mib: m(&|r| r.report.delta.bytes_saved() as f64 / f64::from(1 << 20)),
         delta: runs
             .first()
             .map(|r| r.report.delta.clone())
@@ -1442,7 +1442,7 @@ fn qemu_row(
         downtime_ms: m(&|q| q.downtime_ms as f64),
         total_ms_runs: runs.iter().map(|q| q.0.total_ms as f64).collect(),
         downtime_ms_runs: runs.iter().map(|q| q.0.downtime_ms as f64).collect(),
-        sent_mib: m(&|q| q.bytes as f64 / (1 << 20) as f64),
+        sent_mib: m(&|q| q.bytes as f64 / f64::from(1 << 20)),
         wire_bytes_per_guest_gib: m(&|q| q.bytes as f64 * (1u64 << 30) as f64 / size as f64),
         first_pass_wire_bytes_per_guest_byte: (!first_pass.is_empty()).then(|| median(first_pass)),
         zero_pages: m(&|q| q.zero_pages as f64),
@@ -1545,7 +1545,7 @@ fn print_rows(out: &Output) {
             r.total_ms,
             r.downtime_ms,
             r.wire_mib,
-            r.wire_bytes_per_guest_gib / (1 << 20) as f64,
+            r.wire_bytes_per_guest_gib / f64::from(1 << 20),
             r.first_pass_wire_bytes_per_guest_byte,
             r.rounds,
             format!("{:.1}/{:.1}", r.source_cpu_s, r.destination_cpu_s),
@@ -1603,7 +1603,7 @@ fn print_qemu_row(q: &QemuRow) {
         q.total_ms,
         q.downtime_ms,
         q.sent_mib,
-        q.wire_bytes_per_guest_gib / (1 << 20) as f64,
+        q.wire_bytes_per_guest_gib / f64::from(1 << 20),
         q.first_pass_wire_bytes_per_guest_byte
             .map_or("-".into(), |f| format!("{f:.2}")),
         q.dirty_syncs,

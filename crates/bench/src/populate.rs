@@ -12,7 +12,7 @@ use serde::Serialize;
 use crate::envelope::Figure;
 use crate::units::parse_size;
 
-#[derive(clap::Args)]
+#[derive(Debug, clap::Args)]
 pub struct Args {
     /// Image and region size, e.g. 512M.
     #[arg(long, default_value = "512M", value_parser = parse_size)]

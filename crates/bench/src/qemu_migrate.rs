@@ -4,7 +4,7 @@
 use crate::qemu_peer;
 use crate::units::parse_size;
 
-#[derive(clap::Args)]
+#[derive(Debug, clap::Args)]
 pub struct Args {
     /// Guest RAM (QEMU's -m), e.g. 1G.
     #[arg(long, default_value = "1G", value_parser = parse_size)]
@@ -85,7 +85,7 @@ pub fn main(args: Args) -> crate::Result<()> {
         "ram: {} bytes transferred ({:.1} MiB) of {} MiB; {} pages sent whole, {} as zero pages; \
          {:.0} Mbit/s at the end",
         f.bytes,
-        f.bytes as f64 / (1 << 20) as f64,
+        f.bytes as f64 / f64::from(1 << 20),
         f.ram_total_bytes >> 20,
         f.normal_pages,
         f.zero_pages,

@@ -114,6 +114,7 @@ pub struct Multifd {
 }
 
 /// One QEMU migration to run.
+#[derive(Debug)]
 pub struct Config<'a> {
     /// Guest RAM without an image; with one, the workload's range (RAM is 8 MiB more).
     pub mem: u64,
@@ -416,7 +417,7 @@ fn common_args(mem_mib: u64, vcpus: usize, elf: &Path) -> Vec<String> {
         "none",
     ]
     .iter()
-    .map(|s| s.to_string())
+    .map(std::string::ToString::to_string)
     .collect()
 }
 
@@ -563,7 +564,7 @@ fn wait_completed(
         }
         match info["status"].as_str() {
             Some("completed") => return Ok((info, first_pass_bytes)),
-            Some("failed") | Some("cancelled") => {
+            Some("failed" | "cancelled") => {
                 return Err(format!(
                     "QEMU's migration {}: {}",
                     info["status"].as_str().unwrap_or_default(),
@@ -612,6 +613,7 @@ fn destination_rate(dst: &mut Qemu, after: &Control, rate: u64) -> crate::Result
 /// A memory image laid out for QEMU's guest RAM: a file of the payload area (8 MiB of zeros)
 /// and then the image, padded with zeros to the range's size; removed when dropped. Made once
 /// and mapped privately by every source QEMU that runs from it (its writes stay its own).
+#[derive(Debug)]
 pub struct QemuImage {
     path: PathBuf,
     /// The workload range's size, bytes: the file is 8 MiB more.

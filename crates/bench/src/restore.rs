@@ -57,7 +57,7 @@ impl Mode {
     }
 }
 
-#[derive(clap::Args)]
+#[derive(Debug, clap::Args)]
 pub struct Args {
     /// Guest memory sizes, e.g. 128M,1G,8G.
     #[arg(long, default_value = "128M,1G", value_delimiter = ',', value_parser = parse_size)]
@@ -185,7 +185,7 @@ pub fn main(args: Args) -> crate::Result<()> {
         }
     }
     let groups = args.sizes.len() * args.vcpus.len();
-    let kinds = 1 + args.prepared as usize;
+    let kinds = 1 + usize::from(args.prepared);
     let bar = if args.json {
         ProgressBar::hidden()
     } else {
@@ -392,7 +392,7 @@ fn restore_once(
                 if pagers.iter().all(|p| p.is_resident(0, ws)) {
                     break t.elapsed();
                 }
-                if let Some(f) = pagers.iter().find_map(|p| p.failure()) {
+                if let Some(f) = pagers.iter().find_map(guestmem_paging::Pager::failure) {
                     return Err(f.into());
                 }
                 if t.elapsed() > TIMEOUT {

@@ -47,7 +47,7 @@ use crate::delay_proxy::DelayProxy;
 use crate::envelope::Figure;
 use crate::units::parse_size;
 
-#[derive(clap::Args)]
+#[derive(Debug, clap::Args)]
 pub struct Args {
     /// The memory image the guests start from (raw or zstd, e.g. linux-2G-load.raw.zst).
     #[arg(long)]

@@ -113,7 +113,7 @@ fn run(args: &Args, dir: &std::path::Path) -> crate::Result<()> {
     migrate::print_received(&received);
     match (report.digest, received.report.digest) {
         (Some(s), Some(d)) if s == d => {
-            println!("memory digest at switch-over: source {s:#018x} = destination {d:#018x}")
+            println!("memory digest at switch-over: source {s:#018x} = destination {d:#018x}");
         }
         (Some(s), Some(d)) => {
             return Err(

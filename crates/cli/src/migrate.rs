@@ -354,7 +354,7 @@ fn progress_bar(opts: &mut SendOptions) -> ProgressBar {
             p.round,
             p.bytes >> 20,
             p.guest_bytes >> 20,
-            p.dirty_rate_pages_per_s * 4096.0 / (1 << 20) as f64,
+            p.dirty_rate_pages_per_s * 4096.0 / f64::from(1 << 20),
             p.bandwidth_mib_per_s,
             p.estimated_downtime_ms,
             if p.throttle_percent > 0 {
@@ -362,7 +362,7 @@ fn progress_bar(opts: &mut SendOptions) -> ProgressBar {
             } else {
                 String::new()
             }
-        ))
+        ));
     }));
     bar
 }
@@ -709,7 +709,7 @@ pub fn print_report(report: &Report, json: bool, plot: Option<&Path>) -> crate::
 
 /// Mebibytes in `b` bytes.
 fn mib(b: u64) -> f64 {
-    b as f64 / (1 << 20) as f64
+    b as f64 / f64::from(1 << 20)
 }
 
 /// The report's first lines: the migration's mode, size, total time and downtime.

@@ -66,7 +66,7 @@ pub fn main(args: Args) -> crate::Result<()> {
     let after = mem_used_mib(&nodes)?;
     let region_mib = node_pages(region)?
         .into_iter()
-        .map(|(n, b)| (n, b as f64 / (1 << 20) as f64))
+        .map(|(n, b)| (n, b as f64 / f64::from(1 << 20)))
         .collect();
     let out = Output {
         backend: args.backend,

@@ -232,22 +232,19 @@ fn a_killed_snapshot_write_leaves_no_manifest_and_gc_collects_its_chunks() {
     // Files under packs/: the packs of chunks stored, with (`temporaries`) or without the
     // temporary files of puts under way.
     let files = |temporaries: bool| {
-        std::fs::read_dir(&chunks)
-            .map(|d| {
-                d.flatten()
-                    .map(|e| {
-                        std::fs::read_dir(e.path()).map_or(0, |f| {
-                            f.flatten()
-                                .filter(|f| {
-                                    temporaries
-                                        || !f.file_name().to_string_lossy().contains(".tmp-")
-                                })
-                                .count()
-                        })
+        std::fs::read_dir(&chunks).map_or(0, |d| {
+            d.flatten()
+                .map(|e| {
+                    std::fs::read_dir(e.path()).map_or(0, |f| {
+                        f.flatten()
+                            .filter(|f| {
+                                temporaries || !f.file_name().to_string_lossy().contains(".tmp-")
+                            })
+                            .count()
                     })
-                    .sum::<usize>()
-            })
-            .unwrap_or(0)
+                })
+                .sum::<usize>()
+        })
     };
     let start = std::time::Instant::now();
     while files(false) < 3 {

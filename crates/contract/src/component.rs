@@ -90,6 +90,13 @@ pub struct Components<'c> {
     list: Vec<&'c mut dyn Component>,
 }
 
+impl std::fmt::Debug for Components<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names: Vec<&str> = self.list.iter().map(|c| c.name()).collect();
+        f.debug_struct("Components").field("names", &names).finish()
+    }
+}
+
 impl<'c> Components<'c> {
     /// The set `list`; names must be unique.
     pub fn new(list: Vec<&'c mut dyn Component>) -> Result<Components<'c>> {

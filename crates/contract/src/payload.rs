@@ -26,6 +26,20 @@ pub struct PayloadVm<'a> {
     memory: Arc<GuestMemory>,
 }
 
+impl std::fmt::Debug for PayloadVm<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let state = match self.state {
+            PayloadState::Running(_) => "running",
+            PayloadState::Paused(_) => "paused",
+            PayloadState::Lost => "lost",
+        };
+        f.debug_struct("PayloadVm")
+            .field("state", &state)
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
 enum PayloadState<'a> {
     Running(RunningVm<'a>),
     Paused(&'a mut Vm),

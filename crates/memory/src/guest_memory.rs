@@ -182,7 +182,7 @@ impl GuestMemory {
         let (region, p) = self.find(gpa, 8)?;
         region.vmm_dirty().mark(gpa - region.gpa(), 8);
         // SAFETY: 8 bytes at `p` are inside a live mapping.
-        unsafe { std::ptr::write_volatile(p as *mut [u8; 8], value.to_le_bytes()) };
+        unsafe { std::ptr::write_volatile(p.cast::<[u8; 8]>(), value.to_le_bytes()) };
         Ok(())
     }
 

@@ -143,7 +143,7 @@ impl CachedMapping {
     pub fn write_u64(&self, offset: u64, value: u64) -> Result<()> {
         self.access(offset, 8, true, |p| {
             // SAFETY: as in `read_u64`.
-            unsafe { std::ptr::write_volatile(p as *mut [u8; 8], value.to_le_bytes()) }
+            unsafe { std::ptr::write_volatile(p.cast::<[u8; 8]>(), value.to_le_bytes()) }
         })
     }
 

@@ -428,7 +428,11 @@ impl MemslotManager {
                     // SAFETY: `host`/`len` lie inside the region's private anonymous mapping;
                     // MADV_DONTNEED only drops its pages (they read as zero afterwards).
                     None => unsafe {
-                        libc::madvise(host as *mut libc::c_void, len as usize, libc::MADV_DONTNEED)
+                        libc::madvise(
+                            host.cast::<libc::c_void>(),
+                            len as usize,
+                            libc::MADV_DONTNEED,
+                        )
                     },
                     // SAFETY: punching a hole in the region's own file, inside its size.
                     Some(fd) => unsafe {

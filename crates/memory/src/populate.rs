@@ -178,7 +178,7 @@ pub fn populate_with(
     // 0.39-0.44x memcpy with 4 threads against 0.45-0.51x with 2, side by side).
     let threads = match method {
         Method::Memcpy => 1,
-        _ => 2 * std::thread::available_parallelism().map_or(1, |n| n.get()),
+        _ => 2 * std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
     };
     // Each thread gets an equal share of whole pages.
     let pages = bytes.len() / page;
@@ -308,7 +308,7 @@ fn copy(region: &Region, dst: u64, src: &[u8]) {
             src.as_ptr(),
             region.host_addr().add(dst as usize),
             src.len(),
-        )
+        );
     };
 }
 
@@ -449,7 +449,7 @@ impl<'a> SourceBytes<'a> {
                 // SAFETY: fstat fills a zeroed stat of an fd the caller keeps open.
                 let mut st: libc::stat = unsafe { std::mem::zeroed() };
                 // SAFETY: as above.
-                if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+                if unsafe { libc::fstat(fd.as_raw_fd(), &raw mut st) } != 0 {
                     return Err(os("fstat of the source", io::Error::last_os_error()));
                 }
                 if st.st_mode & libc::S_IFMT == libc::S_IFREG {

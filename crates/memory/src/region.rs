@@ -273,7 +273,7 @@ impl Region {
         if addr == libc::MAP_FAILED {
             return Err(Error::os(&spec, "mmap", io::Error::last_os_error()));
         }
-        let host = NonNull::new(addr as *mut u8).expect("mmap returned a non-null mapping");
+        let host = NonNull::new(addr.cast::<u8>()).expect("mmap returned a non-null mapping");
         if let Err(e) = crate::numa::apply(&spec, host.as_ptr(), fd.as_ref()) {
             // SAFETY: the mapping made just above, which nothing else refers to yet.
             unsafe { libc::munmap(addr, spec.size as usize) };
@@ -369,7 +369,7 @@ impl Drop for Region {
         // SAFETY: `host`/`size` are exactly the mapping created in `create`, unmapped once here.
         unsafe {
             libc::munmap(
-                self.host.as_ptr() as *mut libc::c_void,
+                self.host.as_ptr().cast::<libc::c_void>(),
                 self.spec.size as usize,
             )
         };
@@ -547,7 +547,7 @@ mod tests {
         let longer = RegionSpec::new("ram", 0, 2 * size, Backend::Memfd);
         match Region::create_on(longer, None, Some(fd())) {
             Err(e @ Error::Shared { .. }) => {
-                assert!(e.to_string().contains("less than the region's"), "{e}")
+                assert!(e.to_string().contains("less than the region's"), "{e}");
             }
             other => panic!("expected a refusal, got {:?}", other.map(|_| ())),
         }

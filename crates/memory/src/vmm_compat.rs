@@ -66,7 +66,7 @@ impl<'a> WithBitmapSlice<'a> for RegionBitmap {
 
 impl Bitmap for RegionBitmap {
     fn mark_dirty(&self, offset: usize, len: usize) {
-        self.slice_at(0).mark_dirty(offset, len)
+        self.slice_at(0).mark_dirty(offset, len);
     }
 
     fn dirty_at(&self, offset: usize) -> bool {
@@ -106,7 +106,7 @@ impl BitmapSlice for MarksSlice<'_> {}
 
 impl Bitmap for MarksSlice<'_> {
     fn mark_dirty(&self, offset: usize, len: usize) {
-        self.marks.mark(self.base + offset as u64, len as u64)
+        self.marks.mark(self.base + offset as u64, len as u64);
     }
 
     fn dirty_at(&self, offset: usize) -> bool {
@@ -337,7 +337,10 @@ impl SlotAddressSpace {
         if inner.manager.generation() == inner.generation.load(Ordering::Acquire) {
             return Ok(());
         }
-        let _rebuild = inner.rebuild.lock().unwrap_or_else(|e| e.into_inner());
+        let _rebuild = inner
+            .rebuild
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         // Read the generation before the slots: the slots are then at least that new, and a
         // change after it bumps the generation again, so the next call rebuilds once more.
         let generation = inner.manager.generation();
@@ -348,7 +351,7 @@ impl SlotAddressSpace {
         inner
             .atomic
             .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
             .replace(memory);
         inner.generation.store(generation, Ordering::Release);
         Ok(())
@@ -380,7 +383,7 @@ mod tests {
         let mut pages = vec![];
         region.vmm_dirty().take_each(|w, mut bits| {
             while bits != 0 {
-                pages.push(w as u64 * 64 + bits.trailing_zeros() as u64);
+                pages.push(w as u64 * 64 + u64::from(bits.trailing_zeros()));
                 bits &= bits - 1;
             }
         });

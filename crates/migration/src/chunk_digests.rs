@@ -183,7 +183,7 @@ impl ChunkDigests {
             for (w, word) in r.stale.iter().enumerate() {
                 let mut bits = word.load(Ordering::SeqCst);
                 while bits != 0 {
-                    let c = w as u64 * 64 + bits.trailing_zeros() as u64;
+                    let c = w as u64 * 64 + u64::from(bits.trailing_zeros());
                     bits &= bits - 1;
                     if pick(r.gpa, c * self.chunk) {
                         hashed += self.refresh_chunk(memory, r, c)?;

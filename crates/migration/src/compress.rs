@@ -165,7 +165,10 @@ impl Compressor {
             Compress::Lz4 => Codec::Lz4,
             Compress::Zstd => Codec::Zstd(ZSTD_LEVEL),
             Compress::Auto => {
-                let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+                let mut state = self
+                    .state
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
                 state.2 += 1;
                 let n = state.2;
                 let figures = state.0;
@@ -192,7 +195,10 @@ impl Compressor {
         compress_time: Duration,
         link: Option<LinkSample>,
     ) {
-        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut state = self
+            .state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let (figures, report, _) = &mut *state;
         let i = CANDIDATES
             .iter()
@@ -226,7 +232,7 @@ impl Compressor {
     pub fn report(&self) -> CompressionReport {
         self.state
             .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
             .1
             .clone()
     }

@@ -211,6 +211,7 @@ impl DeltaReport {
 }
 
 /// One connection's share of the cache.
+#[derive(Debug)]
 pub struct Partition {
     /// Per slot: the address of the page it holds, plus one (0: empty), and the round that
     /// stored it.
@@ -302,6 +303,7 @@ impl Partition {
 
 /// The last version sent of up to a fixed number of pages, one [`Partition`] per pages
 /// connection.
+#[derive(Debug)]
 pub struct DeltaCache {
     parts: Vec<Mutex<Partition>>,
     bytes: u64,
@@ -345,7 +347,7 @@ impl DeltaCache {
     pub fn part(&self, i: usize) -> MutexGuard<'_, Partition> {
         self.parts[i % self.parts.len()]
             .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// What the cache did so far.

@@ -61,6 +61,7 @@ pub enum Restore {
 
 /// A VM restored by [`restore`], not running yet. The pagers (lazy restore) are dropped
 /// before the VM, as the field order says.
+#[derive(Debug)]
 pub struct Restored<M = Vm> {
     /// Lazy restore: the pagers bringing the memory in (keep them while the VM runs).
     pub pagers: Vec<Pager>,

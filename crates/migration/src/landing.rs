@@ -136,7 +136,7 @@ impl Landing {
             // UFFDIO_COPY only fills pages that are missing, from `src`, which we borrow.
             let r = unsafe {
                 self.uffd.copy(
-                    src[done..].as_ptr() as *const libc::c_void,
+                    src[done..].as_ptr().cast::<libc::c_void>(),
                     dst as *mut libc::c_void,
                     len,
                     true,
@@ -167,7 +167,7 @@ impl Landing {
                     // SAFETY: `find` checked that the range lies in a live mapping; these pages
                     // are present, and only this reader writes its block while rounds land.
                     unsafe {
-                        std::ptr::copy_nonoverlapping(src[done..].as_ptr(), dst as *mut u8, run)
+                        std::ptr::copy_nonoverlapping(src[done..].as_ptr(), dst as *mut u8, run);
                     };
                     self.overwritten.fetch_add(run as u64, Ordering::Relaxed);
                     done += run;
@@ -230,7 +230,7 @@ impl Landing {
         // SAFETY: as in `land`: one page inside a registered region.
         let r = unsafe {
             self.uffd.copy(
-                src.as_ptr() as *const libc::c_void,
+                src.as_ptr().cast::<libc::c_void>(),
                 dst as *mut libc::c_void,
                 PAGE,
                 true,

@@ -222,6 +222,7 @@ pub(crate) struct StaleChunks {
 }
 
 /// The connections of one migration, seen from either side.
+#[derive(Debug)]
 pub struct Links {
     pub(crate) pages: Vec<Connection>,
     pub(crate) urgent: Vec<Connection>,

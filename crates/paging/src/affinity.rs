@@ -37,7 +37,7 @@ impl CpuSet {
         // SAFETY: an all-zero cpu_set_t is the empty set.
         let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
         // SAFETY: fills `set`, whose size we pass, for the calling thread (pid 0).
-        if unsafe { libc::sched_getaffinity(0, std::mem::size_of_val(&set), &mut set) } != 0 {
+        if unsafe { libc::sched_getaffinity(0, std::mem::size_of_val(&set), &raw mut set) } != 0 {
             return Err(io::Error::last_os_error());
         }
         Ok(CpuSet(set))
@@ -47,7 +47,9 @@ impl CpuSet {
     /// them.
     pub fn pin_current_thread(&self) -> io::Result<()> {
         // SAFETY: reads the set, whose size we pass, for the calling thread (pid 0).
-        if unsafe { libc::sched_setaffinity(0, std::mem::size_of_val(&self.0), &self.0) } != 0 {
+        if unsafe { libc::sched_setaffinity(0, std::mem::size_of_val(&self.0), &raw const self.0) }
+            != 0
+        {
             return Err(io::Error::last_os_error());
         }
         Ok(())
@@ -67,7 +69,11 @@ impl CpuSet {
 
     /// The CPUs of the set, e.g. "0, 1".
     fn list(&self) -> String {
-        let cpus: Vec<String> = self.cpus().iter().map(|cpu| cpu.to_string()).collect();
+        let cpus: Vec<String> = self
+            .cpus()
+            .iter()
+            .map(std::string::ToString::to_string)
+            .collect();
         cpus.join(", ")
     }
 }

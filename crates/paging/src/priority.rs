@@ -21,7 +21,7 @@ pub fn normal() {
 pub fn make_realtime() {
     let param = libc::sched_param { sched_priority: 1 };
     // SAFETY: sched_setscheduler on this thread only (pid 0), with a valid parameter block.
-    if unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) } != 0 {
+    if unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &raw const param) } != 0 {
         raise();
     }
 }

@@ -280,14 +280,14 @@ impl SharedImage {
 
     /// Bytes of the data file held in memory (one copy, whichever clones map them).
     pub fn resident_bytes(&self) -> u64 {
-        self.data.metadata().map(|m| m.blocks() * 512).unwrap_or(0)
+        self.data.metadata().map_or(0, |m| m.blocks() * 512)
     }
 
     /// Bytes published so far.
     pub fn published_bytes(&self) -> u64 {
         let words = self.size.div_ceil(PAGE).div_ceil(64);
         (0..words)
-            .map(|i| self.word(i).load(Ordering::Relaxed).count_ones() as u64 * PAGE)
+            .map(|i| u64::from(self.word(i).load(Ordering::Relaxed).count_ones()) * PAGE)
             .sum()
     }
 }
@@ -371,7 +371,7 @@ fn check_tmpfs(dir: &Path) -> std::result::Result<(), String> {
     // SAFETY: statfs fills the zeroed struct; `c` is a valid C string.
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
     // SAFETY: as above.
-    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
+    if unsafe { libc::statfs(c.as_ptr(), &raw mut st) } != 0 {
         return Err(format!("statfs: {}", io::Error::last_os_error()));
     }
     if st.f_type as i64 != TMPFS_MAGIC {

@@ -181,6 +181,15 @@ pub struct RemoteSource {
     delays: Arc<DelayLog>,
 }
 
+impl std::fmt::Debug for RemoteSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteSource")
+            .field("connections", &self.connections.len())
+            .field("size", &self.size)
+            .finish_non_exhaustive()
+    }
+}
+
 /// The delays the peer threads really waited (a sleep takes longer than asked).
 #[derive(Default)]
 struct DelayLog {
@@ -235,7 +244,7 @@ impl RemoteSource {
             .unwrap_or_else(|| {
                 self.connections[first]
                     .lock()
-                    .unwrap_or_else(|e| e.into_inner())
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
             })
     }
 }
@@ -280,7 +289,7 @@ fn serve(mut stream: UnixStream, source: &dyn PageSource, delay: Duration, delay
         };
         let status: i64 = match &bytes {
             Ok(_) => 0,
-            Err(e) => -(e.raw_os_error().unwrap_or(libc::EIO) as i64),
+            Err(e) => -i64::from(e.raw_os_error().unwrap_or(libc::EIO)),
         };
         let sent = stream
             .write_all(&status.to_le_bytes())
@@ -349,6 +358,15 @@ pub struct WindowSource {
     inner: Arc<dyn PageSource>,
     offset: u64,
     size: u64,
+}
+
+impl std::fmt::Debug for WindowSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WindowSource")
+            .field("offset", &self.offset)
+            .field("size", &self.size)
+            .finish_non_exhaustive()
+    }
 }
 
 impl WindowSource {

@@ -59,6 +59,15 @@ pub struct UserfaultPager {
     host_access: String,
 }
 
+impl std::fmt::Debug for UserfaultPager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UserfaultPager")
+            .field("region", &self.inner.region.name())
+            .field("host_access", &self.host_access)
+            .finish_non_exhaustive()
+    }
+}
+
 struct Inner {
     region: Arc<Region>,
     source: Arc<dyn PageSource>,
@@ -512,7 +521,7 @@ impl Inner {
                 data.as_ptr(),
                 self.region.host_addr().add(offset as usize),
                 data.len(),
-            )
+            );
         };
         Ok(())
     }

@@ -214,7 +214,7 @@ impl DirtyBitmap {
 
     /// Number of dirty pages.
     pub fn count(&self) -> u64 {
-        self.bits.iter().map(|w| w.count_ones() as u64).sum()
+        self.bits.iter().map(|w| u64::from(w.count_ones())).sum()
     }
 
     /// Whether the page at guest address `gpa` is dirty.
@@ -245,7 +245,7 @@ impl DirtyBitmap {
             w += 1;
             word = *self.bits.get(w)?;
         }
-        let page = w as u64 * 64 + word.trailing_zeros() as u64;
+        let page = w as u64 * 64 + u64::from(word.trailing_zeros());
         (page < self.pages).then_some(page)
     }
 }
@@ -307,6 +307,7 @@ fn slot_bitmap<'a>(
 }
 
 /// Dirty-page tracking of every memslot of one VM, from [`Tracker::start`] to [`Tracker::stop`].
+#[derive(Debug)]
 pub struct Tracker {
     mode: Mode,
     /// Our own handle on the VM (a duplicate of its fd), so the VM can run while we harvest.
@@ -605,7 +606,12 @@ mod tests {
         )
         .unwrap();
         let full = full_bitmaps(&memory, |_| true);
-        assert_eq!(full.iter().map(|b| b.count()).collect::<Vec<_>>(), [70, 64]);
+        assert_eq!(
+            full.iter()
+                .map(super::DirtyBitmap::count)
+                .collect::<Vec<_>>(),
+            [70, 64]
+        );
         assert_eq!(full[0].bits, [u64::MAX, (1 << 6) - 1]);
         let only_b = full_bitmaps(&memory, |r| r.name() == "b");
         assert_eq!((only_b.len(), only_b[0].slot), (1, 1));

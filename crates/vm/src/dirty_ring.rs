@@ -14,6 +14,7 @@ use std::os::fd::AsRawFd;
 use crate::{Error, Result};
 
 /// One vCPU's ring of `kvm_dirty_gfn` entries, shared with the kernel.
+#[derive(Debug)]
 pub struct DirtyRing {
     gfns: NonNull<kvm_dirty_gfn>,
     entries: u32,
@@ -31,7 +32,7 @@ unsafe impl Sync for DirtyRing {}
 impl DirtyRing {
     /// Maps the `bytes`-byte ring of `vcpu` (the VM has the dirty ring enabled).
     pub(crate) fn map(vcpu: &VcpuFd, id: usize, bytes: u32) -> Result<DirtyRing> {
-        let offset = KVM_DIRTY_LOG_PAGE_OFFSET as i64 * 4096;
+        let offset = i64::from(KVM_DIRTY_LOG_PAGE_OFFSET) * 4096;
         // SAFETY: a fresh shared mapping of the vCPU fd at the kernel's dirty-ring offset; the
         // kernel checks the length against the ring size; no existing memory is affected.
         let addr = unsafe {
@@ -70,7 +71,10 @@ impl DirtyRing {
     /// how many it collected; the caller then issues `KVM_RESET_DIRTY_RINGS` so the kernel can
     /// reuse them. One collector at a time (the position is kept here, across trackers).
     pub fn collect(&self, mut f: impl FnMut(u32, u64)) -> u32 {
-        let mut next = self.next.lock().unwrap_or_else(|e| e.into_inner());
+        let mut next = self
+            .next
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let start = *next;
         loop {
             let e = self.entry(*next);

@@ -131,9 +131,9 @@ impl PvhParams {
             self.range_bytes,
             self.seed,
             self.tsc_per_page,
-            self.fill_first as u64,
+            u64::from(self.fill_first),
             self.read_percent,
-            self.rewrite as u64,
+            u64::from(self.rewrite),
         ]
     }
 

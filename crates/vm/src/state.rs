@@ -13,7 +13,7 @@ use crate::{Error, Result, VcpuWork};
 
 /// Everything KVM holds for one vCPU. There is no in-kernel irqchip in guestmem's VMs, so no
 /// LAPIC state; the TSC travels as an MSR, its frequency alongside.
-#[derive(Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize)]
 pub struct VcpuState {
     /// The CPUID the vCPU was given.
     pub cpuid: Vec<kvm_cpuid_entry2>,
@@ -63,7 +63,7 @@ impl VcpuState {
 /// The state of guestmem's own payload VM ([`Vm`](crate::Vm)), paused: KVM's (its vCPUs and
 /// its kvmclock) and the workloads its vCPUs were given. It is that VM's machine blob; a VMM
 /// keeps its own, saving its vCPUs with [`VcpuState::save`].
-#[derive(Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize)]
 pub struct VmState {
     /// Every vCPU's state, vCPU `i` at index `i`.
     pub vcpus: Vec<VcpuState>,

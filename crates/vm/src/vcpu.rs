@@ -187,5 +187,5 @@ pub(crate) fn run_loop(
 }
 
 fn rip(vcpu: &VcpuFd) -> u64 {
-    vcpu.get_regs().map(|r| r.rip).unwrap_or(u64::MAX)
+    vcpu.get_regs().map_or(u64::MAX, |r| r.rip)
 }

@@ -40,6 +40,7 @@ impl VmConfig {
 }
 
 /// A KVM VM with its guest memory and vCPUs, ready to run payload workloads.
+#[derive(Debug)]
 pub struct Vm {
     config: VmConfig,
     _kvm: Kvm,
@@ -69,12 +70,18 @@ pub struct AbortHandle(Arc<Mutex<Option<String>>>);
 impl AbortHandle {
     /// Stops the run; the first reason given is the one reported.
     pub fn abort(&self, reason: impl Into<String>) {
-        let mut slot = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut slot = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         slot.get_or_insert_with(|| reason.into());
     }
 
     fn take(&self) -> Option<String> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).take()
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
     }
 }
 
@@ -85,9 +92,10 @@ pub fn host_tsc_khz() -> Result<u64> {
     let kvm = Kvm::new().map_err(Error::Kvm)?;
     let fd = kvm.create_vm().map_err(Error::ioctl("KVM_CREATE_VM"))?;
     let vcpu = fd.create_vcpu(0).map_err(Error::ioctl("KVM_CREATE_VCPU"))?;
-    Ok(vcpu
-        .get_tsc_khz()
-        .map_err(Error::ioctl("KVM_GET_TSC_KHZ"))? as u64)
+    Ok(u64::from(
+        vcpu.get_tsc_khz()
+            .map_err(Error::ioctl("KVM_GET_TSC_KHZ"))?,
+    ))
 }
 
 impl Vm {
@@ -163,9 +171,11 @@ impl Vm {
                 .collect::<Result<Vec<_>>>()?,
             None => Vec::new(),
         };
-        let tsc_khz = vcpus[0]
-            .get_tsc_khz()
-            .map_err(Error::ioctl("KVM_GET_TSC_KHZ"))? as u64;
+        let tsc_khz = u64::from(
+            vcpus[0]
+                .get_tsc_khz()
+                .map_err(Error::ioctl("KVM_GET_TSC_KHZ"))?,
+        );
         phases.mark("dirty rings and TSC");
         Ok(Vm {
             config: config.clone(),
@@ -405,7 +415,7 @@ impl Vm {
         }
         let ctl = layout::control_gpa(id);
         let (mut read_percent, mut writes, mut log_gpa, mut throttle_after) = (0, 0, 0, 0);
-        let rewrite = matches!(w.workload, Workload::Rewrite { .. }) as u64;
+        let rewrite = u64::from(matches!(w.workload, Workload::Rewrite { .. }));
         let (code, passes, tsc_per_page) = match w.workload {
             Workload::Touch => (WORKLOAD_WRITE, 1, 0),
             Workload::Dirty {
@@ -474,6 +484,7 @@ impl Vm {
 }
 
 /// A VM whose vCPU threads are running. Dropping it stops them.
+#[derive(Debug)]
 pub struct RunningVm<'a> {
     vm: &'a mut Vm,
     work: Vec<VcpuWork>,
@@ -504,7 +515,11 @@ impl<'a> RunningVm<'a> {
             return Ok(());
         }
         let stop = Arc::new(AtomicBool::new(false));
-        let threads: Vec<libc::pthread_t> = self.threads.iter().map(|t| t.as_pthread_t()).collect();
+        let threads: Vec<libc::pthread_t> = self
+            .threads
+            .iter()
+            .map(std::os::unix::thread::JoinHandleExt::as_pthread_t)
+            .collect();
         let throttle = self.vm.throttle.clone();
         let done = stop.clone();
         let ticker = std::thread::Builder::new()

@@ -33,7 +33,9 @@ pub struct HugePages {
 
 impl HugePages {
     pub fn reserve(bytes: u64) -> HugePages {
-        let _lock = POOL.lock().unwrap_or_else(|e| e.into_inner());
+        let _lock = POOL
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let pages = bytes.div_ceil(HUGE_PAGE_SIZE);
         let now = read_u64(NR_HUGEPAGES);
         std::fs::write(NR_HUGEPAGES, (now + pages).to_string())
@@ -68,7 +70,9 @@ impl HugePages {
 
 impl Drop for HugePages {
     fn drop(&mut self) {
-        let _lock = POOL.lock().unwrap_or_else(|e| e.into_inner());
+        let _lock = POOL
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let now = read_u64(NR_HUGEPAGES);
         let _ = std::fs::write(NR_HUGEPAGES, now.saturating_sub(self.pages).to_string());
     }

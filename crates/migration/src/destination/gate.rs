@@ -82,7 +82,9 @@ impl Gate {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, GateState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     fn accept_loop(self: &Arc<Self>, listener: &Listener) {
@@ -256,7 +258,7 @@ impl Gate {
             st = self
                 .changed
                 .wait_timeout(st, Duration::from_millis(200))
-                .unwrap_or_else(|e| e.into_inner())
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .0;
         };
         if resume {
@@ -287,7 +289,7 @@ impl Gate {
                 st = self
                     .changed
                     .wait_timeout(st, deadline - now)
-                    .unwrap_or_else(|e| e.into_inner())
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
                     .0;
                 continue;
             };

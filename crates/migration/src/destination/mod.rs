@@ -119,6 +119,7 @@ pub struct DestinationReport {
 /// A VM received up to the switch-over: its memory (or, in post-copy, its pagers) and vCPU
 /// state are in place. Resume it with [`Transfer::resume`], then [`Transfer::finish`]. `M` is
 /// the VM the destination's [`MachineBuilder`] built (guestmem's own `Vm` by default).
+#[derive(Debug)]
 pub struct Incoming<M = Vm> {
     /// The VM, not running yet.
     pub vm: M,
@@ -144,6 +145,17 @@ pub struct Transfer {
     _claim: Claim,
     // Dropped last: the pagers' regions stay mapped while they live.
     _memory: Arc<GuestMemory>,
+}
+
+impl std::fmt::Debug for Transfer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Transfer")
+            .field("mode", &self.mode)
+            .field("postcopy", &self.postcopy.is_some())
+            .field("running_at", &self.running_at)
+            .field("report", &self.report)
+            .finish_non_exhaustive()
+    }
 }
 
 struct Postcopy {

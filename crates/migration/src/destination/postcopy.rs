@@ -210,12 +210,20 @@ impl PostcopyLink {
             .iter()
             .zip(links.pages.into_iter().chain(links.urgent))
         {
-            let mut slot = slot.lock().unwrap_or_else(|e| e.into_inner());
+            let mut slot = slot
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             slot.conn = Some(conn);
             slot.used = Some(Instant::now());
         }
-        *self.cutters.lock().unwrap_or_else(|e| e.into_inner()) = cutters;
-        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        *self
+            .cutters
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = cutters;
+        let mut st = self
+            .state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         st.generation += 1;
         st.broken = false;
         self.changed.notify_all();
@@ -235,7 +243,9 @@ impl PostcopyLink {
                 (gpa / BLOCK) as usize % self.pages
             };
             {
-                let mut guard = self.slots[index].lock().unwrap_or_else(|e| e.into_inner());
+                let mut guard = self.slots[index]
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
                 let slot = &mut *guard;
                 if let Some(conn) = slot.conn.as_mut() {
                     let asked = Instant::now();
@@ -245,10 +255,10 @@ impl PostcopyLink {
                         Ok(()) => {
                             self.bytes.fetch_add(buf.len() as u64, Ordering::Relaxed);
                             if urgent {
-                                let us = asked.elapsed().as_micros().min(u32::MAX as u128);
+                                let us = asked.elapsed().as_micros().min(u128::from(u32::MAX));
                                 self.latencies
                                     .lock()
-                                    .unwrap_or_else(|e| e.into_inner())
+                                    .unwrap_or_else(std::sync::PoisonError::into_inner)
                                     .push(us as u32);
                             } else {
                                 self.background_fetches.fetch_add(1, Ordering::Relaxed);
@@ -270,14 +280,17 @@ impl PostcopyLink {
     fn generation(&self) -> u64 {
         self.state
             .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
             .generation
     }
 
     /// Waits until the link is re-established after `generation` (up to the resume timeout
     /// since `started`), or closed.
     fn wait_for_new_link(&self, generation: u64, started: Instant) -> io::Result<()> {
-        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut st = self
+            .state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         while st.generation == generation && !st.closed {
             let waited = started.elapsed();
             if waited >= self.resume_timeout {
@@ -293,7 +306,7 @@ impl PostcopyLink {
             st = self
                 .changed
                 .wait_timeout(st, self.resume_timeout - waited)
-                .unwrap_or_else(|e| e.into_inner())
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .0;
         }
         if st.closed {
@@ -303,7 +316,10 @@ impl PostcopyLink {
     }
 
     fn break_link(&self, e: &Error) {
-        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut st = self
+            .state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         if !st.broken && !st.closed {
             st.broken = true;
             st.breaks += 1;
@@ -314,7 +330,7 @@ impl PostcopyLink {
             for c in self
                 .cutters
                 .lock()
-                .unwrap_or_else(|e| e.into_inner())
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .iter()
             {
                 c.cut();
@@ -328,7 +344,10 @@ impl PostcopyLink {
         loop {
             // While the link is up: heartbeats on its quiet connections.
             loop {
-                let st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+                let st = self
+                    .state
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
                 if st.closed {
                     return;
                 }
@@ -338,7 +357,7 @@ impl PostcopyLink {
                 let st = self
                     .changed
                     .wait_timeout(st, self.heartbeat / 2)
-                    .unwrap_or_else(|e| e.into_inner())
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
                     .0;
                 let up = !st.broken && !st.closed;
                 drop(st);
@@ -347,7 +366,12 @@ impl PostcopyLink {
                 }
             }
             let gate = Gate::of(listener);
-            let closed = || self.state.lock().unwrap_or_else(|e| e.into_inner()).closed;
+            let closed = || {
+                self.state
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .closed
+            };
             match gate
                 .collect(Some(migration), listener.timeouts(), &closed)
                 .and_then(|links| match links {
@@ -398,7 +422,7 @@ impl PostcopyLink {
         let mut lat: Vec<Duration> = self
             .latencies
             .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
             .iter()
             .map(|&us| Duration::from_micros(us.into()))
             .collect();
@@ -410,7 +434,11 @@ impl PostcopyLink {
         report.fault_latency_max_us = us(lat.last().copied().unwrap_or_default());
         report.background_fetches = self.background_fetches.load(Ordering::Relaxed);
         report.postcopy_bytes = self.bytes.load(Ordering::Relaxed);
-        report.link_breaks = self.state.lock().unwrap_or_else(|e| e.into_inner()).breaks;
+        report.link_breaks = self
+            .state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .breaks;
     }
 
     /// Says Complete on every connection (waiting out a broken link), then closes the link.
@@ -421,7 +449,9 @@ impl PostcopyLink {
             loop {
                 let generation = self.generation();
                 {
-                    let mut s = slot.lock().unwrap_or_else(|e| e.into_inner());
+                    let mut s = slot
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
                     if let Some(conn) = s.conn.as_mut() {
                         let frame = Frame::Complete {
                             report_json: report_json.to_vec(),
@@ -444,7 +474,10 @@ impl PostcopyLink {
                     .map_err(|source| MigrationError::SourceGone { source })?;
             }
         }
-        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut st = self
+            .state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         st.closed = true;
         self.changed.notify_all();
         drop(st);

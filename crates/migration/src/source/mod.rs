@@ -432,7 +432,10 @@ impl<'o> Source<'o> {
                 chunks.mark_dirty(&dirty);
             }
             dirty.retain(|b| tracked_gpa(&self.memory, b.gpa) && !self.shared.contains(&b.gpa));
-            let n: u64 = dirty.iter().map(|b| b.count()).sum();
+            let n: u64 = dirty
+                .iter()
+                .map(guestmem_tracking::DirtyBitmap::count)
+                .sum();
             let mut stats = stats;
             stats.dirty_pages_after = n;
             stats.throttle_percent = machine.throttle();
@@ -493,7 +496,10 @@ impl<'o> Source<'o> {
         let mut q = RoundQueue {
             writers,
             round,
-            total: dirty.iter().map(|b| b.count()).sum(),
+            total: dirty
+                .iter()
+                .map(guestmem_tracking::DirtyBitmap::count)
+                .sum(),
             cache_pages: self.delta.as_ref().map_or(0, |c| c.pages()),
             pages: 0,
             zero_pages: 0,
@@ -547,7 +553,7 @@ impl<'o> Source<'o> {
                 bytes,
                 wire_bytes,
                 dirty_pages_after: 0,
-                bandwidth_mib_per_s: bytes as f64 / (1 << 20) as f64 / (ms / 1e3).max(1e-6),
+                bandwidth_mib_per_s: bytes as f64 / f64::from(1 << 20) / (ms / 1e3).max(1e-6),
                 throttle_percent: 0,
             },
         ))
@@ -641,7 +647,7 @@ impl<'o> Source<'o> {
     /// are freed only once the guest runs at the destination, see `switch_over`), and the
     /// busiest writer's hashing time.
     fn keep_streams(&mut self, streams: Vec<Option<ZstdStream>>, round: u32, digest: Duration) {
-        let held: usize = streams.iter().flatten().map(|s| s.memory_bytes()).sum();
+        let held: usize = streams.iter().flatten().map(ZstdStream::memory_bytes).sum();
         self.report.zstd_stream_bytes = self.report.zstd_stream_bytes.max(held as u64);
         self.zstd_streams = streams;
         self.round_digest = digest;

@@ -83,6 +83,28 @@ pub struct SendOptions {
     pub reconnect: Option<Reconnect>,
 }
 
+impl std::fmt::Debug for SendOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SendOptions")
+            .field("mode", &self.mode)
+            .field("downtime", &self.downtime)
+            .field("max_rounds", &self.max_rounds)
+            .field("auto_converge", &self.auto_converge)
+            .field("max_bandwidth", &self.max_bandwidth)
+            .field("verify", &self.verify)
+            .field("share_memory", &self.share_memory)
+            .field("tracking", &self.tracking)
+            .field("whole_pages", &self.whole_pages)
+            .field("compress", &self.compress)
+            .field("delta_cache_bytes", &self.delta_cache_bytes)
+            .field("zstd_window_bytes", &self.zstd_window_bytes)
+            .field("fault_cpus", &self.fault_cpus)
+            .field("progress", &self.progress.is_some())
+            .field("reconnect", &self.reconnect.is_some())
+            .finish()
+    }
+}
+
 impl Default for SendOptions {
     fn default() -> Self {
         SendOptions {

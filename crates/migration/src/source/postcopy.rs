@@ -103,7 +103,7 @@ impl PostcopyServers {
                             );
                             // One connection broke: cut the others so that all of them are
                             // re-established together.
-                            cutters.iter().for_each(|c| c.cut());
+                            cutters.iter().for_each(Cutter::cut);
                         }
                         if done_tx.send((i, conn, r)).is_err() {
                             return;
@@ -268,7 +268,7 @@ pub(super) fn serve(
                         conn,
                         &Frame::Zero {
                             gpa,
-                            count: len as u64 / PAGE_SIZE,
+                            count: u64::from(len) / PAGE_SIZE,
                         },
                     )?;
                 } else {
@@ -283,7 +283,7 @@ pub(super) fn serve(
                         .compressor
                         .record(codec, encoded, frame_out.len(), compress_time, link);
                     if gpa != layout::SYS_GPA {
-                        bytes.fetch_add(len as u64, Ordering::Relaxed);
+                        bytes.fetch_add(u64::from(len), Ordering::Relaxed);
                         wire.fetch_add(frame_out.len() as u64, Ordering::Relaxed);
                     }
                 }

@@ -20,6 +20,16 @@ pub struct Connection {
     own_problem: Option<String>,
 }
 
+impl std::fmt::Debug for Connection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connection")
+            .field("peer", &self.peer)
+            .field("socket", &self.socket)
+            .field("idle", &self.idle)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Connection {
     /// A handle that shuts the underlying socket down (both ways), which ends any read or write
     /// blocked on it, in whatever thread, with an error.

@@ -3,6 +3,7 @@
 use super::*;
 
 /// The destination's listening socket.
+#[derive(Debug)]
 pub struct Listener {
     socket: ListenerSocket,
     config: Arc<ServerConfig>,
@@ -13,12 +14,14 @@ pub struct Listener {
     pub(crate) gate: OnceLock<Arc<dyn Any + Send + Sync>>,
 }
 
+#[derive(Debug)]
 pub(super) enum ListenerSocket {
     Tcp(TcpListener),
     Unix(UnixListener),
 }
 
 /// A socket accepted by a [`Listener`], before its TLS handshake.
+#[derive(Debug)]
 pub struct Accepted {
     socket: Socket,
     peer: String,

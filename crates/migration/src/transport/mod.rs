@@ -327,8 +327,7 @@ mod tests {
             .unwrap();
         let server = std::thread::spawn(move || listener.accept().map(|_| ()));
         let e = connect(&endpoint, &Credentials::load(&ours, Role::Source).unwrap())
-            .err()
-            .expect("refused");
+            .expect_err("refused");
         assert!(e.to_string().contains("TLS"), "{e}");
         let _ = server.join();
         let _ = std::fs::remove_dir_all(&ours);
@@ -391,7 +390,7 @@ mod tests {
         };
         let _silent = TcpStream::connect(addr).unwrap();
         let started = Instant::now();
-        let e = listener.accept().err().expect("a silent peer").to_string();
+        let e = listener.accept().expect_err("a silent peer").to_string();
         assert!(started.elapsed() < Duration::from_secs(3), "{e}");
         assert!(
             e.contains("the TLS handshake with the source at 127.0.0.1:")
@@ -406,8 +405,7 @@ mod tests {
             .unwrap();
         let source = Credentials::load(&dir, Role::Source).unwrap();
         let e = connect_with(&endpoint, &source, short())
-            .err()
-            .expect("a mute destination")
+            .expect_err("a mute destination")
             .to_string();
         assert!(
             e.contains("the TLS handshake with the destination at tcp:127.0.0.1:"),
@@ -489,8 +487,7 @@ mod tests {
         let server = std::thread::spawn(move || listener.accept().map(|_| ()));
         let source = Credentials::load(&dir, Role::Source).unwrap();
         let e = connect(&endpoint, &source)
-            .err()
-            .expect("refused")
+            .expect_err("refused")
             .to_string();
         assert!(
             e.contains("the destination at tcp:127.0.0.1:") && e.contains("expired"),
@@ -555,8 +552,7 @@ mod tests {
         let (listener, endpoint) = listen(&dir, &dest, Timeouts::default());
         let server = std::thread::spawn(move || listener.accept().map(|_| ()));
         let e = connect(&endpoint, &Credentials::load(&dir, Role::Source).unwrap())
-            .err()
-            .expect("refused")
+            .expect_err("refused")
             .to_string();
         assert!(
             e.contains("presented a certificate of the wrong role")

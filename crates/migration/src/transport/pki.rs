@@ -81,6 +81,7 @@ pub(super) fn pem_error(
 
 /// One peer's credentials: the migration CA's certificate and its own certificate and key, read
 /// from `DIR/ca.pem`, `DIR/<role>.pem` and `DIR/<role>.key`.
+#[derive(Debug)]
 pub struct Credentials {
     ca: CertificateDer<'static>,
     pub(super) cert: CertificateDer<'static>,

@@ -3,6 +3,7 @@
 use super::*;
 
 /// Cuts a [`Connection`] (see [`Connection::cutter`]).
+#[derive(Debug)]
 pub struct Cutter(pub(super) Socket);
 
 impl Cutter {
@@ -24,6 +25,7 @@ impl Cutter {
     }
 }
 
+#[derive(Debug)]
 pub(super) enum Socket {
     Tcp(TcpStream),
     Unix(UnixStream),
@@ -48,7 +50,7 @@ impl Socket {
         let mut queued: libc::c_int = 0;
         // SAFETY: SIOCOUTQ (TIOCOUTQ) writes one c_int into `queued`, which is live and
         // writable; `fd` is the open socket `self` owns.
-        let r = unsafe { libc::ioctl(fd, libc::TIOCOUTQ, &mut queued as *mut libc::c_int) };
+        let r = unsafe { libc::ioctl(fd, libc::TIOCOUTQ, &raw mut queued) };
         (r == 0).then_some(queued.max(0) as u64)
     }
 
@@ -71,7 +73,7 @@ impl Socket {
                 libc::IPPROTO_TCP,
                 libc::TCP_INFO,
                 std::ptr::addr_of_mut!(info).cast(),
-                &mut len,
+                &raw mut len,
             )
         };
         let end = std::mem::offset_of!(libc::tcp_info, tcpi_delivery_rate) + 8;
@@ -137,7 +139,7 @@ pub(super) fn set_send_buffer(s: &TcpStream) -> io::Result<()> {
             s.as_raw_fd(),
             libc::SOL_SOCKET,
             libc::SO_SNDBUF,
-            (&bytes as *const libc::c_int).cast(),
+            (&raw const bytes).cast(),
             std::mem::size_of::<libc::c_int>() as libc::socklen_t,
         )
     };

@@ -296,7 +296,7 @@ impl Shared {
             match r {
                 Ok(copied) => done += copied as u64,
                 Err(userfaultfd::Error::PartiallyCopied(copied)) if (copied as isize) > 0 => {
-                    done += copied as u64
+                    done += copied as u64;
                 }
                 Err(userfaultfd::Error::PartiallyCopied(_)) => return Ok(false),
                 Err(userfaultfd::Error::CopyFailed(errno)) if errno as i32 == libc::EEXIST => {
@@ -335,7 +335,10 @@ impl Shared {
         }
         tracing::info!(region = %self.region, "the peer no longer maps the range: serving it ends");
         self.signal_stop();
-        let _guard = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+        let _guard = self
+            .failure
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         self.changed.notify_all();
     }
 

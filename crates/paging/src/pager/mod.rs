@@ -78,6 +78,16 @@ pub struct Pager {
     cpus: Option<CpuSet>,
 }
 
+impl std::fmt::Debug for Pager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pager")
+            .field("region", &self.shared.region)
+            .field("threads", &self.threads.len())
+            .field("cpus", &self.cpus)
+            .finish_non_exhaustive()
+    }
+}
+
 struct Shared {
     region: String,
     gpa: u64,
@@ -285,13 +295,13 @@ impl Pager {
             };
             let shared = shared.clone();
             self.spawn(format!("uffd-handler{t}"), move || {
-                shared.serve_faults(&served)
+                shared.serve_faults(&served);
             })?;
         }
         for t in 0..config.readahead_threads {
             let shared = shared.clone();
             self.spawn(format!("uffd-readahead{t}"), move || {
-                shared.serve_readahead()
+                shared.serve_readahead();
             })?;
         }
         if config.background || !config.prefetch.is_empty() {
@@ -322,7 +332,7 @@ impl Pager {
             .shared
             .retired_at
             .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Bytes of the region it serves.
@@ -345,7 +355,7 @@ impl Pager {
         let queue = s
             .readahead_queue
             .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
             .capacity() as u64
             * std::mem::size_of::<(usize, usize)>() as u64;
         s.states.len() as u64 + threads * bounce + event_buffers + queue
@@ -357,7 +367,10 @@ impl Pager {
     pub fn wait_resident(&self, timeout: Duration) -> Result<bool> {
         let s = &self.shared;
         let deadline = Instant::now() + timeout;
-        let mut failure = s.failure.lock().unwrap_or_else(|e| e.into_inner());
+        let mut failure = s
+            .failure
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         loop {
             if let Some(reason) = failure.as_ref() {
                 return Err(Error::Stopped {
@@ -375,7 +388,7 @@ impl Pager {
             failure = s
                 .changed
                 .wait_timeout(failure, deadline - now)
-                .unwrap_or_else(|e| e.into_inner())
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .0;
         }
     }
@@ -387,9 +400,9 @@ impl Pager {
         let s = &self.shared;
         s.fault_order
             .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
             .iter()
-            .map(|&c| c as u64 * s.chunk)
+            .map(|&c| u64::from(c) * s.chunk)
             .collect()
     }
 
@@ -419,7 +432,7 @@ impl Pager {
         self.shared
             .failure
             .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
             .clone()
     }
 }
@@ -495,7 +508,7 @@ fn spawn_pager_thread(
         if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
             let message = panic
                 .downcast_ref::<&str>()
-                .map(|s| s.to_string())
+                .map(std::string::ToString::to_string)
                 .or_else(|| panic.downcast_ref::<String>().cloned())
                 .unwrap_or_else(|| "no message".into());
             on_panic(format!("pager thread '{thread}' panicked: {message}"));
@@ -512,7 +525,7 @@ fn spawn_pager_thread(
                     tracing::warn!(region = %region_name, "pinning a pager thread to {cpus:?}: {e}");
                 }
             }
-            f()
+            f();
         })
         .map_err(|source| Error::Os {
             region: region.into(),

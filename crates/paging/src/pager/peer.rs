@@ -35,6 +35,17 @@ pub struct PeerRange {
     pub source: Arc<dyn PageSource>,
 }
 
+impl std::fmt::Debug for PeerRange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerRange")
+            .field("name", &self.name)
+            .field("host_addr", &self.host_addr)
+            .field("size", &self.size)
+            .field("page_size", &self.page_size)
+            .finish_non_exhaustive()
+    }
+}
+
 /// Demand paging over a userfaultfd that someone else created and registered, possibly for
 /// several ranges, possibly in another process: the same chunk engine as [`Pager`](super::Pager) (fault-around,
 /// readahead, background fetch, `EEXIST`/`EAGAIN` handling, `UFFD_EVENT_REMOVE` making
@@ -47,6 +58,17 @@ pub struct PeerPager {
     stop: OwnedFd,
     threads: Vec<JoinHandle<()>>,
     cpus: Option<CpuSet>,
+}
+
+impl std::fmt::Debug for PeerPager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ranges: Vec<&str> = self.ranges.iter().map(|r| r.region.as_str()).collect();
+        f.debug_struct("PeerPager")
+            .field("ranges", &ranges)
+            .field("threads", &self.threads.len())
+            .field("cpus", &self.cpus)
+            .finish_non_exhaustive()
+    }
 }
 
 fn new_eventfd(region: &str) -> Result<OwnedFd> {
@@ -170,7 +192,7 @@ impl PeerPager {
         let ranges = pager.ranges.clone();
         let stop = pager.stop.as_raw_fd();
         pager.spawn("uffd-peer-handler".into(), move || {
-            serve_peer_faults(&reader, &ranges, stop)
+            serve_peer_faults(&reader, &ranges, stop);
         })?;
         if config.background {
             for shared in pager.ranges.clone() {
@@ -264,7 +286,7 @@ fn serve_peer_faults(uffd: &Uffd, ranges: &[Arc<Shared>], stop: i32) {
             return;
         }
         let batch: Vec<Event> = match uffd.read_events(&mut events) {
-            Ok(iter) => iter.filter_map(|e| e.ok()).collect(),
+            Ok(iter) => iter.filter_map(std::result::Result::ok).collect(),
             Err(e) => {
                 tracing::warn!("reading the peer's userfaultfd events: {}", UffdError(e));
                 continue;
@@ -332,7 +354,7 @@ pub fn register_for_peer(regions: &[&Region]) -> Result<OwnedFd> {
             }
         };
     }
-    let name = regions.first().map(|r| r.name()).unwrap_or("none");
+    let name = regions.first().map_or("none", |r| r.name());
     let uffd = UffdBuilder::new()
         .close_on_exec(true)
         .non_blocking(true)
@@ -346,7 +368,7 @@ pub fn register_for_peer(regions: &[&Region]) -> Result<OwnedFd> {
         })?;
     for r in regions {
         uffd.register_with_mode(
-            r.host_addr() as *mut libc::c_void,
+            r.host_addr().cast::<libc::c_void>(),
             r.size() as usize,
             RegisterMode::MISSING,
         )

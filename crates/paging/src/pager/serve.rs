@@ -127,7 +127,7 @@ impl Shared {
         let _queue = self
             .readahead_queue
             .lock()
-            .unwrap_or_else(|e| e.into_inner());
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         self.readahead_queued.notify_all();
     }
 
@@ -183,7 +183,7 @@ impl Shared {
                 }
                 let uffd = &self.uffds[shard];
                 let batch: Vec<Event> = match uffd.read_events(&mut events) {
-                    Ok(iter) => iter.filter_map(|e| e.ok()).collect(),
+                    Ok(iter) => iter.filter_map(std::result::Result::ok).collect(),
                     Err(e) => {
                         tracing::warn!(region = %self.region, "reading userfaultfd events: {}", UffdError(e));
                         continue;
@@ -199,7 +199,7 @@ impl Shared {
                                 .or(sequential);
                         }
                         Event::Remove { start, end } => {
-                            self.on_remove(start as usize, end as usize)
+                            self.on_remove(start as usize, end as usize);
                         }
                         _ => {}
                     }
@@ -257,7 +257,7 @@ impl Shared {
             let mut queue = self
                 .readahead_queue
                 .lock()
-                .unwrap_or_else(|e| e.into_inner());
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             for next in start..end {
                 if self.states[next].load(Ordering::Acquire) == ABSENT
                     && !queue.contains(&(next, shard))
@@ -294,7 +294,7 @@ impl Shared {
                 let mut queue = self
                     .readahead_queue
                     .lock()
-                    .unwrap_or_else(|e| e.into_inner());
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
                 loop {
                     // Checked under the queue's lock, which `signal_stop` takes to notify.
                     if self.stopped() {
@@ -306,7 +306,7 @@ impl Shared {
                     queue = self
                         .readahead_queued
                         .wait(queue)
-                        .unwrap_or_else(|e| e.into_inner());
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
                 }
             };
             let (chunk, shard) = next;
@@ -320,7 +320,7 @@ impl Shared {
                 let mut queue = self
                     .readahead_queue
                     .lock()
-                    .unwrap_or_else(|e| e.into_inner());
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
                 while run < BACKGROUND_RUN_MAX && queue.front() == Some(&(chunk + run, shard)) {
                     queue.pop_front();
                     run += 1;
@@ -341,7 +341,7 @@ impl Shared {
             revents: 0,
         };
         // SAFETY: polls one live pollfd without waiting.
-        unsafe { libc::poll(&mut fd, 1, 0) > 0 }
+        unsafe { libc::poll(&raw mut fd, 1, 0) > 0 }
     }
 
     /// `UFFD_EVENT_REMOVE`: chunks wholly discarded before anyone fetched them read as zero
@@ -484,7 +484,7 @@ impl Shared {
                         if matches!(by, By::Fault | By::Readahead) {
                             self.fault_order
                                 .lock()
-                                .unwrap_or_else(|e| e.into_inner())
+                                .unwrap_or_else(std::sync::PoisonError::into_inner)
                                 .push(chunk as u32);
                         }
                         counter.fetch_add(1, Ordering::Relaxed);
@@ -528,7 +528,10 @@ impl Shared {
     /// A handler is done with its batch: the last one wakes the background fetcher.
     pub(super) fn handler_idle(&self) {
         if self.busy_handlers.fetch_sub(1, Ordering::AcqRel) == 1 {
-            let _guard = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+            let _guard = self
+                .failure
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             self.changed.notify_all();
         }
     }
@@ -557,20 +560,26 @@ impl Shared {
     }
 
     pub(super) fn wait_for_idle_handlers(&self) {
-        let mut guard = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+        let mut guard = self
+            .failure
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         while self.busy_handlers.load(Ordering::Acquire) > 0 && guard.is_none() {
             // The timeout only bounds a wait that a stop (which does not notify) would prolong.
             guard = self
                 .changed
                 .wait_timeout(guard, Duration::from_millis(1))
-                .unwrap_or_else(|e| e.into_inner())
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .0;
         }
     }
 
     /// Sleeps until `chunk` leaves FETCHING (another thread is installing it).
     pub(super) fn wait_for_change(&self, chunk: usize) {
-        let guard = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+        let guard = self
+            .failure
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         if self.states[chunk].load(Ordering::Acquire) == FETCHING {
             let _ = self.changed.wait_timeout(guard, Duration::from_millis(1));
         }
@@ -579,7 +588,10 @@ impl Shared {
     /// Sets `chunk`'s state and wakes the threads waiting for it.
     pub(super) fn set_state(&self, chunk: usize, state: u8) {
         self.states[chunk].store(state, Ordering::Release);
-        let _guard = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+        let _guard = self
+            .failure
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         self.changed.notify_all();
     }
 
@@ -595,10 +607,16 @@ impl Shared {
         if self.retired.swap(true, Ordering::AcqRel) {
             return;
         }
-        *self.retired_at.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+        *self
+            .retired_at
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Instant::now());
         self.unregister();
         self.signal_stop();
-        let _guard = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+        let _guard = self
+            .failure
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         self.changed.notify_all();
         tracing::debug!(region = %self.region, "pager retired: region fully resident");
     }
@@ -609,7 +627,10 @@ impl Shared {
         // the reason. Only the first failure is reported: the ones that follow (other chunks
         // in flight when the VM or peer went away) are its consequences, told once already.
         {
-            let mut failure = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+            let mut failure = self
+                .failure
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             if failure.is_some() {
                 tracing::debug!("after the first failure: {reason}");
                 return;
@@ -715,7 +736,7 @@ impl Shared {
     pub(super) fn failure(&self) -> Option<String> {
         self.failure
             .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
             .clone()
     }
 
@@ -726,6 +747,6 @@ impl Shared {
             revents: 0,
         };
         // SAFETY: polls one live pollfd without waiting.
-        unsafe { libc::poll(&mut fd, 1, 0) > 0 }
+        unsafe { libc::poll(&raw mut fd, 1, 0) > 0 }
     }
 }

@@ -138,11 +138,11 @@ impl Inner {
                 revents: 0,
             };
             // SAFETY: one live pollfd.
-            if unsafe { libc::poll(&mut fd, 1, POLL_MS) } <= 0 {
+            if unsafe { libc::poll(&raw mut fd, 1, POLL_MS) } <= 0 {
                 continue;
             }
             let batch: Vec<Event> = match uffd.read_events(&mut events) {
-                Ok(iter) => iter.filter_map(|e| e.ok()).collect(),
+                Ok(iter) => iter.filter_map(std::result::Result::ok).collect(),
                 Err(_) => continue,
             };
             for event in batch {

@@ -20,7 +20,7 @@ pub(super) fn kernel_release() -> Result<String, String> {
     // SAFETY: `utsname` is plain old data (arrays of c_char); all-zero is a valid value.
     let mut uts: libc::utsname = unsafe { std::mem::zeroed() };
     // SAFETY: `uts` is a valid, writable `utsname` that lives across the call.
-    if unsafe { libc::uname(&mut uts) } != 0 {
+    if unsafe { libc::uname(&raw mut uts) } != 0 {
         return Err(format!("uname: {}", errno_name(last_errno())));
     }
     // SAFETY: on success the kernel filled `release` with a NUL-terminated string that fits in

@@ -269,7 +269,7 @@ pub fn probe() -> Probe {
     let (kvm, guest_memfd_write, kvm_userfault, guest_memfd_uffd) = match throwaway_vm() {
         Ok((kvm, vm)) => {
             let caps = kvm_caps(&kvm, &vm);
-            let gmem_flags = caps.guest_memfd_flags.as_ref().map(|f| f.raw).unwrap_or(0);
+            let gmem_flags = caps.guest_memfd_flags.as_ref().map_or(0, |f| f.raw);
             let write = guest_memfd_write(&vm, gmem_flags);
             let userfault = kvm_userfault(&vm);
             let uffd = if caps.guest_memfd_flags.as_ref().is_ok_and(|f| f.has("MMAP")) {
