@@ -14,6 +14,7 @@
 //! its last fill then bytes that follow from it ([`fill`]), so [`RngDevice::verify`] can check
 //! that every buffer holds exactly what the device last wrote there.
 
+use guestmem_sys::to_usize;
 use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -245,7 +246,7 @@ impl RngDevice {
     pub fn verify(&self) -> Result<usize, ComponentError> {
         let mem = self.memory()?;
         let inner = lock(&self.shared.inner);
-        let mut buf = vec![0u8; BUFFER as usize];
+        let mut buf = vec![0u8; to_usize(BUFFER)];
         let mut filled = 0;
         for (i, &seq) in inner.seq_of.iter().enumerate() {
             if seq == 0 {
@@ -490,7 +491,7 @@ mod tests {
         // A copy of the memory and the state: the new device goes on from there.
         let state = dev.save().unwrap();
         let copy = memory();
-        let mut bytes = vec![0u8; REGION_SIZE as usize];
+        let mut bytes = vec![0u8; to_usize(REGION_SIZE)];
         mem.read(1 << 30, &mut bytes).unwrap();
         copy.write(1 << 30, &bytes).unwrap();
         let mut there = RngDevice::new("rng0", 1 << 30, 64, Duration::from_micros(200));

@@ -3,6 +3,7 @@
 
 mod common;
 
+use guestmem_sys::to_usize;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -64,7 +65,7 @@ fn ram_bytes(vm: &Vm) -> Vec<u8> {
         .iter()
         .find(|r| r.name() == "ram")
         .unwrap();
-    let mut buf = vec![0u8; region.size() as usize];
+    let mut buf = vec![0u8; to_usize(region.size())];
     vm.memory().read(region.gpa(), &mut buf).unwrap();
     buf
 }
@@ -95,7 +96,7 @@ fn check_two_clones(
         published,
         "each published page held once"
     );
-    let mut file = vec![0u8; RAM as usize];
+    let mut file = vec![0u8; to_usize(RAM)];
     std::fs::File::open(image.path())
         .unwrap()
         .read_exact_at(&mut file, 0)
@@ -207,7 +208,7 @@ fn a_damaged_chunk_is_refused_by_every_clone() {
         .expect("the guest wrote the first chunk of RAM");
     let key = c.object_key();
     let mut bytes = backend.get(&key).unwrap();
-    bytes[(c.offset() + c.stored / 2) as usize] ^= 1;
+    bytes[to_usize(c.offset() + c.stored / 2)] ^= 1;
     backend.put(&key, &bytes).unwrap();
     let snap = StoreSnapshot::open(backend.clone(), "vm", None).unwrap();
     let image = share.image(&snap.manifest.checksum);

@@ -5,6 +5,7 @@ mod common;
 #[path = "common/minio.rs"]
 mod minio;
 
+use guestmem_sys::to_usize;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
@@ -50,14 +51,14 @@ fn spawn_server(
 /// memory file of the same guest would hold.
 fn ram_only_file(snap: &Snapshot, path: &Path) {
     let mut out = Vec::new();
-    let mut buf = vec![0u8; snapshot::CHUNK_BYTES as usize];
+    let mut buf = vec![0u8; to_usize(snapshot::CHUNK_BYTES)];
     for image in &snap.manifest().regions {
         if image.spec.gpa == layout::SYS_GPA {
             continue;
         }
         for index in 0..image.chunks.len() {
             let offset = index as u64 * snapshot::CHUNK_BYTES;
-            let len = snapshot::CHUNK_BYTES.min(image.spec.size - offset) as usize;
+            let len = to_usize(snapshot::CHUNK_BYTES.min(image.spec.size - offset));
             snap.read_chunk(image, index, &mut buf).unwrap();
             out.extend_from_slice(&buf[..len]);
         }
@@ -176,7 +177,7 @@ fn removed_range_reads_as_zero() {
     let touched = layout::RAM_GPA + (4 << 20);
     assert_ne!(memory.read_u64(touched).unwrap(), 0, "the guest wrote it");
     for gpa in [untouched, touched] {
-        let offset = (gpa - ram.gpa()) as usize;
+        let offset = to_usize(gpa - ram.gpa());
         // SAFETY: a 2 MiB range inside the region's own mapping; the VM is not running.
         let r = unsafe {
             libc::madvise(
@@ -199,8 +200,8 @@ fn removed_range_reads_as_zero() {
     // The snapshot holds non-zero bytes there: the zeros come from the REMOVE handling.
     let file = std::fs::read(dir.0.join("memory")).unwrap();
     let image = &snap.manifest().regions[1];
-    let at = (image.file_offset + (untouched - layout::RAM_GPA)) as usize;
-    assert!(file[at..at + PAGE_SIZE as usize].iter().any(|&b| b != 0));
+    let at = to_usize(image.file_offset + (untouched - layout::RAM_GPA));
+    assert!(file[at..at + to_usize(PAGE_SIZE)].iter().any(|&b| b != 0));
     assert!(
         session.stats()[0].discarded_chunks >= 1,
         "{:?}",
@@ -385,7 +386,7 @@ fn serve_one_shape(backend: Backend, fields: &str, page_size: u64) {
     const LEN: u64 = 4 << 20;
     let _huge = HugePages::for_backend(backend, LEN);
     let dir = TempDir::new(&format!("shape-{backend}"));
-    let bytes = pattern(LEN as usize, page_size);
+    let bytes = pattern(to_usize(LEN), page_size);
     std::fs::write(dir.0.join("memory"), &bytes).unwrap();
     let memory = ServedMemory::file(&dir.0.join("memory")).unwrap();
     let region = Region::create(RegionSpec::new("peer", 0, LEN, backend), None).unwrap();
@@ -410,7 +411,7 @@ fn serve_one_shape(backend: Backend, fields: &str, page_size: u64) {
     assert_eq!(session.mappings[0].page_size, page_size, "{fields}");
     // SAFETY: the region's own mapping of LEN bytes, alive until `region` drops; the reads
     // fault and the session serves them.
-    let seen = unsafe { std::slice::from_raw_parts(region.host_addr(), LEN as usize) };
+    let seen = unsafe { std::slice::from_raw_parts(region.host_addr(), to_usize(LEN)) };
     assert!(
         seen == &bytes[..],
         "{backend} {fields}: the bytes read differ"
@@ -907,7 +908,7 @@ fn serve_from_store(backend: std::sync::Arc<dyn guestmem_store::Backend>, tag: &
             .iter()
             .find_map(|c| guestmem_store::StoreManifest::stored(c, &ids))
             .unwrap();
-        (c.object_key(), (c.offset() + c.stored / 2) as usize)
+        (c.object_key(), to_usize(c.offset() + c.stored / 2))
     };
     let good = backend.get(&key).unwrap();
     let mut bad = good.clone();

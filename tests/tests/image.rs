@@ -3,6 +3,7 @@
 
 mod common;
 
+use guestmem_sys::to_usize;
 use std::time::Duration;
 
 use common::TempDir;
@@ -15,8 +16,8 @@ const SIZE: u64 = 8 << 20;
 /// A small image with what real memory has: zero pages, dense pages and a few sparse ones.
 fn image() -> Vec<u8> {
     let mut x = 0x1234_5678_9abc_def1u64;
-    let mut bytes = vec![0u8; SIZE as usize];
-    for (p, page) in bytes.chunks_mut(PAGE_SIZE as usize).enumerate() {
+    let mut bytes = vec![0u8; to_usize(SIZE)];
+    for (p, page) in bytes.chunks_mut(to_usize(PAGE_SIZE)).enumerate() {
         match p % 8 {
             0 | 1 => {} // zero
             2 => page[100] = p as u8 | 1,
@@ -58,10 +59,10 @@ fn an_image_becomes_guest_ram_raw_or_compressed() {
                     .filter(|p| p.iter().all(|&b| b == 0))
                     .count() as u64
             );
-            let mut back = vec![0u8; 2 * SIZE as usize];
+            let mut back = vec![0u8; 2 * to_usize(SIZE)];
             vm.memory().read(layout::RAM_GPA, &mut back).unwrap();
-            assert!(back[..SIZE as usize] == bytes[..], "{}", path.display());
-            assert!(back[SIZE as usize..].iter().all(|&b| b == 0));
+            assert!(back[..to_usize(SIZE)] == bytes[..], "{}", path.display());
+            assert!(back[to_usize(SIZE)..].iter().all(|&b| b == 0));
         }
     }
     let vm = Vm::new(&VmConfig::simple(1, SIZE / 2, Backend::Anon)).unwrap();
@@ -101,9 +102,9 @@ fn the_rewrite_workload_rewrites_lines_from_other_pages() {
         let w = rewrite_of(7, gpa, 0, layout::RAM_GPA, pages);
         assert!((2..=33).contains(&w.lines));
         w.apply(&mut expected, gpa, layout::RAM_GPA);
-        let at = (p * PAGE_SIZE) as usize;
-        let new = &expected[at..at + PAGE_SIZE as usize];
-        let old = &original[at..at + PAGE_SIZE as usize];
+        let at = to_usize(p * PAGE_SIZE);
+        let new = &expected[at..at + to_usize(PAGE_SIZE)];
+        let old = &original[at..at + to_usize(PAGE_SIZE)];
         lines_changed.push(
             new.chunks(64)
                 .zip(old.chunks(64))
@@ -111,7 +112,7 @@ fn the_rewrite_workload_rewrites_lines_from_other_pages() {
                 .count(),
         );
     }
-    let mut memory = vec![0u8; SIZE as usize];
+    let mut memory = vec![0u8; to_usize(SIZE)];
     vm.memory().read(layout::RAM_GPA, &mut memory).unwrap();
     let first_diff = memory.iter().zip(&expected).position(|(a, b)| a != b);
     assert_eq!(

@@ -2,6 +2,7 @@
 //! errors naming the problem, discards read as zero after revalidation, the guest sees what
 //! device handles wrote after a remap, and device threads survive slot changes under stress.
 
+use guestmem_sys::to_usize;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -30,7 +31,7 @@ fn region(vm: &Vm, name: &str, size: u64, backend: Backend) -> Arc<Region> {
 fn region_word(region: &Region, offset: u64) -> u64 {
     assert!(offset + 8 <= region.size());
     // SAFETY: the region is alive (borrowed) and offset + 8 lies inside its mapping.
-    unsafe { std::ptr::read_volatile(region.host_addr().add(offset as usize) as *const u64) }
+    unsafe { std::ptr::read_volatile(region.host_addr().add(to_usize(offset)) as *const u64) }
 }
 
 #[test]
@@ -269,7 +270,7 @@ fn guest_sees_handle_writes_after_a_remap() {
         .find(|s| s.gpa == layout::RAM_GPA)
         .unwrap();
     let h = slots.map(layout::RAM_GPA, SIZE).unwrap();
-    h.write(0, &vec![0x11; SIZE as usize]).unwrap();
+    h.write(0, &vec![0x11; to_usize(SIZE)]).unwrap();
 
     let other = region(&vm, "other", SIZE, Backend::Memfd);
     slots.remove(ram.id).unwrap();

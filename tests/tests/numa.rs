@@ -8,6 +8,7 @@ use guestmem_memory::{
     node_pages, nodes_with_memory, populate, Backend, Error, GuestMemory, NumaMode, NumaPolicy,
     RegionSpec, Source,
 };
+use guestmem_sys::to_usize;
 use kvm_ioctls::Kvm;
 
 const SIZE: u64 = 4 << 20;
@@ -81,7 +82,7 @@ fn a_missing_node_is_refused() {
 fn populated_pages_sit_on_the_bound_node() {
     let vm = Kvm::new().unwrap().create_vm().unwrap();
     let node = *nodes_with_memory().last().unwrap();
-    let image = vec![0x5au8; SIZE as usize];
+    let image = vec![0x5au8; to_usize(SIZE)];
     for backend in [Backend::Anon, Backend::Memfd, Backend::GuestMemfd] {
         let mem = GuestMemory::new(&[spec(backend, &format!("bind:{node}"))], Some(&vm)).unwrap();
         let region = &mem.regions()[0];
@@ -128,7 +129,7 @@ fn gmem_placement_follows_bind_interleave_and_preferred() {
     }
     let nodes = nodes_with_memory();
     let (first, last) = (nodes[0], nodes[nodes.len() - 1]);
-    let image = vec![0xa5u8; GMEM_SIZE as usize];
+    let image = vec![0xa5u8; to_usize(GMEM_SIZE)];
     let place = |policy: &str| {
         let mem = GuestMemory::new(&[placed_spec(policy)], Some(&vm))
             .unwrap_or_else(|e| panic!("{policy}: {e}"));

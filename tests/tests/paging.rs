@@ -4,6 +4,7 @@
 
 mod common;
 
+use guestmem_sys::to_usize;
 use std::fs::File;
 use std::io::{self, Write};
 use std::os::fd::FromRawFd;
@@ -22,7 +23,7 @@ const STALL: Duration = Duration::from_secs(20);
 
 /// Source bytes: pseudo-random, so a misplaced or missing page changes the digest.
 fn pattern(size: u64) -> Vec<u8> {
-    common::pattern(size as usize, 0x5eed)
+    common::pattern(to_usize(size), 0x5eed)
 }
 
 /// A file (a memfd, so nothing is left behind) holding `bytes`.
@@ -68,8 +69,8 @@ fn guest_reads_source(backend: Backend, vcpus: usize, uffds: usize) {
     let work = VcpuWork::split(Workload::Verify, layout::RAM_GPA, SIZE, vcpus, 0);
     let report = vm.run(&work, STALL).unwrap();
     for (w, r) in work.iter().zip(&report.vcpus) {
-        let off = (w.gpa - layout::RAM_GPA) as usize;
-        let expected = digest_bytes(DIGEST_SEED, &bytes[off..off + w.size as usize]);
+        let off = to_usize(w.gpa - layout::RAM_GPA);
+        let expected = digest_bytes(DIGEST_SEED, &bytes[off..off + to_usize(w.size)]);
         assert_eq!(
             r.digest, expected,
             "{backend}, {vcpus} vCPUs, {uffds} uffds: vCPU {} read other bytes than the source's",
@@ -323,10 +324,10 @@ fn remote_source_with_latency_serves_the_guest() {
     let work = VcpuWork::split(Workload::Verify, layout::RAM_GPA, SIZE, 2, 0);
     let report = vm.run(&work, STALL).unwrap();
     for (w, r) in work.iter().zip(&report.vcpus) {
-        let off = (w.gpa - layout::RAM_GPA) as usize;
+        let off = to_usize(w.gpa - layout::RAM_GPA);
         assert_eq!(
             r.digest,
-            digest_bytes(DIGEST_SEED, &bytes[off..off + w.size as usize])
+            digest_bytes(DIGEST_SEED, &bytes[off..off + to_usize(w.size)])
         );
     }
     assert!(pager.wait_resident(Duration::from_secs(30)).unwrap());
@@ -352,8 +353,8 @@ fn discarded_pages_read_as_zero_and_are_not_fetched() {
         // SAFETY: the range lies inside the region's mapping; its contents are given up.
         let r = unsafe {
             libc::madvise(
-                host.add(off as usize).cast(),
-                len as usize,
+                host.add(to_usize(off)).cast(),
+                to_usize(len),
                 libc::MADV_DONTNEED,
             )
         };
@@ -367,8 +368,8 @@ fn discarded_pages_read_as_zero_and_are_not_fetched() {
     discard(8 * chunk - PAGE_SIZE, 3 * PAGE_SIZE);
     let report = vm.run(&work, STALL).unwrap();
     let mut expected = bytes.clone();
-    expected[(4 * chunk) as usize..(5 * chunk) as usize].fill(0);
-    expected[(8 * chunk - PAGE_SIZE) as usize..(8 * chunk + 2 * PAGE_SIZE) as usize].fill(0);
+    expected[to_usize(4 * chunk)..to_usize(5 * chunk)].fill(0);
+    expected[to_usize(8 * chunk - PAGE_SIZE)..to_usize(8 * chunk + 2 * PAGE_SIZE)].fill(0);
     assert_eq!(report.vcpus[0].digest, digest_bytes(DIGEST_SEED, &expected));
     let stats = pager.stats();
     assert_eq!(stats.discarded_chunks, 1, "{stats:?}");

@@ -4,6 +4,7 @@
 
 mod common;
 
+use guestmem_sys::to_usize;
 use std::io::Write;
 use std::os::fd::AsFd;
 use std::time::Duration;
@@ -44,9 +45,9 @@ fn every_method_lands_the_exact_bytes_on_every_backend() {
     let vm = vm_fd();
     for backend in Backend::ALL {
         let _host = host_for(backend);
-        let page = backend.page_size() as usize;
+        let page = to_usize(backend.page_size());
         // Half the region, starting one page in, so both edges stay untouched.
-        let (offset, len) = (page as u64, SIZE as usize / 2);
+        let (offset, len) = (page as u64, to_usize(SIZE) / 2);
         let image = image_with_zero_runs(len, page);
         for &method in Method::candidates(backend) {
             let mem = memory(backend, &vm);
@@ -102,7 +103,7 @@ fn every_method_lands_the_exact_bytes_on_every_backend() {
 fn gmem_reports_the_method_it_used() {
     let vm = vm_fd();
     let mem = memory(Backend::GuestMemfd, &vm);
-    let image = image_with_zero_runs(SIZE as usize, 4096);
+    let image = image_with_zero_runs(to_usize(SIZE), 4096);
     let done = populate(&mem.regions()[0], 0, SIZE, Source::Bytes(&image)).unwrap();
     let flags = vm.check_extension_raw(guestmem_sys::uapi::KVM_CAP_GUEST_MEMFD_FLAGS.into());
     let write = guestmem_sys::probe::guest_memfd_write(&vm, flags as u64).unwrap();
@@ -114,7 +115,7 @@ fn gmem_reports_the_method_it_used() {
         let why = done.fallback_reason.expect("a reason for the fallback");
         assert!(why.contains("write() unavailable"), "{why}");
     }
-    assert_eq!(read_back(&mem, 0, SIZE as usize), image);
+    assert_eq!(read_back(&mem, 0, to_usize(SIZE)), image);
 }
 
 #[test]
@@ -122,7 +123,7 @@ fn gmem_reports_the_method_it_used() {
 fn the_guest_reads_the_populated_bytes() {
     for backend in [Backend::GuestMemfd, Backend::Anon, Backend::Memfd] {
         let mut vm = Vm::new(&VmConfig::simple(1, SIZE, backend)).unwrap();
-        let image = image_with_zero_runs(SIZE as usize, 4096);
+        let image = image_with_zero_runs(to_usize(SIZE), 4096);
         let region = vm.memory().region("ram").unwrap();
         populate(region, 0, SIZE, Source::Bytes(&image)).unwrap();
         let work = VcpuWork::split(Workload::Verify, layout::RAM_GPA, SIZE, 1, 1);
@@ -142,9 +143,9 @@ fn zero_pages_stay_unallocated_and_read_zero() {
     for backend in [Backend::Anon, Backend::Memfd, Backend::GuestMemfd] {
         let mem = memory(backend, &vm);
         let region = &mem.regions()[0];
-        let image = image_with_zero_runs(SIZE as usize, 4096);
+        let image = image_with_zero_runs(to_usize(SIZE), 4096);
         populate(region, 0, SIZE, Source::Bytes(&image)).unwrap();
-        let res = resident(region.host_addr(), SIZE as usize);
+        let res = resident(region.host_addr(), to_usize(SIZE));
         for (i, page) in image.chunks(4096).enumerate() {
             let zero = page.iter().all(|&b| b == 0);
             assert_eq!(
@@ -153,15 +154,19 @@ fn zero_pages_stay_unallocated_and_read_zero() {
                 res[i]
             );
         }
-        assert_eq!(read_back(&mem, 0, SIZE as usize), image, "{backend}");
+        assert_eq!(read_back(&mem, 0, to_usize(SIZE)), image, "{backend}");
 
         // A reused range: zero pages of a second image still read zero.
-        let other = image_with_zero_runs(SIZE as usize, 4096)
+        let other = image_with_zero_runs(to_usize(SIZE), 4096)
             .iter()
             .map(|b| !b)
             .collect::<Vec<u8>>();
         populate(region, 0, SIZE, Source::Bytes(&other)).unwrap();
-        assert_eq!(read_back(&mem, 0, SIZE as usize), other, "{backend} reused");
+        assert_eq!(
+            read_back(&mem, 0, to_usize(SIZE)),
+            other,
+            "{backend} reused"
+        );
     }
 }
 
@@ -169,7 +174,7 @@ fn zero_pages_stay_unallocated_and_read_zero() {
 #[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
 fn populates_from_a_file_at_an_offset_and_from_a_pipe() {
     let vm = vm_fd();
-    let image = image_with_zero_runs(SIZE as usize, 4096);
+    let image = image_with_zero_runs(to_usize(SIZE), 4096);
     let mut file = tempfile();
     file.write_all(&[7u8; 4096]).unwrap();
     file.write_all(&image).unwrap();
@@ -179,7 +184,7 @@ fn populates_from_a_file_at_an_offset_and_from_a_pipe() {
         offset: 4096,
     };
     populate(&mem.regions()[0], 0, SIZE, src).unwrap();
-    assert_eq!(read_back(&mem, 0, SIZE as usize), image);
+    assert_eq!(read_back(&mem, 0, to_usize(SIZE)), image);
 
     let (rx, mut tx) = std::io::pipe().unwrap();
     let part = image[..1 << 20].to_vec();
@@ -216,7 +221,7 @@ fn tempfile() -> std::fs::File {
 #[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
 fn each_bad_input_is_refused_with_nothing_written() {
     let vm = vm_fd();
-    let image = vec![0xabu8; 2 * SIZE as usize];
+    let image = vec![0xabu8; 2 * to_usize(SIZE)];
     let mut short_file = tempfile();
     short_file.write_all(&image[..8192]).unwrap();
     let (rx, tx) = std::io::pipe().unwrap();
@@ -334,7 +339,7 @@ fn each_bad_input_is_refused_with_nothing_written() {
             "{what}: {msg}"
         );
         assert!(
-            resident(region.host_addr(), SIZE as usize)
+            resident(region.host_addr(), to_usize(SIZE))
                 .iter()
                 .all(|&r| !r),
             "{what}: pages were written"

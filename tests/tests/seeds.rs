@@ -5,6 +5,7 @@
 
 mod common;
 
+use guestmem_sys::to_usize;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -129,7 +130,7 @@ fn gmem_lazy_restore_stops_on_a_corrupt_chunk() {
 #[ignore = "needs the seeds kernel (scripts/build-seeds-kernel.sh): run in the kernel lab with --ignored"]
 fn gmem_population_uses_write() {
     let mut vm = Vm::new(&VmConfig::simple(1, SIZE, Backend::GuestMemfd)).unwrap();
-    let image: Vec<u8> = (0..SIZE as usize)
+    let image: Vec<u8> = (0..to_usize(SIZE))
         .map(|i| {
             if (i / 4096).is_multiple_of(3) {
                 0
@@ -315,7 +316,7 @@ fn gmem_store_lazy_restore_through_kvm_userfault() {
     let pager = &lazy.userfault_pagers[0];
     assert!(pager.wait_resident(Duration::from_secs(60)).unwrap());
     let stats = pager.stats();
-    assert_eq!(stats.prefetch_chunks as usize, recorded, "{stats:?}");
+    assert_eq!(to_usize(stats.prefetch_chunks), recorded, "{stats:?}");
     assert_eq!(region_digests(lazy.vm.memory()), want);
     snap.check_memory(lazy.vm.memory()).unwrap();
     assert_pages_consistent(&lazy.vm, &work, &at_snapshot);
@@ -335,7 +336,7 @@ fn gmem_store_lazy_restore_refuses_a_damaged_chunk() {
         .expect("the guest wrote the first chunk of RAM");
     let key = c.object_key();
     let mut bytes = backend.get(&key).unwrap();
-    bytes[(c.offset() + c.stored / 2) as usize] ^= 1;
+    bytes[to_usize(c.offset() + c.stored / 2)] ^= 1;
     backend.put(&key, &bytes).unwrap();
     let named = |e: &str| {
         assert!(
@@ -378,7 +379,7 @@ fn gmem_host_read_of_an_unfetched_page_gets_the_snapshot_bytes() {
     let dir = TempDir::new("seeds-store-gmem-host-read");
     let (backend, at_snapshot, want, source_vm) = gmem_store_snapshot(&dir);
     // A page in the second half of RAM holding data at the snapshot.
-    let page = PAGE_SIZE as usize;
+    let page = to_usize(PAGE_SIZE);
     let mut expected = vec![0u8; page];
     let mut gpa = RAM_GPA + SIZE / 2;
     loop {

@@ -2,6 +2,7 @@
 
 mod common;
 
+use guestmem_sys::to_usize;
 use std::time::Duration;
 
 use common::{
@@ -15,7 +16,7 @@ const SIZE: u64 = 4 << 20;
 
 fn copy_memory(from: &Vm, to: &Vm) {
     for region in from.memory().regions() {
-        let mut buf = vec![0u8; region.size() as usize];
+        let mut buf = vec![0u8; to_usize(region.size())];
         from.memory().read(region.gpa(), &mut buf).unwrap();
         to.memory().write(region.gpa(), &buf).unwrap();
     }

@@ -6,6 +6,7 @@ mod common;
 #[path = "common/minio.rs"]
 mod minio;
 
+use guestmem_sys::to_usize;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -393,7 +394,7 @@ fn a_data_chunk(b: &dyn Backend, name: &str) -> (usize, chunk::Stored) {
 
 /// `object` with the chunk `c`'s `stored` bytes replaced by `with` (as long).
 fn replaced(object: &[u8], c: &chunk::Stored, with: &[u8]) -> Vec<u8> {
-    let at = c.offset() as usize;
+    let at = to_usize(c.offset());
     assert_eq!(with.len() as u64, c.stored);
     [&object[..at], with, &object[at + with.len()..]].concat()
 }
@@ -415,12 +416,12 @@ fn refusals(backend: Arc<dyn Backend>) {
     let mut z = zstd::bulk::Compressor::new(1).unwrap();
     let mut other = chunk::encode(
         &mut z,
-        &vec![0x5a; guestmem_store::chunk::CHUNK_BYTES as usize],
+        &vec![0x5a; to_usize(guestmem_store::chunk::CHUNK_BYTES)],
     );
-    let pad = c.stored as usize - other.len() - 8;
+    let pad = to_usize(c.stored) - other.len() - 8;
     other.extend_from_slice(&0x184D_2A50u32.to_le_bytes());
     other.extend_from_slice(&(pad as u32).to_le_bytes());
-    other.resize(c.stored as usize, 0);
+    other.resize(to_usize(c.stored), 0);
     b.put(&key, &replaced(&good, &c, &other)).unwrap();
     let snap = StoreSnapshot::open(backend.clone(), "vm", None).unwrap();
     let e = snap.restore_full().expect_err("refused").to_string();
@@ -441,7 +442,7 @@ fn refusals(backend: Arc<dyn Backend>) {
         snap.manifest.regions[1].spec.size,
         "vm ram".into(),
     );
-    let mut buf = vec![0u8; snap.manifest.chunk_bytes as usize];
+    let mut buf = vec![0u8; to_usize(snap.manifest.chunk_bytes)];
     let e = source
         .fetch(index as u64 * snap.manifest.chunk_bytes, &mut buf)
         .unwrap_err()
@@ -450,7 +451,7 @@ fn refusals(backend: Arc<dyn Backend>) {
 
     // Same length, damaged bytes: the check catches it.
     let mut damaged = good.clone();
-    damaged[c.offset() as usize + c.stored as usize / 2] ^= 0x40;
+    damaged[to_usize(c.offset()) + to_usize(c.stored) / 2] ^= 0x40;
     b.put(&key, &damaged).unwrap();
     let full_restore_error = || {
         StoreSnapshot::open(backend.clone(), "vm", None)
@@ -466,7 +467,7 @@ fn refusals(backend: Arc<dyn Backend>) {
 
     // A truncated pack: the chunk's bytes are not all there (nor those of the pack's later
     // chunks; the error names the chunk whose read failed first).
-    b.put(&key, &good[..(c.offset() + c.stored / 2) as usize])
+    b.put(&key, &good[..to_usize(c.offset() + c.stored / 2)])
         .unwrap();
     let e = full_restore_error().to_string();
     assert!(
@@ -721,7 +722,7 @@ fn minio_lazy_restore_stops_on_a_damaged_chunk() {
         .expect("the guest wrote the first chunk of RAM");
     let (hash, key) = (c.hash, c.object_key());
     let mut bytes = backend.get(&key).unwrap();
-    bytes[(c.offset() + c.stored / 2) as usize] ^= 1;
+    bytes[to_usize(c.offset() + c.stored / 2)] ^= 1;
     backend.put(&key, &bytes).unwrap();
     let snap = StoreSnapshot::open(backend.clone(), "vm", None).unwrap();
     let quiet = PagerConfig {

@@ -7,6 +7,7 @@
 
 mod common;
 
+use guestmem_sys::to_usize;
 use std::sync::Arc;
 
 use common::{assert_pages_consistent, dirty_work, wait_for_generation, TempDir};
@@ -80,13 +81,13 @@ impl TargetMachine for TargetVm {
             op: "restore",
             source: why.to_string().into(),
         };
-        let len = u64::from_le_bytes(
+        let len = to_usize(u64::from_le_bytes(
             state
                 .get(..8)
                 .ok_or_else(|| bad("no length"))?
                 .try_into()
                 .expect("8 bytes"),
-        ) as usize;
+        ));
         let payload = state.get(8..8 + len).ok_or_else(|| bad("short payload"))?;
         TargetMachine::restore(&mut self.vm, payload)?;
         self.part = Some(state[8 + len..].to_vec());

@@ -1,6 +1,7 @@
 //! Dirty-page tracking on the real /dev/kvm: every page the guest or the VMM writes is reported,
 //! in every mode, with 1 and 2 vCPUs, and a tiny dirty ring still yields the complete set.
 
+use guestmem_sys::to_usize;
 use std::collections::HashSet;
 use std::time::Duration;
 
@@ -30,13 +31,13 @@ fn vm(mode: Mode, vcpus: usize, ring_entries: u32) -> Vm {
 /// Clears each chunk, then "consumes" it: records its dirty pages in `reported`.
 fn consume(tracker: &mut Tracker, dirty: Vec<DirtyBitmap>, reported: &mut HashSet<u64>) {
     for b in dirty {
-        for first in (0..b.pages).step_by(CHUNK_PAGES as usize) {
+        for first in (0..b.pages).step_by(to_usize(CHUNK_PAGES)) {
             tracker
                 .clear(&b, first, CHUNK_PAGES.min(b.pages - first))
                 .unwrap();
         }
         for (gpa, len) in b.ranges() {
-            reported.extend((gpa..gpa + len).step_by(PAGE_SIZE as usize));
+            reported.extend((gpa..gpa + len).step_by(to_usize(PAGE_SIZE)));
         }
     }
 }
@@ -110,7 +111,7 @@ fn no_page_missed(mode: Mode, vcpus: usize, ring_entries: u32, period: Duration)
             );
         }
         guest_pages += last.len() as u64;
-        for log_page in (log_gpa..log_gpa + writes * 8).step_by(PAGE_SIZE as usize) {
+        for log_page in (log_gpa..log_gpa + writes * 8).step_by(to_usize(PAGE_SIZE)) {
             assert!(
                 reported.contains(&log_page),
                 "{mode}: log page {log_page:#x} never reported"
@@ -336,7 +337,7 @@ fn tracker_restarts_on_the_same_vm() {
             vm.run(&work, Duration::from_secs(10)).unwrap();
             let dirty = tracker.harvest().unwrap();
             consume(&mut tracker, dirty, &mut reported);
-            for page in (gpa..gpa + (1 << 20)).step_by(PAGE_SIZE as usize) {
+            for page in (gpa..gpa + (1 << 20)).step_by(to_usize(PAGE_SIZE)) {
                 assert!(
                     reported.contains(&page),
                     "{mode}, round {round}: {page:#x} missed"

@@ -2,6 +2,7 @@
 
 mod common;
 
+use guestmem_sys::to_usize;
 use std::time::Duration;
 
 use common::{pattern, HugePages};
@@ -17,13 +18,13 @@ const MIB: u64 = 1 << 20;
 fn guest_reads_host_bytes(backend: Backend, vcpus: usize, size: u64) {
     let _pool = HugePages::for_backend(backend, size);
     let mut vm = Vm::new(&VmConfig::simple(vcpus, size, backend)).unwrap();
-    let data = pattern(size as usize, 42);
+    let data = pattern(to_usize(size), 42);
     vm.memory().write(layout::RAM_GPA, &data).unwrap();
     let work = VcpuWork::split(Workload::Verify, layout::RAM_GPA, size, vcpus, 0);
     let report = vm.run(&work, STALL).unwrap();
     for (w, v) in work.iter().zip(&report.vcpus) {
-        let off = (w.gpa - layout::RAM_GPA) as usize;
-        let expected = digest_bytes(DIGEST_SEED, &data[off..off + w.size as usize]);
+        let off = to_usize(w.gpa - layout::RAM_GPA);
+        let expected = digest_bytes(DIGEST_SEED, &data[off..off + to_usize(w.size)]);
         assert_eq!(v.digest, expected, "{backend}: vCPU {} digest", v.vcpu);
         assert_eq!(v.pages, w.pages(), "{backend}: vCPU {} pages read", v.vcpu);
     }
@@ -39,7 +40,7 @@ fn host_reads_guest_bytes(backend: Backend, vcpus: usize, size: u64) {
     for (w, v) in work.iter().zip(&report.vcpus) {
         assert_eq!(v.pages, w.pages());
         assert_eq!(v.generation, 1);
-        let mut page = vec![0u8; PAGE_SIZE as usize];
+        let mut page = vec![0u8; to_usize(PAGE_SIZE)];
         for p in 0..w.pages() {
             let gpa = w.gpa + p * PAGE_SIZE;
             vm.memory().read(gpa, &mut page).unwrap();

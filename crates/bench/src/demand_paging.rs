@@ -6,6 +6,7 @@
 //! `--pager-cpus` the vCPU threads of every run and the pager's (and the peer's) threads are
 //! pinned to separate host CPUs, as a VMM places them.
 
+use guestmem_sys::to_usize;
 use std::fs::File;
 use std::io::Write;
 use std::os::unix::fs::FileExt;
@@ -430,7 +431,7 @@ fn populate(vm: &Vm, file: &File, size: u64) -> crate::Result<()> {
     let mut buf = vec![0u8; 1 << 20];
     let mut off = 0;
     while off < size {
-        let n = buf.len().min((size - off) as usize);
+        let n = buf.len().min(to_usize(size - off));
         file.read_exact_at(&mut buf[..n], off)?;
         vm.memory().write(layout::RAM_GPA + off, &buf[..n])?;
         off += n as u64;
@@ -461,7 +462,7 @@ fn source_file(size: u64, progress: bool) -> crate::Result<File> {
     let mut block = vec![0u8; 1 << 20];
     let mut off = 0u64;
     while off < size {
-        let n = block.len().min((size - off) as usize);
+        let n = block.len().min(to_usize(size - off));
         for (i, word) in block[..n].chunks_exact_mut(8).enumerate() {
             let at = off + i as u64 * 8;
             word.copy_from_slice(

@@ -10,6 +10,7 @@
 //! median, min and max (`*_figure`) beside its plain field, which is the median (the iterations'
 //! lists hold every iteration of every run). The idle harvest is the median of 21.
 
+use guestmem_sys::to_usize;
 use std::collections::VecDeque;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
@@ -270,7 +271,7 @@ fn measure_run(
     let mut tracker = mode.map(|m| Tracker::start(vm, m)).transpose()?;
     let enable_ms = ms(t);
     let memory = vm.memory().clone();
-    let mut buf = vec![0u8; (CHUNK_PAGES * PAGE_SIZE) as usize];
+    let mut buf = vec![0u8; to_usize(CHUNK_PAGES * PAGE_SIZE)];
     if let Some(tracker) = tracker.as_mut() {
         // Manual mode starts with every page dirty: the first full pass of a pre-copy.
         let all = tracker.harvest()?;
@@ -367,7 +368,7 @@ fn iterations(
             get_ms.push((get + h.elapsed()).as_secs_f64() * 1e3);
             let t = Instant::now();
             for b in &dirty {
-                for first in (0..b.pages).step_by(CHUNK_PAGES as usize) {
+                for first in (0..b.pages).step_by(to_usize(CHUNK_PAGES)) {
                     tracker.clear(b, first, CHUNK_PAGES.min(b.pages - first))?;
                 }
             }
@@ -392,7 +393,7 @@ fn all_of(memory: &GuestMemory) -> VecDeque<(Rc<DirtyBitmap>, u64)> {
         });
         queue.extend(
             (0..pages)
-                .step_by(CHUNK_PAGES as usize)
+                .step_by(to_usize(CHUNK_PAGES))
                 .map(|f| (all.clone(), f)),
         );
     }
@@ -415,7 +416,7 @@ fn harvest_and_send(
         let b = Rc::new(b);
         queue.extend(
             (0..b.pages)
-                .step_by(CHUNK_PAGES as usize)
+                .step_by(to_usize(CHUNK_PAGES))
                 .map(|f| (b.clone(), f)),
         );
     }
@@ -439,7 +440,7 @@ fn consume(
     buf: &mut [u8],
 ) -> crate::Result<()> {
     for b in &dirty {
-        for first in (0..b.pages).step_by(CHUNK_PAGES as usize) {
+        for first in (0..b.pages).step_by(to_usize(CHUNK_PAGES)) {
             let pages = CHUNK_PAGES.min(b.pages - first);
             tracker.clear(b, first, pages)?;
             send_chunk(memory, b, first, pages, buf)?;
@@ -465,7 +466,7 @@ fn send_chunk(
             break;
         }
         let (from, to) = (gpa.max(chunk_gpa), (gpa + len).min(chunk_end));
-        memory.read(from, &mut buf[..(to - from) as usize])?;
+        memory.read(from, &mut buf[..to_usize(to - from)])?;
         sent += (to - from) / PAGE_SIZE;
     }
     Ok(sent)
@@ -503,7 +504,7 @@ fn idle_harvest(mode: Mode, args: &Args) -> crate::Result<SparseResult> {
     let mut tracker = Tracker::start(&vm, mode)?;
     // Clear (without copying) what manual mode's first harvest reports: all of memory.
     for b in tracker.harvest()? {
-        for first in (0..b.pages).step_by(CHUNK_PAGES as usize) {
+        for first in (0..b.pages).step_by(to_usize(CHUNK_PAGES)) {
             tracker.clear(&b, first, CHUNK_PAGES.min(b.pages - first))?;
         }
     }

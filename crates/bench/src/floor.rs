@@ -28,6 +28,7 @@
 //! in a migration's first round). Each figure is the median of `--runs` (each with a new fresh
 //! mapping). `bench migrate --image` measures this too and divides its ends' CPU by it.
 
+use guestmem_sys::to_usize;
 use std::path::{Path, PathBuf};
 
 use guestmem_migration::compress::ZSTD_LEVEL;
@@ -378,7 +379,9 @@ impl Registered {
     /// [`spread`] by `UFFDIO_COPY`: runs of whole pages straight from `frame`, a page with zero
     /// lines through `page`.
     fn spread(&self, frame: &[u8], page: &mut [u8]) -> crate::Result<()> {
-        let gpa = u64::from_le_bytes(frame[HEADER..HEADER + 8].try_into().expect("8")) as usize;
+        let gpa = to_usize(u64::from_le_bytes(
+            frame[HEADER..HEADER + 8].try_into().expect("8"),
+        ));
         let count =
             u32::from_le_bytes(frame[HEADER + 8..HEADER + 12].try_into().expect("4")) as usize;
         let masks: Vec<u64> = frame[HEADER + PAGES_HEADER..HEADER + PAGES_HEADER + 8 * count]
@@ -442,7 +445,9 @@ fn copy_only(frames: &[Vec<u8>], size: usize) -> crate::Result<(f64, f64)> {
 /// Copies a (plain) Pages frame's lines to their pages in `memory`: whole pages with one copy,
 /// the others line by line (their zero lines left as the fresh mapping has them).
 fn spread(frame: &[u8], memory: &mut [u8]) {
-    let gpa = u64::from_le_bytes(frame[HEADER..HEADER + 8].try_into().expect("8")) as usize;
+    let gpa = to_usize(u64::from_le_bytes(
+        frame[HEADER..HEADER + 8].try_into().expect("8"),
+    ));
     let count = u32::from_le_bytes(frame[HEADER + 8..HEADER + 12].try_into().expect("4")) as usize;
     let masks = &frame[HEADER + PAGES_HEADER..HEADER + PAGES_HEADER + 8 * count];
     let mut at = HEADER + PAGES_HEADER + 8 * count;

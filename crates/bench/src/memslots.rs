@@ -21,6 +21,7 @@
 //! `best_s_per_iteration` is the fastest single iteration of them all. Slot setup and each device
 //! access are timed `--runs` times too: their figures carry every run, their plain fields the best.
 
+use guestmem_sys::to_usize;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -330,7 +331,7 @@ fn rw_pass(vm: &mut Vm, slots: &MemslotManager, pass: u64) -> crate::Result<()> 
     let r = vm.run(&work, STALL)?;
     let generation = r.vcpus[0].generation;
     let mut word = [0u8; 8];
-    for gpa in (MEM_GPA..MEM_GPA + MEM_SIZE).step_by(PAGE_SIZE as usize) {
+    for gpa in (MEM_GPA..MEM_GPA + MEM_SIZE).step_by(to_usize(PAGE_SIZE)) {
         slots.read(gpa, &mut word)?;
         let want = page_value(pass, gpa, generation - 1);
         if u64::from_le_bytes(word) != want {
@@ -412,7 +413,7 @@ fn raw_set(
         guest_phys_addr: MEM_GPA + offset,
         memory_size: size,
         // SAFETY: offset < the region's size, so the address is inside its mapping.
-        userspace_addr: unsafe { region.host_addr().add(offset as usize) } as u64,
+        userspace_addr: unsafe { region.host_addr().add(to_usize(offset)) } as u64,
         ..Default::default()
     };
     // SAFETY: `mr` describes memory of `region`, which outlives the VM's use of the slot (the

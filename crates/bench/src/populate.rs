@@ -4,6 +4,7 @@
 //! Each method gets a fresh region; every result is checked byte for byte against the image outside
 //! the timed part.
 
+use guestmem_sys::to_usize;
 use std::time::Instant;
 
 use guestmem_memory::{populate_with, Backend, GuestMemory, Method, Populated, RegionSpec, Source};
@@ -227,8 +228,8 @@ fn print_text(args: &Args, out: &Output) {
 /// `size` bytes where every 8-byte word is non-zero, except runs of `run` bytes chosen (by a
 /// fixed hash) to make up `zero_percent` of the image.
 fn make_image(size: u64, zero_percent: u8, run: u64) -> Vec<u8> {
-    let mut image = vec![0u8; size as usize];
-    for (i, chunk) in image.chunks_mut(run as usize).enumerate() {
+    let mut image = vec![0u8; to_usize(size)];
+    for (i, chunk) in image.chunks_mut(to_usize(run)).enumerate() {
         let h = (i as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
         if (h >> 32) % 100 < u64::from(zero_percent) {
             continue;

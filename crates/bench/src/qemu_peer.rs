@@ -31,6 +31,7 @@
 //! rate, from one vCPU. Booting costs 5-20 s here before the guest runs (SeaBIOS at CPL0 on
 //! kvm_pvm), plus the fill (first touch of every page).
 
+use guestmem_sys::to_usize;
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -696,7 +697,7 @@ impl QemuImage {
                 if want >= offset + n as u64 {
                     break;
                 }
-                let from = (want.saturating_sub(offset) as usize) & !7;
+                let from = to_usize(want.saturating_sub(offset)) & !7;
                 let Some(k) = chunk[from..]
                     .chunks_exact(8)
                     .position(|w| w.iter().any(|&b| b != 0))

@@ -1,6 +1,7 @@
 //! `guestmem numa`: creates a region under a NUMA policy, populates it, and prints where its
 //! pages are, per host node, in the before/after table shape of guest_memfd NUMA mempolicy.
 
+use guestmem_sys::to_usize;
 use std::collections::BTreeMap;
 
 use guestmem_memory::{
@@ -58,7 +59,7 @@ pub fn main(args: Args) -> crate::Result<()> {
     let mem = GuestMemory::new(&[spec], kvm_vm.as_ref().map(|(_, vm)| vm))?;
     let region = &mem.regions()[0];
     // Non-zero bytes, so that every page is allocated; 2 MiB at a time.
-    let chunk = vec![0x5au8; (2 << 20).min(args.size) as usize];
+    let chunk = vec![0x5au8; to_usize((2 << 20).min(args.size))];
     for offset in (0..args.size).step_by(chunk.len()) {
         let len = (chunk.len() as u64).min(args.size - offset);
         populate(region, offset, len, Source::Bytes(&chunk))?;

@@ -1,5 +1,6 @@
 //! A VM's guest memory: its regions, checked against each other, and registered as memslots.
 
+use guestmem_sys::to_usize;
 use std::sync::{Arc, OnceLock};
 
 use kvm_ioctls::VmFd;
@@ -149,7 +150,7 @@ impl GuestMemory {
         let (_, src) = self.find(gpa, len)?;
         // SAFETY: `find` checked that `len` bytes at `src` lie inside a live mapping that lasts
         // as long as `self`; the caller guarantees nothing writes them meanwhile.
-        Ok(unsafe { std::slice::from_raw_parts(src, len as usize) })
+        Ok(unsafe { std::slice::from_raw_parts(src, to_usize(len)) })
     }
 
     /// The `len` bytes of guest memory at `gpa` as a slice to write into, the pages marked
@@ -164,7 +165,7 @@ impl GuestMemory {
         region.vmm_dirty().mark(gpa - region.gpa(), len);
         // SAFETY: `find` checked that `len` bytes at `dst` lie inside a live mapping that lasts
         // as long as `self`; the caller guarantees nothing else accesses them meanwhile.
-        Ok(unsafe { std::slice::from_raw_parts_mut(dst, len as usize) })
+        Ok(unsafe { std::slice::from_raw_parts_mut(dst, to_usize(len)) })
     }
 
     /// Reads one little-endian u64 at `gpa` (volatile: the guest may be writing it).

@@ -3,6 +3,7 @@
 //! zstd-compressed, put into a region by the population engine. Workloads then run on top of
 //! real memory contents instead of an empty guest.
 
+use guestmem_sys::to_usize;
 use std::fs::File;
 use std::io::{self, Read};
 use std::path::Path;
@@ -64,7 +65,7 @@ pub fn load_image(region: &Region, path: &Path) -> Result<ImageLoad> {
     // A compressed image's size is in its frame header when the compressor knew it (the zstd
     // command on a file); otherwise it is found while decompressing.
     let known = if compressed {
-        let mut head = vec![0u8; 18.min(meta.len() as usize)];
+        let mut head = vec![0u8; 18.min(to_usize(meta.len()))];
         read_at(&file, &mut head, 0).map_err(io("cannot read".into()))?;
         zstd::zstd_safe::get_frame_content_size(&head)
             .ok()

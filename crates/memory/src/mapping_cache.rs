@@ -33,6 +33,7 @@
 //! generation. A handle is used by one thread at a time (it is `Send`, not `Sync`); make one
 //! handle per device thread.
 
+use guestmem_sys::to_usize;
 use std::cell::RefCell;
 use std::sync::atomic::{compiler_fence, AtomicBool, Ordering};
 use std::sync::Arc;
@@ -196,7 +197,7 @@ impl CachedMapping {
                     }
                     // SAFETY: offset + len <= the range's length, and the range lies in the
                     // pinned mapping (checked by `refresh` at this generation).
-                    let out = op(unsafe { p.host.add(offset as usize) });
+                    let out = op(unsafe { p.host.add(to_usize(offset)) });
                     self.state.inflight.store(false, Ordering::Release);
                     return Ok(out);
                 }

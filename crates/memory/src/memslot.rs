@@ -12,6 +12,7 @@
 //! touches the same guest range again and again uses a [`CachedMapping`] from
 //! [`MemslotManager::map`] instead (see `mapping_cache` for the concurrency design).
 
+use guestmem_sys::to_usize;
 use std::collections::{BTreeMap, BTreeSet};
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -78,7 +79,7 @@ impl Memslot {
             // SAFETY: region_offset + len <= region_offset + size <= the region's size, checked
             // when the slot was made, so the address stays inside the region's mapping.
             (
-                unsafe { self.region.host_addr().add(region_offset as usize) },
+                unsafe { self.region.host_addr().add(to_usize(region_offset)) },
                 region_offset,
             )
         })
@@ -430,7 +431,7 @@ impl MemslotManager {
                     None => unsafe {
                         libc::madvise(
                             host.cast::<libc::c_void>(),
-                            len as usize,
+                            to_usize(len),
                             libc::MADV_DONTNEED,
                         )
                     },

@@ -10,6 +10,7 @@
 //!   the pages are allocated up front (`fallocate(KEEP_SIZE)`) by a thread that carries the policy
 //!   (`set_mempolicy`), and population threads carry it as well.
 
+use guestmem_sys::to_usize;
 use std::collections::BTreeMap;
 use std::io;
 use std::os::fd::AsRawFd;
@@ -204,7 +205,7 @@ pub(crate) fn apply(
         libc::syscall(
             libc::SYS_mbind,
             addr,
-            spec.size as usize,
+            to_usize(spec.size),
             policy.mode.mpol(),
             mask.as_ptr(),
             MASK_BITS + 1,
@@ -255,7 +256,7 @@ fn gmem_has_shared_policy(
     fd: &std::os::fd::OwnedFd,
     policy: &NumaPolicy,
 ) -> Result<bool> {
-    let len = crate::PAGE_SIZE as usize;
+    let len = to_usize(crate::PAGE_SIZE);
     // SAFETY: a fresh one-page shared mapping of the region's fd; it aliases the region's first
     // page, which nothing reads or writes through it.
     let second = unsafe {
@@ -346,12 +347,12 @@ impl Region {
 /// `move_pages` (no node list: query only). Pages never allocated are not counted.
 pub fn node_pages(region: &Region) -> Result<BTreeMap<u32, u64>> {
     const BATCH: usize = 16384;
-    let page = region.backend().page_size() as usize;
+    let page = to_usize(region.backend().page_size());
     let base = region.host_addr();
-    let count = region.size() as usize / page;
+    let count = to_usize(region.size()) / page;
     let os = |op, e| Error::os(region.spec(), op, e);
     let mut bytes = BTreeMap::new();
-    let mut incore = vec![0u8; BATCH * page / crate::PAGE_SIZE as usize];
+    let mut incore = vec![0u8; BATCH * page / to_usize(crate::PAGE_SIZE)];
     let mut status = vec![0 as libc::c_int; BATCH];
     for first in (0..count).step_by(BATCH) {
         let n = BATCH.min(count - first);
@@ -361,7 +362,7 @@ pub fn node_pages(region: &Region) -> Result<BTreeMap<u32, u64>> {
         if unsafe { libc::mincore(start.cast(), n * page, incore.as_mut_ptr()) } != 0 {
             return Err(os("mincore", io::Error::last_os_error()));
         }
-        let per = page / crate::PAGE_SIZE as usize;
+        let per = page / to_usize(crate::PAGE_SIZE);
         let addrs: Vec<*mut libc::c_void> = (0..n)
             .filter(|i| incore[i * per] & 1 != 0)
             // SAFETY: inside the batch.

@@ -7,6 +7,7 @@
 //! restore's speed depended on unrelated allocations made before it (measured:
 //! docs/benchmarks.md, restore).
 
+use guestmem_sys::to_usize;
 use std::alloc::{self, Layout};
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
@@ -77,7 +78,7 @@ impl PageBuf {
     }
 
     fn layout(len: usize) -> Layout {
-        Layout::from_size_align(len, PAGE_SIZE as usize).expect("a buffer length below isize::MAX")
+        Layout::from_size_align(len, to_usize(PAGE_SIZE)).expect("a buffer length below isize::MAX")
     }
 }
 
@@ -130,9 +131,11 @@ mod tests {
             if len > 0 {
                 let mut g = PageBuf::zeroed(1);
                 g.grow_to(len);
-                assert!(g.len() >= len && (g.as_ptr() as usize).is_multiple_of(PAGE_SIZE as usize));
                 assert!(
-                    (b.as_ptr() as usize).is_multiple_of(PAGE_SIZE as usize),
+                    g.len() >= len && (g.as_ptr() as usize).is_multiple_of(to_usize(PAGE_SIZE))
+                );
+                assert!(
+                    (b.as_ptr() as usize).is_multiple_of(to_usize(PAGE_SIZE)),
                     "len {len}"
                 );
                 b[len - 1] = 7;

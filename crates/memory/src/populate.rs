@@ -16,6 +16,7 @@
 //! The source is read completely and every argument is checked before the first byte is
 //! written: a bad input never leaves a half-written range.
 
+use guestmem_sys::to_usize;
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
@@ -152,7 +153,7 @@ pub fn populate_with(
     }
     let source = SourceBytes::load(region, len, source)?;
     let bytes = source.as_slice();
-    let page = region.backend().page_size() as usize;
+    let page = to_usize(region.backend().page_size());
     region.vmm_dirty().mark(offset, len);
 
     // Try guest_memfd write() on the first page to be copied (the threads write it again).
@@ -250,7 +251,7 @@ fn fill(
     hi: usize,
     method: Method,
 ) -> Result<(u64, u64)> {
-    let page = region.backend().page_size() as usize;
+    let page = to_usize(region.backend().page_size());
     let policy = &region.spec().numa;
     if region.backend() == Backend::GuestMemfd && policy.mode != NumaMode::Default {
         // guest_memfd pages follow the allocating thread's policy (see `numa`).
@@ -306,7 +307,7 @@ fn copy(region: &Region, dst: u64, src: &[u8]) {
     unsafe {
         std::ptr::copy_nonoverlapping(
             src.as_ptr(),
-            region.host_addr().add(dst as usize),
+            region.host_addr().add(to_usize(dst)),
             src.len(),
         );
     };
@@ -336,8 +337,8 @@ fn prefault(region: &Region, dst: u64, len: u64) -> Result<()> {
     // pages in, as the copy that follows would.
     let ret = unsafe {
         libc::madvise(
-            region.host_addr().add(dst as usize).cast(),
-            len as usize,
+            region.host_addr().add(to_usize(dst)).cast(),
+            to_usize(len),
             libc::MADV_POPULATE_WRITE,
         )
     };
@@ -371,8 +372,8 @@ fn discard(region: &Region, dst: u64, len: u64) -> Result<()> {
             // makes it read zero, which is what population wants there.
             unsafe {
                 libc::madvise(
-                    region.host_addr().add(dst as usize).cast(),
-                    len as usize,
+                    region.host_addr().add(to_usize(dst)).cast(),
+                    to_usize(len),
                     libc::MADV_DONTNEED,
                 )
             },
@@ -443,7 +444,7 @@ impl<'a> SourceBytes<'a> {
         };
         match source {
             Source::Bytes(b) if (b.len() as u64) < len => Err(short(b.len() as u64)),
-            Source::Bytes(b) => Ok(SourceBytes::Borrowed(&b[..len as usize])),
+            Source::Bytes(b) => Ok(SourceBytes::Borrowed(&b[..to_usize(len)])),
             Source::Fd { fd, offset } => {
                 let os = |op, e| Error::os(region.spec(), op, e);
                 // SAFETY: fstat fills a zeroed stat of an fd the caller keeps open.
@@ -458,7 +459,7 @@ impl<'a> SourceBytes<'a> {
                         return Err(short(have));
                     }
                     let skip = (offset % crate::PAGE_SIZE) as usize;
-                    let map_len = skip + len as usize;
+                    let map_len = skip + to_usize(len);
                     // SAFETY: a fresh read-only private mapping of a regular file the caller
                     // keeps open, at a page-aligned offset inside it.
                     let addr = unsafe {
@@ -478,7 +479,7 @@ impl<'a> SourceBytes<'a> {
                         addr,
                         map_len,
                         skip,
-                        len: len as usize,
+                        len: to_usize(len),
                     });
                 }
                 if offset != 0 {
@@ -489,7 +490,7 @@ impl<'a> SourceBytes<'a> {
                         ),
                     });
                 }
-                let mut buf = vec![0u8; len as usize];
+                let mut buf = vec![0u8; to_usize(len)];
                 let mut done = 0usize;
                 while done < buf.len() {
                     // SAFETY: `buf[done..]` is a live writable buffer of that many bytes.

@@ -1,5 +1,6 @@
 //! A guest memory region: a host mapping of one backend, placed at a guest physical address.
 
+use guestmem_sys::to_usize;
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -263,7 +264,7 @@ impl Region {
         let addr = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
-                spec.size as usize,
+                to_usize(spec.size),
                 libc::PROT_READ | libc::PROT_WRITE,
                 flags,
                 raw_fd,
@@ -276,7 +277,7 @@ impl Region {
         let host = NonNull::new(addr.cast::<u8>()).expect("mmap returned a non-null mapping");
         if let Err(e) = crate::numa::apply(&spec, host.as_ptr(), fd.as_ref()) {
             // SAFETY: the mapping made just above, which nothing else refers to yet.
-            unsafe { libc::munmap(addr, spec.size as usize) };
+            unsafe { libc::munmap(addr, to_usize(spec.size)) };
             return Err(e);
         }
         tracing::debug!(region = %spec.name, backend = %spec.backend, gpa = spec.gpa, size = spec.size, "region mapped");
@@ -340,7 +341,7 @@ impl Region {
         let ret = unsafe {
             libc::madvise(
                 self.host.as_ptr().cast(),
-                self.spec.size as usize,
+                to_usize(self.spec.size),
                 libc::MADV_HUGEPAGE,
             )
         };
@@ -359,7 +360,7 @@ impl Region {
         let off = gpa.checked_sub(self.spec.gpa)?;
         (off.checked_add(len)? <= self.spec.size).then(|| {
             // SAFETY: off + len <= size, so the result stays inside the mapping.
-            unsafe { self.host.as_ptr().add(off as usize) }
+            unsafe { self.host.as_ptr().add(to_usize(off)) }
         })
     }
 }
@@ -370,7 +371,7 @@ impl Drop for Region {
         unsafe {
             libc::munmap(
                 self.host.as_ptr().cast::<libc::c_void>(),
-                self.spec.size as usize,
+                to_usize(self.spec.size),
             )
         };
     }

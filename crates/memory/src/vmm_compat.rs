@@ -25,6 +25,7 @@
 //! any check, and guest_memfd memory is the memory whose host access KVM may take away
 //! (conversion to private); a vm-memory access there fails as an unmapped address instead.
 
+use guestmem_sys::to_usize;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -235,7 +236,7 @@ impl GuestMemoryRegion for VmRegion {
         // the slice borrows `self`. A `VolatileSlice` accesses memory only by volatile copies,
         // as guestmem's own accessors do, since the guest may change it at any time.
         Ok(unsafe {
-            VolatileSlice::with_bitmap(host, count, self.bitmap.slice_at(offset.0 as usize), None)
+            VolatileSlice::with_bitmap(host, count, self.bitmap.slice_at(to_usize(offset.0)), None)
         })
     }
 

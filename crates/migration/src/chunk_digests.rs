@@ -23,6 +23,7 @@
 //! [`refresh`]: ChunkDigests::refresh
 //! [`summary`]: ChunkDigests::summary
 
+use guestmem_sys::to_usize;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use guestmem_memory::{digest_bytes, GuestMemory, DIGEST_SEED, PAGE_SIZE};
@@ -204,7 +205,7 @@ impl ChunkDigests {
         let len = self.chunk.min(r.size - offset);
         match memory.digest(r.gpa + offset, len) {
             Ok(d) => {
-                r.digests[c as usize].store(d, Ordering::SeqCst);
+                r.digests[to_usize(c)].store(d, Ordering::SeqCst);
                 Ok(len)
             }
             Err(e) => {
@@ -242,7 +243,7 @@ impl ChunkDigests {
                 .iter()
                 .map(|r| {
                     let h = (0..r.count(self.chunk)).fold(DIGEST_SEED, |h, c| {
-                        let d = r.digests[c as usize].load(Ordering::SeqCst);
+                        let d = r.digests[to_usize(c)].load(Ordering::SeqCst);
                         digest_bytes(h, &d.to_le_bytes())
                     });
                     RegionDigest {

@@ -27,6 +27,7 @@
 //! reads and updates its partition, so a delta is never made against a version that another
 //! connection's frame, racing with it, carried.
 
+use guestmem_sys::to_usize;
 use std::sync::{Mutex, MutexGuard};
 
 use serde::Serialize;
@@ -231,7 +232,7 @@ impl Partition {
         // last pages sent fill distinct slots.
         let local =
             page / self.block_pages / self.connections * self.block_pages + page % self.block_pages;
-        (local % self.tags.len() as u64) as usize
+        to_usize(local % self.tags.len() as u64)
     }
 
     /// The last version sent of the page at `gpa`, if it is cached (counted as a hit or a
@@ -314,7 +315,7 @@ impl DeltaCache {
     /// whose pages go by blocks of `block` bytes, block `b` on connection `b % connections`.
     pub fn new(bytes: u64, connections: usize, block: u64) -> DeltaCache {
         let connections = connections.max(1);
-        let slots = (bytes / PAGE as u64 / connections as u64) as usize;
+        let slots = to_usize(bytes / PAGE as u64 / connections as u64);
         let parts = (0..connections)
             .map(|_| {
                 Mutex::new(Partition {

@@ -12,6 +12,7 @@
 //! `memcpy`. The registration ends ([`Landing::disarm`]) before the guest runs and before
 //! post-copy's pager registers the same memory.
 
+use guestmem_sys::to_usize;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -91,7 +92,7 @@ impl Landing {
             .map_err(|e| failed("userfaultfd / UFFDIO_API", e))?;
         let mut ranges = Vec::new();
         for r in &regions {
-            let (host, len) = (r.host_addr() as usize, r.size() as usize);
+            let (host, len) = (r.host_addr() as usize, to_usize(r.size()));
             uffd.register(host as *mut libc::c_void, len)
                 .map_err(|e| failed(&format!("UFFDIO_REGISTER of region '{}'", r.name()), e))?;
             ranges.push((host, len));
@@ -187,7 +188,7 @@ impl Landing {
     /// zero pages mapped where pages are missing, zeros written where present.
     pub(crate) fn zero(&self, memory: &GuestMemory, gpa: u64, len: u64) -> Result<()> {
         let (_, host) = memory.find(gpa, len).map_err(outside_memory)?;
-        let (host, len) = (host as usize, len as usize);
+        let (host, len) = (host as usize, to_usize(len));
         if !self.registered(host, len) {
             // SAFETY: `find` checked the range; only this reader writes its block.
             unsafe { std::ptr::write_bytes(host as *mut u8, 0, len) };

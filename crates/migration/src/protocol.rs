@@ -39,6 +39,7 @@
 //! state split: it had the vCPUs and the pages it fetched, the source holds every page not
 //! fetched yet and the VM state at switch-over (its paused VM).
 
+use guestmem_sys::to_usize;
 use std::time::Duration;
 
 use guestmem_vm::VmConfig;
@@ -108,7 +109,7 @@ pub(crate) const BLOCK: u64 = 2 << 20;
 /// The pages connection (of `connections`) that carries the block at `offset` of the region at
 /// `region_gpa`: blocks are counted from each region's start.
 pub(crate) fn block_connection(region_gpa: u64, offset: u64, connections: usize) -> usize {
-    ((region_gpa / BLOCK + offset / BLOCK) % connections as u64) as usize
+    to_usize((region_gpa / BLOCK + offset / BLOCK) % connections as u64)
 }
 
 /// Pages connections a migration opens unless told otherwise: on loopback one connection is

@@ -21,6 +21,7 @@
 //! instead of trusted. A half-filled image (a clone died mid-write) is safe: what was not
 //! published is fetched again.
 
+use guestmem_sys::to_usize;
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
@@ -165,7 +166,7 @@ impl SharedImage {
         }
         let header = header(id, region, size, meta.dev(), meta.ino());
         let bits_path = path.with_file_name(format!("{name}.bits"));
-        let bits_len = (HEADER + size.div_ceil(PAGE).div_ceil(64) * 8) as usize;
+        let bits_len = to_usize(HEADER + size.div_ceil(PAGE).div_ceil(64) * 8);
         let sidecar = open_sidecar(&bits_path, &header, bits_len as u64)
             .map_err(io_err("creating the sidecar", &bits_path))?;
         let mut found = vec![0u8; header.len()];
@@ -205,7 +206,7 @@ impl SharedImage {
             path,
             size,
             // SAFETY: the bitmap starts `HEADER` bytes (page aligned) into the mapping.
-            bits: unsafe { map.cast::<u8>().add(HEADER as usize) }.cast(),
+            bits: unsafe { map.cast::<u8>().add(to_usize(HEADER)) }.cast(),
             bits_len,
         })
     }
@@ -226,9 +227,9 @@ impl SharedImage {
     }
 
     fn word(&self, i: u64) -> &AtomicU64 {
-        debug_assert!((HEADER + i * 8 + 8) as usize <= self.bits_len);
+        debug_assert!(to_usize(HEADER + i * 8 + 8) <= self.bits_len);
         // SAFETY: word `i` lies inside the bitmap (the caller's range is inside the region).
-        unsafe { &*self.bits.add(i as usize) }
+        unsafe { &*self.bits.add(to_usize(i)) }
     }
 
     /// Calls `f` with each bitmap word and the mask of the pages of `[offset, offset + len)`
@@ -297,7 +298,7 @@ impl Drop for SharedImage {
         // SAFETY: the mapping made in `open`, `HEADER` bytes before `bits`, unmapped once.
         unsafe {
             libc::munmap(
-                self.bits.cast::<u8>().sub(HEADER as usize).cast(),
+                self.bits.cast::<u8>().sub(to_usize(HEADER)).cast(),
                 self.bits_len,
             )
         };
@@ -313,7 +314,7 @@ fn header(id: &str, region: &str, size: u64, dev: u64, ino: u64) -> Vec<u8> {
     let names = format!("{id}\0{region}\0");
     h.extend_from_slice(&(names.len() as u64).to_le_bytes());
     h.extend_from_slice(names.as_bytes());
-    h.truncate(HEADER as usize);
+    h.truncate(to_usize(HEADER));
     h
 }
 

@@ -1,5 +1,6 @@
 //! Where the pager gets a region's bytes from.
 
+use guestmem_sys::to_usize;
 use std::fs::File;
 use std::io::{self, Read, Write};
 use std::os::fd::AsRawFd;
@@ -36,7 +37,7 @@ pub trait PageSource: Send + Sync {
         let end = offset + len;
         let mut off = offset;
         while off < end {
-            let n = (end - off).min(buf.len() as u64) as usize;
+            let n = to_usize((end - off).min(buf.len() as u64));
             let piece = &mut buf[..n];
             if urgent {
                 self.fetch(off, piece)?;
@@ -133,7 +134,7 @@ impl FileSource {
             let addr = unsafe {
                 libc::mmap(
                     std::ptr::null_mut(),
-                    size as usize,
+                    to_usize(size),
                     libc::PROT_READ,
                     libc::MAP_SHARED,
                     file.as_raw_fd(),
@@ -153,7 +154,7 @@ impl Drop for FileSource {
     fn drop(&mut self) {
         if !self.map.is_null() {
             // SAFETY: the mapping made in `new`, of `size` bytes, unmapped once.
-            unsafe { libc::munmap(self.map as *mut libc::c_void, self.size as usize) };
+            unsafe { libc::munmap(self.map as *mut libc::c_void, to_usize(self.size)) };
         }
     }
 }
@@ -280,10 +281,10 @@ fn serve(mut stream: UnixStream, source: &dyn PageSource, delay: Duration, delay
             {
                 // SAFETY: `[offset, offset + len)` lies inside the source's mapping (checked),
                 // which lives as long as `source`.
-                Ok(unsafe { std::slice::from_raw_parts(map.add(offset as usize), len as usize) })
+                Ok(unsafe { std::slice::from_raw_parts(map.add(to_usize(offset)), to_usize(len)) })
             }
             _ => {
-                buf.resize(len as usize, 0);
+                buf.resize(to_usize(len), 0);
                 source.fetch(offset, &mut buf).map(|()| &buf[..])
             }
         };
@@ -337,7 +338,7 @@ impl PageSource for RemoteSource {
         let mut off = offset;
         let mut wanted = true;
         while off < end {
-            let n = (end - off).min(buf.len() as u64) as usize;
+            let n = to_usize((end - off).min(buf.len() as u64));
             let piece = &mut buf[..n];
             stream.read_exact(piece)?;
             // Once the sink has stopped, the rest is still read: the answer must be consumed
@@ -437,6 +438,6 @@ impl PageSource for WindowSource {
         // SAFETY: the window lies inside the inner source's mapping (checked in `new`).
         self.inner
             .mapped()
-            .map(|p| unsafe { p.add(self.offset as usize) })
+            .map(|p| unsafe { p.add(to_usize(self.offset)) })
     }
 }

@@ -22,6 +22,7 @@
 //! [`UserfaultPager::wait_resident`] (guestmem's does: digests, snapshots, working sets), and
 //! its payload's device state lives in the sys region, which a lazy restore copies at once.
 
+use guestmem_sys::to_usize;
 use std::io;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
@@ -397,7 +398,7 @@ impl Inner {
         chunk: u64,
         config: &PagerConfig,
     ) -> Inner {
-        let chunks = region.size().div_ceil(chunk) as usize;
+        let chunks = to_usize(region.size().div_ceil(chunk));
         Inner {
             install: AtomicU8::new(if region.backend() == Backend::GuestMemfd {
                 INSTALL_WRITE
@@ -432,7 +433,7 @@ impl Inner {
     /// Installs chunk `chunk` unless it is installed already: fetch, write the non-zero pages,
     /// then clear the chunk's bits, all under the chunk's lock. Returns whether it installed.
     fn install_chunk(&self, chunk: u64) -> Result<bool> {
-        let _guard = self.locks[chunk as usize].lock().expect("chunk lock");
+        let _guard = self.locks[to_usize(chunk)].lock().expect("chunk lock");
         let offset = chunk * self.chunk;
         let len = self.chunk.min(self.region.size() - offset);
         let first = offset / PAGE_SIZE;
@@ -440,10 +441,10 @@ impl Inner {
         if !self.bitmap.any_set(first, pages) {
             return Ok(false);
         }
-        let mut buf = vec![0u8; len as usize];
+        let mut buf = vec![0u8; to_usize(len)];
         self.fetch(offset, &mut buf)?;
         let mut at = 0usize;
-        let page = PAGE_SIZE as usize;
+        let page = to_usize(PAGE_SIZE);
         while at < buf.len() {
             // A run of non-zero pages goes in with one call; zero pages are left out (a
             // guest_memfd page never written reads zero).
@@ -519,7 +520,7 @@ impl Inner {
         unsafe {
             std::ptr::copy_nonoverlapping(
                 data.as_ptr(),
-                self.region.host_addr().add(offset as usize),
+                self.region.host_addr().add(to_usize(offset)),
                 data.len(),
             );
         };

@@ -4,6 +4,7 @@
 
 mod common;
 
+use guestmem_sys::to_usize;
 use std::sync::Arc;
 
 use common::pattern_file;
@@ -39,7 +40,7 @@ fn a_pager_pinned_to_cpu_0_serves_the_region_from_cpu_0() {
     for backend in [Backend::Anon, Backend::Memfd] {
         let file = pattern_file(SIZE);
         let source = Arc::new(FileSource::new(file).expect("map the file"));
-        let mut expected = vec![0u8; SIZE as usize];
+        let mut expected = vec![0u8; to_usize(SIZE)];
         source.fetch(0, &mut expected).expect("read the file");
         let memory = GuestMemory::new(&[RegionSpec::new("ram", 0, SIZE, backend)], None)
             .expect("create the region");

@@ -3,6 +3,7 @@
 
 mod common;
 
+use guestmem_sys::to_usize;
 use std::fs::File;
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,7 +16,7 @@ const SIZE: u64 = 32 << 20;
 
 fn remote(file: &File, connections: usize) -> (Arc<dyn PageSource>, Vec<u8>) {
     let local = Arc::new(FileSource::new(file.try_clone().expect("dup")).expect("map the file"));
-    let mut expected = vec![0u8; SIZE as usize];
+    let mut expected = vec![0u8; to_usize(SIZE)];
     local.fetch(0, &mut expected).expect("read the file");
     let remote =
         RemoteSource::spawn(local, Duration::from_micros(30), connections).expect("spawn the peer");
@@ -72,7 +73,7 @@ fn a_fetch_stopped_early_leaves_the_connection_in_step() {
     let mut pieces = Vec::new();
     source
         .fetch_pieces(4096, 1 << 20, &mut buf, true, &mut |off, piece| {
-            assert_eq!(piece, &expected[off as usize..off as usize + piece.len()]);
+            assert_eq!(piece, &expected[to_usize(off)..to_usize(off) + piece.len()]);
             pieces.push(off);
             false
         })

@@ -19,6 +19,7 @@
 //! The protocol, in every mode: `harvest`, then for each chunk of each [`DirtyBitmap`]: `clear`
 //! the chunk, then consume (read and send) its pages.
 
+use guestmem_sys::to_usize;
 use std::io;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
@@ -208,7 +209,7 @@ impl DirtyBitmap {
             slot,
             gpa,
             pages,
-            bits: vec![0; pages.div_ceil(64) as usize],
+            bits: vec![0; to_usize(pages.div_ceil(64))],
         }
     }
 
@@ -511,7 +512,7 @@ impl Tracker {
         if self.mode != Mode::Manual {
             return Ok(());
         }
-        let words = (first_page / 64) as usize..(first_page + pages).div_ceil(64) as usize;
+        let words = (first_page / 64) as usize..to_usize((first_page + pages).div_ceil(64));
         let mut bits = dirty.bits[words.clone()].to_vec();
         if !pages.is_multiple_of(64) && first_page + pages < dirty.pages {
             // KVM wants whole 64-page words except at the slot's end: clear the chunk's pages only.

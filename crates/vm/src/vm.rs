@@ -1,6 +1,7 @@
 //! The VM: guest memory (the sys region plus the caller's RAM regions), vCPUs, and runs of the
 //! payload with a watchdog.
 
+use guestmem_sys::to_usize;
 use std::os::unix::thread::JoinHandleExt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
@@ -456,7 +457,7 @@ impl Vm {
                 (WORKLOAD_RANDOM, 0, 0)
             }
         };
-        self.memory.write(ctl, &[0u8; PAGE_SIZE as usize])?;
+        self.memory.write(ctl, &[0u8; to_usize(PAGE_SIZE)])?;
         for (field, value) in [
             (CTL_WORKLOAD, code),
             (CTL_RANGE_GPA, w.gpa),

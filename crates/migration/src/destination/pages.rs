@@ -2,6 +2,7 @@
 //! reader thread of its own, up to its last EndOfRound, with the chunk digests kept as they
 //! land.
 
+use guestmem_sys::to_usize;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -80,10 +81,14 @@ pub(super) fn apply_pages(
         digests,
         corrupt,
         zstream,
-        zeros: PageBuf::zeroed(BLOCK as usize),
+        zeros: PageBuf::zeroed(to_usize(BLOCK)),
         // Where a landing is armed, the pages of a frame with zero lines are spread here
         // (whole) and landed from here; whole pages land straight from the frame.
-        scratch: PageBuf::zeroed(if landing.is_some() { BLOCK as usize } else { 0 }),
+        scratch: PageBuf::zeroed(if landing.is_some() {
+            to_usize(BLOCK)
+        } else {
+            0
+        }),
         buf: Vec::new(),
         stats: ReaderStats {
             pages: 0,

@@ -1,6 +1,7 @@
 //! Post-copy: the pagers armed on the stale chunks of each RAM region, and the destination's
 //! end of the post-copy link (lock-step fetches, heartbeats, re-establishment after a break).
 
+use guestmem_sys::to_usize;
 use std::io::{self, Write};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -68,7 +69,7 @@ pub(super) fn arm_postcopy(
             // One discard per run of stale chunks (each discard is a memslot change).
             let mut run: Option<u64> = None;
             let ends = (0..region.size())
-                .step_by(chunk as usize)
+                .step_by(to_usize(chunk))
                 .chain([region.size()]);
             for offset in ends {
                 let stale = offset < region.size() && is_stale(offset);
@@ -82,7 +83,7 @@ pub(super) fn arm_postcopy(
                 }
             }
         }
-        let chunks = region.size().div_ceil(chunk) as usize;
+        let chunks = to_usize(region.size().div_ceil(chunk));
         let config = PagerConfig {
             uffds: vm.vcpu_count().clamp(1, chunks),
             handlers: opts.handlers.max(1),
@@ -406,7 +407,7 @@ impl PostcopyLink {
             if slot.used.is_some_and(|t| t.elapsed() < self.heartbeat) {
                 continue;
             }
-            let mut page = vec![0u8; PAGE_SIZE as usize];
+            let mut page = vec![0u8; to_usize(PAGE_SIZE)];
             let answered = request(conn, &mut slot.frame, layout::SYS_GPA, &mut page);
             slot.used = Some(Instant::now());
             if let Err(e) = answered {
@@ -610,9 +611,9 @@ mod tests {
     /// bytes; a fresh answer (which would leave them) is refused, naming it.
     #[test]
     fn postcopy_answers_overwrite_the_buffer_and_fresh_ones_are_refused() {
-        let mut pages = vec![0u8; 2 * PAGE_SIZE as usize];
+        let mut pages = vec![0u8; 2 * to_usize(PAGE_SIZE)];
         pages[0] = 7;
-        pages[PAGE_SIZE as usize + 100] = 9;
+        pages[to_usize(PAGE_SIZE) + 100] = 9;
         let mut buf = vec![0xaau8; pages.len()];
         ask(
             Frame::Pages {

@@ -7,6 +7,7 @@ mod options;
 mod postcopy;
 mod writers;
 
+use guestmem_sys::to_usize;
 pub use options::*;
 use postcopy::PostcopyServers;
 use writers::{DeltaUse, Job, Joined, Writers};
@@ -573,7 +574,7 @@ impl<'o> Source<'o> {
             let mut first = 0;
             while first < b.pages {
                 let count = block_pages.min(b.pages - first);
-                let words = &b.bits[(first / 64) as usize..(first + count).div_ceil(64) as usize];
+                let words = &b.bits[(first / 64) as usize..to_usize((first + count).div_ceil(64))];
                 if words.iter().all(|&w| w == 0) {
                     first += count;
                     continue;
@@ -1027,7 +1028,7 @@ fn tracked_gpa(memory: &GuestMemory, gpa: u64) -> bool {
 /// One bit per [`POSTCOPY_CHUNK`] of the region at `gpa`: set where any page is dirty.
 fn stale_chunks(dirty: &[DirtyBitmap], gpa: u64, size: u64) -> Vec<u64> {
     let chunks = size.div_ceil(POSTCOPY_CHUNK);
-    let mut bits = vec![0u64; chunks.div_ceil(64) as usize];
+    let mut bits = vec![0u64; to_usize(chunks.div_ceil(64))];
     if let Some(b) = dirty.iter().find(|b| b.gpa == gpa) {
         for (start, len) in b.ranges() {
             let first = (start - gpa) / POSTCOPY_CHUNK;

@@ -1,5 +1,6 @@
 //! The writer threads: one per pages connection, each encoding and writing its jobs in order.
 
+use guestmem_sys::to_usize;
 use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
@@ -70,7 +71,7 @@ pub(super) fn encode_cached(
     memory
         .read(gpa, pages)
         .map_err(|e| StreamError::Malformed(crate::error_chain(&e, ": ")))?;
-    let page = PAGE_SIZE as usize;
+    let page = to_usize(PAGE_SIZE);
     let at = |p: usize| gpa + (p * page) as u64;
     let cached = try_delta && (0..len / page).any(|p| part.contains(at(p)));
     if cached {
@@ -256,7 +257,7 @@ struct Writer {
 impl Writer {
     /// Sends the jobs of `rx` in order, up to the first that fails.
     fn run(mut self, rx: Receiver<Job>) -> WriterEnd {
-        self.out = Vec::with_capacity((BLOCK + 64) as usize);
+        self.out = Vec::with_capacity(to_usize(BLOCK + 64));
         let mut result = Ok(());
         for job in rx {
             let sent = match job {
@@ -289,7 +290,7 @@ impl Writer {
     /// compressed, and written.
     fn send_pages(&mut self, gpa: u64, len: u64, fresh: bool, delta: DeltaUse) -> Result<()> {
         let (codec, encoded, compress_time) = self
-            .encode(gpa, len as usize, fresh, delta)
+            .encode(gpa, to_usize(len), fresh, delta)
             .and_then(|()| self.compress())
             .map_err(Error::Stream)?;
         self.wire_bytes

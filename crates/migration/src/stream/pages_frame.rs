@@ -304,6 +304,7 @@ fn read_lines(
 mod tests {
     use super::*;
     use crate::stream::frame::tests::sparse_pages;
+    use guestmem_sys::to_usize;
 
     /// Pages that `place` takes land in its slice, whole and checked; declined ones come back
     /// in the buffer; a damaged placed frame is still an error.
@@ -388,7 +389,7 @@ mod tests {
                 let mut calls = 0;
                 let mut land = |at: u64, bytes: &[u8]| {
                     assert!(at >= gpa && bytes.len().is_multiple_of(PAGE) && !bytes.is_empty());
-                    let o = (at - gpa) as usize;
+                    let o = to_usize(at - gpa);
                     memory[o..o + bytes.len()].copy_from_slice(bytes);
                     calls += 1;
                     Ok(())

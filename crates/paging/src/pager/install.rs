@@ -1,6 +1,7 @@
 //! Putting a chunk in place: fetching it from the source and installing it with `UFFDIO_COPY`,
 //! or filling the page cache and mapping it with `UFFDIO_CONTINUE`; the peer's let-go check.
 
+use guestmem_sys::to_usize;
 use std::io;
 use std::sync::atomic::Ordering;
 
@@ -49,8 +50,8 @@ impl Shared {
         // SAFETY: the range is the chunk, inside the registered region.
         let zeroed = unsafe {
             uffd.zeropage(
-                (self.host + start as usize) as *mut libc::c_void,
-                len as usize,
+                (self.host + to_usize(start)) as *mut libc::c_void,
+                to_usize(len),
                 true,
             )
         };
@@ -61,14 +62,14 @@ impl Shared {
     fn copy_mapped(&self, uffd: &Uffd, start: u64, len: u64) -> Result<bool> {
         let src = self.source.mapped().expect("checked");
         // SAFETY: the pager checked that the source holds at least the region's size.
-        let src = unsafe { src.add(start as usize) };
+        let src = unsafe { src.add(to_usize(start)) };
         // Map the chunk's source pages in one call rather than one fault each inside
         // the copy (the source stays lazy: only this chunk is read).
         // SAFETY: advice on the source's own read-only mapping; it changes nothing.
         unsafe {
             libc::madvise(
                 src as *mut libc::c_void,
-                len as usize,
+                to_usize(len),
                 libc::MADV_POPULATE_READ,
             )
         };
@@ -84,8 +85,8 @@ impl Shared {
         })?;
         if copied {
             uffd.wake(
-                (self.host + start as usize) as *mut libc::c_void,
-                len as usize,
+                (self.host + to_usize(start)) as *mut libc::c_void,
+                to_usize(len),
             )
             .map_err(|e| self.uffd_error("UFFDIO_WAKE", e))?;
         }
@@ -103,10 +104,10 @@ impl Shared {
     ) -> Result<bool> {
         // A background run is fetched as one request (up to BACKGROUND_BOUNCE_MAX):
         // pieces of the fault-sized bounce would each be a round trip.
-        let size = match by {
+        let size = to_usize(match by {
             By::Background => len.min(BACKGROUND_BOUNCE_MAX).max(self.bounce),
             _ => self.bounce,
-        } as usize;
+        });
         bounce.grow_to(size);
         // The chunk is fetched as one range and copied in as its pieces arrive.
         let mut copied = Ok(true);
@@ -118,8 +119,8 @@ impl Shared {
             return Ok(false);
         }
         uffd.wake(
-            (self.host + start as usize) as *mut libc::c_void,
-            len as usize,
+            (self.host + to_usize(start)) as *mut libc::c_void,
+            to_usize(len),
         )
         .map_err(|e| self.uffd_error("UFFDIO_WAKE", e))?;
         Ok(true)
@@ -137,8 +138,8 @@ impl Shared {
             let n = unsafe {
                 libc::pwrite(
                     self.memfd,
-                    src.add((start + done) as usize).cast(),
-                    (len - done) as usize,
+                    src.add(to_usize(start + done)).cast(),
+                    to_usize(len - done),
                     (start + done) as libc::off_t,
                 )
             };
@@ -166,7 +167,7 @@ impl Shared {
         // while we hold it in FETCHING (the guest's mapping of it is not populated yet,
         // so the guest cannot reach these pages).
         let dst = unsafe {
-            std::slice::from_raw_parts_mut((self.alias + start as usize) as *mut u8, len as usize)
+            std::slice::from_raw_parts_mut((self.alias + to_usize(start)) as *mut u8, to_usize(len))
         };
         // Allocate the chunk's page-cache pages in one call rather than one fault each.
         // SAFETY: advice on our own alias mapping; it changes no contents.
@@ -185,7 +186,7 @@ impl Shared {
             // `at - start + piece.len() <= len` bytes fit the chunk's alias range;
             // `copy` allows the piece to overlap it (a source filling `dst` itself).
             unsafe {
-                let to = alias.add((at - start) as usize);
+                let to = alias.add(to_usize(at - start));
                 if !std::ptr::eq(to, piece.as_ptr()) {
                     std::ptr::copy(piece.as_ptr(), to, piece.len());
                 }
@@ -207,8 +208,8 @@ impl Shared {
         let result = match self.mode {
             Mode::Shared => self.refill_shared(uffd, off),
             Mode::Copy => {
-                bounce.grow_to(self.page as usize);
-                bounce[..self.page as usize].fill(0);
+                bounce.grow_to(to_usize(self.page));
+                bounce[..to_usize(self.page)].fill(0);
                 self.copy(uffd, bounce.as_ptr(), off, self.page)
             }
             Mode::Continue => {
@@ -216,14 +217,14 @@ impl Shared {
                     // A hole in the file (MADV_REMOVE): a read through the alias allocates a
                     // zeroed page-cache page without overwriting anything.
                     // SAFETY: `off` is inside the alias mapping.
-                    unsafe { std::ptr::read_volatile((self.alias + off as usize) as *const u8) };
+                    unsafe { std::ptr::read_volatile((self.alias + to_usize(off)) as *const u8) };
                 }
                 self.map_page_cache(uffd, off, self.page)
             }
         };
         let _ = uffd.wake(
-            (self.host + off as usize) as *mut libc::c_void,
-            self.page as usize,
+            (self.host + to_usize(off)) as *mut libc::c_void,
+            to_usize(self.page),
         );
         // After retirement the range is unregistered (which woke the vCPU): nothing to refill.
         if self.retired.load(Ordering::Acquire) {
@@ -287,9 +288,9 @@ impl Shared {
             // the destination lies inside the registered region.
             let r = unsafe {
                 uffd.copy(
-                    src.add(done as usize).cast(),
-                    (self.host + (off + done) as usize) as *mut libc::c_void,
-                    n as usize,
+                    src.add(to_usize(done)).cast(),
+                    (self.host + to_usize(off + done)) as *mut libc::c_void,
+                    to_usize(n),
                     false,
                 )
             };
@@ -349,8 +350,8 @@ impl Shared {
         let mut page_by_page = false;
         while done < len {
             let n = if page_by_page { self.page } else { len - done };
-            let addr = (self.host + (off + done) as usize) as *mut libc::c_void;
-            match uffd.r#continue(addr, n as usize, true) {
+            let addr = (self.host + to_usize(off + done)) as *mut libc::c_void;
+            match uffd.r#continue(addr, to_usize(n), true) {
                 Ok(mapped) if mapped > 0 => done += mapped,
                 Ok(_) => return Ok(false),
                 Err(userfaultfd::Error::SystemError(errno)) if errno as i32 == libc::EEXIST => {
@@ -368,8 +369,8 @@ impl Shared {
         }
         if page_by_page {
             let _ = uffd.wake(
-                (self.host + off as usize) as *mut libc::c_void,
-                len as usize,
+                (self.host + to_usize(off)) as *mut libc::c_void,
+                to_usize(len),
             );
         }
         Ok(true)

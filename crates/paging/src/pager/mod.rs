@@ -7,6 +7,7 @@ mod serve;
 mod shared_install;
 mod start;
 
+use guestmem_sys::to_usize;
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
@@ -421,7 +422,7 @@ impl Pager {
         if end <= offset {
             return true;
         }
-        let chunks = (offset / s.chunk) as usize..=((end - 1) / s.chunk) as usize;
+        let chunks = to_usize(offset / s.chunk)..=to_usize((end - 1) / s.chunk);
         chunks
             .into_iter()
             .all(|c| s.states[c].load(Ordering::Acquire) == RESIDENT)
@@ -450,7 +451,7 @@ impl Drop for Pager {
             unsafe {
                 libc::munmap(
                     self.shared.alias as *mut libc::c_void,
-                    self.shared.size as usize,
+                    to_usize(self.shared.size),
                 )
             };
         }

@@ -1,6 +1,7 @@
 //! Serving another process's userfaultfd: a Firecracker-style VMM registers its memory and
 //! passes the fd; a [`PeerPager`] answers its faults from a page source.
 
+use guestmem_sys::to_usize;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::Ordering;
@@ -150,7 +151,7 @@ impl PeerPager {
             })?;
             // SAFETY: `dup` is a userfaultfd we own; the Uffd takes it over (closes it on drop).
             let uffd = unsafe { Uffd::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(dup)) };
-            let chunks = r.size.div_ceil(chunk) as usize;
+            let chunks = to_usize(r.size.div_ceil(chunk));
             // One handler, which reads ahead itself; a prefetch list names offsets of one
             // region, not of each range.
             let config = PagerConfig {
@@ -163,7 +164,7 @@ impl PeerPager {
                 Layout {
                     region: r.name.clone(),
                     gpa: 0,
-                    host: r.host_addr as usize,
+                    host: to_usize(r.host_addr),
                     size: r.size,
                     page: r.page_size,
                     chunk,
@@ -265,7 +266,7 @@ fn serve_peer_faults(uffd: &Uffd, ranges: &[Arc<Shared>], stop: i32) {
     let find = |addr: usize| {
         ranges
             .iter()
-            .find(|s| addr >= s.host && addr < s.host + s.size as usize)
+            .find(|s| addr >= s.host && addr < s.host + to_usize(s.size))
     };
     loop {
         let mut fds = [stop, uffd.as_raw_fd()].map(|fd| libc::pollfd {
@@ -369,7 +370,7 @@ pub fn register_for_peer(regions: &[&Region]) -> Result<OwnedFd> {
     for r in regions {
         uffd.register_with_mode(
             r.host_addr().cast::<libc::c_void>(),
-            r.size() as usize,
+            to_usize(r.size()),
             RegisterMode::MISSING,
         )
         .map_err(|source| Error::Uffd {

@@ -1,6 +1,7 @@
 //! The pager's threads: fault handlers reading events in batches, readahead, the background
 //! fetcher; and the chunk state machine they share (absent, fetching, resident, failed).
 
+use guestmem_sys::to_usize;
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -47,7 +48,7 @@ impl Shared {
             alias,
             memfd,
         } = layout;
-        let chunks = size.div_ceil(chunk) as usize;
+        let chunks = to_usize(size.div_ceil(chunk));
         let threads = (config.handlers + config.readahead_threads + usize::from(config.background))
             .max(1) as u64;
         let bounce_share = (size / BOUNCE_SHARE / threads) & !(page - 1);
@@ -86,7 +87,7 @@ impl Shared {
                 .prefetch
                 .iter()
                 .filter(|&&off| off < size)
-                .map(|&off| (off / chunk) as usize)
+                .map(|&off| to_usize(off / chunk))
                 .collect(),
             prefetch_done: AtomicBool::new(config.prefetch.is_empty()),
             fault_order: Mutex::new(Vec::new()),
@@ -136,8 +137,8 @@ impl Shared {
             let (start, len) = self.byte_range(shard.clone());
             // Unregistering also wakes any thread still waiting on a fault in the range.
             let _ = uffd.unregister(
-                (self.host + start as usize) as *mut libc::c_void,
-                len as usize,
+                (self.host + to_usize(start)) as *mut libc::c_void,
+                to_usize(len),
             );
         }
     }
@@ -223,7 +224,7 @@ impl Shared {
     ) -> Option<usize> {
         self.faults.fetch_add(1, Ordering::Relaxed);
         let off = ((addr - self.host) as u64) & !(self.page - 1);
-        let chunk = (off / self.chunk) as usize;
+        let chunk = to_usize(off / self.chunk);
         if self.make_resident(chunk, shard, bounce, By::Fault) {
             // The chunk was installed earlier: either this event was queued before that, or
             // the VMM discarded the page since (it then reads as zero, or as the page cache).
@@ -349,10 +350,10 @@ impl Shared {
     pub(super) fn on_remove(&self, start: usize, end: usize) {
         let lo = (start.max(self.host) - self.host) as u64;
         let hi = (end
-            .min(self.host + self.size as usize)
+            .min(self.host + to_usize(self.size))
             .saturating_sub(self.host)) as u64;
-        let first = lo.div_ceil(self.chunk) as usize;
-        let last = (hi / self.chunk) as usize;
+        let first = to_usize(lo.div_ceil(self.chunk));
+        let last = to_usize(hi / self.chunk);
         for c in first..last.max(first) {
             if self.states[c]
                 .compare_exchange(ABSENT, RESIDENT, Ordering::AcqRel, Ordering::Acquire)
@@ -374,7 +375,7 @@ impl Shared {
             return 1;
         }
         if let Some(bytes) = self.source.background_bytes() {
-            return (bytes / self.chunk).clamp(1, BACKGROUND_RUN_MAX as u64) as usize;
+            return to_usize((bytes / self.chunk).clamp(1, BACKGROUND_RUN_MAX as u64));
         }
         let rate = f64::from_bits(self.background_rate.load(Ordering::Relaxed));
         let bytes = rate * BACKGROUND_FETCH.as_secs_f64();
@@ -436,8 +437,8 @@ impl Shared {
                 }
                 let (start, len) = self.byte_range(first..claimed);
                 let _ = self.uffds[shard].wake(
-                    (self.host + start as usize) as *mut libc::c_void,
-                    len as usize,
+                    (self.host + to_usize(start)) as *mut libc::c_void,
+                    to_usize(len),
                 );
             }
             Err(Error::Released { .. }) => {
@@ -496,8 +497,8 @@ impl Shared {
                         self.set_state(chunk, ABSENT);
                         let (start, len) = self.byte_range(chunk..chunk + 1);
                         let _ = self.uffds[shard].wake(
-                            (self.host + start as usize) as *mut libc::c_void,
-                            len as usize,
+                            (self.host + to_usize(start)) as *mut libc::c_void,
+                            to_usize(len),
                         );
                         return false;
                     }

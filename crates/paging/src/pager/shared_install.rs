@@ -2,6 +2,7 @@
 //! over the region, and installing a chunk by publishing it (fetched, checked by the source,
 //! written into the image) if no clone has yet, then mapping the image's pages.
 
+use guestmem_sys::to_usize;
 use std::sync::Arc;
 
 use guestmem_memory::{Backend, PageBuf, Region};
@@ -31,7 +32,7 @@ pub(super) fn shared_image(
     let addr = unsafe {
         libc::mmap(
             region.host_addr().cast(),
-            region.size() as usize,
+            to_usize(region.size()),
             libc::PROT_READ | libc::PROT_WRITE,
             libc::MAP_PRIVATE | libc::MAP_FIXED | libc::MAP_NORESERVE,
             image.fd(),
@@ -134,8 +135,8 @@ impl Shared {
             // SAFETY: the range lies inside the registered region.
             unsafe {
                 uffd.zeropage(
-                    (self.host + off as usize) as *mut libc::c_void,
-                    n as usize,
+                    (self.host + to_usize(off)) as *mut libc::c_void,
+                    to_usize(n),
                     true,
                 )
             }

@@ -2,6 +2,7 @@
 //! configuration, the userfaultfds registered over the region, the memfd's second mapping and
 //! the stop eventfd.
 
+use guestmem_sys::to_usize;
 use std::io;
 use std::ops::Range;
 use std::os::fd::{FromRawFd, OwnedFd, RawFd};
@@ -53,7 +54,7 @@ pub(super) fn check_config(
              backend's page size ({page:#x})"
         )));
     }
-    let chunks = size.div_ceil(chunk) as usize;
+    let chunks = to_usize(size.div_ceil(chunk));
     if config.uffds == 0 || config.uffds > chunks {
         return Err(bad(format!(
             "{} userfaultfds requested; 1 to {chunks} (one per {chunk:#x}-byte chunk) are \
@@ -107,7 +108,7 @@ pub(super) fn register(
         source: UffdError(source),
     };
     let chunk = config.fault_around;
-    let chunks = size.div_ceil(chunk) as usize;
+    let chunks = to_usize(size.div_ceil(chunk));
     let shards: Vec<Range<usize>> = (0..config.uffds)
         .map(|i| i * chunks / config.uffds..(i + 1) * chunks / config.uffds)
         .collect();
@@ -123,8 +124,8 @@ pub(super) fn register(
         let start = shard.start as u64 * chunk;
         let end = (shard.end as u64 * chunk).min(size);
         uffd.register_with_mode(
-            (host + start as usize) as *mut libc::c_void,
-            (end - start) as usize,
+            (host + to_usize(start)) as *mut libc::c_void,
+            to_usize(end - start),
             register_mode,
         )
         .map_err(|e| uffd_err("UFFDIO_REGISTER", e))?;
@@ -141,7 +142,7 @@ pub(super) fn alias(region: &str, fd: RawFd, size: u64) -> Result<usize> {
     let addr = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
-            size as usize,
+            to_usize(size),
             libc::PROT_READ | libc::PROT_WRITE,
             libc::MAP_SHARED,
             fd,

@@ -12,6 +12,7 @@
 //! Once every page is installed the registration is dropped: a host access to a page never
 //! written then reads zeros from guest_memfd itself, which is what the snapshot holds there.
 
+use guestmem_sys::to_usize;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -98,7 +99,7 @@ impl Drop for HostUffd {
 fn range(inner: &Inner) -> (*mut libc::c_void, usize) {
     (
         inner.region.host_addr().cast(),
-        inner.region.size() as usize,
+        to_usize(inner.region.size()),
     )
 }
 
@@ -121,7 +122,7 @@ impl Inner {
             .get()
             .expect("armed before the thread starts");
         let mut events = EventBuffer::new(16);
-        let zero = vec![0u8; PAGE_SIZE as usize];
+        let zero = vec![0u8; to_usize(PAGE_SIZE)];
         loop {
             if self.host_stop.load(Ordering::Acquire) {
                 return;
@@ -163,7 +164,7 @@ impl Inner {
     /// the page if the chunk left it out (zeros) or wakes the access if it is in the file.
     fn serve_host_fault(&self, uffd: &Uffd, addr: usize, zero: &[u8]) -> Result<()> {
         let host = self.region.host_addr() as usize;
-        let page = addr & !(PAGE_SIZE as usize - 1);
+        let page = addr & !(to_usize(PAGE_SIZE) - 1);
         let offset = (page - host) as u64;
         self.host_faults.fetch_add(1, Ordering::Relaxed);
         if self.install_chunk(offset / self.chunk)? {
@@ -175,7 +176,7 @@ impl Inner {
         match placed {
             Ok(_) => Ok(()),
             Err(userfaultfd::Error::CopyFailed(errno)) if errno as i32 == libc::EEXIST => uffd
-                .wake(page as *mut _, PAGE_SIZE as usize)
+                .wake(page as *mut _, to_usize(PAGE_SIZE))
                 .map_err(|e| self.host_error("UFFDIO_WAKE", e)),
             Err(e) => Err(self.host_error("UFFDIO_COPY of a zero page", e)),
         }
@@ -191,8 +192,8 @@ impl Inner {
         let Some(uffd) = self.host_uffd.get() else {
             return Ok(false);
         };
-        let host = self.region.host_addr() as usize + offset as usize;
-        let page = PAGE_SIZE as usize;
+        let host = self.region.host_addr() as usize + to_usize(offset);
+        let page = to_usize(PAGE_SIZE);
         let mut done = 0;
         while done < data.len() {
             // Page by page: one already in the file (EEXIST) does not stop the others.

@@ -1,6 +1,7 @@
 //! userfaultfd on a guest_memfd mapping (the guest_memfd userfaultfd series, not upstream),
 //! found by trying to register a mapped guest_memfd in each mode.
 
+use crate::to_usize;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 use kvm_ioctls::VmFd;
@@ -30,7 +31,7 @@ pub fn guest_memfd_uffd(vm: &VmFd) -> Result<GuestMemfdUffd, String> {
         })?;
     // SAFETY: `raw` is a fresh fd returned by KVM_CREATE_GUEST_MEMFD that nothing else owns.
     let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-    let len = GMEM_SIZE_BYTES as usize;
+    let len = to_usize(GMEM_SIZE_BYTES);
     // SAFETY: a fresh shared mapping of the whole guest_memfd at an address the kernel
     // chooses; it aliases nothing in this process and is unmapped below.
     let addr = unsafe {
