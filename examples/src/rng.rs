@@ -201,6 +201,7 @@ impl RngDevice {
 
     /// The guest driver's setup, emulated: the descriptor table (buffer `i` behind descriptor
     /// `i`), every buffer offered on the avail ring, and the queue configured and ready.
+    #[allow(clippy::cast_possible_truncation)] // virtqueue fields: buffer sizes and indices are bounded by the queue size.
     pub fn post_buffers(&mut self) -> Result<(), ComponentError> {
         let mem = self.memory()?.clone();
         let base = self.base;
@@ -297,6 +298,7 @@ impl RngDevice {
 
 /// Fills up to `batch` posted buffers, then plays the guest driver: every buffer used since
 /// its last turn goes back on the avail ring.
+#[allow(clippy::cast_possible_truncation)] // virtqueue fields: buffer sizes and indices are bounded by the queue size.
 fn serve(
     inner: &mut Inner,
     shared: &Shared,

@@ -323,7 +323,9 @@ fn a_fd_that_is_not_a_userfaultfd_is_refused_once() {
 fn a_userfaultfd_passes_the_check() {
     use std::os::fd::{AsFd, FromRawFd, OwnedFd};
     // SAFETY: the userfaultfd syscall returns a new fd (checked) that we own.
-    let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC) } as i32;
+    let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC) }
+        .try_into()
+        .expect("an fd fits in an i32");
     assert!(fd >= 0, "userfaultfd: {}", std::io::Error::last_os_error());
     // SAFETY: `fd` is the fresh userfaultfd from above.
     let uffd = unsafe { OwnedFd::from_raw_fd(fd) };
@@ -586,7 +588,9 @@ fn peer_process_helper() {
         };
         assert_ne!(addr, libc::MAP_FAILED);
         // SAFETY: the userfaultfd syscall returns a new fd (checked) that we own.
-        let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC) } as i32;
+        let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC) }
+            .try_into()
+            .expect("an fd fits in an i32");
         assert!(fd >= 0, "userfaultfd: {}", std::io::Error::last_os_error());
         // SAFETY: `fd` is the fresh userfaultfd from above.
         let uffd = unsafe { OwnedFd::from_raw_fd(fd) };

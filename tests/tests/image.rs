@@ -14,6 +14,7 @@ use guestmem_vm::{layout, VcpuWork, Vm, VmConfig, Workload};
 const SIZE: u64 = 8 << 20;
 
 /// A small image with what real memory has: zero pages, dense pages and a few sparse ones.
+#[allow(clippy::cast_possible_truncation)] // test data: the low byte of a pattern.
 fn image() -> Vec<u8> {
     let mut x = 0x1234_5678_9abc_def1u64;
     let mut bytes = vec![0u8; to_usize(SIZE)];

@@ -179,7 +179,7 @@ fn exceeding_the_slot_limit_is_an_error() {
             )
             .unwrap_or_else(|e| panic!("slot {i} of {free}: {e}"));
     }
-    assert_eq!(slots.len() as u32, slots.max_slots());
+    assert_eq!(slots.len(), slots.max_slots() as usize);
     let extra = region(&vm, "one-too-many", PAGE, Backend::Anon);
     let e = slots
         .add(&extra, 0, PAGE, 0, SlotFlags::default())

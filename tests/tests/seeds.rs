@@ -128,6 +128,7 @@ fn gmem_lazy_restore_stops_on_a_corrupt_chunk() {
 /// Population of guest_memfd uses `write()`, and the guest reads exactly the image.
 #[test]
 #[ignore = "needs the seeds kernel (scripts/build-seeds-kernel.sh): run in the kernel lab with --ignored"]
+#[allow(clippy::cast_possible_truncation)] // test data: the low byte of a pattern.
 fn gmem_population_uses_write() {
     let mut vm = Vm::new(&VmConfig::simple(1, SIZE, Backend::GuestMemfd)).unwrap();
     let image: Vec<u8> = (0..to_usize(SIZE))

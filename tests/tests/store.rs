@@ -401,6 +401,7 @@ fn replaced(object: &[u8], c: &chunk::Stored, with: &[u8]) -> Vec<u8> {
 
 /// A chunk replaced by another's bytes, a missing chunk, a damaged manifest: each refused
 /// before any vCPU runs, naming the snapshot, region, chunk and what is wrong.
+#[allow(clippy::cast_possible_truncation)] // a short test payload.
 fn refusals(backend: Arc<dyn Backend>) {
     let b = &*backend;
     let vm = paused_vm();

@@ -123,6 +123,7 @@ mod tests {
     /// An echo server: what the proxy forwards comes back, every byte in order, and a round
     /// trip takes at least both directions' delay.
     #[test]
+    #[allow(clippy::cast_possible_truncation)] // test data: the low byte of a pattern.
     fn forwards_every_byte_after_the_delay() {
         let echo = TcpListener::bind("127.0.0.1:0").unwrap();
         let target = echo.local_addr().unwrap();

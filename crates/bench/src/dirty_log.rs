@@ -196,6 +196,7 @@ const STALL: Duration = Duration::from_secs(60);
 
 /// One VM, tracked in `mode` (or not at all), populated; then `--runs` times the
 /// dirty_log_perf_test phases and the loop.
+#[allow(clippy::cast_possible_truncation)] // a rounded median of page counts: a float to integer cast saturates.
 fn measure(
     mode: Option<Mode>,
     args: &Args,
@@ -386,7 +387,7 @@ fn all_of(memory: &GuestMemory) -> VecDeque<(Rc<DirtyBitmap>, u64)> {
     for (slot, r) in memory.regions().iter().enumerate() {
         let pages = r.size() / PAGE_SIZE;
         let all = Rc::new(DirtyBitmap {
-            slot: slot as u32,
+            slot: u32::try_from(slot).expect("memslot ids are u32"),
             gpa: r.gpa(),
             pages,
             bits: vec![u64::MAX; pages.div_ceil(64) as usize],

@@ -578,6 +578,7 @@ fn storm(args: &Args, source: &Source, share: &Share, at_a_time: usize) -> crate
 }
 
 /// The `p`th percentile (nearest rank) of `v`.
+#[allow(clippy::cast_possible_truncation)] // a percentile index: a float to integer cast saturates.
 fn percentile(v: &[f64], p: f64) -> f64 {
     if v.is_empty() {
         return f64::NAN;

@@ -531,6 +531,7 @@ mod tests {
 
     /// The frames the floor decodes put the image's bytes back where they were.
     #[test]
+    #[allow(clippy::cast_possible_truncation)] // test data: the low byte of a pattern.
     fn frames_spread_back_to_the_image() {
         let mut image = vec![0u8; 2 * BLOCK];
         for (i, b) in image.iter_mut().enumerate() {

@@ -92,6 +92,7 @@ impl Link {
     /// ([`SOURCE_IP`] and [`DESTINATION_IP`], /24), and shapes both ends to `speed` (which
     /// must not be loopback). Needs root and `ip` and `tc` (iproute2); errors say which is
     /// missing, or what `ip`/`tc` said.
+    #[allow(clippy::cast_possible_truncation)] // a delay of a few milliseconds.
     pub fn create(speed: Speed) -> crate::Result<Link> {
         let rate = speed
             .bits_per_s()

@@ -257,11 +257,23 @@ fn slot_setup(
     for _ in 0..runs {
         let t = Instant::now();
         for (i, &(off, size)) in windows.iter().enumerate() {
-            raw_set(vm, 1 + i as u32, region, off, size)?;
+            raw_set(
+                vm,
+                1 + u32::try_from(i).expect("memslot ids are u32"),
+                region,
+                off,
+                size,
+            )?;
         }
         raw_runs.push(t.elapsed().as_secs_f64());
         for (i, &(off, _)) in windows.iter().enumerate() {
-            raw_set(vm, 1 + i as u32, region, off, 0)?;
+            raw_set(
+                vm,
+                1 + u32::try_from(i).expect("memslot ids are u32"),
+                region,
+                off,
+                0,
+            )?;
         }
         let t = Instant::now();
         let ids = windows

@@ -249,7 +249,7 @@ impl GuestMemory {
             log_dirty_pages: flags & KVM_MEM_LOG_DIRTY_PAGES != 0,
             read_only: flags & KVM_MEM_READONLY != 0,
         };
-        manager.set_flags(slot as u32, flags)
+        manager.set_flags(u32::try_from(slot).expect("memslot ids are u32"), flags)
     }
 }
 
@@ -331,6 +331,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::cast_possible_truncation)] // test data: the low byte of a pattern.
     fn memory_digest_is_digest_bytes_of_what_is_read() {
         // Over two 1 MiB pieces and a tail that is not a whole word (left out).
         let len = (2 << 20) + 12;

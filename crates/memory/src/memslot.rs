@@ -257,9 +257,10 @@ impl MemslotManager {
         flags: SlotFlags,
     ) -> Result<u32> {
         let mut table = self.table.write().expect("memslot table lock");
+        let next = u32::try_from(table.slots.len()).unwrap_or(u32::MAX);
         let id = match table.free_ids.first() {
             Some(&id) => id,
-            None if (table.slots.len() as u32) < self.max_slots => table.slots.len() as u32,
+            None if next < self.max_slots => next,
             None => {
                 return Err(Error::SlotLimit {
                     region: region.name().into(),

@@ -328,7 +328,7 @@ fn mapping_policy(addr: *const u8) -> io::Result<NumaPolicy> {
     })?;
     let nodes = match mode {
         NumaMode::Default => Vec::new(),
-        _ => (0..MASK_BITS as u32)
+        _ => (0..u32::try_from(MASK_BITS).expect("the node mask has 1024 bits"))
             .filter(|&n| mask[n as usize / 64] & (1 << (n % 64)) != 0)
             .collect(),
     };

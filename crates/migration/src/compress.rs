@@ -259,6 +259,7 @@ fn best(f: &Figures) -> Codec {
 mod tests {
     use super::*;
 
+    #[allow(clippy::cast_possible_truncation)] // estimates: a float to integer cast saturates.
     fn feed(c: &Compressor, wire_ns: f64, lz4: (f64, f64), zstd: (f64, f64)) {
         let mb = 1 << 20;
         for _ in 0..40 {

@@ -46,6 +46,7 @@ fn word(page: &[u8], i: usize) -> u64 {
     u64::from_ne_bytes(page[i * WORD..(i + 1) * WORD].try_into().expect("8 bytes"))
 }
 
+#[allow(clippy::cast_possible_truncation)] // a varint: each byte takes the low bits.
 fn put_varint(out: &mut Vec<u8>, v: usize) {
     debug_assert!(v <= WORDS);
     if v < 0x80 {
@@ -372,6 +373,7 @@ impl DeltaCache {
 mod tests {
     use super::*;
 
+    #[allow(clippy::cast_possible_truncation)] // test data: the low byte of a pattern.
     fn page(seed: u64) -> Vec<u8> {
         let mut x = seed | 1;
         (0..PAGE)

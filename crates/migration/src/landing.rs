@@ -404,6 +404,7 @@ mod tests {
         GuestMemory::new(&[RegionSpec::new("ram", 0, 8 << 20, backend)], None).unwrap()
     }
 
+    #[allow(clippy::cast_possible_truncation)] // test data: the low byte of a pattern.
     fn pattern(seed: u8, len: usize) -> Vec<u8> {
         (0..len)
             .map(|i| (i as u8).wrapping_mul(31) ^ seed)

@@ -479,12 +479,13 @@ pub(crate) fn new_migration_id() -> u64 {
     if n != 8 {
         return std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
-            .map_or(1, |d| d.as_nanos() as u64);
+            .map_or(1, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
     }
     u64::from_le_bytes(id)
 }
 
 /// Percentile `p` (0..=100) of `sorted` latencies.
+#[allow(clippy::cast_possible_truncation)] // a percentile index: a float to integer cast saturates.
 pub(crate) fn percentile(sorted: &[Duration], p: f64) -> Duration {
     if sorted.is_empty() {
         return Duration::ZERO;

@@ -268,9 +268,10 @@ fn serve(mut stream: UnixStream, source: &dyn PageSource, delay: Duration, delay
         if !delay.is_zero() {
             let slept = Instant::now();
             std::thread::sleep(delay);
-            delays
-                .nanos
-                .fetch_add(slept.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            delays.nanos.fetch_add(
+                u64::try_from(slept.elapsed().as_nanos()).unwrap_or(u64::MAX),
+                Ordering::Relaxed,
+            );
             delays.count.fetch_add(1, Ordering::Relaxed);
         }
         let bytes: io::Result<&[u8]> = match source.mapped() {
@@ -314,7 +315,9 @@ fn request(stream: &mut UnixStream, offset: u64, len: u64) -> io::Result<()> {
     stream.read_exact(&mut status)?;
     match i64::from_le_bytes(status) {
         0 => Ok(()),
-        e => Err(io::Error::from_raw_os_error(-e as i32)),
+        e => Err(io::Error::from_raw_os_error(
+            i32::try_from(-e).unwrap_or(libc::EIO),
+        )),
     }
 }
 

@@ -176,7 +176,10 @@ impl UserfaultPager {
             offset += chunk;
         }
         manager
-            .set_userfault(index as u32, Some(bitmap.clone()))
+            .set_userfault(
+                u32::try_from(index).expect("memslot ids are u32"),
+                Some(bitmap.clone()),
+            )
             .map_err(|e| Error::Unsupported {
                 region: name.clone(),
                 backend: region.backend(),

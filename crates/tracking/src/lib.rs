@@ -119,6 +119,7 @@ pub enum Mode {
 pub const DEFAULT_RING_ENTRIES: u32 = 65536;
 
 /// Bytes of a dirty ring with `entries` entries (the unit of `VmConfig::dirty_ring_bytes`).
+#[allow(clippy::cast_possible_truncation)] // `kvm_dirty_gfn` is 16 bytes.
 pub fn ring_bytes(entries: u32) -> u32 {
     entries * std::mem::size_of::<guestmem_sys::uapi::kvm_dirty_gfn>() as u32
 }
@@ -265,7 +266,7 @@ pub fn full_bitmaps(memory: &GuestMemory, pick: impl Fn(&Region) -> bool) -> Vec
                 *bits.last_mut().expect("a region has pages") = (1 << (pages % 64)) - 1;
             }
             DirtyBitmap {
-                slot: slot as u32,
+                slot: u32::try_from(slot).expect("memslot ids are u32"),
                 gpa: r.gpa(),
                 pages,
                 bits,
@@ -303,7 +304,11 @@ fn slot_bitmap<'a>(
 ) -> &'a mut DirtyBitmap {
     dirty[slot].get_or_insert_with(|| {
         let r = &regions[slot];
-        DirtyBitmap::new(slot as u32, r.gpa(), r.size() / PAGE_SIZE)
+        DirtyBitmap::new(
+            u32::try_from(slot).expect("memslot ids are u32"),
+            r.gpa(),
+            r.size() / PAGE_SIZE,
+        )
     })
 }
 
@@ -448,7 +453,7 @@ impl Tracker {
                     let scratch = &mut self.scratch[slot];
                     scratch.resize(pages.div_ceil(64) as usize, 0);
                     let mut log = kvm_dirty_log {
-                        slot: slot as u32,
+                        slot: u32::try_from(slot).expect("memslot ids are u32"),
                         ..Default::default()
                     };
                     log.__bindgen_anon_1.dirty_bitmap = scratch.as_mut_ptr().cast();
@@ -456,7 +461,7 @@ impl Tracker {
                     // bits, which is what the kernel writes.
                     if unsafe { ioctl_with_ref(&self.vm, KVM_GET_DIRTY_LOG(), &log) } < 0 {
                         return Err(Error::Ioctl {
-                            slot: slot as u32,
+                            slot: u32::try_from(slot).expect("memslot ids are u32"),
                             op: "KVM_GET_DIRTY_LOG",
                             source: io::Error::last_os_error(),
                         });
@@ -497,6 +502,7 @@ impl Tracker {
     /// numbers within its slot; `first_page` a multiple of 64). In manual mode this issues
     /// `KVM_CLEAR_DIRTY_LOG` for the chunk's dirty pages, so the guest's next write to them is
     /// logged again; the other modes re-protected at harvest time and need nothing.
+    #[allow(clippy::cast_possible_truncation)] // at most one bitmap word's 64 pages.
     pub fn clear(&mut self, dirty: &DirtyBitmap, first_page: u64, pages: u64) -> Result<()> {
         if !first_page.is_multiple_of(64)
             || pages == 0

@@ -31,6 +31,7 @@ unsafe impl Sync for DirtyRing {}
 
 impl DirtyRing {
     /// Maps the `bytes`-byte ring of `vcpu` (the VM has the dirty ring enabled).
+    #[allow(clippy::cast_possible_truncation)] // `kvm_dirty_gfn` is 16 bytes.
     pub(crate) fn map(vcpu: &VcpuFd, id: usize, bytes: u32) -> Result<DirtyRing> {
         let offset = i64::from(KVM_DIRTY_LOG_PAGE_OFFSET) * 4096;
         // SAFETY: a fresh shared mapping of the vCPU fd at the kernel's dirty-ring offset; the

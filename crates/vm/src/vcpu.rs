@@ -52,6 +52,7 @@ pub(crate) fn supported_cpuid(kvm: &Kvm) -> Result<&'static CpuId> {
 
 /// Gives vCPU `id` the host-supported CPUID (with its own APIC id); without it KVM refuses
 /// EFER.LME/LMA.
+#[allow(clippy::cast_possible_truncation)] // vCPU ids are bounded by the VM config (`u32` in KVM).
 pub(crate) fn set_cpuid(vcpu: &VcpuFd, id: usize, base: &CpuId) -> Result<()> {
     let mut cpuid = base.clone();
     for e in cpuid.as_mut_slice() {
@@ -172,7 +173,9 @@ pub(crate) fn run_loop(
                 // A throttle tick (see RunningVm::set_throttle): sit out the throttled share.
                 let percent = throttle.load(Ordering::Acquire);
                 if percent > 0 && !kicked.load(Ordering::Acquire) {
-                    std::thread::sleep(THROTTLE_PERIOD * percent as u32 / 100);
+                    std::thread::sleep(
+                        THROTTLE_PERIOD * u32::try_from(percent).unwrap_or(100) / 100,
+                    );
                 }
                 continue;
             }

@@ -260,7 +260,7 @@ impl PostcopyLink {
                                 self.latencies
                                     .lock()
                                     .unwrap_or_else(std::sync::PoisonError::into_inner)
-                                    .push(us as u32);
+                                    .push(u32::try_from(us).unwrap_or(u32::MAX));
                             } else {
                                 self.background_fetches.fetch_add(1, Ordering::Relaxed);
                             }
@@ -491,6 +491,7 @@ impl PostcopyLink {
 
 /// One lock-step request: `buf.len()` bytes at `gpa`, in pieces of at most [`MAX_REQUEST`]
 /// (each answer read into `frame`).
+#[allow(clippy::cast_possible_truncation)] // a piece is at most a chunk (far below 4 GiB).
 fn request(
     conn: &mut (impl io::Read + Write),
     frame: &mut Vec<u8>,
@@ -591,6 +592,7 @@ mod tests {
         }
     }
 
+    #[allow(clippy::cast_possible_truncation)] // a request is at most a chunk (far below 4 GiB).
     fn ask(answer: Frame, buf: &mut [u8]) -> Result<()> {
         let mut conn = Answers {
             answers: io::Cursor::new(answer.encode().unwrap()),

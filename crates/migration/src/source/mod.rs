@@ -740,7 +740,7 @@ impl<'o> Source<'o> {
         if let Some(chunks) = &self.chunks {
             chunks.mark_dirty(&dirty);
         }
-        let round = self.report.rounds.len() as u32 + 1;
+        let round = u32::try_from(self.report.rounds.len()).expect("rounds are counted in u32") + 1;
         let postcopy = if self.opts.mode.has_postcopy() {
             // Only the sys region goes now; the RAM regions' dirty chunks are fetched later.
             let stale = self

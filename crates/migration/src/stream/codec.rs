@@ -31,6 +31,7 @@ impl Codec {
 /// [`Frame::encode_delta_with`] left it) with
 /// `codec`, replacing it by a PagesZ frame when that is smaller; `scratch` is kept between
 /// calls. Returns the frame's length on the wire either way.
+#[allow(clippy::cast_possible_truncation)] // frame lengths are bounded by MAX_PAYLOAD.
 pub fn compress_pages(
     frame: &mut Vec<u8>,
     codec: Codec,
@@ -249,6 +250,7 @@ mod tests {
     /// Damage anywhere in a compressed frame is an error, and so are frames that lie about
     /// their inner length, name an unknown codec, or nest a compressed frame.
     #[test]
+    #[allow(clippy::cast_possible_truncation)] // frame lengths are bounded by MAX_PAYLOAD.
     fn damaged_compressed_frames_are_refused() {
         let pages = dense_pages(64);
         let (bytes, _) = compressed_frame(Codec::Lz4, &pages, 0);

@@ -57,6 +57,7 @@ impl Frame {
     /// pages, at most [`MAX_FRAME_PAGES`]) at `gpa`: page `p` travels as the delta that
     /// `delta(p, page, out)` appends to `out` when it returns true and the delta is smaller
     /// than a page, else whole. Returns the pages sent as deltas and their bytes.
+    #[allow(clippy::cast_possible_truncation)] // frame lengths and counts are bounded by MAX_PAYLOAD.
     pub fn encode_delta_with(
         out: &mut Vec<u8>,
         gpa: u64,
@@ -271,6 +272,7 @@ mod tests {
     /// whose sizes do not add up, whose pages are larger than a page, whose deltas leave the
     /// page, and ill-shaped headers. Memory lent for a refused frame is left as it was.
     #[test]
+    #[allow(clippy::cast_possible_truncation)] // frame lengths are bounded by MAX_PAYLOAD.
     fn damaged_delta_frames_are_refused() {
         let (old, new) = redirtied_pages(8);
         let (bytes, _) = delta_frame(&old, &new, 0x4000);

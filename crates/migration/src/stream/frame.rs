@@ -171,6 +171,7 @@ impl Frame {
     /// Encodes the frame. Fails (without writing) if it would exceed the largest Pages payload
     /// ([`MAX_PAYLOAD`] less the room only PagesZ frames get) or carries
     /// pages that are not whole.
+    #[allow(clippy::cast_possible_truncation)] // frame lengths are bounded by MAX_PAYLOAD.
     pub fn encode(&self) -> Result<Vec<u8>, StreamError> {
         let mut out = Vec::new();
         if let Frame::Pages { gpa, pages, fresh } = self {
@@ -298,6 +299,7 @@ impl Frame {
     }
 
     /// Reads and checks a frame's header; returns it and the payload length.
+    #[allow(clippy::cast_possible_truncation)] // MAX_PAGES_PAYLOAD is a few MiB.
     pub(super) fn read_header(r: &mut impl Read) -> Result<([u8; HEADER], usize), StreamError> {
         let mut header = [0u8; HEADER];
         let mut got = 0;
@@ -354,6 +356,7 @@ impl Frame {
         check_crc(found, hasher.finalize())
     }
 
+    #[allow(clippy::cast_possible_truncation)] // PAGE is 4096.
     pub(super) fn decode(kind: u8, p: &[u8]) -> Result<Frame, StreamError> {
         let malformed = |what: &str| StreamError::Malformed(format!("{what} ({} bytes)", p.len()));
         let u64_at = |at: usize| u64::from_le_bytes(p[at..at + 8].try_into().expect("8 bytes"));
@@ -436,6 +439,7 @@ pub(super) mod tests {
 
     /// `count` pages of which page 1 is all zero and the others hold a few non-zero bytes
     /// (page 0 in its first and last lines, page 2 in one middle line).
+    #[allow(clippy::cast_possible_truncation)] // test data: the low byte of a pattern.
     pub(in crate::stream) fn sparse_pages(count: usize) -> Vec<u8> {
         let mut pages = vec![0u8; count * PAGE];
         for p in (0..count).filter(|p| p % 3 != 1) {
@@ -450,6 +454,7 @@ pub(super) mod tests {
         pages
     }
 
+    #[allow(clippy::cast_possible_truncation)] // test data: PAGE is 4096.
     fn samples() -> Vec<Frame> {
         vec![
             Frame::Hello {
@@ -523,6 +528,7 @@ pub(super) mod tests {
     /// sizes and kinds, and read the same frames as `read_from`; a damaged frame read into a
     /// reused buffer is still an error.
     #[test]
+    #[allow(clippy::cast_possible_truncation)] // test data: the low byte of a pattern.
     fn reused_buffers_give_the_same_frames() {
         let mut bytes = Vec::new();
         let mut out = Vec::new();
@@ -609,6 +615,7 @@ pub(super) mod tests {
     }
 
     #[test]
+    #[allow(clippy::cast_possible_truncation)] // test data: a short payload.
     fn oversized_and_ill_shaped_frames_are_refused() {
         // A header announcing 4 GiB is refused before anything is allocated.
         let mut huge = MAGIC.to_vec();
@@ -707,6 +714,7 @@ pub(super) mod tests {
     /// Random bytes never panic the decoder (the fuzz target in fuzz/ does this at scale).
 
     #[test]
+    #[allow(clippy::cast_possible_truncation)] // test data: the low byte of a pattern.
     fn random_bytes_never_panic() {
         let mut x = 0x1234_5678_9abc_def0u64;
         let mut next = || {

@@ -77,6 +77,7 @@ pub const MAGIC: [u8; 4] = *b"GMf2";
 pub const MAX_FRAME_PAGES: usize = 512;
 /// The largest payload a frame may carry: 2 MiB of pages with their masks and header, plus
 /// `Z_SLACK` (what a zstd stream frame may add to pages that do not compress).
+#[allow(clippy::cast_possible_truncation)] // A few MiB.
 pub const MAX_PAYLOAD: u32 = (MAX_PAGES_PAYLOAD + Z_SLACK) as u32;
 /// The largest Pages (or PagesD) payload: 2 MiB of pages with their masks and header.
 const MAX_PAGES_PAYLOAD: usize = PAGES_HEADER + MAX_FRAME_PAGES * (8 + PAGE);

@@ -13,6 +13,7 @@ impl Frame {
     /// is still in the cache. `whole_pages` keeps every line (for comparison with senders that
     /// send whole pages). Returns the bytes of lines the frame carries (0: the pages are all
     /// zero).
+    #[allow(clippy::cast_possible_truncation)] // frame lengths and counts are bounded by MAX_PAYLOAD.
     pub fn encode_pages_with(
         out: &mut Vec<u8>,
         gpa: u64,

@@ -156,6 +156,7 @@ pub(crate) fn free_aside<T: Send + 'static>(value: T) {
 /// the receiver compressed, whatever its size (pages that do not compress grow by a few bytes,
 /// at most `Z_SLACK`). `scratch` is kept between calls. Returns the frame's length on the
 /// wire.
+#[allow(clippy::cast_possible_truncation)] // frame lengths are bounded by MAX_PAYLOAD.
 pub fn compress_pages_stream(
     frame: &mut Vec<u8>,
     stream: &mut ZstdStream,

@@ -57,6 +57,7 @@ impl Socket {
     /// The kernel's latest measure of the rate at which the peer acknowledged this TCP
     /// socket's data, in bytes per second (`TCP_INFO`'s `tcpi_delivery_rate`). `None` for a
     /// Unix socket, before any measure, or where the kernel does not say.
+    #[allow(clippy::cast_possible_truncation)] // sizes of small C structs.
     pub(super) fn delivery_rate(&self) -> Option<u64> {
         use std::os::fd::AsRawFd;
         let Socket::Tcp(s) = self else {
@@ -129,6 +130,7 @@ impl Write for Socket {
 /// not what it does hold: a link faster than compression never fills it.
 pub const SEND_BUFFER_BYTES: usize = 4 << 20;
 
+#[allow(clippy::cast_possible_truncation)] // SEND_BUFFER_BYTES is a few MiB.
 pub(super) fn set_send_buffer(s: &TcpStream) -> io::Result<()> {
     use std::os::fd::AsRawFd;
     let bytes = SEND_BUFFER_BYTES as libc::c_int;

@@ -370,6 +370,7 @@ impl Shared {
     /// answer never queues behind much background data, and on a fast one the fetches are few;
     /// or what the source asks for ([`PageSource::background_bytes`]). Runs only from a
     /// source that is not mapped (a remote one) into copied memory.
+    #[allow(clippy::cast_possible_truncation)] // a float to integer cast saturates; the result is clamped.
     fn background_run(&self) -> usize {
         if self.mode != super::Mode::Copy || self.source.mapped().is_some() {
             return 1;
@@ -459,6 +460,7 @@ impl Shared {
 
     /// Makes `chunk` resident unless it is already; returns true when it already was. A fault
     /// waits for a chunk another thread is installing; readahead and background skip it.
+    #[allow(clippy::cast_possible_truncation)] // chunk indices of one region fit in u32 (16 TiB of 4 KiB chunks).
     pub(super) fn make_resident(
         &self,
         chunk: usize,

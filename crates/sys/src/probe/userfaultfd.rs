@@ -63,7 +63,9 @@ pub fn userfaultfd() -> Result<Userfaultfd, String> {
                 ));
             }
             // SAFETY: `raw` is a fresh fd returned by userfaultfd(2) that nothing else owns.
-            let fd = unsafe { OwnedFd::from_raw_fd(raw as c_int) };
+            let fd = unsafe {
+                OwnedFd::from_raw_fd(c_int::try_from(raw).expect("an fd fits in a c_int"))
+            };
             (fd, "userfaultfd(2)", Some(dev_err))
         }
     };
