@@ -1,5 +1,6 @@
 //! The capability probe against this machine's known facts (see shared/notes/kvm-on-this-host.md):
-//! kernel 6.18 with kvm_pvm, guest_memfd MMAP|INIT_SHARED, no seed-000/001 kernel changes.
+//! kernel 6.18 with kvm_pvm, guest_memfd MMAP|INIT_SHARED, without the seeds kernel's guest_memfd
+//! `write()` and KVM Userfault.
 use guestmem_sys::probe::{probe, Probe};
 
 fn kvm_caps(p: &Probe) -> &guestmem_sys::probe::KvmCaps {

@@ -1,5 +1,5 @@
-//! guestmem's benchmarks, behind `guestmem bench …`: each reproduces one seed's table (one
-//! module per bench) and, with `--json`, prints one JSON object whose figures carry their unit
+//! guestmem's benchmarks, behind `guestmem bench …`: each measures one engine path against its baseline
+//! and floor (one module per bench) and, with `--json`, prints one JSON object whose figures carry their unit
 //! in their name, inside the result envelope every bench shares (`envelope`: the commit, the
 //! host, the steal time, and per figure its runs, median, min and max).
 //!

@@ -55,7 +55,7 @@ struct Output {
     methods: Vec<MethodResult>,
     /// Methods that could not run here, with the reason.
     unavailable: Vec<(Method, String)>,
-    /// The fastest method and its ratio to memcpy (the seed's target: at most 0.5).
+    /// The fastest method and its ratio to memcpy (the target: at most 0.5).
     best_method: Method,
     best_ms: f64,
     ratio_vs_memcpy: f64,

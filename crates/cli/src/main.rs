@@ -49,7 +49,7 @@ enum Command {
     Populate(populate::Args),
     /// Place a region's pages by NUMA policy and show where they are, per host node.
     Numa(numa::Args),
-    /// Benchmarks that reproduce the seeds' tables.
+    /// Benchmarks: each engine path measured against its baseline and floor.
     #[command(subcommand)]
     Bench(guestmem_bench::Bench),
 }
