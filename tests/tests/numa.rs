@@ -6,7 +6,7 @@ mod common;
 use common::HugePages;
 use guestmem_memory::{
     node_pages, nodes_with_memory, populate, Backend, Error, GuestMemory, NumaMode, NumaPolicy,
-    RegionSpec, Source,
+    PopulateFrom, RegionSpec,
 };
 use guestmem_sys::to_usize;
 use kvm_ioctls::Kvm;
@@ -91,7 +91,7 @@ fn populated_pages_sit_on_the_bound_node() {
             node_pages(region).unwrap().is_empty(),
             "{backend}: pages before population"
         );
-        populate(region, 0, SIZE, Source::Bytes(&image)).unwrap();
+        populate(region, 0, SIZE, PopulateFrom::Bytes(&image)).unwrap();
         let placed = node_pages(region).unwrap();
         assert_eq!(
             placed.into_iter().collect::<Vec<_>>(),
@@ -135,7 +135,7 @@ fn gmem_placement_follows_bind_interleave_and_preferred() {
             .unwrap_or_else(|e| panic!("{policy}: {e}"));
         let region = &mem.regions()[0];
         assert_eq!(region.numa_policy().unwrap().to_string(), policy);
-        populate(region, 0, GMEM_SIZE, Source::Bytes(&image)).unwrap();
+        populate(region, 0, GMEM_SIZE, PopulateFrom::Bytes(&image)).unwrap();
         let placed = node_pages(region).unwrap();
         assert_eq!(
             placed.values().sum::<u64>(),

@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use common::{image_with_zero_runs, resident, HugePages};
 use guestmem_memory::{
-    digest_bytes, populate, populate_with, Backend, Error, GuestMemory, Method, RegionSpec, Source,
-    DIGEST_SEED,
+    digest_bytes, populate, populate_with, Backend, Error, GuestMemory, Method, PopulateFrom,
+    RegionSpec, DIGEST_SEED,
 };
 use guestmem_vm::{layout, VcpuWork, Vm, VmConfig, Workload};
 use kvm_ioctls::{Kvm, VmFd};
@@ -56,7 +56,7 @@ fn every_method_lands_the_exact_bytes_on_every_backend() {
                 region,
                 offset,
                 len as u64,
-                Source::Bytes(&image),
+                PopulateFrom::Bytes(&image),
                 Some(method),
             )
             .unwrap_or_else(|e| panic!("{backend} via {method}: {e}"));
@@ -104,7 +104,7 @@ fn gmem_reports_the_method_it_used() {
     let vm = vm_fd();
     let mem = memory(Backend::GuestMemfd, &vm);
     let image = image_with_zero_runs(to_usize(SIZE), 4096);
-    let done = populate(&mem.regions()[0], 0, SIZE, Source::Bytes(&image)).unwrap();
+    let done = populate(&mem.regions()[0], 0, SIZE, PopulateFrom::Bytes(&image)).unwrap();
     let flags = vm.check_extension_raw(guestmem_sys::uapi::KVM_CAP_GUEST_MEMFD_FLAGS.into());
     let write = guestmem_sys::probe::guest_memfd_write(&vm, flags as u64).unwrap();
     if write.present {
@@ -125,7 +125,7 @@ fn the_guest_reads_the_populated_bytes() {
         let mut vm = Vm::new(&VmConfig::simple(1, SIZE, backend)).unwrap();
         let image = image_with_zero_runs(to_usize(SIZE), 4096);
         let region = vm.memory().region("ram").unwrap();
-        populate(region, 0, SIZE, Source::Bytes(&image)).unwrap();
+        populate(region, 0, SIZE, PopulateFrom::Bytes(&image)).unwrap();
         let work = VcpuWork::split(Workload::Verify, layout::RAM_GPA, SIZE, 1, 1);
         let report = vm.run(&work, Duration::from_secs(20)).unwrap();
         assert_eq!(
@@ -144,7 +144,7 @@ fn zero_pages_stay_unallocated_and_read_zero() {
         let mem = memory(backend, &vm);
         let region = &mem.regions()[0];
         let image = image_with_zero_runs(to_usize(SIZE), 4096);
-        populate(region, 0, SIZE, Source::Bytes(&image)).unwrap();
+        populate(region, 0, SIZE, PopulateFrom::Bytes(&image)).unwrap();
         let res = resident(region.host_addr(), to_usize(SIZE));
         for (i, page) in image.chunks(4096).enumerate() {
             let zero = page.iter().all(|&b| b == 0);
@@ -161,7 +161,7 @@ fn zero_pages_stay_unallocated_and_read_zero() {
             .iter()
             .map(|b| !b)
             .collect::<Vec<u8>>();
-        populate(region, 0, SIZE, Source::Bytes(&other)).unwrap();
+        populate(region, 0, SIZE, PopulateFrom::Bytes(&other)).unwrap();
         assert_eq!(
             read_back(&mem, 0, to_usize(SIZE)),
             other,
@@ -179,7 +179,7 @@ fn populates_from_a_file_at_an_offset_and_from_a_pipe() {
     file.write_all(&[7u8; 4096]).unwrap();
     file.write_all(&image).unwrap();
     let mem = memory(Backend::GuestMemfd, &vm);
-    let src = Source::Fd {
+    let src = PopulateFrom::Fd {
         fd: file.as_fd(),
         offset: 4096,
     };
@@ -194,7 +194,7 @@ fn populates_from_a_file_at_an_offset_and_from_a_pipe() {
         &mem.regions()[0],
         4096,
         1 << 20,
-        Source::Fd {
+        PopulateFrom::Fd {
             fd: rx.as_fd(),
             offset: 0,
         },
@@ -235,7 +235,7 @@ fn each_bad_input_is_refused_with_nothing_written() {
         Backend,
         u64,
         u64,
-        Source<'a>,
+        PopulateFrom<'a>,
         Option<Method>,
         &'a str,
     );
@@ -245,7 +245,7 @@ fn each_bad_input_is_refused_with_nothing_written() {
             Backend::GuestMemfd,
             100,
             4096,
-            Source::Bytes(&image),
+            PopulateFrom::Bytes(&image),
             None,
             "offset 0x64",
         ),
@@ -254,7 +254,7 @@ fn each_bad_input_is_refused_with_nothing_written() {
             Backend::Memfd,
             0,
             4097,
-            Source::Bytes(&image),
+            PopulateFrom::Bytes(&image),
             None,
             "length 0x1001",
         ),
@@ -263,7 +263,7 @@ fn each_bad_input_is_refused_with_nothing_written() {
             Backend::Anon,
             0,
             0,
-            Source::Bytes(&image),
+            PopulateFrom::Bytes(&image),
             None,
             "length is zero",
         ),
@@ -272,7 +272,7 @@ fn each_bad_input_is_refused_with_nothing_written() {
             Backend::GuestMemfd,
             4096,
             SIZE,
-            Source::Bytes(&image),
+            PopulateFrom::Bytes(&image),
             None,
             "runs past the region's end",
         ),
@@ -281,7 +281,7 @@ fn each_bad_input_is_refused_with_nothing_written() {
             Backend::Anon,
             0,
             8192,
-            Source::Bytes(&image[..4096]),
+            PopulateFrom::Bytes(&image[..4096]),
             None,
             "source is short: it has 0x1000",
         ),
@@ -290,7 +290,7 @@ fn each_bad_input_is_refused_with_nothing_written() {
             Backend::GuestMemfd,
             0,
             SIZE,
-            Source::file(&short_file),
+            PopulateFrom::file(&short_file),
             None,
             "source is short: it has 0x2000",
         ),
@@ -299,7 +299,7 @@ fn each_bad_input_is_refused_with_nothing_written() {
             Backend::Memfd,
             0,
             8192,
-            Source::Fd {
+            PopulateFrom::Fd {
                 fd: rx.as_fd(),
                 offset: 0,
             },
@@ -311,7 +311,7 @@ fn each_bad_input_is_refused_with_nothing_written() {
             Backend::Memfd,
             0,
             4096,
-            Source::Fd {
+            PopulateFrom::Fd {
                 fd: rx.as_fd(),
                 offset: 4096,
             },
@@ -323,7 +323,7 @@ fn each_bad_input_is_refused_with_nothing_written() {
             Backend::Anon,
             0,
             4096,
-            Source::Bytes(&image),
+            PopulateFrom::Bytes(&image),
             Some(Method::Pwrite),
             "method 'pwrite' cannot write into the anon backend",
         ),

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{assert_pages_consistent, dirty_work, resume_and_check_continuation, TempDir};
-use guestmem_memory::{populate, Backend, Method, Source, PAGE_SIZE};
+use guestmem_memory::{populate, Backend, Method, PopulateFrom, PAGE_SIZE};
 use guestmem_paging::PagerConfig;
 use guestmem_snapshot::{self as snapshot, Snapshot};
 use guestmem_store::backend::Backend as StoreBackend;
@@ -141,7 +141,7 @@ fn gmem_population_uses_write() {
         })
         .collect();
     let region = vm.memory().region("ram").unwrap();
-    let done = populate(region, 0, SIZE, Source::Bytes(&image)).unwrap();
+    let done = populate(region, 0, SIZE, PopulateFrom::Bytes(&image)).unwrap();
     assert_eq!(done.method, Method::GmemWrite, "{:?}", done.fallback_reason);
     assert!(done.fallback_reason.is_none());
     let work = guestmem_vm::VcpuWork::split(

@@ -7,7 +7,9 @@
 use guestmem_sys::to_usize;
 use std::time::Instant;
 
-use guestmem_memory::{populate_with, Backend, GuestMemory, Method, Populated, RegionSpec, Source};
+use guestmem_memory::{
+    populate_with, Backend, GuestMemory, Method, PopulateFrom, Populated, RegionSpec,
+};
 use serde::Serialize;
 
 use crate::envelope::Figure;
@@ -111,7 +113,13 @@ pub fn main(args: Args) -> crate::Result<()> {
             let mem = fresh()?;
             let region = &mem.regions()[0];
             let t = Instant::now();
-            let done = populate_with(region, 0, args.size, Source::Bytes(&image), Some(method))?;
+            let done = populate_with(
+                region,
+                0,
+                args.size,
+                PopulateFrom::Bytes(&image),
+                Some(method),
+            )?;
             method_runs[i].push(ms(t));
             check(&mem, &image, method.name())?;
             last[i] = Some(done);

@@ -5,7 +5,8 @@ use guestmem_sys::to_usize;
 use std::collections::BTreeMap;
 
 use guestmem_memory::{
-    node_pages, nodes_with_memory, populate, Backend, GuestMemory, NumaPolicy, RegionSpec, Source,
+    node_pages, nodes_with_memory, populate, Backend, GuestMemory, NumaPolicy, PopulateFrom,
+    RegionSpec,
 };
 use serde::Serialize;
 
@@ -62,7 +63,7 @@ pub fn main(args: Args) -> crate::Result<()> {
     let chunk = vec![0x5au8; to_usize((2 << 20).min(args.size))];
     for offset in (0..args.size).step_by(chunk.len()) {
         let len = (chunk.len() as u64).min(args.size - offset);
-        populate(region, offset, len, Source::Bytes(&chunk))?;
+        populate(region, offset, len, PopulateFrom::Bytes(&chunk))?;
     }
     let after = mem_used_mib(&nodes)?;
     let region_mib = node_pages(region)?

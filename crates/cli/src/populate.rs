@@ -4,7 +4,9 @@
 use std::fs::File;
 use std::path::PathBuf;
 
-use guestmem_memory::{populate, Backend, GuestMemory, NumaPolicy, Populated, RegionSpec, Source};
+use guestmem_memory::{
+    populate, Backend, GuestMemory, NumaPolicy, PopulateFrom, Populated, RegionSpec,
+};
 use serde::Serialize;
 
 use crate::units::parse_size;
@@ -54,7 +56,12 @@ pub fn main(args: Args) -> crate::Result<()> {
     let kvm = kvm_ioctls::Kvm::new()?;
     let vm = kvm.create_vm()?;
     let mem = GuestMemory::new(&[spec], Some(&vm))?;
-    let populated = populate(&mem.regions()[0], args.offset, len, Source::file(&file))?;
+    let populated = populate(
+        &mem.regions()[0],
+        args.offset,
+        len,
+        PopulateFrom::file(&file),
+    )?;
     let out = Output {
         image: args.image,
         backend: args.backend,

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::populate::{populate, Source};
+use crate::populate::{populate, PopulateFrom};
 use crate::{Error, Region, Result, PAGE_SIZE};
 
 /// The zstd frame magic (little-endian 0xFD2FB528).
@@ -96,7 +96,12 @@ pub fn load_image(region: &Region, path: &Path) -> Result<ImageLoad> {
                 break;
             }
             check_size(offset + len as u64, region).map_err(bad)?;
-            let done = populate(region, offset, len as u64, Source::Bytes(&piece[..len]))?;
+            let done = populate(
+                region,
+                offset,
+                len as u64,
+                PopulateFrom::Bytes(&piece[..len]),
+            )?;
             load.pages_copied += done.pages_copied;
             load.zero_pages_skipped += done.zero_pages_skipped;
             load.image_bytes += len as u64;
@@ -105,7 +110,7 @@ pub fn load_image(region: &Region, path: &Path) -> Result<ImageLoad> {
     } else {
         let file = File::open(path).map_err(io("cannot open".into()))?;
         let size = meta.len();
-        let done = populate(region, 0, size, Source::file(&file))?;
+        let done = populate(region, 0, size, PopulateFrom::file(&file))?;
         load.image_bytes = size;
         load.pages_copied = done.pages_copied;
         load.zero_pages_skipped = done.zero_pages_skipped;

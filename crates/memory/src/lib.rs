@@ -25,7 +25,7 @@ pub use mapping_cache::CachedMapping;
 pub use memslot::{Memslot, MemslotManager, SlotFlags};
 pub use numa::{node_pages, nodes_with_memory, NumaMode, NumaPolicy};
 pub use page_buf::PageBuf;
-pub use populate::{populate, populate_with, Method, Populated, Source};
+pub use populate::{populate, populate_with, Method, PopulateFrom, Populated};
 pub use region::{hugetlbfs_mount, Backend, Region, RegionSpec, HUGE_PAGE_SIZE};
 pub use userfault::{UserfaultBitmap, UserfaultHandler, UserfaultRouter};
 

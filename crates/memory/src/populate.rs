@@ -29,7 +29,7 @@ use crate::{Backend, Error, NumaMode, Region, Result};
 
 /// Where population reads from.
 #[derive(Debug, Clone, Copy)]
-pub enum Source<'a> {
+pub enum PopulateFrom<'a> {
     /// Bytes already in memory.
     Bytes(&'a [u8]),
     /// `len` bytes of a file or any other fd (pipe, memfd, socket) starting at `offset`
@@ -42,10 +42,10 @@ pub enum Source<'a> {
     },
 }
 
-impl<'a> Source<'a> {
+impl<'a> PopulateFrom<'a> {
     /// A whole file, from its start.
-    pub fn file(file: &'a File) -> Source<'a> {
-        Source::Fd {
+    pub fn file(file: &'a File) -> PopulateFrom<'a> {
+        PopulateFrom::Fd {
             fd: file.as_fd(),
             offset: 0,
         }
@@ -119,7 +119,7 @@ pub struct Populated {
 
 /// Fills `[offset, offset + len)` of `region` from `source`, choosing the fastest method (see
 /// the module documentation), and marks the range in the region's VMM dirty marks.
-pub fn populate(region: &Region, offset: u64, len: u64, source: Source) -> Result<Populated> {
+pub fn populate(region: &Region, offset: u64, len: u64, source: PopulateFrom) -> Result<Populated> {
     populate_with(region, offset, len, source, None)
 }
 
@@ -130,7 +130,7 @@ pub fn populate_with(
     region: &Region,
     offset: u64,
     len: u64,
-    source: Source,
+    source: PopulateFrom,
     method: Option<Method>,
 ) -> Result<Populated> {
     let start = Instant::now();
@@ -151,7 +151,7 @@ pub fn populate_with(
             ),
         });
     }
-    let source = SourceBytes::load(region, len, source)?;
+    let source = LoadedBytes::load(region, len, source)?;
     let bytes = source.as_slice();
     let page = to_usize(region.backend().page_size());
     region.vmm_dirty().mark(offset, len);
@@ -423,7 +423,7 @@ pub(crate) fn pwrite_all(region: &Region, dst: u64, data: &[u8]) -> io::Result<(
 }
 
 /// The source's `len` bytes: borrowed, a read-only mapping of a file, or read from a stream.
-enum SourceBytes<'a> {
+enum LoadedBytes<'a> {
     Borrowed(&'a [u8]),
     Mapped {
         addr: *mut libc::c_void,
@@ -434,8 +434,8 @@ enum SourceBytes<'a> {
     Read(Vec<u8>),
 }
 
-impl<'a> SourceBytes<'a> {
-    fn load(region: &Region, len: u64, source: Source<'a>) -> Result<SourceBytes<'a>> {
+impl<'a> LoadedBytes<'a> {
+    fn load(region: &Region, len: u64, source: PopulateFrom<'a>) -> Result<LoadedBytes<'a>> {
         let short = |have: u64| Error::Populate {
             region: region.name().to_string(),
             reason: format!(
@@ -443,9 +443,9 @@ impl<'a> SourceBytes<'a> {
             ),
         };
         match source {
-            Source::Bytes(b) if (b.len() as u64) < len => Err(short(b.len() as u64)),
-            Source::Bytes(b) => Ok(SourceBytes::Borrowed(&b[..to_usize(len)])),
-            Source::Fd { fd, offset } => {
+            PopulateFrom::Bytes(b) if (b.len() as u64) < len => Err(short(b.len() as u64)),
+            PopulateFrom::Bytes(b) => Ok(LoadedBytes::Borrowed(&b[..to_usize(len)])),
+            PopulateFrom::Fd { fd, offset } => {
                 let os = |op, e| Error::os(region.spec(), op, e);
                 // SAFETY: fstat fills a zeroed stat of an fd the caller keeps open.
                 let mut st: libc::stat = unsafe { std::mem::zeroed() };
@@ -475,7 +475,7 @@ impl<'a> SourceBytes<'a> {
                     if addr == libc::MAP_FAILED {
                         return Err(os("mmap of the source", io::Error::last_os_error()));
                     }
-                    return Ok(SourceBytes::Mapped {
+                    return Ok(LoadedBytes::Mapped {
                         addr,
                         map_len,
                         skip,
@@ -512,28 +512,28 @@ impl<'a> SourceBytes<'a> {
                         }
                     }
                 }
-                Ok(SourceBytes::Read(buf))
+                Ok(LoadedBytes::Read(buf))
             }
         }
     }
 
     fn as_slice(&self) -> &[u8] {
         match self {
-            SourceBytes::Borrowed(b) => b,
-            SourceBytes::Mapped {
+            LoadedBytes::Borrowed(b) => b,
+            LoadedBytes::Mapped {
                 addr, skip, len, ..
             } => {
                 // SAFETY: the mapping is `map_len = skip + len` readable bytes, alive until drop.
                 unsafe { std::slice::from_raw_parts((*addr as *const u8).add(*skip), *len) }
             }
-            SourceBytes::Read(v) => v,
+            LoadedBytes::Read(v) => v,
         }
     }
 }
 
-impl Drop for SourceBytes<'_> {
+impl Drop for LoadedBytes<'_> {
     fn drop(&mut self) {
-        if let SourceBytes::Mapped { addr, map_len, .. } = *self {
+        if let LoadedBytes::Mapped { addr, map_len, .. } = *self {
             // SAFETY: exactly the mapping made in `load`, unmapped once.
             unsafe { libc::munmap(addr, map_len) };
         }
