@@ -4,10 +4,10 @@ mod demo;
 mod migrate;
 mod numa;
 mod page_server;
-mod payload;
 mod populate;
 mod probe;
 mod run;
+mod write_payload;
 // The lint pass for the restore commands follows the restore-engine change.
 #[allow(clippy::cast_possible_truncation)]
 mod snapshot;
@@ -44,7 +44,7 @@ enum Command {
     /// Serve lazily restored VMs' memory over Firecracker's userfaultfd socket protocol.
     PageServer(page_server::Args),
     /// Write the guest payload out (a PVH ELF) so that other VMMs run the same workload.
-    Payload(payload::Args),
+    Payload(write_payload::Args),
     /// Fill a fresh region from an image file by the fastest method, and say which one.
     Populate(populate::Args),
     /// Place a region's pages by NUMA policy and show where they are, per host node.
@@ -71,7 +71,7 @@ fn main() {
         Command::Snapshot(args) => snapshot::snapshot(args),
         Command::Restore(args) => snapshot::restore(args),
         Command::PageServer(args) => page_server::main(args),
-        Command::Payload(args) => payload::main(args),
+        Command::Payload(args) => write_payload::main(args),
         Command::Populate(args) => populate::main(args),
         Command::Numa(args) => numa::main(args),
         Command::Bench(bench) => guestmem_bench::main(bench),

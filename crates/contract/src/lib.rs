@@ -5,11 +5,11 @@
 //! ([`PayloadVm`], [`VmBuilder`]).
 
 pub mod component;
-mod payload;
+mod payload_vm;
 mod target;
 
 pub use guestmem_sys::error_chain;
-pub use payload::{save as payload_state, state_of as payload_state_of, PayloadVm, VmBuilder};
+pub use payload_vm::{save as payload_state, state_of as payload_state_of, PayloadVm, VmBuilder};
 pub use target::{MachineBuilder, SharedFiles, TargetMachine};
 
 /// What the contract's operations return.
