@@ -13,8 +13,8 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use common::{
-    assert_pages_consistent, dirty_work, flip_byte_in_ram, pattern, resume_and_check_continuation,
-    snapshot_running_vm, HugePages, TempDir,
+    assert_memory_is_snapshot, assert_pages_consistent, dirty_work, flip_byte_in_ram, pattern,
+    resume_and_check_continuation, snapshot_running_vm, HugePages, TempDir,
 };
 use guestmem_memory::{Backend, Region, RegionSpec, PAGE_SIZE};
 use guestmem_pageserver::{
@@ -124,25 +124,7 @@ fn guest_restored_through_the_socket_continues() {
             std::thread::sleep(Duration::from_millis(5));
         }
         assert!(session.resident(), "{backend}: {:?}", session.stats());
-        for (region, image) in restored
-            .vm
-            .memory()
-            .regions()
-            .iter()
-            .zip(&snap.manifest().regions)
-        {
-            let digest = restored
-                .vm
-                .memory()
-                .digest(region.gpa(), region.size())
-                .unwrap();
-            assert_eq!(
-                digest,
-                image.digest,
-                "{backend}: region '{}'",
-                region.name()
-            );
-        }
+        assert_memory_is_snapshot(&restored.vm, &snap, &format!("{backend}"));
         drop(session);
     }
 }
@@ -873,20 +855,7 @@ fn serve_from_store(backend: std::sync::Arc<dyn guestmem_store::Backend>, tag: &
                 std::thread::sleep(Duration::from_millis(5));
             }
             assert!(session.resident(), "{tag}: {:?}", session.stats());
-            for (region, image) in restored
-                .vm
-                .memory()
-                .regions()
-                .iter()
-                .zip(&snap.manifest().regions)
-            {
-                let digest = restored
-                    .vm
-                    .memory()
-                    .digest(region.gpa(), region.size())
-                    .unwrap();
-                assert_eq!(digest, image.digest, "{tag}: region '{}'", region.name());
-            }
+            assert_memory_is_snapshot(&restored.vm, &snap, tag);
         } else {
             // On demand only: every page the checks and the guest read came through the server.
             assert_pages_consistent(&restored.vm, &work, &at_snapshot);

@@ -10,7 +10,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{assert_pages_consistent, resume_and_check_continuation, TempDir};
+use common::{assert_pages_consistent, resume_and_check_continuation, small_tmpfs, TempDir};
 use guestmem_contract::component::{Component, ComponentError, Components};
 use guestmem_contract::PayloadVm;
 use guestmem_memory::{Backend as MemBackend, GuestMemory};
@@ -368,20 +368,8 @@ impl Backend for Refusing {
 fn a_failed_live_snapshot_leaves_the_guest_running_and_the_previous_snapshot() {
     // Flat: a 24 MiB tmpfs holds one snapshot of 16 MiB of written RAM, not two.
     let mnt = TempDir::new("live-enospc");
-    let status = std::process::Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=24m", "guestmem-test"])
-        .arg(&mnt.0)
-        .status()
-        .expect("mount runs");
-    assert!(status.success(), "mounting a 24 MiB tmpfs (needs root)");
-    struct Unmount<'a>(&'a Path);
-    impl Drop for Unmount<'_> {
-        fn drop(&mut self) {
-            let _ = std::process::Command::new("umount").arg(self.0).status();
-        }
-    }
-    let _unmount = Unmount(&mnt.0);
-    let dir = mnt.0.join("snap");
+    let (small, _unmount) = small_tmpfs(&mnt, "24m");
+    let dir = small.join("snap");
     let store_dir = TempDir::new("live-refused");
     let store = Refusing {
         inner: LocalBackend::new(&store_dir.0.join("store")),
@@ -435,7 +423,7 @@ fn a_failed_live_snapshot_leaves_the_guest_running_and_the_previous_snapshot() {
         std::fs::read(dir.join("manifest.json")).unwrap(),
         first_manifest
     );
-    let leftovers: Vec<_> = std::fs::read_dir(&mnt.0)
+    let leftovers: Vec<_> = std::fs::read_dir(&small)
         .unwrap()
         .map(|e| e.unwrap().file_name())
         .collect();

@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{
-    assert_pages_consistent, dirty_work, resume_and_check_continuation, snapshot_running_vm,
-    TempDir,
+    assert_memory_is_snapshot, assert_pages_consistent, dirty_work, resume_and_check_continuation,
+    snapshot_running_vm, TempDir,
 };
 use guestmem_memory::Backend;
 use guestmem_paging::PagerConfig;
@@ -18,17 +18,9 @@ use guestmem_snapshot::Error;
 use guestmem_snapshot::{self as snapshot, PreparedVm, RestoreMode, Snapshot};
 use guestmem_store::local::LocalBackend;
 use guestmem_store::restore::StoreSnapshot;
-use guestmem_vm::{Vm, VmConfig};
+use guestmem_vm::VmConfig;
 
 const SIZE: u64 = 16 << 20;
-
-/// Every region's digest equals the snapshot's.
-fn assert_digests(vm: &Vm, snap: &Snapshot, what: &str) {
-    for (region, image) in vm.memory().regions().iter().zip(&snap.manifest().regions) {
-        let digest = vm.memory().digest(region.gpa(), region.size()).unwrap();
-        assert_eq!(digest, image.digest, "{what}: region '{}'", region.name());
-    }
-}
 
 #[test]
 #[cfg_attr(
@@ -47,7 +39,7 @@ fn a_prepared_vm_gets_the_snapshots_bytes_and_the_guest_goes_on() {
             let prepared = PreparedVm::new(&config).unwrap();
             let mut vm = snapshot::restore_into(prepared, &snap, mode).unwrap();
             let what = format!("{backend} {mode:?}");
-            assert_digests(&vm, &snap, &what);
+            assert_memory_is_snapshot(&vm, &snap, &what);
             assert_eq!(vm.pages_done(), at_snapshot, "{what}");
             assert_pages_consistent(&vm, &work, &at_snapshot);
             resume_and_check_continuation(&mut vm, &work, &at_snapshot);
@@ -69,7 +61,7 @@ fn a_prepared_vm_gets_the_snapshots_bytes_and_the_guest_goes_on() {
         for p in &pagers {
             assert!(p.wait_resident(Duration::from_secs(60)).unwrap());
         }
-        assert_digests(&vm, &snap, &format!("{backend} lazy"));
+        assert_memory_is_snapshot(&vm, &snap, &format!("{backend} lazy"));
         resume_and_check_continuation(&mut vm, &work, &at_snapshot);
         drop(pagers);
     }
@@ -99,7 +91,7 @@ fn a_prepared_vm_restores_from_a_store() {
     let mut vm = store
         .restore_full_into(PreparedVm::new(&config).unwrap())
         .unwrap();
-    assert_digests(&vm, &flat_snap, "store full");
+    assert_memory_is_snapshot(&vm, &flat_snap, "store full");
     resume_and_check_continuation(&mut vm, &work, &at_snapshot);
     drop(vm);
 
@@ -111,7 +103,7 @@ fn a_prepared_vm_restores_from_a_store() {
     for p in &pagers {
         assert!(p.wait_resident(Duration::from_secs(60)).unwrap());
     }
-    assert_digests(&vm, &flat_snap, "store lazy");
+    assert_memory_is_snapshot(&vm, &flat_snap, "store lazy");
     resume_and_check_continuation(&mut vm, &work, &at_snapshot);
     drop(pagers);
 }

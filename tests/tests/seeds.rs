@@ -9,7 +9,10 @@ use guestmem_sys::to_usize;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{assert_pages_consistent, dirty_work, resume_and_check_continuation, TempDir};
+use common::{
+    assert_memory_is_snapshot, assert_pages_consistent, dirty_work, resume_and_check_continuation,
+    TempDir,
+};
 use guestmem_memory::{populate, Backend, Method, PopulateFrom, PAGE_SIZE};
 use guestmem_paging::PagerConfig;
 use guestmem_snapshot::{self as snapshot, Snapshot};
@@ -79,20 +82,7 @@ fn gmem_lazy_restore_through_kvm_userfault() {
     assert!(lazy.userfault_pagers[0]
         .wait_resident(Duration::from_secs(60))
         .unwrap());
-    for (region, image) in lazy
-        .vm
-        .memory()
-        .regions()
-        .iter()
-        .zip(&snap.manifest().regions)
-    {
-        let digest = lazy
-            .vm
-            .memory()
-            .digest(region.gpa(), region.size())
-            .unwrap();
-        assert_eq!(digest, image.digest, "region '{}'", region.name());
-    }
+    assert_memory_is_snapshot(&lazy.vm, &snap, "restored");
     assert_pages_consistent(&lazy.vm, &work, &at_snapshot);
 }
 

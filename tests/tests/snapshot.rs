@@ -5,8 +5,8 @@ mod common;
 use std::path::Path;
 
 use common::{
-    assert_pages_consistent, dirty_work, flip_byte_in_ram, resume_and_check_continuation,
-    snapshot_running_vm, wait_for_generation, TempDir,
+    assert_memory_is_snapshot, assert_pages_consistent, dirty_work, flip_byte_in_ram,
+    resume_and_check_continuation, small_tmpfs, snapshot_running_vm, wait_for_generation, TempDir,
 };
 use guestmem_memory::{Backend, RegionSpec};
 use guestmem_paging::PagerConfig;
@@ -27,15 +27,7 @@ fn restored_guest_continues_on_every_backend_and_mode() {
             let snap = Snapshot::open(&dir.0).unwrap();
             let mut vm = snapshot::restore(&snap, mode).unwrap();
             // Memory is back as it was: every region's digest equals the one taken at snapshot.
-            for (region, image) in vm.memory().regions().iter().zip(&snap.manifest().regions) {
-                let digest = vm.memory().digest(region.gpa(), region.size()).unwrap();
-                assert_eq!(
-                    digest,
-                    image.digest,
-                    "{backend} {mode:?}: region '{}'",
-                    region.name()
-                );
-            }
+            assert_memory_is_snapshot(&vm, &snap, &format!("{backend} {mode:?}"));
             assert_eq!(vm.pages_done(), at_snapshot);
             let work = dirty_work(2, SIZE);
             assert_pages_consistent(&vm, &work, &at_snapshot);
@@ -274,25 +266,7 @@ fn lazily_restored_guest_continues_while_memory_arrives() {
                 .wait_resident(std::time::Duration::from_secs(30))
                 .unwrap());
         }
-        for (region, image) in lazy
-            .vm
-            .memory()
-            .regions()
-            .iter()
-            .zip(&snap.manifest().regions)
-        {
-            let digest = lazy
-                .vm
-                .memory()
-                .digest(region.gpa(), region.size())
-                .unwrap();
-            assert_eq!(
-                digest,
-                image.digest,
-                "{backend}: region '{}'",
-                region.name()
-            );
-        }
+        assert_memory_is_snapshot(&lazy.vm, &snap, &format!("{backend}"));
         assert_pages_consistent(&lazy.vm, &work, &at_snapshot);
     }
 }
@@ -425,20 +399,7 @@ fn a_diff_snapshot_restores_over_its_base() {
             .wait_resident(std::time::Duration::from_secs(30))
             .unwrap());
     }
-    for (region, image) in lazy
-        .vm
-        .memory()
-        .regions()
-        .iter()
-        .zip(&snap.manifest().regions)
-    {
-        let digest = lazy
-            .vm
-            .memory()
-            .digest(region.gpa(), region.size())
-            .unwrap();
-        assert_eq!(digest, image.digest, "lazy: region '{}'", region.name());
-    }
+    assert_memory_is_snapshot(&lazy.vm, &snap, "lazy");
     resume_and_check_continuation(&mut lazy.vm, &work, &at_diff);
     drop(lazy);
 
@@ -522,10 +483,7 @@ fn no_restore_mode_runs_a_guest_on_wrong_bytes() {
     );
     let snap = Snapshot::open(&d.0).unwrap();
     let vm = snapshot::restore(&snap, RestoreMode::Full).unwrap();
-    for (region, image) in vm.memory().regions().iter().zip(&snap.manifest().regions) {
-        let digest = vm.memory().digest(region.gpa(), region.size()).unwrap();
-        assert_eq!(digest, image.digest, "full: region '{}'", region.name());
-    }
+    assert_memory_is_snapshot(&vm, &snap, "full");
 }
 
 /// A snapshot written over an existing one on a file system that fills up fails, and the
@@ -535,22 +493,10 @@ fn no_restore_mode_runs_a_guest_on_wrong_bytes() {
 #[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
 fn a_failed_snapshot_write_keeps_the_previous_snapshot() {
     let mnt = TempDir::new("enospc");
-    let status = std::process::Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=24m", "guestmem-test"])
-        .arg(&mnt.0)
-        .status()
-        .expect("mount runs");
-    assert!(status.success(), "mounting a 24 MiB tmpfs (needs root)");
-    struct Unmount<'a>(&'a Path);
-    impl Drop for Unmount<'_> {
-        fn drop(&mut self) {
-            let _ = std::process::Command::new("umount").arg(self.0).status();
-        }
-    }
-    let _unmount = Unmount(&mnt.0);
+    let (small, _unmount) = small_tmpfs(&mnt, "24m");
 
     // 16 MiB of RAM, every page of it written: one snapshot fits in 24 MiB, two do not.
-    let dir = mnt.0.join("snap");
+    let dir = small.join("snap");
     let config = VmConfig::simple(2, 2 * SIZE, Backend::Anon);
     let mut vm = Vm::new(&config).unwrap();
     let work = dirty_work(2, 2 * SIZE);
@@ -573,7 +519,7 @@ fn a_failed_snapshot_write_keeps_the_previous_snapshot() {
         std::fs::read(dir.join("manifest.json")).unwrap(),
         first_manifest
     );
-    let leftovers: Vec<_> = std::fs::read_dir(&mnt.0)
+    let leftovers: Vec<_> = std::fs::read_dir(&small)
         .unwrap()
         .map(|e| e.unwrap().file_name())
         .collect();
@@ -670,20 +616,7 @@ fn a_recorded_working_set_is_fetched_first_and_saves_faults() {
             .wait_resident(std::time::Duration::from_secs(30))
             .unwrap());
     }
-    for (region, image) in lazy
-        .vm
-        .memory()
-        .regions()
-        .iter()
-        .zip(&snap.manifest().regions)
-    {
-        let digest = lazy
-            .vm
-            .memory()
-            .digest(region.gpa(), region.size())
-            .unwrap();
-        assert_eq!(digest, image.digest, "region '{}'", region.name());
-    }
+    assert_memory_is_snapshot(&lazy.vm, &snap, "restored");
     drop(lazy);
 
     // A working set whose list was altered is refused, as is one of another snapshot.

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{
-    assert_pages_consistent, dirty_work, resume_and_check_continuation, wait_for_generation,
-    TempDir,
+    assert_pages_consistent, dirty_work, resume_and_check_continuation, small_tmpfs,
+    wait_for_generation, TempDir,
 };
 use guestmem_memory::Backend as MemBackend;
 use guestmem_paging::{PageSource, PagerConfig};
@@ -636,31 +636,6 @@ fn minio_on_a_full_disk_fails_and_leaves_no_manifest() {
         "{text}"
     );
     assert_no_snapshot(backend, "full");
-}
-
-/// A tmpfs of `size` mounted in `tmp` (unmounted when the guard goes).
-fn small_tmpfs(tmp: &TempDir, size: &str) -> (std::path::PathBuf, impl Drop) {
-    assert_eq!(
-        // SAFETY: geteuid has no preconditions.
-        unsafe { libc::geteuid() },
-        0,
-        "this test mounts a small tmpfs and needs root"
-    );
-    let mnt = tmp.0.join("small");
-    std::fs::create_dir_all(&mnt).unwrap();
-    let ok = std::process::Command::new("mount")
-        .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
-        .arg(&mnt)
-        .status()
-        .unwrap();
-    assert!(ok.success(), "mount a {size} tmpfs on {}", mnt.display());
-    struct Unmount(std::path::PathBuf);
-    impl Drop for Unmount {
-        fn drop(&mut self) {
-            let _ = std::process::Command::new("umount").arg(&self.0).status();
-        }
-    }
-    (mnt.clone(), Unmount(mnt))
 }
 
 /// A VM whose RAM (SIZE) holds incompressible bytes.

@@ -198,6 +198,31 @@ impl Drop for TempDir {
     }
 }
 
+/// A tmpfs of `size` mounted in `tmp` (unmounted when the guard goes).
+pub fn small_tmpfs(tmp: &TempDir, size: &str) -> (std::path::PathBuf, impl Drop) {
+    assert_eq!(
+        // SAFETY: geteuid has no preconditions.
+        unsafe { libc::geteuid() },
+        0,
+        "this test mounts a small tmpfs and needs root"
+    );
+    let mnt = tmp.0.join("small");
+    std::fs::create_dir_all(&mnt).unwrap();
+    let ok = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+        .arg(&mnt)
+        .status()
+        .unwrap();
+    assert!(ok.success(), "mount a {size} tmpfs on {}", mnt.display());
+    struct Unmount(std::path::PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount").arg(&self.0).status();
+        }
+    }
+    (mnt.clone(), Unmount(mnt))
+}
+
 /// Runs a 2-vCPU `dirty` VM over the first `size` bytes of its RAM for two passes, pauses it,
 /// snapshots it into `dir`, and returns the pages done per vCPU at the snapshot.
 pub fn snapshot_running_vm(config: &VmConfig, size: u64, dir: &Path) -> Vec<u64> {
@@ -208,6 +233,15 @@ pub fn snapshot_running_vm(config: &VmConfig, size: u64, dir: &Path) -> Vec<u64>
     let report = snapshot::write(&vm, dir).unwrap();
     assert_eq!(report.memory_bytes, vm.memory().size());
     vm.pages_done()
+}
+
+/// Every region of `vm`'s memory has the digest the snapshot recorded for it (`what` names the
+/// case in the failure).
+pub fn assert_memory_is_snapshot(vm: &Vm, snap: &snapshot::Snapshot, what: &str) {
+    for (region, image) in vm.memory().regions().iter().zip(&snap.manifest().regions) {
+        let digest = vm.memory().digest(region.gpa(), region.size()).unwrap();
+        assert_eq!(digest, image.digest, "{what}: region '{}'", region.name());
+    }
 }
 
 /// Flips the bits `mask` of the byte at `offset` into the "ram" region of the snapshot in `dir`.
