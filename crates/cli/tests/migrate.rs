@@ -1105,6 +1105,22 @@ fn gmem_mappable(probe: &Value) -> bool {
         .all(|f| names.as_array().is_some_and(|n| n.iter().any(|x| x == f)))
 }
 
+/// Where the kernel has no host-mapped guest_memfd: `migrate send --backend gmem` (with
+/// `extra`) refuses, naming what the kernel lacks.
+fn assert_gmem_send_refused(name: &str, keys: &str, extra: &[&str]) {
+    let mut args = vec!["--backend", "gmem"];
+    args.extend_from_slice(extra);
+    let sent = Proc::spawn(name, &[], &send_args("tcp:127.0.0.1:9", keys, &args)).wait(LONG);
+    assert!(!sent.status.success(), "{}", sent.stdout);
+    assert!(
+        sent.stderr.contains("the gmem backend is not available")
+            && (sent.stderr.contains("KVM_CAP_GUEST_MEMFD")
+                || sent.stderr.contains("MMAP|INIT_SHARED")),
+        "{}",
+        sent.stderr
+    );
+}
+
 /// A gmem VM migrated pre-copy between two guestmem processes over loopback TCP: both sides'
 /// digests at switch-over equal (`--verify`), and the guest goes on at the destination. Where
 /// the kernel has no host-mapped guest_memfd, `migrate send` refuses naming what it lacks.
@@ -1115,20 +1131,7 @@ fn gmem_precopy_over_loopback_moves_the_guest_with_memory_verified() {
     let dir = TempDir::new("gmem-precopy");
     let keys = dir.keys("keys");
     if !gmem_mappable(&probe) {
-        let sent = Proc::spawn(
-            "migrate send (gmem)",
-            &[],
-            &send_args("tcp:127.0.0.1:9", &keys, &["--backend", "gmem"]),
-        )
-        .wait(LONG);
-        assert!(!sent.status.success(), "{}", sent.stdout);
-        assert!(
-            sent.stderr.contains("the gmem backend is not available")
-                && (sent.stderr.contains("KVM_CAP_GUEST_MEMFD")
-                    || sent.stderr.contains("MMAP|INIT_SHARED")),
-            "{}",
-            sent.stderr
-        );
+        assert_gmem_send_refused("migrate send (gmem)", &keys, &[]);
         return;
     }
     let (receive, to) = receive_tcp("migrate receive (gmem)", &keys);
@@ -1159,23 +1162,10 @@ fn gmem_postcopy_is_served_or_refused_naming_what_is_missing() {
     let dir = TempDir::new("gmem-postcopy");
     let keys = dir.keys("keys");
     if !gmem_mappable(&probe) {
-        let sent = Proc::spawn(
+        assert_gmem_send_refused(
             "migrate send (gmem post-copy)",
-            &[],
-            &send_args(
-                "tcp:127.0.0.1:9",
-                &keys,
-                &["--backend", "gmem", "--mode", "postcopy"],
-            ),
-        )
-        .wait(LONG);
-        assert!(!sent.status.success(), "{}", sent.stdout);
-        assert!(
-            sent.stderr.contains("the gmem backend is not available")
-                && (sent.stderr.contains("KVM_CAP_GUEST_MEMFD")
-                    || sent.stderr.contains("MMAP|INIT_SHARED")),
-            "{}",
-            sent.stderr
+            &keys,
+            &["--mode", "postcopy"],
         );
         return;
     }
