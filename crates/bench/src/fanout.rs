@@ -166,6 +166,9 @@ struct Storm {
     restore_runqueue_p99_ms: f64,
     /// Restores that found the service's pool empty and built their VM on their clock.
     pool_empty: usize,
+    /// Building one armed VM in the refill threads during the storm, p50 and p99, ms.
+    refill_p50_ms: f64,
+    refill_p99_ms: f64,
     load_average: Option<String>,
     fds_before: usize,
     fds_after: usize,
@@ -287,7 +290,7 @@ fn print_text(out: &Output) {
     for s in &out.storms {
         println!(
             "storm of {} restores, {} at a time: {:.1}/s, ready p50 {:.1} p99 {:.1} ms (CPU p50 \
-             {:.2} p99 {:.2} ms, runqueue p99 {:.2} ms), pool empty {}; fds {} -> {}, anon {:.1} -> {:.1} MiB; load {}",
+             {:.2} p99 {:.2} ms, runqueue p99 {:.2} ms), pool empty {} (refill p50 {:.1} p99 {:.1} ms); fds {} -> {}, anon {:.1} -> {:.1} MiB; load {}",
             s.restores,
             s.at_a_time,
             s.restores_per_s,
@@ -297,6 +300,8 @@ fn print_text(out: &Output) {
             s.restore_cpu_p99_ms,
             s.restore_runqueue_p99_ms,
             s.pool_empty,
+            s.refill_p50_ms,
+            s.refill_p99_ms,
             s.fds_before,
             s.fds_after,
             s.rss_anon_before_mib,
@@ -844,6 +849,7 @@ fn storm(args: &Args, source: &Source, share: &Share, at_a_time: usize) -> crate
     let finished = std::sync::atomic::AtomicBool::new(false);
     let times = Mutex::new(Vec::with_capacity(args.storm));
     let failure = Mutex::new(None);
+    let refills = Mutex::new(Vec::new());
     let t = Instant::now();
     std::thread::scope(|s| {
         for _ in 0..REFILL_THREADS {
@@ -851,10 +857,13 @@ fn storm(args: &Args, source: &Source, share: &Share, at_a_time: usize) -> crate
             s.spawn(|| {
                 while !finished.load(Ordering::Acquire) {
                     if service.pooled() < at_a_time {
-                        if let Err(e) = service.fill(at_a_time) {
+                        let t = Instant::now();
+                        if let Err(e) = service.fill(service.pooled() + 1) {
                             *failure.lock().expect("not poisoned") = Some(e.to_string());
                             return;
                         }
+                        let ms = t.elapsed().as_secs_f64() * 1e3;
+                        refills.lock().expect("not poisoned").push(ms);
                     } else {
                         std::thread::sleep(Duration::from_micros(200));
                     }
@@ -883,6 +892,7 @@ fn storm(args: &Args, source: &Source, share: &Share, at_a_time: usize) -> crate
         service.clear();
     }
     let times = times.into_inner().expect("not poisoned");
+    let refills = refills.into_inner().expect("not poisoned");
     let readies: Vec<f64> = times.iter().map(|t| t.ready_ms).collect();
     let cpu: Vec<f64> = times.iter().map(|t| t.restore_cpu_ms).collect();
     let runqueue: Vec<f64> = times.iter().map(|t| t.restore_runqueue_ms).collect();
@@ -896,6 +906,8 @@ fn storm(args: &Args, source: &Source, share: &Share, at_a_time: usize) -> crate
         restore_cpu_p99_ms: percentile(&cpu, 99.0),
         restore_runqueue_p99_ms: percentile(&runqueue, 99.0),
         pool_empty: pool_empty.into_inner(),
+        refill_p50_ms: percentile(&refills, 50.0),
+        refill_p99_ms: percentile(&refills, 99.0),
         load_average: crate::envelope::load_average(),
         fds_before,
         fds_after: fds(),

@@ -173,21 +173,22 @@ impl RestoreService {
     }
 
     /// Restores a clone into a VM of the pool, or one built now if the pool is empty (its
-    /// phases then start with "prepare (pool empty)"; the client waits for it, so it is built
-    /// at the restore's priority).
+    /// phases then start with "prepare (pool empty)"). The build runs at the caller's
+    /// priority: it takes milliseconds of CPU and waits on the kernel, too long to hold a
+    /// real-time priority over the running guests and the pool's refill.
     pub fn restore(&self) -> Result<ServiceRestore> {
         let t = Instant::now();
         let pooled = self.pool.lock().unwrap_or_else(|e| e.into_inner()).pop();
         match pooled {
             Some(armed) => self.restore_armed(armed),
-            None => priority::foreground(|| {
+            None => {
                 let armed = self.prepare()?;
                 let built = t.elapsed();
-                let mut restored = self.restore_armed_now(armed)?;
+                let mut restored = self.restore_armed(armed)?;
                 restored.phases.insert(0, ("prepare (pool empty)", built));
                 restored.lazy.ready += built;
                 Ok(restored)
-            }),
+            }
         }
     }
 
