@@ -15,11 +15,12 @@ use common::{
 };
 use guestmem_memory::Backend as MemBackend;
 use guestmem_paging::{PagerConfig, Share, SharedImage};
-use guestmem_snapshot::{self as snapshot, Snapshot};
+use guestmem_snapshot::{self as snapshot, PreparedVm, Snapshot};
 use guestmem_store::backend::Backend;
 use guestmem_store::local::LocalBackend;
 use guestmem_store::manifest::StoreManifest;
 use guestmem_store::restore::StoreSnapshot;
+use guestmem_store::service::RestoreService;
 use guestmem_store::write::write;
 use guestmem_vm::{Vm, VmConfig};
 
@@ -273,4 +274,89 @@ fn clones_racing_to_publish_the_same_chunks_all_read_the_snapshots_bytes() {
     });
     let image = share.image(&snap.manifest().checksum);
     assert_eq!(image.resident_bytes(), image.published_bytes());
+}
+
+/// A snapshot written to a fresh local store in `tmp` from a guest that ran a while: the
+/// backend, the guest's progress and its RAM at the snapshot.
+fn store_snapshot(tmp: &TempDir, ram: u64) -> (Arc<dyn Backend>, Vec<u64>, Vec<u8>) {
+    let backend: Arc<dyn Backend> = Arc::new(LocalBackend::new(&tmp.0));
+    let mut vm = Vm::new(&VmConfig::simple(2, ram, MemBackend::Anon)).unwrap();
+    let running = vm.start(&dirty_work(2, ram)).unwrap();
+    wait_for_generation(&running, 2);
+    running.pause().unwrap();
+    write(&*backend, "vm", &vm, None).unwrap();
+    let at_snapshot = vm.pages_done();
+    let snapshot_ram = ram_bytes(&vm);
+    (backend, at_snapshot, snapshot_ram)
+}
+
+/// A restore service (the snapshot held open, a pool of VMs armed ahead: sys region in,
+/// pagers registered, prefetch held): two clones restored from its pool share one copy, one
+/// runs on from where the snapshot stopped, the other reads exactly the snapshot's bytes; a
+/// clone restored with the pool empty too. A VM built for another layout, or armed for
+/// another snapshot, is refused; a damaged chunk is refused by every clone of the service.
+#[test]
+#[cfg_attr(
+    not(all(kvm, uffd)),
+    ignore = "no usable /dev/kvm and /dev/userfaultfd on this host"
+)]
+fn a_restore_service_restores_armed_clones_to_the_snapshots_bytes() {
+    let tmp = TempDir::new("clones-service");
+    let (backend, at_snapshot, snapshot_ram) = store_snapshot(&tmp, RAM);
+    let share = ShareDir::new("service");
+    let service = RestoreService::open(backend.clone(), "vm", None, share.config()).unwrap();
+    service.fill(2).unwrap();
+    assert_eq!(service.pooled(), 2);
+    let image = share.image(&service.snapshot().manifest.checksum);
+    assert_eq!(image.published_bytes(), 0, "an armed VM fetches nothing");
+    let mut a = service.restore().unwrap();
+    let b = service.restore().unwrap();
+    assert_eq!(service.pooled(), 0);
+    assert!(!a.phases.iter().any(|(n, _)| n.starts_with("prepare")));
+    check_two_clones(
+        &mut a.lazy.vm,
+        &b.lazy.vm,
+        &at_snapshot,
+        &snapshot_ram,
+        &image,
+    );
+    let c = service.restore().unwrap();
+    assert_eq!(c.phases[0].0, "prepare (pool empty)");
+    assert!(ram_bytes(&c.lazy.vm) == snapshot_ram);
+    drop((a, b, c));
+
+    // Another layout: refused, naming what differs, before anything is restored into it.
+    let other = PreparedVm::new(&VmConfig::simple(2, 2 * RAM, MemBackend::Anon)).unwrap();
+    let e = service.arm(other).err().unwrap().to_string();
+    assert!(e.contains("region 'ram'") && e.contains("MiB"), "{e}");
+
+    // A VM armed for another snapshot (same layout, other bytes) is refused.
+    let tmp2 = TempDir::new("clones-service-other");
+    let (backend2, _, _) = store_snapshot(&tmp2, RAM);
+    let service2 = RestoreService::open(backend2, "vm", None, share.config()).unwrap();
+    let armed = service2.prepare().unwrap();
+    let e = service.restore_armed(armed).err().unwrap().to_string();
+    assert!(e.contains("armed for the snapshot"), "{e}");
+
+    // A damaged chunk: every clone of the service stops naming it; none publishes it.
+    let manifest = StoreManifest::load(&*backend, "vm").unwrap();
+    let c = StoreManifest::stored(&manifest.regions[1].chunks[0], &manifest.pack_ids())
+        .expect("the guest wrote the first chunk of RAM");
+    let key = c.object_key();
+    let mut bytes = backend.get(&key).unwrap();
+    bytes[(c.offset() + c.stored / 2) as usize] ^= 1;
+    backend.put(&key, &bytes).unwrap();
+    let share = ShareDir::new("service-bad");
+    let service = RestoreService::open(backend, "vm", None, share.config()).unwrap();
+    let image = share.image(&service.snapshot().manifest.checksum);
+    service.fill(2).unwrap();
+    for clone in 0..2 {
+        let mut r = service.restore().unwrap();
+        let e = run_to_error(&mut r.lazy.vm);
+        assert!(
+            e.contains("corrupt store snapshot") && e.contains("region 'ram' chunk 0 (offset 0x0)"),
+            "clone {clone}: {e}"
+        );
+        assert!(!image.is_published(0, 4096), "clone {clone}");
+    }
 }

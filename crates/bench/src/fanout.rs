@@ -17,10 +17,16 @@
 //!   at a time; each restores, runs to its first progress and goes. `restores_per_s`,
 //!   `ready_p99_ms`, and the process's descriptors and anonymous memory before and after.
 //!
-//! `--prepared` restores into VMs built before each restore's clock starts (a warm pool);
-//! `--open-once` restores every clone from the snapshot opened once before the clocks start.
-//! The store and the shared image are removed afterwards. Self-contained: the only hook is the
-//! `Fanout` variant of `guestmem bench`.
+//! How a clone is restored (`--via`): by default as a restore service runs
+//! ([`RestoreService`]: the snapshot opened once, its sys region, working set and state read
+//! once, a pool of VMs built with the sys region in place before the clocks start; a restore
+//! arms the pagers and puts the vCPU state in), with each restore's phases and the CPU time
+//! of the thread that restores. The others measure what that leaves out: `warm` (the snapshot
+//! opened once, a VM built before the restore's clock), `prepared` (also opening the snapshot
+//! on the clock) and `fresh` (also building the VM). In the storm the service's pool is
+//! refilled by a thread of its own while the restores go on, and a restore that finds it
+//! empty builds its VM on its clock. The store and the shared image are removed afterwards.
+//! Self-contained: the only hook is the `Fanout` variant of `guestmem bench`.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -32,6 +38,7 @@ use guestmem_paging::{PagerConfig, Share};
 use guestmem_snapshot::PreparedVm;
 use guestmem_store::local::LocalBackend;
 use guestmem_store::restore::{LazyStoreVm, StoreSnapshot};
+use guestmem_store::service::RestoreService;
 use guestmem_store::write::write;
 use guestmem_store::Backend;
 use guestmem_vm::{layout, VcpuWork, Vm, VmConfig, Workload};
@@ -70,19 +77,27 @@ pub struct Args {
     /// Restores at a time in the storm's second half.
     #[arg(long, default_value_t = 16)]
     storm_parallel: usize,
-    /// Restore into prepared VMs (built before each restore's clock starts).
-    #[arg(long)]
-    prepared: bool,
-    /// Open the store snapshot once, before the clocks start, and restore every clone from it
-    /// (as a restore service holding it open would): ready leaves out reading and checking
-    /// the manifest and the state.
-    #[arg(long)]
-    open_once: bool,
+    /// How each clone is restored: `service` (a restore service holding the snapshot open
+    /// with a pool of armed VMs), `warm` (the snapshot opened once, a VM built before the
+    /// restore's clock), `prepared` (a VM built before the clock, the snapshot opened on it),
+    /// `fresh` (the snapshot opened and the VM built on the clock).
+    #[arg(long, value_enum, default_value_t = Via::Service)]
+    via: Via,
     /// Where the shared image goes (tmpfs).
     #[arg(long, default_value = Share::DEFAULT_DIR)]
     share_dir: PathBuf,
     #[arg(long)]
     json: bool,
+}
+
+/// How a clone is restored (`--via`).
+#[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+enum Via {
+    Service,
+    Warm,
+    Prepared,
+    Fresh,
 }
 
 #[derive(Serialize)]
@@ -91,9 +106,11 @@ struct Output {
     memory_bytes: u64,
     vcpus_per_clone: usize,
     run_s: f64,
-    prepared: bool,
-    open_once: bool,
+    via: Via,
     working_set_mib: f64,
+    /// One restore alone into the service's pool, before the fleets (`--via service`): its
+    /// phases, wall and CPU time, each the median of `alone_restores` restores.
+    alone: Option<Alone>,
     rows: Vec<Row>,
     storms: Vec<Storm>,
 }
@@ -108,6 +125,17 @@ struct Row {
     first_progress_p95_ms: f64,
     working_set_p50_ms: f64,
     working_set_p95_ms: f64,
+    /// CPU time of the thread that restored (not the pagers' threads), per clone.
+    restore_cpu_p50_ms: f64,
+    restore_cpu_p95_ms: f64,
+    /// Time that thread waited for a CPU (runnable, not running) during the restore; the
+    /// rest of ready beyond CPU and this is time it slept (locks, I/O).
+    restore_runqueue_p50_ms: f64,
+    restore_runqueue_p95_ms: f64,
+    /// Per restore phase (`--via service`), p50 and p95 of its wall time, ms.
+    phases_ms: Vec<PhaseRow>,
+    /// /proc/loadavg when the fleet was done.
+    load_average: Option<String>,
     /// /proc/meminfo AnonPages + Shmem, while all clones live, minus before (noisy: the
     /// whole host's).
     host_mem_growth_mib: f64,
@@ -133,16 +161,49 @@ struct Storm {
     restores_per_s: f64,
     ready_p50_ms: f64,
     ready_p99_ms: f64,
+    restore_cpu_p50_ms: f64,
+    restore_cpu_p99_ms: f64,
+    restore_runqueue_p99_ms: f64,
+    /// Restores that found the service's pool empty and built their VM on their clock.
+    pool_empty: usize,
+    /// Building one armed VM in the refill threads during the storm, p50 and p99, ms.
+    refill_p50_ms: f64,
+    refill_p99_ms: f64,
+    load_average: Option<String>,
     fds_before: usize,
     fds_after: usize,
     rss_anon_before_mib: f64,
     rss_anon_after_mib: f64,
 }
 
+#[derive(Serialize)]
+struct PhaseRow {
+    phase: &'static str,
+    p50_ms: f64,
+    p95_ms: f64,
+}
+
+#[derive(Serialize)]
+struct Alone {
+    restores: usize,
+    ready_p50_ms: f64,
+    restore_cpu_p50_ms: f64,
+    restore_runqueue_p50_ms: f64,
+    phases_ms: Vec<PhaseRow>,
+    /// Building one armed VM for the pool (before the clock), median wall and CPU time.
+    prepare_p50_ms: f64,
+    prepare_cpu_p50_ms: f64,
+    /// Its VM's build phases, medians.
+    prepare_phases_ms: Vec<PhaseRow>,
+}
+
 /// What one clone measured.
-#[derive(Clone, Copy, Default)]
+#[derive(Clone, Default)]
 struct CloneTimes {
     ready_ms: f64,
+    restore_cpu_ms: f64,
+    restore_runqueue_ms: f64,
+    phases: Vec<(&'static str, f64)>,
     first_progress_ms: f64,
     working_set_ms: f64,
     pages_written: u64,
@@ -163,49 +224,91 @@ pub fn main(args: Args) -> crate::Result<()> {
     if args.json {
         crate::envelope::print(&out)?;
     } else {
-        for r in &out.rows {
-            println!(
-                "{:>3} clones {:>9}: ready p50 {:.1} p95 {:.1} ms, first progress p50 {:.1} \
-                 p95 {:.1} ms, working set p95 {:.1} ms, memory +{:.0} MiB (host +{:.0}), \
-                 {:.2}x touched+written{}",
-                r.clones,
-                if r.shared { "shared" } else { "unshared" },
-                r.ready_p50_ms,
-                r.ready_p95_ms,
-                r.first_progress_p50_ms,
-                r.first_progress_p95_ms,
-                r.working_set_p95_ms,
-                r.process_mem_growth_mib,
-                r.host_mem_growth_mib,
-                r.growth_to_touched_plus_written,
-                r.growth_to_unshared
-                    .map(|g| format!(
-                        ", {g:.2}x unshared{}",
-                        if r.unshared_estimated {
-                            " (estimated)"
-                        } else {
-                            ""
-                        }
-                    ))
-                    .unwrap_or_default()
-            );
-        }
-        for s in &out.storms {
-            println!(
-                "storm of {} restores, {} at a time: {:.1}/s, ready p99 {:.1} ms; fds {} -> {}, \
-                 anon {:.0} -> {:.0} MiB",
-                s.restores,
-                s.at_a_time,
-                s.restores_per_s,
-                s.ready_p99_ms,
-                s.fds_before,
-                s.fds_after,
-                s.rss_anon_before_mib,
-                s.rss_anon_after_mib
-            );
-        }
+        print_text(&out);
     }
     Ok(())
+}
+
+fn print_text(out: &Output) {
+    let phases = |p: &[PhaseRow]| {
+        p.iter()
+            .map(|p| format!("{} {:.2}/{:.2}", p.phase, p.p50_ms, p.p95_ms))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    if let Some(a) = &out.alone {
+        println!(
+            "one restore alone ({} restores, medians): ready {:.2} ms, CPU {:.2} ms, runqueue \
+             {:.2} ms; phases p50/p95 ms: {}; building an armed VM for the pool {:.2} ms, CPU \
+             {:.2} ms; its phases p50/p95 ms: {}",
+            a.restores,
+            a.ready_p50_ms,
+            a.restore_cpu_p50_ms,
+            a.restore_runqueue_p50_ms,
+            phases(&a.phases_ms),
+            a.prepare_p50_ms,
+            a.prepare_cpu_p50_ms,
+            phases(&a.prepare_phases_ms)
+        );
+    }
+    for r in &out.rows {
+        println!(
+            "{:>3} clones {:>9}: ready p50 {:.1} p95 {:.1} ms (CPU p50 {:.2} p95 {:.2} ms, \
+             runqueue p50 {:.2} p95 {:.2} ms), first \
+             progress p50 {:.1} p95 {:.1} ms, working set p95 {:.1} ms, memory +{:.0} MiB (host \
+             +{:.0}), {:.2}x touched+written{}; load {}",
+            r.clones,
+            if r.shared { "shared" } else { "unshared" },
+            r.ready_p50_ms,
+            r.ready_p95_ms,
+            r.restore_cpu_p50_ms,
+            r.restore_cpu_p95_ms,
+            r.restore_runqueue_p50_ms,
+            r.restore_runqueue_p95_ms,
+            r.first_progress_p50_ms,
+            r.first_progress_p95_ms,
+            r.working_set_p95_ms,
+            r.process_mem_growth_mib,
+            r.host_mem_growth_mib,
+            r.growth_to_touched_plus_written,
+            r.growth_to_unshared
+                .map(|g| format!(
+                    ", {g:.2}x unshared{}",
+                    if r.unshared_estimated {
+                        " (estimated)"
+                    } else {
+                        ""
+                    }
+                ))
+                .unwrap_or_default(),
+            r.load_average.as_deref().unwrap_or("?")
+        );
+        if !r.phases_ms.is_empty() {
+            println!("    phases p50/p95 ms: {}", phases(&r.phases_ms));
+        }
+    }
+    for s in &out.storms {
+        println!(
+            "storm of {} restores, {} at a time: {:.1}/s, ready p50 {:.1} p99 {:.1} ms (CPU p50 \
+             {:.2} p99 {:.2} ms, runqueue p99 {:.2} ms), pool empty {} (refill p50 {:.1} p99 {:.1} ms); fds {} -> {}, anon {:.1} -> {:.1} MiB; load {}",
+            s.restores,
+            s.at_a_time,
+            s.restores_per_s,
+            s.ready_p50_ms,
+            s.ready_p99_ms,
+            s.restore_cpu_p50_ms,
+            s.restore_cpu_p99_ms,
+            s.restore_runqueue_p99_ms,
+            s.pool_empty,
+            s.refill_p50_ms,
+            s.refill_p99_ms,
+            s.fds_before,
+            s.fds_after,
+            s.rss_anon_before_mib,
+            s.rss_anon_after_mib,
+            s.load_average.as_deref().unwrap_or("?")
+        );
+    }
 }
 
 /// The snapshot the clones restore: a store and its name.
@@ -213,8 +316,18 @@ struct Source {
     backend: Arc<dyn Backend>,
     name: String,
     config: VmConfig,
-    /// The snapshot opened once (`--open-once`).
+    /// The snapshot opened once (`--via warm`).
     opened: Option<StoreSnapshot>,
+    /// The restore services (`--via service`), without sharing and sharing.
+    services: Option<[RestoreService; 2]>,
+}
+
+impl Source {
+    fn service(&self, share: Option<&Share>) -> Option<&RestoreService> {
+        self.services
+            .as_ref()
+            .map(|s| &s[usize::from(share.is_some())])
+    }
 }
 
 fn bench(args: &Args, run: Duration, temp: &Path) -> crate::Result<Output> {
@@ -229,6 +342,7 @@ fn bench(args: &Args, run: Duration, temp: &Path) -> crate::Result<Output> {
         name,
         config,
         opened: None,
+        services: None,
     };
     // One restore runs `run` and records its working set for the clones to prefetch.
     let snap = StoreSnapshot::open(source.backend.clone(), &source.name, None)?;
@@ -240,18 +354,31 @@ fn bench(args: &Args, run: Duration, temp: &Path) -> crate::Result<Output> {
     let chunks = snap.record_working_set(&lazy.vm, &lazy.pagers)?;
     let working_set_mib = (chunks as u64 * snap.manifest.chunk_bytes) as f64 / MIB;
     drop(lazy);
-    // Opened after the working set is recorded, which it reads.
-    if args.open_once {
-        source.opened = Some(StoreSnapshot::open(
-            source.backend.clone(),
-            &source.name,
-            None,
-        )?);
-    }
     let share = Share::new(
         args.share_dir
             .join(format!("fanout-{}", std::process::id())),
     );
+    // Opened after the working set is recorded, which they read.
+    match args.via {
+        Via::Warm => {
+            source.opened = Some(StoreSnapshot::open(
+                source.backend.clone(),
+                &source.name,
+                None,
+            )?);
+        }
+        Via::Service => {
+            let open = |share: Option<&Share>| {
+                RestoreService::open(source.backend.clone(), &source.name, None, quiet(share))
+            };
+            source.services = Some([open(None)?, open(Some(&share))?]);
+        }
+        Via::Prepared | Via::Fresh => {}
+    }
+    let alone = match source.service(Some(&share)) {
+        Some(service) => Some(alone(&source, service, &share)?),
+        None => None,
+    };
     let result = rows_and_storms(args, run, &source, &share);
     let _ = std::fs::remove_dir_all(&share.dir);
     let (rows, storms) = result?;
@@ -260,11 +387,57 @@ fn bench(args: &Args, run: Duration, temp: &Path) -> crate::Result<Output> {
         memory_bytes: args.memory,
         vcpus_per_clone: args.vcpus,
         run_s: args.run_s,
-        prepared: args.prepared,
-        open_once: args.open_once,
+        via: args.via,
         working_set_mib,
+        alone,
         rows,
         storms,
+    })
+}
+
+/// Restores one at a time into the service's pool (filled before each), each dropped before it
+/// runs: the medians of its ready time, its thread's CPU time and its phases.
+fn alone(source: &Source, service: &RestoreService, share: &Share) -> crate::Result<Alone> {
+    const RESTORES: usize = 21;
+    let mut times = Vec::with_capacity(RESTORES);
+    let mut prepares = Vec::with_capacity(RESTORES);
+    for _ in 0..RESTORES {
+        let (t, cpu) = (Instant::now(), thread_cpu());
+        service.fill(1)?;
+        let (wall, cpu) = (t.elapsed(), thread_cpu() - cpu);
+        prepares.push(CloneTimes {
+            ready_ms: wall.as_secs_f64() * 1e3,
+            restore_cpu_ms: cpu.as_secs_f64() * 1e3,
+            phases: service
+                .pooled_build_phases()
+                .into_iter()
+                .map(|(n, d)| (n, d.as_secs_f64() * 1e3))
+                .collect(),
+            ..CloneTimes::default()
+        });
+        let r = restore(source, Some(share), Via::Service, None)?;
+        times.push(r.times());
+        drop(r.lazy);
+    }
+    let of = |f: fn(&CloneTimes) -> f64| times.iter().map(f).collect::<Vec<_>>();
+    Ok(Alone {
+        restores: RESTORES,
+        ready_p50_ms: percentile(&of(|t| t.ready_ms), 50.0),
+        restore_cpu_p50_ms: percentile(&of(|t| t.restore_cpu_ms), 50.0),
+        restore_runqueue_p50_ms: percentile(&of(|t| t.restore_runqueue_ms), 50.0),
+        phases_ms: phase_rows(&times),
+        prepare_p50_ms: percentile(
+            &prepares.iter().map(|t| t.ready_ms).collect::<Vec<_>>(),
+            50.0,
+        ),
+        prepare_cpu_p50_ms: percentile(
+            &prepares
+                .iter()
+                .map(|t| t.restore_cpu_ms)
+                .collect::<Vec<_>>(),
+            50.0,
+        ),
+        prepare_phases_ms: phase_rows(&prepares),
     })
 }
 
@@ -342,19 +515,84 @@ fn quiet(share: Option<&Share>) -> PagerConfig {
     }
 }
 
-/// One lazy restore of `source`, timed from before it opens the snapshot (a prepared VM is
-/// built before that).
+/// The VM a restore of `via` builds before its clock starts (`warm`, `prepared`).
+fn ahead(source: &Source, via: Via) -> crate::Result<Option<PreparedVm>> {
+    Ok(match via {
+        Via::Warm | Via::Prepared => Some(PreparedVm::new(&source.config)?),
+        Via::Service | Via::Fresh => None,
+    })
+}
+
+/// A timed restore.
+struct Restored {
+    lazy: LazyStoreVm,
+    /// When its clock started.
+    t: Instant,
+    ready: Duration,
+    cpu: Duration,
+    runqueue: Duration,
+    phases: Vec<(&'static str, Duration)>,
+}
+
+impl Restored {
+    fn times(&self) -> CloneTimes {
+        CloneTimes {
+            ready_ms: self.ready.as_secs_f64() * 1e3,
+            restore_cpu_ms: self.cpu.as_secs_f64() * 1e3,
+            restore_runqueue_ms: self.runqueue.as_secs_f64() * 1e3,
+            phases: self
+                .phases
+                .iter()
+                .map(|(n, d)| (*n, d.as_secs_f64() * 1e3))
+                .collect(),
+            ..CloneTimes::default()
+        }
+    }
+}
+
+/// CPU time of the calling thread.
+fn thread_cpu() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec, ours.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+/// The time the calling thread has waited for a CPU while runnable
+/// (`/proc/thread-self/schedstat`'s second field; zero where it is not kept).
+fn runqueue_wait() -> Duration {
+    std::fs::read_to_string("/proc/thread-self/schedstat")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .map_or(Duration::ZERO, Duration::from_nanos)
+}
+
+/// One lazy restore of `source` by `via` (sharing through `share` if given), into `pre` if
+/// built ahead (see [`ahead`]); timed from before it opens the snapshot or takes a VM from the
+/// service's pool.
 fn restore(
     source: &Source,
     share: Option<&Share>,
-    prepared: bool,
-) -> crate::Result<(LazyStoreVm, Instant)> {
-    let pool = if prepared {
-        Some(PreparedVm::new(&source.config)?)
-    } else {
-        None
-    };
+    via: Via,
+    pre: Option<PreparedVm>,
+) -> crate::Result<Restored> {
+    let waited = runqueue_wait();
     let t = Instant::now();
+    let cpu = thread_cpu();
+    if let Some(service) = source.service(share).filter(|_| via == Via::Service) {
+        let r = service.restore()?;
+        return Ok(Restored {
+            ready: t.elapsed(),
+            cpu: thread_cpu() - cpu,
+            runqueue: runqueue_wait().saturating_sub(waited),
+            phases: r.phases,
+            lazy: r.lazy,
+            t,
+        });
+    }
     let fresh;
     let snap = match &source.opened {
         Some(s) => s,
@@ -363,28 +601,38 @@ fn restore(
             &fresh
         }
     };
-    let lazy = match pool {
+    let lazy = match pre {
         Some(p) => snap.restore_lazy_into(p, &quiet(share))?,
         None => snap.restore_lazy(&quiet(share))?,
     };
-    Ok((lazy, t))
+    Ok(Restored {
+        ready: t.elapsed(),
+        cpu: thread_cpu() - cpu,
+        runqueue: runqueue_wait().saturating_sub(waited),
+        phases: Vec::new(),
+        lazy,
+        t,
+    })
 }
 
 /// A clone: restored, run `run` (its first progress and working set timed), stopped; held
-/// until `hold` lets it go (the memory is measured while every clone lives).
+/// until `hold` lets it go (the memory is measured while every clone lives). What `--via`
+/// builds ahead is built before `start`.
 fn clone_run(
+    args: &Args,
     source: &Source,
     share: Option<&Share>,
-    prepared: bool,
     run: Duration,
     start: &Barrier,
     done: &Barrier,
     hold: &Barrier,
 ) -> crate::Result<CloneTimes> {
+    let pre = ahead(source, args.via);
     start.wait();
     let measured = (|| {
-        let (mut lazy, t) = restore(source, share, prepared)?;
-        let ready = t.elapsed();
+        let r = restore(source, share, args.via, pre?)?;
+        let mut times = r.times();
+        let (mut lazy, t, ready) = (r.lazy, r.t, r.ready);
         let before = lazy.vm.pages_done();
         let pagers = &lazy.pagers;
         let running = lazy.vm.resume()?;
@@ -411,22 +659,16 @@ fn clone_run(
         }
         running.stop();
         let report = running.wait(Duration::from_secs(30))?;
-        let written: u64 = report
+        times.pages_written = report
             .vcpus
             .iter()
             .zip(&before)
             .map(|(v, b)| v.pages.saturating_sub(*b))
             .sum();
         let ms = |d: Option<Duration>| d.unwrap_or_default().as_secs_f64() * 1e3;
-        crate::Result::Ok((
-            CloneTimes {
-                ready_ms: ready.as_secs_f64() * 1e3,
-                first_progress_ms: ms(first),
-                working_set_ms: ms(ws),
-                pages_written: written,
-            },
-            lazy,
-        ))
+        times.first_progress_ms = ms(first);
+        times.working_set_ms = ms(ws);
+        crate::Result::Ok((times, lazy))
     })();
     done.wait();
     hold.wait();
@@ -442,6 +684,7 @@ struct Fleet {
     host_growth: f64,
     process_growth: f64,
     touched_bytes: u64,
+    load_average: Option<String>,
 }
 
 /// N clones restored at once, in threads of their own; the memory measured once all ran.
@@ -454,12 +697,16 @@ fn fleet(
 ) -> crate::Result<Fleet> {
     let image_path = share.map(|s| s.dir.clone());
     let before = Counters::now(image_path.as_deref());
+    // The service's pool holds a VM for each clone before the clocks start.
+    if let Some(service) = source.service(share) {
+        service.fill(n)?;
+    }
     let (start, done, hold) = (Barrier::new(n), Barrier::new(n + 1), Barrier::new(n + 1));
     let results = std::thread::scope(|s| {
         let handles: Vec<_> = (0..n)
             .map(|_| {
                 s.spawn(|| {
-                    clone_run(source, share, args.prepared, run, &start, &done, &hold)
+                    clone_run(args, source, share, run, &start, &done, &hold)
                         .map_err(|e| e.to_string())
                 })
             })
@@ -480,7 +727,34 @@ fn fleet(
         host_growth: after.host - before.host,
         process_growth: (after.anon + after.image) - (before.anon + before.image),
         touched_bytes: after.published,
+        load_average: crate::envelope::load_average(),
     })
+}
+
+/// Per phase (in the order the restores went through them), p50 and p95 of its wall time.
+fn phase_rows(times: &[CloneTimes]) -> Vec<PhaseRow> {
+    let mut names: Vec<&'static str> = Vec::new();
+    for t in times {
+        for (n, _) in &t.phases {
+            if !names.contains(n) {
+                names.push(n);
+            }
+        }
+    }
+    names
+        .into_iter()
+        .map(|phase| {
+            let v: Vec<f64> = times
+                .iter()
+                .flat_map(|t| t.phases.iter().filter(|(n, _)| *n == phase).map(|p| p.1))
+                .collect();
+            PhaseRow {
+                phase,
+                p50_ms: percentile(&v, 50.0),
+                p95_ms: percentile(&v, 95.0),
+            }
+        })
+        .collect()
 }
 
 impl Fleet {
@@ -496,6 +770,8 @@ impl Fleet {
         let ready = of(|t| t.ready_ms);
         let first = of(|t| t.first_progress_ms);
         let ws = of(|t| t.working_set_ms);
+        let cpu = of(|t| t.restore_cpu_ms);
+        let runqueue = of(|t| t.restore_runqueue_ms);
         let written = self.times.iter().map(|t| t.pages_written).sum::<u64>() as f64 * 4096.0 / MIB;
         let growth = self.process_growth / MIB;
         Row {
@@ -507,6 +783,12 @@ impl Fleet {
             first_progress_p95_ms: percentile(&first, 95.0),
             working_set_p50_ms: percentile(&ws, 50.0),
             working_set_p95_ms: percentile(&ws, 95.0),
+            restore_cpu_p50_ms: percentile(&cpu, 50.0),
+            restore_cpu_p95_ms: percentile(&cpu, 95.0),
+            restore_runqueue_p50_ms: percentile(&runqueue, 50.0),
+            restore_runqueue_p95_ms: percentile(&runqueue, 95.0),
+            phases_ms: phase_rows(&self.times),
+            load_average: self.load_average.clone(),
             host_mem_growth_mib: self.host_growth / MIB,
             process_mem_growth_mib: growth,
             unique_touched_mib: touched_mib,
@@ -519,11 +801,19 @@ impl Fleet {
 }
 
 /// `restores` restores of `source` (sharing), `at_a_time` at once: each restores, runs to its
-/// first progress and is dropped. One restore before the counters warms the image.
+/// first progress and is dropped. One restore before the counters warms the image. With
+/// `--via service`, threads of their own ([`REFILL_THREADS`]) keep the pool at `at_a_time`
+/// armed VMs while the restores go on.
 fn storm(args: &Args, source: &Source, share: &Share, at_a_time: usize) -> crate::Result<Storm> {
-    let once = || -> crate::Result<f64> {
-        let (mut lazy, t) = restore(source, Some(share), args.prepared)?;
-        let ready = t.elapsed().as_secs_f64() * 1e3;
+    let pool_empty = AtomicUsize::new(0);
+    let once = || -> crate::Result<CloneTimes> {
+        let pre = ahead(source, args.via)?;
+        let r = restore(source, Some(share), args.via, pre)?;
+        if r.phases.first().is_some_and(|p| p.0.starts_with("prepare")) {
+            pool_empty.fetch_add(1, Ordering::Relaxed);
+        }
+        let times = r.times();
+        let (mut lazy, t) = (r.lazy, r.t);
         let before = lazy.vm.pages_done();
         let running = lazy.vm.resume()?;
         while !running
@@ -539,43 +829,96 @@ fn storm(args: &Args, source: &Source, share: &Share, at_a_time: usize) -> crate
         }
         running.stop();
         running.wait(Duration::from_secs(30))?;
-        Ok(ready)
+        Ok(times)
     };
+    let service = source.service(Some(share));
+    if let Some(service) = service {
+        service.fill(at_a_time)?;
+    }
     once()?;
+    pool_empty.store(0, Ordering::Relaxed);
+    // The pool is empty when the counters are taken, before and after.
+    if let Some(service) = service {
+        service.clear();
+    }
     let (fds_before, anon_before) = (fds(), Counters::now(None).anon);
+    if let Some(service) = service {
+        service.fill(at_a_time)?;
+    }
     let next = AtomicUsize::new(0);
-    let readies = Mutex::new(Vec::with_capacity(args.storm));
+    let finished = std::sync::atomic::AtomicBool::new(false);
+    let times = Mutex::new(Vec::with_capacity(args.storm));
     let failure = Mutex::new(None);
+    let refills = Mutex::new(Vec::new());
     let t = Instant::now();
     std::thread::scope(|s| {
-        for _ in 0..at_a_time {
+        for _ in 0..REFILL_THREADS {
+            let Some(service) = service else { break };
             s.spawn(|| {
-                while next.fetch_add(1, Ordering::Relaxed) < args.storm {
-                    match once() {
-                        Ok(r) => readies.lock().expect("not poisoned").push(r),
-                        Err(e) => *failure.lock().expect("not poisoned") = Some(e.to_string()),
+                while !finished.load(Ordering::Acquire) {
+                    if service.pooled() < at_a_time {
+                        let t = Instant::now();
+                        if let Err(e) = service.fill(service.pooled() + 1) {
+                            *failure.lock().expect("not poisoned") = Some(e.to_string());
+                            return;
+                        }
+                        let ms = t.elapsed().as_secs_f64() * 1e3;
+                        refills.lock().expect("not poisoned").push(ms);
+                    } else {
+                        std::thread::sleep(Duration::from_micros(200));
                     }
                 }
             });
         }
+        std::thread::scope(|w| {
+            for _ in 0..at_a_time {
+                w.spawn(|| {
+                    while next.fetch_add(1, Ordering::Relaxed) < args.storm {
+                        match once() {
+                            Ok(r) => times.lock().expect("not poisoned").push(r),
+                            Err(e) => *failure.lock().expect("not poisoned") = Some(e.to_string()),
+                        }
+                    }
+                });
+            }
+        });
+        finished.store(true, Ordering::Release);
     });
     let wall = t.elapsed().as_secs_f64();
     if let Some(e) = failure.into_inner().expect("not poisoned") {
         return Err(e.into());
     }
-    let readies = readies.into_inner().expect("not poisoned");
+    if let Some(service) = service {
+        service.clear();
+    }
+    let times = times.into_inner().expect("not poisoned");
+    let refills = refills.into_inner().expect("not poisoned");
+    let readies: Vec<f64> = times.iter().map(|t| t.ready_ms).collect();
+    let cpu: Vec<f64> = times.iter().map(|t| t.restore_cpu_ms).collect();
+    let runqueue: Vec<f64> = times.iter().map(|t| t.restore_runqueue_ms).collect();
     Ok(Storm {
         restores: args.storm,
         at_a_time,
         restores_per_s: args.storm as f64 / wall,
         ready_p50_ms: percentile(&readies, 50.0),
         ready_p99_ms: percentile(&readies, 99.0),
+        restore_cpu_p50_ms: percentile(&cpu, 50.0),
+        restore_cpu_p99_ms: percentile(&cpu, 99.0),
+        restore_runqueue_p99_ms: percentile(&runqueue, 99.0),
+        pool_empty: pool_empty.into_inner(),
+        refill_p50_ms: percentile(&refills, 50.0),
+        refill_p99_ms: percentile(&refills, 99.0),
+        load_average: crate::envelope::load_average(),
         fds_before,
         fds_after: fds(),
         rss_anon_before_mib: anon_before / MIB,
         rss_anon_after_mib: Counters::now(None).anon / MIB,
     })
 }
+
+/// Threads refilling the service's pool in the storm: building a VM mostly waits (registering
+/// its memslots), so two overlap those waits.
+const REFILL_THREADS: usize = 2;
 
 /// The `p`th percentile (nearest rank) of `v`.
 #[allow(clippy::cast_possible_truncation)] // a percentile index: a float to integer cast saturates.

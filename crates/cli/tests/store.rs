@@ -274,3 +274,95 @@ fn a_killed_snapshot_write_leaves_no_manifest_and_gc_collects_its_chunks() {
     // What the killed put was writing is gone too.
     assert_eq!(files(true), 0);
 }
+
+/// Two clones of one store snapshot in two processes at once (`guestmem restore --mode lazy
+/// --share DIR`): both guests carry on; the shared image on tmpfs holds every page either
+/// touched once, published, and exactly the snapshot's bytes (each clone's writes stay its
+/// own).
+#[test]
+#[cfg_attr(
+    not(all(kvm, uffd)),
+    ignore = "no usable /dev/kvm and /dev/userfaultfd on this host"
+)]
+fn two_clone_processes_share_one_image_of_the_snapshot() {
+    use std::os::unix::fs::FileExt;
+    use std::sync::Arc;
+
+    use guestmem_paging::{Share, SharedImage};
+    use guestmem_store::local::LocalBackend;
+    use guestmem_store::restore::StoreSnapshot;
+
+    let tmp = Tmp::new("share-two");
+    let snap = format!("store:{}/vm", tmp.0.join("store").display());
+    json(&guestmem(
+        &[
+            "snapshot", "--memory", "64M", "--after", "0.3", "--out", &snap, "--json",
+        ],
+        &[],
+    ));
+    let share = PathBuf::from(format!(
+        "/dev/shm/guestmem-cli-{}-share-two",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&share);
+    let share_arg = share.display().to_string();
+    let args = [
+        "restore",
+        &snap,
+        "--mode",
+        "lazy",
+        "--share",
+        &share_arg,
+        "--run-for",
+        "0.5",
+        "--json",
+    ];
+    let clones: Vec<_> = (0..2)
+        .map(|_| {
+            Command::new(env!("CARGO_BIN_EXE_guestmem"))
+                .args(args)
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("run guestmem")
+        })
+        .collect();
+    for clone in clones {
+        let v = json(&clone.wait_with_output().expect("wait for guestmem"));
+        assert_eq!(v["guest_continued"], true, "{v}");
+    }
+
+    let backend = Arc::new(LocalBackend::new(&tmp.0.join("store")));
+    let snapshot = StoreSnapshot::open(backend, "vm", None).unwrap();
+    let region = snapshot
+        .manifest
+        .regions
+        .iter()
+        .find(|r| r.spec.name == "ram")
+        .unwrap()
+        .spec
+        .clone();
+    let full = snapshot.restore_full().unwrap();
+    let mut ram = vec![0u8; region.size as usize];
+    full.memory().read(region.gpa, &mut ram).unwrap();
+    let image = SharedImage::open(
+        &Share::new(&share).of(&snapshot.manifest.checksum),
+        "ram",
+        region.size,
+    )
+    .unwrap();
+    let published = image.published_bytes();
+    let resident = image.resident_bytes();
+    let mut file = vec![0u8; region.size as usize];
+    std::fs::File::open(image.path())
+        .unwrap()
+        .read_exact_at(&mut file, 0)
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&share);
+    assert!(published > 0);
+    assert_eq!(resident, published, "each published page held once");
+    assert!(
+        file == ram,
+        "the image holds the snapshot's bytes, not a clone's writes"
+    );
+}

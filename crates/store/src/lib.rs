@@ -44,6 +44,7 @@ pub mod manifest;
 pub mod merge;
 pub mod restore;
 pub mod s3;
+pub mod service;
 pub mod source;
 pub mod write;
 

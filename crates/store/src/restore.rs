@@ -25,6 +25,9 @@ use crate::chunk::{Hash, Stored};
 use crate::manifest::{resolve, state_key, working_set_key, Resolved, StoreManifest};
 use crate::source::{parallel, Fetcher, StoreSource, Want};
 
+/// The nice value of a lazy restore's background fetches (prefetch and sweep) unless its
+/// configuration names one ([`PagerConfig::background_nice`]).
+pub const LAZY_BACKGROUND_NICE: i32 = 10;
 /// How many chunks of a full restore one thread fetches and copies in at a time.
 const RUN_CHUNKS: usize = 16;
 use crate::{Error, Result};
@@ -222,7 +225,7 @@ impl StoreSnapshot {
     /// Fetches and checks every non-zero chunk of the sys region (page tables, payload,
     /// control blocks; a few MiB): (guest address, bytes), to be written with
     /// [`write_non_zero`] once the VM exists.
-    fn fetch_sys(&self) -> Result<Vec<(u64, Vec<u8>)>> {
+    pub(crate) fn fetch_sys(&self) -> Result<Vec<(u64, Vec<u8>)>> {
         let Some(index) = self
             .manifest
             .regions
@@ -288,7 +291,7 @@ impl StoreSnapshot {
 
     /// The VM of `prepared`, if the snapshot was taken of a VM of its configuration (else
     /// refused naming what differs), its layout checked.
-    fn prepared_vm(&self, prepared: PreparedVm) -> Result<Vm> {
+    pub(crate) fn prepared_vm(&self, prepared: PreparedVm) -> Result<Vm> {
         let vm = prepared.take(&self.manifest.config, &self.describe())?;
         self.check_vm(vm)
     }
@@ -458,14 +461,34 @@ impl StoreSnapshot {
             write_non_zero(vm.memory(), gpa, &bytes)?;
         }
         let working_set = working_set?;
+        let RegionPagers {
+            pagers,
+            userfault_pagers,
+        } = self.start_pagers(&vm, config, working_set.as_ref())?;
+        vm.restore(&self.machine)?;
+        Ok(LazyStoreVm {
+            pagers,
+            userfault_pagers,
+            vm,
+            ready: t.elapsed(),
+            prefetched: working_set.is_some(),
+        })
+    }
+
+    /// Arms the pagers of every RAM region of `vm` (the sys region already in place): each
+    /// region's chunks come from the store, checked against their hashes, the working set
+    /// (`working_set`, when `config.prefetch` is empty) first.
+    pub(crate) fn start_pagers<M: TargetMachine>(
+        &self,
+        vm: &M,
+        config: &PagerConfig,
+        working_set: Option<&StoreWorkingSet>,
+    ) -> Result<RegionPagers> {
         let memory = vm.memory().clone();
         let abort = vm.abort_handle();
         // The same pagers as a flat snapshot's lazy restore (KVM Userfault for guest_memfd),
         // the source being the store's chunks, each checked against its hash.
-        let RegionPagers {
-            pagers,
-            userfault_pagers,
-        } = start_region_pagers(&memory, |i, _| {
+        Ok(start_region_pagers(&memory, |i, _| {
             let source: Arc<dyn PageSource> = Arc::new(self.source(i));
             let mut config = PagerConfig {
                 abort: abort.clone(),
@@ -475,9 +498,12 @@ impl StoreSnapshot {
                 fault_around: config.fault_around.min(self.manifest.chunk_bytes),
                 readahead_chunks: config.readahead_chunks.max(8),
                 readahead_threads: config.readahead_threads.max(2),
+                // The working-set prefetch and the sweep yield to the guests' faults and to
+                // other restores on a busy host.
+                background_nice: config.background_nice.or(Some(LAZY_BACKGROUND_NICE)),
                 ..config.clone()
             };
-            if let Some(ws) = &working_set {
+            if let Some(ws) = working_set {
                 let name = &self.manifest.regions[i].spec.name;
                 config.prefetch = ws
                     .regions
@@ -489,15 +515,7 @@ impl StoreSnapshot {
             // Clones share the pages of this very snapshot: its manifest checksum names them.
             config.share = config.share.map(|s| s.of(&self.manifest.checksum));
             Ok((source, config))
-        })?;
-        vm.restore(&self.machine)?;
-        Ok(LazyStoreVm {
-            pagers,
-            userfault_pagers,
-            vm,
-            ready: t.elapsed(),
-            prefetched: working_set.is_some(),
-        })
+        })?)
     }
 
     /// The working set an earlier lazy restore recorded, if any; one recorded for another
@@ -604,7 +622,7 @@ impl StoreWorkingSet {
 }
 
 /// Writes the non-zero pages of `buf` at `gpa` (fresh guest memory reads as zeros already).
-fn write_non_zero(memory: &GuestMemory, gpa: u64, buf: &[u8]) -> Result<()> {
+pub(crate) fn write_non_zero(memory: &GuestMemory, gpa: u64, buf: &[u8]) -> Result<()> {
     let page = PAGE_SIZE as usize;
     let len = buf.len();
     let mut p = 0;

@@ -54,6 +54,15 @@ pub struct PagerConfig {
     /// the snapshot's shared image, filled by whichever clone first needs a chunk. Anonymous
     /// regions only; the restore sets the snapshot's id.
     pub share: Option<crate::Share>,
+    /// The nice value of the background thread (working-set prefetch and sweep), `None`: the
+    /// process's. A lazy restore's clones run it at a lower priority than their vCPUs and
+    /// fault handlers, so that on a busy host new restores and the guests' faults are served
+    /// first and the prefetch takes the CPU they leave.
+    pub background_nice: Option<i32>,
+    /// The background thread (prefetch and sweep) waits for [`Pager::release`](super::Pager::release)
+    /// before it fetches anything: a pager armed ahead of the restore that runs its VM (a
+    /// pool of armed VMs) fetches nothing until a clone is restored into it.
+    pub hold_background: bool,
 }
 
 impl Default for PagerConfig {
@@ -72,6 +81,8 @@ impl Default for PagerConfig {
             realtime_handlers: false,
             cpus: None,
             share: None,
+            background_nice: None,
+            hold_background: false,
         }
     }
 }

@@ -77,6 +77,29 @@ pub struct Pager {
     shared: Arc<Shared>,
     threads: Vec<JoinHandle<()>>,
     cpus: Option<CpuSet>,
+    /// Holds the background thread until [`Pager::release`] ([`PagerConfig::hold_background`]).
+    gate: Arc<Gate>,
+}
+
+/// A gate the background thread waits at until it is opened.
+#[derive(Default)]
+struct Gate {
+    open: Mutex<bool>,
+    opened: Condvar,
+}
+
+impl Gate {
+    fn open(&self) {
+        *self.open.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        self.opened.notify_all();
+    }
+
+    fn wait(&self) {
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        while !*open {
+            open = self.opened.wait(open).unwrap_or_else(|e| e.into_inner());
+        }
+    }
 }
 
 impl std::fmt::Debug for Pager {
@@ -271,10 +294,15 @@ impl Pager {
                 shared.count_resident();
             }
         }
+        let gate = Arc::new(Gate::default());
+        if !config.hold_background {
+            gate.open();
+        }
         let mut pager = Pager {
             shared,
             threads: Vec::new(),
             cpus,
+            gate,
         };
         pager.spawn_workers(config)?;
         tracing::debug!(region = %pager.shared.region, ?mode, uffds = pager.shared.uffds.len(), handlers = config.handlers, chunk, "pager started");
@@ -306,7 +334,15 @@ impl Pager {
             })?;
         }
         if config.background || !config.prefetch.is_empty() {
-            self.spawn("uffd-background".into(), move || shared.fetch_everything())?;
+            let nice = config.background_nice;
+            let gate = self.gate.clone();
+            self.spawn("uffd-background".into(), move || {
+                if let Some(nice) = nice {
+                    crate::priority::set_nice(nice);
+                }
+                gate.wait();
+                shared.fetch_everything()
+            })?;
         }
         Ok(())
     }
@@ -320,6 +356,12 @@ impl Pager {
         let handle = spawn_pager_thread(&self.shared.region, name, self.cpus, f, on_panic)?;
         self.threads.push(handle);
         Ok(())
+    }
+
+    /// Lets the background thread of a pager started with [`PagerConfig::hold_background`]
+    /// go (nothing for any other).
+    pub fn release(&self) {
+        self.gate.open();
     }
 
     /// What the pager did so far.
@@ -441,6 +483,8 @@ impl Pager {
 impl Drop for Pager {
     fn drop(&mut self) {
         self.shared.signal_stop();
+        // A held background thread finds the pager stopped once let through.
+        self.gate.open();
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
@@ -519,6 +563,10 @@ fn spawn_pager_thread(
         .name(name)
         .stack_size(256 << 10)
         .spawn(move || {
+            // Whatever priority the thread that started the pager ran at (a restore may run
+            // under `SCHED_FIFO`), each pager thread starts from the normal one and takes its
+            // own.
+            crate::priority::reset();
             if let Some(cpus) = cpus {
                 // The CPUs were checked at the pager's start; this fails only if the process
                 // lost them since (its cpuset changed): the thread then runs where it may.

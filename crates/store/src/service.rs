@@ -1,0 +1,252 @@
+//! A restore service: one store snapshot held open, restored lazily again and again (clones),
+//! with everything that does not depend on which clone is restored done once or ahead of time.
+//!
+//! Opened once: the manifest (and base chain) and the state, read and checked; the sys region
+//! (page tables, payload, control blocks) fetched and checked; the recorded working set read
+//! and checked; the vCPU and VM state parsed. Ahead of a restore, in a pool: VMs of the
+//! snapshot's configuration built (memory registered as memslots, vCPUs created), the sys
+//! region copied in, the pagers armed on their RAM (userfaultfd registered, the shared image
+//! mapped, the threads started, the working-set prefetch held) ([`ArmedVm`]). What a restore
+//! does: put the vCPU state in and let the prefetch go. Every chunk is still checked against
+//! its hash before any clone sees it: the pagers are the same as a lazy restore's.
+//! A lazy restore that opens the snapshot and builds the VM each time spends most of its time
+//! on what this leaves out, and with many restores at once on few cores those parts queue for
+//! the CPU.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use guestmem_contract::payload_state_of;
+use guestmem_paging::{priority, PagerConfig};
+use guestmem_snapshot::{PreparedVm, RegionPagers};
+use guestmem_vm::{Vm, VmState};
+
+use crate::backend::Backend;
+use crate::cache::ChunkCache;
+use crate::restore::{write_non_zero, LazyStoreVm, StoreSnapshot, StoreWorkingSet};
+use crate::{Error, Result};
+
+/// A store snapshot held open for lazy restores (see the module docs), with a pool of VMs
+/// armed for it.
+pub struct RestoreService {
+    snap: StoreSnapshot,
+    /// The sys region's non-zero chunks (guest address, bytes), checked.
+    sys: Vec<(u64, Vec<u8>)>,
+    working_set: Option<StoreWorkingSet>,
+    /// The VM's state, parsed.
+    state: VmState,
+    config: PagerConfig,
+    pool: Mutex<Vec<ArmedVm>>,
+}
+
+/// A VM built for a [`RestoreService`]'s snapshot and never run, its sys region in place and
+/// its pagers armed (their background fetches held): what is left of a restore into it is
+/// putting its vCPU state in and letting the prefetch go. The pagers go before the VM.
+pub struct ArmedVm {
+    pagers: RegionPagers,
+    vm: Vm,
+    /// The manifest checksum of the snapshot whose sys region it holds.
+    snapshot: String,
+    /// How long copying the sys region in and arming the pagers took.
+    armed_in: Duration,
+}
+
+impl ArmedVm {
+    /// The VM (e.g. to look at its build phases); never run.
+    pub fn vm(&self) -> &Vm {
+        &self.vm
+    }
+}
+
+/// A clone restored by a [`RestoreService`].
+pub struct ServiceRestore {
+    /// The restored VM and its pagers (the caller resumes the VM).
+    pub lazy: LazyStoreVm,
+    /// Where the restore spent its time, step by step (its `ready` is their sum).
+    pub phases: Vec<(&'static str, Duration)>,
+}
+
+impl RestoreService {
+    /// Opens snapshot `name` of `backend` (a remote store's chunks through `cache`, when given)
+    /// for restores with pagers configured by `config` (its `share` names the directory of the
+    /// clones' shared image; the snapshot's id is added).
+    pub fn open(
+        backend: Arc<dyn Backend>,
+        name: &str,
+        cache: Option<ChunkCache>,
+        config: PagerConfig,
+    ) -> Result<RestoreService> {
+        RestoreService::new(StoreSnapshot::open(backend, name, cache)?, config)
+    }
+
+    /// A service for `snap`, already opened: reads and checks its sys region and working set
+    /// and parses its state.
+    pub fn new(snap: StoreSnapshot, config: PagerConfig) -> Result<RestoreService> {
+        let sys = snap.fetch_sys()?;
+        let working_set = if config.prefetch.is_empty() {
+            snap.working_set()?
+        } else {
+            None
+        };
+        let state = payload_state_of(&snap.machine)?;
+        Ok(RestoreService {
+            snap,
+            sys,
+            working_set,
+            state,
+            config,
+            pool: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// The snapshot it restores (its components' states are in
+    /// [`StoreSnapshot::components`]).
+    pub fn snapshot(&self) -> &StoreSnapshot {
+        &self.snap
+    }
+
+    /// Builds a VM armed for this snapshot (see [`ArmedVm`]), to be restored later.
+    pub fn prepare(&self) -> Result<ArmedVm> {
+        self.arm(PreparedVm::new(&self.snap.manifest.config)?)
+    }
+
+    /// `prepared` armed for this snapshot: refused, naming what differs, unless it was built
+    /// for the snapshot's configuration; then the sys region is copied in and the pagers are
+    /// armed, their background fetches held until a restore.
+    pub fn arm(&self, prepared: PreparedVm) -> Result<ArmedVm> {
+        let t = Instant::now();
+        let vm = self.snap.prepared_vm(prepared)?;
+        for (gpa, bytes) in &self.sys {
+            write_non_zero(vm.memory(), *gpa, bytes)?;
+        }
+        let config = PagerConfig {
+            hold_background: true,
+            ..self.config.clone()
+        };
+        let pagers = self
+            .snap
+            .start_pagers(&vm, &config, self.working_set.as_ref())?;
+        Ok(ArmedVm {
+            pagers,
+            vm,
+            snapshot: self.snap.manifest.checksum.clone(),
+            armed_in: t.elapsed(),
+        })
+    }
+
+    /// Adds armed VMs to the pool until it holds `n`.
+    pub fn fill(&self, n: usize) -> Result<()> {
+        while self.pooled() < n {
+            let armed = self.prepare()?;
+            self.pool
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(armed);
+        }
+        Ok(())
+    }
+
+    /// Armed VMs waiting in the pool.
+    pub fn pooled(&self) -> usize {
+        self.pool.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// The build phases of the VM the pool would hand out next (empty if none).
+    pub fn pooled_build_phases(&self) -> Vec<(&'static str, Duration)> {
+        let mut phases: Vec<(&'static str, Duration)> = self
+            .pool
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .last()
+            .map(|a| a.vm.build_phases().to_vec())
+            .unwrap_or_default();
+        if let Some(arm) = self
+            .pool
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .last()
+            .map(|a| a.armed_in)
+        {
+            phases.push(("copy the sys region and arm the pagers", arm));
+        }
+        phases
+    }
+
+    /// Restores a clone into a VM of the pool, or one built now if the pool is empty (its
+    /// phases then start with "prepare (pool empty)"). The build runs at the caller's
+    /// priority: it takes milliseconds of CPU and waits on the kernel, too long to hold a
+    /// real-time priority over the running guests and the pool's refill.
+    pub fn restore(&self) -> Result<ServiceRestore> {
+        let t = Instant::now();
+        let pooled = self.pool.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        match pooled {
+            Some(armed) => self.restore_armed(armed),
+            None => {
+                let armed = self.prepare()?;
+                let built = t.elapsed();
+                let mut restored = self.restore_armed(armed)?;
+                restored.phases.insert(0, ("prepare (pool empty)", built));
+                restored.lazy.ready += built;
+                Ok(restored)
+            }
+        }
+    }
+
+    /// Drops every VM of the pool (their memory and descriptors go back).
+    pub fn clear(&self) {
+        let pool = std::mem::take(&mut *self.pool.lock().unwrap_or_else(|e| e.into_inner()));
+        drop(pool);
+    }
+
+    /// Restores a clone into `armed`: puts the vCPU state in and lets its pagers' prefetch (the
+    /// working set) go; the caller resumes it. A VM armed for another snapshot is refused.
+    pub fn restore_armed(&self, armed: ArmedVm) -> Result<ServiceRestore> {
+        // The client waits for it: ahead of the vCPUs and the host's background work
+        // (prefetches, the pool's refill) while it runs (it is short: arming and vCPU state).
+        priority::foreground(|| self.restore_armed_now(armed))
+    }
+
+    fn restore_armed_now(&self, armed: ArmedVm) -> Result<ServiceRestore> {
+        let start = Instant::now();
+        let mut t = start;
+        let mut phases = Vec::new();
+        let mut lap = |name: &'static str| {
+            let now = Instant::now();
+            phases.push((name, now - t));
+            t = now;
+        };
+        if armed.snapshot != self.snap.manifest.checksum {
+            return Err(Error::Layout(format!(
+                "the VM was armed for the snapshot of manifest checksum {}, not {}'s ({})",
+                armed.snapshot,
+                self.snap.describe(),
+                self.snap.manifest.checksum
+            )));
+        }
+        let ArmedVm {
+            pagers:
+                RegionPagers {
+                    pagers,
+                    userfault_pagers,
+                },
+            mut vm,
+            ..
+        } = armed;
+        vm.restore_state(&self.state)?;
+        lap("restore vCPU state");
+        for p in &pagers {
+            p.release();
+        }
+        lap("release the prefetch");
+        Ok(ServiceRestore {
+            lazy: LazyStoreVm {
+                pagers,
+                userfault_pagers,
+                vm,
+                ready: start.elapsed(),
+                prefetched: self.working_set.is_some(),
+            },
+            phases,
+        })
+    }
+}
