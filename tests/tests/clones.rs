@@ -344,7 +344,7 @@ fn a_restore_service_restores_armed_clones_to_the_snapshots_bytes() {
         .expect("the guest wrote the first chunk of RAM");
     let key = c.object_key();
     let mut bytes = backend.get(&key).unwrap();
-    bytes[(c.offset() + c.stored / 2) as usize] ^= 1;
+    bytes[guestmem_sys::to_usize(c.offset() + c.stored / 2)] ^= 1;
     backend.put(&key, &bytes).unwrap();
     let share = ShareDir::new("service-bad");
     let service = RestoreService::open(backend, "vm", None, share.config()).unwrap();

@@ -557,8 +557,12 @@ fn thread_cpu() -> Duration {
         tv_nsec: 0,
     };
     // SAFETY: clock_gettime writes one timespec, ours.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &raw mut ts) };
+    // A timespec's fields are never negative, and tv_nsec is under a second.
+    Duration::new(
+        u64::try_from(ts.tv_sec).unwrap_or(0),
+        u32::try_from(ts.tv_nsec).unwrap_or(0),
+    )
 }
 
 /// The time the calling thread has waited for a CPU while runnable

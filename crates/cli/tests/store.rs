@@ -343,7 +343,7 @@ fn two_clone_processes_share_one_image_of_the_snapshot() {
         .spec
         .clone();
     let full = snapshot.restore_full().unwrap();
-    let mut ram = vec![0u8; region.size as usize];
+    let mut ram = vec![0u8; guestmem_sys::to_usize(region.size)];
     full.memory().read(region.gpa, &mut ram).unwrap();
     let image = SharedImage::open(
         &Share::new(&share).of(&snapshot.manifest.checksum),
@@ -353,7 +353,7 @@ fn two_clone_processes_share_one_image_of_the_snapshot() {
     .unwrap();
     let published = image.published_bytes();
     let resident = image.resident_bytes();
-    let mut file = vec![0u8; region.size as usize];
+    let mut file = vec![0u8; guestmem_sys::to_usize(region.size)];
     std::fs::File::open(image.path())
         .unwrap()
         .read_exact_at(&mut file, 0)

@@ -28,7 +28,7 @@ pub fn foreground<T>(f: impl FnOnce() -> T) -> T {
     let (policy, param, nice) = unsafe {
         let policy = libc::sched_getscheduler(0);
         let mut param = libc::sched_param { sched_priority: 0 };
-        libc::sched_getparam(0, &mut param);
+        libc::sched_getparam(0, &raw mut param);
         *libc::__errno_location() = 0;
         let nice = libc::getpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t);
         (
@@ -41,7 +41,7 @@ pub fn foreground<T>(f: impl FnOnce() -> T) -> T {
     let out = f();
     if policy >= 0 {
         // SAFETY: sets this thread's (pid 0) policy back to what it read above.
-        unsafe { libc::sched_setscheduler(0, policy, &param) };
+        unsafe { libc::sched_setscheduler(0, policy, &raw const param) };
     }
     set_nice(nice.unwrap_or(0));
     out
@@ -57,7 +57,7 @@ pub fn reset() {
     }
     let param = libc::sched_param { sched_priority: 0 };
     // SAFETY: sched_setscheduler on this thread only (pid 0), with a valid parameter block.
-    unsafe { libc::sched_setscheduler(0, libc::SCHED_OTHER, &param) };
+    unsafe { libc::sched_setscheduler(0, libc::SCHED_OTHER, &raw const param) };
 }
 
 /// Runs the calling thread at nice 0 again (after [`raise`]).

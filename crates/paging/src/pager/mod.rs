@@ -90,14 +90,23 @@ struct Gate {
 
 impl Gate {
     fn open(&self) {
-        *self.open.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        *self
+            .open
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = true;
         self.opened.notify_all();
     }
 
     fn wait(&self) {
-        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        let mut open = self
+            .open
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         while !*open {
-            open = self.opened.wait(open).unwrap_or_else(|e| e.into_inner());
+            open = self
+                .opened
+                .wait(open)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
         }
     }
 }
@@ -341,7 +350,7 @@ impl Pager {
                     crate::priority::set_nice(nice);
                 }
                 gate.wait();
-                shared.fetch_everything()
+                shared.fetch_everything();
             })?;
         }
         Ok(())
