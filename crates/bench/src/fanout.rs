@@ -31,7 +31,9 @@ use guestmem_memory::Backend as MemBackend;
 use guestmem_paging::{PagerConfig, Share};
 use guestmem_snapshot::PreparedVm;
 use guestmem_store::local::LocalBackend;
-use guestmem_store::restore::{LazyStoreVm, StoreSnapshot};
+use guestmem_contract::VmBuilder;
+use guestmem_snapshot::{RestoreMode, Restored};
+use guestmem_store::restore::StoreSnapshot;
 use guestmem_store::write::write;
 use guestmem_store::Backend;
 use guestmem_vm::{layout, VcpuWork, Vm, VmConfig, Workload};
@@ -232,12 +234,12 @@ fn bench(args: &Args, run: Duration, temp: &Path) -> crate::Result<Output> {
     };
     // One restore runs `run` and records its working set for the clones to prefetch.
     let snap = StoreSnapshot::open(source.backend.clone(), &source.name, None)?;
-    let mut lazy = snap.restore_lazy(&quiet(None))?;
+    let mut lazy = guestmem_snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(quiet(None)))?;
     let running = lazy.vm.resume()?;
     std::thread::sleep(run);
     running.stop();
     running.wait(Duration::from_secs(30))?;
-    let chunks = snap.record_working_set(&lazy.vm, &lazy.pagers)?;
+    let chunks = lazy.record_working_set(&snap)?;
     let working_set_mib = (chunks as u64 * snap.manifest.chunk_bytes) as f64 / MIB;
     drop(lazy);
     // Opened after the working set is recorded, which it reads.
@@ -348,7 +350,7 @@ fn restore(
     source: &Source,
     share: Option<&Share>,
     prepared: bool,
-) -> crate::Result<(LazyStoreVm, Instant)> {
+) -> crate::Result<(Restored, Instant)> {
     let pool = if prepared {
         Some(PreparedVm::new(&source.config)?)
     } else {
@@ -364,8 +366,8 @@ fn restore(
         }
     };
     let lazy = match pool {
-        Some(p) => snap.restore_lazy_into(p, &quiet(share))?,
-        None => snap.restore_lazy(&quiet(share))?,
+        Some(p) => guestmem_snapshot::restore(snap, p, RestoreMode::Lazy(quiet(share)))?,
+        None => guestmem_snapshot::restore(snap, &mut VmBuilder, RestoreMode::Lazy(quiet(share)))?,
     };
     Ok((lazy, t))
 }

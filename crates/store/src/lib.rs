@@ -221,9 +221,6 @@ pub enum Error {
     /// The VMM's machine or one of its components failed.
     #[error(transparent)]
     Contract(#[from] guestmem_contract::Error),
-    /// The page server failed.
-    #[error(transparent)]
-    PageServer(#[from] guestmem_pageserver::Error),
     /// The VM failed.
     #[error(transparent)]
     Vm(#[from] guestmem_vm::Error),
