@@ -12,9 +12,10 @@ use common::{
     dirty_work, flip_byte_in_ram, resume_and_check_continuation, snapshot_running_vm,
     wait_for_generation, TempDir,
 };
+use guestmem_contract::VmBuilder;
 use guestmem_memory::Backend as MemBackend;
 use guestmem_paging::{PagerConfig, Share, SharedImage};
-use guestmem_snapshot::{self as snapshot, Snapshot};
+use guestmem_snapshot::{self as snapshot, RestoreMode, Snapshot};
 use guestmem_store::backend::Backend;
 use guestmem_store::local::LocalBackend;
 use guestmem_store::manifest::StoreManifest;
@@ -117,19 +118,22 @@ fn two_clones_of_a_snapshot_share_one_copy_and_keep_their_own_writes() {
     let dir = TempDir::new("clones");
     let at_snapshot = snapshot_running_vm(&VmConfig::simple(2, RAM, MemBackend::Anon), RAM, &dir.0);
     let snap = Snapshot::open(&dir.0).unwrap();
-    let full = snapshot::restore(&snap, snapshot::RestoreMode::Full).unwrap();
+    let full = snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Full)
+        .map(|r| r.vm)
+        .unwrap();
     let snapshot_ram = ram_bytes(&full);
     drop(full);
     let share = ShareDir::new("flat");
-    let mut a = snapshot::restore_lazy(&snap, &share.config()).unwrap();
-    let b = snapshot::restore_lazy(&snap, &share.config()).unwrap();
+    let mut a =
+        snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(share.config())).unwrap();
+    let b = snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(share.config())).unwrap();
     let image = share.image(&snap.manifest().checksum);
     check_two_clones(&mut a.vm, &b.vm, &at_snapshot, &snapshot_ram, &image);
     // A third clone, restored into a VM prepared ahead of time (a warm pool), finds every
     // page b read published: it fetches nothing new.
     let published = image.published_bytes();
     let prepared = snapshot::PreparedVm::new(&snap.manifest().config).unwrap();
-    let c = snapshot::restore_lazy_into(prepared, &snap, &share.config()).unwrap();
+    let c = snapshot::restore(&snap, prepared, RestoreMode::Lazy(share.config())).unwrap();
     assert!(ram_bytes(&c.vm) == snapshot_ram);
     assert_eq!(image.published_bytes(), published);
 }
@@ -153,8 +157,9 @@ fn two_clones_of_a_store_snapshot_share_one_copy_and_keep_their_own_writes() {
     drop(vm);
     let snap = StoreSnapshot::open(backend, "vm", None).unwrap();
     let share = ShareDir::new("store");
-    let mut a = snap.restore_lazy(&share.config()).unwrap();
-    let b = snap.restore_lazy(&share.config()).unwrap();
+    let mut a =
+        snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(share.config())).unwrap();
+    let b = snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(share.config())).unwrap();
     let image = share.image(&snap.manifest.checksum);
     check_two_clones(&mut a.vm, &b.vm, &at_snapshot, &snapshot_ram, &image);
 }
@@ -184,7 +189,8 @@ fn a_damaged_chunk_is_refused_by_every_clone() {
     let share = ShareDir::new("bad");
     let image = share.image(&snap.manifest().checksum);
     for clone in 0..3 {
-        let mut lazy = snapshot::restore_lazy(&snap, &share.config()).unwrap();
+        let mut lazy =
+            snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(share.config())).unwrap();
         let e = run_to_error(&mut lazy.vm);
         assert!(
             e.contains("corrupt snapshot") && e.contains("region 'ram' chunk 0 (offset 0x0)"),
@@ -212,7 +218,8 @@ fn a_damaged_chunk_is_refused_by_every_clone() {
     let snap = StoreSnapshot::open(backend.clone(), "vm", None).unwrap();
     let image = share.image(&snap.manifest.checksum);
     for clone in 0..2 {
-        let mut lazy = snap.restore_lazy(&share.config()).unwrap();
+        let mut lazy =
+            snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(share.config())).unwrap();
         let e = run_to_error(&mut lazy.vm);
         assert!(
             e.contains("corrupt store snapshot") && e.contains("region 'ram' chunk 0 (offset 0x0)"),
@@ -229,7 +236,7 @@ fn a_damaged_chunk_is_refused_by_every_clone() {
         &dir.0,
     );
     let snap = Snapshot::open(&dir.0).unwrap();
-    let e = snapshot::restore_lazy(&snap, &share.config())
+    let e = snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(share.config()))
         .err()
         .unwrap()
         .to_string();
@@ -250,7 +257,9 @@ fn clones_racing_to_publish_the_same_chunks_all_read_the_snapshots_bytes() {
     let dir = TempDir::new("clones-race");
     snapshot_running_vm(&VmConfig::simple(2, RAM, MemBackend::Anon), RAM, &dir.0);
     let snap = Snapshot::open(&dir.0).unwrap();
-    let full = snapshot::restore(&snap, snapshot::RestoreMode::Full).unwrap();
+    let full = snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Full)
+        .map(|r| r.vm)
+        .unwrap();
     let snapshot_ram = ram_bytes(&full);
     drop(full);
     let share = ShareDir::new("race");
@@ -265,7 +274,9 @@ fn clones_racing_to_publish_the_same_chunks_all_read_the_snapshots_bytes() {
             let (snap, config, start, snapshot_ram) = (&snap, &config, &start, &snapshot_ram);
             s.spawn(move || {
                 start.wait();
-                let lazy = snapshot::restore_lazy(snap, config).unwrap();
+                let lazy =
+                    snapshot::restore(snap, &mut VmBuilder, RestoreMode::Lazy(config.clone()))
+                        .unwrap();
                 assert!(ram_bytes(&lazy.vm) == *snapshot_ram, "clone {clone}");
             });
         }

@@ -27,12 +27,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 
+use guestmem_contract::VmBuilder;
 use guestmem_memory::Backend as MemBackend;
 use guestmem_paging::{PagerConfig, Share};
 use guestmem_snapshot::PreparedVm;
-use guestmem_store::local::LocalBackend;
-use guestmem_contract::VmBuilder;
 use guestmem_snapshot::{RestoreMode, Restored};
+use guestmem_store::local::LocalBackend;
 use guestmem_store::restore::StoreSnapshot;
 use guestmem_store::write::write;
 use guestmem_store::Backend;
@@ -234,7 +234,8 @@ fn bench(args: &Args, run: Duration, temp: &Path) -> crate::Result<Output> {
     };
     // One restore runs `run` and records its working set for the clones to prefetch.
     let snap = StoreSnapshot::open(source.backend.clone(), &source.name, None)?;
-    let mut lazy = guestmem_snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(quiet(None)))?;
+    let mut lazy =
+        guestmem_snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(quiet(None)))?;
     let running = lazy.vm.resume()?;
     std::thread::sleep(run);
     running.stop();

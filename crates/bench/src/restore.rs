@@ -25,9 +25,9 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use guestmem_contract::VmBuilder;
 use guestmem_memory::{Backend, PAGE_SIZE};
 use guestmem_paging::{PagerConfig, PagerStats};
-use guestmem_contract::VmBuilder;
 use guestmem_snapshot::{self as snapshot, PreparedVm, RestoreMode, Restored, Snapshot};
 use guestmem_vm::{layout, RunningVm, VcpuWork, Vm, VmConfig, Workload};
 use indicatif::{ProgressBar, ProgressStyle};

@@ -28,9 +28,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use guestmem_contract::VmBuilder;
 use guestmem_memory::Backend as MemBackend;
 use guestmem_paging::{Pager, PagerConfig};
-use guestmem_contract::VmBuilder;
 use guestmem_snapshot::{self as snapshot, RestoreMode, Restored, Snapshot};
 use guestmem_store::cache::ChunkCache;
 use guestmem_store::chunk::{CHUNK_BYTES, ZSTD_LEVEL};
@@ -448,9 +448,7 @@ fn restore_once(
     } else {
         RestoreMode::Lazy(PagerConfig::default())
     };
-    let Restored {
-        mut vm, pagers, ..
-    } = snapshot::restore(&snap, &mut VmBuilder, how)?;
+    let Restored { mut vm, pagers, .. } = snapshot::restore(&snap, &mut VmBuilder, how)?;
     let ready = t.elapsed();
     let (first_progress, resident) = run_until_resident(&mut vm, &pagers, t)?;
     if mode == "lazy" && snap.working_set()?.is_none() {

@@ -3,8 +3,8 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use guestmem_paging::{Pager, PagerConfig, PagerStats, Share, UserfaultPager};
 use guestmem_contract::VmBuilder;
+use guestmem_paging::{Pager, PagerConfig, PagerStats, Share, UserfaultPager};
 use guestmem_snapshot::{self as snapshot, RestoreMode, Snapshot};
 use guestmem_tracking::{Mode as TrackingMode, Tracker};
 use guestmem_vm::{layout, VcpuWork, Vm, Workload};

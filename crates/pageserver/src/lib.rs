@@ -27,11 +27,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use guestmem_memory::GuestMemory;
 use guestmem_paging::{
     register_for_peer, FileSource, OnFailure, PageSource, PagerConfig, PagerStats, PeerPager,
     PeerRange, PeerReleased, WindowSource,
 };
-use guestmem_memory::GuestMemory;
 use guestmem_vm::layout;
 use serde::{Deserialize, Serialize};
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;

@@ -66,8 +66,7 @@ pub use manifest::{
 };
 pub use prepared::{layout_mismatch, PreparedVm};
 pub use restore::{
-    record_working_set, restore, served_memory, RestoreMode, RestoreTarget, Restored,
-    SnapshotImage,
+    record_working_set, restore, served_memory, RestoreMode, RestoreTarget, Restored, SnapshotImage,
 };
 use sparse::{nonzero_page_runs, read_sparse};
 pub use working_set::{
@@ -547,7 +546,11 @@ impl SnapshotImage for Snapshot {
     }
 
     fn regions(&self) -> Vec<RegionSpec> {
-        self.manifest.regions.iter().map(|i| i.spec.clone()).collect()
+        self.manifest
+            .regions
+            .iter()
+            .map(|i| i.spec.clone())
+            .collect()
     }
 
     fn identity(&self) -> &str {

@@ -233,8 +233,7 @@ where
             (vm, None)
         }
         RestoreMode::Lazy(_) | RestoreMode::PageServer(_) => {
-            let want_working_set =
-                matches!(&mode, RestoreMode::Lazy(c) if c.prefetch.is_empty());
+            let want_working_set = matches!(&mode, RestoreMode::Lazy(c) if c.prefetch.is_empty());
             build_with_sys(image, into, &name, want_working_set, &mut phases)?
         }
     };
@@ -283,7 +282,10 @@ where
     I: SnapshotImage + ?Sized,
     T: RestoreTarget,
 {
-    let sys_index = image.regions().iter().position(|r| r.gpa == layout::SYS_GPA);
+    let sys_index = image
+        .regions()
+        .iter()
+        .position(|r| r.gpa == layout::SYS_GPA);
     let (vm, sys, working_set) = std::thread::scope(|s| {
         let sys = s.spawn(|| sys_index.map(|i| image.read_region(i)).transpose());
         let working_set = s.spawn(|| {
@@ -317,7 +319,11 @@ where
 
 /// Full and map modes: every region copied in, or (map, anonymous regions) mapped from the
 /// image; then the image's own check of the whole.
-fn copy_or_map<I: SnapshotImage + ?Sized>(image: &I, memory: &GuestMemory, map: bool) -> Result<()> {
+fn copy_or_map<I: SnapshotImage + ?Sized>(
+    image: &I,
+    memory: &GuestMemory,
+    map: bool,
+) -> Result<()> {
     for (i, region) in memory.regions().iter().enumerate() {
         if map && region.backend() == Backend::Anon {
             image.map_region(region, i)?;

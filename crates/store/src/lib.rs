@@ -215,9 +215,10 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
-    /// A snapshot operation failed.
+    /// A snapshot operation failed (a store error that went through the restore engine comes
+    /// back as itself, see the `From` conversion).
     #[error(transparent)]
-    Snapshot(#[from] guestmem_snapshot::Error),
+    Snapshot(guestmem_snapshot::Error),
     /// The VMM's machine or one of its components failed.
     #[error(transparent)]
     Contract(#[from] guestmem_contract::Error),
@@ -230,6 +231,19 @@ pub enum Error {
     /// Demand paging failed.
     #[error(transparent)]
     Paging(#[from] guestmem_paging::Error),
+}
+
+impl From<guestmem_snapshot::Error> for Error {
+    /// The restore engine carries the store's own errors boxed: they come back as themselves.
+    fn from(e: guestmem_snapshot::Error) -> Error {
+        match e {
+            guestmem_snapshot::Error::Image(inner) => match inner.downcast::<Error>() {
+                Ok(store) => *store,
+                Err(other) => Error::Snapshot(guestmem_snapshot::Error::Image(other)),
+            },
+            e => Error::Snapshot(e),
+        }
+    }
 }
 
 impl Error {

@@ -12,7 +12,7 @@ use guestmem_contract::component::ComponentState;
 use guestmem_memory::{GuestMemory, Region, RegionSpec, PAGE_SIZE};
 use guestmem_paging::{PageSource, PagerConfig};
 use guestmem_snapshot::{
-    Result as SnapshotResult, RestoreMode, SavedState, SnapshotImage, WorkingSetRegion,
+    RestoreMode, Result as SnapshotResult, SavedState, SnapshotImage, WorkingSetRegion,
 };
 use guestmem_vm::VmConfig;
 use serde::{Deserialize, Serialize};
@@ -399,7 +399,11 @@ impl SnapshotImage for StoreSnapshot {
     }
 
     fn regions(&self) -> Vec<RegionSpec> {
-        self.manifest.regions.iter().map(|r| r.spec.clone()).collect()
+        self.manifest
+            .regions
+            .iter()
+            .map(|r| r.spec.clone())
+            .collect()
     }
 
     fn identity(&self) -> &str {
@@ -451,7 +455,10 @@ impl SnapshotImage for StoreSnapshot {
     }
 
     fn recorded_working_set(&self) -> SnapshotResult<Option<Vec<WorkingSetRegion>>> {
-        Ok(self.working_set().map_err(image_error)?.map(|ws| ws.regions))
+        Ok(self
+            .working_set()
+            .map_err(image_error)?
+            .map(|ws| ws.regions))
     }
 
     fn write_working_set(&self, regions: Vec<WorkingSetRegion>) -> SnapshotResult<()> {
