@@ -515,8 +515,11 @@ pub enum ServedMemory {
     /// chunk store's against its hash, before serving any of it). Each mapping must be exactly
     /// one region.
     Regions {
-        /// Names the memory in messages ("snapshot DIR …", "store snapshot s3://…/NAME …").
+        /// Names the memory in messages ("snapshot DIR", "store snapshot s3://…/NAME").
         label: String,
+        /// How its sources check the bytes they serve, in words ("each chunk checked against
+        /// its CRC-32 before it is served").
+        checks: String,
         /// The regions, in the order of the peer's layout.
         regions: Vec<ServedRegion>,
     },
@@ -550,7 +553,7 @@ impl ServedMemory {
                     path.display()
                 )
             }
-            ServedMemory::Regions { label, .. } => label.clone(),
+            ServedMemory::Regions { label, checks, .. } => format!("{label} ({checks})"),
         }
     }
 
@@ -593,7 +596,7 @@ impl ServedMemory {
                     })
                     .collect()
             }
-            ServedMemory::Regions { label, regions } => {
+            ServedMemory::Regions { label, regions, .. } => {
                 let mut offset = 0;
                 let ram: Vec<(&ServedRegion, u64)> = regions
                     .iter()

@@ -553,6 +553,10 @@ impl SnapshotImage for Snapshot {
             .collect()
     }
 
+    fn chunk_check(&self) -> &'static str {
+        "against its CRC-32"
+    }
+
     fn identity(&self) -> &str {
         &self.manifest.checksum
     }

@@ -37,6 +37,9 @@ pub trait SnapshotImage: Sync {
     /// have exactly these.
     fn regions(&self) -> Vec<RegionSpec>;
 
+    /// How each chunk is checked before it is used, in words ("against its CRC-32").
+    fn chunk_check(&self) -> &'static str;
+
     /// Its manifest's checksum: names the snapshot's bytes (clones sharing its pages, a
     /// recorded working set).
     fn identity(&self) -> &str;
@@ -389,9 +392,10 @@ pub fn served_memory(image: &dyn SnapshotImage) -> Result<ServedMemory> {
         })
         .collect::<Result<Vec<_>>>()?;
     Ok(ServedMemory::Regions {
-        label: format!(
-            "{} (each chunk checked before it is served)",
-            image.describe()
+        label: image.describe(),
+        checks: format!(
+            "each chunk checked {} before it is served",
+            image.chunk_check()
         ),
         regions,
     })

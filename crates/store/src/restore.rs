@@ -406,6 +406,10 @@ impl SnapshotImage for StoreSnapshot {
             .collect()
     }
 
+    fn chunk_check(&self) -> &'static str {
+        "against its BLAKE3 hash"
+    }
+
     fn identity(&self) -> &str {
         &self.manifest.checksum
     }
