@@ -313,13 +313,7 @@ fn gmem_store_lazy_restore_through_kvm_userfault() {
     let stats = lazy.userfault_pagers[0].stats();
     assert!(stats.faults > 0 && stats.fault_chunks > 0, "{stats:?}");
     assert_eq!(stats.background_chunks, 0, "{stats:?}");
-    let recorded = snapshot::record_working_set(
-        &snap,
-        &lazy.vm.memory(),
-        &lazy.pagers,
-        &lazy.userfault_pagers,
-    )
-    .unwrap();
+    let recorded = lazy.record_working_set(&snap).unwrap();
     assert_eq!(recorded as u64, stats.fault_chunks);
     drop(lazy);
 
