@@ -708,7 +708,7 @@ fn a_fetch_failing_for_good_kills_the_peer() {
 
 /// A corrupt chunk in a snapshot served with `--snapshot` is refused before any of it reaches
 /// the guest: serving fails naming the snapshot, region and chunk, and the VMM (a child
-/// process restoring with `restore_lazy_via_socket`) is killed before its read of the chunk
+/// process restoring with `RestoreMode::PageServer`) is killed before its read of the chunk
 /// returns.
 #[test]
 #[cfg_attr(

@@ -12,7 +12,7 @@
 //!   nothing else, so that a Firecracker page server can be handed it as it is;
 //! - `sys`: the sys region (page tables, payload, control blocks);
 //! - optionally `working-set.json`: the chunks a lazily restored guest faulted on first, in
-//!   that order, recorded by [`LazyVm::record_working_set`] and fetched first by the next
+//!   that order, recorded by [`Restored::record_working_set`] and fetched first by the next
 //!   lazy restore (bound to the manifest by its checksum, and checksummed).
 //!
 //! Every byte a restored guest runs on is checked before it runs on it: the manifest as a whole
@@ -24,9 +24,10 @@
 //! holds. A snapshot is replaced atomically ([`write()`]): a failed write leaves the previous one
 //! intact. CRC-32 finds damage, not a forger who also recomputes the manifest's checksum.
 //!
-//! Writing works from any [`Machine`] ([`write_machine`]), restoring into any VM a
-//! [`MachineBuilder`] builds ([`restore_with`], [`restore_lazy_with`]); [`write()`],
-//! [`restore()`] and [`restore_lazy`] are those for guestmem's own VM.
+//! Writing works from any [`Machine`] ([`write_machine`]); [`write()`] is that for guestmem's
+//! own VM. Restoring is the one engine of [`restore()`] (module `restore`), for any snapshot
+//! format that is a [`SnapshotImage`] (this crate's [`Snapshot`], the chunk store's), into any
+//! VM a [`MachineBuilder`] builds or a [`PreparedVm`], in any [`RestoreMode`].
 //!
 //! [`Machine`]: guestmem_contract::component::Machine
 //! [`Component`]: guestmem_contract::component::Component

@@ -271,7 +271,7 @@ pub(super) fn restore(args: &RestoreArgs) -> crate::Result<()> {
         ..
     } = restored;
     let restore_ms = t.elapsed().as_secs_f64() * 1e3;
-    // restore_full compared every digest already (it refuses otherwise).
+    // A full restore compared every chunk's hash already (it refuses otherwise).
     let memory_digests_match = matches!(args.mode, Mode::Full).then_some(true);
     let (before, after, resident_ms) =
         super::run_restored(&mut vm, &pagers, &userfault_pagers, run_for, t)?;
