@@ -483,6 +483,20 @@ fn a_diff_snapshot_restores_over_its_base() {
         .unwrap()
         .to_string();
     assert!(e.contains("full mode"), "{e}");
+    // Nor can a page server be handed it: its RAM is in several files.
+    let e = snapshot::restore(
+        &snap,
+        &mut VmBuilder,
+        RestoreMode::PageServer(snap.dir().join("no-server.sock")),
+    )
+    .map(|r| r.vm)
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        e.contains("spread over its memory file and its base's"),
+        "{e}"
+    );
 
     // The base replaced by another snapshot, whole and self-consistent (the same VM a little
     // later): the diff is refused in every mode, naming the base, instead of restoring over

@@ -118,6 +118,16 @@ fn round_trip(backend: Arc<dyn Backend>, tmp: &TempDir) {
     drop(vm);
 
     let snap = StoreSnapshot::open(backend.clone(), "vm1", Some(cache(tmp))).unwrap();
+    // Map mode maps a flat snapshot's memory file: a store snapshot is refused, saying why.
+    let e = snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Map)
+        .map(|r| r.vm)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("compressed objects, not a memory file to map") && e.contains("full mode"),
+        "{e}"
+    );
     let mut vm = snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Full)
         .map(|r| r.vm)
         .unwrap();

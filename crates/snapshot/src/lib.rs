@@ -546,12 +546,8 @@ impl SnapshotImage for Snapshot {
         &self.manifest.config
     }
 
-    fn regions(&self) -> Vec<RegionSpec> {
-        self.manifest
-            .regions
-            .iter()
-            .map(|i| i.spec.clone())
-            .collect()
+    fn regions(&self) -> Vec<&RegionSpec> {
+        self.manifest.regions.iter().map(|i| &i.spec).collect()
     }
 
     fn chunk_check(&self) -> &'static str {

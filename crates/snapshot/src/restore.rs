@@ -35,7 +35,7 @@ pub trait SnapshotImage: Sync {
 
     /// Its memory regions in manifest order: the VM built for [`SnapshotImage::config`] must
     /// have exactly these.
-    fn regions(&self) -> Vec<RegionSpec>;
+    fn regions(&self) -> Vec<&RegionSpec>;
 
     /// How each chunk is checked before it is used, in words ("against its CRC-32").
     fn chunk_check(&self) -> &'static str;
@@ -63,7 +63,8 @@ pub trait SnapshotImage: Sync {
     fn copy_region(&self, memory: &GuestMemory, index: usize) -> Result<()>;
 
     /// The non-zero bytes of region `index`, checked: (region offset, bytes) pieces, read
-    /// before the VM exists (the sys region, while the VM builds).
+    /// before the VM exists (the sys region, while the VM builds: see
+    /// [`SnapshotImage::reads_overlap_build`]).
     fn read_region(&self, index: usize) -> Result<Vec<(u64, Vec<u8>)>>;
 
     /// Checks region `index` and maps it copy-on-write over `region` (anonymous memory, never
@@ -75,6 +76,13 @@ pub trait SnapshotImage: Sync {
     /// store compares each chunk's hash, catching a chunk placed wrong).
     fn check_restored(&self, _memory: &GuestMemory) -> Result<()> {
         Ok(())
+    }
+
+    /// Whether a lazy restore reads the sys region and the working set on threads while the VM
+    /// builds: worth it where each read waits on a round trip (a chunk store); a local file
+    /// is read sooner than threads start.
+    fn reads_overlap_build(&self) -> bool {
+        false
     }
 
     /// Fits a lazy restore's pager configuration to the image's chunks (a remote store wants
@@ -272,8 +280,7 @@ where
 
 /// The VM of a lazy or page-server restore with the sys region (page tables, payload, control
 /// blocks: small, and needed at once) copied in, and the recorded working set when
-/// `want_working_set`: both read while the VM builds (against a remote store, the VM's
-/// creation and the round trips overlap). The RAM regions are left to the pagers.
+/// `want_working_set`. The RAM regions are left to the pagers (or the page server).
 fn build_with_sys<I, T>(
     image: &I,
     into: T,
@@ -289,6 +296,39 @@ where
         .regions()
         .iter()
         .position(|r| r.gpa == layout::SYS_GPA);
+    if image.reads_overlap_build() {
+        return build_while_reading(image, into, name, sys_index, want_working_set, phases);
+    }
+    let vm = into.machine(image.config(), name, phases)?;
+    let mut t = Instant::now();
+    check_layout(vm.memory(), image)?;
+    if let Some(i) = sys_index {
+        image.copy_region(vm.memory(), i)?;
+    }
+    lap(phases, &mut t, "copy the sys region");
+    let working_set = if want_working_set {
+        image.recorded_working_set()?
+    } else {
+        None
+    };
+    lap(phases, &mut t, "read the working set");
+    Ok((vm, working_set))
+}
+
+/// [`build_with_sys`] with the sys region and the working set read on threads while the VM
+/// builds (against a remote store, the VM's creation and the round trips overlap).
+fn build_while_reading<I, T>(
+    image: &I,
+    into: T,
+    name: &str,
+    sys_index: Option<usize>,
+    want_working_set: bool,
+    phases: &mut Vec<(String, Duration)>,
+) -> Result<(T::Machine, Option<Vec<WorkingSetRegion>>)>
+where
+    I: SnapshotImage + ?Sized,
+    T: RestoreTarget,
+{
     let (vm, sys, working_set) = std::thread::scope(|s| {
         let sys = s.spawn(|| sys_index.map(|i| image.read_region(i)).transpose());
         let working_set = s.spawn(|| {
@@ -385,7 +425,7 @@ pub fn served_memory(image: &dyn SnapshotImage) -> Result<ServedMemory> {
         .filter(|(_, r)| r.gpa != layout::SYS_GPA)
         .map(|(i, r)| {
             Ok(ServedRegion {
-                name: r.name,
+                name: r.name.clone(),
                 size: r.size,
                 source: image.page_source(i)?,
             })
@@ -405,7 +445,6 @@ pub fn served_memory(image: &dyn SnapshotImage) -> Result<ServedMemory> {
 fn check_layout<I: SnapshotImage + ?Sized>(memory: &GuestMemory, image: &I) -> Result<()> {
     let built: Vec<&RegionSpec> = memory.regions().iter().map(|r| r.spec()).collect();
     let saved = image.regions();
-    let saved: Vec<&RegionSpec> = saved.iter().collect();
     if built != saved {
         return Err(Error::Layout(format!(
             "the snapshot's regions {saved:?} differ from those its configuration builds here \

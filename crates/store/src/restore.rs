@@ -398,12 +398,8 @@ impl SnapshotImage for StoreSnapshot {
         &self.manifest.config
     }
 
-    fn regions(&self) -> Vec<RegionSpec> {
-        self.manifest
-            .regions
-            .iter()
-            .map(|r| r.spec.clone())
-            .collect()
+    fn regions(&self) -> Vec<&RegionSpec> {
+        self.manifest.regions.iter().map(|r| &r.spec).collect()
     }
 
     fn chunk_check(&self) -> &'static str {
@@ -448,6 +444,10 @@ impl SnapshotImage for StoreSnapshot {
 
     fn check_restored(&self, memory: &GuestMemory) -> SnapshotResult<()> {
         self.check_memory(memory).map_err(image_error)
+    }
+
+    fn reads_overlap_build(&self) -> bool {
+        true
     }
 
     fn tune_pager(&self, config: &mut PagerConfig) {
