@@ -13,14 +13,15 @@ use common::{
     dirty_work, flip_byte_in_ram, resume_and_check_continuation, snapshot_running_vm,
     wait_for_generation, TempDir,
 };
+use guestmem_contract::VmBuilder;
 use guestmem_memory::Backend as MemBackend;
 use guestmem_paging::{PagerConfig, Share, SharedImage};
-use guestmem_snapshot::{self as snapshot, PreparedVm, Snapshot};
+use guestmem_snapshot::service::RestoreService;
+use guestmem_snapshot::{self as snapshot, PreparedVm, RestoreMode, Snapshot};
 use guestmem_store::backend::Backend;
 use guestmem_store::local::LocalBackend;
 use guestmem_store::manifest::StoreManifest;
 use guestmem_store::restore::StoreSnapshot;
-use guestmem_store::service::RestoreService;
 use guestmem_store::write::write;
 use guestmem_vm::{Vm, VmConfig};
 
@@ -119,19 +120,22 @@ fn two_clones_of_a_snapshot_share_one_copy_and_keep_their_own_writes() {
     let dir = TempDir::new("clones");
     let at_snapshot = snapshot_running_vm(&VmConfig::simple(2, RAM, MemBackend::Anon), RAM, &dir.0);
     let snap = Snapshot::open(&dir.0).unwrap();
-    let full = snapshot::restore(&snap, snapshot::RestoreMode::Full).unwrap();
+    let full = snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Full)
+        .map(|r| r.vm)
+        .unwrap();
     let snapshot_ram = ram_bytes(&full);
     drop(full);
     let share = ShareDir::new("flat");
-    let mut a = snapshot::restore_lazy(&snap, &share.config()).unwrap();
-    let b = snapshot::restore_lazy(&snap, &share.config()).unwrap();
+    let mut a =
+        snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(share.config())).unwrap();
+    let b = snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(share.config())).unwrap();
     let image = share.image(&snap.manifest().checksum);
     check_two_clones(&mut a.vm, &b.vm, &at_snapshot, &snapshot_ram, &image);
     // A third clone, restored into a VM prepared ahead of time (a warm pool), finds every
     // page b read published: it fetches nothing new.
     let published = image.published_bytes();
     let prepared = snapshot::PreparedVm::new(&snap.manifest().config).unwrap();
-    let c = snapshot::restore_lazy_into(prepared, &snap, &share.config()).unwrap();
+    let c = snapshot::restore(&snap, prepared, RestoreMode::Lazy(share.config())).unwrap();
     assert!(ram_bytes(&c.vm) == snapshot_ram);
     assert_eq!(image.published_bytes(), published);
 }
@@ -155,8 +159,9 @@ fn two_clones_of_a_store_snapshot_share_one_copy_and_keep_their_own_writes() {
     drop(vm);
     let snap = StoreSnapshot::open(backend, "vm", None).unwrap();
     let share = ShareDir::new("store");
-    let mut a = snap.restore_lazy(&share.config()).unwrap();
-    let b = snap.restore_lazy(&share.config()).unwrap();
+    let mut a =
+        snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(share.config())).unwrap();
+    let b = snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(share.config())).unwrap();
     let image = share.image(&snap.manifest.checksum);
     check_two_clones(&mut a.vm, &b.vm, &at_snapshot, &snapshot_ram, &image);
 }
@@ -186,7 +191,8 @@ fn a_damaged_chunk_is_refused_by_every_clone() {
     let share = ShareDir::new("bad");
     let image = share.image(&snap.manifest().checksum);
     for clone in 0..3 {
-        let mut lazy = snapshot::restore_lazy(&snap, &share.config()).unwrap();
+        let mut lazy =
+            snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(share.config())).unwrap();
         let e = run_to_error(&mut lazy.vm);
         assert!(
             e.contains("corrupt snapshot") && e.contains("region 'ram' chunk 0 (offset 0x0)"),
@@ -214,7 +220,8 @@ fn a_damaged_chunk_is_refused_by_every_clone() {
     let snap = StoreSnapshot::open(backend.clone(), "vm", None).unwrap();
     let image = share.image(&snap.manifest.checksum);
     for clone in 0..2 {
-        let mut lazy = snap.restore_lazy(&share.config()).unwrap();
+        let mut lazy =
+            snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(share.config())).unwrap();
         let e = run_to_error(&mut lazy.vm);
         assert!(
             e.contains("corrupt store snapshot") && e.contains("region 'ram' chunk 0 (offset 0x0)"),
@@ -231,7 +238,7 @@ fn a_damaged_chunk_is_refused_by_every_clone() {
         &dir.0,
     );
     let snap = Snapshot::open(&dir.0).unwrap();
-    let e = snapshot::restore_lazy(&snap, &share.config())
+    let e = snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(share.config()))
         .err()
         .unwrap()
         .to_string();
@@ -252,7 +259,9 @@ fn clones_racing_to_publish_the_same_chunks_all_read_the_snapshots_bytes() {
     let dir = TempDir::new("clones-race");
     snapshot_running_vm(&VmConfig::simple(2, RAM, MemBackend::Anon), RAM, &dir.0);
     let snap = Snapshot::open(&dir.0).unwrap();
-    let full = snapshot::restore(&snap, snapshot::RestoreMode::Full).unwrap();
+    let full = snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Full)
+        .map(|r| r.vm)
+        .unwrap();
     let snapshot_ram = ram_bytes(&full);
     drop(full);
     let share = ShareDir::new("race");
@@ -267,7 +276,9 @@ fn clones_racing_to_publish_the_same_chunks_all_read_the_snapshots_bytes() {
             let (snap, config, start, snapshot_ram) = (&snap, &config, &start, &snapshot_ram);
             s.spawn(move || {
                 start.wait();
-                let lazy = snapshot::restore_lazy(snap, config).unwrap();
+                let lazy =
+                    snapshot::restore(snap, &mut VmBuilder, RestoreMode::Lazy(config.clone()))
+                        .unwrap();
                 assert!(ram_bytes(&lazy.vm) == *snapshot_ram, "clone {clone}");
             });
         }
@@ -304,10 +315,14 @@ fn a_restore_service_restores_armed_clones_to_the_snapshots_bytes() {
     let tmp = TempDir::new("clones-service");
     let (backend, at_snapshot, snapshot_ram) = store_snapshot(&tmp, RAM);
     let share = ShareDir::new("service");
-    let service = RestoreService::open(backend.clone(), "vm", None, share.config()).unwrap();
+    let service = RestoreService::new(
+        StoreSnapshot::open(backend.clone(), "vm", None).unwrap(),
+        share.config(),
+    )
+    .unwrap();
     service.fill(2).unwrap();
     assert_eq!(service.pooled(), 2);
-    let image = share.image(&service.snapshot().manifest.checksum);
+    let image = share.image(&service.image().manifest.checksum);
     assert_eq!(image.published_bytes(), 0, "an armed VM fetches nothing");
     let mut a = service.restore().unwrap();
     let b = service.restore().unwrap();
@@ -333,7 +348,11 @@ fn a_restore_service_restores_armed_clones_to_the_snapshots_bytes() {
     // A VM armed for another snapshot (same layout, other bytes) is refused.
     let tmp2 = TempDir::new("clones-service-other");
     let (backend2, _, _) = store_snapshot(&tmp2, RAM);
-    let service2 = RestoreService::open(backend2, "vm", None, share.config()).unwrap();
+    let service2 = RestoreService::new(
+        StoreSnapshot::open(backend2, "vm", None).unwrap(),
+        share.config(),
+    )
+    .unwrap();
     let armed = service2.prepare().unwrap();
     let e = service.restore_armed(armed).err().unwrap().to_string();
     assert!(e.contains("armed for the snapshot"), "{e}");
@@ -347,8 +366,12 @@ fn a_restore_service_restores_armed_clones_to_the_snapshots_bytes() {
     bytes[guestmem_sys::to_usize(c.offset() + c.stored / 2)] ^= 1;
     backend.put(&key, &bytes).unwrap();
     let share = ShareDir::new("service-bad");
-    let service = RestoreService::open(backend, "vm", None, share.config()).unwrap();
-    let image = share.image(&service.snapshot().manifest.checksum);
+    let service = RestoreService::new(
+        StoreSnapshot::open(backend, "vm", None).unwrap(),
+        share.config(),
+    )
+    .unwrap();
+    let image = share.image(&service.image().manifest.checksum);
     service.fill(2).unwrap();
     for clone in 0..2 {
         let mut r = service.restore().unwrap();

@@ -16,13 +16,14 @@ use common::{
     assert_memory_is_snapshot, assert_pages_consistent, dirty_work, flip_byte_in_ram, pattern,
     resume_and_check_continuation, snapshot_running_vm, HugePages, TempDir,
 };
+use guestmem_contract::VmBuilder;
 use guestmem_memory::{Backend, Region, RegionSpec, PAGE_SIZE};
 use guestmem_pageserver::{
-    check_userfaultfd, parse_mappings, restore_lazy_via_socket, send_handshake, serve_connection,
-    GuestRegionUffdMapping, PageServerConfig, PeerProcess, ServedMemory, Session,
+    check_userfaultfd, parse_mappings, send_handshake, serve_connection, GuestRegionUffdMapping,
+    PageServerConfig, PeerProcess, ServedMemory, Session,
 };
 use guestmem_paging::{register_for_peer, PagerConfig};
-use guestmem_snapshot::{self as snapshot, Snapshot};
+use guestmem_snapshot::{self as snapshot, RestoreMode, Snapshot};
 use guestmem_vm::{layout, VmConfig};
 
 const SIZE: u64 = 8 << 20;
@@ -85,18 +86,30 @@ fn guest_restored_through_the_socket_continues() {
             ..PagerConfig::default()
         };
         // Served from the snapshot itself: every chunk checked before it is served.
-        let memory = ServedMemory::snapshot(&dir.0).unwrap();
+        let memory = snapshot::served_memory(&Snapshot::open(&dir.0).unwrap()).unwrap();
         let session = spawn_server(&socket, memory, quiet);
-        let mut restored = restore_lazy_via_socket(&snap, &socket).unwrap();
+        let mut restored = snapshot::restore(
+            &snap,
+            &mut VmBuilder,
+            RestoreMode::PageServer(socket.clone()),
+        )
+        .unwrap();
         let session = session.recv().unwrap().unwrap();
         assert_eq!(session.peer_pid, std::process::id() as i32);
-        assert_eq!(session.mappings, restored.mappings);
+        assert_eq!(session.mappings, restored.peer.as_ref().unwrap().mappings);
         let ram = &snap.manifest().regions[1];
-        assert_eq!(restored.mappings.len(), 1, "{backend}: one RAM region");
+        assert_eq!(
+            restored.peer.as_ref().unwrap().mappings.len(),
+            1,
+            "{backend}: one RAM region"
+        );
         // The RAM alone, from offset 0: the snapshot's memory file is exactly its RAM.
-        assert_eq!(restored.mappings[0].offset, 0);
+        assert_eq!(restored.peer.as_ref().unwrap().mappings[0].offset, 0);
         assert_eq!(ram.file_offset, 0);
-        assert_eq!(restored.mappings[0].size, ram.spec.size);
+        assert_eq!(
+            restored.peer.as_ref().unwrap().mappings[0].size,
+            ram.spec.size
+        );
         assert_eq!(
             restored.vm.pages_done(),
             at_snapshot,
@@ -117,7 +130,12 @@ fn guest_restored_through_the_socket_continues() {
         ram_only_file(&snap, &ram_file);
         let memory = ServedMemory::file(&ram_file).unwrap();
         let session = spawn_server(&socket, memory, PagerConfig::default());
-        let restored = restore_lazy_via_socket(&snap, &socket).unwrap();
+        let restored = snapshot::restore(
+            &snap,
+            &mut VmBuilder,
+            RestoreMode::PageServer(socket.clone()),
+        )
+        .unwrap();
         let session = session.recv().unwrap().unwrap();
         let deadline = Instant::now() + Duration::from_secs(60);
         while !session.resident() && Instant::now() < deadline {
@@ -143,8 +161,17 @@ fn removed_range_reads_as_zero() {
         background: false,
         ..PagerConfig::default()
     };
-    let session = spawn_server(&socket, ServedMemory::snapshot(&dir.0).unwrap(), quiet);
-    let restored = restore_lazy_via_socket(&snap, &socket).unwrap();
+    let session = spawn_server(
+        &socket,
+        snapshot::served_memory(&Snapshot::open(&dir.0).unwrap()).unwrap(),
+        quiet,
+    );
+    let restored = snapshot::restore(
+        &snap,
+        &mut VmBuilder,
+        RestoreMode::PageServer(socket.clone()),
+    )
+    .unwrap();
     let session = session.recv().unwrap().unwrap();
     let memory = restored.vm.memory();
     let ram = memory
@@ -456,7 +483,12 @@ fn the_vmm_side_sends_what_firecrackers_handlers_accept() {
         check_userfaultfd(std::os::fd::AsFd::as_fd(&file)).unwrap();
         (buf[..n].to_vec(), n, stream)
     });
-    let restored = restore_lazy_via_socket(&snap, &socket).unwrap();
+    let restored = snapshot::restore(
+        &snap,
+        &mut VmBuilder,
+        RestoreMode::PageServer(socket.clone()),
+    )
+    .unwrap();
     let (message, n, _stream) = server.join().unwrap();
     assert!(n < 1024, "the message takes {n} bytes");
     let json: serde_json::Value = serde_json::from_slice(&message).unwrap();
@@ -506,7 +538,10 @@ fn the_vmm_side_sends_what_firecrackers_handlers_accept() {
         offset += image.spec.size;
     }
     // guestmem's own parser reads the same message the same way.
-    assert_eq!(parse_mappings(&message).unwrap(), restored.mappings);
+    assert_eq!(
+        parse_mappings(&message).unwrap(),
+        restored.peer.as_ref().unwrap().mappings
+    );
 }
 
 const PEER_ENV: &str = "GUESTMEM_FC_TEST_PEER_SOCKET";
@@ -532,7 +567,12 @@ fn peer_process_helper() {
         // The VMM side: restore, then read the corrupted byte as the guest would. A page
         // server that refuses the chunk kills us before the read returns.
         let snap = Snapshot::open(Path::new(&dir)).unwrap();
-        let restored = restore_lazy_via_socket(&snap, Path::new(&socket)).unwrap();
+        let restored = snapshot::restore(
+            &snap,
+            &mut VmBuilder,
+            RestoreMode::PageServer(Path::new(&socket).to_path_buf()),
+        )
+        .unwrap();
         let value = restored
             .vm
             .memory()
@@ -660,7 +700,7 @@ fn a_fetch_failing_for_good_kills_the_peer() {
 
 /// A corrupt chunk in a snapshot served with `--snapshot` is refused before any of it reaches
 /// the guest: serving fails naming the snapshot, region and chunk, and the VMM (a child
-/// process restoring with `restore_lazy_via_socket`) is killed before its read of the chunk
+/// process restoring with `RestoreMode::PageServer`) is killed before its read of the chunk
 /// returns.
 #[test]
 #[cfg_attr(
@@ -673,7 +713,7 @@ fn a_corrupt_chunk_is_refused_naming_it() {
     let dir = TempDir::new("corrupt-chunk");
     snapshot_running_vm(&VmConfig::simple(2, SIZE, Backend::Anon), SIZE, &dir.0);
     flip_byte_in_ram(&dir.0, CORRUPT_AT, 0x40);
-    let memory = ServedMemory::snapshot(&dir.0).unwrap();
+    let memory = snapshot::served_memory(&Snapshot::open(&dir.0).unwrap()).unwrap();
     let socket = dir.0.join("uffd.sock");
     let listener = UnixListener::bind(&socket).unwrap();
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
@@ -825,13 +865,15 @@ fn serve_from_store(backend: std::sync::Arc<dyn guestmem_store::Backend>, tag: &
     let at_snapshot = snapshot_running_vm(&config, SIZE, &flat);
     let snap = Snapshot::open(&flat).unwrap();
     {
-        let vm = snapshot::restore(&snap, snapshot::RestoreMode::Full).unwrap();
+        let vm = snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Full)
+            .map(|r| r.vm)
+            .unwrap();
         guestmem_store::write::write(&*backend, "vm1", &vm, None).unwrap();
     }
     let work = dirty_work(2, SIZE);
     for background in [false, true] {
         let store = StoreSnapshot::open(backend.clone(), "vm1", None).unwrap();
-        let memory = store.served_memory();
+        let memory = snapshot::served_memory(&store).unwrap();
         assert!(memory.describe().contains("vm1"), "{}", memory.describe());
         let socket = dir.0.join(format!("uffd-{background}.sock"));
         let pager = PagerConfig {
@@ -840,10 +882,15 @@ fn serve_from_store(backend: std::sync::Arc<dyn guestmem_store::Backend>, tag: &
         };
         let session = spawn_server(&socket, memory, pager);
         let vmm_side = StoreSnapshot::open(backend.clone(), "vm1", None).unwrap();
-        let mut restored = vmm_side.restore_lazy_via_socket(&socket).unwrap();
+        let mut restored = snapshot::restore(
+            &vmm_side,
+            &mut VmBuilder,
+            RestoreMode::PageServer(socket.clone()),
+        )
+        .unwrap();
         let session = session.recv().unwrap().unwrap();
-        assert_eq!(session.mappings, restored.mappings);
-        assert_eq!(restored.mappings.len(), 1);
+        assert_eq!(session.mappings, restored.peer.as_ref().unwrap().mappings);
+        assert_eq!(restored.peer.as_ref().unwrap().mappings.len(), 1);
         assert_eq!(
             restored.vm.pages_done(),
             at_snapshot,
@@ -889,8 +936,17 @@ fn serve_from_store(backend: std::sync::Arc<dyn guestmem_store::Backend>, tag: &
     backend.put(&key, &bad).unwrap();
     let store = StoreSnapshot::open(backend.clone(), "vm1", None).unwrap();
     let socket = dir.0.join("uffd-bad.sock");
-    let session = spawn_server(&socket, store.served_memory(), PagerConfig::default());
-    let restored = store.restore_lazy_via_socket(&socket).unwrap();
+    let session = spawn_server(
+        &socket,
+        snapshot::served_memory(&store).unwrap(),
+        PagerConfig::default(),
+    );
+    let restored = snapshot::restore(
+        &store,
+        &mut VmBuilder,
+        RestoreMode::PageServer(socket.clone()),
+    )
+    .unwrap();
     let session = session.recv().unwrap().unwrap();
     let deadline = Instant::now() + Duration::from_secs(60);
     while session.failure().is_none() && Instant::now() < deadline {

@@ -13,6 +13,7 @@ use std::time::Duration;
 use common::{assert_pages_consistent, resume_and_check_continuation, small_tmpfs, TempDir};
 use guestmem_contract::component::{Component, ComponentError, Components};
 use guestmem_contract::PayloadVm;
+use guestmem_contract::VmBuilder;
 use guestmem_memory::{Backend as MemBackend, GuestMemory};
 use guestmem_paging::PagerConfig;
 use guestmem_snapshot::live::{write_machine_live, LiveBase, LiveOptions, LiveReport};
@@ -121,7 +122,9 @@ fn check_flat(dir: &Path, work: &[VcpuWork]) {
     let saved = &snap.components()[0];
     assert_eq!(saved.name, "pause-digest");
     let (want, pages) = parse_saved(&saved.data, snap.manifest().regions.len());
-    let mut vm = snapshot::restore(&snap, RestoreMode::Full).unwrap();
+    let mut vm = snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Full)
+        .map(|r| r.vm)
+        .unwrap();
     assert_eq!(digests(&vm), want, "{}: full restore", dir.display());
     for (image, d) in snap.manifest().regions.iter().zip(&want) {
         assert_eq!(image.digest, *d, "the manifest's digest is the pause's");
@@ -130,7 +133,12 @@ fn check_flat(dir: &Path, work: &[VcpuWork]) {
     assert_pages_consistent(&vm, work, &pages);
     resume_and_check_continuation(&mut vm, work, &pages);
     drop(vm);
-    let lazy = snapshot::restore_lazy(&snap, &PagerConfig::default()).unwrap();
+    let lazy = snapshot::restore(
+        &snap,
+        &mut VmBuilder,
+        RestoreMode::Lazy(PagerConfig::default()),
+    )
+    .unwrap();
     for p in &lazy.pagers {
         assert!(p.wait_resident(Duration::from_secs(60)).unwrap());
     }
@@ -235,7 +243,9 @@ fn a_guest_memfd_region_is_stored_during_the_pause() {
     running.wait(Duration::from_secs(30)).unwrap();
     let snap = Snapshot::open(&dir).unwrap();
     let (want, pages) = parse_saved(&snap.components()[0].data, 2);
-    let mut vm = snapshot::restore(&snap, RestoreMode::Full).unwrap();
+    let mut vm = snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Full)
+        .map(|r| r.vm)
+        .unwrap();
     assert_eq!(digests(&vm), want);
     resume_and_check_continuation(&mut vm, &work, &pages);
 }
@@ -245,12 +255,19 @@ fn check_store(backend: &Arc<dyn Backend>, name: &str, work: &[VcpuWork], tmp: &
     let cache = guestmem_store::cache::ChunkCache::open(&tmp.0.join("cache"), 1 << 30).unwrap();
     let snap = StoreSnapshot::open(backend.clone(), name, Some(cache)).unwrap();
     let (want, pages) = parse_saved(&snap.components[0].data, 2);
-    let mut vm = snap.restore_full().unwrap();
+    let mut vm = snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Full)
+        .map(|r| r.vm)
+        .unwrap();
     assert_eq!(digests(&vm), want, "{name}: full restore");
     assert_pages_consistent(&vm, work, &pages);
     resume_and_check_continuation(&mut vm, work, &pages);
     drop(vm);
-    let lazy = snap.restore_lazy(&PagerConfig::default()).unwrap();
+    let lazy = snapshot::restore(
+        &snap,
+        &mut VmBuilder,
+        RestoreMode::Lazy(PagerConfig::default()),
+    )
+    .unwrap();
     for p in &lazy.pagers {
         assert!(p.wait_resident(Duration::from_secs(60)).unwrap());
     }
@@ -428,8 +445,13 @@ fn a_failed_live_snapshot_leaves_the_guest_running_and_the_previous_snapshot() {
         .map(|e| e.unwrap().file_name())
         .collect();
     assert_eq!(leftovers, vec![std::ffi::OsString::from("snap")]);
-    let mut restored =
-        snapshot::restore(&Snapshot::open(&dir).unwrap(), RestoreMode::Full).unwrap();
+    let mut restored = snapshot::restore(
+        &Snapshot::open(&dir).unwrap(),
+        &mut VmBuilder,
+        RestoreMode::Full,
+    )
+    .map(|r| r.vm)
+    .unwrap();
     assert_eq!(restored.pages_done(), at_first);
     resume_and_check_continuation(&mut restored, &work, &at_first);
     assert_eq!(
@@ -440,6 +462,8 @@ fn a_failed_live_snapshot_leaves_the_guest_running_and_the_previous_snapshot() {
     );
     let store: Arc<dyn Backend> = Arc::new(store.inner);
     let snap = StoreSnapshot::open(store, "snap", None).unwrap();
-    let restored = snap.restore_full().unwrap();
+    let restored = snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Full)
+        .map(|r| r.vm)
+        .unwrap();
     assert_eq!(restored.pages_done(), at_first);
 }

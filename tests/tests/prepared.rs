@@ -12,6 +12,7 @@ use common::{
     assert_memory_is_snapshot, assert_pages_consistent, dirty_work, resume_and_check_continuation,
     snapshot_running_vm, TempDir,
 };
+use guestmem_contract::VmBuilder;
 use guestmem_memory::Backend;
 use guestmem_paging::PagerConfig;
 use guestmem_snapshot::Error;
@@ -37,7 +38,9 @@ fn a_prepared_vm_gets_the_snapshots_bytes_and_the_guest_goes_on() {
 
         for mode in [RestoreMode::Full, RestoreMode::Map] {
             let prepared = PreparedVm::new(&config).unwrap();
-            let mut vm = snapshot::restore_into(prepared, &snap, mode).unwrap();
+            let mut vm = snapshot::restore(&snap, prepared, mode.clone())
+                .map(|r| r.vm)
+                .unwrap();
             let what = format!("{backend} {mode:?}");
             assert_memory_is_snapshot(&vm, &snap, &what);
             assert_eq!(vm.pages_done(), at_snapshot, "{what}");
@@ -48,7 +51,8 @@ fn a_prepared_vm_gets_the_snapshots_bytes_and_the_guest_goes_on() {
         // Lazy: the pagers are armed on the prepared VM's memory. The guest's own pages and
         // the control blocks are right before anything is resident (faults served)...
         let prepared = PreparedVm::new(&config).unwrap();
-        let lazy = snapshot::restore_lazy_into(prepared, &snap, &PagerConfig::default()).unwrap();
+        let lazy =
+            snapshot::restore(&snap, prepared, RestoreMode::Lazy(PagerConfig::default())).unwrap();
         assert!(
             lazy.phases.iter().all(|(p, _)| !p.starts_with("Vm::new")),
             "no VM built during the restore: {:?}",
@@ -82,22 +86,27 @@ fn a_prepared_vm_restores_from_a_store() {
     let backend: Arc<dyn guestmem_store::Backend> =
         Arc::new(LocalBackend::new(&tmp.0.join("store")));
     {
-        let vm = snapshot::restore(&flat_snap, RestoreMode::Full).unwrap();
+        let vm = snapshot::restore(&flat_snap, &mut VmBuilder, RestoreMode::Full)
+            .map(|r| r.vm)
+            .unwrap();
         guestmem_store::write::write(&*backend, "vm1", &vm, None).unwrap();
     }
     let store = StoreSnapshot::open(backend, "vm1", None).unwrap();
     let work = dirty_work(2, SIZE);
 
-    let mut vm = store
-        .restore_full_into(PreparedVm::new(&config).unwrap())
+    let mut vm = snapshot::restore(&store, PreparedVm::new(&config).unwrap(), RestoreMode::Full)
+        .map(|r| r.vm)
         .unwrap();
     assert_memory_is_snapshot(&vm, &flat_snap, "store full");
     resume_and_check_continuation(&mut vm, &work, &at_snapshot);
     drop(vm);
 
-    let lazy = store
-        .restore_lazy_into(PreparedVm::new(&config).unwrap(), &PagerConfig::default())
-        .unwrap();
+    let lazy = snapshot::restore(
+        &store,
+        PreparedVm::new(&config).unwrap(),
+        RestoreMode::Lazy(PagerConfig::default()),
+    )
+    .unwrap();
     let (pagers, mut vm) = (lazy.pagers, lazy.vm);
     assert_eq!(vm.pages_done(), at_snapshot);
     for p in &pagers {
@@ -146,10 +155,11 @@ fn a_snapshot_of_another_layout_is_refused_naming_the_difference() {
         for mode in ["full", "lazy"] {
             let prepared = PreparedVm::new(other).unwrap();
             let result = match mode {
-                "full" => snapshot::restore_into(prepared, &snap, RestoreMode::Full).map(drop),
-                _ => {
-                    snapshot::restore_lazy_into(prepared, &snap, &PagerConfig::default()).map(drop)
-                }
+                "full" => snapshot::restore(&snap, prepared, RestoreMode::Full)
+                    .map(|r| r.vm)
+                    .map(drop),
+                _ => snapshot::restore(&snap, prepared, RestoreMode::Lazy(PagerConfig::default()))
+                    .map(drop),
             };
             let err = result.unwrap_err();
             assert!(
@@ -170,13 +180,14 @@ fn a_snapshot_of_another_layout_is_refused_naming_the_difference() {
     let backend: Arc<dyn guestmem_store::Backend> =
         Arc::new(LocalBackend::new(&tmp.0.join("store")));
     {
-        let vm = snapshot::restore(&snap, RestoreMode::Full).unwrap();
+        let vm = snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Full)
+            .map(|r| r.vm)
+            .unwrap();
         guestmem_store::write::write(&*backend, "vm1", &vm, None).unwrap();
     }
     let store = StoreSnapshot::open(backend, "vm1", None).unwrap();
     let prepared = PreparedVm::new(&cases[0].0).unwrap();
-    let err = store
-        .restore_lazy_into(prepared, &PagerConfig::default())
+    let err = snapshot::restore(&store, prepared, RestoreMode::Lazy(PagerConfig::default()))
         .map(drop)
         .unwrap_err();
     let text = err.to_string();

@@ -13,9 +13,10 @@ use common::{
     assert_memory_is_snapshot, assert_pages_consistent, dirty_work, resume_and_check_continuation,
     TempDir,
 };
+use guestmem_contract::VmBuilder;
 use guestmem_memory::{populate, Backend, Method, PopulateFrom, PAGE_SIZE};
 use guestmem_paging::PagerConfig;
-use guestmem_snapshot::{self as snapshot, Snapshot};
+use guestmem_snapshot::{self as snapshot, RestoreMode, Snapshot};
 use guestmem_store::backend::Backend as StoreBackend;
 use guestmem_store::chunk as store_chunk;
 use guestmem_store::local::LocalBackend;
@@ -64,7 +65,8 @@ fn gmem_lazy_restore_through_kvm_userfault() {
         fault_around: 64 << 10,
         ..PagerConfig::default()
     };
-    let mut lazy = snapshot::restore_lazy(&snap, &quiet).unwrap();
+    let mut lazy =
+        snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(quiet.clone())).unwrap();
     assert!(
         lazy.pagers.is_empty(),
         "no userfaultfd pager for guest_memfd"
@@ -78,7 +80,12 @@ fn gmem_lazy_restore_through_kvm_userfault() {
     assert_eq!(stats.background_chunks, 0, "{stats:?}");
     drop(lazy);
 
-    let lazy = snapshot::restore_lazy(&snap, &PagerConfig::default()).unwrap();
+    let lazy = snapshot::restore(
+        &snap,
+        &mut VmBuilder,
+        RestoreMode::Lazy(PagerConfig::default()),
+    )
+    .unwrap();
     assert!(lazy.userfault_pagers[0]
         .wait_resident(Duration::from_secs(60))
         .unwrap());
@@ -103,7 +110,8 @@ fn gmem_lazy_restore_stops_on_a_corrupt_chunk() {
         background: false,
         ..PagerConfig::default()
     };
-    let mut lazy = snapshot::restore_lazy(&snap, &quiet).unwrap();
+    let mut lazy =
+        snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(quiet.clone())).unwrap();
     let running = lazy.vm.resume().unwrap();
     let e = running
         .wait(Duration::from_secs(60))
@@ -284,7 +292,8 @@ fn gmem_store_lazy_restore_through_kvm_userfault() {
         background: false,
         ..PagerConfig::default()
     };
-    let mut lazy = snap.restore_lazy(&quiet).unwrap();
+    let mut lazy =
+        snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(quiet.clone())).unwrap();
     assert!(
         lazy.pagers.is_empty(),
         "no userfaultfd pager for guest_memfd"
@@ -296,13 +305,16 @@ fn gmem_store_lazy_restore_through_kvm_userfault() {
     let stats = lazy.userfault_pagers[0].stats();
     assert!(stats.faults > 0 && stats.fault_chunks > 0, "{stats:?}");
     assert_eq!(stats.background_chunks, 0, "{stats:?}");
-    let recorded = snap
-        .record_working_set_with(&lazy.vm, &lazy.pagers, &lazy.userfault_pagers)
-        .unwrap();
+    let recorded = lazy.record_working_set(&snap).unwrap();
     assert_eq!(recorded as u64, stats.fault_chunks);
     drop(lazy);
 
-    let lazy = snap.restore_lazy(&PagerConfig::default()).unwrap();
+    let lazy = snapshot::restore(
+        &snap,
+        &mut VmBuilder,
+        RestoreMode::Lazy(PagerConfig::default()),
+    )
+    .unwrap();
     assert!(lazy.prefetched, "the recorded working set is fetched first");
     let pager = &lazy.userfault_pagers[0];
     assert!(pager.wait_resident(Duration::from_secs(60)).unwrap());
@@ -343,7 +355,8 @@ fn gmem_store_lazy_restore_refuses_a_damaged_chunk() {
         background: false,
         ..PagerConfig::default()
     };
-    let mut lazy = snap.restore_lazy(&quiet).unwrap();
+    let mut lazy =
+        snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(quiet.clone())).unwrap();
     let running = lazy.vm.resume().unwrap();
     let e = running
         .wait(Duration::from_secs(60))
@@ -352,7 +365,12 @@ fn gmem_store_lazy_restore_refuses_a_damaged_chunk() {
     named(&e);
     drop(lazy);
 
-    let lazy = snap.restore_lazy(&PagerConfig::default()).unwrap();
+    let lazy = snapshot::restore(
+        &snap,
+        &mut VmBuilder,
+        RestoreMode::Lazy(PagerConfig::default()),
+    )
+    .unwrap();
     let e = lazy.userfault_pagers[0]
         .wait_resident(Duration::from_secs(60))
         .unwrap_err();
@@ -390,7 +408,8 @@ fn gmem_host_read_of_an_unfetched_page_gets_the_snapshot_bytes() {
         background: false,
         ..PagerConfig::default()
     };
-    let mut lazy = snap.restore_lazy(&quiet).unwrap();
+    let mut lazy =
+        snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(quiet.clone())).unwrap();
     let pager = &lazy.userfault_pagers[0];
     assert!(pager.serves_host_access(), "{}", pager.host_access());
     assert_eq!(pager.host_access(), guestmem_paging::HOST_UFFD);

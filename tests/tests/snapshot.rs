@@ -8,6 +8,7 @@ use common::{
     assert_memory_is_snapshot, assert_pages_consistent, dirty_work, flip_byte_in_ram,
     resume_and_check_continuation, small_tmpfs, snapshot_running_vm, wait_for_generation, TempDir,
 };
+use guestmem_contract::VmBuilder;
 use guestmem_memory::{Backend, RegionSpec};
 use guestmem_paging::PagerConfig;
 use guestmem_snapshot::{self as snapshot, RestoreMode, Snapshot};
@@ -25,7 +26,9 @@ fn restored_guest_continues_on_every_backend_and_mode() {
             let at_snapshot = snapshot_running_vm(&config, SIZE, &dir.0);
 
             let snap = Snapshot::open(&dir.0).unwrap();
-            let mut vm = snapshot::restore(&snap, mode).unwrap();
+            let mut vm = snapshot::restore(&snap, &mut VmBuilder, mode.clone())
+                .map(|r| r.vm)
+                .unwrap();
             // Memory is back as it was: every region's digest equals the one taken at snapshot.
             assert_memory_is_snapshot(&vm, &snap, &format!("{backend} {mode:?}"));
             assert_eq!(vm.pages_done(), at_snapshot);
@@ -107,9 +110,18 @@ fn restore_error(dir: &Path, mode: &str) -> String {
         Err(e) => return e.to_string(),
     };
     let result = match mode {
-        "full" => snapshot::restore(&snap, RestoreMode::Full).map(drop),
-        "map" => snapshot::restore(&snap, RestoreMode::Map).map(drop),
-        _ => snapshot::restore_lazy(&snap, &PagerConfig::default()).map(drop),
+        "full" => snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Full)
+            .map(|r| r.vm)
+            .map(drop),
+        "map" => snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Map)
+            .map(|r| r.vm)
+            .map(drop),
+        _ => snapshot::restore(
+            &snap,
+            &mut VmBuilder,
+            RestoreMode::Lazy(PagerConfig::default()),
+        )
+        .map(drop),
     };
     match result {
         Ok(()) => panic!("{} was accepted in {mode} mode", dir.display()),
@@ -124,7 +136,9 @@ fn bad_snapshots_are_refused_before_anything_runs() {
     snapshot_running_vm(&VmConfig::simple(2, SIZE, Backend::Memfd), SIZE, &good.0);
     let copy = |name: &str| copy_snapshot(&good.0, name);
     let restore_err = |dir: &Path| -> String {
-        match Snapshot::open(dir).and_then(|s| snapshot::restore(&s, RestoreMode::Full)) {
+        match Snapshot::open(dir)
+            .and_then(|s| snapshot::restore(&s, &mut VmBuilder, RestoreMode::Full).map(|r| r.vm))
+        {
             Ok(_) => panic!("{} was accepted", dir.display()),
             Err(e) => e.to_string(),
         }
@@ -230,7 +244,9 @@ fn bad_snapshots_are_refused_before_anything_runs() {
 
     // The untouched snapshot still restores.
     let snap = Snapshot::open(&good.0).unwrap();
-    assert!(snapshot::restore(&snap, RestoreMode::Full).is_ok());
+    assert!(snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Full)
+        .map(|r| r.vm)
+        .is_ok());
 }
 
 #[test]
@@ -250,7 +266,8 @@ fn lazily_restored_guest_continues_while_memory_arrives() {
             background: false,
             ..PagerConfig::default()
         };
-        let mut lazy = snapshot::restore_lazy(&snap, &quiet).unwrap();
+        let mut lazy =
+            snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(quiet.clone())).unwrap();
         assert_eq!(
             lazy.vm.pages_done(),
             at_snapshot,
@@ -260,7 +277,12 @@ fn lazily_restored_guest_continues_while_memory_arrives() {
         drop(lazy);
 
         // Left alone, the background fetch brings in exactly the snapshot's memory.
-        let lazy = snapshot::restore_lazy(&snap, &PagerConfig::default()).unwrap();
+        let lazy = snapshot::restore(
+            &snap,
+            &mut VmBuilder,
+            RestoreMode::Lazy(PagerConfig::default()),
+        )
+        .unwrap();
         for pager in &lazy.pagers {
             assert!(pager
                 .wait_resident(std::time::Duration::from_secs(30))
@@ -287,10 +309,14 @@ fn lazy_restore_refuses_what_it_cannot_serve_and_stops_on_corrupt_pages() {
     // With KVM Userfault (the seeds kernel) a guest_memfd restores lazily: tests/tests/seeds.rs.
     let userfault = guestmem_sys::probe::kvm_userfault_on_a_new_vm().unwrap();
     if !userfault.present {
-        let e = snapshot::restore_lazy(&snap, &PagerConfig::default())
-            .err()
-            .unwrap()
-            .to_string();
+        let e = snapshot::restore(
+            &snap,
+            &mut VmBuilder,
+            RestoreMode::Lazy(PagerConfig::default()),
+        )
+        .err()
+        .unwrap()
+        .to_string();
         assert!(
             e.contains("KVM_MEM_USERFAULT") && e.contains("region 'ram'"),
             "{e}"
@@ -307,7 +333,8 @@ fn lazy_restore_refuses_what_it_cannot_serve_and_stops_on_corrupt_pages() {
         background: false,
         ..PagerConfig::default()
     };
-    let mut lazy = snapshot::restore_lazy(&snap, &quiet).unwrap();
+    let mut lazy =
+        snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(quiet.clone())).unwrap();
     let running = lazy.vm.resume().unwrap();
     let e = running
         .wait(std::time::Duration::from_secs(30))
@@ -367,7 +394,9 @@ fn a_diff_snapshot_restores_over_its_base() {
         .filter(|c| c.inherited)
         .count();
     assert!(inherited >= 28, "{inherited} chunks inherited");
-    let mut restored = snapshot::restore(&snap, RestoreMode::Full).unwrap();
+    let mut restored = snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Full)
+        .map(|r| r.vm)
+        .unwrap();
     for (region, image) in restored
         .memory()
         .regions()
@@ -392,7 +421,12 @@ fn a_diff_snapshot_restores_over_its_base() {
 
     // Lazily, pages come from the diff where it holds them, else from the base: the guest
     // continues from the same point and the memory ends up equal to the snapshot's.
-    let mut lazy = snapshot::restore_lazy(&snap, &PagerConfig::default()).unwrap();
+    let mut lazy = snapshot::restore(
+        &snap,
+        &mut VmBuilder,
+        RestoreMode::Lazy(PagerConfig::default()),
+    )
+    .unwrap();
     assert_eq!(lazy.vm.pages_done(), at_diff);
     for pager in &lazy.pagers {
         assert!(pager
@@ -404,11 +438,26 @@ fn a_diff_snapshot_restores_over_its_base() {
     drop(lazy);
 
     // A diff needs its base, whole, and cannot be mapped from one file.
-    let e = snapshot::restore(&snap, RestoreMode::Map)
+    let e = snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Map)
+        .map(|r| r.vm)
         .err()
         .unwrap()
         .to_string();
     assert!(e.contains("full mode"), "{e}");
+    // Nor can a page server be handed it: its RAM is in several files.
+    let e = snapshot::restore(
+        &snap,
+        &mut VmBuilder,
+        RestoreMode::PageServer(snap.dir().join("no-server.sock")),
+    )
+    .map(|r| r.vm)
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        e.contains("spread over its memory file and its base's"),
+        "{e}"
+    );
 
     // The base replaced by another snapshot, whole and self-consistent (the same VM a little
     // later): the diff is refused in every mode, naming the base, instead of restoring over
@@ -482,7 +531,9 @@ fn no_restore_mode_runs_a_guest_on_wrong_bytes() {
         "{e}"
     );
     let snap = Snapshot::open(&d.0).unwrap();
-    let vm = snapshot::restore(&snap, RestoreMode::Full).unwrap();
+    let vm = snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Full)
+        .map(|r| r.vm)
+        .unwrap();
     assert_memory_is_snapshot(&vm, &snap, "full");
 }
 
@@ -525,7 +576,9 @@ fn a_failed_snapshot_write_keeps_the_previous_snapshot() {
         .collect();
     assert_eq!(leftovers, vec![std::ffi::OsString::from("snap")]);
     let snap = Snapshot::open(&dir).unwrap();
-    let mut restored = snapshot::restore(&snap, RestoreMode::Full).unwrap();
+    let mut restored = snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Full)
+        .map(|r| r.vm)
+        .unwrap();
     assert_eq!(restored.pages_done(), at_first);
     resume_and_check_continuation(&mut restored, &work, &at_first);
 
@@ -545,7 +598,7 @@ fn a_failed_snapshot_write_keeps_the_previous_snapshot() {
 
 /// Runs a lazily restored VM until every vCPU is `pages` past `before`, stops it, and returns
 /// the pagers' fault count.
-fn run_lazy_for(lazy: &mut snapshot::LazyVm, before: &[u64], pages: u64) -> u64 {
+fn run_lazy_for(lazy: &mut snapshot::Restored, before: &[u64], pages: u64) -> u64 {
     let running = lazy.vm.resume().unwrap();
     while running
         .progress()
@@ -579,7 +632,8 @@ fn a_recorded_working_set_is_fetched_first_and_saves_faults() {
     // 3000 pages (almost 12 MiB) per vCPU after the restore: several chunks each.
     let snap = Snapshot::open(&dir.0).unwrap();
     assert!(snap.working_set().unwrap().is_none());
-    let mut lazy = snapshot::restore_lazy(&snap, &quiet).unwrap();
+    let mut lazy =
+        snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(quiet.clone())).unwrap();
     assert!(!lazy.prefetched);
     let first = run_lazy_for(&mut lazy, &at_snapshot, 3000);
     let recorded = lazy.record_working_set(&snap).unwrap();
@@ -593,7 +647,8 @@ fn a_recorded_working_set_is_fetched_first_and_saves_faults() {
     let snap = Snapshot::open(&dir.0).unwrap();
     let ws = snap.working_set().unwrap().expect("recorded");
     assert_eq!(ws.chunks(), recorded);
-    let mut lazy = snapshot::restore_lazy(&snap, &quiet).unwrap();
+    let mut lazy =
+        snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(quiet.clone())).unwrap();
     assert!(lazy.prefetched);
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     while !lazy.pagers.iter().all(|p| p.stats().prefetch_done) {
@@ -610,7 +665,12 @@ fn a_recorded_working_set_is_fetched_first_and_saves_faults() {
     drop(lazy);
 
     // With the background sweep after the prefetch, memory ends up equal to the snapshot's.
-    let lazy = snapshot::restore_lazy(&snap, &PagerConfig::default()).unwrap();
+    let lazy = snapshot::restore(
+        &snap,
+        &mut VmBuilder,
+        RestoreMode::Lazy(PagerConfig::default()),
+    )
+    .unwrap();
     for pager in &lazy.pagers {
         assert!(pager
             .wait_resident(std::time::Duration::from_secs(30))

@@ -14,8 +14,10 @@ use common::{
     assert_pages_consistent, dirty_work, resume_and_check_continuation, small_tmpfs,
     wait_for_generation, TempDir,
 };
+use guestmem_contract::VmBuilder;
 use guestmem_memory::Backend as MemBackend;
 use guestmem_paging::{PageSource, PagerConfig};
+use guestmem_snapshot::{self as snapshot, RestoreMode};
 use guestmem_store::backend::Backend;
 use guestmem_store::chunk;
 use guestmem_store::gc;
@@ -117,7 +119,19 @@ fn round_trip(backend: Arc<dyn Backend>, tmp: &TempDir) {
     drop(vm);
 
     let snap = StoreSnapshot::open(backend.clone(), "vm1", Some(cache(tmp))).unwrap();
-    let mut vm = snap.restore_full().unwrap();
+    // Map mode maps a flat snapshot's memory file: a store snapshot is refused, saying why.
+    let e = snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Map)
+        .map(|r| r.vm)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("compressed objects, not a memory file to map") && e.contains("full mode"),
+        "{e}"
+    );
+    let mut vm = snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Full)
+        .map(|r| r.vm)
+        .unwrap();
     assert_eq!(digests(&vm), want, "full restore");
     memory_checked_chunk_by_chunk(&snap, &vm);
     assert_eq!(vm.pages_done(), at_snapshot);
@@ -137,14 +151,19 @@ fn round_trip(backend: Arc<dyn Backend>, tmp: &TempDir) {
 
     for pass in 0..2 {
         let snap = StoreSnapshot::open(backend.clone(), "vm1", Some(cache(tmp))).unwrap();
-        let lazy = snap.restore_lazy(&PagerConfig::default()).unwrap();
+        let lazy = snapshot::restore(
+            &snap,
+            &mut VmBuilder,
+            RestoreMode::Lazy(PagerConfig::default()),
+        )
+        .unwrap();
         let (pagers, mut vm) = (lazy.pagers, lazy.vm);
         for p in &pagers {
             assert!(p.wait_resident(Duration::from_secs(60)).unwrap());
         }
         assert_eq!(digests(&vm), want, "lazy restore {pass}");
         if pass == 0 {
-            snap.record_working_set(&vm, &pagers).unwrap();
+            snapshot::record_working_set(&snap, vm.memory(), &pagers, &[]).unwrap();
         }
         let stats = snap.fetcher.stats();
         if backend.remote() {
@@ -185,7 +204,12 @@ fn local_store_lazy_restore_of_a_memfd_vm() {
     write(&*backend, "memfd", &vm, None).unwrap();
     drop(vm);
     let snap = StoreSnapshot::open(backend, "memfd", None).unwrap();
-    let lazy = snap.restore_lazy(&PagerConfig::default()).unwrap();
+    let lazy = snapshot::restore(
+        &snap,
+        &mut VmBuilder,
+        RestoreMode::Lazy(PagerConfig::default()),
+    )
+    .unwrap();
     let (pagers, mut vm) = (lazy.pagers, lazy.vm);
     assert!(!pagers.is_empty());
     for p in &pagers {
@@ -239,7 +263,9 @@ fn dedup_diff_merge_gc(backend: Arc<dyn Backend>) {
     drop(vm);
 
     let restored = StoreSnapshot::open(backend.clone(), "diff", None).unwrap();
-    let mut vm = restored.restore_full().unwrap();
+    let mut vm = snapshot::restore(&restored, &mut VmBuilder, RestoreMode::Full)
+        .map(|r| r.vm)
+        .unwrap();
     assert_eq!(digests(&vm), want, "diff over its base");
     resume_and_check_continuation(&mut vm, &dirty_work(2, SIZE), &at_diff);
     drop(vm);
@@ -251,10 +277,13 @@ fn dedup_diff_merge_gc(backend: Arc<dyn Backend>) {
         .iter()
         .flat_map(|r| &r.chunks)
         .all(|c| *c != ChunkRef::Base));
-    let vm = StoreSnapshot::open(backend.clone(), "merged", None)
-        .unwrap()
-        .restore_full()
-        .unwrap();
+    let vm = snapshot::restore(
+        &StoreSnapshot::open(backend.clone(), "merged", None).unwrap(),
+        &mut VmBuilder,
+        RestoreMode::Full,
+    )
+    .map(|r| r.vm)
+    .unwrap();
     assert_eq!(digests(&vm), want, "merged");
     drop(vm);
 
@@ -292,10 +321,13 @@ fn dedup_diff_merge_gc(backend: Arc<dyn Backend>) {
         left, referenced,
         "exactly the merged snapshot's packs are left"
     );
-    let vm = StoreSnapshot::open(backend.clone(), "merged", None)
-        .unwrap()
-        .restore_full()
-        .unwrap();
+    let vm = snapshot::restore(
+        &StoreSnapshot::open(backend.clone(), "merged", None).unwrap(),
+        &mut VmBuilder,
+        RestoreMode::Full,
+    )
+    .map(|r| r.vm)
+    .unwrap();
     assert_eq!(digests(&vm), want, "merged, after gc");
 }
 
@@ -357,10 +389,13 @@ fn a_store_written_before_packs_is_read_and_its_chunks_reused() {
         &serde_json::to_vec_pretty(&m).unwrap(),
     )
     .unwrap();
-    let vm2 = StoreSnapshot::open(backend.clone(), "old", None)
-        .unwrap()
-        .restore_full()
-        .unwrap();
+    let vm2 = snapshot::restore(
+        &StoreSnapshot::open(backend.clone(), "old", None).unwrap(),
+        &mut VmBuilder,
+        RestoreMode::Full,
+    )
+    .map(|r| r.vm)
+    .unwrap();
     assert_eq!(digests(&vm2), want, "a version-1 snapshot restored");
     drop(vm2);
     let again = write(b, "new", &vm, None).unwrap();
@@ -369,10 +404,13 @@ fn a_store_written_before_packs_is_read_and_its_chunks_reused() {
     assert!(new.packs.is_empty() && new.data_chunks().all(|c| c.loc == chunk::Loc::Object));
     let r = gc::gc(b, Duration::ZERO).unwrap();
     assert_eq!(r.removed_chunks, 0, "{r:?}");
-    let vm2 = StoreSnapshot::open(backend.clone(), "new", None)
-        .unwrap()
-        .restore_full()
-        .unwrap();
+    let vm2 = snapshot::restore(
+        &StoreSnapshot::open(backend.clone(), "new", None).unwrap(),
+        &mut VmBuilder,
+        RestoreMode::Full,
+    )
+    .map(|r| r.vm)
+    .unwrap();
     assert_eq!(
         digests(&vm2),
         want,
@@ -425,7 +463,10 @@ fn refusals(backend: Arc<dyn Backend>) {
     other.resize(to_usize(c.stored), 0);
     b.put(&key, &replaced(&good, &c, &other)).unwrap();
     let snap = StoreSnapshot::open(backend.clone(), "vm", None).unwrap();
-    let e = snap.restore_full().expect_err("refused").to_string();
+    let e = snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Full)
+        .map(|r| r.vm)
+        .expect_err("refused")
+        .to_string();
     assert!(
         e.contains("/vm region 'ram'") && e.contains(&format!("chunk {index} ")),
         "{e}"
@@ -455,10 +496,14 @@ fn refusals(backend: Arc<dyn Backend>) {
     damaged[to_usize(c.offset()) + to_usize(c.stored) / 2] ^= 0x40;
     b.put(&key, &damaged).unwrap();
     let full_restore_error = || {
-        StoreSnapshot::open(backend.clone(), "vm", None)
-            .unwrap()
-            .restore_full()
-            .expect_err("refused")
+        snapshot::restore(
+            &StoreSnapshot::open(backend.clone(), "vm", None).unwrap(),
+            &mut VmBuilder,
+            RestoreMode::Full,
+        )
+        .map(|r| r.vm)
+        .map_err(guestmem_store::Error::from)
+        .expect_err("refused")
     };
     let e = full_restore_error().to_string();
     assert!(
@@ -487,10 +532,13 @@ fn refusals(backend: Arc<dyn Backend>) {
         "{e}"
     );
     b.put(&key, &good).unwrap();
-    StoreSnapshot::open(backend.clone(), "vm", None)
-        .unwrap()
-        .restore_full()
-        .unwrap();
+    snapshot::restore(
+        &StoreSnapshot::open(backend.clone(), "vm", None).unwrap(),
+        &mut VmBuilder,
+        RestoreMode::Full,
+    )
+    .map(|r| r.vm)
+    .unwrap();
 
     // A state object whose hash the manifest has, but that is not a saved state: refused
     // when the snapshot is opened, naming the object.
@@ -705,7 +753,8 @@ fn minio_lazy_restore_stops_on_a_damaged_chunk() {
         background: false,
         ..PagerConfig::default()
     };
-    let mut lazy = snap.restore_lazy(&quiet).unwrap();
+    let mut lazy =
+        snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(quiet.clone())).unwrap();
     let running = lazy.vm.resume().unwrap();
     let e = running
         .wait(Duration::from_secs(30))
@@ -751,7 +800,11 @@ fn gmem_store_lazy_restore_is_served_or_refused_naming_kvm_userfault() {
     write(&*backend, "gmem", &vm, None).unwrap();
     drop(vm);
     let snap = StoreSnapshot::open(backend, "gmem", None).unwrap();
-    let restored = snap.restore_lazy(&PagerConfig::default());
+    let restored = snapshot::restore(
+        &snap,
+        &mut VmBuilder,
+        RestoreMode::Lazy(PagerConfig::default()),
+    );
     let userfault = guestmem_sys::probe::kvm_userfault_on_a_new_vm().unwrap();
     if userfault.present {
         let lazy = restored.unwrap_or_else(|e| panic!("{e}"));
@@ -766,7 +819,7 @@ fn gmem_store_lazy_restore_is_served_or_refused_naming_kvm_userfault() {
         snap.check_memory(lazy.vm.memory()).unwrap();
         assert_eq!(lazy.vm.pages_done(), at_snapshot);
     } else {
-        let e = restored.err().expect("refused without KVM Userfault");
+        let e = restored.expect_err("refused without KVM Userfault");
         let msg = guestmem_sys::error_chain(&e, ": ");
         assert!(
             msg.contains("region 'ram'")

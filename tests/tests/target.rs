@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use common::{assert_pages_consistent, dirty_work, wait_for_generation, TempDir};
 use guestmem_contract::component::{Components, Machine};
+use guestmem_contract::VmBuilder;
 use guestmem_contract::{Error, Result};
 use guestmem_contract::{MachineBuilder, PayloadVm, SharedFiles, TargetMachine};
 use guestmem_memory::{Backend, GuestMemory};
@@ -19,7 +20,7 @@ use guestmem_migration::driver::{self, Restore};
 use guestmem_migration::migrate::{Links, Mode, ReceiveOptions, SendOptions};
 use guestmem_migration::transport::{generate_credentials, Credentials, Endpoint, Listener, Role};
 use guestmem_paging::PagerConfig;
-use guestmem_snapshot::{RestoreMode, Snapshot};
+use guestmem_snapshot::{self as snapshot, RestoreMode, Snapshot};
 use guestmem_tracking::Tracker;
 use guestmem_vm::{AbortHandle, RunningVm, Vm, VmConfig};
 
@@ -189,7 +190,8 @@ fn a_builder_that_refuses_and_a_state_that_does_not_load_fail_the_restore() {
             source: format!("{} vCPUs do not fit here", config.vcpus).into(),
         })
     };
-    let e = guestmem_snapshot::restore_with(&snap, RestoreMode::Full, &mut refuse)
+    let e = snapshot::restore(&snap, &mut refuse, RestoreMode::Full)
+        .map(|r| r.vm)
         .err()
         .expect("refused");
     assert_eq!(
@@ -198,7 +200,9 @@ fn a_builder_that_refuses_and_a_state_that_does_not_load_fail_the_restore() {
     );
 
     // guestmem's own VM cannot read the VMM's blob: refused before anything runs.
-    let e = guestmem_snapshot::restore(&snap, RestoreMode::Full).expect_err("refused");
+    let e = snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Full)
+        .map(|r| r.vm)
+        .expect_err("refused");
     assert!(
         matches!(
             e,
@@ -382,12 +386,20 @@ fn a_vmm_machine_goes_through_a_chunk_store() {
         let snap = StoreSnapshot::open(backend.clone(), "vmm", None).unwrap();
         assert_eq!(snap.components, std::slice::from_ref(&state));
         let (pagers, mut restored) = if lazy {
-            let l = snap
-                .restore_lazy_with(&mut builder(), &PagerConfig::default())
-                .unwrap();
+            let l = snapshot::restore(
+                &snap,
+                &mut builder(),
+                RestoreMode::Lazy(PagerConfig::default()),
+            )
+            .unwrap();
             (l.pagers, l.vm)
         } else {
-            (Vec::new(), snap.restore_full_with(&mut builder()).unwrap())
+            (
+                Vec::new(),
+                snapshot::restore(&snap, &mut builder(), RestoreMode::Full)
+                    .map(|r| r.vm)
+                    .unwrap(),
+            )
         };
         assert_eq!(restored.part.as_deref(), Some(VMM_PART), "lazy {lazy}");
         let running = restored.resume().unwrap();

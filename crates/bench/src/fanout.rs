@@ -33,12 +33,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 
+use guestmem_contract::VmBuilder;
 use guestmem_memory::Backend as MemBackend;
 use guestmem_paging::{PagerConfig, Share};
+use guestmem_snapshot::service::RestoreService;
 use guestmem_snapshot::PreparedVm;
+use guestmem_snapshot::RestoreMode;
 use guestmem_store::local::LocalBackend;
-use guestmem_store::restore::{LazyStoreVm, StoreSnapshot};
-use guestmem_store::service::RestoreService;
+use guestmem_store::restore::StoreSnapshot;
 use guestmem_store::write::write;
 use guestmem_store::Backend;
 use guestmem_vm::{layout, VcpuWork, Vm, VmConfig, Workload};
@@ -319,11 +321,11 @@ struct Source {
     /// The snapshot opened once (`--via warm`).
     opened: Option<StoreSnapshot>,
     /// The restore services (`--via service`), without sharing and sharing.
-    services: Option<[RestoreService; 2]>,
+    services: Option<[RestoreService<StoreSnapshot>; 2]>,
 }
 
 impl Source {
-    fn service(&self, share: Option<&Share>) -> Option<&RestoreService> {
+    fn service(&self, share: Option<&Share>) -> Option<&RestoreService<StoreSnapshot>> {
         self.services
             .as_ref()
             .map(|s| &s[usize::from(share.is_some())])
@@ -346,12 +348,13 @@ fn bench(args: &Args, run: Duration, temp: &Path) -> crate::Result<Output> {
     };
     // One restore runs `run` and records its working set for the clones to prefetch.
     let snap = StoreSnapshot::open(source.backend.clone(), &source.name, None)?;
-    let mut lazy = snap.restore_lazy(&quiet(None))?;
+    let mut lazy =
+        guestmem_snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(quiet(None)))?;
     let running = lazy.vm.resume()?;
     std::thread::sleep(run);
     running.stop();
     running.wait(Duration::from_secs(30))?;
-    let chunks = snap.record_working_set(&lazy.vm, &lazy.pagers)?;
+    let chunks = lazy.record_working_set(&snap)?;
     let working_set_mib = (chunks as u64 * snap.manifest.chunk_bytes) as f64 / MIB;
     drop(lazy);
     let share = Share::new(
@@ -368,8 +371,9 @@ fn bench(args: &Args, run: Duration, temp: &Path) -> crate::Result<Output> {
             )?);
         }
         Via::Service => {
-            let open = |share: Option<&Share>| {
-                RestoreService::open(source.backend.clone(), &source.name, None, quiet(share))
+            let open = |share: Option<&Share>| -> crate::Result<RestoreService<StoreSnapshot>> {
+                let snap = StoreSnapshot::open(source.backend.clone(), &source.name, None)?;
+                Ok(RestoreService::new(snap, quiet(share))?)
             };
             source.services = Some([open(None)?, open(Some(&share))?]);
         }
@@ -397,7 +401,11 @@ fn bench(args: &Args, run: Duration, temp: &Path) -> crate::Result<Output> {
 
 /// Restores one at a time into the service's pool (filled before each), each dropped before it
 /// runs: the medians of its ready time, its thread's CPU time and its phases.
-fn alone(source: &Source, service: &RestoreService, share: &Share) -> crate::Result<Alone> {
+fn alone(
+    source: &Source,
+    service: &RestoreService<StoreSnapshot>,
+    share: &Share,
+) -> crate::Result<Alone> {
     const RESTORES: usize = 21;
     let mut times = Vec::with_capacity(RESTORES);
     let mut prepares = Vec::with_capacity(RESTORES);
@@ -525,7 +533,7 @@ fn ahead(source: &Source, via: Via) -> crate::Result<Option<PreparedVm>> {
 
 /// A timed restore.
 struct Restored {
-    lazy: LazyStoreVm,
+    lazy: guestmem_snapshot::Restored,
     /// When its clock started.
     t: Instant,
     ready: Duration,
@@ -606,8 +614,8 @@ fn restore(
         }
     };
     let lazy = match pre {
-        Some(p) => snap.restore_lazy_into(p, &quiet(share))?,
-        None => snap.restore_lazy(&quiet(share))?,
+        Some(p) => guestmem_snapshot::restore(snap, p, RestoreMode::Lazy(quiet(share)))?,
+        None => guestmem_snapshot::restore(snap, &mut VmBuilder, RestoreMode::Lazy(quiet(share)))?,
     };
     Ok(Restored {
         ready: t.elapsed(),

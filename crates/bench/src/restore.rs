@@ -25,9 +25,10 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use guestmem_contract::VmBuilder;
 use guestmem_memory::{Backend, PAGE_SIZE};
 use guestmem_paging::{PagerConfig, PagerStats};
-use guestmem_snapshot::{self as snapshot, LazyVm, PreparedVm, RestoreMode, Snapshot};
+use guestmem_snapshot::{self as snapshot, PreparedVm, RestoreMode, Restored, Snapshot};
 use guestmem_vm::{layout, RunningVm, VcpuWork, Vm, VmConfig, Workload};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
@@ -355,8 +356,8 @@ fn restore_once(
                 RestoreMode::Map
             };
             let mut vm = match prepared {
-                Some(p) => snapshot::restore_into(p, &snap, restore_mode)?,
-                None => snapshot::restore(&snap, restore_mode)?,
+                Some(p) => snapshot::restore(&snap, p, restore_mode)?.vm,
+                None => snapshot::restore(&snap, &mut VmBuilder, restore_mode)?.vm,
             };
             let ready = t.elapsed();
             let running = vm.resume()?;
@@ -374,14 +375,15 @@ fn restore_once(
             })
         }
         Mode::Lazy | Mode::LazyWs => {
-            let LazyVm {
+            let lazy = RestoreMode::Lazy(PagerConfig::default());
+            let Restored {
                 pagers,
                 mut vm,
                 mut phases,
                 ..
             } = match prepared {
-                Some(p) => snapshot::restore_lazy_into(p, &snap, &PagerConfig::default())?,
-                None => snapshot::restore_lazy(&snap, &PagerConfig::default())?,
+                Some(p) => snapshot::restore(&snap, p, lazy)?,
+                None => snapshot::restore(&snap, &mut VmBuilder, lazy)?,
             };
             phases.insert(0, ("Snapshot::open".to_string(), opened));
             let ready = t.elapsed();
@@ -418,7 +420,12 @@ fn restore_once(
                 a
             });
             let recorded = if mode == Mode::Lazy {
-                Some(snapshot::record_working_set(&snap, &vm, &pagers)?)
+                Some(snapshot::record_working_set(
+                    &snap,
+                    vm.memory(),
+                    &pagers,
+                    &[],
+                )?)
             } else {
                 None
             };

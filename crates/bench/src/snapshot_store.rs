@@ -28,9 +28,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use guestmem_contract::VmBuilder;
 use guestmem_memory::Backend as MemBackend;
 use guestmem_paging::{Pager, PagerConfig};
-use guestmem_snapshot::{self as snapshot, LazyVm, Snapshot};
+use guestmem_snapshot::{self as snapshot, RestoreMode, Restored, Snapshot};
 use guestmem_store::cache::ChunkCache;
 use guestmem_store::chunk::{CHUNK_BYTES, ZSTD_LEVEL};
 use guestmem_store::location::StoreUrl;
@@ -411,7 +412,8 @@ fn file_lazy_restores(flat: &std::path::Path, runs: usize) -> crate::Result<Rest
     for _ in 0..runs {
         let t = Instant::now();
         let snap = Snapshot::open(flat)?;
-        let LazyVm { mut vm, pagers, .. } = snapshot::restore_lazy(&snap, &PagerConfig::default())?;
+        let lazy = RestoreMode::Lazy(PagerConfig::default());
+        let Restored { mut vm, pagers, .. } = snapshot::restore(&snap, &mut VmBuilder, lazy)?;
         let ready = t.elapsed();
         let (first_progress, resident) = run_until_resident(&mut vm, &pagers, t)?;
         timings.push([ready, first_progress, resident].map(|d| d.as_secs_f64() * 1e3));
@@ -441,16 +443,16 @@ fn restore_once(
         None => None,
     };
     let snap = StoreSnapshot::open(backend.clone(), name, chunk_cache)?;
-    let (mut vm, pagers) = if mode == "full" {
-        (snap.restore_full()?, Vec::new())
+    let how = if mode == "full" {
+        RestoreMode::Full
     } else {
-        let lazy = snap.restore_lazy(&PagerConfig::default())?;
-        (lazy.vm, lazy.pagers)
+        RestoreMode::Lazy(PagerConfig::default())
     };
+    let Restored { mut vm, pagers, .. } = snapshot::restore(&snap, &mut VmBuilder, how)?;
     let ready = t.elapsed();
     let (first_progress, resident) = run_until_resident(&mut vm, &pagers, t)?;
     if mode == "lazy" && snap.working_set()?.is_none() {
-        snap.record_working_set(&vm, &pagers)?;
+        snapshot::record_working_set(&snap, vm.memory(), &pagers, &[])?;
     }
     let installed = Installed::of(&pagers);
     drop(pagers);

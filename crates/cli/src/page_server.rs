@@ -7,6 +7,7 @@ use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 
 use guestmem_pageserver::{self as firecracker, PageServerConfig, ServedMemory};
+use guestmem_snapshot::Snapshot;
 
 #[derive(clap::Args)]
 #[command(group(clap::ArgGroup::new("memory").required(true).args(["snapshot", "mem_file"])))]
@@ -37,7 +38,7 @@ pub struct Args {
 pub fn main(args: Args) -> crate::Result<()> {
     let memory = std::sync::Arc::new(match (&args.snapshot, &args.mem_file) {
         (Some(at), _) if crate::snapshot::is_store(at) => store_memory(at)?,
-        (Some(dir), _) => ServedMemory::snapshot(dir)?,
+        (Some(dir), _) => guestmem_snapshot::served_memory(&Snapshot::open(dir)?)?,
         (None, Some(file)) => ServedMemory::file(file)?,
         (None, None) => unreachable!("clap requires one of --snapshot and --mem-file"),
     });
@@ -93,5 +94,6 @@ fn store_memory(at: &std::path::Path) -> crate::Result<ServedMemory> {
     } else {
         None
     };
-    Ok(StoreSnapshot::open(backend, &at.name, cache)?.served_memory())
+    let snap = StoreSnapshot::open(backend, &at.name, cache)?;
+    Ok(guestmem_snapshot::served_memory(&snap)?)
 }

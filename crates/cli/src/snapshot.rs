@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use guestmem_pageserver as firecracker;
+use guestmem_contract::VmBuilder;
 use guestmem_paging::{Pager, PagerConfig, PagerStats, Share, UserfaultPager};
 use guestmem_snapshot::{self as snapshot, RestoreMode, Snapshot};
 use guestmem_tracking::{Mode as TrackingMode, Tracker};
@@ -110,6 +110,19 @@ impl RestoreArgs {
         Ok(PagerConfig {
             share: self.share.as_ref().map(Share::new),
             ..PagerConfig::default()
+        })
+    }
+
+    /// How `--mode` and `--uffd-socket` say to bring the memory back (`--uffd-socket` only
+    /// with `--mode lazy`).
+    fn restore_mode(&self) -> crate::Result<RestoreMode> {
+        let pager_config = self.pager_config()?;
+        Ok(match (self.mode, &self.uffd_socket) {
+            (Mode::Lazy, Some(socket)) => RestoreMode::PageServer(socket.clone()),
+            (_, Some(_)) => return Err("--uffd-socket needs --mode lazy".into()),
+            (Mode::Full, None) => RestoreMode::Full,
+            (Mode::Map, None) => RestoreMode::Map,
+            (Mode::Lazy, None) => RestoreMode::Lazy(pager_config),
         })
     }
 }
@@ -392,50 +405,37 @@ pub fn restore(args: RestoreArgs) -> crate::Result<()> {
     let run_for = seconds(args.run_for, "--run-for")?;
     let t = Instant::now();
     let snap = Snapshot::open(&args.dir)?;
-    if args.uffd_socket.is_some() && !matches!(args.mode, Mode::Lazy) {
-        return Err("--uffd-socket needs --mode lazy".into());
+    let mode = args.restore_mode()?;
+    let restored = snapshot::restore(&snap, &mut VmBuilder, mode)?;
+    for (phase, d) in &restored.phases {
+        tracing::info!("restore: {phase}: {:.3} ms", d.as_secs_f64() * 1e3);
     }
-    let pager_config = args.pager_config()?;
-    let mut peer = None;
-    let mut prefetched = false;
-    // KVM Userfault pagers (guest_memfd regions): they serve the vCPUs' userfault exits for
-    // as long as they live.
-    let mut userfault_pagers = Vec::new();
-    let (mut vm, pagers) = match args.mode {
-        Mode::Full => (snapshot::restore(&snap, RestoreMode::Full)?, Vec::new()),
-        Mode::Map => (snapshot::restore(&snap, RestoreMode::Map)?, Vec::new()),
-        Mode::Lazy if args.uffd_socket.is_some() => {
-            let socket = args.uffd_socket.as_deref().expect("checked");
-            let restored = firecracker::restore_lazy_via_socket(&snap, socket)?;
-            if args.json {
-                // The text report says it too; JSON readers get it on stderr.
-                eprintln!(
-                    "guestmem restore: the page server on {} must check the RAM's bytes (this \
-                     process cannot): `guestmem page-server --snapshot {}` does",
-                    socket.display(),
-                    args.dir.display()
-                );
-            }
-            peer = Some((restored.stream, restored.uffd));
-            (restored.vm, Vec::new())
-        }
-        Mode::Lazy => {
-            let lazy = snapshot::restore_lazy(&snap, &pager_config)?;
-            for (phase, d) in &lazy.phases {
-                tracing::info!("lazy restore: {phase}: {:.3} ms", d.as_secs_f64() * 1e3);
-            }
-            prefetched = lazy.prefetched;
-            userfault_pagers = lazy.userfault_pagers;
-            (lazy.vm, lazy.pagers)
-        }
-    };
+    if let (Some(socket), true) = (&args.uffd_socket, args.json) {
+        // The text report says it too; JSON readers get it on stderr.
+        eprintln!(
+            "guestmem restore: the page server on {} must check the RAM's bytes (this \
+             process cannot): `guestmem page-server --snapshot {}` does",
+            socket.display(),
+            args.dir.display()
+        );
+    }
+    // The KVM Userfault pagers (guest_memfd regions) serve the vCPUs' userfault exits, and a
+    // page server's connection and our copy of the userfaultfd are held, while the guest runs.
+    let snapshot::Restored {
+        pagers,
+        userfault_pagers,
+        mut vm,
+        peer,
+        prefetched,
+        ..
+    } = restored;
     let restore_ms = t.elapsed().as_secs_f64() * 1e3;
     let memory_digests_match = check_digests(&args, &vm, &snap)?;
     let (before, after, resident_ms) =
         run_restored(&mut vm, &pagers, &userfault_pagers, run_for, t)?;
     let working_set =
         working_set_output(&pager_stats(&pagers, &userfault_pagers), prefetched, || {
-            Ok(snapshot::record_working_set_with(
+            Ok(snapshot::record_working_set(
                 &snap,
                 vm.memory(),
                 &pagers,

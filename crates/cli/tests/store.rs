@@ -342,7 +342,13 @@ fn two_clone_processes_share_one_image_of_the_snapshot() {
         .unwrap()
         .spec
         .clone();
-    let full = snapshot.restore_full().unwrap();
+    let full = guestmem_snapshot::restore(
+        &snapshot,
+        &mut guestmem_contract::VmBuilder,
+        guestmem_snapshot::RestoreMode::Full,
+    )
+    .unwrap()
+    .vm;
     let mut ram = vec![0u8; guestmem_sys::to_usize(region.size)];
     full.memory().read(region.gpa, &mut ram).unwrap();
     let image = SharedImage::open(

@@ -27,7 +27,7 @@ use guestmem_vm::Vm;
 
 use crate::component::{Components, Machine};
 use crate::migrate::{Incoming, ReceiveOptions, Transfer};
-use crate::snapshot::{self, PreparedVm, RestoreMode, Snapshot, WriteReport};
+use crate::snapshot::{self, PreparedVm, RestoreMode, RestoreTarget, Snapshot, WriteReport};
 use crate::transport::Listener;
 use crate::Result;
 use guestmem_contract::{MachineBuilder, TargetMachine};
@@ -55,7 +55,7 @@ pub enum Restore {
     Full,
     /// Mapped copy-on-write ([`RestoreMode::Map`]).
     Map,
-    /// Paged in on first access and in the background ([`snapshot::restore_lazy`]).
+    /// Paged in on first access and in the background ([`RestoreMode::Lazy`]).
     Lazy(PagerConfig),
 }
 
@@ -79,23 +79,7 @@ pub fn restore<B: MachineBuilder>(
     builder: &mut B,
     components: &mut Components<'_>,
 ) -> Result<Restored<B::Machine>> {
-    let restored = match how {
-        Restore::Full => Restored {
-            pagers: Vec::new(),
-            vm: snapshot::restore_with(snapshot, RestoreMode::Full, builder)?,
-        },
-        Restore::Map => Restored {
-            pagers: Vec::new(),
-            vm: snapshot::restore_with(snapshot, RestoreMode::Map, builder)?,
-        },
-        Restore::Lazy(config) => {
-            let lazy = snapshot::restore_lazy_with(snapshot, &config, builder)?;
-            Restored {
-                pagers: lazy.pagers,
-                vm: lazy.vm,
-            }
-        }
-    };
+    let restored = restore_as(snapshot, builder, how)?;
     components.restore(snapshot.components())?;
     Ok(restored)
 }
@@ -109,25 +93,27 @@ pub fn restore_into(
     how: Restore,
     components: &mut Components<'_>,
 ) -> Result<Restored> {
-    let restored = match how {
-        Restore::Full => Restored {
-            pagers: Vec::new(),
-            vm: snapshot::restore_into(prepared, snapshot, RestoreMode::Full)?,
-        },
-        Restore::Map => Restored {
-            pagers: Vec::new(),
-            vm: snapshot::restore_into(prepared, snapshot, RestoreMode::Map)?,
-        },
-        Restore::Lazy(config) => {
-            let lazy = snapshot::restore_lazy_into(prepared, snapshot, &config)?;
-            Restored {
-                pagers: lazy.pagers,
-                vm: lazy.vm,
-            }
-        }
-    };
+    let restored = restore_as(snapshot, prepared, how)?;
     components.restore(snapshot.components())?;
     Ok(restored)
+}
+
+/// `snapshot` restored into the VM `into` gives, as `how` says (the snapshot crate's engine).
+fn restore_as<T: RestoreTarget>(
+    snapshot: &Snapshot,
+    into: T,
+    how: Restore,
+) -> Result<Restored<T::Machine>> {
+    let mode = match how {
+        Restore::Full => RestoreMode::Full,
+        Restore::Map => RestoreMode::Map,
+        Restore::Lazy(config) => RestoreMode::Lazy(config),
+    };
+    let restored = snapshot::restore(snapshot, into, mode)?;
+    Ok(Restored {
+        pagers: restored.pagers,
+        vm: restored.vm,
+    })
 }
 
 /// Lets a restored (or paused) VM's vCPUs go on, then its components.

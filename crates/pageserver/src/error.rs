@@ -54,21 +54,9 @@ pub enum Error {
         #[source]
         source: Box<Error>,
     },
-    /// A snapshot that cannot be restored this way.
-    #[error("cannot restore here: {0}")]
-    Layout(String),
-    /// The VM failed.
-    #[error(transparent)]
-    Vm(#[from] guestmem_vm::Error),
     /// Demand paging failed.
     #[error(transparent)]
     Paging(#[from] guestmem_paging::Error),
-    /// The snapshot served or restored from failed.
-    #[error(transparent)]
-    Snapshot(#[from] guestmem_snapshot::Error),
-    /// The VMM's machine failed.
-    #[error(transparent)]
-    Contract(#[from] guestmem_contract::Error),
 }
 
 impl Error {

@@ -4,14 +4,14 @@
 //!   JSON array of [`GuestRegionUffdMapping`] with the userfaultfd attached as `SCM_RIGHTS`),
 //!   holds the peer process by a pidfd ([`PeerProcess`]) and serves its faults with the
 //!   demand-paging engine ([`PeerPager`]), from a Firecracker memory file (unchecked: such files
-//!   carry no checksums), from a guestmem snapshot (each chunk checked against the manifest's
-//!   CRC-32 before any of it is served), or from any set of RAM regions with their page
-//!   sources (a chunk store's snapshot, each chunk checked against its hash), see
-//!   [`ServedMemory`];
-//! - the VMM ([`restore_lazy_via_socket`]): builds a VM from a guestmem snapshot, registers its
-//!   RAM on a fresh userfaultfd and hands it to a page server in the form Firecracker's own
-//!   handlers accept (RAM regions back to back from memory-file offset 0; the page size in
-//!   bytes as both `page_size` and `page_size_kib`).
+//!   carry no checksums) or from any set of RAM regions with their page sources (a snapshot's,
+//!   each chunk checked before any of it is served), see [`ServedMemory`];
+//! - the VMM ([`hand_memory_to_server`]): registers a VM's RAM on a fresh userfaultfd and hands
+//!   it to a page server in the form Firecracker's own handlers accept (RAM regions back to
+//!   back from memory-file offset 0; the page size in bytes as both `page_size` and
+//!   `page_size_kib`).
+//!
+//! It knows no snapshot format: the snapshot crates describe their RAM as [`ServedRegion`]s.
 //!
 //! If serving fails for good after the handshake (a malformed message, a fd that is not a
 //! userfaultfd, a mapping outside the memory, a chunk whose checksum is wrong, a fetch that
@@ -34,15 +34,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use guestmem_memory::GuestMemory;
 use guestmem_paging::{
     register_for_peer, FileSource, OnFailure, PageSource, PagerConfig, PagerStats, PeerPager,
     PeerRange, PeerReleased, WindowSource,
 };
-use guestmem_vm::{layout, Vm};
+use guestmem_vm::layout;
 use serde::{Deserialize, Serialize};
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
-
-use guestmem_snapshot::{self as snapshot, Snapshot, SnapshotSource};
 
 pub use error::{Error, Result};
 pub use guestmem_sys::error_chain;
@@ -518,18 +517,16 @@ pub enum ServedMemory {
         /// Its mapping.
         source: Arc<FileSource>,
     },
-    /// A guestmem snapshot: its RAM regions (the sys region left out) laid back to back in
-    /// manifest order from offset 0, as guestmem's VMM side describes them
-    /// ([`restore_lazy_via_socket`]). Each mapping must be exactly one RAM region; each chunk
-    /// is checked against the manifest's CRC-32 the first time any of it is served, and a
-    /// mismatch fails serving for good, naming the snapshot, region and chunk.
-    Snapshot(Arc<Snapshot>),
     /// RAM regions laid back to back from offset 0, each served from its own page source (a
-    /// chunk store's snapshot: its regions' sources check each chunk's hash before serving any
-    /// of it). Each mapping must be exactly one region.
+    /// snapshot's: a flat snapshot's regions check each chunk against the manifest's CRC-32, a
+    /// chunk store's against its hash, before serving any of it). Each mapping must be exactly
+    /// one region.
     Regions {
-        /// Names the memory in messages ("store snapshot s3://…/NAME").
+        /// Names the memory in messages ("snapshot DIR", "store snapshot s3://…/NAME").
         label: String,
+        /// How its sources check the bytes they serve, in words ("each chunk checked against
+        /// its CRC-32 before it is served").
+        checks: String,
         /// The regions, in the order of the peer's layout.
         regions: Vec<ServedRegion>,
     },
@@ -554,11 +551,6 @@ impl ServedMemory {
         })
     }
 
-    /// A guestmem snapshot directory, opened and checked (see [`ServedMemory::Snapshot`]).
-    pub fn snapshot(dir: &Path) -> Result<ServedMemory> {
-        Ok(ServedMemory::Snapshot(Arc::new(Snapshot::open(dir)?)))
-    }
-
     /// Names it in messages.
     pub fn describe(&self) -> String {
         match self {
@@ -568,11 +560,7 @@ impl ServedMemory {
                     path.display()
                 )
             }
-            ServedMemory::Snapshot(s) => format!(
-                "snapshot {} (each chunk checked against its CRC-32 before it is served)",
-                s.dir().display()
-            ),
-            ServedMemory::Regions { label, .. } => label.clone(),
+            ServedMemory::Regions { label, checks, .. } => format!("{label} ({checks})"),
         }
     }
 
@@ -615,46 +603,7 @@ impl ServedMemory {
                     })
                     .collect()
             }
-            ServedMemory::Snapshot(snap) => {
-                let ram = ram_layout(snap);
-                mappings
-                    .iter()
-                    .enumerate()
-                    .map(|(i, m)| {
-                        let Some(&(region, _, _)) = ram
-                            .iter()
-                            .find(|&&(_, offset, size)| offset == m.offset && size == m.size)
-                        else {
-                            let regions: Vec<String> = ram
-                                .iter()
-                                .map(|&(r, offset, size)| {
-                                    format!(
-                                        "'{}' {size:#x} bytes at {offset:#x}",
-                                        snap.manifest().regions[r].spec.name
-                                    )
-                                })
-                                .collect();
-                            return Err(Error::Protocol(format!(
-                                "mapping {i} ({:#x} bytes at offset {:#x}) is not one of \
-                                 snapshot {}'s RAM regions laid back to back ({})",
-                                m.size,
-                                m.offset,
-                                snap.dir().display(),
-                                regions.join(", ")
-                            )));
-                        };
-                        let source = SnapshotSource::new(snap, region)?;
-                        let name = format!(
-                            "snapshot {} region '{}' (peer {peer_pid} mapping {i}, host {:#x})",
-                            snap.dir().display(),
-                            snap.manifest().regions[region].spec.name,
-                            m.base_host_virt_addr
-                        );
-                        Ok((name, Arc::new(source) as Arc<dyn PageSource>))
-                    })
-                    .collect()
-            }
-            ServedMemory::Regions { label, regions } => {
+            ServedMemory::Regions { label, regions, .. } => {
                 let mut offset = 0;
                 let ram: Vec<(&ServedRegion, u64)> = regions
                     .iter()
@@ -696,24 +645,6 @@ impl ServedMemory {
             }
         }
     }
-}
-
-/// A snapshot's guest RAM regions (all but the sys region) as a page server's peer sees them:
-/// per region, its index in the manifest, its offset in the back-to-back layout, its size.
-fn ram_layout(snapshot: &Snapshot) -> Vec<(usize, u64, u64)> {
-    let mut offset = 0;
-    snapshot
-        .manifest()
-        .regions
-        .iter()
-        .enumerate()
-        .filter(|(_, image)| image.spec.gpa != layout::SYS_GPA)
-        .map(|(i, image)| {
-            let at = offset;
-            offset += image.spec.size;
-            (i, at, image.spec.size)
-        })
-        .collect()
 }
 
 /// One peer being served.
@@ -838,64 +769,32 @@ pub fn serve_connection(
     })
 }
 
-/// A VM restored from a snapshot whose RAM a page server provides through a userfaultfd. Keep
-/// the server serving until the VM is dropped.
-pub struct PeerRestoredVm {
-    /// The VM, not running yet.
-    pub vm: Vm,
-    /// The handshake's connection and our copy of the userfaultfd.
+/// The VMM's end of a handshake with a page server ([`hand_memory_to_server`]): keep it while
+/// the server serves the RAM.
+#[derive(Debug)]
+pub struct PeerHandoff {
+    /// The handshake's connection.
     pub stream: UnixStream,
-    /// The userfaultfd its RAM is registered on.
+    /// Our copy of the userfaultfd the RAM is registered on.
     pub uffd: OwnedFd,
     /// The regions as sent to the server.
     pub mappings: Vec<GuestRegionUffdMapping>,
 }
 
-/// Builds a VM from `snapshot` as [`snapshot::restore_lazy`] does, but its RAM is served by the
-/// page server listening on `socket`: every guest RAM region is registered (`MISSING`, with
-/// `UFFD_EVENT_REMOVE`) on a new userfaultfd, which is sent with the mappings in the form
+/// The VMM side's handshake for guest memory whose RAM regions (every region but the sys
+/// region) were never touched: registers them (`MISSING`, with `UFFD_EVENT_REMOVE`) on a fresh
+/// userfaultfd and sends it with the mappings to the page server on `socket`, in the form
 /// Firecracker's own handlers accept: the RAM regions back to back from offset 0 (as
 /// Firecracker's memory file holds its regions, which its example handler maps whole and
 /// requires to be exactly the regions' total size), the page size in bytes as both
-/// `page_size` and `page_size_kib`. The sys region is copied in (and checked) at once.
-///
-/// The RAM's bytes are not checked here: they never pass through this process. `guestmem
-/// page-server --firecracker SOCKET --snapshot DIR` checks each chunk against the snapshot's
-/// CRC-32 before it serves it; a server given a plain memory file cannot. The caller resumes
-/// the VM.
-pub fn restore_lazy_via_socket(snapshot: &Snapshot, socket: &Path) -> Result<PeerRestoredVm> {
-    if let Some(base) = &snapshot.manifest().base {
-        return Err(Error::Layout(format!(
-            "a diff snapshot's RAM is spread over its memory file and its base's ({}): \
-             restore it in full mode, or lazily in this process",
-            base.dir.display()
-        )));
-    }
-    let state = guestmem_contract::payload_state_of(snapshot.machine_state())?;
-    let vm = snapshot::vm_for_lazy_restore(
-        snapshot,
-        &mut guestmem_contract::VmBuilder,
-        &mut Vec::new(),
-    )?;
-    hand_ram_to_server(vm, &state, socket)
-}
-
-/// The VMM side's handshake for a VM whose sys region is in place and whose RAM regions
-/// (every region but the sys region) were never touched: registers them on a fresh
-/// userfaultfd, sends it with the mappings to the page server on `socket` (the RAM regions
-/// back to back from offset 0, see [`restore_lazy_via_socket`]), and puts `state` into the
-/// vCPUs. The caller resumes the VM.
-pub fn hand_ram_to_server(
-    mut vm: Vm,
-    state: &guestmem_vm::VmState,
-    socket: &Path,
-) -> Result<PeerRestoredVm> {
+/// `page_size` and `page_size_kib`. The server then brings the RAM in; the RAM's bytes never
+/// pass through this process, so whatever checks them is the server's (see [`ServedMemory`]).
+pub fn hand_memory_to_server(memory: &GuestMemory, socket: &Path) -> Result<PeerHandoff> {
     let mut ram = Vec::new();
     let mut mappings = Vec::new();
-    // The same regions in the same order as `ram_layout`, which the server side uses.
+    // The RAM regions in memory order, which a served memory's regions follow.
     let mut offset = 0;
-    for region in vm
-        .memory()
+    for region in memory
         .regions()
         .iter()
         .filter(|r| r.gpa() != layout::SYS_GPA)
@@ -911,9 +810,7 @@ pub fn hand_ram_to_server(
     }
     let uffd = register_for_peer(&ram)?;
     let stream = send_handshake(socket, &mappings, uffd.as_fd())?;
-    vm.restore_state(state)?;
-    Ok(PeerRestoredVm {
-        vm,
+    Ok(PeerHandoff {
         stream,
         uffd,
         mappings,

@@ -93,6 +93,12 @@ pub enum Error {
     /// The VMM's machine or one of its components failed.
     #[error(transparent)]
     Contract(#[from] guestmem_contract::Error),
+    /// The page server's handshake failed.
+    #[error(transparent)]
+    PageServer(#[from] guestmem_pageserver::Error),
+    /// Another format's image (a chunk store's snapshot) failed, for its own reason.
+    #[error(transparent)]
+    Image(Box<dyn std::error::Error + Send + Sync>),
 }
 
 impl Error {

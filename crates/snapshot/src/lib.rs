@@ -12,7 +12,7 @@
 //!   nothing else, so that a Firecracker page server can be handed it as it is;
 //! - `sys`: the sys region (page tables, payload, control blocks);
 //! - optionally `working-set.json`: the chunks a lazily restored guest faulted on first, in
-//!   that order, recorded by [`LazyVm::record_working_set`] and fetched first by the next
+//!   that order, recorded by [`Restored::record_working_set`] and fetched first by the next
 //!   lazy restore (bound to the manifest by its checksum, and checksummed).
 //!
 //! Every byte a restored guest runs on is checked before it runs on it: the manifest as a whole
@@ -24,9 +24,10 @@
 //! holds. A snapshot is replaced atomically ([`write()`]): a failed write leaves the previous one
 //! intact. CRC-32 finds damage, not a forger who also recomputes the manifest's checksum.
 //!
-//! Writing works from any [`Machine`] ([`write_machine`]), restoring into any VM a
-//! [`MachineBuilder`] builds ([`restore_with`], [`restore_lazy_with`]); [`write()`],
-//! [`restore()`] and [`restore_lazy`] are those for guestmem's own VM.
+//! Writing works from any [`Machine`] ([`write_machine`]); [`write()`] is that for guestmem's
+//! own VM. Restoring is the one engine of [`restore()`] (module `restore`), for any snapshot
+//! format that is a [`SnapshotImage`] (this crate's [`Snapshot`], the chunk store's), into any
+//! VM a [`MachineBuilder`] builds or a [`PreparedVm`], in any [`RestoreMode`].
 //!
 //! [`Machine`]: guestmem_contract::component::Machine
 //! [`Component`]: guestmem_contract::component::Component
@@ -49,6 +50,8 @@ pub mod live;
 mod manifest;
 mod pagers;
 mod prepared;
+mod restore;
+pub mod service;
 mod sparse;
 mod working_set;
 mod write;
@@ -61,13 +64,11 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use guestmem_memory::{Backend, GuestMemory, PageBuf, Region, RegionSpec};
-use guestmem_paging::{PageSource, Pager, PagerConfig, UserfaultPager};
-use guestmem_vm::{layout, Vm, VmState};
+use guestmem_paging::PageSource;
+use guestmem_vm::{VmConfig, VmState};
 
-use guestmem_contract::{MachineBuilder, SharedFiles, TargetMachine, VmBuilder};
 use serde::{Deserialize, Serialize};
 
 pub use error::{Error, Result};
@@ -76,8 +77,11 @@ pub use manifest::{
     canonical_checksum, check_config_layout, BaseRef, Chunk, Manifest, RegionFile, RegionImage,
     CHUNK_BYTES, FORMAT, MAX_BASE_DEPTH, VERSION,
 };
-pub use pagers::{start_region_pagers, RegionPagers};
 pub use prepared::{layout_mismatch, PreparedVm};
+pub use restore::{
+    record_working_set, restore, served_memory, RestoreMode, RestoreTarget, Restored,
+    SnapshotImage, LAZY_BACKGROUND_NICE,
+};
 use sparse::{nonzero_page_runs, read_sparse};
 pub use working_set::{
     regions_of, regions_of_memory, regions_of_pagers, WorkingSet, WorkingSetRegion,
@@ -398,254 +402,6 @@ pub fn parse_state(bytes: &[u8], vcpus: usize, path: &Path) -> Result<VmState> {
     Ok(state)
 }
 
-/// How to bring a snapshot's memory back.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum RestoreMode {
-    /// Copy every non-zero page into fresh memory, then run.
-    Full,
-    /// Map the memory file privately (copy-on-write) over anonymous regions; other backends
-    /// are copied as in `Full`.
-    Map,
-}
-
-/// Builds a VM from `snapshot` with its memory and vCPU state; the caller resumes it. Every
-/// check happens before this returns, so a refused snapshot never runs a vCPU.
-pub fn restore(snapshot: &Snapshot, mode: RestoreMode) -> Result<Vm> {
-    restore_with(snapshot, mode, &mut VmBuilder)
-}
-
-/// [`restore`] into the VM `builder` builds for the snapshot's configuration (a VMM's own VM):
-/// its memory is filled as `mode` says, then it is handed the machine state the snapshot
-/// holds ([`TargetMachine::restore`]). The caller resumes it.
-pub fn restore_with<B: MachineBuilder>(
-    snapshot: &Snapshot,
-    mode: RestoreMode,
-    builder: &mut B,
-) -> Result<B::Machine> {
-    check_mode(snapshot, mode)?;
-    let vm = builder.build(&snapshot.manifest.config, SharedFiles::new())?;
-    restore_on(vm, snapshot, mode)
-}
-
-/// [`restore`] into `prepared`, a VM built ahead of time for the snapshot's configuration
-/// (see [`PreparedVm`]): a snapshot of another configuration is refused naming what differs,
-/// before any of its bytes reach the VM. The caller resumes it.
-pub fn restore_into(prepared: PreparedVm, snapshot: &Snapshot, mode: RestoreMode) -> Result<Vm> {
-    check_mode(snapshot, mode)?;
-    let vm = prepared.take(&snapshot.manifest.config, &snapshot.describe())?;
-    restore_on(vm, snapshot, mode)
-}
-
-fn check_mode(snapshot: &Snapshot, mode: RestoreMode) -> Result<()> {
-    if mode == RestoreMode::Map && snapshot.base.is_some() {
-        return Err(Error::Layout(
-            "a diff snapshot spans several memory files: restore it in full mode (or lazily)"
-                .into(),
-        ));
-    }
-    Ok(())
-}
-
-/// Restores `snapshot` into `vm`, built for its configuration and never run.
-fn restore_on<M: TargetMachine>(mut vm: M, snapshot: &Snapshot, mode: RestoreMode) -> Result<M> {
-    let manifest = &snapshot.manifest;
-    let memory = vm.memory().clone();
-    check_layout(&memory, &manifest.regions)?;
-    let mut buf = PageBuf::zeroed(CHUNK_BYTES as usize);
-    for (i, (region, image)) in memory.regions().iter().zip(&manifest.regions).enumerate() {
-        if mode == RestoreMode::Map && region.backend() == Backend::Anon {
-            // The guest will see the file itself: every chunk of it, zero chunks included
-            // (holes, or zeros), must be what the manifest says.
-            verify_chunks(snapshot, image, &mut buf)?;
-            map_private(region, snapshot.file(image), image.file_offset)
-                .map_err(Error::io(&snapshot.file_path(image), "mmap"))?;
-        } else {
-            copy_chunks(snapshot, &memory, region, i, &mut buf)?;
-        }
-    }
-    vm.restore(&snapshot.machine)?;
-    Ok(vm)
-}
-
-/// A VM restored lazily: its vCPUs can run at once while its pagers bring the memory in, on
-/// first access and in the background. The pagers are dropped (and their threads joined) before
-/// the VM and its memory, as the field order says.
-pub struct LazyVm<M = Vm> {
-    /// The pagers bringing the memory in, one per RAM region (but guest_memfd ones).
-    pub pagers: Vec<Pager>,
-    /// The KVM Userfault pagers bringing guest_memfd regions in (see [`UserfaultPager`]): the
-    /// vCPU loop hands them its userfault exits.
-    pub userfault_pagers: Vec<UserfaultPager>,
-    /// The VM, not running yet.
-    pub vm: M,
-    /// Where the restore spent its time, step by step (the VM's build steps included).
-    pub phases: Vec<(String, Duration)>,
-    /// Whether the pagers fetch a recorded working set first.
-    pub prefetched: bool,
-}
-
-/// Builds a VM from `snapshot` whose memory arrives on demand: every guest RAM region gets a
-/// [`Pager`] that serves its pages from the memory file, checking each chunk's CRC-32 the first
-/// time any of it is fetched (a corrupt chunk stops the VM with an error naming the guest
-/// address). The sys region (page tables, payload, control blocks) is small and copied at once.
-/// A guest_memfd region is refused, naming what is missing, where the kernel does not let
-/// userfaultfd serve its mapping (found by trying; see [`Pager::start`]).
-/// A diff snapshot's chunks come from the diff where it holds them, else from its base chain.
-/// When the snapshot has a recorded working set ([`LazyVm::record_working_set`]) and
-/// `config.prefetch` is empty, the pagers fetch that working set first.
-pub fn restore_lazy(snapshot: &Snapshot, config: &PagerConfig) -> Result<LazyVm> {
-    restore_lazy_with(snapshot, config, &mut VmBuilder)
-}
-
-/// [`restore_lazy`] into the VM `builder` builds for the snapshot's configuration (a VMM's own
-/// VM). Its vCPUs must go through guest memory's mappings (as KVM's do), so that the pagers
-/// see their first accesses.
-pub fn restore_lazy_with<B: MachineBuilder>(
-    snapshot: &Snapshot,
-    config: &PagerConfig,
-    builder: &mut B,
-) -> Result<LazyVm<B::Machine>> {
-    let mut phases = Vec::new();
-    let vm = vm_for_lazy_restore(snapshot, builder, &mut phases)?;
-    lazy_on(vm, snapshot, config, phases)
-}
-
-/// [`restore_lazy`] into `prepared`, a VM built ahead of time for the snapshot's configuration
-/// (see [`PreparedVm`]): its pagers are armed on the prepared VM's memory, so the restore
-/// leaves out creating the VM and registering its memslots. A snapshot of another
-/// configuration is refused naming what differs, before any of its bytes reach the VM.
-pub fn restore_lazy_into(
-    prepared: PreparedVm,
-    snapshot: &Snapshot,
-    config: &PagerConfig,
-) -> Result<LazyVm> {
-    let mut phases = Vec::new();
-    let mut t = Instant::now();
-    let vm = prepared.take(&snapshot.manifest.config, &snapshot.describe())?;
-    lap(&mut phases, &mut t, "check the prepared VM");
-    let vm = lazy_vm_on(vm, snapshot, &mut phases)?;
-    lazy_on(vm, snapshot, config, phases)
-}
-
-/// The rest of a lazy restore once the VM holds the sys region: the pagers and the vCPU state.
-fn lazy_on<M: TargetMachine>(
-    mut vm: M,
-    snapshot: &Snapshot,
-    config: &PagerConfig,
-    mut phases: Vec<(String, Duration)>,
-) -> Result<LazyVm<M>> {
-    let mut t = Instant::now();
-    let working_set = if config.prefetch.is_empty() {
-        snapshot.working_set()?
-    } else {
-        None
-    };
-    lap(&mut phases, &mut t, "read the working set");
-    let memory = vm.memory().clone();
-    let abort = vm.abort_handle();
-    let RegionPagers {
-        pagers,
-        userfault_pagers,
-    } = start_region_pagers(&memory, |i, _| {
-        let source: Arc<dyn PageSource> = Arc::new(SnapshotSource::new(snapshot, i)?);
-        let mut config = PagerConfig {
-            abort: abort.clone(),
-            // The restored vCPUs wait on their faults from the first instruction on.
-            realtime_handlers: true,
-            ..config.clone()
-        };
-        if let Some(ws) = &working_set {
-            config.prefetch = ws.offsets(&snapshot.manifest.regions[i].spec.name);
-        }
-        // Clones share the pages of this very snapshot: its manifest checksum names them.
-        config.share = config.share.map(|s| s.of(&snapshot.manifest.checksum));
-        Ok((source, config))
-    })?;
-    lap(&mut phases, &mut t, "start pagers");
-    vm.restore(&snapshot.machine)?;
-    lap(&mut phases, &mut t, "restore vCPU state");
-    Ok(LazyVm {
-        pagers,
-        userfault_pagers,
-        vm,
-        phases,
-        prefetched: working_set.is_some(),
-    })
-}
-
-impl<M: TargetMachine> LazyVm<M> {
-    /// Writes the chunks the guest faulted on since the restore, in fault order, beside
-    /// `snapshot` (see [`Snapshot::working_set`]), for the next lazy restore to fetch first.
-    /// Returns how many chunks it lists.
-    pub fn record_working_set(&self, snapshot: &Snapshot) -> Result<usize> {
-        record_working_set_with(
-            snapshot,
-            self.vm.memory(),
-            &self.pagers,
-            &self.userfault_pagers,
-        )
-    }
-}
-
-/// [`LazyVm::record_working_set`] for a lazy restore taken apart (`pagers` in the order
-/// [`restore_lazy`] made them).
-pub fn record_working_set(snapshot: &Snapshot, vm: &Vm, pagers: &[Pager]) -> Result<usize> {
-    record_working_set_with(snapshot, vm.memory(), pagers, &[])
-}
-
-/// [`record_working_set`] with the KVM Userfault pagers of the guest_memfd regions too.
-pub fn record_working_set_with(
-    snapshot: &Snapshot,
-    memory: &GuestMemory,
-    pagers: &[Pager],
-    userfault_pagers: &[UserfaultPager],
-) -> Result<usize> {
-    let regions = working_set::regions_of_pagers(memory, pagers, userfault_pagers);
-    let n = regions.iter().map(|r| r.chunks.len()).sum();
-    snapshot.write_working_set(regions)?;
-    Ok(n)
-}
-
-/// Records the step `name` as ending now.
-fn lap(phases: &mut Vec<(String, Duration)>, t: &mut Instant, name: &str) {
-    let now = Instant::now();
-    phases.push((name.to_string(), now - *t));
-    *t = now;
-}
-
-/// The first steps of every lazy restore: build the VM, check its layout, and copy in the sys
-/// region (page tables, payload, control blocks: small, and needed at once). The guest RAM
-/// regions are left to a pager.
-pub fn vm_for_lazy_restore<B: MachineBuilder>(
-    snapshot: &Snapshot,
-    builder: &mut B,
-    phases: &mut Vec<(String, Duration)>,
-) -> Result<B::Machine> {
-    let vm = builder.build(&snapshot.manifest.config, SharedFiles::new())?;
-    phases.extend(vm.build_phases());
-    lazy_vm_on(vm, snapshot, phases)
-}
-
-/// Checks `vm`'s layout against `snapshot` and copies in the sys region.
-fn lazy_vm_on<M: TargetMachine>(
-    vm: M,
-    snapshot: &Snapshot,
-    phases: &mut Vec<(String, Duration)>,
-) -> Result<M> {
-    let mut t = Instant::now();
-    let memory = vm.memory();
-    check_layout(memory, &snapshot.manifest.regions)?;
-    let mut buf = PageBuf::zeroed(CHUNK_BYTES as usize);
-    for (i, region) in memory.regions().iter().enumerate() {
-        if region.gpa() == layout::SYS_GPA {
-            copy_chunks(snapshot, memory, region, i, &mut buf)?;
-        }
-    }
-    lap(phases, &mut t, "copy the sys region");
-    Ok(vm)
-}
-
 /// One region's bytes in a snapshot's memory file (and, for a diff snapshot, its bases'),
 /// each chunk checked against its CRC-32 before any of it is served.
 #[derive(Debug)]
@@ -792,16 +548,100 @@ impl PageSource for SnapshotSource {
     }
 }
 
-pub(crate) fn check_layout(memory: &GuestMemory, images: &[RegionImage]) -> Result<()> {
-    let built: Vec<&RegionSpec> = memory.regions().iter().map(|r| r.spec()).collect();
-    let saved: Vec<&RegionSpec> = images.iter().map(|i| &i.spec).collect();
-    if built != saved {
-        return Err(Error::Layout(format!(
-            "the snapshot's regions {saved:?} differ from those its configuration builds here \
-             {built:?}"
-        )));
+/// A flat snapshot directory as the restore engine reads it: each chunk checked against the
+/// manifest's CRC-32 before any of it is copied, mapped or served.
+impl SnapshotImage for Snapshot {
+    fn describe(&self) -> String {
+        Snapshot::describe(self)
     }
-    Ok(())
+
+    fn config(&self) -> &VmConfig {
+        &self.manifest.config
+    }
+
+    fn regions(&self) -> Vec<&RegionSpec> {
+        self.manifest.regions.iter().map(|i| &i.spec).collect()
+    }
+
+    fn chunk_check(&self) -> &'static str {
+        "against its CRC-32"
+    }
+
+    fn identity(&self) -> &str {
+        &self.manifest.checksum
+    }
+
+    fn machine_state(&self) -> &[u8] {
+        &self.machine
+    }
+
+    fn components(&self) -> &[ComponentState] {
+        &self.components
+    }
+
+    fn check_mode(&self, mode: &RestoreMode) -> Result<()> {
+        let Some(base) = &self.manifest.base else {
+            return Ok(());
+        };
+        match mode {
+            RestoreMode::Map => Err(Error::Layout(
+                "a diff snapshot spans several memory files: restore it in full mode (or lazily)"
+                    .into(),
+            )),
+            RestoreMode::PageServer(_) => Err(Error::Layout(format!(
+                "a diff snapshot's RAM is spread over its memory file and its base's ({}): \
+                 restore it in full mode, or lazily in this process",
+                base.dir.display()
+            ))),
+            RestoreMode::Full | RestoreMode::Lazy(_) => Ok(()),
+        }
+    }
+
+    fn page_source(&self, index: usize) -> Result<Arc<dyn PageSource>> {
+        Ok(Arc::new(SnapshotSource::new(self, index)?))
+    }
+
+    fn copy_region(&self, memory: &GuestMemory, index: usize) -> Result<()> {
+        let mut buf = PageBuf::zeroed(CHUNK_BYTES as usize);
+        copy_chunks(self, memory, &memory.regions()[index], index, &mut buf)
+    }
+
+    fn read_region(&self, index: usize) -> Result<Vec<(u64, Vec<u8>)>> {
+        let size = self.manifest.regions[index].spec.size;
+        let mut buf = PageBuf::zeroed(CHUNK_BYTES as usize);
+        let mut pieces = Vec::new();
+        for i in 0..self.manifest.regions[index].chunks.len() {
+            let offset = i as u64 * CHUNK_BYTES;
+            let len = CHUNK_BYTES.min(size - offset) as usize;
+            let Some(ranges) = self.chunk(index, i, &mut buf[..len])? else {
+                continue;
+            };
+            for r in ranges {
+                for (start, run) in nonzero_page_runs(&buf[r.clone()]) {
+                    pieces.push((offset + (r.start + start) as u64, run.to_vec()));
+                }
+            }
+        }
+        Ok(pieces)
+    }
+
+    fn map_region(&self, region: &Region, index: usize) -> Result<()> {
+        let image = &self.manifest.regions[index];
+        // The guest will see the file itself: every chunk of it, zero chunks included (holes,
+        // or zeros), must be what the manifest says.
+        let mut buf = PageBuf::zeroed(CHUNK_BYTES as usize);
+        verify_chunks(self, image, &mut buf)?;
+        map_private(region, self.file(image), image.file_offset)
+            .map_err(Error::io(&self.file_path(image), "mmap"))
+    }
+
+    fn recorded_working_set(&self) -> Result<Option<Vec<WorkingSetRegion>>> {
+        Ok(self.working_set()?.map(|ws| ws.regions))
+    }
+
+    fn write_working_set(&self, regions: Vec<WorkingSetRegion>) -> Result<()> {
+        Snapshot::write_working_set(self, regions)
+    }
 }
 
 fn verify_chunks(snapshot: &Snapshot, image: &RegionImage, buf: &mut [u8]) -> Result<()> {

@@ -17,7 +17,7 @@ use crate::Result;
 
 /// The pagers bringing a lazily restored VM's RAM in; dropped before the VM (they hold its
 /// regions' mappings registered).
-#[derive(Default)]
+#[derive(Debug, Default)]
 pub struct RegionPagers {
     /// The userfaultfd pagers, in region order (guest_memfd regions left out).
     pub pagers: Vec<Pager>,

@@ -18,7 +18,7 @@ use guestmem_vm::{Vm, VmConfig};
 use crate::{Error, Result};
 
 /// A VM built for a configuration and never run, waiting for a snapshot of that configuration
-/// ([`super::restore_into`], [`super::restore_lazy_into`], and the store's restores).
+/// (a [`crate::RestoreTarget`] of [`crate::restore`], for every snapshot format).
 pub struct PreparedVm {
     vm: Vm,
 }

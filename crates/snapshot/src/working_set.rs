@@ -52,7 +52,7 @@ pub fn regions_of_memory(memory: &GuestMemory, pagers: &[Pager]) -> Vec<WorkingS
 }
 
 /// [`regions_of_memory`] with the KVM Userfault pagers of the guest_memfd regions too (as
-/// [`super::start_region_pagers`] starts them: `pagers` for the other RAM regions, in order,
+/// a lazy restore starts them: `pagers` for the other RAM regions, in order,
 /// `userfault_pagers` for the guest_memfd ones).
 pub fn regions_of_pagers(
     memory: &GuestMemory,

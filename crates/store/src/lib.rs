@@ -44,7 +44,6 @@ pub mod manifest;
 pub mod merge;
 pub mod restore;
 pub mod s3;
-pub mod service;
 pub mod source;
 pub mod write;
 
@@ -223,15 +222,13 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
-    /// A snapshot operation failed.
+    /// A snapshot operation failed (a store error that went through the restore engine comes
+    /// back as itself, see the `From` conversion).
     #[error(transparent)]
-    Snapshot(#[from] guestmem_snapshot::Error),
+    Snapshot(guestmem_snapshot::Error),
     /// The VMM's machine or one of its components failed.
     #[error(transparent)]
     Contract(#[from] guestmem_contract::Error),
-    /// The page server failed.
-    #[error(transparent)]
-    PageServer(#[from] guestmem_pageserver::Error),
     /// The VM failed.
     #[error(transparent)]
     Vm(#[from] guestmem_vm::Error),
@@ -241,6 +238,19 @@ pub enum Error {
     /// Demand paging failed.
     #[error(transparent)]
     Paging(#[from] guestmem_paging::Error),
+}
+
+impl From<guestmem_snapshot::Error> for Error {
+    /// The restore engine carries the store's own errors boxed: they come back as themselves.
+    fn from(e: guestmem_snapshot::Error) -> Error {
+        match e {
+            guestmem_snapshot::Error::Image(inner) => match inner.downcast::<Error>() {
+                Ok(store) => *store,
+                Err(other) => Error::Snapshot(guestmem_snapshot::Error::Image(other)),
+            },
+            e => Error::Snapshot(e),
+        }
+    }
 }
 
 impl Error {

@@ -1,22 +1,20 @@
-//! Restoring a VM from a store snapshot: in full (every chunk fetched, checked and copied in,
-//! the regions' digests compared, before any vCPU runs) or lazily (the guest runs at once while
-//! a pager per RAM region brings the chunks in — the recorded working set first — each chunk
-//! checked before any of its bytes reach the guest). A guest_memfd region is paged through KVM
-//! Userfault, as a flat snapshot's is ([`start_region_pagers`]), and refused naming it where the
-//! kernel lacks it.
+//! A store snapshot opened for restore: its manifest, state and resolved chunks, and what makes
+//! it a [`SnapshotImage`] for the restore engine ([`guestmem_snapshot::restore`]): its chunk
+//! sources (each chunk checked against its hash before any of it is copied or served), its
+//! full copy (chunks fetched on several threads, then every chunk's hash compared in memory),
+//! its working set. Full, lazy and page-server restores are the engine's; map mode is refused
+//! (a store holds compressed objects, not a file to map).
 
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use guestmem_contract::component::ComponentState;
-use guestmem_contract::{payload_state_of, MachineBuilder, SharedFiles, TargetMachine, VmBuilder};
-use guestmem_memory::{GuestMemory, PAGE_SIZE};
-use guestmem_pageserver::{self as firecracker, PeerRestoredVm, ServedMemory, ServedRegion};
-use guestmem_paging::{PageSource, Pager, PagerConfig, UserfaultPager};
-use guestmem_snapshot::SavedState;
-use guestmem_snapshot::{start_region_pagers, PreparedVm, RegionPagers, WorkingSetRegion};
-use guestmem_vm::{layout, Vm};
+use guestmem_memory::{GuestMemory, Region, RegionSpec, PAGE_SIZE};
+use guestmem_paging::{PageSource, PagerConfig};
+use guestmem_snapshot::{
+    RestoreMode, Result as SnapshotResult, SavedState, SnapshotImage, WorkingSetRegion,
+};
+use guestmem_vm::VmConfig;
 use serde::{Deserialize, Serialize};
 
 use crate::backend::Backend;
@@ -25,9 +23,6 @@ use crate::chunk::{Hash, Stored};
 use crate::manifest::{resolve, state_key, working_set_key, Resolved, StoreManifest};
 use crate::source::{parallel, Fetcher, StoreSource, Want};
 
-/// The nice value of a lazy restore's background fetches (prefetch and sweep) unless its
-/// configuration names one ([`PagerConfig::background_nice`]).
-pub const LAZY_BACKGROUND_NICE: i32 = 10;
 /// How many chunks of a full restore one thread fetches and copies in at a time.
 const RUN_CHUNKS: usize = 16;
 use crate::{Error, Result};
@@ -141,7 +136,7 @@ impl StoreSnapshot {
 
     /// Fetches, checks and copies every non-zero chunk of region `index` into `memory`
     /// (zero pages of a chunk are left alone: fresh memory reads as zeros).
-    fn copy_region(&self, memory: &GuestMemory, index: usize, threads: usize) -> Result<()> {
+    fn copy_region_on(&self, memory: &GuestMemory, index: usize, threads: usize) -> Result<()> {
         let region = &self.manifest.regions[index];
         let cb = self.manifest.chunk_bytes;
         let label = self.label(index);
@@ -169,7 +164,9 @@ impl StoreSnapshot {
                 .collect();
             self.fetcher.fetch(wants, 1)?;
             for (&(i, _), buf) in run.iter().zip(&bufs) {
-                write_non_zero(memory, region.spec.gpa + i as u64 * cb, buf)?;
+                for r in non_zero_runs(buf) {
+                    memory.write(region.spec.gpa + (i as u64 * cb) + r.start as u64, &buf[r])?;
+                }
             }
             Ok(())
         })
@@ -222,18 +219,9 @@ impl StoreSnapshot {
         })
     }
 
-    /// Fetches and checks every non-zero chunk of the sys region (page tables, payload,
-    /// control blocks; a few MiB): (guest address, bytes), to be written with
-    /// [`write_non_zero`] once the VM exists.
-    pub(crate) fn fetch_sys(&self) -> Result<Vec<(u64, Vec<u8>)>> {
-        let Some(index) = self
-            .manifest
-            .regions
-            .iter()
-            .position(|r| r.spec.gpa == layout::SYS_GPA)
-        else {
-            return Ok(Vec::new());
-        };
+    /// Fetches and checks every non-zero chunk of region `index` (on several threads): its
+    /// non-zero pages as (region offset, bytes), to be written once the VM exists.
+    fn fetch_region(&self, index: usize) -> Result<Vec<(u64, Vec<u8>)>> {
         let region = &self.manifest.regions[index];
         let cb = self.manifest.chunk_bytes;
         let label = self.label(index);
@@ -246,7 +234,7 @@ impl StoreSnapshot {
             .iter()
             .map(|&(i, _)| {
                 let len = region.chunk_len(cb, i) as usize;
-                (region.spec.gpa + i as u64 * cb, vec![0u8; len])
+                (i as u64 * cb, vec![0u8; len])
             })
             .collect();
         let wants = chunks
@@ -259,7 +247,12 @@ impl StoreSnapshot {
             })
             .collect();
         self.fetcher.fetch(wants, self.threads())?;
-        Ok(out)
+        Ok(out
+            .iter()
+            .flat_map(|(offset, buf)| {
+                non_zero_runs(buf).map(move |r| (offset + r.start as u64, buf[r].to_vec()))
+            })
+            .collect())
     }
 
     fn threads(&self) -> usize {
@@ -280,107 +273,6 @@ impl StoreSnapshot {
         )
     }
 
-    /// The VM `builder` builds for the snapshot's configuration, its layout checked.
-    fn build<B: MachineBuilder>(&self, builder: &mut B) -> Result<B::Machine> {
-        self.check_vm(builder.build(&self.manifest.config, SharedFiles::new())?)
-    }
-
-    fn new_vm(&self) -> Result<Vm> {
-        self.build(&mut VmBuilder)
-    }
-
-    /// The VM of `prepared`, if the snapshot was taken of a VM of its configuration (else
-    /// refused naming what differs), its layout checked.
-    pub(crate) fn prepared_vm(&self, prepared: PreparedVm) -> Result<Vm> {
-        let vm = prepared.take(&self.manifest.config, &self.describe())?;
-        self.check_vm(vm)
-    }
-
-    fn check_vm<M: TargetMachine>(&self, vm: M) -> Result<M> {
-        let built: Vec<_> = vm.memory().regions().iter().map(|r| r.spec()).collect();
-        let saved: Vec<_> = self.manifest.regions.iter().map(|r| &r.spec).collect();
-        if built != saved {
-            return Err(Error::Layout(format!(
-                "the snapshot's regions {saved:?} differ from those its configuration builds \
-                 here {built:?}"
-            )));
-        }
-        Ok(vm)
-    }
-
-    /// Builds a VM with every chunk fetched, checked and copied in, memory then checked
-    /// chunk by chunk against the manifest, and the vCPU state restored; the caller resumes it.
-    pub fn restore_full(&self) -> Result<Vm> {
-        self.full_on(self.new_vm()?)
-    }
-
-    /// [`StoreSnapshot::restore_full`] into the VM `builder` builds for the snapshot's
-    /// configuration (a VMM's own VM), handed the machine state the snapshot holds
-    /// ([`TargetMachine::restore`]); the caller restores its components from
-    /// [`StoreSnapshot::components`] and resumes it.
-    pub fn restore_full_with<B: MachineBuilder>(&self, builder: &mut B) -> Result<B::Machine> {
-        self.full_on(self.build(builder)?)
-    }
-
-    /// [`StoreSnapshot::restore_full`] into `prepared`, a VM built ahead of time for the
-    /// snapshot's configuration (see [`PreparedVm`]); a snapshot of another configuration is
-    /// refused naming what differs, before any chunk is fetched.
-    pub fn restore_full_into(&self, prepared: PreparedVm) -> Result<Vm> {
-        self.full_on(self.prepared_vm(prepared)?)
-    }
-
-    fn full_on<M: TargetMachine>(&self, mut vm: M) -> Result<M> {
-        let threads = self.threads();
-        for i in 0..self.manifest.regions.len() {
-            self.copy_region(vm.memory(), i, threads)?;
-        }
-        self.check_memory(vm.memory())?;
-        vm.restore(&self.machine)?;
-        Ok(vm)
-    }
-
-    /// Builds a VM whose RAM arrives on demand from the store (see the module docs); the sys
-    /// region is copied in at once. With a recorded working set and `config.prefetch` empty,
-    /// the pagers fetch that working set first.
-    pub fn restore_lazy(&self, config: &PagerConfig) -> Result<LazyStoreVm> {
-        self.restore_lazy_with(&mut VmBuilder, config)
-    }
-
-    /// [`StoreSnapshot::restore_lazy`] into the VM `builder` builds for the snapshot's
-    /// configuration (a VMM's own VM): the pagers are armed on its RAM, then it is handed the
-    /// machine state the snapshot holds ([`TargetMachine::restore`]).
-    pub fn restore_lazy_with<B: MachineBuilder>(
-        &self,
-        builder: &mut B,
-        config: &PagerConfig,
-    ) -> Result<LazyStoreVm<B::Machine>> {
-        let t = Instant::now();
-        self.lazy_on(|| self.build(builder), config, t)
-    }
-
-    /// [`StoreSnapshot::restore_lazy`] into `prepared`, a VM built ahead of time for the
-    /// snapshot's configuration (see [`PreparedVm`]): the pagers are armed on its memory, so
-    /// the restore leaves out creating the VM and registering its memslots. A snapshot of
-    /// another configuration is refused naming what differs, before any chunk is fetched.
-    pub fn restore_lazy_into(
-        &self,
-        prepared: PreparedVm,
-        config: &PagerConfig,
-    ) -> Result<LazyStoreVm> {
-        let t = Instant::now();
-        // Checked before any chunk is fetched.
-        let vm = self.prepared_vm(prepared)?;
-        self.lazy_on(|| Ok(vm), config, t)
-    }
-
-    /// Fetches, checks and copies in the sys region (page tables, payload, control blocks).
-    fn copy_sys(&self, vm: &Vm) -> Result<()> {
-        for (gpa, bytes) in self.fetch_sys()? {
-            write_non_zero(vm.memory(), gpa, &bytes)?;
-        }
-        Ok(())
-    }
-
     /// The page source of RAM region `i` (each chunk checked against its hash as it is
     /// decompressed).
     fn source(&self, i: usize) -> StoreSource {
@@ -391,131 +283,6 @@ impl StoreSnapshot {
             self.manifest.regions[i].spec.size,
             self.label(i),
         )
-    }
-
-    /// The snapshot's RAM (every region but the sys region, back to back in manifest order)
-    /// for a Firecracker page server (`guestmem page-server --snapshot s3://…`): each region
-    /// served by a [`StoreSource`], which checks every chunk's hash before any of it is served.
-    pub fn served_memory(&self) -> ServedMemory {
-        let regions = self
-            .manifest
-            .regions
-            .iter()
-            .enumerate()
-            .filter(|(_, r)| r.spec.gpa != layout::SYS_GPA)
-            .map(|(i, r)| ServedRegion {
-                name: r.spec.name.clone(),
-                size: r.spec.size,
-                source: Arc::new(self.source(i)),
-            })
-            .collect();
-        ServedMemory::Regions {
-            label: format!(
-                "{} (each chunk checked against its BLAKE3 hash before it is served)",
-                self.describe()
-            ),
-            regions,
-        }
-    }
-
-    /// The VMM side of a Firecracker page server serving this snapshot: builds the VM, copies
-    /// in the sys region (checked), registers the RAM on a userfaultfd and hands it to the
-    /// server on `socket` (see [`firecracker::hand_ram_to_server`]); the server brings the RAM.
-    /// The caller resumes the VM.
-    pub fn restore_lazy_via_socket(&self, socket: &Path) -> Result<PeerRestoredVm> {
-        let vm = self.new_vm()?;
-        self.copy_sys(&vm)?;
-        let state = payload_state_of(&self.machine)?;
-        Ok(firecracker::hand_ram_to_server(vm, &state, socket)?)
-    }
-
-    /// Arms a lazy restore on the VM `vm` builds. The sys region's chunks and the working set
-    /// are read while it builds (against a remote store, the VM's creation and the round
-    /// trips overlap).
-    fn lazy_on<M: TargetMachine>(
-        &self,
-        vm: impl FnOnce() -> Result<M>,
-        config: &PagerConfig,
-        t: Instant,
-    ) -> Result<LazyStoreVm<M>> {
-        let (vm, sys, working_set) = std::thread::scope(|s| {
-            let sys = s.spawn(|| self.fetch_sys());
-            let working_set = s.spawn(|| {
-                if config.prefetch.is_empty() {
-                    self.working_set()
-                } else {
-                    Ok(None)
-                }
-            });
-            let vm = vm();
-            (
-                vm,
-                sys.join().expect("fetching the sys region panicked"),
-                working_set
-                    .join()
-                    .expect("reading the working set panicked"),
-            )
-        });
-        let mut vm = vm?;
-        for (gpa, bytes) in sys? {
-            write_non_zero(vm.memory(), gpa, &bytes)?;
-        }
-        let working_set = working_set?;
-        let RegionPagers {
-            pagers,
-            userfault_pagers,
-        } = self.start_pagers(&vm, config, working_set.as_ref())?;
-        vm.restore(&self.machine)?;
-        Ok(LazyStoreVm {
-            pagers,
-            userfault_pagers,
-            vm,
-            ready: t.elapsed(),
-            prefetched: working_set.is_some(),
-        })
-    }
-
-    /// Arms the pagers of every RAM region of `vm` (the sys region already in place): each
-    /// region's chunks come from the store, checked against their hashes, the working set
-    /// (`working_set`, when `config.prefetch` is empty) first.
-    pub(crate) fn start_pagers<M: TargetMachine>(
-        &self,
-        vm: &M,
-        config: &PagerConfig,
-        working_set: Option<&StoreWorkingSet>,
-    ) -> Result<RegionPagers> {
-        let memory = vm.memory().clone();
-        let abort = vm.abort_handle();
-        // The same pagers as a flat snapshot's lazy restore (KVM Userfault for guest_memfd),
-        // the source being the store's chunks, each checked against its hash.
-        Ok(start_region_pagers(&memory, |i, _| {
-            let source: Arc<dyn PageSource> = Arc::new(self.source(i));
-            let mut config = PagerConfig {
-                abort: abort.clone(),
-                realtime_handlers: true,
-                // A fault waits for one store chunk, not a 2 MiB window of them (the guest
-                // runs sooner); readahead and the background sweep keep several in flight.
-                fault_around: config.fault_around.min(self.manifest.chunk_bytes),
-                readahead_chunks: config.readahead_chunks.max(8),
-                readahead_threads: config.readahead_threads.max(2),
-                // The working-set prefetch and the sweep yield to the guests' faults and to
-                // other restores on a busy host.
-                background_nice: config.background_nice.or(Some(LAZY_BACKGROUND_NICE)),
-                ..config.clone()
-            };
-            if let Some(ws) = working_set {
-                let name = &self.manifest.regions[i].spec.name;
-                config.prefetch = ws
-                    .regions
-                    .iter()
-                    .find(|r| &r.name == name)
-                    .map(|r| r.chunks.clone())
-                    .unwrap_or_default();
-            }
-            // Clones share the pages of this very snapshot: its manifest checksum names them.
-            config.share = config.share.map(|s| s.of(&self.manifest.checksum));
-            Ok((source, config))
-        })?)
     }
 
     /// The working set an earlier lazy restore recorded, if any; one recorded for another
@@ -551,22 +318,8 @@ impl StoreSnapshot {
         Ok(Some(ws))
     }
 
-    /// Records the chunks the guest of `lazy` faulted on, in order, for the next lazy restore
-    /// of this snapshot (on any host) to fetch first. Returns how many it lists.
-    pub fn record_working_set<M: TargetMachine>(&self, vm: &M, pagers: &[Pager]) -> Result<usize> {
-        self.record_working_set_with(vm, pagers, &[])
-    }
-
-    /// [`StoreSnapshot::record_working_set`] with the KVM Userfault pagers of the guest_memfd
-    /// regions too ([`LazyStoreVm::userfault_pagers`]).
-    pub fn record_working_set_with<M: TargetMachine>(
-        &self,
-        vm: &M,
-        pagers: &[Pager],
-        userfault_pagers: &[UserfaultPager],
-    ) -> Result<usize> {
-        let regions = guestmem_snapshot::regions_of_pagers(vm.memory(), pagers, userfault_pagers);
-        let n = regions.iter().map(|r| r.chunks.len()).sum();
+    /// Writes `regions` as the snapshot's working set (replacing any).
+    fn put_working_set(&self, regions: Vec<WorkingSetRegion>) -> Result<()> {
         let mut ws = StoreWorkingSet {
             format: WORKING_SET_FORMAT.into(),
             manifest_checksum: self.manifest.checksum.clone(),
@@ -576,24 +329,8 @@ impl StoreSnapshot {
         ws.checksum = ws.compute_checksum();
         let json = serde_json::to_vec(&ws).expect("a working set serializes");
         self.backend()
-            .put(&working_set_key(&self.manifest.name), &json)?;
-        Ok(n)
+            .put(&working_set_key(&self.manifest.name), &json)
     }
-}
-
-/// A VM restored lazily from a store; the pagers go before the VM (field order).
-pub struct LazyStoreVm<M = Vm> {
-    /// The userfaultfd pagers bringing its memory in (guest_memfd regions left out).
-    pub pagers: Vec<Pager>,
-    /// The KVM Userfault pagers bringing its guest_memfd regions in (see [`UserfaultPager`]):
-    /// the vCPU loop hands them its userfault exits.
-    pub userfault_pagers: Vec<UserfaultPager>,
-    /// The VM.
-    pub vm: M,
-    /// From the start of the restore to the vCPUs being ready.
-    pub ready: Duration,
-    /// Whether the pagers fetch a recorded working set first.
-    pub prefetched: bool,
 }
 
 /// The format name of a store snapshot's working set.
@@ -621,21 +358,123 @@ impl StoreWorkingSet {
     }
 }
 
-/// Writes the non-zero pages of `buf` at `gpa` (fresh guest memory reads as zeros already).
-pub(crate) fn write_non_zero(memory: &GuestMemory, gpa: u64, buf: &[u8]) -> Result<()> {
+/// The runs of non-zero pages of `buf` (fresh guest memory reads as zeros already).
+fn non_zero_runs(buf: &[u8]) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
     let page = PAGE_SIZE as usize;
     let len = buf.len();
+    let zero = move |p: usize| crate::chunk::is_zero(&buf[p..(p + page).min(len)]);
     let mut p = 0;
-    while p < len {
-        if crate::chunk::is_zero(&buf[p..(p + page).min(len)]) {
+    std::iter::from_fn(move || {
+        while p < len && zero(p) {
             p += page;
-            continue;
+        }
+        if p >= len {
+            return None;
         }
         let start = p;
-        while p < len && !crate::chunk::is_zero(&buf[p..(p + page).min(len)]) {
+        while p < len && !zero(p) {
             p += page;
         }
-        memory.write(gpa + start as u64, &buf[start..p.min(len)])?;
+        Some(start..p.min(len))
+    })
+}
+
+/// The store's errors, as the restore engine carries them.
+fn image_error(e: Error) -> guestmem_snapshot::Error {
+    match e {
+        Error::Snapshot(e) => e,
+        e => guestmem_snapshot::Error::Image(Box::new(e)),
     }
-    Ok(())
+}
+
+/// A store snapshot as the restore engine reads it: each chunk checked against its hash as it
+/// is decompressed, before any of it is copied or served.
+impl SnapshotImage for StoreSnapshot {
+    fn describe(&self) -> String {
+        StoreSnapshot::describe(self)
+    }
+
+    fn config(&self) -> &VmConfig {
+        &self.manifest.config
+    }
+
+    fn regions(&self) -> Vec<&RegionSpec> {
+        self.manifest.regions.iter().map(|r| &r.spec).collect()
+    }
+
+    fn chunk_check(&self) -> &'static str {
+        "against its BLAKE3 hash"
+    }
+
+    fn identity(&self) -> &str {
+        &self.manifest.checksum
+    }
+
+    fn machine_state(&self) -> &[u8] {
+        &self.machine
+    }
+
+    fn components(&self) -> &[ComponentState] {
+        &self.components
+    }
+
+    fn check_mode(&self, mode: &RestoreMode) -> SnapshotResult<()> {
+        match mode {
+            RestoreMode::Map => Err(map_refused(self)),
+            RestoreMode::Full | RestoreMode::Lazy(_) | RestoreMode::PageServer(_) => Ok(()),
+        }
+    }
+
+    fn page_source(&self, index: usize) -> SnapshotResult<Arc<dyn PageSource>> {
+        Ok(Arc::new(self.source(index)))
+    }
+
+    fn copy_region(&self, memory: &GuestMemory, index: usize) -> SnapshotResult<()> {
+        self.copy_region_on(memory, index, self.threads())
+            .map_err(image_error)
+    }
+
+    fn read_region(&self, index: usize) -> SnapshotResult<Vec<(u64, Vec<u8>)>> {
+        self.fetch_region(index).map_err(image_error)
+    }
+
+    fn map_region(&self, _region: &Region, _index: usize) -> SnapshotResult<()> {
+        Err(map_refused(self))
+    }
+
+    fn check_restored(&self, memory: &GuestMemory) -> SnapshotResult<()> {
+        self.check_memory(memory).map_err(image_error)
+    }
+
+    fn reads_overlap_build(&self) -> bool {
+        true
+    }
+
+    fn tune_pager(&self, config: &mut PagerConfig) {
+        // A fault waits for one store chunk, not a 2 MiB window of them (the guest runs
+        // sooner); readahead and the background sweep keep several in flight.
+        config.fault_around = config.fault_around.min(self.manifest.chunk_bytes);
+        config.readahead_chunks = config.readahead_chunks.max(8);
+        config.readahead_threads = config.readahead_threads.max(2);
+    }
+
+    fn recorded_working_set(&self) -> SnapshotResult<Option<Vec<WorkingSetRegion>>> {
+        Ok(self
+            .working_set()
+            .map_err(image_error)?
+            .map(|ws| ws.regions))
+    }
+
+    fn write_working_set(&self, regions: Vec<WorkingSetRegion>) -> SnapshotResult<()> {
+        self.put_working_set(regions).map_err(image_error)
+    }
+}
+
+/// Why a store snapshot cannot be restored in map mode.
+fn map_refused(snapshot: &StoreSnapshot) -> guestmem_snapshot::Error {
+    guestmem_snapshot::Error::Layout(format!(
+        "{}: a store snapshot's chunks are compressed objects, not a memory file to map: \
+         restore it in full mode or lazily",
+        snapshot.describe()
+    ))
 }

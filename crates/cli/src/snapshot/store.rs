@@ -5,6 +5,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use guestmem_contract::VmBuilder;
 use guestmem_store::cache::ChunkCache;
 use guestmem_store::location::{is_store_url, Location, StoreUrl};
 use guestmem_store::restore::StoreSnapshot;
@@ -248,40 +249,29 @@ pub(super) fn restore(args: &RestoreArgs) -> crate::Result<()> {
         None
     };
     let snap = StoreSnapshot::open(backend, &at.name, cache)?;
-    if args.uffd_socket.is_some() && !matches!(args.mode, Mode::Lazy) {
-        return Err("--uffd-socket needs --mode lazy".into());
+    if matches!(args.mode, Mode::Map) {
+        return Err(format!(
+            "--mode map maps a flat snapshot's memory file; {text} is a store snapshot \
+             (compressed chunks): restore it with --mode full or --mode lazy"
+        )
+        .into());
     }
-    let pager_config = args.pager_config()?;
-    // A page server's connection and our copy of the userfaultfd, held while the guest runs.
-    let mut peer = None;
-    // KVM Userfault pagers (guest_memfd regions): they serve the vCPUs' userfault exits for
-    // as long as they live.
-    let mut userfault_pagers = Vec::new();
-    let (mut vm, pagers, prefetched) = match args.mode {
-        Mode::Map => {
-            return Err(format!(
-                "--mode map maps a flat snapshot's memory file; {text} is a store snapshot \
-                 (compressed chunks): restore it with --mode full or --mode lazy"
-            )
-            .into())
-        }
-        Mode::Full => (snap.restore_full()?, Vec::new(), false),
-        Mode::Lazy if args.uffd_socket.is_some() => {
-            // The RAM comes from the page server (`guestmem page-server --snapshot` of the
-            // same store snapshot checks each chunk's hash); the sys region was checked here.
-            let socket = args.uffd_socket.as_deref().expect("checked");
-            let restored = snap.restore_lazy_via_socket(socket)?;
-            peer = Some((restored.stream, restored.uffd));
-            (restored.vm, Vec::new(), false)
-        }
-        Mode::Lazy => {
-            let lazy = snap.restore_lazy(&pager_config)?;
-            userfault_pagers = lazy.userfault_pagers;
-            (lazy.vm, lazy.pagers, lazy.prefetched)
-        }
-    };
+    // With --uffd-socket the RAM comes from the page server (`guestmem page-server
+    // --snapshot` of the same store snapshot checks each chunk's hash); the sys region is
+    // checked here.
+    let restored = guestmem_snapshot::restore(&snap, &mut VmBuilder, args.restore_mode()?)?;
+    // The KVM Userfault pagers (guest_memfd regions) serve the vCPUs' userfault exits, and a
+    // page server's connection and our copy of the userfaultfd are held, while the guest runs.
+    let guestmem_snapshot::Restored {
+        pagers,
+        userfault_pagers,
+        mut vm,
+        peer,
+        prefetched,
+        ..
+    } = restored;
     let restore_ms = t.elapsed().as_secs_f64() * 1e3;
-    // restore_full compared every digest already (it refuses otherwise).
+    // A full restore compared every chunk's hash already (it refuses otherwise).
     let memory_digests_match = matches!(args.mode, Mode::Full).then_some(true);
     let (before, after, resident_ms) =
         super::run_restored(&mut vm, &pagers, &userfault_pagers, run_for, t)?;
@@ -289,7 +279,14 @@ pub(super) fn restore(args: &RestoreArgs) -> crate::Result<()> {
     let working_set = super::working_set_output(
         &super::pager_stats(&pagers, &userfault_pagers),
         prefetched,
-        || Ok(snap.record_working_set_with(&vm, &pagers, &userfault_pagers)?),
+        || {
+            Ok(guestmem_snapshot::record_working_set(
+                &snap,
+                vm.memory(),
+                &pagers,
+                &userfault_pagers,
+            )?)
+        },
     )?;
     drop(pagers);
     drop(userfault_pagers);

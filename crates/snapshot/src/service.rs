@@ -1,51 +1,60 @@
-//! A restore service: one store snapshot held open, restored lazily again and again (clones),
-//! with everything that does not depend on which clone is restored done once or ahead of time.
+//! A restore service: one snapshot (any [`SnapshotImage`]: flat or in a chunk store) held
+//! open, restored lazily again and again (clones), with everything that does not depend on
+//! which clone is restored done once or ahead of time.
 //!
-//! Opened once: the manifest (and base chain) and the state, read and checked; the sys region
-//! (page tables, payload, control blocks) fetched and checked; the recorded working set read
-//! and checked; the vCPU and VM state parsed. Ahead of a restore, in a pool: VMs of the
-//! snapshot's configuration built (memory registered as memslots, vCPUs created), the sys
-//! region copied in, the pagers armed on their RAM (userfaultfd registered, the shared image
-//! mapped, the threads started, the working-set prefetch held) ([`ArmedVm`]). What a restore
-//! does: put the vCPU state in and let the prefetch go. Every chunk is still checked against
-//! its hash before any clone sees it: the pagers are the same as a lazy restore's.
-//! A lazy restore that opens the snapshot and builds the VM each time spends most of its time
-//! on what this leaves out, and with many restores at once on few cores those parts queue for
-//! the CPU.
+//! Opened once: the sys region (page tables, payload, control blocks) read and checked; the
+//! recorded working set read and checked; the vCPU and VM state parsed. Ahead of a restore, in
+//! a pool: VMs of the snapshot's configuration built (memory registered as memslots, vCPUs
+//! created), the sys region copied in, the pagers armed on their RAM (userfaultfd registered,
+//! the shared image mapped, the threads started, the working-set prefetch held)
+//! ([`ArmedVm`]). What a restore does: put the vCPU state in and let the prefetch go. Every
+//! chunk is still checked before any clone sees it: the pagers are the restore engine's own
+//! (see [`crate::restore`]). A lazy restore that opens the snapshot and builds the VM each
+//! time spends most of its time on what this leaves out, and with many restores at once on
+//! few cores those parts queue for the CPU.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use guestmem_contract::payload_state_of;
 use guestmem_paging::{priority, PagerConfig};
-use guestmem_snapshot::{PreparedVm, RegionPagers};
-use guestmem_vm::{Vm, VmState};
+use guestmem_vm::{layout, Vm, VmState};
 
-use crate::backend::Backend;
-use crate::cache::ChunkCache;
-use crate::restore::{write_non_zero, LazyStoreVm, StoreSnapshot, StoreWorkingSet};
-use crate::{Error, Result};
+use crate::pagers::RegionPagers;
+use crate::restore::{check_layout, start_pagers, Restored, SnapshotImage};
+use crate::working_set::WorkingSetRegion;
+use crate::{Error, PreparedVm, Result};
 
-/// A store snapshot held open for lazy restores (see the module docs), with a pool of VMs
-/// armed for it.
-pub struct RestoreService {
-    snap: StoreSnapshot,
-    /// The sys region's non-zero chunks (guest address, bytes), checked.
+/// A snapshot held open for lazy restores (see the module docs), with a pool of VMs armed
+/// for it.
+pub struct RestoreService<I> {
+    image: I,
+    /// The sys region's non-zero pieces (guest address, bytes), checked.
     sys: Vec<(u64, Vec<u8>)>,
-    working_set: Option<StoreWorkingSet>,
+    working_set: Option<Vec<WorkingSetRegion>>,
     /// The VM's state, parsed.
     state: VmState,
     config: PagerConfig,
     pool: Mutex<Vec<ArmedVm>>,
 }
 
+impl<I: SnapshotImage> std::fmt::Debug for RestoreService<I> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RestoreService")
+            .field("image", &self.image.describe())
+            .field("pooled", &self.pooled())
+            .finish_non_exhaustive()
+    }
+}
+
 /// A VM built for a [`RestoreService`]'s snapshot and never run, its sys region in place and
 /// its pagers armed (their background fetches held): what is left of a restore into it is
 /// putting its vCPU state in and letting the prefetch go. The pagers go before the VM.
+#[derive(Debug)]
 pub struct ArmedVm {
     pagers: RegionPagers,
     vm: Vm,
-    /// The manifest checksum of the snapshot whose sys region it holds.
+    /// The identity of the snapshot whose sys region it holds.
     snapshot: String,
     /// How long copying the sys region in and arming the pagers took.
     armed_in: Duration,
@@ -59,38 +68,42 @@ impl ArmedVm {
 }
 
 /// A clone restored by a [`RestoreService`].
+#[derive(Debug)]
 pub struct ServiceRestore {
     /// The restored VM and its pagers (the caller resumes the VM).
-    pub lazy: LazyStoreVm,
+    pub lazy: Restored,
     /// Where the restore spent its time, step by step (its `ready` is their sum).
     pub phases: Vec<(&'static str, Duration)>,
 }
 
-impl RestoreService {
-    /// Opens snapshot `name` of `backend` (a remote store's chunks through `cache`, when given)
-    /// for restores with pagers configured by `config` (its `share` names the directory of the
-    /// clones' shared image; the snapshot's id is added).
-    pub fn open(
-        backend: Arc<dyn Backend>,
-        name: &str,
-        cache: Option<ChunkCache>,
-        config: PagerConfig,
-    ) -> Result<RestoreService> {
-        RestoreService::new(StoreSnapshot::open(backend, name, cache)?, config)
-    }
-
-    /// A service for `snap`, already opened: reads and checks its sys region and working set
-    /// and parses its state.
-    pub fn new(snap: StoreSnapshot, config: PagerConfig) -> Result<RestoreService> {
-        let sys = snap.fetch_sys()?;
+impl<I: SnapshotImage> RestoreService<I> {
+    /// A service for `image`, restored with pagers configured by `config` (its `share` names
+    /// the directory of the clones' shared image; the snapshot's identity is added): reads and
+    /// checks its sys region and working set and parses its state.
+    pub fn new(image: I, config: PagerConfig) -> Result<RestoreService<I>> {
+        let sys = match image
+            .regions()
+            .iter()
+            .position(|r| r.gpa == layout::SYS_GPA)
+        {
+            Some(i) => {
+                let gpa = image.regions()[i].gpa;
+                image
+                    .read_region(i)?
+                    .into_iter()
+                    .map(|(offset, bytes)| (gpa + offset, bytes))
+                    .collect()
+            }
+            None => Vec::new(),
+        };
         let working_set = if config.prefetch.is_empty() {
-            snap.working_set()?
+            image.recorded_working_set()?
         } else {
             None
         };
-        let state = payload_state_of(&snap.machine)?;
+        let state = payload_state_of(image.machine_state())?;
         Ok(RestoreService {
-            snap,
+            image,
             sys,
             working_set,
             state,
@@ -100,14 +113,14 @@ impl RestoreService {
     }
 
     /// The snapshot it restores (its components' states are in
-    /// [`StoreSnapshot::components`]).
-    pub fn snapshot(&self) -> &StoreSnapshot {
-        &self.snap
+    /// [`SnapshotImage::components`]).
+    pub fn image(&self) -> &I {
+        &self.image
     }
 
     /// Builds a VM armed for this snapshot (see [`ArmedVm`]), to be restored later.
     pub fn prepare(&self) -> Result<ArmedVm> {
-        self.arm(PreparedVm::new(&self.snap.manifest.config)?)
+        self.arm(PreparedVm::new(self.image.config())?)
     }
 
     /// `prepared` armed for this snapshot: refused, naming what differs, unless it was built
@@ -115,25 +128,23 @@ impl RestoreService {
     /// armed, their background fetches held until a restore.
     pub fn arm(&self, prepared: PreparedVm) -> Result<ArmedVm> {
         let t = Instant::now();
-        let vm = self.snap.prepared_vm(prepared)?;
+        let vm = prepared.take(self.image.config(), &self.image.describe())?;
+        check_layout(vm.memory(), &self.image)?;
         for (gpa, bytes) in &self.sys {
-            write_non_zero(vm.memory(), *gpa, bytes)?;
+            vm.memory().write(*gpa, bytes)?;
         }
         let config = PagerConfig {
             hold_background: true,
             ..self.config.clone()
         };
-        let pagers = self
-            .snap
-            .start_pagers(&vm, &config, self.working_set.as_ref())?;
+        let pagers = start_pagers(&self.image, &vm, &config, self.working_set.as_deref())?;
         Ok(ArmedVm {
             pagers,
             vm,
-            snapshot: self.snap.manifest.checksum.clone(),
+            snapshot: self.image.identity().to_string(),
             armed_in: t.elapsed(),
         })
     }
-
     /// Adds armed VMs to the pool until it holds `n`.
     pub fn fill(&self, n: usize) -> Result<()> {
         while self.pooled() < n {
@@ -215,12 +226,12 @@ impl RestoreService {
             phases.push((name, now - t));
             t = now;
         };
-        if armed.snapshot != self.snap.manifest.checksum {
+        if armed.snapshot != self.image.identity() {
             return Err(Error::Layout(format!(
                 "the VM was armed for the snapshot of manifest checksum {}, not {}'s ({})",
                 armed.snapshot,
-                self.snap.describe(),
-                self.snap.manifest.checksum
+                self.image.describe(),
+                self.image.identity()
             )));
         }
         let ArmedVm {
@@ -239,10 +250,12 @@ impl RestoreService {
         }
         lap("release the prefetch");
         Ok(ServiceRestore {
-            lazy: LazyStoreVm {
+            lazy: Restored {
                 pagers,
                 userfault_pagers,
                 vm,
+                peer: None,
+                phases: phases.iter().map(|(n, d)| ((*n).to_string(), *d)).collect(),
                 ready: start.elapsed(),
                 prefetched: self.working_set.is_some(),
             },
