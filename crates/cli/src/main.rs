@@ -7,11 +7,9 @@ mod page_server;
 mod populate;
 mod probe;
 mod run;
-mod write_payload;
-// The lint pass for the restore commands follows the restore-engine change.
-#[allow(clippy::cast_possible_truncation)]
 mod snapshot;
 mod vm_args;
+mod write_payload;
 
 use guestmem_bench::units;
 

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use guestmem_contract::VmBuilder;
 use guestmem_paging::{Pager, PagerConfig, PagerStats, Share, UserfaultPager};
 use guestmem_snapshot::{self as snapshot, RestoreMode, Snapshot};
+use guestmem_sys::to_usize;
 use guestmem_tracking::{Mode as TrackingMode, Tracker};
 use guestmem_vm::{layout, VcpuWork, Vm, Workload};
 use serde::Serialize;
@@ -228,7 +229,7 @@ pub(crate) fn working_set_output(
     Ok(Some(if prefetched {
         WorkingSetOutput {
             action: "fetched first",
-            chunks: stats.iter().map(|s| s.prefetch_chunks).sum::<u64>() as usize,
+            chunks: to_usize(stats.iter().map(|s| s.prefetch_chunks).sum::<u64>()),
             faults,
         }
     } else {

@@ -18,13 +18,6 @@
 //! keeps failing), the server kills the peer (when [`PageServerConfig::kill_peer_on_failure`]
 //! is set, the default) rather than leave its vCPUs blocked forever on faults nobody will serve.
 
-// The workspace lint pass for this crate follows the restore-engine change.
-#![allow(
-    missing_debug_implementations,
-    clippy::cast_possible_truncation,
-    clippy::borrow_as_ptr
-)]
-
 use std::fs::File;
 use std::io::{self, Read};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
@@ -211,6 +204,7 @@ impl PeerProcess {
     /// The process that connected `stream`: its pidfd from `SO_PEERPIDFD`, or, on kernels
     /// without it, `pidfd_open` of its `SO_PEERCRED` pid at once (the peer is waiting for our
     /// answer then, so the pid is still its own).
+    #[allow(clippy::cast_possible_truncation)] // the size of a c_int.
     pub fn of(stream: &UnixStream) -> Result<PeerProcess> {
         let pid = peer_pid(stream)?;
         let mut fd: libc::c_int = -1;
@@ -221,8 +215,8 @@ impl PeerProcess {
                 stream.as_raw_fd(),
                 libc::SOL_SOCKET,
                 SO_PEERPIDFD,
-                (&mut fd as *mut libc::c_int).cast(),
-                &mut len,
+                (&raw mut fd).cast(),
+                &raw mut len,
             )
         };
         if r == 0 && fd >= 0 {
@@ -240,7 +234,9 @@ impl PeerProcess {
     /// The process `pid` now (`pidfd_open`).
     pub fn open(pid: i32) -> Result<PeerProcess> {
         // SAFETY: pidfd_open returns a new fd (checked) or -1; no memory is involved.
-        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) } as libc::c_int;
+        let ret = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+        // A file descriptor, or -1: both fit a c_int.
+        let fd = libc::c_int::try_from(ret).unwrap_or(-1);
         if fd < 0 {
             return Err(Error::ProtocolIo {
                 what: format!("pidfd_open of the peer, pid {pid}"),
@@ -292,9 +288,9 @@ impl PeerProcess {
             events: libc::POLLIN,
             revents: 0,
         };
-        let ms = timeout.as_millis().min(i32::MAX as u128) as libc::c_int;
+        let ms = libc::c_int::try_from(timeout.as_millis()).unwrap_or(libc::c_int::MAX);
         // SAFETY: polls one live pollfd.
-        let n = unsafe { libc::poll(&mut fd, 1, ms) };
+        let n = unsafe { libc::poll(&raw mut fd, 1, ms) };
         n > 0 && fd.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0
     }
 
@@ -334,6 +330,7 @@ impl PeerProcess {
 }
 
 /// The pid of the process at the other end of `stream` (`SO_PEERCRED`).
+#[allow(clippy::cast_possible_truncation)] // the size of a small C struct.
 pub fn peer_pid(stream: &UnixStream) -> Result<i32> {
     let mut cred = libc::ucred {
         pid: 0,
@@ -347,8 +344,8 @@ pub fn peer_pid(stream: &UnixStream) -> Result<i32> {
             stream.as_raw_fd(),
             libc::SOL_SOCKET,
             libc::SO_PEERCRED,
-            (&mut cred as *mut libc::ucred).cast(),
-            &mut len,
+            (&raw mut cred).cast(),
+            &raw mut len,
         )
     };
     if r < 0 {
@@ -472,7 +469,7 @@ pub fn send_handshake(
 }
 
 /// How a page server serves its peers.
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct PageServerConfig {
     /// Fault-around, readahead, background fetch, retries (`abort`, `uffds` and `handlers`
     /// are not used).
@@ -507,6 +504,7 @@ fn kill_peer(peer: &PeerProcess, reason: &str) {
 }
 
 /// What a page server serves its peers' mappings from.
+#[derive(Debug)]
 pub enum ServedMemory {
     /// A Firecracker memory file: the guest regions back to back, mapping `m` served from
     /// `file[m.offset..][..m.size]`. Its bytes cannot be checked: Firecracker's memory files
@@ -540,6 +538,16 @@ pub struct ServedRegion {
     pub size: u64,
     /// Where its bytes come from (shared by every connection).
     pub source: Arc<dyn PageSource>,
+}
+
+// By hand: a page source need not implement `Debug`.
+impl std::fmt::Debug for ServedRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServedRegion")
+            .field("name", &self.name)
+            .field("size", &self.size)
+            .finish_non_exhaustive()
+    }
 }
 
 impl ServedMemory {
@@ -648,6 +656,7 @@ impl ServedMemory {
 }
 
 /// One peer being served.
+#[derive(Debug)]
 pub struct Session {
     /// The peer's process id.
     pub peer_pid: i32,

@@ -34,17 +34,6 @@
 //! [`PayloadVm`]: guestmem_contract::PayloadVm
 //! [`MachineBuilder`]: guestmem_contract::MachineBuilder
 
-// The workspace lint pass for this crate follows the restore-engine change.
-#![allow(
-    missing_debug_implementations,
-    clippy::cast_possible_truncation,
-    clippy::cast_lossless,
-    clippy::map_unwrap_or,
-    clippy::ptr_as_ptr,
-    clippy::semicolon_if_nothing_returned,
-    clippy::redundant_closure_for_method_calls
-)]
-
 mod error;
 pub mod live;
 mod manifest;
@@ -67,6 +56,7 @@ use std::sync::Arc;
 
 use guestmem_memory::{Backend, GuestMemory, PageBuf, Region, RegionSpec};
 use guestmem_paging::PageSource;
+use guestmem_sys::to_usize;
 use guestmem_vm::{VmConfig, VmState};
 
 use serde::{Deserialize, Serialize};
@@ -98,6 +88,7 @@ const STATE: &str = "state.json";
 const WORKING_SET: &str = "working-set.json";
 
 /// A snapshot whose manifest and state have been read and checked.
+#[derive(Debug)]
 pub struct Snapshot {
     dir: PathBuf,
     manifest: Manifest,
@@ -295,7 +286,7 @@ impl Snapshot {
     /// Reads chunk `index` of region image `image` into `buf` and checks its CRC-32.
     pub fn read_chunk(&self, image: &RegionImage, index: usize, buf: &mut [u8]) -> Result<()> {
         let offset = index as u64 * CHUNK_BYTES;
-        let len = CHUNK_BYTES.min(image.spec.size - offset) as usize;
+        let len = to_usize(CHUNK_BYTES.min(image.spec.size - offset));
         buf[..len].fill(0);
         self.read_chunk_data(image, index, buf).map(|_| ())
     }
@@ -309,7 +300,7 @@ impl Snapshot {
         buf: &mut [u8],
     ) -> Result<Vec<Range<usize>>> {
         let offset = index as u64 * CHUNK_BYTES;
-        let len = CHUNK_BYTES.min(image.spec.size - offset) as usize;
+        let len = to_usize(CHUNK_BYTES.min(image.spec.size - offset));
         let (crc, ranges) = read_sparse(
             self.file(image),
             image.file_offset + offset,
@@ -502,7 +493,7 @@ impl PageSource for SnapshotSource {
             let chunk_start = index as u64 * CHUNK_BYTES;
             let chunk_end = (chunk_start + CHUNK_BYTES).min(self.size);
             let piece_end = chunk_end.min(end);
-            let piece = &mut buf[(at - offset) as usize..(piece_end - offset) as usize];
+            let piece = &mut buf[to_usize(at - offset)..to_usize(piece_end - offset)];
             match self.holders[index] {
                 None => piece.fill(0),
                 Some(layer) if at == chunk_start && piece_end == chunk_end => {
@@ -517,11 +508,11 @@ impl PageSource for SnapshotSource {
                             std::cell::RefCell::new(PageBuf::zeroed(0));
                     }
                     CHUNK.with_borrow_mut(|chunk| {
-                        let len = (chunk_end - chunk_start) as usize;
+                        let len = to_usize(chunk_end - chunk_start);
                         chunk.grow_to(len);
                         self.read_checked(index, layer, &mut chunk[..len])?;
                         piece.copy_from_slice(
-                            &chunk[(at - chunk_start) as usize..(piece_end - chunk_start) as usize],
+                            &chunk[to_usize(at - chunk_start)..to_usize(piece_end - chunk_start)],
                         );
                         io::Result::Ok(())
                     })?;
@@ -544,7 +535,7 @@ impl PageSource for SnapshotSource {
         let end = (offset + len).min(self.size);
         end > offset
             && (offset / CHUNK_BYTES..=(end - 1) / CHUNK_BYTES)
-                .all(|c| self.holders[c as usize].is_none())
+                .all(|c| self.holders[to_usize(c)].is_none())
     }
 }
 
@@ -602,17 +593,17 @@ impl SnapshotImage for Snapshot {
     }
 
     fn copy_region(&self, memory: &GuestMemory, index: usize) -> Result<()> {
-        let mut buf = PageBuf::zeroed(CHUNK_BYTES as usize);
+        let mut buf = PageBuf::zeroed(to_usize(CHUNK_BYTES));
         copy_chunks(self, memory, &memory.regions()[index], index, &mut buf)
     }
 
     fn read_region(&self, index: usize) -> Result<Vec<(u64, Vec<u8>)>> {
         let size = self.manifest.regions[index].spec.size;
-        let mut buf = PageBuf::zeroed(CHUNK_BYTES as usize);
+        let mut buf = PageBuf::zeroed(to_usize(CHUNK_BYTES));
         let mut pieces = Vec::new();
         for i in 0..self.manifest.regions[index].chunks.len() {
             let offset = i as u64 * CHUNK_BYTES;
-            let len = CHUNK_BYTES.min(size - offset) as usize;
+            let len = to_usize(CHUNK_BYTES.min(size - offset));
             let Some(ranges) = self.chunk(index, i, &mut buf[..len])? else {
                 continue;
             };
@@ -629,7 +620,7 @@ impl SnapshotImage for Snapshot {
         let image = &self.manifest.regions[index];
         // The guest will see the file itself: every chunk of it, zero chunks included (holes,
         // or zeros), must be what the manifest says.
-        let mut buf = PageBuf::zeroed(CHUNK_BYTES as usize);
+        let mut buf = PageBuf::zeroed(to_usize(CHUNK_BYTES));
         verify_chunks(self, image, &mut buf)?;
         map_private(region, self.file(image), image.file_offset)
             .map_err(Error::io(&self.file_path(image), "mmap"))
@@ -663,7 +654,7 @@ pub(crate) fn copy_chunks(
     let mut by_write = region.backend() == Backend::GuestMemfd;
     for i in 0..snapshot.manifest.regions[index].chunks.len() {
         let offset = i as u64 * CHUNK_BYTES;
-        let len = CHUNK_BYTES.min(size - offset) as usize;
+        let len = to_usize(CHUNK_BYTES.min(size - offset));
         let Some(ranges) = snapshot.chunk(index, i, &mut buf[..len])? else {
             continue;
         };
@@ -695,8 +686,8 @@ fn map_private(region: &Region, file: &File, file_offset: u64) -> io::Result<()>
     // drop as before. The file is at least `file_offset + size` long (checked on open).
     let addr = unsafe {
         libc::mmap(
-            region.host_addr() as *mut libc::c_void,
-            region.size() as usize,
+            region.host_addr().cast::<libc::c_void>(),
+            to_usize(region.size()),
             libc::PROT_READ | libc::PROT_WRITE,
             libc::MAP_PRIVATE | libc::MAP_FIXED,
             file.as_raw_fd(),

@@ -37,6 +37,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use guestmem_memory::{digest_bytes, GuestMemory, PageBuf, DIGEST_SEED, PAGE_SIZE};
+use guestmem_sys::to_usize;
 use guestmem_tracking::{tracked, DirtyBitmap, Mode, Tracker};
 use serde::Serialize;
 
@@ -158,7 +159,7 @@ impl Frozen {
         for &(ri, ci) in chunks {
             let region = &memory.regions()[ri];
             let offset = ci as u64 * chunk;
-            let mut bytes = vec![0u8; chunk.min(region.size() - offset) as usize];
+            let mut bytes = vec![0u8; to_usize(chunk.min(region.size() - offset))];
             GuestMemory::read(memory, region.gpa() + offset, &mut bytes)?;
             map.insert((ri, ci), bytes);
         }
@@ -179,6 +180,7 @@ impl ChunkSource for Frozen {
 }
 
 /// The states a live snapshot saved during its pause.
+#[derive(Debug)]
 pub struct Captured {
     /// What [`Machine::save`] gave.
     pub machine: Vec<u8>,
@@ -395,7 +397,7 @@ fn chunks_of(
     let mut all = Vec::new();
     for (ri, region) in memory.regions().iter().enumerate() {
         if pick(region) {
-            all.extend((0..region.size().div_ceil(chunk) as usize).map(|i| (ri, i)));
+            all.extend((0..to_usize(region.size().div_ceil(chunk))).map(|i| (ri, i)));
         }
     }
     all
@@ -414,8 +416,8 @@ pub fn dirty_chunks(
                 let first = (gpa - region.gpa()) / chunk;
                 let last = (gpa - region.gpa() + len - 1) / chunk;
                 for i in first..=last {
-                    if out.last() != Some(&(ri, i as usize)) {
-                        out.push((ri, i as usize));
+                    if out.last() != Some(&(ri, to_usize(i))) {
+                        out.push((ri, to_usize(i)));
                     }
                 }
             }
@@ -473,7 +475,7 @@ impl FlatSink {
                 let which = RegionFile::for_region(region.spec());
                 let offset = ends[which as usize];
                 ends[which as usize] += region.size();
-                let n = region.size().div_ceil(CHUNK_BYTES) as usize;
+                let n = to_usize(region.size().div_ceil(CHUNK_BYTES));
                 (which, offset, vec![None; n])
             })
             .collect();
@@ -483,7 +485,7 @@ impl FlatSink {
         Ok(FlatSink {
             files,
             regions,
-            buf: PageBuf::zeroed(CHUNK_BYTES as usize),
+            buf: PageBuf::zeroed(to_usize(CHUNK_BYTES)),
         })
     }
 
@@ -499,14 +501,14 @@ impl FlatSink {
     ) -> Result<u64> {
         let region = &memory.regions()[ri];
         let offset = ci as u64 * CHUNK_BYTES;
-        let len = CHUNK_BYTES.min(region.size() - offset) as usize;
+        let len = to_usize(CHUNK_BYTES.min(region.size() - offset));
         let gpa = region.gpa() + offset;
         let bytes = &mut self.buf[..len];
         source.read(ri, ci, gpa, bytes)?;
         let (which, file_offset, chunks) = &mut self.regions[ri];
         let (file, path) = &self.files[*which as usize];
         let fresh = chunks[ci].is_none();
-        let page = PAGE_SIZE as usize;
+        let page = to_usize(PAGE_SIZE);
         let update =
             |p: usize| fresh || dirty.is_none_or(|d| page_dirty(d, gpa + (p * page) as u64));
         let at = *file_offset + offset;
@@ -583,6 +585,7 @@ fn punch_hole(file: &File, at: u64, len: u64) -> std::io::Result<()> {
 }
 
 /// What [`write_machine_live`] did.
+#[derive(Debug)]
 pub struct LiveWrite {
     /// The snapshot as written (what a paused write reports).
     pub report: WriteReport,
@@ -594,6 +597,7 @@ pub struct LiveWrite {
 
 /// A live diff's base: the flat snapshot it is written over, and the tracker started when that
 /// snapshot was taken (bitmap or ring mode: it must report only what was written since).
+#[derive(Debug)]
 pub struct LiveBase<'a> {
     /// The base snapshot's directory.
     pub dir: &'a Path,
@@ -711,7 +715,7 @@ fn finish<M: Machine + ?Sized>(
                 },
                 Some(c) => {
                     report.data_bytes += c.data;
-                    report.zero_chunks += c.zero as u64;
+                    report.zero_chunks += u64::from(c.zero);
                     Chunk {
                         crc32: c.crc32,
                         zero: c.zero,
@@ -776,11 +780,11 @@ fn region_digest(
     chunks: &[Chunk],
     base: Option<&Snapshot>,
 ) -> Result<u64> {
-    let mut buf = vec![0u8; CHUNK_BYTES as usize];
+    let mut buf = vec![0u8; to_usize(CHUNK_BYTES)];
     let mut h = DIGEST_SEED;
     for (ci, c) in chunks.iter().enumerate() {
         let offset = ci as u64 * CHUNK_BYTES;
-        let n = CHUNK_BYTES.min(len - offset) as usize;
+        let n = to_usize(CHUNK_BYTES.min(len - offset));
         let bytes = &mut buf[..n];
         match (c.inherited, base) {
             (false, _) => file
@@ -847,26 +851,26 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("guestmem-live-unit-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let mut sink = FlatSink::create(&m, &dir).unwrap();
-        m.write(0, &[1u8; 2 * PAGE_SIZE as usize]).unwrap();
-        m.write(5 * PAGE_SIZE, &[2u8; PAGE_SIZE as usize]).unwrap();
+        m.write(0, &[1u8; 2 * to_usize(PAGE_SIZE)]).unwrap();
+        m.write(5 * PAGE_SIZE, &[2u8; to_usize(PAGE_SIZE)]).unwrap();
         sink.store(&m, &m, &[(0, 0)], None).unwrap();
         // Page 0 zeroed, page 5 changed, page 1 changed but not reported dirty.
-        m.write(0, &[0u8; PAGE_SIZE as usize]).unwrap();
-        m.write(5 * PAGE_SIZE, &[3u8; PAGE_SIZE as usize]).unwrap();
-        m.write(PAGE_SIZE, &[9u8; PAGE_SIZE as usize]).unwrap();
+        m.write(0, &[0u8; to_usize(PAGE_SIZE)]).unwrap();
+        m.write(5 * PAGE_SIZE, &[3u8; to_usize(PAGE_SIZE)]).unwrap();
+        m.write(PAGE_SIZE, &[9u8; to_usize(PAGE_SIZE)]).unwrap();
         let written = sink
             .store(&m, &m, &[(0, 0)], Some(&bitmap(&[0, 5])))
             .unwrap();
         assert_eq!(written, PAGE_SIZE, "only page 5 written, page 0 punched");
         let file = std::fs::read(dir.join("memory")).unwrap();
-        let page = |p: usize| &file[p * PAGE_SIZE as usize..(p + 1) * PAGE_SIZE as usize];
+        let page = |p: usize| &file[p * to_usize(PAGE_SIZE)..(p + 1) * to_usize(PAGE_SIZE)];
         assert!(page(0).iter().all(|&b| b == 0));
         assert!(
             page(1).iter().all(|&b| b == 1),
             "an unreported page is left alone"
         );
         assert!(page(5).iter().all(|&b| b == 3));
-        let mut chunk = vec![0u8; CHUNK_BYTES as usize];
+        let mut chunk = vec![0u8; to_usize(CHUNK_BYTES)];
         GuestMemory::read(&m, 0, &mut chunk).unwrap();
         let now = sink.regions[0].2[0].unwrap();
         assert_eq!(now.crc32, crc32fast::hash(&chunk));

@@ -216,10 +216,7 @@ impl Manifest {
             if head.format.as_ref().and_then(|f| f.as_str()) != Some(FORMAT) {
                 return Error::NotASnapshot {
                     path: path.to_path_buf(),
-                    found: head
-                        .format
-                        .map(|f| f.to_string())
-                        .unwrap_or_else(|| "none".into()),
+                    found: head.format.map_or_else(|| "none".into(), |f| f.to_string()),
                 };
             }
             let version = head.version.and_then(|v| v.as_u64()).unwrap_or(0);
@@ -465,7 +462,7 @@ mod tests {
             (
                 |m| {
                     m.regions[1].chunks[0].zero = false;
-                    m.regions[1].chunks[0].inherited = true
+                    m.regions[1].chunks[0].inherited = true;
                 },
                 "has no base",
             ),

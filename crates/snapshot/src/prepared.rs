@@ -19,6 +19,7 @@ use crate::{Error, Result};
 
 /// A VM built for a configuration and never run, waiting for a snapshot of that configuration
 /// (a [`crate::RestoreTarget`] of [`crate::restore`], for every snapshot format).
+#[derive(Debug)]
 pub struct PreparedVm {
     vm: Vm,
 }

@@ -151,7 +151,7 @@ impl<I: SnapshotImage> RestoreService<I> {
             let armed = self.prepare()?;
             self.pool
                 .lock()
-                .unwrap_or_else(|e| e.into_inner())
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .push(armed);
         }
         Ok(())
@@ -159,7 +159,10 @@ impl<I: SnapshotImage> RestoreService<I> {
 
     /// Armed VMs waiting in the pool.
     pub fn pooled(&self) -> usize {
-        self.pool.lock().unwrap_or_else(|e| e.into_inner()).len()
+        self.pool
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .len()
     }
 
     /// The build phases of the VM the pool would hand out next (empty if none).
@@ -167,14 +170,14 @@ impl<I: SnapshotImage> RestoreService<I> {
         let mut phases: Vec<(&'static str, Duration)> = self
             .pool
             .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
             .last()
             .map(|a| a.vm.build_phases().to_vec())
             .unwrap_or_default();
         if let Some(arm) = self
             .pool
             .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
             .last()
             .map(|a| a.armed_in)
         {
@@ -189,7 +192,11 @@ impl<I: SnapshotImage> RestoreService<I> {
     /// real-time priority over the running guests and the pool's refill.
     pub fn restore(&self) -> Result<ServiceRestore> {
         let t = Instant::now();
-        let pooled = self.pool.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let pooled = self
+            .pool
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .pop();
         match pooled {
             Some(armed) => self.restore_armed(armed),
             None => {
@@ -205,7 +212,12 @@ impl<I: SnapshotImage> RestoreService<I> {
 
     /// Drops every VM of the pool (their memory and descriptors go back).
     pub fn clear(&self) {
-        let pool = std::mem::take(&mut *self.pool.lock().unwrap_or_else(|e| e.into_inner()));
+        let pool = std::mem::take(
+            &mut *self
+                .pool
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        );
         drop(pool);
     }
 

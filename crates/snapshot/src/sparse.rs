@@ -9,6 +9,7 @@ use std::os::unix::fs::FileExt;
 use std::sync::OnceLock;
 
 use guestmem_memory::PAGE_SIZE;
+use guestmem_sys::to_usize;
 
 /// Reads `buf.len()` bytes of `file` at `at`, but only its data extents (`SEEK_DATA` /
 /// `SEEK_HOLE`, rounded out to whole pages), into `buf` at their offsets; returns the CRC-32 of
@@ -48,10 +49,12 @@ pub(crate) fn read_sparse(
         if hole < 0 {
             return Err(io::Error::last_os_error());
         }
-        let lo = ((data - at) / page * page) as usize;
-        let hi = ((hole as u64).min(end) - at)
-            .next_multiple_of(page)
-            .min(buf.len() as u64) as usize;
+        let lo = to_usize((data - at) / page * page);
+        let hi = to_usize(
+            ((hole as u64).min(end) - at)
+                .next_multiple_of(page)
+                .min(buf.len() as u64),
+        );
         match ranges.last_mut() {
             Some(last) if last.end >= lo => last.end = last.end.max(hi),
             _ => ranges.push(lo..hi),
@@ -76,7 +79,7 @@ pub(crate) fn zeros_hasher(len: u64) -> crc32fast::Hasher {
     static POWERS: OnceLock<Vec<crc32fast::Hasher>> = OnceLock::new();
     let powers = POWERS.get_or_init(|| {
         let mut page = crc32fast::Hasher::new();
-        page.update(&[0u8; PAGE_SIZE as usize]);
+        page.update(&[0u8; to_usize(PAGE_SIZE)]);
         let mut powers = vec![page];
         for _ in 1..40 {
             let mut next = powers.last().expect("one").clone();
@@ -95,7 +98,7 @@ pub(crate) fn zeros_hasher(len: u64) -> crc32fast::Hasher {
     let rest = (len % PAGE_SIZE) as usize;
     if rest > 0 {
         let mut tail = crc32fast::Hasher::new();
-        tail.update(&[0u8; PAGE_SIZE as usize][..rest]);
+        tail.update(&[0u8; to_usize(PAGE_SIZE)][..rest]);
         h.combine(&tail);
     }
     h
@@ -113,7 +116,7 @@ pub(crate) fn is_zero(bytes: &[u8]) -> bool {
 
 /// The runs of consecutive non-zero pages in `bytes`, as (offset, bytes).
 pub(crate) fn nonzero_page_runs(bytes: &[u8]) -> impl Iterator<Item = (usize, &[u8])> {
-    let page = PAGE_SIZE as usize;
+    let page = to_usize(PAGE_SIZE);
     let pages = bytes.len().div_ceil(page);
     let is_zero = move |p: usize| is_zero(&bytes[p * page..((p + 1) * page).min(bytes.len())]);
     let mut p = 0;
@@ -135,7 +138,7 @@ pub(crate) fn nonzero_page_runs(bytes: &[u8]) -> impl Iterator<Item = (usize, &[
 
 #[cfg(test)]
 mod tests {
-    use super::{nonzero_page_runs, read_sparse, zeros_hasher};
+    use super::{nonzero_page_runs, read_sparse, to_usize, zeros_hasher};
     use std::os::unix::fs::FileExt;
 
     #[test]
@@ -143,7 +146,7 @@ mod tests {
         for len in [0u64, 4096, 3 * 4096, 2 << 20, (2 << 20) + 4096 + 100] {
             assert_eq!(
                 zeros_hasher(len).finalize(),
-                crc32fast::hash(&vec![0u8; len as usize]),
+                crc32fast::hash(&vec![0u8; to_usize(len)]),
                 "{len} zero bytes"
             );
         }
@@ -167,14 +170,18 @@ mod tests {
         file.write_all_at(&[9u8; 4096], (2 << 20) + 4096 * 100)
             .unwrap();
         file.write_all_at(&[1u8; 10], len - 10).unwrap();
-        let mut plain = vec![0u8; len as usize];
+        let mut plain = vec![0u8; to_usize(len)];
         file.read_exact_at(&mut plain, 0).unwrap();
-        let mut sparse = vec![0u8; len as usize];
+        let mut sparse = vec![0u8; to_usize(len)];
         let (crc, ranges) = read_sparse(&file, 0, &mut sparse).unwrap();
         assert_eq!(crc, crc32fast::hash(&plain));
         assert_eq!(sparse, plain);
         assert!(
-            ranges.iter().map(|r| r.len()).sum::<usize>() < (1 << 20),
+            ranges
+                .iter()
+                .map(std::iter::ExactSizeIterator::len)
+                .sum::<usize>()
+                < (1 << 20),
             "holes are not read: {ranges:?}"
         );
         // From an offset inside a hole, to the end of the file (a hole).

@@ -16,6 +16,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use guestmem_memory::{GuestMemory, PageBuf, PAGE_SIZE};
+use guestmem_sys::to_usize;
 use guestmem_tracking::DirtyBitmap;
 use guestmem_vm::{Vm, VmConfig};
 use serde::Serialize;
@@ -211,8 +212,7 @@ pub(super) fn staging_dir(dir: &Path) -> Result<PathBuf> {
     std::fs::create_dir_all(&parent).map_err(Error::io(&parent, "create directory"))?;
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.subsec_nanos())
-        .unwrap_or(0);
+        .map_or(0, |d| d.subsec_nanos());
     Ok(parent.join(format!(
         ".{}.guestmem-new-{}-{nanos:x}",
         name.to_string_lossy(),
@@ -296,19 +296,19 @@ fn write_files(
         chunks: 0,
     };
     let mut regions = Vec::new();
-    let mut buf = PageBuf::zeroed(CHUNK_BYTES as usize);
+    let mut buf = PageBuf::zeroed(to_usize(CHUNK_BYTES));
     for region in memory.regions() {
         let which = RegionFile::for_region(region.spec());
         let (file, path, end) = &mut files[which as usize];
         let file_offset = *end;
         let mut chunks = Vec::new();
-        for offset in (0..region.size()).step_by(CHUNK_BYTES as usize) {
-            let len = CHUNK_BYTES.min(region.size() - offset) as usize;
+        for offset in (0..region.size()).step_by(to_usize(CHUNK_BYTES)) {
+            let len = to_usize(CHUNK_BYTES.min(region.size() - offset));
             if let Some((_, dirty)) = &diff {
                 let (first, last) = (region.gpa() + offset, region.gpa() + offset + len as u64);
                 let written = dirty.iter().any(|d| {
                     (first..last)
-                        .step_by(PAGE_SIZE as usize)
+                        .step_by(to_usize(PAGE_SIZE))
                         .any(|gpa| d.contains(gpa))
                 });
                 if !written {
@@ -329,7 +329,7 @@ fn write_files(
                     .map_err(Error::io(path, "write"))?;
                 report.data_bytes += run.len() as u64;
             }
-            report.zero_chunks += zero as u64;
+            report.zero_chunks += u64::from(zero);
             chunks.push(Chunk {
                 crc32: crc32fast::hash(bytes),
                 zero,

@@ -3,9 +3,6 @@
 //! each image, and how much of a second image is already stored by the first (dedup across
 //! snapshots). `cargo run --release -p guestmem-store --example chunk_size -- A.raw.zst B.raw.zst`
 
-// The workspace lint pass for this crate follows the restore-engine change.
-#![allow(clippy::map_unwrap_or)]
-
 use std::collections::HashSet;
 use std::io::Read;
 use std::time::Instant;
@@ -52,14 +49,14 @@ fn main() {
         .and_then(|l| l.parse().ok())
         .unwrap_or(1);
     println!("zstd level {level}; {} and {}", args[0], args[1]);
-    let sizes: Vec<usize> = std::env::var("SIZES_KIB")
-        .ok()
-        .map(|s| {
+    let sizes: Vec<usize> = std::env::var("SIZES_KIB").ok().map_or_else(
+        || vec![64 << 10, 256 << 10, 1 << 20, 2 << 20],
+        |s| {
             s.split(',')
                 .map(|k| k.parse::<usize>().expect("KiB") << 10)
                 .collect()
-        })
-        .unwrap_or_else(|| vec![64 << 10, 256 << 10, 1 << 20, 2 << 20]);
+        },
+    );
     for size in sizes {
         let t = Instant::now();
         let ca = chunks(&a, size, level);

@@ -6,13 +6,11 @@
 //! decompresses faster but stores more.
 //! `cargo run --release -p guestmem-store --example restore_floor -- IMAGE.raw.zst`
 
-// The workspace lint pass for this crate follows the restore-engine change.
-#![allow(clippy::cast_possible_truncation)]
-
 use std::io::Read;
 use std::time::Instant;
 
 use guestmem_store::chunk::{CHUNK_BYTES, ZSTD_LEVEL};
+use guestmem_sys::to_usize;
 
 fn load(path: &str) -> Vec<u8> {
     let f = std::fs::File::open(path).expect("open image");
@@ -27,7 +25,7 @@ fn main() {
         .nth(1)
         .expect("usage: restore_floor IMAGE.raw.zst");
     let image = load(&path);
-    let size = CHUNK_BYTES as usize;
+    let size = to_usize(CHUNK_BYTES);
     let chunks: Vec<&[u8]> = image
         .chunks(size)
         .filter(|c| c.iter().any(|&b| b != 0))

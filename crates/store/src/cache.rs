@@ -27,6 +27,7 @@ pub const DEFAULT_LIMIT: u64 = 8 << 30;
 
 /// The host's cache of checked chunks, decompressed, each with a CRC-32, bounded in bytes
 /// (least recently used out first).
+#[derive(Debug)]
 pub struct ChunkCache {
     dir: PathBuf,
     limit: u64,
@@ -204,7 +205,7 @@ mod tests {
         let cache = ChunkCache::open(&dir, 10_100).unwrap();
         let hashes: Vec<Hash> = (0..5u8).map(|i| chunk::hash(&[i])).collect();
         for (i, h) in hashes.iter().enumerate() {
-            cache.put(h, &[i as u8; 3000]).unwrap();
+            cache.put(h, &[u8::try_from(i).unwrap(); 3000]).unwrap();
             // Distinct use times, oldest first.
             let t = SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1000 + i as u64);
             std::fs::File::options()
@@ -230,6 +231,7 @@ mod tests {
 
     /// A damaged entry (one byte flipped, or cut short) is not served.
     #[test]
+    #[allow(clippy::cast_possible_truncation)] // a byte pattern: wraps on purpose.
     fn refuses_a_damaged_or_truncated_entry() {
         let dir = std::env::temp_dir().join(format!("guestmem-cache-crc-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);

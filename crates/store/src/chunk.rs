@@ -161,10 +161,11 @@ pub fn encode(compressor: &mut zstd::bulk::Compressor<'_>, bytes: &[u8]) -> Vec<
 #[cfg(test)]
 mod tests {
     use super::*;
+    use guestmem_sys::to_usize;
 
     #[test]
     fn round_trip_and_refusals() {
-        let mut data = vec![0u8; CHUNK_BYTES as usize];
+        let mut data = vec![0u8; to_usize(CHUNK_BYTES)];
         data[5000] = 7;
         let h = hash(&data);
         assert_eq!(hash_of_key(&key(&h)), Some(h));

@@ -33,6 +33,15 @@ pub struct Lease<'a> {
     key: String,
 }
 
+// By hand: a back end need not implement `Debug`.
+impl std::fmt::Debug for Lease<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lease")
+            .field("key", &self.key)
+            .finish_non_exhaustive()
+    }
+}
+
 fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .unwrap_or_default()
@@ -43,8 +52,7 @@ fn hostname() -> String {
 fn lease_key(kind: &str) -> String {
     let nanos = SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
+        .map_or(0, |d| d.as_nanos());
     format!(
         "leases/{kind}-{}-{}-{nanos}",
         hostname(),

@@ -24,15 +24,6 @@
 //! complete. Reading checks the manifest as a whole before anything else, and every chunk's
 //! hash before any of its bytes reach guest memory.
 
-// The workspace lint pass for this crate follows the restore-engine change.
-#![allow(
-    missing_debug_implementations,
-    clippy::cast_possible_truncation,
-    clippy::map_unwrap_or,
-    clippy::redundant_closure_for_method_calls,
-    clippy::borrow_as_ptr
-)]
-
 pub mod backend;
 pub mod cache;
 pub mod chunk;

@@ -12,6 +12,7 @@ use guestmem_contract::component::{Components, Machine};
 use guestmem_memory::GuestMemory;
 use guestmem_snapshot::live::{capture, ChunkSource, LiveOptions, LiveReport, LiveSink};
 use guestmem_snapshot::SavedState;
+use guestmem_sys::to_usize;
 use guestmem_tracking::{DirtyBitmap, Tracker};
 
 use crate::backend::Backend;
@@ -25,6 +26,7 @@ use crate::write::{
 use crate::{Error, Result};
 
 /// What [`write_machine_live`] did.
+#[derive(Debug)]
 pub struct StoreLiveWrite {
     /// The snapshot as written; its counts of new chunks and bytes cover every round (a chunk
     /// stored again counts again).
@@ -74,7 +76,7 @@ impl LiveSink for StoreSink<'_> {
                     region,
                     index,
                     gpa: r.gpa() + offset,
-                    len: CHUNK_BYTES.min(r.size() - offset) as usize,
+                    len: to_usize(CHUNK_BYTES.min(r.size() - offset)),
                 }
             })
             .collect();
@@ -149,7 +151,7 @@ pub fn write_machine_live<M: Machine + ?Sized>(
             .memory()
             .regions()
             .iter()
-            .map(|r| vec![None; r.size().div_ceil(CHUNK_BYTES) as usize])
+            .map(|r| vec![None; to_usize(r.size().div_ceil(CHUNK_BYTES))])
             .collect(),
         counts: Counts::default(),
         failed: None,

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use crate::backend::{Backend, ObjectInfo};
 use crate::{Error, Result};
+use guestmem_sys::to_usize;
 
 /// A store in a local directory: each object a file under it, put by writing a temporary file
 /// beside it, syncing it and renaming it into place (atomic on every local file system).
@@ -179,7 +180,7 @@ impl Backend for LocalBackend {
             }
             Err(e) => return Err(self.err(key, "open")(e)),
         };
-        let mut buf = vec![0u8; len as usize];
+        let mut buf = vec![0u8; to_usize(len)];
         let mut done = 0;
         while done < buf.len() {
             match file.read_at(&mut buf[done..], start + done as u64) {

@@ -147,7 +147,8 @@ impl PackTable {
         let at = match chunk.loc {
             Loc::Object => None,
             Loc::Pack { id, offset } => {
-                let next = self.ids.len() as u32;
+                let next =
+                    u32::try_from(self.ids.len()).expect("fewer than 2^32 packs in a manifest");
                 let pack = *self.index.entry(id).or_insert_with(|| next);
                 if pack == next {
                     self.ids.push(chunk::hex(&id));
@@ -297,10 +298,7 @@ impl StoreManifest {
             return Err(Error::Foreign {
                 store: store.to_string(),
                 key: key.to_string(),
-                found: head
-                    .format
-                    .map(|f| f.to_string())
-                    .unwrap_or_else(|| "none".into()),
+                found: head.format.map_or_else(|| "none".into(), |f| f.to_string()),
             });
         }
         let version = head.version.and_then(|v| v.as_u64()).unwrap_or(0);
@@ -511,6 +509,7 @@ pub fn resolve(backend: &dyn Backend, manifest: &StoreManifest) -> Result<Resolv
 mod tests {
     use super::*;
     use guestmem_memory::Backend as MemBackend;
+    use guestmem_sys::to_usize;
     use guestmem_vm::layout;
 
     pub(crate) fn manifest(name: &str) -> StoreManifest {
@@ -529,7 +528,7 @@ mod tests {
                         MemBackend::Anon,
                     ),
                     digest: None,
-                    chunks: vec![ChunkRef::Zero; layout::SYS_SIZE.div_ceil(cb) as usize],
+                    chunks: vec![ChunkRef::Zero; to_usize(layout::SYS_SIZE.div_ceil(cb))],
                 },
                 StoreRegion {
                     spec: config.regions[0].clone(),

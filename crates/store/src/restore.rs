@@ -14,6 +14,7 @@ use guestmem_paging::{PageSource, PagerConfig};
 use guestmem_snapshot::{
     RestoreMode, Result as SnapshotResult, SavedState, SnapshotImage, WorkingSetRegion,
 };
+use guestmem_sys::to_usize;
 use guestmem_vm::VmConfig;
 use serde::{Deserialize, Serialize};
 
@@ -28,6 +29,7 @@ const RUN_CHUNKS: usize = 16;
 use crate::{Error, Result};
 
 /// A store snapshot whose manifest (and base chain) and state have been read and checked.
+#[derive(Debug)]
 pub struct StoreSnapshot {
     /// Its manifest.
     pub manifest: StoreManifest,
@@ -151,7 +153,7 @@ impl StoreSnapshot {
         parallel(runs, threads, |run| {
             let mut bufs: Vec<Vec<u8>> = run
                 .iter()
-                .map(|&(i, _)| vec![0u8; region.chunk_len(cb, i) as usize])
+                .map(|&(i, _)| vec![0u8; to_usize(region.chunk_len(cb, i))])
                 .collect();
             let wants = run
                 .iter()
@@ -194,9 +196,9 @@ impl StoreSnapshot {
         let batch = 16;
         let batches: Vec<&[(usize, Option<Hash>)]> = jobs.chunks(batch).collect();
         parallel(batches, threads, |batch| {
-            let mut buf = vec![0u8; cb as usize];
+            let mut buf = vec![0u8; to_usize(cb)];
             for &(i, hash) in batch {
-                let len = region.chunk_len(cb, i) as usize;
+                let len = to_usize(region.chunk_len(cb, i));
                 let bytes = &mut buf[..len];
                 memory.read(region.spec.gpa + i as u64 * cb, bytes)?;
                 let right = match hash {
@@ -233,7 +235,7 @@ impl StoreSnapshot {
         let mut out: Vec<(u64, Vec<u8>)> = chunks
             .iter()
             .map(|&(i, _)| {
-                let len = region.chunk_len(cb, i) as usize;
+                let len = to_usize(region.chunk_len(cb, i));
                 (i as u64 * cb, vec![0u8; len])
             })
             .collect();
@@ -256,7 +258,7 @@ impl StoreSnapshot {
     }
 
     fn threads(&self) -> usize {
-        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        let cores = std::thread::available_parallelism().map_or(2, std::num::NonZero::get);
         if self.backend().remote() {
             cores.max(8)
         } else {
@@ -360,7 +362,7 @@ impl StoreWorkingSet {
 
 /// The runs of non-zero pages of `buf` (fresh guest memory reads as zeros already).
 fn non_zero_runs(buf: &[u8]) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
-    let page = PAGE_SIZE as usize;
+    let page = to_usize(PAGE_SIZE);
     let len = buf.len();
     let zero = move |p: usize| crate::chunk::is_zero(&buf[p..(p + page).min(len)]);
     let mut p = 0;

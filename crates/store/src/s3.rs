@@ -15,6 +15,7 @@ use crate::backend::{Backend, ObjectInfo};
 use crate::{Error, Result};
 
 /// A store in an S3 bucket, under a key prefix.
+#[derive(Debug)]
 pub struct S3Backend {
     bucket: String,
     prefix: String,

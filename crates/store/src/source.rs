@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use guestmem_paging::PageSource;
+use guestmem_sys::to_usize;
 use serde::Serialize;
 
 use crate::backend::Backend;
@@ -40,6 +41,7 @@ pub struct FetchStats {
 
 /// One chunk a restore wants: where it is stored, where its bytes go (exactly the chunk's
 /// length), and how errors name it (snapshot, region, chunk).
+#[derive(Debug)]
 pub struct Want<'a> {
     /// The chunk.
     pub chunk: Stored,
@@ -111,7 +113,7 @@ impl CacheWriter {
                     // needs no privilege. Best effort.
                     unsafe {
                         let param = libc::sched_param { sched_priority: 0 };
-                        libc::sched_setscheduler(0, libc::SCHED_IDLE, &param)
+                        libc::sched_setscheduler(0, libc::SCHED_IDLE, &raw const param)
                     };
                     for (hash, chunk) in rx {
                         if let Err(e) = cache.put(&hash, &chunk) {
@@ -163,6 +165,18 @@ pub struct Fetcher {
     store_gets: AtomicU64,
     store_bytes: AtomicU64,
     cache_hits: AtomicU64,
+}
+
+// By hand: a back end need not implement `Debug`.
+impl std::fmt::Debug for Fetcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Fetcher")
+            .field("cached", &self.cache.is_some())
+            .field("store_gets", &self.store_gets)
+            .field("store_bytes", &self.store_bytes)
+            .field("cache_hits", &self.cache_hits)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Fetcher {
@@ -266,8 +280,8 @@ impl Fetcher {
         for (read, got) in reads.into_iter().zip(&bytes) {
             let got = got.get().expect("read");
             for w in read.wants {
-                let from = (w.chunk.offset() - read.start) as usize;
-                chunks.push((&got[from..from + w.chunk.stored as usize], w));
+                let from = to_usize(w.chunk.offset() - read.start);
+                chunks.push((&got[from..from + to_usize(w.chunk.stored)], w));
             }
         }
         parallel(chunks, threads, |(stored, w)| {
@@ -366,6 +380,7 @@ pub(crate) fn parallel<T: Send>(
 
 /// One region of a store snapshot, for a pager: each chunk fetched (several at once when a
 /// fetch spans several), checked and decompressed into the pager's buffer.
+#[derive(Debug)]
 pub struct StoreSource {
     fetcher: Arc<Fetcher>,
     /// Per chunk: `None` for zeros, else where it is stored.
@@ -409,9 +424,9 @@ impl StoreSource {
         let mut rest = buf;
         let mut at = offset;
         while at < end {
-            let index = (at / cb) as usize;
+            let index = to_usize(at / cb);
             let piece_end = ((index as u64 + 1) * cb).min(self.size).min(end);
-            let (piece, tail) = rest.split_at_mut((piece_end - at) as usize);
+            let (piece, tail) = rest.split_at_mut(to_usize(piece_end - at));
             match self.chunks[index] {
                 None => piece.fill(0),
                 Some(c) => pieces.push((index, at, piece, c)),
@@ -431,12 +446,12 @@ impl StoreSource {
                     what: self.what(index as u64),
                 });
             } else {
-                partial.push(((at - start) as usize, piece, chunk, index as u64));
+                partial.push((to_usize(at - start), piece, chunk, index as u64));
             }
         }
         let mut wholes: Vec<Vec<u8>> = partial
             .iter()
-            .map(|&(_, _, _, i)| vec![0u8; cb.min(self.size - i * cb) as usize])
+            .map(|&(_, _, _, i)| vec![0u8; to_usize(cb.min(self.size - i * cb))])
             .collect();
         wants.extend(
             partial
@@ -502,13 +517,13 @@ impl PageSource for StoreSource {
             let last = ((end - 1) / cb).min(first + WINDOW_CHUNKS as u64 - 1);
             let window_end = ((last + 1) * cb).min(self.size).min(end);
             let mut chunks: Vec<Vec<u8>> = (first..=last)
-                .map(|i| vec![0u8; cb.min(self.size - i * cb) as usize])
+                .map(|i| vec![0u8; to_usize(cb.min(self.size - i * cb))])
                 .collect();
             let wants: Vec<Want<'_>> = (first..=last)
                 .zip(chunks.iter_mut())
                 .filter_map(|(i, out)| {
                     Some(Want {
-                        chunk: self.chunks[i as usize]?,
+                        chunk: self.chunks[to_usize(i)]?,
                         out,
                         what: self.what(i),
                     })
@@ -517,11 +532,11 @@ impl PageSource for StoreSource {
             self.fetcher.fetch(wants, IN_FLIGHT).map_err(io_error)?;
             while at < window_end {
                 let i = at / cb;
-                let chunk = &chunks[(i - first) as usize];
-                let from = (at - i * cb) as usize;
+                let chunk = &chunks[to_usize(i - first)];
+                let from = to_usize(at - i * cb);
                 let n = (chunk.len() - from)
                     .min(max_piece)
-                    .min((window_end - at) as usize);
+                    .min(to_usize(window_end - at));
                 if !sink(at, &chunk[from..from + n]) {
                     return Ok(());
                 }
@@ -549,7 +564,7 @@ impl PageSource for StoreSource {
         let end = (offset + len).min(self.size);
         end > offset
             && (offset / self.chunk_bytes..=(end - 1) / self.chunk_bytes)
-                .all(|c| self.chunks[c as usize].is_none())
+                .all(|c| self.chunks[to_usize(c)].is_none())
     }
 }
 

@@ -17,6 +17,7 @@ use std::time::Instant;
 use guestmem_contract::component::{ComponentState, Machine};
 use guestmem_memory::{GuestMemory, PAGE_SIZE};
 use guestmem_snapshot::SavedState;
+use guestmem_sys::to_usize;
 use guestmem_tracking::DirtyBitmap;
 use guestmem_vm::{Vm, VmConfig};
 use serde::Serialize;
@@ -67,7 +68,7 @@ pub struct StoreWriteReport {
 /// How many threads compress and put chunks: every core for a local store; more for a remote
 /// one, whose puts mostly wait on the network.
 pub(crate) fn threads(backend: &dyn Backend) -> usize {
-    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let cores = std::thread::available_parallelism().map_or(2, std::num::NonZero::get);
     if backend.remote() {
         cores.max(8)
     } else {
@@ -147,16 +148,16 @@ fn write_state(
     let mut jobs = Vec::new();
     let mut entries: Vec<Vec<Option<ChunkRef>>> = Vec::new();
     for (ri, region) in memory.regions().iter().enumerate() {
-        let n = region.size().div_ceil(CHUNK_BYTES) as usize;
+        let n = to_usize(region.size().div_ceil(CHUNK_BYTES));
         let mut e = vec![None; n];
         for (index, slot) in e.iter_mut().enumerate() {
             let offset = index as u64 * CHUNK_BYTES;
-            let len = CHUNK_BYTES.min(region.size() - offset) as usize;
+            let len = to_usize(CHUNK_BYTES.min(region.size() - offset));
             let gpa = region.gpa() + offset;
             if let Some(dirty) = dirty {
                 let written = dirty.iter().any(|d| {
                     (gpa..gpa + len as u64)
-                        .step_by(PAGE_SIZE as usize)
+                        .step_by(to_usize(PAGE_SIZE))
                         .any(|p| d.contains(p))
                 });
                 if !written {
@@ -295,7 +296,7 @@ pub(crate) fn store_jobs(
                 let mut copied = vec![
                     0u8;
                     if copy.is_some() {
-                        CHUNK_BYTES as usize
+                        to_usize(CHUNK_BYTES)
                     } else {
                         0
                     }
