@@ -412,8 +412,7 @@ fn a_failed_live_snapshot_leaves_the_guest_running_and_the_previous_snapshot() {
         None,
         &LiveOptions::default(),
     )
-    .err()
-    .expect("the disk is full");
+    .expect_err("the disk is full");
     let e = guestmem_migration::error_chain(&e, ": ");
     assert!(e.contains("No space left on device"), "{e}");
     assert_running(&mut machine);
@@ -426,8 +425,7 @@ fn a_failed_live_snapshot_leaves_the_guest_running_and_the_previous_snapshot() {
         None,
         &LiveOptions::default(),
     )
-    .err()
-    .expect("the store refuses")
+    .expect_err("the store refuses")
     .to_string();
     assert!(e.contains("refused by the test"), "{e}");
     assert_running(&mut machine);

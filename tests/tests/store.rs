@@ -551,9 +551,7 @@ fn refusals(backend: Arc<dyn Backend>) {
     b.put(&skey, foreign).unwrap();
     b.put(&manifest_key("vm"), &serde_json::to_vec_pretty(&m).unwrap())
         .unwrap();
-    let e = StoreSnapshot::open(backend.clone(), "vm", None)
-        .err()
-        .expect("refused");
+    let e = StoreSnapshot::open(backend.clone(), "vm", None).expect_err("refused");
     let text = chain(&e);
     assert!(
         matches!(e, Error::Json { .. }) && text.contains(&skey) && text.contains("unknown field"),
@@ -565,21 +563,18 @@ fn refusals(backend: Arc<dyn Backend>) {
     let manifest = b.get(&mkey).unwrap();
     b.put(&mkey, &manifest[..manifest.len() / 2]).unwrap();
     let e = StoreSnapshot::open(backend.clone(), "vm", None)
-        .err()
-        .expect("refused")
+        .expect_err("refused")
         .to_string();
     assert!(e.contains(&mkey) && e.contains("truncated"), "{e}");
     b.put(&mkey, br#"{"format":"something-else","version":1}"#)
         .unwrap();
     let e = StoreSnapshot::open(backend.clone(), "vm", None)
-        .err()
-        .expect("refused")
+        .expect_err("refused")
         .to_string();
     assert!(e.contains("not a guestmem store snapshot"), "{e}");
     // A missing snapshot (or one whose write never finished: no manifest).
     let e = StoreSnapshot::open(backend.clone(), "nothing", None)
-        .err()
-        .expect("refused")
+        .expect_err("refused")
         .to_string();
     assert!(e.contains("no snapshot 'nothing'"), "{e}");
 }
@@ -719,8 +714,7 @@ fn chain(e: &Error) -> String {
 fn assert_no_snapshot(backend: Arc<dyn Backend>, name: &str) {
     assert!(!backend.exists(&manifest_key(name)).unwrap());
     let e = StoreSnapshot::open(backend, name, None)
-        .err()
-        .expect("no snapshot")
+        .expect_err("no snapshot")
         .to_string();
     assert!(
         e.contains(&format!("no snapshot '{name}'")) && e.contains("did not finish"),
