@@ -18,11 +18,11 @@ use guestmem_memory::Backend as MemBackend;
 use guestmem_paging::{PagerConfig, Share, SharedImage};
 use guestmem_snapshot::service::RestoreService;
 use guestmem_snapshot::{self as snapshot, PreparedVm, RestoreMode, Snapshot};
-use guestmem_store::backend::Backend;
-use guestmem_store::local::LocalBackend;
+use guestmem_store::local::LocalObjectStore;
 use guestmem_store::manifest::StoreManifest;
 use guestmem_store::restore::StoreSnapshot;
 use guestmem_store::write::write;
+use guestmem_store::ObjectStore;
 use guestmem_vm::{Vm, VmConfig};
 
 const RAM: u64 = 32 << 20;
@@ -148,7 +148,7 @@ fn two_clones_of_a_snapshot_share_one_copy_and_keep_their_own_writes() {
 )]
 fn two_clones_of_a_store_snapshot_share_one_copy_and_keep_their_own_writes() {
     let tmp = TempDir::new("clones-store");
-    let backend: Arc<dyn Backend> = Arc::new(LocalBackend::new(&tmp.0));
+    let backend: Arc<dyn ObjectStore> = Arc::new(LocalObjectStore::new(&tmp.0));
     let mut vm = Vm::new(&VmConfig::simple(2, RAM, MemBackend::Anon)).unwrap();
     let running = vm.start(&dirty_work(2, RAM)).unwrap();
     wait_for_generation(&running, 2);
@@ -203,7 +203,7 @@ fn a_damaged_chunk_is_refused_by_every_clone() {
 
     // A store chunk damaged in its pack.
     let tmp = TempDir::new("clones-bad-store");
-    let backend: Arc<dyn Backend> = Arc::new(LocalBackend::new(&tmp.0));
+    let backend: Arc<dyn ObjectStore> = Arc::new(LocalObjectStore::new(&tmp.0));
     let mut vm = Vm::new(&VmConfig::simple(2, RAM, MemBackend::Anon)).unwrap();
     let running = vm.start(&dirty_work(2, RAM)).unwrap();
     wait_for_generation(&running, 2);
@@ -289,8 +289,8 @@ fn clones_racing_to_publish_the_same_chunks_all_read_the_snapshots_bytes() {
 
 /// A snapshot written to a fresh local store in `tmp` from a guest that ran a while: the
 /// backend, the guest's progress and its RAM at the snapshot.
-fn store_snapshot(tmp: &TempDir, ram: u64) -> (Arc<dyn Backend>, Vec<u64>, Vec<u8>) {
-    let backend: Arc<dyn Backend> = Arc::new(LocalBackend::new(&tmp.0));
+fn store_snapshot(tmp: &TempDir, ram: u64) -> (Arc<dyn ObjectStore>, Vec<u64>, Vec<u8>) {
+    let backend: Arc<dyn ObjectStore> = Arc::new(LocalObjectStore::new(&tmp.0));
     let mut vm = Vm::new(&VmConfig::simple(2, ram, MemBackend::Anon)).unwrap();
     let running = vm.start(&dirty_work(2, ram)).unwrap();
     wait_for_generation(&running, 2);

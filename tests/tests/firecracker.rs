@@ -857,7 +857,7 @@ fn a_range_the_peer_unmapped_ends_serving_without_a_kill() {
 /// snapshot (its sys region and state), the server brings the RAM through the store's page
 /// source (each chunk checked against its hash): memory ends equal to the snapshot's and the
 /// guest goes on.
-fn serve_from_store(backend: std::sync::Arc<dyn guestmem_store::Backend>, tag: &str) {
+fn serve_from_store(backend: std::sync::Arc<dyn guestmem_store::ObjectStore>, tag: &str) {
     use guestmem_store::restore::StoreSnapshot;
     let dir = TempDir::new(&format!("store-server-{tag}"));
     let config = VmConfig::simple(2, SIZE, Backend::Anon);
@@ -970,7 +970,7 @@ fn serve_from_store(backend: std::sync::Arc<dyn guestmem_store::Backend>, tag: &
 fn a_local_store_snapshot_is_served_over_the_handshake() {
     let tmp = TempDir::new("store-server-local");
     serve_from_store(
-        std::sync::Arc::new(guestmem_store::local::LocalBackend::new(
+        std::sync::Arc::new(guestmem_store::local::LocalObjectStore::new(
             &tmp.0.join("store"),
         )),
         "local",
@@ -992,7 +992,7 @@ fn a_minio_store_snapshot_is_served_over_the_handshake() {
     };
     serve_from_store(
         std::sync::Arc::new(
-            guestmem_store::s3::S3Backend::new(&m.bucket, "fleet", &config).unwrap(),
+            guestmem_store::s3::S3ObjectStore::new(&m.bucket, "fleet", &config).unwrap(),
         ),
         "minio",
     );

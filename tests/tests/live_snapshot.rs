@@ -18,9 +18,9 @@ use guestmem_memory::{Backend as MemBackend, GuestMemory};
 use guestmem_paging::PagerConfig;
 use guestmem_snapshot::live::{write_machine_live, LiveBase, LiveOptions, LiveReport};
 use guestmem_snapshot::{self as snapshot, RestoreMode, Snapshot};
-use guestmem_store::backend::{Backend, ObjectInfo};
-use guestmem_store::local::LocalBackend;
+use guestmem_store::local::LocalObjectStore;
 use guestmem_store::restore::StoreSnapshot;
+use guestmem_store::{ObjectInfo, ObjectStore};
 use guestmem_vm::{layout, VcpuWork, Vm, VmConfig, Workload};
 
 const SIZE: u64 = 32 << 20;
@@ -251,7 +251,7 @@ fn a_guest_memfd_region_is_stored_during_the_pause() {
 }
 
 /// Store snapshot `name`: full and lazy restores hold the memory digested at the pause.
-fn check_store(backend: &Arc<dyn Backend>, name: &str, work: &[VcpuWork], tmp: &TempDir) {
+fn check_store(backend: &Arc<dyn ObjectStore>, name: &str, work: &[VcpuWork], tmp: &TempDir) {
     let cache = guestmem_store::cache::ChunkCache::open(&tmp.0.join("cache"), 1 << 30).unwrap();
     let snap = StoreSnapshot::open(backend.clone(), name, Some(cache)).unwrap();
     let (want, pages) = parse_saved(&snap.components[0].data, 2);
@@ -281,7 +281,7 @@ fn check_store(backend: &Arc<dyn Backend>, name: &str, work: &[VcpuWork], tmp: &
 )]
 fn live_store_snapshot_and_diff_are_the_memory_at_their_pause() {
     let tmp = TempDir::new("live-store");
-    let backend: Arc<dyn Backend> = Arc::new(LocalBackend::new(&tmp.0.join("store")));
+    let backend: Arc<dyn ObjectStore> = Arc::new(LocalObjectStore::new(&tmp.0.join("store")));
     let mut vm = Vm::new(&VmConfig::simple(2, SIZE, MemBackend::Anon)).unwrap();
     fill_second_half(&vm);
     let work = half_work(2);
@@ -338,11 +338,11 @@ fn live_store_snapshot_and_diff_are_the_memory_at_their_pause() {
 
 /// A local store that refuses chunk puts once armed.
 struct Refusing {
-    inner: LocalBackend,
+    inner: LocalObjectStore,
     armed: Mutex<bool>,
 }
 
-impl Backend for Refusing {
+impl ObjectStore for Refusing {
     fn describe(&self) -> String {
         self.inner.describe()
     }
@@ -389,7 +389,7 @@ fn a_failed_live_snapshot_leaves_the_guest_running_and_the_previous_snapshot() {
     let dir = small.join("snap");
     let store_dir = TempDir::new("live-refused");
     let store = Refusing {
-        inner: LocalBackend::new(&store_dir.0.join("store")),
+        inner: LocalObjectStore::new(&store_dir.0.join("store")),
         armed: Mutex::new(false),
     };
 
@@ -458,7 +458,7 @@ fn a_failed_live_snapshot_leaves_the_guest_running_and_the_previous_snapshot() {
             .checksum,
         first_store.checksum
     );
-    let store: Arc<dyn Backend> = Arc::new(store.inner);
+    let store: Arc<dyn ObjectStore> = Arc::new(store.inner);
     let snap = StoreSnapshot::open(store, "snap", None).unwrap();
     let restored = snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Full)
         .map(|r| r.vm)

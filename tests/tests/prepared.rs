@@ -17,7 +17,7 @@ use guestmem_memory::Backend;
 use guestmem_paging::PagerConfig;
 use guestmem_snapshot::Error;
 use guestmem_snapshot::{self as snapshot, PreparedVm, RestoreMode, Snapshot};
-use guestmem_store::local::LocalBackend;
+use guestmem_store::local::LocalObjectStore;
 use guestmem_store::restore::StoreSnapshot;
 use guestmem_vm::VmConfig;
 
@@ -83,8 +83,8 @@ fn a_prepared_vm_restores_from_a_store() {
     let at_snapshot = snapshot_running_vm(&config, SIZE, &flat);
     let flat_snap = Snapshot::open(&flat).unwrap();
     // The same guest into a local store: restored from there into prepared VMs.
-    let backend: Arc<dyn guestmem_store::Backend> =
-        Arc::new(LocalBackend::new(&tmp.0.join("store")));
+    let backend: Arc<dyn guestmem_store::ObjectStore> =
+        Arc::new(LocalObjectStore::new(&tmp.0.join("store")));
     {
         let vm = snapshot::restore(&flat_snap, &mut VmBuilder, RestoreMode::Full)
             .map(|r| r.vm)
@@ -177,8 +177,8 @@ fn a_snapshot_of_another_layout_is_refused_naming_the_difference() {
     }
 
     // The same from a store: refused before any chunk is fetched.
-    let backend: Arc<dyn guestmem_store::Backend> =
-        Arc::new(LocalBackend::new(&tmp.0.join("store")));
+    let backend: Arc<dyn guestmem_store::ObjectStore> =
+        Arc::new(LocalObjectStore::new(&tmp.0.join("store")));
     {
         let vm = snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Full)
             .map(|r| r.vm)

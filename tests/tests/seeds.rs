@@ -17,12 +17,12 @@ use guestmem_contract::VmBuilder;
 use guestmem_memory::{populate, Backend, Method, PopulateFrom, PAGE_SIZE};
 use guestmem_paging::PagerConfig;
 use guestmem_snapshot::{self as snapshot, RestoreMode, Snapshot};
-use guestmem_store::backend::Backend as StoreBackend;
 use guestmem_store::chunk as store_chunk;
-use guestmem_store::local::LocalBackend;
+use guestmem_store::local::LocalObjectStore;
 use guestmem_store::manifest::StoreManifest;
 use guestmem_store::restore::StoreSnapshot;
 use guestmem_store::write::write as store_write;
+use guestmem_store::ObjectStore;
 use guestmem_vm::layout::RAM_GPA;
 use guestmem_vm::{Vm, VmConfig};
 
@@ -257,12 +257,12 @@ fn gmem_postcopy_through_kvm_userfault() {
 /// A 2-vCPU guest_memfd VM running `dirty` over SIZE bytes, paused after two passes, written
 /// to a local store in `dir` as snapshot "gmem": the store, the pages done per vCPU, and the
 /// digest of each region at the snapshot.
-fn gmem_store_snapshot(dir: &TempDir) -> (Arc<dyn StoreBackend>, Vec<u64>, Vec<u64>, Vm) {
+fn gmem_store_snapshot(dir: &TempDir) -> (Arc<dyn ObjectStore>, Vec<u64>, Vec<u64>, Vm) {
     let mut vm = Vm::new(&VmConfig::simple(2, SIZE, Backend::GuestMemfd)).unwrap();
     let running = vm.start(&dirty_work(2, SIZE)).unwrap();
     common::wait_for_generation(&running, 2);
     running.pause().unwrap();
-    let backend: Arc<dyn StoreBackend> = Arc::new(LocalBackend::new(&dir.0.join("store")));
+    let backend: Arc<dyn ObjectStore> = Arc::new(LocalObjectStore::new(&dir.0.join("store")));
     store_write(&*backend, "gmem", &vm, None).unwrap();
     let digests = region_digests(vm.memory());
     (backend, vm.pages_done(), digests, vm)

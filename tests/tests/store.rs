@@ -18,16 +18,16 @@ use guestmem_contract::VmBuilder;
 use guestmem_memory::Backend as MemBackend;
 use guestmem_paging::{PageSource, PagerConfig};
 use guestmem_snapshot::{self as snapshot, RestoreMode};
-use guestmem_store::backend::Backend;
 use guestmem_store::chunk;
 use guestmem_store::gc;
-use guestmem_store::local::LocalBackend;
+use guestmem_store::local::LocalObjectStore;
 use guestmem_store::manifest::{manifest_key, ChunkRef, StoreManifest};
 use guestmem_store::restore::StoreSnapshot;
-use guestmem_store::s3::{S3Backend, S3Config};
+use guestmem_store::s3::{S3Config, S3ObjectStore};
 use guestmem_store::source::StoreSource;
 use guestmem_store::write::write;
 use guestmem_store::Error;
+use guestmem_store::ObjectStore;
 use guestmem_tracking::{Mode as TrackingMode, Tracker};
 use guestmem_vm::{Vm, VmConfig};
 use minio::Minio;
@@ -56,14 +56,14 @@ fn digests(vm: &Vm) -> Vec<u64> {
         .collect()
 }
 
-fn s3(m: &Minio, prefix: &str) -> Arc<dyn Backend> {
+fn s3(m: &Minio, prefix: &str) -> Arc<dyn ObjectStore> {
     let config = S3Config {
         endpoint: Some(m.endpoint()),
         access_key_id: minio::USER.into(),
         secret_access_key: minio::PASSWORD.into(),
         region: None,
     };
-    Arc::new(S3Backend::new(&m.bucket, prefix, &config).unwrap())
+    Arc::new(S3ObjectStore::new(&m.bucket, prefix, &config).unwrap())
 }
 
 fn cache(dir: &TempDir) -> guestmem_store::cache::ChunkCache {
@@ -101,7 +101,7 @@ fn memory_checked_chunk_by_chunk(snap: &StoreSnapshot, vm: &Vm) {
 
 /// Snapshot, then restore in full and lazily: the guest sees the same bytes (digests) and goes
 /// on from where it was. A second lazy restore on the host fetches nothing from the store.
-fn round_trip(backend: Arc<dyn Backend>, tmp: &TempDir) {
+fn round_trip(backend: Arc<dyn ObjectStore>, tmp: &TempDir) {
     let vm = paused_vm();
     let at_snapshot = vm.pages_done();
     let want = digests(&vm);
@@ -184,7 +184,7 @@ fn round_trip(backend: Arc<dyn Backend>, tmp: &TempDir) {
 )]
 fn local_store_round_trip_full_and_lazy() {
     let tmp = TempDir::new("store-local");
-    round_trip(Arc::new(LocalBackend::new(&tmp.0.join("store"))), &tmp);
+    round_trip(Arc::new(LocalObjectStore::new(&tmp.0.join("store"))), &tmp);
 }
 
 /// A memfd VM restored lazily from a local store: its pages are installed in the memfd's page
@@ -197,7 +197,7 @@ fn local_store_round_trip_full_and_lazy() {
 )]
 fn local_store_lazy_restore_of_a_memfd_vm() {
     let tmp = TempDir::new("store-memfd-lazy");
-    let backend: Arc<dyn Backend> = Arc::new(LocalBackend::new(&tmp.0.join("store")));
+    let backend: Arc<dyn ObjectStore> = Arc::new(LocalObjectStore::new(&tmp.0.join("store")));
     let vm = paused_vm_on(MemBackend::Memfd);
     let at_snapshot = vm.pages_done();
     let want = digests(&vm);
@@ -234,7 +234,7 @@ fn minio_round_trip_full_and_lazy() {
 /// Identical chunks are stored once: a second snapshot of the same memory (another VM) puts
 /// no chunk; a diff stores only what changed and its merge is a manifest operation; gc
 /// removes exactly what no manifest references, and never while a write holds a lease.
-fn dedup_diff_merge_gc(backend: Arc<dyn Backend>) {
+fn dedup_diff_merge_gc(backend: Arc<dyn ObjectStore>) {
     let b = &*backend;
     let mut vm = paused_vm();
     let first = write(b, "base", &vm, None).unwrap();
@@ -335,7 +335,7 @@ fn dedup_diff_merge_gc(backend: Arc<dyn Backend>) {
 #[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
 fn local_store_dedup_diff_merge_gc() {
     let tmp = TempDir::new("store-local-gc");
-    dedup_diff_merge_gc(Arc::new(LocalBackend::new(&tmp.0.join("store"))));
+    dedup_diff_merge_gc(Arc::new(LocalObjectStore::new(&tmp.0.join("store"))));
 }
 
 #[test]
@@ -352,7 +352,7 @@ fn minio_dedup_diff_merge_gc() {
 #[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
 fn a_store_written_before_packs_is_read_and_its_chunks_reused() {
     let tmp = TempDir::new("store-v1");
-    let backend: Arc<dyn Backend> = Arc::new(LocalBackend::new(&tmp.0.join("store")));
+    let backend: Arc<dyn ObjectStore> = Arc::new(LocalObjectStore::new(&tmp.0.join("store")));
     let b = &*backend;
     let vm = paused_vm();
     let want = digests(&vm);
@@ -419,7 +419,7 @@ fn a_store_written_before_packs_is_read_and_its_chunks_reused() {
 }
 
 /// The first data chunk of the RAM region of snapshot `name`.
-fn a_data_chunk(b: &dyn Backend, name: &str) -> (usize, chunk::Stored) {
+fn a_data_chunk(b: &dyn ObjectStore, name: &str) -> (usize, chunk::Stored) {
     let m = StoreManifest::load(b, name).unwrap();
     let ids = m.pack_ids();
     m.regions[1]
@@ -440,7 +440,7 @@ fn replaced(object: &[u8], c: &chunk::Stored, with: &[u8]) -> Vec<u8> {
 /// A chunk replaced by another's bytes, a missing chunk, a damaged manifest: each refused
 /// before any vCPU runs, naming the snapshot, region, chunk and what is wrong.
 #[allow(clippy::cast_possible_truncation)] // a short test payload.
-fn refusals(backend: Arc<dyn Backend>) {
+fn refusals(backend: Arc<dyn ObjectStore>) {
     let b = &*backend;
     let vm = paused_vm();
     write(b, "vm", &vm, None).unwrap();
@@ -583,7 +583,7 @@ fn refusals(backend: Arc<dyn Backend>) {
 #[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
 fn local_store_refuses_damaged_and_missing_chunks_and_manifests() {
     let tmp = TempDir::new("store-local-bad");
-    refusals(Arc::new(LocalBackend::new(&tmp.0.join("store"))));
+    refusals(Arc::new(LocalObjectStore::new(&tmp.0.join("store"))));
 }
 
 #[test]
@@ -603,7 +603,7 @@ fn minio_wrong_credentials_and_unreachable_store_are_named() {
         secret_access_key: "not-the-secret".into(),
         region: None,
     };
-    let b = S3Backend::new(&m.bucket, "x", &config).unwrap();
+    let b = S3ObjectStore::new(&m.bucket, "x", &config).unwrap();
     let e = b.get("snapshots/a/manifest.json").unwrap_err();
     assert!(matches!(e, Error::Credentials { .. }), "{e:?}");
     assert!(e.to_string().contains("refused the credentials"), "{e}");
@@ -612,7 +612,7 @@ fn minio_wrong_credentials_and_unreachable_store_are_named() {
         secret_access_key: minio::PASSWORD.into(),
         ..config.clone()
     };
-    let e = S3Backend::new("no-such-bucket", "x", &good)
+    let e = S3ObjectStore::new("no-such-bucket", "x", &good)
         .unwrap()
         .get("snapshots/a/manifest.json")
         .unwrap_err()
@@ -631,7 +631,7 @@ fn minio_wrong_credentials_and_unreachable_store_are_named() {
         endpoint: Some(format!("http://127.0.0.1:{port}")),
         ..config
     };
-    let b = S3Backend::new(&m.bucket, "x", &config).unwrap();
+    let b = S3ObjectStore::new(&m.bucket, "x", &config).unwrap();
     let t = std::time::Instant::now();
     let e = b.put("chunks/00/x", b"x").unwrap_err();
     assert!(matches!(e, Error::Unreachable { .. }), "{e:?}");
@@ -647,7 +647,7 @@ fn minio_wrong_credentials_and_unreachable_store_are_named() {
 fn local_store_on_a_full_disk_fails_and_leaves_no_manifest() {
     let tmp = TempDir::new("store-full");
     let (mnt, _unmount) = small_tmpfs(&tmp, "4m");
-    let backend: Arc<dyn Backend> = Arc::new(LocalBackend::new(&mnt.join("store")));
+    let backend: Arc<dyn ObjectStore> = Arc::new(LocalObjectStore::new(&mnt.join("store")));
     let e = write(&*backend, "full", &vm_of_random_bytes(), None).unwrap_err();
     let text = chain(&e);
     assert!(
@@ -711,7 +711,7 @@ fn chain(e: &Error) -> String {
 }
 
 /// No manifest `name` in `backend`, and opening it says the write did not finish.
-fn assert_no_snapshot(backend: Arc<dyn Backend>, name: &str) {
+fn assert_no_snapshot(backend: Arc<dyn ObjectStore>, name: &str) {
     assert!(!backend.exists(&manifest_key(name)).unwrap());
     let e = StoreSnapshot::open(backend, name, None)
         .expect_err("no snapshot")
@@ -790,7 +790,7 @@ fn gmem_store_lazy_restore_is_served_or_refused_naming_kvm_userfault() {
     wait_for_generation(&running, 1);
     running.pause().unwrap();
     let at_snapshot = vm.pages_done();
-    let backend: Arc<dyn Backend> = Arc::new(LocalBackend::new(&tmp.0.join("store")));
+    let backend: Arc<dyn ObjectStore> = Arc::new(LocalObjectStore::new(&tmp.0.join("store")));
     write(&*backend, "gmem", &vm, None).unwrap();
     drop(vm);
     let snap = StoreSnapshot::open(backend, "gmem", None).unwrap();

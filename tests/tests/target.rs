@@ -354,12 +354,12 @@ fn a_builder_that_refuses_the_vm_refuses_the_migration_and_the_source_runs_on() 
     ignore = "no usable /dev/kvm or /dev/userfaultfd"
 )]
 fn a_vmm_machine_goes_through_a_chunk_store() {
-    use guestmem_store::local::LocalBackend;
+    use guestmem_store::local::LocalObjectStore;
     use guestmem_store::restore::StoreSnapshot;
     let config = VmConfig::simple(2, SIZE, Backend::Anon);
     let dir = TempDir::new("vmm-store");
-    let backend: Arc<dyn guestmem_store::Backend> =
-        Arc::new(LocalBackend::new(&dir.0.join("store")));
+    let backend: Arc<dyn guestmem_store::ObjectStore> =
+        Arc::new(LocalObjectStore::new(&dir.0.join("store")));
     let mut vm = Vm::new(&config).unwrap();
     let running = vm.start(&dirty_work(2, SIZE)).unwrap();
     wait_for_generation(&running, 2);

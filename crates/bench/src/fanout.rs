@@ -39,10 +39,10 @@ use guestmem_paging::{PagerConfig, Share};
 use guestmem_snapshot::service::RestoreService;
 use guestmem_snapshot::PreparedVm;
 use guestmem_snapshot::RestoreMode;
-use guestmem_store::local::LocalBackend;
+use guestmem_store::local::LocalObjectStore;
 use guestmem_store::restore::StoreSnapshot;
 use guestmem_store::write::write;
-use guestmem_store::Backend;
+use guestmem_store::ObjectStore;
 use guestmem_vm::{layout, VcpuWork, Vm, VmConfig, Workload};
 use serde::Serialize;
 
@@ -315,7 +315,7 @@ fn print_text(out: &Output) {
 
 /// The snapshot the clones restore: a store and its name.
 struct Source {
-    backend: Arc<dyn Backend>,
+    backend: Arc<dyn ObjectStore>,
     name: String,
     config: VmConfig,
     /// The snapshot opened once (`--via warm`).
@@ -333,7 +333,7 @@ impl Source {
 }
 
 fn bench(args: &Args, run: Duration, temp: &Path) -> crate::Result<Output> {
-    let backend: Arc<dyn Backend> = Arc::new(LocalBackend::new(&temp.join("store")));
+    let backend: Arc<dyn ObjectStore> = Arc::new(LocalObjectStore::new(&temp.join("store")));
     let name = "fanout".to_string();
     let vm = guest(args, run)?;
     write(&*backend, &name, &vm, None)?;

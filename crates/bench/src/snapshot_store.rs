@@ -37,10 +37,10 @@ use guestmem_store::chunk::{CHUNK_BYTES, ZSTD_LEVEL};
 use guestmem_store::location::StoreUrl;
 use guestmem_store::manifest::working_set_key;
 use guestmem_store::restore::StoreSnapshot;
-use guestmem_store::s3::{S3Backend, S3Config};
+use guestmem_store::s3::{S3Config, S3ObjectStore};
 use guestmem_store::source::FetchStats;
 use guestmem_store::write::{write, StoreWriteReport};
-use guestmem_store::Backend;
+use guestmem_store::ObjectStore;
 use guestmem_vm::{layout, VcpuWork, Vm, VmConfig, Workload};
 use serde::Serialize;
 
@@ -213,7 +213,7 @@ fn guest(args: &Args, run: Duration) -> crate::Result<Vm> {
 
 /// The store's back end: for an s3 store with `--rtt-ms`, through a delay proxy (returned,
 /// to be held while the store is used).
-fn open(args: &Args, url: &StoreUrl) -> crate::Result<(Arc<dyn Backend>, Option<DelayProxy>)> {
+fn open(args: &Args, url: &StoreUrl) -> crate::Result<(Arc<dyn ObjectStore>, Option<DelayProxy>)> {
     if !(args.rtt_ms >= 0.0 && args.rtt_ms.is_finite()) {
         return Err(format!("--rtt-ms {}: a round trip in ms, 0 or more", args.rtt_ms).into());
     }
@@ -242,7 +242,7 @@ fn open(args: &Args, url: &StoreUrl) -> crate::Result<(Arc<dyn Backend>, Option<
         .ok_or_else(|| format!("--rtt-ms: AWS_ENDPOINT_URL {endpoint} has no address"))?;
     let proxy = DelayProxy::start(target, Duration::from_secs_f64(args.rtt_ms / 2e3))?;
     config.endpoint = Some(format!("http://{}", proxy.addr()));
-    let backend: Arc<dyn Backend> = Arc::new(S3Backend::new(bucket, prefix, &config)?);
+    let backend: Arc<dyn ObjectStore> = Arc::new(S3ObjectStore::new(bucket, prefix, &config)?);
     Ok((backend, Some(proxy)))
 }
 
@@ -309,7 +309,7 @@ fn bench(
     args: &Args,
     run: Duration,
     url: &StoreUrl,
-    backend: Arc<dyn Backend>,
+    backend: Arc<dyn ObjectStore>,
     temp: &std::path::Path,
 ) -> crate::Result<Output> {
     let name = format!("bench-{}", std::process::id());
@@ -428,7 +428,7 @@ fn file_lazy_restores(flat: &std::path::Path, runs: usize) -> crate::Result<Rest
 /// `cache_dir` (or none): its timings (ready, first progress, resident, ms), what it fetched,
 /// and what its pagers installed.
 fn restore_once(
-    backend: &Arc<dyn Backend>,
+    backend: &Arc<dyn ObjectStore>,
     name: &str,
     mode: &str,
     cache: Option<&str>,

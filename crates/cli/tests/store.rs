@@ -289,7 +289,7 @@ fn two_clone_processes_share_one_image_of_the_snapshot() {
     use std::sync::Arc;
 
     use guestmem_paging::{Share, SharedImage};
-    use guestmem_store::local::LocalBackend;
+    use guestmem_store::local::LocalObjectStore;
     use guestmem_store::restore::StoreSnapshot;
 
     let tmp = Tmp::new("share-two");
@@ -332,7 +332,7 @@ fn two_clone_processes_share_one_image_of_the_snapshot() {
         assert_eq!(v["guest_continued"], true, "{v}");
     }
 
-    let backend = Arc::new(LocalBackend::new(&tmp.0.join("store")));
+    let backend = Arc::new(LocalObjectStore::new(&tmp.0.join("store")));
     let snapshot = StoreSnapshot::open(backend, "vm", None).unwrap();
     let region = snapshot
         .manifest

@@ -17,9 +17,9 @@ use std::time::{Duration, Instant, SystemTime};
 
 use serde::Serialize;
 
-use crate::backend::Backend;
 use crate::chunk;
 use crate::manifest::{manifest_key, state_key, working_set_key, StoreManifest};
+use crate::objects::ObjectStore;
 use crate::{Error, Result};
 
 /// A lease older than this is a crashed writer's or collector's.
@@ -29,7 +29,7 @@ const GC_WAIT: Duration = Duration::from_secs(120);
 
 /// A lease held until dropped (see the module docs).
 pub struct Lease<'a> {
-    backend: &'a dyn Backend,
+    backend: &'a dyn ObjectStore,
     key: String,
 }
 
@@ -81,7 +81,7 @@ fn holder_is_gone(key: &str) -> bool {
 
 /// The live leases of `kind` other than `own`: younger than [`LEASE_TTL`] and not held by a
 /// process of this host that is gone.
-fn live(backend: &dyn Backend, kind: &str, own: &str) -> Result<Vec<String>> {
+fn live(backend: &dyn ObjectStore, kind: &str, own: &str) -> Result<Vec<String>> {
     let now = SystemTime::now();
     Ok(backend
         .list("leases/")?
@@ -96,7 +96,7 @@ fn live(backend: &dyn Backend, kind: &str, own: &str) -> Result<Vec<String>> {
 impl<'a> Lease<'a> {
     /// Takes a write lease for `what` (a snapshot name), then waits for any collection under
     /// way to end.
-    pub fn acquire(backend: &'a dyn Backend, op: &str, what: &str) -> Result<Lease<'a>> {
+    pub fn acquire(backend: &'a dyn ObjectStore, op: &str, what: &str) -> Result<Lease<'a>> {
         let key = lease_key("write");
         backend.put(&key, format!("{op} {what}\n").as_bytes())?;
         let lease = Lease { backend, key };
@@ -156,7 +156,7 @@ pub struct GcReport {
 /// Removes the packs (and chunk objects) no snapshot manifest of the store references and that
 /// are older than `grace`. A pack goes when no manifest lists any chunk of it. Refuses, removing nothing, while a snapshot write holds a live lease, or when a
 /// manifest cannot be read (its chunks could not be told apart from garbage).
-pub fn gc(backend: &dyn Backend, grace: Duration) -> Result<GcReport> {
+pub fn gc(backend: &dyn ObjectStore, grace: Duration) -> Result<GcReport> {
     let key = lease_key("gc");
     backend.put(&key, b"gc\n")?;
     let lease = Lease { backend, key };
@@ -224,7 +224,7 @@ pub fn gc(backend: &dyn Backend, grace: Duration) -> Result<GcReport> {
 /// Deletes snapshot `name`'s manifest (first: the snapshot is gone from then on), state and
 /// working set; its chunks stay until a collection. Refuses while another snapshot of the
 /// store stands on it as its base.
-pub fn delete(backend: &dyn Backend, name: &str) -> Result<()> {
+pub fn delete(backend: &dyn ObjectStore, name: &str) -> Result<()> {
     StoreManifest::load(backend, name)?;
     for o in backend.list("snapshots/")? {
         let Some(other) = o
@@ -255,7 +255,7 @@ pub fn delete(backend: &dyn Backend, name: &str) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::local::LocalBackend;
+    use crate::local::LocalObjectStore;
 
     /// A writer waits for a live collection's lease to go; a collection refuses while a
     /// writer's lease is live; leases older than the TTL count for nothing.
@@ -263,7 +263,7 @@ mod tests {
     fn writers_and_collections_exclude_each_other() {
         let dir = std::env::temp_dir().join(format!("guestmem-lease-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        let b = LocalBackend::new(&dir);
+        let b = LocalObjectStore::new(&dir);
         b.put("leases/gc-other-1-1", b"gc\n").unwrap();
         let t = Instant::now();
         std::thread::scope(|s| {
@@ -302,7 +302,7 @@ mod tests {
     fn an_unreadable_manifest_stops_gc_naming_it_with_its_cause() {
         let dir = std::env::temp_dir().join(format!("guestmem-gc-bad-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        let b = LocalBackend::new(&dir);
+        let b = LocalObjectStore::new(&dir);
         b.put("snapshots/vm1/manifest.json", b"{ not json").unwrap();
         b.put("chunks/ab/abcd", b"garbage").unwrap();
         let e = gc(&b, Duration::ZERO).unwrap_err();

@@ -1,7 +1,7 @@
 //! Snapshots in a chunk store: guest memory cut into page-aligned chunks, all-zero chunks not
 //! stored, every other chunk zstd-compressed and stored once under its BLAKE3 hash — within a
 //! snapshot, across diff snapshots and across snapshots of different VMs — on a local
-//! directory or on S3-compatible object storage, behind one [`Backend`] trait.
+//! directory or on S3-compatible object storage, behind one [`ObjectStore`] trait.
 //!
 //! A store is a prefix (a directory, or `s3://bucket/prefix`) holding:
 //! - `packs/HH/ID`: packs of chunks: zstd frames of chunks one after another, each named in a
@@ -24,7 +24,6 @@
 //! complete. Reading checks the manifest as a whole before anything else, and every chunk's
 //! hash before any of its bytes reach guest memory.
 
-pub mod backend;
 pub mod cache;
 pub mod chunk;
 pub mod gc;
@@ -33,6 +32,7 @@ pub mod local;
 pub mod location;
 pub mod manifest;
 pub mod merge;
+pub mod objects;
 pub mod restore;
 pub mod s3;
 pub mod source;
@@ -41,9 +41,9 @@ pub mod write;
 use std::io;
 use std::path::PathBuf;
 
-pub use backend::{Backend, ObjectInfo};
 pub use location::Location;
 pub use manifest::{ChunkRef, StoreManifest, StoreRegion};
+pub use objects::{ObjectInfo, ObjectStore};
 
 /// What the store's operations return.
 pub type Result<T> = std::result::Result<T, Error>;

@@ -15,10 +15,10 @@ use guestmem_snapshot::SavedState;
 use guestmem_sys::to_usize;
 use guestmem_tracking::{DirtyBitmap, Tracker};
 
-use crate::backend::Backend;
 use crate::chunk::{Hash, Stored, CHUNK_BYTES};
 use crate::gc::Lease;
 use crate::manifest::{ChunkRef, PackTable, StoreManifest, StoreRegion, FORMAT, VERSION};
+use crate::objects::ObjectStore;
 use crate::write::{
     base_of, check_name, commit, known_chunks, store_jobs, stored_bytes, threads, Counts, Job,
     StoreWriteReport,
@@ -39,7 +39,7 @@ pub struct StoreLiveWrite {
 
 /// The chunks put so far, and what each chunk of guest memory holds now.
 struct StoreSink<'a> {
-    backend: &'a dyn Backend,
+    backend: &'a dyn ObjectStore,
     threads: usize,
     known: Mutex<HashMap<Hash, Option<Stored>>>,
     /// Per region, per chunk: `None` not stored yet, `Some(None)` zero, else its hash.
@@ -119,7 +119,7 @@ impl LiveSink for StoreSink<'_> {
 /// `base` (a snapshot of the same store, and the tracker started when it was taken), a diff
 /// that stores only the chunks written since.
 pub fn write_machine_live<M: Machine + ?Sized>(
-    backend: &dyn Backend,
+    backend: &dyn ObjectStore,
     name: &str,
     machine: &mut M,
     components: &mut Components<'_>,

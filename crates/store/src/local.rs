@@ -4,21 +4,21 @@ use std::fs::File;
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 
-use crate::backend::{Backend, ObjectInfo};
+use crate::objects::{ObjectInfo, ObjectStore};
 use crate::{Error, Result};
 use guestmem_sys::to_usize;
 
 /// A store in a local directory: each object a file under it, put by writing a temporary file
 /// beside it, syncing it and renaming it into place (atomic on every local file system).
 #[derive(Debug, Clone)]
-pub struct LocalBackend {
+pub struct LocalObjectStore {
     root: PathBuf,
 }
 
-impl LocalBackend {
+impl LocalObjectStore {
     /// The store in `root` (created when the first object is put).
-    pub fn new(root: &Path) -> LocalBackend {
-        LocalBackend {
+    pub fn new(root: &Path) -> LocalObjectStore {
+        LocalObjectStore {
             root: root.to_path_buf(),
         }
     }
@@ -152,7 +152,7 @@ fn put_file_direct(path: &Path, bytes: &[u8]) -> io::Result<()> {
     renamed
 }
 
-impl Backend for LocalBackend {
+impl ObjectStore for LocalObjectStore {
     fn describe(&self) -> String {
         format!("store:{}", self.root.display())
     }
@@ -317,7 +317,7 @@ mod tests {
     #[test]
     fn put_get_list_delete() {
         let dir = temp_dir("local");
-        let b = LocalBackend::new(&dir);
+        let b = LocalObjectStore::new(&dir);
         b.put("chunks/ab/abcd", b"one").unwrap();
         b.put("snapshots/x/manifest.json", b"two").unwrap();
         assert_eq!(b.get("chunks/ab/abcd").unwrap(), b"one");

@@ -3,9 +3,9 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::backend::Backend;
-use crate::local::LocalBackend;
-use crate::s3::S3Backend;
+use crate::local::LocalObjectStore;
+use crate::objects::ObjectStore;
+use crate::s3::S3ObjectStore;
 use crate::{Error, Result};
 
 /// Where a store is: its back end and its root there.
@@ -75,10 +75,10 @@ impl StoreUrl {
 
     /// Opens the back end (an S3 client takes its endpoint and credentials from the AWS
     /// environment variables).
-    pub fn open(&self) -> Result<Arc<dyn Backend>> {
+    pub fn open(&self) -> Result<Arc<dyn ObjectStore>> {
         Ok(match self {
-            StoreUrl::Local(dir) => Arc::new(LocalBackend::new(dir)),
-            StoreUrl::S3 { bucket, prefix } => Arc::new(S3Backend::from_env(bucket, prefix)?),
+            StoreUrl::Local(dir) => Arc::new(LocalObjectStore::new(dir)),
+            StoreUrl::S3 { bucket, prefix } => Arc::new(S3ObjectStore::from_env(bucket, prefix)?),
         })
     }
 }

@@ -18,8 +18,8 @@ use serde::{Deserialize, Serialize};
 
 use guestmem_snapshot::check_config_layout;
 
-use crate::backend::Backend;
 use crate::chunk::{self, Hash, Loc, Stored};
+use crate::objects::ObjectStore;
 use crate::{Error, Result};
 
 /// The `format` field of every store snapshot manifest.
@@ -406,7 +406,7 @@ impl StoreManifest {
     }
 
     /// Reads and checks the manifest of snapshot `name` in `backend`.
-    pub fn load(backend: &dyn Backend, name: &str) -> Result<StoreManifest> {
+    pub fn load(backend: &dyn ObjectStore, name: &str) -> Result<StoreManifest> {
         let key = manifest_key(name);
         let bytes = backend.get(&key).map_err(|e| match e {
             Error::Missing { store, key } => Error::Missing {
@@ -427,7 +427,7 @@ pub type Resolved = Vec<Vec<Option<Stored>>>;
 
 /// Resolves `manifest`'s base chain in `backend`: each base must be the very snapshot the diff
 /// was written over (its checksum) and of the same layout.
-pub fn resolve(backend: &dyn Backend, manifest: &StoreManifest) -> Result<Resolved> {
+pub fn resolve(backend: &dyn ObjectStore, manifest: &StoreManifest) -> Result<Resolved> {
     let mut resolved: Resolved = manifest
         .regions
         .iter()

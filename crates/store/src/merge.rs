@@ -3,14 +3,14 @@
 
 use std::collections::HashSet;
 
-use crate::backend::Backend;
 use crate::gc::Lease;
 use crate::manifest::{resolve, ChunkRef, PackTable, StoreManifest};
+use crate::objects::ObjectStore;
 use crate::{Error, Result};
 
 /// Merges snapshot `name` and its base chain into one snapshot `into` of the same store that
 /// stands alone: a manifest operation (every chunk is already stored; none is read or put).
-pub fn merge(backend: &dyn Backend, name: &str, into: &str) -> Result<StoreManifest> {
+pub fn merge(backend: &dyn ObjectStore, name: &str, into: &str) -> Result<StoreManifest> {
     crate::write::check_name(into)?;
     let _lease = Lease::acquire(backend, "merge", into)?;
     let source = StoreManifest::load(backend, name)?;

@@ -18,10 +18,10 @@ use guestmem_sys::to_usize;
 use guestmem_vm::VmConfig;
 use serde::{Deserialize, Serialize};
 
-use crate::backend::Backend;
 use crate::cache::ChunkCache;
 use crate::chunk::{Hash, Stored};
 use crate::manifest::{resolve, state_key, working_set_key, Resolved, StoreManifest};
+use crate::objects::ObjectStore;
 use crate::source::{parallel, Fetcher, StoreSource, Want};
 
 /// How many chunks of a full restore one thread fetches and copies in at a time.
@@ -46,12 +46,16 @@ pub struct StoreSnapshot {
 }
 
 /// The state object of `manifest`'s snapshot, checked against the manifest.
-pub fn read_state(backend: &dyn Backend, manifest: &StoreManifest) -> Result<Vec<u8>> {
+pub fn read_state(backend: &dyn ObjectStore, manifest: &StoreManifest) -> Result<Vec<u8>> {
     check_state(backend, manifest, backend.get(&state_key(&manifest.name))?)
 }
 
 /// `bytes`, read as `manifest`'s state object, if they are what the manifest says.
-fn check_state(backend: &dyn Backend, manifest: &StoreManifest, bytes: Vec<u8>) -> Result<Vec<u8>> {
+fn check_state(
+    backend: &dyn ObjectStore,
+    manifest: &StoreManifest,
+    bytes: Vec<u8>,
+) -> Result<Vec<u8>> {
     let key = state_key(&manifest.name);
     if bytes.len() as u64 != manifest.state_bytes {
         let what = if (bytes.len() as u64) < manifest.state_bytes {
@@ -83,7 +87,7 @@ impl StoreSnapshot {
     /// read while the manifest is (one round trip to a remote store, not two), and checked
     /// against the manifest once both are in.
     pub fn open(
-        backend: Arc<dyn Backend>,
+        backend: Arc<dyn ObjectStore>,
         name: &str,
         cache: Option<ChunkCache>,
     ) -> Result<StoreSnapshot> {
@@ -123,14 +127,14 @@ impl StoreSnapshot {
     }
 
     /// The store it is in.
-    pub fn backend(&self) -> &dyn Backend {
-        &**self.fetcher.backend()
+    pub fn object_store(&self) -> &dyn ObjectStore {
+        &**self.fetcher.object_store()
     }
 
     fn label(&self, region: usize) -> String {
         format!(
             "{}/{} region '{}'",
-            self.backend().describe(),
+            self.object_store().describe(),
             self.manifest.name,
             self.manifest.regions[region].spec.name
         )
@@ -259,7 +263,7 @@ impl StoreSnapshot {
 
     fn threads(&self) -> usize {
         let cores = std::thread::available_parallelism().map_or(2, std::num::NonZero::get);
-        if self.backend().remote() {
+        if self.object_store().remote() {
             cores.max(8)
         } else {
             cores
@@ -270,7 +274,7 @@ impl StoreSnapshot {
     pub fn describe(&self) -> String {
         format!(
             "store snapshot {}/{}",
-            self.backend().describe(),
+            self.object_store().describe(),
             self.manifest.name
         )
     }
@@ -291,12 +295,12 @@ impl StoreSnapshot {
     /// manifest, damaged, or naming offsets outside its regions is refused, saying so.
     pub fn working_set(&self) -> Result<Option<StoreWorkingSet>> {
         let key = working_set_key(&self.manifest.name);
-        let bytes = match self.backend().get(&key) {
+        let bytes = match self.object_store().get(&key) {
             Ok(bytes) => bytes,
             Err(e) if e.is_missing() => return Ok(None),
             Err(e) => return Err(e),
         };
-        let store = self.backend().describe();
+        let store = self.object_store().describe();
         let bad = |why: String| Error::Corrupt(format!("{store}: {key}: {why}; delete it"));
         let ws: StoreWorkingSet = serde_json::from_slice(&bytes).map_err(|e| Error::Json {
             store: store.clone(),
@@ -330,7 +334,7 @@ impl StoreSnapshot {
         };
         ws.checksum = ws.compute_checksum();
         let json = serde_json::to_vec(&ws).expect("a working set serializes");
-        self.backend()
+        self.object_store()
             .put(&working_set_key(&self.manifest.name), &json)
     }
 }

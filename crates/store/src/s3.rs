@@ -1,5 +1,5 @@
 //! S3-compatible object storage through Apache Arrow's `object_store`, behind the blocking
-//! [`Backend`] interface: the back end owns a small tokio runtime and blocks on it, so that
+//! [`ObjectStore`] interface: the back end owns a small tokio runtime and blocks on it, so that
 //! nothing outside this module is async. The chunk writers and fetchers are plain threads,
 //! each with one request in flight, so that several are in flight at once.
 
@@ -9,17 +9,17 @@ use std::time::{Duration, SystemTime};
 use futures::TryStreamExt;
 use object_store::aws::AmazonS3Builder;
 use object_store::path::Path as ObjectPath;
-use object_store::{ClientOptions, ObjectStore, PutPayload, RetryConfig};
+use object_store::{ClientOptions, ObjectStore as ArrowObjectStore, PutPayload, RetryConfig};
 
-use crate::backend::{Backend, ObjectInfo};
+use crate::objects::{ObjectInfo, ObjectStore};
 use crate::{Error, Result};
 
 /// A store in an S3 bucket, under a key prefix.
 #[derive(Debug)]
-pub struct S3Backend {
+pub struct S3ObjectStore {
     bucket: String,
     prefix: String,
-    store: Arc<dyn ObjectStore>,
+    store: Arc<dyn ArrowObjectStore>,
     runtime: tokio::runtime::Runtime,
 }
 
@@ -78,22 +78,22 @@ impl S3Config {
     }
 }
 
-impl S3Backend {
+impl S3ObjectStore {
     /// The store at `s3://bucket/prefix`, with the endpoint, region and credentials of the
     /// usual AWS environment variables (`AWS_ENDPOINT_URL`, `AWS_REGION`,
     /// `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`). Plain HTTP is allowed only to a
     /// loopback endpoint (a MinIO on this host).
-    pub fn from_env(bucket: &str, prefix: &str) -> Result<S3Backend> {
+    pub fn from_env(bucket: &str, prefix: &str) -> Result<S3ObjectStore> {
         let url = if prefix.is_empty() {
             format!("s3://{bucket}")
         } else {
             format!("s3://{bucket}/{prefix}")
         };
-        S3Backend::new(bucket, prefix, &S3Config::from_env(&url)?)
+        S3ObjectStore::new(bucket, prefix, &S3Config::from_env(&url)?)
     }
 
     /// The store at `s3://bucket/prefix` as `config` says.
-    pub fn new(bucket: &str, prefix: &str, config: &S3Config) -> Result<S3Backend> {
+    pub fn new(bucket: &str, prefix: &str, config: &S3Config) -> Result<S3ObjectStore> {
         let url = if prefix.is_empty() {
             format!("s3://{bucket}")
         } else {
@@ -144,7 +144,7 @@ impl S3Backend {
                 op: "start the I/O runtime for",
                 source,
             })?;
-        Ok(S3Backend {
+        Ok(S3ObjectStore {
             bucket: bucket.to_string(),
             prefix: prefix.trim_matches('/').to_string(),
             store: Arc::new(store),
@@ -225,7 +225,7 @@ impl S3Backend {
     }
 }
 
-impl Backend for S3Backend {
+impl ObjectStore for S3ObjectStore {
     fn describe(&self) -> String {
         if self.prefix.is_empty() {
             format!("s3://{}", self.bucket)

@@ -13,9 +13,9 @@ use guestmem_paging::PageSource;
 use guestmem_sys::to_usize;
 use serde::Serialize;
 
-use crate::backend::Backend;
 use crate::cache::ChunkCache;
 use crate::chunk::{self, Hash, Loc, Stored};
+use crate::objects::ObjectStore;
 use crate::{Error, Result};
 
 /// How many reads (and decompressions) of one fetch run at once.
@@ -160,7 +160,7 @@ impl Drop for CacheWriter {
 
 /// Gets chunks of one store for the restore paths.
 pub struct Fetcher {
-    backend: Arc<dyn Backend>,
+    backend: Arc<dyn ObjectStore>,
     cache: Option<CacheWriter>,
     store_gets: AtomicU64,
     store_bytes: AtomicU64,
@@ -181,7 +181,7 @@ impl std::fmt::Debug for Fetcher {
 
 impl Fetcher {
     /// A fetcher of `backend`'s chunks, through `cache` if any.
-    pub fn new(backend: Arc<dyn Backend>, cache: Option<ChunkCache>) -> Fetcher {
+    pub fn new(backend: Arc<dyn ObjectStore>, cache: Option<ChunkCache>) -> Fetcher {
         Fetcher {
             backend,
             cache: cache.map(CacheWriter::new),
@@ -192,7 +192,7 @@ impl Fetcher {
     }
 
     /// The store.
-    pub fn backend(&self) -> &Arc<dyn Backend> {
+    pub fn object_store(&self) -> &Arc<dyn ObjectStore> {
         &self.backend
     }
 
@@ -571,7 +571,7 @@ impl PageSource for StoreSource {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::local::LocalBackend;
+    use crate::local::LocalObjectStore;
 
     /// Chunks side by side in a pack come with one read (a gap and a duplicate included), a
     /// chunk object and a chunk of another pack with reads of their own; every chunk lands
@@ -580,7 +580,7 @@ mod tests {
     fn neighbours_in_a_pack_come_with_one_read() {
         let dir = std::env::temp_dir().join(format!("guestmem-fetch-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        let b: Arc<dyn Backend> = Arc::new(LocalBackend::new(&dir));
+        let b: Arc<dyn ObjectStore> = Arc::new(LocalObjectStore::new(&dir));
         let mut z = zstd::bulk::Compressor::new(1).unwrap();
         let data: Vec<Vec<u8>> = (0..5u8).map(|i| vec![i + 1; 64 << 10]).collect();
         let frames: Vec<Vec<u8>> = data.iter().map(|d| chunk::encode(&mut z, d)).collect();

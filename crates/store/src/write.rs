@@ -22,13 +22,13 @@ use guestmem_tracking::DirtyBitmap;
 use guestmem_vm::{Vm, VmConfig};
 use serde::Serialize;
 
-use crate::backend::Backend;
 use crate::chunk::{self, Hash, Loc, Stored, CHUNK_BYTES, ZSTD_LEVEL};
 use crate::gc::Lease;
 use crate::manifest::{
     manifest_key, state_key, ChunkRef, PackTable, StoreBase, StoreManifest, StoreRegion, FORMAT,
     VERSION,
 };
+use crate::objects::ObjectStore;
 
 /// How many chunks of guest memory (in memory order) one thread takes at a time; their new
 /// chunks make one pack (about 16 MiB of guest memory: a few MiB stored, a restore's window
@@ -67,7 +67,7 @@ pub struct StoreWriteReport {
 
 /// How many threads compress and put chunks: every core for a local store; more for a remote
 /// one, whose puts mostly wait on the network.
-pub(crate) fn threads(backend: &dyn Backend) -> usize {
+pub(crate) fn threads(backend: &dyn ObjectStore) -> usize {
     let cores = std::thread::available_parallelism().map_or(2, std::num::NonZero::get);
     if backend.remote() {
         cores.max(8)
@@ -81,7 +81,7 @@ pub(crate) fn threads(backend: &dyn Backend) -> usize {
 /// the same store: only chunks holding a page that `dirty` reports (a tracker started when the
 /// base was taken) are read; the others are inherited.
 pub fn write(
-    backend: &dyn Backend,
+    backend: &dyn ObjectStore,
     name: &str,
     vm: &Vm,
     diff: Option<(&str, &[DirtyBitmap])>,
@@ -94,7 +94,7 @@ pub fn write(
 /// memory until the write returns), its state being what [`Machine::save`] gives, with its
 /// `components`' states beside it for a restore to hand back.
 pub fn write_machine<M: Machine + ?Sized>(
-    backend: &dyn Backend,
+    backend: &dyn ObjectStore,
     name: &str,
     machine: &mut M,
     components: &[ComponentState],
@@ -116,7 +116,7 @@ pub fn write_machine<M: Machine + ?Sized>(
 /// Writes the snapshot of a paused VM of `config` whose memory is `memory` and whose machine
 /// saved `state`.
 fn write_state(
-    backend: &dyn Backend,
+    backend: &dyn ObjectStore,
     name: &str,
     config: &VmConfig,
     memory: &GuestMemory,
@@ -265,7 +265,7 @@ type Placed = (usize, usize, Option<Hash>);
 /// or without it in place from `memory` (the VM is paused). Returns each job's (region, index,
 /// hash; `None` for a zero chunk).
 pub(crate) fn store_jobs(
-    backend: &dyn Backend,
+    backend: &dyn ObjectStore,
     memory: &GuestMemory,
     jobs: &[Job],
     known: &Mutex<HashMap<Hash, Option<Stored>>>,
@@ -328,7 +328,7 @@ pub(crate) fn store_jobs(
 
 /// What [`store_jobs`]'s threads share: where chunks come from and go, and the counts.
 struct Packer<'a> {
-    backend: &'a dyn Backend,
+    backend: &'a dyn ObjectStore,
     memory: &'a GuestMemory,
     known: &'a Mutex<HashMap<Hash, Option<Stored>>>,
     copy: Option<ReadChunk<'a>>,
@@ -427,7 +427,7 @@ impl Packer<'_> {
 /// How a diff `name` of a VM of `config` names its base `base_name` (of the same store and
 /// configuration, and not `name` itself).
 pub(crate) fn base_of(
-    backend: &dyn Backend,
+    backend: &dyn ObjectStore,
     name: &str,
     base_name: &str,
     config: &VmConfig,
@@ -466,7 +466,7 @@ pub fn stored_bytes(manifest: &StoreManifest) -> u64 {
 /// objects of a store written before packs; a chunk is pointed at only where its object or
 /// pack is listed. Read under a write lease (see [`crate::gc`]): a
 /// collection does not remove them meanwhile.
-pub fn known_chunks(backend: &dyn Backend) -> Result<HashMap<Hash, Stored>> {
+pub fn known_chunks(backend: &dyn ObjectStore) -> Result<HashMap<Hash, Stored>> {
     let mut known = HashMap::new();
     for o in backend.list("chunks/")? {
         if let Some(hash) = chunk::hash_of_key(&o.key) {
@@ -517,7 +517,11 @@ pub fn known_chunks(backend: &dyn Backend) -> Result<HashMap<Hash, Stored>> {
 }
 
 /// Puts the state object, then the manifest (the last step: the snapshot exists from here).
-pub(crate) fn commit(backend: &dyn Backend, manifest: &StoreManifest, state: &[u8]) -> Result<()> {
+pub(crate) fn commit(
+    backend: &dyn ObjectStore,
+    manifest: &StoreManifest,
+    state: &[u8],
+) -> Result<()> {
     backend.sync()?;
     backend.put(&state_key(&manifest.name), state)?;
     let json = serde_json::to_vec_pretty(manifest).expect("a manifest serializes");

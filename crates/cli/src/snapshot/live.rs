@@ -293,7 +293,7 @@ fn paused_reference(
 fn reference_store<T>(
     store: &StoreUrl,
     name: &str,
-    write: impl FnOnce(&dyn guestmem_store::Backend) -> guestmem_store::Result<T>,
+    write: impl FnOnce(&dyn guestmem_store::ObjectStore) -> guestmem_store::Result<T>,
 ) -> crate::Result<T> {
     const SUFFIX: &str = ".paused-reference";
     match store {

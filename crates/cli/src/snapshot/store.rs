@@ -296,7 +296,7 @@ pub(super) fn restore(args: &RestoreArgs) -> crate::Result<()> {
             Mode::Map => "map",
             Mode::Lazy => "lazy",
         },
-        store: if snap.backend().remote() {
+        store: if snap.object_store().remote() {
             "s3"
         } else {
             "local"

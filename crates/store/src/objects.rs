@@ -17,7 +17,7 @@ pub struct ObjectInfo {
 
 /// Where a store keeps its objects: keys are `/`-separated paths relative to the store's root.
 /// Shared by the threads that write and fetch chunks.
-pub trait Backend: Send + Sync {
+pub trait ObjectStore: Send + Sync {
     /// The store as a user names it (`s3://bucket/prefix`, `store:DIR`), for messages.
     fn describe(&self) -> String;
     /// The whole object `key`; [`crate::Error::Missing`] when there is none.
@@ -28,8 +28,8 @@ pub trait Backend: Send + Sync {
     /// Stores `bytes` as `key`, replacing any object there. Atomic: a reader sees the old
     /// object, or none, or the whole new one — never part of it.
     fn put(&self, key: &str, bytes: &[u8]) -> Result<()>;
-    /// Stores a chunk object: like [`Backend::put`] (atomic), but it need not be durable until
-    /// [`Backend::sync`] returns (a local store syncs its file system once instead of once per
+    /// Stores a chunk object: like [`ObjectStore::put`] (atomic), but it need not be durable until
+    /// [`ObjectStore::sync`] returns (a local store syncs its file system once instead of once per
     /// chunk).
     fn put_chunk(&self, key: &str, bytes: &[u8]) -> Result<()> {
         self.put(key, bytes)
