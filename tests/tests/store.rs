@@ -22,9 +22,9 @@ use guestmem_store::chunk;
 use guestmem_store::gc;
 use guestmem_store::local::LocalObjectStore;
 use guestmem_store::manifest::{manifest_key, ChunkRef, StoreManifest};
+use guestmem_store::pages::StorePages;
 use guestmem_store::restore::StoreSnapshot;
 use guestmem_store::s3::{S3Config, S3ObjectStore};
-use guestmem_store::source::StoreSource;
 use guestmem_store::write::write;
 use guestmem_store::Error;
 use guestmem_store::ObjectStore;
@@ -477,7 +477,7 @@ fn refusals(backend: Arc<dyn ObjectStore>) {
     );
     // The lazy path's source refuses the chunk too (the pager then stops the VM, naming the
     // guest address; the guest never sees the bytes).
-    let source = StoreSource::new(
+    let source = StorePages::new(
         snap.fetcher.clone(),
         snap.resolved[1].clone(),
         snap.manifest.chunk_bytes,

@@ -81,7 +81,7 @@ pub fn main(args: Args) -> crate::Result<()> {
     Ok(())
 }
 
-/// A store snapshot's RAM, served through a [`guestmem_store::source::StoreSource`] per region
+/// A store snapshot's RAM, served through a [`guestmem_store::pages::StorePages`] per region
 /// (the host's chunk cache in front of a remote store).
 fn store_memory(at: &std::path::Path) -> crate::Result<ServedMemory> {
     use guestmem_store::cache::ChunkCache;

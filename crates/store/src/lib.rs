@@ -33,9 +33,9 @@ pub mod location;
 pub mod manifest;
 pub mod merge;
 pub mod objects;
+pub mod pages;
 pub mod restore;
 pub mod s3;
-pub mod source;
 pub mod write;
 
 use std::io;

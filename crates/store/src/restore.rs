@@ -22,7 +22,7 @@ use crate::cache::ChunkCache;
 use crate::chunk::{Hash, Stored};
 use crate::manifest::{resolve, state_key, working_set_key, Resolved, StoreManifest};
 use crate::objects::ObjectStore;
-use crate::source::{parallel, Fetcher, StoreSource, Want};
+use crate::pages::{parallel, Fetcher, StorePages, Want};
 
 /// How many chunks of a full restore one thread fetches and copies in at a time.
 const RUN_CHUNKS: usize = 16;
@@ -281,8 +281,8 @@ impl StoreSnapshot {
 
     /// The page source of RAM region `i` (each chunk checked against its hash as it is
     /// decompressed).
-    fn source(&self, i: usize) -> StoreSource {
-        StoreSource::new(
+    fn source(&self, i: usize) -> StorePages {
+        StorePages::new(
             self.fetcher.clone(),
             self.resolved[i].clone(),
             self.manifest.chunk_bytes,

@@ -489,7 +489,7 @@ pub fn known_chunks(backend: &dyn ObjectStore) -> Result<HashMap<Hash, Stored>> 
         })
         .collect();
     let manifests = Mutex::new(Vec::new());
-    crate::source::parallel(names, threads(backend), |name| {
+    crate::pages::parallel(names, threads(backend), |name| {
         match StoreManifest::load(backend, &name) {
             Ok(m) => manifests.lock().expect("not poisoned").push(m),
             Err(e) => tracing::warn!(

@@ -2,7 +2,7 @@
 //! store (then kept in the cache); each checked against its hash as it is decompressed into
 //! place. Chunks that lie side by side in one pack are read with one range read: the store's
 //! cost is per request (a remote server spends about as much on a request as on a few hundred
-//! KiB of it), and a run of guest memory was packed in order. [`StoreSource`] serves one
+//! KiB of it), and a run of guest memory was packed in order. [`StorePages`] serves one
 //! region to a lazy restore's pager this way.
 
 use std::io;
@@ -381,7 +381,7 @@ pub(crate) fn parallel<T: Send>(
 /// One region of a store snapshot, for a pager: each chunk fetched (several at once when a
 /// fetch spans several), checked and decompressed into the pager's buffer.
 #[derive(Debug)]
-pub struct StoreSource {
+pub struct StorePages {
     fetcher: Arc<Fetcher>,
     /// Per chunk: `None` for zeros, else where it is stored.
     chunks: Vec<Option<Stored>>,
@@ -391,7 +391,7 @@ pub struct StoreSource {
     label: String,
 }
 
-impl StoreSource {
+impl StorePages {
     /// The source of one region's `chunks` (`None`: a zero chunk), fetched by `fetcher`.
     pub fn new(
         fetcher: Arc<Fetcher>,
@@ -399,8 +399,8 @@ impl StoreSource {
         chunk_bytes: u64,
         size: u64,
         label: String,
-    ) -> StoreSource {
-        StoreSource {
+    ) -> StorePages {
+        StorePages {
             fetcher,
             chunks,
             chunk_bytes,
@@ -485,7 +485,7 @@ fn io_error(e: Error) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, e)
 }
 
-impl PageSource for StoreSource {
+impl PageSource for StorePages {
     fn fetch(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
         self.fill(offset, buf).map_err(io_error)
     }
