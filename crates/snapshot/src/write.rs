@@ -46,18 +46,18 @@ pub struct WriteReport {
     pub chunks: u64,
 }
 
-/// What a snapshot is taken of: the VM's configuration, its guest memory, and its state as its
+/// A VM as a snapshot takes it: its configuration, its guest memory, and its state as its
 /// machine saved it.
-struct Source<'a> {
+struct SavedVm<'a> {
     config: &'a VmConfig,
     memory: &'a GuestMemory,
     state: Vec<u8>,
 }
 
-impl<'a> Source<'a> {
+impl<'a> SavedVm<'a> {
     /// guestmem's own VM, not running.
-    fn vm(vm: &'a Vm) -> Result<Source<'a>> {
-        Ok(Source {
+    fn vm(vm: &'a Vm) -> Result<SavedVm<'a>> {
+        Ok(SavedVm {
             config: vm.config(),
             memory: vm.memory(),
             state: guestmem_contract::payload_state(vm)?,
@@ -65,10 +65,10 @@ impl<'a> Source<'a> {
     }
 
     /// Any VMM's VM, paused: its [`Machine::save`] gives the state.
-    fn machine<M: Machine + ?Sized>(machine: &'a mut M) -> Result<Source<'a>> {
+    fn machine<M: Machine + ?Sized>(machine: &'a mut M) -> Result<SavedVm<'a>> {
         let state = machine.save()?;
         let machine: &'a M = machine;
-        Ok(Source {
+        Ok(SavedVm {
             config: machine.config(),
             memory: machine.memory(),
             state,
@@ -81,7 +81,7 @@ impl<'a> Source<'a> {
 /// there is replaced atomically (see the module docs); a directory holding other files is
 /// refused.
 pub fn write(vm: &Vm, dir: &Path) -> Result<WriteReport> {
-    write_snapshot(Source::vm(vm)?, dir, None, &[])
+    write_snapshot(SavedVm::vm(vm)?, dir, None, &[])
 }
 
 /// [`write()`] with the states of the VM's components beside the VM's (in `state.json`), for
@@ -91,7 +91,7 @@ pub fn write_with_components(
     dir: &Path,
     components: &[ComponentState],
 ) -> Result<WriteReport> {
-    write_snapshot(Source::vm(vm)?, dir, None, components)
+    write_snapshot(SavedVm::vm(vm)?, dir, None, components)
 }
 
 /// Writes a snapshot of `machine` (any VMM's VM, paused: its state is what
@@ -101,7 +101,7 @@ pub fn write_machine<M: Machine + ?Sized>(
     dir: &Path,
     components: &[ComponentState],
 ) -> Result<WriteReport> {
-    write_snapshot(Source::machine(machine)?, dir, None, components)
+    write_snapshot(SavedVm::machine(machine)?, dir, None, components)
 }
 
 /// Writes a diff snapshot of `vm` over the snapshot in `base`: only the chunks holding a page
@@ -109,9 +109,9 @@ pub fn write_machine<M: Machine + ?Sized>(
 /// stored; the others are inherited from `base`, which the diff names by path and by its
 /// manifest's checksum (a base replaced since is refused on restore).
 pub fn write_diff(vm: &Vm, dir: &Path, base: &Path, dirty: &[DirtyBitmap]) -> Result<WriteReport> {
-    let source = Source::vm(vm)?;
-    let base = base_ref(source.config, dir, base)?;
-    write_snapshot(source, dir, Some((base, dirty)), &[])
+    let saved = SavedVm::vm(vm)?;
+    let base = base_ref(saved.config, dir, base)?;
+    write_snapshot(saved, dir, Some((base, dirty)), &[])
 }
 
 /// [`write_diff`] of `machine` (paused) and its `components`' states.
@@ -122,9 +122,9 @@ pub fn write_machine_diff<M: Machine + ?Sized>(
     dirty: &[DirtyBitmap],
     components: &[ComponentState],
 ) -> Result<WriteReport> {
-    let source = Source::machine(machine)?;
-    let base = base_ref(source.config, dir, base)?;
-    write_snapshot(source, dir, Some((base, dirty)), components)
+    let saved = SavedVm::machine(machine)?;
+    let base = base_ref(saved.config, dir, base)?;
+    write_snapshot(saved, dir, Some((base, dirty)), components)
 }
 
 /// How a diff of a VM of `config` written into `dir` names its `base`, which must be of the
@@ -151,7 +151,7 @@ pub(super) fn base_ref(config: &VmConfig, dir: &Path, base: &Path) -> Result<Bas
 }
 
 fn write_snapshot(
-    source: Source<'_>,
+    saved: SavedVm<'_>,
     dir: &Path,
     diff: Option<(BaseRef, &[DirtyBitmap])>,
     components: &[ComponentState],
@@ -162,7 +162,7 @@ fn write_snapshot(
     check_replaceable(dir)?;
     let staging = staging_dir(dir)?;
     std::fs::create_dir(&staging).map_err(Error::io(&staging, "create directory"))?;
-    let written = write_files(source, &staging, diff, components).and_then(|report| {
+    let written = write_files(saved, &staging, diff, components).and_then(|report| {
         sync_dir(&staging)?;
         commit(&staging, dir)?;
         Ok(report)
@@ -259,18 +259,18 @@ pub(super) fn sync_dir(dir: &Path) -> Result<()> {
         .map_err(Error::io(dir, "sync directory"))
 }
 
-/// Writes the state, memory, sys and manifest files of a snapshot of `source` into `dir`.
+/// Writes the state, memory, sys and manifest files of a snapshot of the VM `saved` into `dir`.
 fn write_files(
-    source: Source<'_>,
+    saved: SavedVm<'_>,
     dir: &Path,
     diff: Option<(BaseRef, &[DirtyBitmap])>,
     components: &[ComponentState],
 ) -> Result<WriteReport> {
-    let Source {
+    let SavedVm {
         config,
         memory,
         state,
-    } = source;
+    } = saved;
     let state = SavedState {
         machine: state,
         components: components.to_vec(),
