@@ -30,9 +30,6 @@ pub mod migrate {
     };
 }
 
-use std::io;
-use std::path::PathBuf;
-
 use guestmem_contract::component;
 use guestmem_snapshot as snapshot;
 
@@ -46,16 +43,8 @@ pub type Result<T> = std::result::Result<T, Error>;
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A file operation failed.
-    #[error("{path}: {op} failed")]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// The operation.
-        op: &'static str,
-        /// The operating system's error.
-        #[source]
-        source: io::Error,
-    },
+    #[error(transparent)]
+    File(#[from] guestmem_sys::FileError),
     /// The VM failed.
     #[error(transparent)]
     Vm(#[from] guestmem_vm::Error),

@@ -228,11 +228,10 @@ mod tests {
     #[test]
     fn file_and_transport_errors_keep_their_cause_as_the_source_only() {
         let io = || std::io::Error::other("the disk is on fire");
-        let e = crate::Error::Io {
-            path: "/snap/manifest.json".into(),
-            op: "read",
-            source: io(),
-        };
+        let e = crate::Error::from(guestmem_sys::FileError::at(
+            std::path::Path::new("/snap/manifest.json"),
+            "read",
+        )(io()));
         assert_eq!(e.to_string(), "/snap/manifest.json: read failed");
         assert_eq!(
             error_chain(&e, ": "),

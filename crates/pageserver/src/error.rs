@@ -1,7 +1,7 @@
 //! Why the page-server protocol or serving failed.
 
 use std::io;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// What page-server operations return.
 pub type Result<T> = std::result::Result<T, Error>;
@@ -10,16 +10,8 @@ pub type Result<T> = std::result::Result<T, Error>;
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A file operation failed.
-    #[error("{path}: {op} failed")]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// The operation.
-        op: &'static str,
-        /// The operating system's error.
-        #[source]
-        source: io::Error,
-    },
+    #[error(transparent)]
+    File(#[from] guestmem_sys::FileError),
     /// The Firecracker page-server protocol was not followed.
     #[error("page-server protocol: {0}")]
     Protocol(String),
@@ -62,7 +54,7 @@ pub enum Error {
 impl Error {
     /// A file operation's error, naming the file and the operation.
     pub fn io(path: &Path, op: &'static str) -> impl FnOnce(io::Error) -> Error {
-        let path = path.to_path_buf();
-        move |source| Error::Io { path, op, source }
+        let at = guestmem_sys::FileError::at(path, op);
+        move |source| Error::File(at(source))
     }
 }

@@ -453,10 +453,8 @@ pub fn send_handshake(
     let json = handshake_message(mappings);
     let sent = stream
         .send_with_fd(&json[..], uffd.as_raw_fd())
-        .map_err(|e| Error::Io {
-            path: socket.to_path_buf(),
-            op: "sendmsg of the handshake",
-            source: io::Error::from_raw_os_error(e.errno()),
+        .map_err(|e| {
+            Error::io(socket, "sendmsg of the handshake")(io::Error::from_raw_os_error(e.errno()))
         })?;
     if sent != json.len() {
         return Err(Error::Protocol(format!(

@@ -7,6 +7,31 @@ compile_error!("guestmem builds only for 64-bit targets: guest addresses, offset
 pub mod probe;
 pub mod uapi;
 
+use std::io;
+use std::path::{Path, PathBuf};
+
+/// A file operation that failed: the file, the operation, and the operating system's error.
+/// The errors of the crates that work on files wrap it, so that each says it the same way.
+#[derive(Debug, thiserror::Error)]
+#[error("{path}: {op} failed")]
+pub struct FileError {
+    /// The file.
+    pub path: PathBuf,
+    /// The operation.
+    pub op: &'static str,
+    /// The operating system's error.
+    #[source]
+    pub source: io::Error,
+}
+
+impl FileError {
+    /// `op` on the file `path` failed with the error given: for `map_err`.
+    pub fn at(path: &Path, op: &'static str) -> impl FnOnce(io::Error) -> FileError {
+        let path = path.to_path_buf();
+        move |source| FileError { path, op, source }
+    }
+}
+
 /// `v` as a `usize`: a guest address, offset, length or page count, which guestmem keeps as
 /// `u64`, used to index or size host memory. Never truncates: this crate, and so every guestmem
 /// crate, refuses to build for targets whose pointers are narrower than 64 bits.
