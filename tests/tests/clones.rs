@@ -304,7 +304,7 @@ fn store_snapshot(tmp: &TempDir, ram: u64) -> (Arc<dyn ObjectStore>, Vec<u64>, V
 /// A restore service (the snapshot held open, a pool of VMs armed ahead: sys region in,
 /// pagers registered, prefetch held): two clones restored from its pool share one copy, one
 /// runs on from where the snapshot stopped, the other reads exactly the snapshot's bytes; a
-/// clone restored with the pool empty too. A VM built for another layout, or armed for
+/// clone restored with the pool empty too (its build reported step by step). A VM built for another layout, or armed for
 /// another snapshot, is refused; a damaged chunk is refused by every clone of the service.
 #[test]
 #[cfg_attr(
@@ -328,6 +328,7 @@ fn a_restore_service_restores_armed_clones_to_the_snapshots_bytes() {
     let b = service.restore().unwrap();
     assert_eq!(service.pooled(), 0);
     assert!(!a.phases.iter().any(|(n, _)| n.starts_with("prepare")));
+    assert!(a.built.is_empty(), "a clone from the pool reports no build");
     check_two_clones(
         &mut a.lazy.vm,
         &b.lazy.vm,
@@ -337,6 +338,14 @@ fn a_restore_service_restores_armed_clones_to_the_snapshots_bytes() {
     );
     let c = service.restore().unwrap();
     assert_eq!(c.phases[0].0, "prepare (pool empty)");
+    // Its build on the clock, step by step: the VM's build, then the sys region and pagers,
+    // all inside its "prepare (pool empty)" phase.
+    assert_eq!(
+        c.built.last().map(|s| s.0),
+        Some("copy the sys region and arm the pagers")
+    );
+    assert!(c.built.len() > 1);
+    assert!(c.built.iter().map(|s| s.1).sum::<std::time::Duration>() <= c.phases[0].1);
     assert!(ram_bytes(&c.lazy.vm) == snapshot_ram);
     drop((a, b, c));
 

@@ -171,6 +171,8 @@ struct Storm {
     /// Building one armed VM in the refill threads during the storm, p50 and p99, ms.
     refill_p50_ms: f64,
     refill_p99_ms: f64,
+    /// The builds on a restore's clock (pool empty), step by step: p99 of each step, ms.
+    pool_empty_build_p99_ms: Vec<(&'static str, f64)>,
     load_average: Option<String>,
     fds_before: usize,
     fds_after: usize,
@@ -310,6 +312,17 @@ fn print_text(out: &Output) {
             s.rss_anon_after_mib,
             s.load_average.as_deref().unwrap_or("?")
         );
+        if !s.pool_empty_build_p99_ms.is_empty() {
+            let steps: Vec<String> = s
+                .pool_empty_build_p99_ms
+                .iter()
+                .map(|(n, ms)| format!("{n} {ms:.1}"))
+                .collect();
+            println!(
+                "    builds on the clock (pool empty), p99 ms: {}",
+                steps.join(", ")
+            );
+        }
     }
 }
 
@@ -540,6 +553,8 @@ struct Restored {
     cpu: Duration,
     runqueue: Duration,
     phases: Vec<(&'static str, Duration)>,
+    /// The service's build on the restore's clock, if its pool was empty, step by step.
+    built: Vec<(&'static str, Duration)>,
 }
 
 impl Restored {
@@ -601,6 +616,7 @@ fn restore(
             cpu: thread_cpu() - cpu,
             runqueue: runqueue_wait().saturating_sub(waited),
             phases: r.phases,
+            built: r.built,
             lazy: r.lazy,
             t,
         });
@@ -622,6 +638,7 @@ fn restore(
         cpu: thread_cpu() - cpu,
         runqueue: runqueue_wait().saturating_sub(waited),
         phases: Vec::new(),
+        built: Vec::new(),
         lazy,
         t,
     })
@@ -818,11 +835,13 @@ impl Fleet {
 /// armed VMs while the restores go on.
 fn storm(args: &Args, source: &Source, share: &Share, at_a_time: usize) -> crate::Result<Storm> {
     let pool_empty = AtomicUsize::new(0);
+    let builds = Mutex::new(Vec::<Vec<(&'static str, Duration)>>::new());
     let once = || -> crate::Result<CloneTimes> {
         let pre = ahead(source, args.via)?;
         let r = restore(source, Some(share), args.via, pre)?;
         if r.phases.first().is_some_and(|p| p.0.starts_with("prepare")) {
             pool_empty.fetch_add(1, Ordering::Relaxed);
+            builds.lock().expect("not poisoned").push(r.built.clone());
         }
         let times = r.times();
         let (mut lazy, t) = (r.lazy, r.t);
@@ -849,6 +868,7 @@ fn storm(args: &Args, source: &Source, share: &Share, at_a_time: usize) -> crate
     }
     once()?;
     pool_empty.store(0, Ordering::Relaxed);
+    builds.lock().expect("not poisoned").clear();
     // The pool is empty when the counters are taken, before and after.
     if let Some(service) = service {
         service.clear();
@@ -905,6 +925,23 @@ fn storm(args: &Args, source: &Source, share: &Share, at_a_time: usize) -> crate
     }
     let times = times.into_inner().expect("not poisoned");
     let refills = refills.into_inner().expect("not poisoned");
+    let builds = builds.into_inner().expect("not poisoned");
+    let pool_empty_build_p99_ms = builds
+        .first()
+        .map(|b| {
+            b.iter()
+                .enumerate()
+                .map(|(i, (name, _))| {
+                    let ms: Vec<f64> = builds
+                        .iter()
+                        .filter_map(|b| b.get(i))
+                        .map(|(_, d)| d.as_secs_f64() * 1e3)
+                        .collect();
+                    (*name, percentile(&ms, 99.0))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
     let readies: Vec<f64> = times.iter().map(|t| t.ready_ms).collect();
     let cpu: Vec<f64> = times.iter().map(|t| t.restore_cpu_ms).collect();
     let runqueue: Vec<f64> = times.iter().map(|t| t.restore_runqueue_ms).collect();
@@ -920,6 +957,7 @@ fn storm(args: &Args, source: &Source, share: &Share, at_a_time: usize) -> crate
         pool_empty: pool_empty.into_inner(),
         refill_p50_ms: percentile(&refills, 50.0),
         refill_p99_ms: percentile(&refills, 99.0),
+        pool_empty_build_p99_ms,
         load_average: crate::envelope::load_average(),
         fds_before,
         fds_after: fds(),

@@ -65,6 +65,14 @@ impl ArmedVm {
     pub fn vm(&self) -> &Vm {
         &self.vm
     }
+
+    /// The steps of its build: the VM's build phases, then copying the sys region in and
+    /// arming the pagers.
+    pub fn build_steps(&self) -> Vec<(&'static str, Duration)> {
+        let mut steps = self.vm.build_phases().to_vec();
+        steps.push(("copy the sys region and arm the pagers", self.armed_in));
+        steps
+    }
 }
 
 /// A clone restored by a [`RestoreService`].
@@ -74,6 +82,10 @@ pub struct ServiceRestore {
     pub lazy: Restored,
     /// Where the restore spent its time, step by step (its `ready` is their sum).
     pub phases: Vec<(&'static str, Duration)>,
+    /// If the pool was empty: the steps of the build on the restore's clock (inside its
+    /// "prepare (pool empty)" phase; see [`ArmedVm::build_steps`]), to tell where such a build
+    /// waits; empty otherwise.
+    pub built: Vec<(&'static str, Duration)>,
 }
 
 impl<I: SnapshotImage> RestoreService<I> {
@@ -167,23 +179,12 @@ impl<I: SnapshotImage> RestoreService<I> {
 
     /// The build phases of the VM the pool would hand out next (empty if none).
     pub fn pooled_build_phases(&self) -> Vec<(&'static str, Duration)> {
-        let mut phases: Vec<(&'static str, Duration)> = self
-            .pool
+        self.pool
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .last()
-            .map(|a| a.vm.build_phases().to_vec())
-            .unwrap_or_default();
-        if let Some(arm) = self
-            .pool
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .last()
-            .map(|a| a.armed_in)
-        {
-            phases.push(("copy the sys region and arm the pagers", arm));
-        }
-        phases
+            .map(ArmedVm::build_steps)
+            .unwrap_or_default()
     }
 
     /// Restores a clone into a VM of the pool, or one built now if the pool is empty (its
@@ -202,8 +203,10 @@ impl<I: SnapshotImage> RestoreService<I> {
             None => {
                 let armed = self.prepare()?;
                 let built = t.elapsed();
+                let steps = armed.build_steps();
                 let mut restored = self.restore_armed(armed)?;
                 restored.phases.insert(0, ("prepare (pool empty)", built));
+                restored.built = steps;
                 restored.lazy.ready += built;
                 Ok(restored)
             }
@@ -272,6 +275,7 @@ impl<I: SnapshotImage> RestoreService<I> {
                 prefetched: self.working_set.is_some(),
             },
             phases,
+            built: Vec::new(),
         })
     }
 }
