@@ -539,3 +539,37 @@ impl Drop for LoadedBytes<'_> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn is_zero_sees_a_non_zero_byte_anywhere() {
+        let mut page = vec![0u8; 4096 + 3];
+        assert!(is_zero(&page));
+        // Unaligned slices put bytes in the head and the tail as well as in the words.
+        for at in [0, 1, 7, 8, 2048, 4095, 4096 + 2] {
+            page[at] = 1;
+            assert!(!is_zero(&page), "byte {at}");
+            assert!(!is_zero(&page[at.min(1)..]), "byte {at}, unaligned");
+            page[at] = 0;
+        }
+        assert!(is_zero(&page[1..]));
+    }
+
+    #[test]
+    fn only_fd_backends_with_write_get_a_write_method() {
+        assert_eq!(Method::candidates(Backend::Memfd)[0], Method::Pwrite);
+        assert_eq!(
+            Method::candidates(Backend::GuestMemfd)[0],
+            Method::GmemWrite
+        );
+        for backend in [Backend::Anon, Backend::MemfdHugetlb, Backend::Hugetlbfs] {
+            let methods = Method::candidates(backend);
+            assert!(!methods.contains(&Method::Pwrite), "{backend:?}");
+            assert!(!methods.contains(&Method::GmemWrite), "{backend:?}");
+            assert_eq!(methods.last(), Some(&Method::Memcpy), "{backend:?}");
+        }
+    }
+}

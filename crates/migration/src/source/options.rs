@@ -340,3 +340,99 @@ impl std::fmt::Debug for Failure<'_> {
         )
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The option `check` refused, or `None` when it accepted them.
+    fn refused(options: &SendOptions, connections: usize) -> Option<&'static str> {
+        match options.check(connections) {
+            Ok(()) => None,
+            Err(Error::Migration(MigrationError::BadOption { option, .. })) => Some(option),
+            Err(e) => panic!("unexpected error: {e}"),
+        }
+    }
+
+    #[test]
+    fn defaults_pass_the_check() {
+        assert_eq!(refused(&SendOptions::default(), 4), None);
+    }
+
+    #[test]
+    fn bandwidth_below_one_mib_per_connection_is_refused() {
+        let options = SendOptions {
+            max_bandwidth: Some(4 * MIN_BANDWIDTH_PER_CONNECTION - 1),
+            ..SendOptions::default()
+        };
+        assert_eq!(refused(&options, 4), Some("max_bandwidth"));
+        assert_eq!(refused(&options, 3), None);
+        let err = options.check(4).unwrap_err().to_string();
+        assert!(err.contains("max_bandwidth"), "{err}");
+    }
+
+    #[test]
+    fn zstd_window_must_be_zero_or_a_power_of_two_in_range() {
+        for bad in [3 << 10, 512, 2 << 30] {
+            let options = SendOptions {
+                zstd_window_bytes: bad,
+                ..SendOptions::default()
+            };
+            assert_eq!(refused(&options, 1), Some("zstd_window_bytes"), "{bad}");
+        }
+        for good in [0, 1 << 10, 1 << 20, 1 << 30] {
+            let options = SendOptions {
+                zstd_window_bytes: good,
+                ..SendOptions::default()
+            };
+            assert_eq!(refused(&options, 1), None, "{good}");
+        }
+    }
+
+    #[test]
+    fn zero_rounds_are_refused() {
+        let options = SendOptions {
+            max_rounds: 0,
+            ..SendOptions::default()
+        };
+        assert_eq!(refused(&options, 1), Some("max_rounds"));
+    }
+
+    #[test]
+    fn zstd_window_log_is_capped_by_memory_per_connection() {
+        let options = SendOptions {
+            compress: Compress::Zstd,
+            zstd_window_bytes: 1 << 27,
+            ..SendOptions::default()
+        };
+        assert_eq!(options.zstd_window_log(1, 1 << 30), Some(27));
+        // 4 MiB per connection: the window shrinks to it.
+        assert_eq!(options.zstd_window_log(4, 16 << 20), Some(22));
+        assert_eq!(options.zstd_window_log(1, 4096), Some(12));
+        // Never below the least window zstd takes.
+        assert_eq!(
+            options.zstd_window_log(1, 100),
+            Some(crate::stream::ZSTD_WINDOW_LOG_MIN)
+        );
+    }
+
+    #[test]
+    fn no_zstd_window_without_zstd_rounds() {
+        let window = SendOptions {
+            compress: Compress::Zstd,
+            zstd_window_bytes: 1 << 20,
+            ..SendOptions::default()
+        };
+        assert_eq!(window.zstd_window_log(1, 1 << 30), Some(20));
+        let postcopy = SendOptions {
+            mode: Mode::Postcopy,
+            ..window.clone()
+        };
+        assert_eq!(postcopy.zstd_window_log(1, 1 << 30), None);
+        let none = SendOptions {
+            zstd_window_bytes: 0,
+            ..window.clone()
+        };
+        assert_eq!(none.zstd_window_log(1, 1 << 30), None);
+    }
+}
