@@ -315,7 +315,7 @@ impl UserfaultPager {
         let end = offset.saturating_add(len).min(size);
         let mut chunk = offset / self.inner.chunk;
         while chunk * self.inner.chunk < end {
-            if let Err(e) = self.inner.install_chunk(chunk) {
+            if let Err(e) = self.inner.install_chunk(chunk, || ()) {
                 let reason = self.inner.fail(e);
                 return Err(Error::Stopped {
                     region: self.inner.region.name().into(),
@@ -361,16 +361,15 @@ impl UserfaultHandler for Inner {
                 )
             })?;
         let chunk = offset / self.chunk;
-        match self.install_chunk(chunk) {
-            Ok(true) => {
-                self.fault_chunks.fetch_add(1, Ordering::Relaxed);
-                self.fault_order
-                    .lock()
-                    .expect("fault order lock")
-                    .push(chunk * self.chunk);
-                Ok(())
-            }
-            Ok(false) => Ok(()),
+        let installed = self.install_chunk(chunk, || {
+            self.fault_chunks.fetch_add(1, Ordering::Relaxed);
+            self.fault_order
+                .lock()
+                .expect("fault order lock")
+                .push(chunk * self.chunk);
+        });
+        match installed {
+            Ok(_) => Ok(()),
             Err(e) => Err(self.fail(e)),
         }
     }
@@ -434,15 +433,17 @@ impl Inner {
     }
 
     /// Installs chunk `chunk` unless it is installed already: fetch, write the non-zero pages,
-    /// then clear the chunk's bits, all under the chunk's lock. Returns whether it installed.
-    fn install_chunk(&self, chunk: u64) -> Result<bool> {
+    /// run `account`, then clear the chunk's bits, all under the chunk's lock. `account` counts
+    /// the install before its pages read resident, so that whoever sees the region resident
+    /// also sees every install counted.
+    fn install_chunk(&self, chunk: u64, account: impl FnOnce()) -> Result<()> {
         let _guard = self.locks[to_usize(chunk)].lock().expect("chunk lock");
         let offset = chunk * self.chunk;
         let len = self.chunk.min(self.region.size() - offset);
         let first = offset / PAGE_SIZE;
         let pages = len / PAGE_SIZE;
         if !self.bitmap.any_set(first, pages) {
-            return Ok(false);
+            return Ok(());
         }
         let mut buf = vec![0u8; to_usize(len)];
         self.fetch(offset, &mut buf)?;
@@ -462,11 +463,12 @@ impl Inner {
             self.put(offset + at as u64, &buf[at..end])?;
             at = end;
         }
+        account();
         self.bitmap.clear(first, pages);
         if self.bitmap.count_set() == 0 {
             let _ = self.resident_at.set(Instant::now());
         }
-        Ok(true)
+        Ok(())
     }
 
     fn fetch(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
@@ -585,11 +587,11 @@ impl Inner {
             if offset >= self.region.size() {
                 continue;
             }
-            match self.install_chunk(offset / self.chunk) {
-                Ok(true) => {
-                    self.prefetch_chunks.fetch_add(1, Ordering::Relaxed);
-                }
-                Ok(false) => {}
+            let account = || {
+                self.prefetch_chunks.fetch_add(1, Ordering::Relaxed);
+            };
+            match self.install_chunk(offset / self.chunk, account) {
+                Ok(_) => {}
                 Err(e) => {
                     self.fail(e);
                     return;
@@ -604,11 +606,11 @@ impl Inner {
             if self.stop.load(Ordering::Acquire) {
                 return;
             }
-            match self.install_chunk(chunk) {
-                Ok(true) => {
-                    self.background_chunks.fetch_add(1, Ordering::Relaxed);
-                }
-                Ok(false) => {}
+            let account = || {
+                self.background_chunks.fetch_add(1, Ordering::Relaxed);
+            };
+            match self.install_chunk(chunk, account) {
+                Ok(_) => {}
                 Err(e) => {
                     self.fail(e);
                     return;

@@ -167,9 +167,9 @@ impl Inner {
         let page = addr & !(to_usize(PAGE_SIZE) - 1);
         let offset = (page - host) as u64;
         self.host_faults.fetch_add(1, Ordering::Relaxed);
-        if self.install_chunk(offset / self.chunk)? {
+        self.install_chunk(offset / self.chunk, || {
             self.host_chunks.fetch_add(1, Ordering::Relaxed);
-        }
+        })?;
         // SAFETY: `zero` holds a page of zeros; the destination page lies in the registered
         // mapping, and a page already in the file is left alone (EEXIST).
         let placed = unsafe { uffd.copy(zero.as_ptr().cast(), page as *mut _, zero.len(), true) };
