@@ -21,6 +21,7 @@ use guestmem_paging::{priority, PagerConfig};
 use guestmem_vm::{layout, Vm, VmState};
 
 use crate::pagers::RegionPagers;
+use crate::recycle;
 use crate::restore::{check_layout, start_pagers, Restored, SnapshotImage};
 use crate::working_set::WorkingSetRegion;
 use crate::{Error, PreparedVm, Result};
@@ -141,6 +142,13 @@ impl<I: SnapshotImage> RestoreService<I> {
     pub fn arm(&self, prepared: PreparedVm) -> Result<ArmedVm> {
         let t = Instant::now();
         let vm = prepared.take(self.image.config(), &self.image.describe())?;
+        self.arm_vm(vm, t)
+    }
+
+    /// `vm` (of the snapshot's configuration, its memory as a fresh build's) armed: the sys
+    /// region copied in, the pagers armed with their background fetches held; `t` is when
+    /// arming it started.
+    fn arm_vm(&self, vm: Vm, t: Instant) -> Result<ArmedVm> {
         check_layout(vm.memory(), &self.image)?;
         for (gpa, bytes) in &self.sys {
             vm.memory().write(*gpa, bytes)?;
@@ -157,6 +165,53 @@ impl<I: SnapshotImage> RestoreService<I> {
             armed_in: t.elapsed(),
         })
     }
+
+    /// Takes a finished clone of this service (its vCPUs stopped: nothing runs it) back into
+    /// the pool instead of tearing its VM down, which saves the next restore that finds the pool
+    /// empty a build of a VM (the kernel's part of which queues behind running guests on a
+    /// busy host). Its pagers are stopped; every region of its memory, the sys region among
+    /// them, is replaced by fresh memory (the module `recycle` lists what else is
+    /// reset or checked); what its vCPUs' last exits left pending in KVM is completed; then it
+    /// is armed as a new VM is (the sys region copied in, new pagers over its RAM, nothing
+    /// resident, the working-set prefetch held) and pooled; the next restore puts the vCPU
+    /// state in. A VM that cannot be reset so (a pager failed, its run was aborted, a
+    /// guest_memfd region, dirty rings, changed memslots, another configuration) is torn
+    /// down and the error names why ([`Error::NotRecycled`]); so is one whose reset fails
+    /// part-way: a VM is never pooled half reset.
+    pub fn recycle(&self, clone: Restored) -> Result<()> {
+        let t = Instant::now();
+        let Restored {
+            pagers,
+            userfault_pagers,
+            mut vm,
+            peer,
+            ..
+        } = clone;
+        let unfit = recycle::unfit(
+            &pagers,
+            &userfault_pagers,
+            &vm,
+            peer.as_ref(),
+            self.image.config(),
+        );
+        // The pagers stop (threads joined, userfaultfds unregistered) before anything of the
+        // VM is touched or dropped.
+        drop((pagers, userfault_pagers, peer));
+        unfit.map_err(Error::NotRecycled)?;
+        // A pager that failed after the check above still stopped the VM's runs.
+        if let Some(reason) = vm.abort_handle().reason() {
+            return Err(Error::NotRecycled(format!("its run was aborted: {reason}")));
+        }
+        vm.complete_pending_exits()?;
+        recycle::wipe(vm.memory()).map_err(Error::NotRecycled)?;
+        let armed = self.arm_vm(vm, t)?;
+        self.pool
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(armed);
+        Ok(())
+    }
+
     /// Adds armed VMs to the pool until it holds `n`.
     pub fn fill(&self, n: usize) -> Result<()> {
         while self.pooled() < n {
