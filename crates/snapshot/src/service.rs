@@ -18,11 +18,11 @@ use std::time::{Duration, Instant};
 
 use guestmem_contract::payload_state_of;
 use guestmem_paging::{priority, PagerConfig};
-use guestmem_vm::{layout, Vm, VmState};
+use guestmem_vm::{Vm, VmState};
 
 use crate::pagers::RegionPagers;
 use crate::recycle;
-use crate::restore::{check_layout, start_pagers, Restored, SnapshotImage};
+use crate::restore::{check_layout, read_sys, start_pagers, Restored, SnapshotImage};
 use crate::working_set::WorkingSetRegion;
 use crate::{Error, PreparedVm, Result};
 
@@ -94,21 +94,7 @@ impl<I: SnapshotImage> RestoreService<I> {
     /// the directory of the clones' shared image; the snapshot's identity is added): reads and
     /// checks its sys region and working set and parses its state.
     pub fn new(image: I, config: PagerConfig) -> Result<RestoreService<I>> {
-        let sys = match image
-            .regions()
-            .iter()
-            .position(|r| r.gpa == layout::SYS_GPA)
-        {
-            Some(i) => {
-                let gpa = image.regions()[i].gpa;
-                image
-                    .read_region(i)?
-                    .into_iter()
-                    .map(|(offset, bytes)| (gpa + offset, bytes))
-                    .collect()
-            }
-            None => Vec::new(),
-        };
+        let sys = read_sys(&image)?;
         let working_set = if config.prefetch.is_empty() {
             image.recorded_working_set()?
         } else {
