@@ -12,10 +12,11 @@ use common::{
     assert_memory_is_snapshot, dirty_work, flip_byte_in_ram, resume_and_check_continuation,
     snapshot_running_vm, TempDir,
 };
+use guestmem_contract::VmBuilder;
 use guestmem_memory::Backend as MemBackend;
 use guestmem_paging::{PagerConfig, Share};
 use guestmem_snapshot::service::RestoreService;
-use guestmem_snapshot::{Restored, Snapshot};
+use guestmem_snapshot::{RestoreMode, Restored, Snapshot};
 use guestmem_vm::{Vm, VmConfig};
 
 const RAM: u64 = 32 << 20;
@@ -219,7 +220,7 @@ fn recycling_again_and_again_keeps_descriptors_and_memory_flat() {
 }
 
 /// A clone whose pager failed (a damaged chunk) is torn down, not pooled, and the error says
-/// why; so is a VM of another configuration.
+/// why; so is a VM of another configuration, and one with guest_memfd RAM.
 #[test]
 #[cfg_attr(
     not(all(kvm, uffd)),
@@ -260,6 +261,20 @@ fn a_clone_whose_pager_failed_is_not_recycled() {
     let e = service.recycle(clone).unwrap_err().to_string();
     assert!(
         e.contains("not recycled") && e.contains("configuration"),
+        "{e}"
+    );
+    assert_eq!(service.pooled(), 0);
+
+    // A guest_memfd VM (restored in full: no KVM Userfault needed), refused naming it.
+    let dir3 = TempDir::new("recycle-gmem");
+    let gmem = VmConfig::simple(2, RAM, MemBackend::GuestMemfd);
+    snapshot_running_vm(&gmem, RAM, &dir3.0);
+    let snap = Snapshot::open(&dir3.0).unwrap();
+    let clone = guestmem_snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Full).unwrap();
+    let service = RestoreService::new(snap, config(None)).unwrap();
+    let e = service.recycle(clone).unwrap_err().to_string();
+    assert!(
+        e.contains("not recycled") && e.contains("region 'ram' is guest_memfd"),
         "{e}"
     );
     assert_eq!(service.pooled(), 0);
