@@ -7,9 +7,10 @@
 //! a pool: VMs of the snapshot's configuration built (memory registered as memslots, vCPUs
 //! created), the sys region copied in, the pagers armed on their RAM (userfaultfd registered,
 //! the shared image mapped, the threads started, the working-set prefetch held)
-//! ([`ArmedVm`]). What a restore does: put the vCPU state in and let the prefetch go. Every
-//! chunk is still checked before any clone sees it: the pagers are the restore engine's own
-//! (see [`crate::restore`]). A lazy restore that opens the snapshot and builds the VM each
+//! ([`ArmedVm`]); a finished clone's VM can go back into the pool, wiped and armed again
+//! ([`RestoreService::recycle`]), instead of a new one being built. What a restore does: put
+//! the vCPU state in and let the prefetch go. Every chunk is still checked before any clone
+//! sees it: the pagers are the restore engine's own (see [`crate::restore`]). A lazy restore that opens the snapshot and builds the VM each
 //! time spends most of its time on what this leaves out, and with many restores at once on
 //! few cores those parts queue for the CPU.
 
@@ -156,9 +157,8 @@ impl<I: SnapshotImage> RestoreService<I> {
     /// the pool instead of tearing its VM down, which saves the next restore that finds the pool
     /// empty a build of a VM (the kernel's part of which queues behind running guests on a
     /// busy host). Its pagers are stopped; every region of its memory, the sys region among
-    /// them, is replaced by fresh memory (the module `recycle` lists what else is
-    /// reset or checked); what its vCPUs' last exits left pending in KVM is completed; then it
-    /// is armed as a new VM is (the sys region copied in, new pagers over its RAM, nothing
+    /// them, is replaced by fresh memory (the module `recycle` lists what else is reset or
+    /// checked); what its vCPUs' last exits left pending in KVM is completed; then it is armed as a new VM is (the sys region copied in, new pagers over its RAM, nothing
     /// resident, the working-set prefetch held) and pooled; the next restore puts the vCPU
     /// state in. A VM that cannot be reset so (a pager failed, its run was aborted, a
     /// guest_memfd region, dirty rings, changed memslots, another configuration) is torn
