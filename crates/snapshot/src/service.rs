@@ -158,7 +158,8 @@ impl<I: SnapshotImage> RestoreService<I> {
     /// empty a build of a VM (the kernel's part of which queues behind running guests on a
     /// busy host). Its pagers are stopped; every region of its memory, the sys region among
     /// them, is replaced by fresh memory (the module `recycle` lists what else is reset or
-    /// checked); what its vCPUs' last exits left pending in KVM is completed; then it is armed as a new VM is (the sys region copied in, new pagers over its RAM, nothing
+    /// checked); what its vCPUs' last exits left pending in KVM is completed; then it is
+    /// armed as a new VM is (the sys region copied in, new pagers over its RAM, nothing
     /// resident, the working-set prefetch held) and pooled; the next restore puts the vCPU
     /// state in. A VM that cannot be reset so (a pager failed, its run was aborted, a
     /// guest_memfd region, dirty rings, changed memslots, another configuration) is torn
