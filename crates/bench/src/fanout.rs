@@ -15,7 +15,8 @@
 //!   wrote: `growth_to_touched_plus_written`, and for sharing `growth_to_unshared`.
 //! - a restore storm (`--storm` restores, sharing): one after another, then `--storm-parallel`
 //!   at a time; each restores, runs to its first progress and goes. `restores_per_s`,
-//!   `ready_p99_ms`, and the process's descriptors and anonymous memory before and after.
+//!   `ready_p99_ms`, the VMs built and recycled, and the process's descriptors and anonymous
+//!   memory before and after.
 //!
 //! How a clone is restored (`--via`): by default as a restore service runs
 //! ([`RestoreService`]: the snapshot opened once, its sys region, working set and state read
@@ -23,8 +24,9 @@
 //! arms the pagers and puts the vCPU state in), with each restore's phases and the CPU time
 //! of the thread that restores. The others measure what that leaves out: `warm` (the snapshot
 //! opened once, a VM built before the restore's clock), `prepared` (also opening the snapshot
-//! on the clock) and `fresh` (also building the VM). In the storm the service's pool is
-//! refilled by a thread of its own while the restores go on, and a restore that finds it
+//! on the clock) and `fresh` (also building the VM). In the storm each finished clone's VM
+//! goes back into the service's pool (`--recycle`, the default), or (`--recycle false`) is
+//! torn down while threads of their own refill the pool with new VMs; a restore that finds it
 //! empty builds its VM on its clock. The store and the shared image are removed afterwards.
 //! Self-contained: the only hook is the `Fanout` variant of `guestmem bench`.
 
@@ -79,6 +81,11 @@ pub struct Args {
     /// Restores at a time in the storm's second half.
     #[arg(long, default_value_t = 16)]
     storm_parallel: usize,
+    /// In the storm (`--via service`), take each finished clone's VM back into the service's
+    /// pool (`RestoreService::recycle`) instead of tearing it down and building new VMs to
+    /// refill the pool; `--recycle false` measures the latter.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    recycle: bool,
     /// How each clone is restored: `service` (a restore service holding the snapshot open
     /// with a pool of armed VMs), `warm` (the snapshot opened once, a VM built before the
     /// restore's clock), `prepared` (a VM built before the clock, the snapshot opened on it),
@@ -166,8 +173,17 @@ struct Storm {
     restore_cpu_p50_ms: f64,
     restore_cpu_p99_ms: f64,
     restore_runqueue_p99_ms: f64,
+    /// Whether finished clones went back into the service's pool (`--recycle`).
+    recycle: bool,
     /// Restores that found the service's pool empty and built their VM on their clock.
     pool_empty: usize,
+    /// VMs built during the storm: on a restore's clock (pool empty) and by the refill threads.
+    built: usize,
+    /// Finished clones taken back into the pool (`--recycle`), and the time each took, p50
+    /// and p99, ms (off every restore's clock).
+    recycled: usize,
+    recycle_p50_ms: f64,
+    recycle_p99_ms: f64,
     /// Building one armed VM in the refill threads during the storm, p50 and p99, ms.
     refill_p50_ms: f64,
     refill_p99_ms: f64,
@@ -293,10 +309,13 @@ fn print_text(out: &Output) {
     }
     for s in &out.storms {
         println!(
-            "storm of {} restores, {} at a time: {:.1}/s, ready p50 {:.1} p99 {:.1} ms (CPU p50 \
-             {:.2} p99 {:.2} ms, runqueue p99 {:.2} ms), pool empty {} (refill p50 {:.1} p99 {:.1} ms); fds {} -> {}, anon {:.1} -> {:.1} MiB; load {}",
+            "storm of {} restores, {} at a time{}: {:.1}/s, ready p50 {:.1} p99 {:.1} ms (CPU \
+             p50 {:.2} p99 {:.2} ms, runqueue p99 {:.2} ms), pool empty {} (refill p50 {:.1} \
+             p99 {:.1} ms), built {}, recycled {} (p50 {:.1} p99 {:.1} ms); fds {} -> {}, anon \
+             {:.1} -> {:.1} MiB; load {}",
             s.restores,
             s.at_a_time,
+            if s.recycle { " recycling" } else { "" },
             s.restores_per_s,
             s.ready_p50_ms,
             s.ready_p99_ms,
@@ -306,6 +325,10 @@ fn print_text(out: &Output) {
             s.pool_empty,
             s.refill_p50_ms,
             s.refill_p99_ms,
+            s.built,
+            s.recycled,
+            s.recycle_p50_ms,
+            s.recycle_p99_ms,
             s.fds_before,
             s.fds_after,
             s.rss_anon_before_mib,
@@ -829,46 +852,73 @@ impl Fleet {
     }
 }
 
-/// `restores` restores of `source` (sharing), `at_a_time` at once: each restores, runs to its
-/// first progress and is dropped. One restore before the counters warms the image. With
-/// `--via service`, threads of their own ([`REFILL_THREADS`]) keep the pool at `at_a_time`
-/// armed VMs while the restores go on.
+/// What the storm's restores counted, shared by its threads.
+#[derive(Default)]
+struct Tally {
+    /// Restores that found the pool empty, and the steps of their builds.
+    pool_empty: AtomicUsize,
+    builds: Mutex<Vec<Vec<(&'static str, Duration)>>>,
+    /// Finished clones taken back into the pool, and how long each took, ms.
+    recycled: AtomicUsize,
+    recycle_ms: Mutex<Vec<f64>>,
+}
+
+/// One clone of the storm: restores, runs to its first progress, and goes: back into the
+/// service's pool with `--recycle` (`--via service`), else torn down.
+fn storm_clone(
+    args: &Args,
+    source: &Source,
+    share: &Share,
+    tally: &Tally,
+) -> crate::Result<CloneTimes> {
+    let pre = ahead(source, args.via)?;
+    let r = restore(source, Some(share), args.via, pre)?;
+    if r.phases.first().is_some_and(|p| p.0.starts_with("prepare")) {
+        tally.pool_empty.fetch_add(1, Ordering::Relaxed);
+        tally
+            .builds
+            .lock()
+            .expect("not poisoned")
+            .push(r.built.clone());
+    }
+    let times = r.times();
+    let (mut lazy, t) = (r.lazy, r.t);
+    let before = lazy.vm.pages_done();
+    let running = lazy.vm.resume()?;
+    while !running
+        .progress()
+        .iter()
+        .zip(&before)
+        .any(|((p, _), b)| p > b)
+    {
+        if t.elapsed() > Duration::from_secs(60) {
+            return Err("a restored guest made no progress in 60 s".into());
+        }
+        std::thread::sleep(Duration::from_micros(100));
+    }
+    running.stop();
+    running.wait(Duration::from_secs(30))?;
+    if let Some(service) = source.service(Some(share)).filter(|_| args.recycle) {
+        let t = Instant::now();
+        service.recycle(lazy)?;
+        let ms = t.elapsed().as_secs_f64() * 1e3;
+        tally.recycled.fetch_add(1, Ordering::Relaxed);
+        tally.recycle_ms.lock().expect("not poisoned").push(ms);
+    }
+    Ok(times)
+}
+
+/// `restores` restores of `source` (sharing), `at_a_time` at once (see [`storm_clone`]). One
+/// restore before the counters warms the image. With `--via service`, the pool holds
+/// `at_a_time` armed VMs when the storm starts; with `--recycle` every finished clone goes
+/// back into it, else threads of their own ([`REFILL_THREADS`]) keep it at `at_a_time` with
+/// new VMs while the restores go on.
 fn storm(args: &Args, source: &Source, share: &Share, at_a_time: usize) -> crate::Result<Storm> {
-    let pool_empty = AtomicUsize::new(0);
-    let builds = Mutex::new(Vec::<Vec<(&'static str, Duration)>>::new());
-    let once = || -> crate::Result<CloneTimes> {
-        let pre = ahead(source, args.via)?;
-        let r = restore(source, Some(share), args.via, pre)?;
-        if r.phases.first().is_some_and(|p| p.0.starts_with("prepare")) {
-            pool_empty.fetch_add(1, Ordering::Relaxed);
-            builds.lock().expect("not poisoned").push(r.built.clone());
-        }
-        let times = r.times();
-        let (mut lazy, t) = (r.lazy, r.t);
-        let before = lazy.vm.pages_done();
-        let running = lazy.vm.resume()?;
-        while !running
-            .progress()
-            .iter()
-            .zip(&before)
-            .any(|((p, _), b)| p > b)
-        {
-            if t.elapsed() > Duration::from_secs(60) {
-                return Err("a restored guest made no progress in 60 s".into());
-            }
-            std::thread::sleep(Duration::from_micros(100));
-        }
-        running.stop();
-        running.wait(Duration::from_secs(30))?;
-        Ok(times)
-    };
     let service = source.service(Some(share));
     if let Some(service) = service {
         service.fill(at_a_time)?;
     }
-    once()?;
-    pool_empty.store(0, Ordering::Relaxed);
-    builds.lock().expect("not poisoned").clear();
+    storm_clone(args, source, share, &Tally::default())?;
     // The pool is empty when the counters are taken, before and after.
     if let Some(service) = service {
         service.clear();
@@ -879,13 +929,14 @@ fn storm(args: &Args, source: &Source, share: &Share, at_a_time: usize) -> crate
     }
     let next = AtomicUsize::new(0);
     let finished = std::sync::atomic::AtomicBool::new(false);
-    let times = Mutex::new(Vec::with_capacity(args.storm));
-    let failure = Mutex::new(None);
-    let refills = Mutex::new(Vec::new());
+    let (tally, times) = (Tally::default(), Mutex::new(Vec::with_capacity(args.storm)));
+    let (failure, refills) = (Mutex::new(None), Mutex::new(Vec::new()));
     let t = Instant::now();
     std::thread::scope(|s| {
         for _ in 0..REFILL_THREADS {
-            let Some(service) = service else { break };
+            let Some(service) = service.filter(|_| !args.recycle) else {
+                break;
+            };
             s.spawn(|| {
                 if let Err(e) = refill(service, at_a_time, &finished, &refills) {
                     *failure.lock().expect("not poisoned") = Some(e.to_string());
@@ -896,7 +947,7 @@ fn storm(args: &Args, source: &Source, share: &Share, at_a_time: usize) -> crate
             for _ in 0..at_a_time {
                 w.spawn(|| {
                     while next.fetch_add(1, Ordering::Relaxed) < args.storm {
-                        match once() {
+                        match storm_clone(args, source, share, &tally) {
                             Ok(r) => times.lock().expect("not poisoned").push(r),
                             Err(e) => *failure.lock().expect("not poisoned") = Some(e.to_string()),
                         }
@@ -914,31 +965,55 @@ fn storm(args: &Args, source: &Source, share: &Share, at_a_time: usize) -> crate
         service.clear();
     }
     let times = times.into_inner().expect("not poisoned");
-    let refills = refills.into_inner().expect("not poisoned");
-    let builds = builds.into_inner().expect("not poisoned");
-    let pool_empty_build_p99_ms = build_steps_p99(&builds);
+    let mut out = storm_row(args, at_a_time, wall, &times, tally);
+    out.refill_p50_ms = percentile(&refills.lock().expect("not poisoned"), 50.0);
+    out.refill_p99_ms = percentile(&refills.lock().expect("not poisoned"), 99.0);
+    out.built += refills.into_inner().expect("not poisoned").len();
+    (out.fds_before, out.fds_after) = (fds_before, fds());
+    out.rss_anon_before_mib = anon_before / MIB;
+    out.rss_anon_after_mib = Counters::now(None).anon / MIB;
+    Ok(out)
+}
+
+/// The storm's row from its restores' `times`, its `wall` seconds and what they counted (the
+/// refills and the process's counters are the caller's to fill in).
+fn storm_row(
+    args: &Args,
+    at_a_time: usize,
+    wall: f64,
+    times: &[CloneTimes],
+    tally: Tally,
+) -> Storm {
+    let builds = tally.builds.into_inner().expect("not poisoned");
+    let recycle_ms = tally.recycle_ms.into_inner().expect("not poisoned");
     let readies: Vec<f64> = times.iter().map(|t| t.ready_ms).collect();
     let cpu: Vec<f64> = times.iter().map(|t| t.restore_cpu_ms).collect();
     let runqueue: Vec<f64> = times.iter().map(|t| t.restore_runqueue_ms).collect();
-    Ok(Storm {
+    let pool_empty = tally.pool_empty.into_inner();
+    Storm {
         restores: args.storm,
         at_a_time,
+        recycle: args.recycle && args.via == Via::Service,
         restores_per_s: args.storm as f64 / wall,
         ready_p50_ms: percentile(&readies, 50.0),
         ready_p99_ms: percentile(&readies, 99.0),
         restore_cpu_p50_ms: percentile(&cpu, 50.0),
         restore_cpu_p99_ms: percentile(&cpu, 99.0),
         restore_runqueue_p99_ms: percentile(&runqueue, 99.0),
-        pool_empty: pool_empty.into_inner(),
-        refill_p50_ms: percentile(&refills, 50.0),
-        refill_p99_ms: percentile(&refills, 99.0),
-        pool_empty_build_p99_ms,
+        pool_empty,
+        built: pool_empty,
+        recycled: tally.recycled.into_inner(),
+        recycle_p50_ms: percentile(&recycle_ms, 50.0),
+        recycle_p99_ms: percentile(&recycle_ms, 99.0),
+        refill_p50_ms: f64::NAN,
+        refill_p99_ms: f64::NAN,
+        pool_empty_build_p99_ms: build_steps_p99(&builds),
         load_average: crate::envelope::load_average(),
-        fds_before,
-        fds_after: fds(),
-        rss_anon_before_mib: anon_before / MIB,
-        rss_anon_after_mib: Counters::now(None).anon / MIB,
-    })
+        fds_before: 0,
+        fds_after: 0,
+        rss_anon_before_mib: 0.0,
+        rss_anon_after_mib: 0.0,
+    }
 }
 
 /// Keeps `service`'s pool at `at_a_time` armed VMs until `finished`, each build's time (ms)

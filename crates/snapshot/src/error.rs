@@ -67,6 +67,10 @@ pub enum Error {
         /// What differs (vCPUs, regions and their address, size, backend).
         reason: String,
     },
+    /// A finished clone's VM that a restore service would not take back into its pool (it
+    /// was torn down instead): what made it unfit to be reused.
+    #[error("the clone's VM was not recycled (torn down instead): {0}")]
+    NotRecycled(String),
     /// A snapshot that cannot be written.
     #[error("cannot write the snapshot: {0}")]
     Write(String),

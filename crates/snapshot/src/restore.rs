@@ -297,17 +297,13 @@ where
     I: SnapshotImage + ?Sized,
     T: RestoreTarget,
 {
-    let sys_index = image
-        .regions()
-        .iter()
-        .position(|r| r.gpa == layout::SYS_GPA);
     if image.reads_overlap_build() {
-        return build_while_reading(image, into, name, sys_index, want_working_set, phases);
+        return build_while_reading(image, into, name, want_working_set, phases);
     }
     let vm = into.machine(image.config(), name, phases)?;
     let mut t = Instant::now();
     check_layout(vm.memory(), image)?;
-    if let Some(i) = sys_index {
+    if let Some(i) = sys_index(image) {
         image.copy_region(vm.memory(), i)?;
     }
     lap(phases, &mut t, "copy the sys region");
@@ -326,7 +322,6 @@ fn build_while_reading<I, T>(
     image: &I,
     into: T,
     name: &str,
-    sys_index: Option<usize>,
     want_working_set: bool,
     phases: &mut Vec<(String, Duration)>,
 ) -> Result<(T::Machine, Option<Vec<WorkingSetRegion>>)>
@@ -335,7 +330,7 @@ where
     T: RestoreTarget,
 {
     let (vm, sys, working_set) = std::thread::scope(|s| {
-        let sys = s.spawn(|| sys_index.map(|i| image.read_region(i)).transpose());
+        let sys = s.spawn(|| read_sys(image));
         let working_set = s.spawn(|| {
             if want_working_set {
                 image.recorded_working_set()
@@ -355,14 +350,33 @@ where
     let vm = vm?;
     let mut t = Instant::now();
     check_layout(vm.memory(), image)?;
-    if let (Some(i), Some(pieces)) = (sys_index, sys?) {
-        let region = &vm.memory().regions()[i];
-        for (offset, bytes) in pieces {
-            vm.memory().write(region.gpa() + offset, &bytes)?;
-        }
+    for (gpa, bytes) in sys? {
+        vm.memory().write(gpa, &bytes)?;
     }
     lap(phases, &mut t, "copy the sys region");
     Ok((vm, working_set?))
+}
+
+/// The index of `image`'s sys region (page tables, payload, control blocks) among its
+/// regions, if it has one.
+fn sys_index<I: SnapshotImage + ?Sized>(image: &I) -> Option<usize> {
+    image
+        .regions()
+        .iter()
+        .position(|r| r.gpa == layout::SYS_GPA)
+}
+
+/// The non-zero bytes of `image`'s sys region, checked, as (guest address, bytes) pieces
+/// (none without a sys region): read once, written into each VM restored.
+pub(crate) fn read_sys<I: SnapshotImage + ?Sized>(image: &I) -> Result<Vec<(u64, Vec<u8>)>> {
+    let Some(i) = sys_index(image) else {
+        return Ok(Vec::new());
+    };
+    Ok(image
+        .read_region(i)?
+        .into_iter()
+        .map(|(offset, bytes)| (layout::SYS_GPA + offset, bytes))
+        .collect())
 }
 
 /// Full and map modes: every region copied in, or (map, anonymous regions) mapped from the

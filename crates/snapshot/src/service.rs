@@ -7,9 +7,10 @@
 //! a pool: VMs of the snapshot's configuration built (memory registered as memslots, vCPUs
 //! created), the sys region copied in, the pagers armed on their RAM (userfaultfd registered,
 //! the shared image mapped, the threads started, the working-set prefetch held)
-//! ([`ArmedVm`]). What a restore does: put the vCPU state in and let the prefetch go. Every
-//! chunk is still checked before any clone sees it: the pagers are the restore engine's own
-//! (see [`crate::restore`]). A lazy restore that opens the snapshot and builds the VM each
+//! ([`ArmedVm`]); a finished clone's VM can go back into the pool, wiped and armed again
+//! ([`RestoreService::recycle`]), instead of a new one being built. What a restore does: put
+//! the vCPU state in and let the prefetch go. Every chunk is still checked before any clone
+//! sees it: the pagers are the restore engine's own (see [`crate::restore`]). A lazy restore that opens the snapshot and builds the VM each
 //! time spends most of its time on what this leaves out, and with many restores at once on
 //! few cores those parts queue for the CPU.
 
@@ -18,10 +19,11 @@ use std::time::{Duration, Instant};
 
 use guestmem_contract::payload_state_of;
 use guestmem_paging::{priority, PagerConfig};
-use guestmem_vm::{layout, Vm, VmState};
+use guestmem_vm::{Vm, VmState};
 
 use crate::pagers::RegionPagers;
-use crate::restore::{check_layout, start_pagers, Restored, SnapshotImage};
+use crate::recycle;
+use crate::restore::{check_layout, read_sys, start_pagers, Restored, SnapshotImage};
 use crate::working_set::WorkingSetRegion;
 use crate::{Error, PreparedVm, Result};
 
@@ -93,21 +95,7 @@ impl<I: SnapshotImage> RestoreService<I> {
     /// the directory of the clones' shared image; the snapshot's identity is added): reads and
     /// checks its sys region and working set and parses its state.
     pub fn new(image: I, config: PagerConfig) -> Result<RestoreService<I>> {
-        let sys = match image
-            .regions()
-            .iter()
-            .position(|r| r.gpa == layout::SYS_GPA)
-        {
-            Some(i) => {
-                let gpa = image.regions()[i].gpa;
-                image
-                    .read_region(i)?
-                    .into_iter()
-                    .map(|(offset, bytes)| (gpa + offset, bytes))
-                    .collect()
-            }
-            None => Vec::new(),
-        };
+        let sys = read_sys(&image)?;
         let working_set = if config.prefetch.is_empty() {
             image.recorded_working_set()?
         } else {
@@ -141,6 +129,13 @@ impl<I: SnapshotImage> RestoreService<I> {
     pub fn arm(&self, prepared: PreparedVm) -> Result<ArmedVm> {
         let t = Instant::now();
         let vm = prepared.take(self.image.config(), &self.image.describe())?;
+        self.arm_vm(vm, t)
+    }
+
+    /// `vm` (of the snapshot's configuration, its memory as a fresh build's) armed: the sys
+    /// region copied in, the pagers armed with their background fetches held; `t` is when
+    /// arming it started.
+    fn arm_vm(&self, vm: Vm, t: Instant) -> Result<ArmedVm> {
         check_layout(vm.memory(), &self.image)?;
         for (gpa, bytes) in &self.sys {
             vm.memory().write(*gpa, bytes)?;
@@ -157,6 +152,53 @@ impl<I: SnapshotImage> RestoreService<I> {
             armed_in: t.elapsed(),
         })
     }
+
+    /// Takes a finished clone of this service (its vCPUs stopped: nothing runs it) back into
+    /// the pool instead of tearing its VM down, which saves the next restore that finds the pool
+    /// empty a build of a VM (the kernel's part of which queues behind running guests on a
+    /// busy host). Its pagers are stopped; every region of its memory, the sys region among
+    /// them, is replaced by fresh memory (the module `recycle` lists what else is reset or
+    /// checked); what its vCPUs' last exits left pending in KVM is completed; then it is
+    /// armed as a new VM is (the sys region copied in, new pagers over its RAM, nothing
+    /// resident, the working-set prefetch held) and pooled; the next restore puts the vCPU
+    /// state in. A VM that cannot be reset so (a pager failed, its run was aborted, a
+    /// guest_memfd region, dirty rings, changed memslots, another configuration) is torn
+    /// down and the error names why ([`Error::NotRecycled`]); so is one whose reset fails
+    /// part-way: a VM is never pooled half reset.
+    pub fn recycle(&self, clone: Restored) -> Result<()> {
+        let t = Instant::now();
+        let Restored {
+            pagers,
+            userfault_pagers,
+            mut vm,
+            peer,
+            ..
+        } = clone;
+        let unfit = recycle::unfit(
+            &pagers,
+            &userfault_pagers,
+            &vm,
+            peer.as_ref(),
+            self.image.config(),
+        );
+        // The pagers stop (threads joined, userfaultfds unregistered) before anything of the
+        // VM is touched or dropped.
+        drop((pagers, userfault_pagers, peer));
+        unfit.map_err(Error::NotRecycled)?;
+        // A pager that failed after the check above still stopped the VM's runs.
+        if let Some(reason) = vm.abort_handle().reason() {
+            return Err(Error::NotRecycled(format!("its run was aborted: {reason}")));
+        }
+        vm.complete_pending_exits()?;
+        recycle::wipe(vm.memory()).map_err(Error::NotRecycled)?;
+        let armed = self.arm_vm(vm, t)?;
+        self.pool
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(armed);
+        Ok(())
+    }
+
     /// Adds armed VMs to the pool until it holds `n`.
     pub fn fill(&self, n: usize) -> Result<()> {
         while self.pooled() < n {

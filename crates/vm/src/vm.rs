@@ -84,6 +84,14 @@ impl AbortHandle {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .take()
     }
+
+    /// The reason the run was stopped with, if it was and no run has reported it yet.
+    pub fn reason(&self) -> Option<String> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
 }
 
 /// The TSC rate KVM gives a new vCPU here (`KVM_GET_TSC_KHZ` on a scratch VM): the rate of
@@ -330,6 +338,38 @@ impl Vm {
             .set_clock(&clock)
             .map_err(Error::ioctl("KVM_SET_CLOCK"))?;
         self.work = saved.work.clone();
+        Ok(())
+    }
+
+    /// Completes what each vCPU's last exit left pending in KVM (the emulation of an MMIO or
+    /// port access the VMM handled, e.g. the payload's "done" write), without entering the
+    /// guest (`KVM_RUN` with `immediate_exit`): KVM finishes such an instruction at the next
+    /// `KVM_RUN`, writing its registers, so a VM that is to be given a saved state again
+    /// (reused for another restore) must have it done first, or the old instruction's end would
+    /// land on the new state.
+    pub fn complete_pending_exits(&mut self) -> Result<()> {
+        for (id, vcpu) in self.vcpus.iter_mut().enumerate() {
+            vcpu.set_kvm_immediate_exit(1);
+            let ran = vcpu.run().map(|exit| format!("{exit:?}"));
+            vcpu.set_kvm_immediate_exit(0);
+            match ran {
+                Err(e) if e.errno() == libc::EINTR => {}
+                Err(e) => {
+                    return Err(Error::UnexpectedExit {
+                        vcpu: id,
+                        exit: format!("KVM_RUN error completing a pending exit: {e}"),
+                        rip: rip_of(vcpu),
+                    })
+                }
+                Ok(exit) => {
+                    return Err(Error::UnexpectedExit {
+                        vcpu: id,
+                        exit: format!("{exit} while completing a pending exit"),
+                        rip: rip_of(vcpu),
+                    })
+                }
+            }
+        }
         Ok(())
     }
 
@@ -740,6 +780,11 @@ impl Drop for RunningVm<'_> {
             self.join_all();
         }
     }
+}
+
+/// The vCPU's RIP, for messages (`u64::MAX` if it cannot be read).
+fn rip_of(vcpu: &VcpuFd) -> u64 {
+    vcpu.get_regs().map_or(u64::MAX, |r| r.rip)
 }
 
 /// Times the steps of a multi-step operation.
