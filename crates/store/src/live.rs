@@ -11,17 +11,16 @@ use std::time::Instant;
 use guestmem_contract::component::{Components, Machine};
 use guestmem_memory::GuestMemory;
 use guestmem_snapshot::live::{capture, ChunkSource, LiveOptions, LiveReport, LiveSink};
-use guestmem_snapshot::SavedState;
 use guestmem_sys::to_usize;
 use guestmem_tracking::{DirtyBitmap, Tracker};
 
 use crate::chunk::{Hash, Stored, CHUNK_BYTES};
 use crate::gc::Lease;
-use crate::manifest::{ChunkRef, PackTable, StoreManifest, StoreRegion, FORMAT, VERSION};
+use crate::manifest::{ChunkRef, PackTable, StoreRegion};
 use crate::objects::ObjectStore;
 use crate::write::{
-    base_of, check_name, commit, known_chunks, store_jobs, stored_bytes, threads, Counts, Job,
-    StoreWriteReport,
+    base_of, check_name, commit, known_claims, saved_state_json, sealed_manifest, store_jobs,
+    stored_bytes, threads, Counts, Job, StoreWriteReport,
 };
 use crate::{Error, Result};
 
@@ -139,14 +138,10 @@ pub fn write_machine_live<M: Machine + ?Sized>(
             }
         },
     };
-    let known = known_chunks(backend)?
-        .into_iter()
-        .map(|(h, c)| (h, Some(c)))
-        .collect();
     let mut sink = StoreSink {
         backend,
         threads: threads(backend),
-        known: Mutex::new(known),
+        known: Mutex::new(known_claims(backend)?),
         chunks: machine
             .memory()
             .regions()
@@ -160,23 +155,11 @@ pub fn write_machine_live<M: Machine + ?Sized>(
         Ok(c) => c,
         Err(e) => return Err(sink.failed.take().unwrap_or(Error::Snapshot(e))),
     };
-    let state_json = serde_json::to_vec(&SavedState {
-        machine: captured.machine,
-        components: captured.components,
-    })
-    .expect("a saved state serializes");
+    let state_json = saved_state_json(captured.machine, captured.components);
     let diff = base.is_some();
     let known = sink.known.into_inner().expect("not poisoned");
     let mut table = PackTable::default();
-    let mut report = StoreWriteReport {
-        snapshot: format!("{}/{name}", backend.describe()),
-        threads: sink.threads,
-        new_chunks: sink.counts.new_chunks,
-        new_stored_bytes: sink.counts.new_bytes,
-        new_packs: sink.counts.packs,
-        deduplicated_chunks: sink.counts.dedup,
-        ..Default::default()
-    };
+    let mut report = StoreWriteReport::new(backend, name, sink.threads, sink.counts);
     let mut regions = Vec::new();
     for (region, chunks) in machine.memory().regions().iter().zip(sink.chunks) {
         let mut refs = Vec::with_capacity(chunks.len());
@@ -194,30 +177,14 @@ pub fn write_machine_live<M: Machine + ?Sized>(
                 Some(Some(h)) => table.entry(&known[&h].expect("every claimed chunk was put")),
             });
         }
-        report.memory_bytes += region.size();
-        report.chunks += refs.len() as u64;
-        report.zero_chunks += refs.iter().filter(|c| **c == ChunkRef::Zero).count() as u64;
-        report.inherited_chunks += refs.iter().filter(|c| **c == ChunkRef::Base).count() as u64;
+        report.count_region(region.size(), &refs);
         regions.push(StoreRegion {
             spec: region.spec().clone(),
             digest: None,
             chunks: refs,
         });
     }
-    let mut manifest = StoreManifest {
-        format: FORMAT.into(),
-        version: VERSION,
-        name: name.to_string(),
-        config: machine.config().clone(),
-        chunk_bytes: CHUNK_BYTES,
-        packs: table.into_ids(),
-        regions,
-        state_bytes: state_json.len() as u64,
-        state_blake3: blake3::hash(&state_json).to_hex().to_string(),
-        base,
-        checksum: String::new(),
-    };
-    manifest.seal();
+    let manifest = sealed_manifest(name, machine.config(), table, regions, &state_json, base);
     report.stored_bytes = stored_bytes(&manifest);
     if let Err(e) = commit(backend, &manifest, &state_json) {
         if let Some(tracker) = captured.tracker {

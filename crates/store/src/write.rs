@@ -131,51 +131,12 @@ fn write_state(
         None => None,
         Some((base_name, _)) => Some(base_of(backend, name, base_name, config)?),
     };
-    let dirty = diff.map(|(_, d)| d);
-
-    let state_json = serde_json::to_vec(&SavedState {
-        machine: state,
-        components: components.to_vec(),
-    })
-    .expect("a saved state serializes");
+    let state_json = saved_state_json(state, components.to_vec());
 
     // What the store already holds: those chunks are not put again.
-    let known: HashMap<Hash, Option<Stored>> = known_chunks(backend)?
-        .into_iter()
-        .map(|(h, c)| (h, Some(c)))
-        .collect();
-
-    let mut jobs = Vec::new();
-    let mut entries: Vec<Vec<Option<ChunkRef>>> = Vec::new();
-    for (ri, region) in memory.regions().iter().enumerate() {
-        let n = to_usize(region.size().div_ceil(CHUNK_BYTES));
-        let mut e = vec![None; n];
-        for (index, slot) in e.iter_mut().enumerate() {
-            let offset = index as u64 * CHUNK_BYTES;
-            let len = to_usize(CHUNK_BYTES.min(region.size() - offset));
-            let gpa = region.gpa() + offset;
-            if let Some(dirty) = dirty {
-                let written = dirty.iter().any(|d| {
-                    (gpa..gpa + len as u64)
-                        .step_by(to_usize(PAGE_SIZE))
-                        .any(|p| d.contains(p))
-                });
-                if !written {
-                    *slot = Some(ChunkRef::Base);
-                    continue;
-                }
-            }
-            jobs.push(Job {
-                region: ri,
-                index,
-                gpa,
-                len,
-            });
-        }
-        entries.push(e);
-    }
+    let known = Mutex::new(known_claims(backend)?);
+    let (jobs, mut entries) = plan_jobs(memory, diff.map(|(_, d)| d));
     let threads = threads(backend);
-    let known = Mutex::new(known);
     let (results, counts) = store_jobs(backend, memory, &jobs, &known, threads, None)?;
     let known = known.into_inner().expect("not poisoned");
     let mut table = PackTable::default();
@@ -186,15 +147,7 @@ fn write_state(
         });
     }
 
-    let mut report = StoreWriteReport {
-        snapshot: format!("{}/{name}", backend.describe()),
-        threads,
-        new_chunks: counts.new_chunks,
-        new_stored_bytes: counts.new_bytes,
-        new_packs: counts.packs,
-        deduplicated_chunks: counts.dedup,
-        ..Default::default()
-    };
+    let mut report = StoreWriteReport::new(backend, name, threads, counts);
     let regions: Vec<StoreRegion> = memory
         .regions()
         .iter()
@@ -204,11 +157,7 @@ fn write_state(
                 .into_iter()
                 .map(|c| c.expect("every chunk done"))
                 .collect();
-            report.memory_bytes += region.size();
-            report.chunks += chunks.len() as u64;
-            report.zero_chunks += chunks.iter().filter(|c| **c == ChunkRef::Zero).count() as u64;
-            report.inherited_chunks +=
-                chunks.iter().filter(|c| **c == ChunkRef::Base).count() as u64;
+            report.count_region(region.size(), &chunks);
             StoreRegion {
                 spec: region.spec().clone(),
                 digest: None,
@@ -216,6 +165,110 @@ fn write_state(
             }
         })
         .collect();
+    let manifest = sealed_manifest(name, config, table, regions, &state_json, base);
+    report.stored_bytes = stored_bytes(&manifest);
+    commit(backend, &manifest, &state_json)?;
+    report.write_ms = t.elapsed().as_secs_f64() * 1e3;
+    Ok(report)
+}
+
+impl StoreWriteReport {
+    /// The report of a write of `name` into `backend` on `threads` threads that put `counts`;
+    /// its per-region counts are added by [`Self::count_region`].
+    pub(crate) fn new(
+        backend: &dyn ObjectStore,
+        name: &str,
+        threads: usize,
+        counts: Counts,
+    ) -> Self {
+        StoreWriteReport {
+            snapshot: format!("{}/{name}", backend.describe()),
+            threads,
+            new_chunks: counts.new_chunks,
+            new_stored_bytes: counts.new_bytes,
+            new_packs: counts.packs,
+            deduplicated_chunks: counts.dedup,
+            ..Default::default()
+        }
+    }
+
+    /// Counts a region of `size` bytes whose chunks are `chunks`.
+    pub(crate) fn count_region(&mut self, size: u64, chunks: &[ChunkRef]) {
+        self.memory_bytes += size;
+        self.chunks += chunks.len() as u64;
+        self.zero_chunks += chunks.iter().filter(|c| **c == ChunkRef::Zero).count() as u64;
+        self.inherited_chunks += chunks.iter().filter(|c| **c == ChunkRef::Base).count() as u64;
+    }
+}
+
+/// The state object's bytes: the machine's saved `state` and its components' states.
+pub(crate) fn saved_state_json(state: Vec<u8>, components: Vec<ComponentState>) -> Vec<u8> {
+    serde_json::to_vec(&SavedState {
+        machine: state,
+        components,
+    })
+    .expect("a saved state serializes")
+}
+
+/// The chunks the store already holds, each claimed as put (a write does not put them again).
+pub(crate) fn known_claims(backend: &dyn ObjectStore) -> Result<HashMap<Hash, Option<Stored>>> {
+    Ok(known_chunks(backend)?
+        .into_iter()
+        .map(|(h, c)| (h, Some(c)))
+        .collect())
+}
+
+/// The chunks of `memory` to store, and per region, per chunk, its entry so far: a diff's
+/// chunk holding no page that `dirty` reports is left to the base (`Some(ChunkRef::Base)`),
+/// every other chunk is a job (`None` until stored).
+fn plan_jobs(
+    memory: &GuestMemory,
+    dirty: Option<&[DirtyBitmap]>,
+) -> (Vec<Job>, Vec<Vec<Option<ChunkRef>>>) {
+    let mut jobs = Vec::new();
+    let mut entries = Vec::new();
+    for (ri, region) in memory.regions().iter().enumerate() {
+        let n = to_usize(region.size().div_ceil(CHUNK_BYTES));
+        let mut e = vec![None; n];
+        for (index, slot) in e.iter_mut().enumerate() {
+            let offset = index as u64 * CHUNK_BYTES;
+            let len = to_usize(CHUNK_BYTES.min(region.size() - offset));
+            let gpa = region.gpa() + offset;
+            if dirty.is_some_and(|d| !written(d, gpa, len as u64)) {
+                *slot = Some(ChunkRef::Base);
+                continue;
+            }
+            jobs.push(Job {
+                region: ri,
+                index,
+                gpa,
+                len,
+            });
+        }
+        entries.push(e);
+    }
+    (jobs, entries)
+}
+
+/// Whether any page of the `len` bytes at `gpa` is reported by one of the `dirty` bitmaps.
+fn written(dirty: &[DirtyBitmap], gpa: u64, len: u64) -> bool {
+    dirty.iter().any(|d| {
+        (gpa..gpa + len)
+            .step_by(to_usize(PAGE_SIZE))
+            .any(|p| d.contains(p))
+    })
+}
+
+/// The manifest of snapshot `name` of a VM of `config`, sealed: its `regions`, the packs of
+/// `table`, the state object `state_json` and the diff's `base`.
+pub(crate) fn sealed_manifest(
+    name: &str,
+    config: &VmConfig,
+    table: PackTable,
+    regions: Vec<StoreRegion>,
+    state_json: &[u8],
+    base: Option<StoreBase>,
+) -> StoreManifest {
     let mut manifest = StoreManifest {
         format: FORMAT.into(),
         version: VERSION,
@@ -225,15 +278,12 @@ fn write_state(
         packs: table.into_ids(),
         regions,
         state_bytes: state_json.len() as u64,
-        state_blake3: blake3::hash(&state_json).to_hex().to_string(),
+        state_blake3: blake3::hash(state_json).to_hex().to_string(),
         base,
         checksum: String::new(),
     };
     manifest.seal();
-    report.stored_bytes = stored_bytes(&manifest);
-    commit(backend, &manifest, &state_json)?;
-    report.write_ms = t.elapsed().as_secs_f64() * 1e3;
-    Ok(report)
+    manifest
 }
 
 /// One chunk of guest memory to store: chunk `index` of region `region`, `len` bytes at `gpa`.
@@ -542,5 +592,41 @@ pub fn check_name(name: &str) -> Result<()> {
         Err(Error::Location(format!(
             "'{name}': a snapshot name is one path element of letters, digits and -_.+="
         )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_chunk_is_written_when_any_of_its_pages_is_dirty() {
+        // Slot at 1 MiB, 8 pages, page 5 dirty.
+        let dirty = [DirtyBitmap {
+            slot: 0,
+            gpa: 1 << 20,
+            pages: 8,
+            bits: vec![1 << 5],
+        }];
+        let page5 = (1 << 20) + 5 * PAGE_SIZE;
+        assert!(written(&dirty, 1 << 20, 8 * PAGE_SIZE));
+        assert!(written(&dirty, page5, PAGE_SIZE));
+        assert!(!written(&dirty, 1 << 20, 5 * PAGE_SIZE));
+        assert!(!written(&dirty, page5 + PAGE_SIZE, 2 * PAGE_SIZE));
+        assert!(!written(&[], 1 << 20, 8 * PAGE_SIZE));
+    }
+
+    #[test]
+    fn a_region_adds_its_zero_and_inherited_chunks_to_the_report() {
+        let mut report = StoreWriteReport::default();
+        report.count_region(
+            3 * CHUNK_BYTES,
+            &[ChunkRef::Zero, ChunkRef::Base, ChunkRef::Zero],
+        );
+        report.count_region(CHUNK_BYTES, &[ChunkRef::Base]);
+        assert_eq!(report.memory_bytes, 4 * CHUNK_BYTES);
+        assert_eq!(report.chunks, 4);
+        assert_eq!(report.zero_chunks, 2);
+        assert_eq!(report.inherited_chunks, 2);
     }
 }
