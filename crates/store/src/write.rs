@@ -15,10 +15,10 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use guestmem_contract::component::{ComponentState, Machine};
-use guestmem_memory::{GuestMemory, PAGE_SIZE};
+use guestmem_memory::GuestMemory;
 use guestmem_snapshot::SavedState;
 use guestmem_sys::to_usize;
-use guestmem_tracking::DirtyBitmap;
+use guestmem_tracking::{any_dirty, DirtyBitmap};
 use guestmem_vm::{Vm, VmConfig};
 use serde::Serialize;
 
@@ -234,7 +234,7 @@ fn plan_jobs(
             let offset = index as u64 * CHUNK_BYTES;
             let len = to_usize(CHUNK_BYTES.min(region.size() - offset));
             let gpa = region.gpa() + offset;
-            if dirty.is_some_and(|d| !written(d, gpa, len as u64)) {
+            if dirty.is_some_and(|d| !any_dirty(d, gpa, len as u64)) {
                 *slot = Some(ChunkRef::Base);
                 continue;
             }
@@ -248,15 +248,6 @@ fn plan_jobs(
         entries.push(e);
     }
     (jobs, entries)
-}
-
-/// Whether any page of the `len` bytes at `gpa` is reported by one of the `dirty` bitmaps.
-fn written(dirty: &[DirtyBitmap], gpa: u64, len: u64) -> bool {
-    dirty.iter().any(|d| {
-        (gpa..gpa + len)
-            .step_by(to_usize(PAGE_SIZE))
-            .any(|p| d.contains(p))
-    })
 }
 
 /// The manifest of snapshot `name` of a VM of `config`, sealed: its `regions`, the packs of
@@ -598,23 +589,6 @@ pub fn check_name(name: &str) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_chunk_is_written_when_any_of_its_pages_is_dirty() {
-        // Slot at 1 MiB, 8 pages, page 5 dirty.
-        let dirty = [DirtyBitmap {
-            slot: 0,
-            gpa: 1 << 20,
-            pages: 8,
-            bits: vec![1 << 5],
-        }];
-        let page5 = (1 << 20) + 5 * PAGE_SIZE;
-        assert!(written(&dirty, 1 << 20, 8 * PAGE_SIZE));
-        assert!(written(&dirty, page5, PAGE_SIZE));
-        assert!(!written(&dirty, 1 << 20, 5 * PAGE_SIZE));
-        assert!(!written(&dirty, page5 + PAGE_SIZE, 2 * PAGE_SIZE));
-        assert!(!written(&[], 1 << 20, 8 * PAGE_SIZE));
-    }
 
     #[test]
     fn a_region_adds_its_zero_and_inherited_chunks_to_the_report() {
