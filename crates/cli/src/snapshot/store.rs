@@ -314,36 +314,41 @@ pub(super) fn restore(args: &RestoreArgs) -> crate::Result<()> {
     if args.json {
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
-        println!(
-            "restored {} ({}) in {:.1} ms",
-            out.snapshot, out.mode, out.restore_ms
-        );
-        match out.memory_digests_match {
-            Some(_) => println!("memory digests match the snapshot's: yes"),
-            None => println!("memory checked chunk by chunk (BLAKE3) as it was paged in"),
-        }
-        if let Some(ms) = out.resident_ms {
-            println!("all memory resident {ms:.1} ms after the restore began");
-        }
-        println!(
-            "chunks: {} fetched from the store ({} MiB), {} from the host's chunk cache",
-            out.fetched.store_gets,
-            out.fetched.store_bytes >> 20,
-            out.fetched.cache_hits
-        );
-        if let Some(ws) = &out.working_set {
-            println!(
-                "working set: {} chunks {}; {} page faults served during the run",
-                ws.chunks, ws.action, ws.faults
-            );
-        }
-        println!(
-            "guest pages written per vCPU: {:?} at the snapshot, {:?} after running {:.1} s",
-            out.pages_at_snapshot_per_vcpu, out.pages_after_run_per_vcpu, args.run_for
-        );
+        print_restore(&out, args.run_for);
     }
     if !out.guest_continued {
         return Err("the restored guest did not go on running".into());
     }
     Ok(())
+}
+
+/// Prints what a restore did, for a reader; `run_for`: the seconds the guest ran after it.
+fn print_restore(out: &StoreRestoreOutput, run_for: f64) {
+    println!(
+        "restored {} ({}) in {:.1} ms",
+        out.snapshot, out.mode, out.restore_ms
+    );
+    match out.memory_digests_match {
+        Some(_) => println!("memory digests match the snapshot's: yes"),
+        None => println!("memory checked chunk by chunk (BLAKE3) as it was paged in"),
+    }
+    if let Some(ms) = out.resident_ms {
+        println!("all memory resident {ms:.1} ms after the restore began");
+    }
+    println!(
+        "chunks: {} fetched from the store ({} MiB), {} from the host's chunk cache",
+        out.fetched.store_gets,
+        out.fetched.store_bytes >> 20,
+        out.fetched.cache_hits
+    );
+    if let Some(ws) = &out.working_set {
+        println!(
+            "working set: {} chunks {}; {} page faults served during the run",
+            ws.chunks, ws.action, ws.faults
+        );
+    }
+    println!(
+        "guest pages written per vCPU: {:?} at the snapshot, {:?} after running {:.1} s",
+        out.pages_at_snapshot_per_vcpu, out.pages_after_run_per_vcpu, run_for
+    );
 }
