@@ -148,16 +148,16 @@ fn two_clones_of_a_snapshot_share_one_copy_and_keep_their_own_writes() {
 )]
 fn two_clones_of_a_store_snapshot_share_one_copy_and_keep_their_own_writes() {
     let tmp = TempDir::new("clones-store");
-    let backend: Arc<dyn ObjectStore> = Arc::new(LocalObjectStore::new(&tmp.0));
+    let objects: Arc<dyn ObjectStore> = Arc::new(LocalObjectStore::new(&tmp.0));
     let mut vm = Vm::new(&VmConfig::simple(2, RAM, MemBackend::Anon)).unwrap();
     let running = vm.start(&dirty_work(2, RAM)).unwrap();
     wait_for_generation(&running, 2);
     running.pause().unwrap();
-    write(&*backend, "vm", &vm, None).unwrap();
+    write(&*objects, "vm", &vm, None).unwrap();
     let at_snapshot = vm.pages_done();
     let snapshot_ram = ram_bytes(&vm);
     drop(vm);
-    let snap = StoreSnapshot::open(backend, "vm", None).unwrap();
+    let snap = StoreSnapshot::open(objects, "vm", None).unwrap();
     let share = ShareDir::new("store");
     let mut a =
         snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(share.config())).unwrap();
@@ -203,21 +203,21 @@ fn a_damaged_chunk_is_refused_by_every_clone() {
 
     // A store chunk damaged in its pack.
     let tmp = TempDir::new("clones-bad-store");
-    let backend: Arc<dyn ObjectStore> = Arc::new(LocalObjectStore::new(&tmp.0));
+    let objects: Arc<dyn ObjectStore> = Arc::new(LocalObjectStore::new(&tmp.0));
     let mut vm = Vm::new(&VmConfig::simple(2, RAM, MemBackend::Anon)).unwrap();
     let running = vm.start(&dirty_work(2, RAM)).unwrap();
     wait_for_generation(&running, 2);
     running.pause().unwrap();
-    write(&*backend, "vm", &vm, None).unwrap();
+    write(&*objects, "vm", &vm, None).unwrap();
     drop(vm);
-    let manifest = StoreManifest::load(&*backend, "vm").unwrap();
+    let manifest = StoreManifest::load(&*objects, "vm").unwrap();
     let c = StoreManifest::stored(&manifest.regions[1].chunks[0], &manifest.pack_ids())
         .expect("the guest wrote the first chunk of RAM");
     let key = c.object_key();
-    let mut bytes = backend.get(&key).unwrap();
+    let mut bytes = objects.get(&key).unwrap();
     bytes[to_usize(c.offset() + c.stored / 2)] ^= 1;
-    backend.put(&key, &bytes).unwrap();
-    let snap = StoreSnapshot::open(backend.clone(), "vm", None).unwrap();
+    objects.put(&key, &bytes).unwrap();
+    let snap = StoreSnapshot::open(objects.clone(), "vm", None).unwrap();
     let image = share.image(&snap.manifest.checksum);
     for clone in 0..2 {
         let mut lazy =
@@ -288,17 +288,17 @@ fn clones_racing_to_publish_the_same_chunks_all_read_the_snapshots_bytes() {
 }
 
 /// A snapshot written to a fresh local store in `tmp` from a guest that ran a while: the
-/// backend, the guest's progress and its RAM at the snapshot.
+/// object store, the guest's progress and its RAM at the snapshot.
 fn store_snapshot(tmp: &TempDir, ram: u64) -> (Arc<dyn ObjectStore>, Vec<u64>, Vec<u8>) {
-    let backend: Arc<dyn ObjectStore> = Arc::new(LocalObjectStore::new(&tmp.0));
+    let objects: Arc<dyn ObjectStore> = Arc::new(LocalObjectStore::new(&tmp.0));
     let mut vm = Vm::new(&VmConfig::simple(2, ram, MemBackend::Anon)).unwrap();
     let running = vm.start(&dirty_work(2, ram)).unwrap();
     wait_for_generation(&running, 2);
     running.pause().unwrap();
-    write(&*backend, "vm", &vm, None).unwrap();
+    write(&*objects, "vm", &vm, None).unwrap();
     let at_snapshot = vm.pages_done();
     let snapshot_ram = ram_bytes(&vm);
-    (backend, at_snapshot, snapshot_ram)
+    (objects, at_snapshot, snapshot_ram)
 }
 
 /// A restore service (the snapshot held open, a pool of VMs armed ahead: sys region in,
@@ -313,10 +313,10 @@ fn store_snapshot(tmp: &TempDir, ram: u64) -> (Arc<dyn ObjectStore>, Vec<u64>, V
 )]
 fn a_restore_service_restores_armed_clones_to_the_snapshots_bytes() {
     let tmp = TempDir::new("clones-service");
-    let (backend, at_snapshot, snapshot_ram) = store_snapshot(&tmp, RAM);
+    let (objects, at_snapshot, snapshot_ram) = store_snapshot(&tmp, RAM);
     let share = ShareDir::new("service");
     let service = RestoreService::new(
-        StoreSnapshot::open(backend.clone(), "vm", None).unwrap(),
+        StoreSnapshot::open(objects.clone(), "vm", None).unwrap(),
         share.config(),
     )
     .unwrap();
@@ -367,16 +367,16 @@ fn a_restore_service_restores_armed_clones_to_the_snapshots_bytes() {
     assert!(e.contains("armed for the snapshot"), "{e}");
 
     // A damaged chunk: every clone of the service stops naming it; none publishes it.
-    let manifest = StoreManifest::load(&*backend, "vm").unwrap();
+    let manifest = StoreManifest::load(&*objects, "vm").unwrap();
     let c = StoreManifest::stored(&manifest.regions[1].chunks[0], &manifest.pack_ids())
         .expect("the guest wrote the first chunk of RAM");
     let key = c.object_key();
-    let mut bytes = backend.get(&key).unwrap();
+    let mut bytes = objects.get(&key).unwrap();
     bytes[guestmem_sys::to_usize(c.offset() + c.stored / 2)] ^= 1;
-    backend.put(&key, &bytes).unwrap();
+    objects.put(&key, &bytes).unwrap();
     let share = ShareDir::new("service-bad");
     let service = RestoreService::new(
-        StoreSnapshot::open(backend, "vm", None).unwrap(),
+        StoreSnapshot::open(objects, "vm", None).unwrap(),
         share.config(),
     )
     .unwrap();

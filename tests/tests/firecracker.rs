@@ -857,7 +857,7 @@ fn a_range_the_peer_unmapped_ends_serving_without_a_kill() {
 /// snapshot (its sys region and state), the server brings the RAM through the store's page
 /// source (each chunk checked against its hash): memory ends equal to the snapshot's and the
 /// guest goes on.
-fn serve_from_store(backend: std::sync::Arc<dyn guestmem_store::ObjectStore>, tag: &str) {
+fn serve_from_store(objects: std::sync::Arc<dyn guestmem_store::ObjectStore>, tag: &str) {
     use guestmem_store::restore::StoreSnapshot;
     let dir = TempDir::new(&format!("store-server-{tag}"));
     let config = VmConfig::simple(2, SIZE, Backend::Anon);
@@ -868,11 +868,11 @@ fn serve_from_store(backend: std::sync::Arc<dyn guestmem_store::ObjectStore>, ta
         let vm = snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Full)
             .map(|r| r.vm)
             .unwrap();
-        guestmem_store::write::write(&*backend, "vm1", &vm, None).unwrap();
+        guestmem_store::write::write(&*objects, "vm1", &vm, None).unwrap();
     }
     let work = dirty_work(2, SIZE);
     for background in [false, true] {
-        let store = StoreSnapshot::open(backend.clone(), "vm1", None).unwrap();
+        let store = StoreSnapshot::open(objects.clone(), "vm1", None).unwrap();
         let memory = snapshot::served_memory(&store).unwrap();
         assert!(memory.describe().contains("vm1"), "{}", memory.describe());
         let socket = dir.0.join(format!("uffd-{background}.sock"));
@@ -881,7 +881,7 @@ fn serve_from_store(backend: std::sync::Arc<dyn guestmem_store::ObjectStore>, ta
             ..PagerConfig::default()
         };
         let session = spawn_server(&socket, memory, pager);
-        let vmm_side = StoreSnapshot::open(backend.clone(), "vm1", None).unwrap();
+        let vmm_side = StoreSnapshot::open(objects.clone(), "vm1", None).unwrap();
         let mut restored = snapshot::restore(
             &vmm_side,
             &mut VmBuilder,
@@ -920,7 +920,7 @@ fn serve_from_store(backend: std::sync::Arc<dyn guestmem_store::ObjectStore>, ta
 
     // A damaged chunk is refused when first served, naming the store snapshot and the chunk.
     let (key, at) = {
-        let m = guestmem_store::StoreManifest::load(&*backend, "vm1").unwrap();
+        let m = guestmem_store::StoreManifest::load(&*objects, "vm1").unwrap();
         let ids = m.pack_ids();
         let ram = m.regions.iter().find(|r| r.spec.name == "ram").unwrap();
         let c = ram
@@ -930,11 +930,11 @@ fn serve_from_store(backend: std::sync::Arc<dyn guestmem_store::ObjectStore>, ta
             .unwrap();
         (c.object_key(), to_usize(c.offset() + c.stored / 2))
     };
-    let good = backend.get(&key).unwrap();
+    let good = objects.get(&key).unwrap();
     let mut bad = good.clone();
     bad[at] ^= 0xff;
-    backend.put(&key, &bad).unwrap();
-    let store = StoreSnapshot::open(backend.clone(), "vm1", None).unwrap();
+    objects.put(&key, &bad).unwrap();
+    let store = StoreSnapshot::open(objects.clone(), "vm1", None).unwrap();
     let socket = dir.0.join("uffd-bad.sock");
     let session = spawn_server(
         &socket,
@@ -959,7 +959,7 @@ fn serve_from_store(backend: std::sync::Arc<dyn guestmem_store::ObjectStore>, ta
     );
     drop(session);
     drop(restored);
-    backend.put(&key, &good).unwrap();
+    objects.put(&key, &good).unwrap();
 }
 
 #[test]

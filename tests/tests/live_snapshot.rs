@@ -251,9 +251,9 @@ fn a_guest_memfd_region_is_stored_during_the_pause() {
 }
 
 /// Store snapshot `name`: full and lazy restores hold the memory digested at the pause.
-fn check_store(backend: &Arc<dyn ObjectStore>, name: &str, work: &[VcpuWork], tmp: &TempDir) {
+fn check_store(objects: &Arc<dyn ObjectStore>, name: &str, work: &[VcpuWork], tmp: &TempDir) {
     let cache = guestmem_store::cache::ChunkCache::open(&tmp.0.join("cache"), 1 << 30).unwrap();
-    let snap = StoreSnapshot::open(backend.clone(), name, Some(cache)).unwrap();
+    let snap = StoreSnapshot::open(objects.clone(), name, Some(cache)).unwrap();
     let (want, pages) = parse_saved(&snap.components[0].data, 2);
     let mut vm = snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Full)
         .map(|r| r.vm)
@@ -281,7 +281,7 @@ fn check_store(backend: &Arc<dyn ObjectStore>, name: &str, work: &[VcpuWork], tm
 )]
 fn live_store_snapshot_and_diff_are_the_memory_at_their_pause() {
     let tmp = TempDir::new("live-store");
-    let backend: Arc<dyn ObjectStore> = Arc::new(LocalObjectStore::new(&tmp.0.join("store")));
+    let objects: Arc<dyn ObjectStore> = Arc::new(LocalObjectStore::new(&tmp.0.join("store")));
     let mut vm = Vm::new(&VmConfig::simple(2, SIZE, MemBackend::Anon)).unwrap();
     fill_second_half(&vm);
     let work = half_work(2);
@@ -296,7 +296,7 @@ fn live_store_snapshot_and_diff_are_the_memory_at_their_pause() {
     let w = {
         let mut c = Components::new(vec![&mut probe as &mut dyn Component]).unwrap();
         guestmem_store::live::write_machine_live(
-            &*backend,
+            &*objects,
             "base",
             &mut machine,
             &mut c,
@@ -312,7 +312,7 @@ fn live_store_snapshot_and_diff_are_the_memory_at_their_pause() {
         let mut c = Components::new(vec![&mut probe as &mut dyn Component]).unwrap();
         let base = Some(("base", w.tracker.expect("kept")));
         guestmem_store::live::write_machine_live(
-            &*backend,
+            &*objects,
             "diff",
             &mut machine,
             &mut c,
@@ -332,8 +332,8 @@ fn live_store_snapshot_and_diff_are_the_memory_at_their_pause() {
     let running = machine.into_running().unwrap();
     running.stop();
     running.wait(Duration::from_secs(30)).unwrap();
-    check_store(&backend, "base", &work, &tmp);
-    check_store(&backend, "diff", &work, &tmp);
+    check_store(&objects, "base", &work, &tmp);
+    check_store(&objects, "diff", &work, &tmp);
 }
 
 /// A local store that refuses chunk puts once armed.

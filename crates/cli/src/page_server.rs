@@ -88,12 +88,12 @@ fn store_memory(at: &std::path::Path) -> crate::Result<ServedMemory> {
     use guestmem_store::location::Location;
     use guestmem_store::restore::StoreSnapshot;
     let at = Location::parse(&at.to_string_lossy())?;
-    let backend = at.store.open()?;
-    let cache = if backend.remote() {
+    let objects = at.store.open()?;
+    let cache = if objects.remote() {
         Some(ChunkCache::host_default()?)
     } else {
         None
     };
-    let snap = StoreSnapshot::open(backend, &at.name, cache)?;
+    let snap = StoreSnapshot::open(objects, &at.name, cache)?;
     Ok(guestmem_snapshot::served_memory(&snap)?)
 }

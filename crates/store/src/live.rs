@@ -38,7 +38,7 @@ pub struct StoreLiveWrite {
 
 /// The chunks put so far, and what each chunk of guest memory holds now.
 struct StoreSink<'a> {
-    backend: &'a dyn ObjectStore,
+    objects: &'a dyn ObjectStore,
     threads: usize,
     known: Mutex<HashMap<Hash, Option<Stored>>>,
     /// Per region, per chunk: `None` not stored yet, `Some(None)` zero, else its hash.
@@ -83,7 +83,7 @@ impl LiveSink for StoreSink<'_> {
             Ok(source.read(job.region, job.index, job.gpa, buf)?)
         };
         match store_jobs(
-            self.backend,
+            self.objects,
             memory,
             &jobs,
             &self.known,
@@ -103,7 +103,7 @@ impl LiveSink for StoreSink<'_> {
             Err(e) => {
                 let message = format!(
                     "{}: a round's chunks were not stored",
-                    self.backend.describe()
+                    self.objects.describe()
                 );
                 self.failed = Some(e);
                 Err(guestmem_snapshot::Error::Write(message))
@@ -112,13 +112,13 @@ impl LiveSink for StoreSink<'_> {
     }
 }
 
-/// Writes a snapshot of the running `machine` and its `components` as `name` into `backend`
+/// Writes a snapshot of the running `machine` and its `components` as `name` into `objects`
 /// while they run (see the module docs); they run again on return, error or not. A snapshot
 /// of that name is replaced only when the new manifest is put; a failed write puts none. With
 /// `base` (a snapshot of the same store, and the tracker started when it was taken), a diff
 /// that stores only the chunks written since.
 pub fn write_machine_live<M: Machine + ?Sized>(
-    backend: &dyn ObjectStore,
+    objects: &dyn ObjectStore,
     name: &str,
     machine: &mut M,
     components: &mut Components<'_>,
@@ -127,10 +127,10 @@ pub fn write_machine_live<M: Machine + ?Sized>(
 ) -> Result<StoreLiveWrite> {
     let t = Instant::now();
     check_name(name)?;
-    let _lease = Lease::acquire(backend, "write", name)?;
+    let _lease = Lease::acquire(objects, "write", name)?;
     let (base, tracker) = match base {
         None => (None, None),
-        Some((base_name, tracker)) => match base_of(backend, name, base_name, machine.config()) {
+        Some((base_name, tracker)) => match base_of(objects, name, base_name, machine.config()) {
             Ok(b) => (Some(b), Some(tracker)),
             Err(e) => {
                 let _ = tracker.stop();
@@ -139,9 +139,9 @@ pub fn write_machine_live<M: Machine + ?Sized>(
         },
     };
     let mut sink = StoreSink {
-        backend,
-        threads: threads(backend),
-        known: Mutex::new(known_claims(backend)?),
+        objects,
+        threads: threads(objects),
+        known: Mutex::new(known_claims(objects)?),
         chunks: machine
             .memory()
             .regions()
@@ -159,7 +159,7 @@ pub fn write_machine_live<M: Machine + ?Sized>(
     let diff = base.is_some();
     let known = sink.known.into_inner().expect("not poisoned");
     let mut table = PackTable::default();
-    let mut report = StoreWriteReport::new(backend, name, sink.threads, sink.counts);
+    let mut report = StoreWriteReport::new(objects, name, sink.threads, sink.counts);
     let mut regions = Vec::new();
     for (region, chunks) in machine.memory().regions().iter().zip(sink.chunks) {
         let mut refs = Vec::with_capacity(chunks.len());
@@ -169,7 +169,7 @@ pub fn write_machine_live<M: Machine + ?Sized>(
                 None => {
                     return Err(Error::Write(format!(
                         "{}/{name}: region '{}' chunk {ci} was never stored",
-                        backend.describe(),
+                        objects.describe(),
                         region.name()
                     )))
                 }
@@ -186,7 +186,7 @@ pub fn write_machine_live<M: Machine + ?Sized>(
     }
     let manifest = sealed_manifest(name, machine.config(), table, regions, &state_json, base);
     report.stored_bytes = stored_bytes(&manifest);
-    if let Err(e) = commit(backend, &manifest, &state_json) {
+    if let Err(e) = commit(objects, &manifest, &state_json) {
         if let Some(tracker) = captured.tracker {
             let _ = tracker.stop();
         }

@@ -67,9 +67,9 @@ pub struct StoreWriteReport {
 
 /// How many threads compress and put chunks: every core for a local store; more for a remote
 /// one, whose puts mostly wait on the network.
-pub(crate) fn threads(backend: &dyn ObjectStore) -> usize {
+pub(crate) fn threads(objects: &dyn ObjectStore) -> usize {
     let cores = std::thread::available_parallelism().map_or(2, std::num::NonZero::get);
-    if backend.remote() {
+    if objects.remote() {
         cores.max(8)
     } else {
         cores
@@ -77,24 +77,24 @@ pub(crate) fn threads(backend: &dyn ObjectStore) -> usize {
 }
 
 /// Writes a snapshot of `vm` (paused: holding `&Vm` proves no vCPU runs) as `name` into
-/// `backend`, replacing a snapshot of that name. With `diff`, a diff over snapshot `base` of
+/// `objects`, replacing a snapshot of that name. With `diff`, a diff over snapshot `base` of
 /// the same store: only chunks holding a page that `dirty` reports (a tracker started when the
 /// base was taken) are read; the others are inherited.
 pub fn write(
-    backend: &dyn ObjectStore,
+    objects: &dyn ObjectStore,
     name: &str,
     vm: &Vm,
     diff: Option<(&str, &[DirtyBitmap])>,
 ) -> Result<StoreWriteReport> {
     let state = guestmem_contract::payload_state(vm)?;
-    write_state(backend, name, vm.config(), vm.memory(), state, &[], diff)
+    write_state(objects, name, vm.config(), vm.memory(), state, &[], diff)
 }
 
 /// [`write()`] of any VMM's VM (a [`Machine`], paused, its devices too: nothing writes its
 /// memory until the write returns), its state being what [`Machine::save`] gives, with its
 /// `components`' states beside it for a restore to hand back.
 pub fn write_machine<M: Machine + ?Sized>(
-    backend: &dyn ObjectStore,
+    objects: &dyn ObjectStore,
     name: &str,
     machine: &mut M,
     components: &[ComponentState],
@@ -103,7 +103,7 @@ pub fn write_machine<M: Machine + ?Sized>(
     let state = machine.save()?;
     let machine: &M = machine;
     write_state(
-        backend,
+        objects,
         name,
         machine.config(),
         machine.memory(),
@@ -116,7 +116,7 @@ pub fn write_machine<M: Machine + ?Sized>(
 /// Writes the snapshot of a paused VM of `config` whose memory is `memory` and whose machine
 /// saved `state`.
 fn write_state(
-    backend: &dyn ObjectStore,
+    objects: &dyn ObjectStore,
     name: &str,
     config: &VmConfig,
     memory: &GuestMemory,
@@ -126,18 +126,18 @@ fn write_state(
 ) -> Result<StoreWriteReport> {
     let t = Instant::now();
     check_name(name)?;
-    let _lease = Lease::acquire(backend, "write", name)?;
+    let _lease = Lease::acquire(objects, "write", name)?;
     let base = match diff {
         None => None,
-        Some((base_name, _)) => Some(base_of(backend, name, base_name, config)?),
+        Some((base_name, _)) => Some(base_of(objects, name, base_name, config)?),
     };
     let state_json = saved_state_json(state, components.to_vec());
 
     // What the store already holds: those chunks are not put again.
-    let known = Mutex::new(known_claims(backend)?);
+    let known = Mutex::new(known_claims(objects)?);
     let (jobs, mut entries) = plan_jobs(memory, diff.map(|(_, d)| d));
-    let threads = threads(backend);
-    let (results, counts) = store_jobs(backend, memory, &jobs, &known, threads, None)?;
+    let threads = threads(objects);
+    let (results, counts) = store_jobs(objects, memory, &jobs, &known, threads, None)?;
     let known = known.into_inner().expect("not poisoned");
     let mut table = PackTable::default();
     for (ri, ci, h) in results {
@@ -147,7 +147,7 @@ fn write_state(
         });
     }
 
-    let mut report = StoreWriteReport::new(backend, name, threads, counts);
+    let mut report = StoreWriteReport::new(objects, name, threads, counts);
     let regions: Vec<StoreRegion> = memory
         .regions()
         .iter()
@@ -167,22 +167,22 @@ fn write_state(
         .collect();
     let manifest = sealed_manifest(name, config, table, regions, &state_json, base);
     report.stored_bytes = stored_bytes(&manifest);
-    commit(backend, &manifest, &state_json)?;
+    commit(objects, &manifest, &state_json)?;
     report.write_ms = t.elapsed().as_secs_f64() * 1e3;
     Ok(report)
 }
 
 impl StoreWriteReport {
-    /// The report of a write of `name` into `backend` on `threads` threads that put `counts`;
+    /// The report of a write of `name` into `objects` on `threads` threads that put `counts`;
     /// its per-region counts are added by [`Self::count_region`].
     pub(crate) fn new(
-        backend: &dyn ObjectStore,
+        objects: &dyn ObjectStore,
         name: &str,
         threads: usize,
         counts: Counts,
     ) -> Self {
         StoreWriteReport {
-            snapshot: format!("{}/{name}", backend.describe()),
+            snapshot: format!("{}/{name}", objects.describe()),
             threads,
             new_chunks: counts.new_chunks,
             new_stored_bytes: counts.new_bytes,
@@ -211,8 +211,8 @@ pub(crate) fn saved_state_json(state: Vec<u8>, components: Vec<ComponentState>) 
 }
 
 /// The chunks the store already holds, each claimed as put (a write does not put them again).
-pub(crate) fn known_claims(backend: &dyn ObjectStore) -> Result<HashMap<Hash, Option<Stored>>> {
-    Ok(known_chunks(backend)?
+pub(crate) fn known_claims(objects: &dyn ObjectStore) -> Result<HashMap<Hash, Option<Stored>>> {
+    Ok(known_chunks(objects)?
         .into_iter()
         .map(|(h, c)| (h, Some(c)))
         .collect())
@@ -306,7 +306,7 @@ type Placed = (usize, usize, Option<Hash>);
 /// or without it in place from `memory` (the VM is paused). Returns each job's (region, index,
 /// hash; `None` for a zero chunk).
 pub(crate) fn store_jobs(
-    backend: &dyn ObjectStore,
+    objects: &dyn ObjectStore,
     memory: &GuestMemory,
     jobs: &[Job],
     known: &Mutex<HashMap<Hash, Option<Stored>>>,
@@ -315,7 +315,7 @@ pub(crate) fn store_jobs(
 ) -> Result<(Vec<Placed>, Counts)> {
     let runs: Vec<&[Job]> = jobs.chunks(PACK_CHUNKS).collect();
     let packer = Packer {
-        backend,
+        objects,
         memory,
         known,
         copy,
@@ -369,7 +369,7 @@ pub(crate) fn store_jobs(
 
 /// What [`store_jobs`]'s threads share: where chunks come from and go, and the counts.
 struct Packer<'a> {
-    backend: &'a dyn ObjectStore,
+    objects: &'a dyn ObjectStore,
     memory: &'a GuestMemory,
     known: &'a Mutex<HashMap<Hash, Option<Stored>>>,
     copy: Option<ReadChunk<'a>>,
@@ -444,7 +444,7 @@ impl Packer<'_> {
             id.update(h);
         }
         let id = *id.finalize().as_bytes();
-        self.backend.put_chunk(&chunk::pack_key(&id), pack)?;
+        self.objects.put_chunk(&chunk::pack_key(&id), pack)?;
         self.packs.fetch_add(1, Ordering::Relaxed);
         self.new_chunks
             .fetch_add(placed.len() as u64, Ordering::Relaxed);
@@ -468,7 +468,7 @@ impl Packer<'_> {
 /// How a diff `name` of a VM of `config` names its base `base_name` (of the same store and
 /// configuration, and not `name` itself).
 pub(crate) fn base_of(
-    backend: &dyn ObjectStore,
+    objects: &dyn ObjectStore,
     name: &str,
     base_name: &str,
     config: &VmConfig,
@@ -476,14 +476,14 @@ pub(crate) fn base_of(
     if base_name == name {
         return Err(Error::Write(format!(
             "{}/{name}: a diff cannot replace its own base",
-            backend.describe()
+            objects.describe()
         )));
     }
-    let base = StoreManifest::load(backend, base_name)?;
+    let base = StoreManifest::load(objects, base_name)?;
     if base.config != *config || base.chunk_bytes != CHUNK_BYTES {
         return Err(Error::Write(format!(
             "{}/{base_name}: the base snapshot is of another VM configuration or chunk size",
-            backend.describe()
+            objects.describe()
         )));
     }
     Ok(StoreBase {
@@ -507,9 +507,9 @@ pub fn stored_bytes(manifest: &StoreManifest) -> u64 {
 /// objects of a store written before packs; a chunk is pointed at only where its object or
 /// pack is listed. Read under a write lease (see [`crate::gc`]): a
 /// collection does not remove them meanwhile.
-pub fn known_chunks(backend: &dyn ObjectStore) -> Result<HashMap<Hash, Stored>> {
+pub fn known_chunks(objects: &dyn ObjectStore) -> Result<HashMap<Hash, Stored>> {
     let mut known = HashMap::new();
-    for o in backend.list("chunks/")? {
+    for o in objects.list("chunks/")? {
         if let Some(hash) = chunk::hash_of_key(&o.key) {
             known.insert(
                 hash,
@@ -521,7 +521,7 @@ pub fn known_chunks(backend: &dyn ObjectStore) -> Result<HashMap<Hash, Stored>> 
             );
         }
     }
-    let names: Vec<String> = backend
+    let names: Vec<String> = objects
         .list("snapshots/")?
         .into_iter()
         .filter_map(|o| {
@@ -530,19 +530,19 @@ pub fn known_chunks(backend: &dyn ObjectStore) -> Result<HashMap<Hash, Stored>> 
         })
         .collect();
     let manifests = Mutex::new(Vec::new());
-    crate::pages::parallel(names, threads(backend), |name| {
-        match StoreManifest::load(backend, &name) {
+    crate::pages::parallel(names, threads(objects), |name| {
+        match StoreManifest::load(objects, &name) {
             Ok(m) => manifests.lock().expect("not poisoned").push(m),
             Err(e) => tracing::warn!(
                 "{}: snapshot '{name}' unreadable, its chunks not reused: {}",
-                backend.describe(),
+                objects.describe(),
                 crate::chain_text(&e)
             ),
         }
         Ok(())
     })?;
     // Only chunks whose pack is there (a damaged store's missing pack is not pointed at).
-    let packs: HashSet<Hash> = backend
+    let packs: HashSet<Hash> = objects
         .list("packs/")?
         .into_iter()
         .filter_map(|o| chunk::pack_of_key(&o.key))
@@ -559,14 +559,14 @@ pub fn known_chunks(backend: &dyn ObjectStore) -> Result<HashMap<Hash, Stored>> 
 
 /// Puts the state object, then the manifest (the last step: the snapshot exists from here).
 pub(crate) fn commit(
-    backend: &dyn ObjectStore,
+    objects: &dyn ObjectStore,
     manifest: &StoreManifest,
     state: &[u8],
 ) -> Result<()> {
-    backend.sync()?;
-    backend.put(&state_key(&manifest.name), state)?;
+    objects.sync()?;
+    objects.put(&state_key(&manifest.name), state)?;
     let json = serde_json::to_vec_pretty(manifest).expect("a manifest serializes");
-    backend.put(&manifest_key(&manifest.name), &json)
+    objects.put(&manifest_key(&manifest.name), &json)
 }
 
 /// A snapshot name is one path element of plain characters.

@@ -61,8 +61,8 @@ pub fn run_op(op: StoreOp) -> crate::Result<()> {
                 )
                 .into());
             }
-            let backend = from.store.open()?;
-            let merged = guestmem_store::merge::merge(&*backend, &from.name, &to.name)?;
+            let objects = from.store.open()?;
+            let merged = guestmem_store::merge::merge(&*objects, &from.name, &to.name)?;
             println!(
                 "merged {snapshot} into {out}: {} chunks, {} MiB stored, no base",
                 merged.regions.iter().map(|r| r.chunks.len()).sum::<usize>(),
@@ -74,8 +74,8 @@ pub fn run_op(op: StoreOp) -> crate::Result<()> {
             grace_s,
             json,
         } => {
-            let backend = StoreUrl::parse(&store)?.open()?;
-            let r = guestmem_store::gc::gc(&*backend, Duration::from_secs(grace_s))?;
+            let objects = StoreUrl::parse(&store)?.open()?;
+            let r = guestmem_store::gc::gc(&*objects, Duration::from_secs(grace_s))?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&r)?);
             } else {
@@ -150,8 +150,8 @@ pub(super) fn snapshot(
             .into())
         }
     };
-    let backend = at.store.open()?;
-    let report = guestmem_store::write::write(&*backend, &at.name, vm, None)?;
+    let objects = at.store.open()?;
+    let report = guestmem_store::write::write(&*objects, &at.name, vm, None)?;
     let pages_done_per_vcpu = vm.pages_done();
     let diff = match diff_at {
         None => None,
@@ -163,7 +163,7 @@ pub(super) fn snapshot(
             let dirty = tracker.harvest()?;
             tracker.stop()?;
             let report =
-                guestmem_store::write::write(&*backend, &d.name, vm, Some((&at.name, &dirty)))?;
+                guestmem_store::write::write(&*objects, &d.name, vm, Some((&at.name, &dirty)))?;
             Some(StoreDiffOutput {
                 report,
                 pages_done_per_vcpu: vm.pages_done(),
@@ -242,13 +242,13 @@ pub(super) fn restore(args: &RestoreArgs) -> crate::Result<()> {
     let text = args.dir.to_string_lossy().into_owned();
     let at = Location::parse(&text)?;
     let t = Instant::now();
-    let backend = at.store.open()?;
-    let cache = if backend.remote() {
+    let objects = at.store.open()?;
+    let cache = if objects.remote() {
         Some(ChunkCache::host_default()?)
     } else {
         None
     };
-    let snap = StoreSnapshot::open(backend, &at.name, cache)?;
+    let snap = StoreSnapshot::open(objects, &at.name, cache)?;
     if matches!(args.mode, Mode::Map) {
         return Err(format!(
             "--mode map maps a flat snapshot's memory file; {text} is a store snapshot \
