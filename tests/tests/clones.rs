@@ -19,7 +19,6 @@ use guestmem_paging::{PagerConfig, Share, SharedImage};
 use guestmem_snapshot::service::RestoreService;
 use guestmem_snapshot::{self as snapshot, PreparedVm, RestoreMode, Snapshot};
 use guestmem_store::local::LocalObjectStore;
-use guestmem_store::manifest::StoreManifest;
 use guestmem_store::restore::StoreSnapshot;
 use guestmem_store::write::write;
 use guestmem_store::ObjectStore;
@@ -210,13 +209,7 @@ fn a_damaged_chunk_is_refused_by_every_clone() {
     running.pause().unwrap();
     write(&*objects, "vm", &vm, None).unwrap();
     drop(vm);
-    let manifest = StoreManifest::load(&*objects, "vm").unwrap();
-    let c = StoreManifest::stored(&manifest.regions[1].chunks[0], &manifest.pack_ids())
-        .expect("the guest wrote the first chunk of RAM");
-    let key = c.object_key();
-    let mut bytes = objects.get(&key).unwrap();
-    bytes[to_usize(c.offset() + c.stored / 2)] ^= 1;
-    objects.put(&key, &bytes).unwrap();
+    common::damage_first_ram_chunk(&*objects, "vm");
     let snap = StoreSnapshot::open(objects.clone(), "vm", None).unwrap();
     let image = share.image(&snap.manifest.checksum);
     for clone in 0..2 {
@@ -367,13 +360,7 @@ fn a_restore_service_restores_armed_clones_to_the_snapshots_bytes() {
     assert!(e.contains("armed for the snapshot"), "{e}");
 
     // A damaged chunk: every clone of the service stops naming it; none publishes it.
-    let manifest = StoreManifest::load(&*objects, "vm").unwrap();
-    let c = StoreManifest::stored(&manifest.regions[1].chunks[0], &manifest.pack_ids())
-        .expect("the guest wrote the first chunk of RAM");
-    let key = c.object_key();
-    let mut bytes = objects.get(&key).unwrap();
-    bytes[guestmem_sys::to_usize(c.offset() + c.stored / 2)] ^= 1;
-    objects.put(&key, &bytes).unwrap();
+    common::damage_first_ram_chunk(&*objects, "vm");
     let share = ShareDir::new("service-bad");
     let service = RestoreService::new(
         StoreSnapshot::open(objects, "vm", None).unwrap(),

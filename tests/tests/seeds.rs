@@ -19,7 +19,6 @@ use guestmem_paging::PagerConfig;
 use guestmem_snapshot::{self as snapshot, RestoreMode, Snapshot};
 use guestmem_store::chunk as store_chunk;
 use guestmem_store::local::LocalObjectStore;
-use guestmem_store::manifest::StoreManifest;
 use guestmem_store::restore::StoreSnapshot;
 use guestmem_store::write::write as store_write;
 use guestmem_store::ObjectStore;
@@ -106,17 +105,7 @@ fn gmem_lazy_restore_stops_on_a_corrupt_chunk() {
     );
     common::flip_byte_in_ram(&dir.0, 5, 1);
     let snap = Snapshot::open(&dir.0).unwrap();
-    let quiet = PagerConfig {
-        background: false,
-        ..PagerConfig::default()
-    };
-    let mut lazy =
-        snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(quiet.clone())).unwrap();
-    let running = lazy.vm.resume().unwrap();
-    let e = running
-        .wait(Duration::from_secs(60))
-        .unwrap_err()
-        .to_string();
+    let e = common::lazy_run_error(&snap, Duration::from_secs(60));
     assert!(
         e.contains("corrupt snapshot") && e.contains("region 'ram' chunk 0"),
         "{e}"
@@ -334,36 +323,18 @@ fn gmem_store_lazy_restore_refuses_a_damaged_chunk() {
     let dir = TempDir::new("seeds-store-lazy-gmem-bad");
     let (objects, _, _, source_vm) = gmem_store_snapshot(&dir);
     drop(source_vm);
-    let manifest = StoreManifest::load(&*objects, "gmem").unwrap();
-    let c = StoreManifest::stored(&manifest.regions[1].chunks[0], &manifest.pack_ids())
-        .expect("the guest wrote the first chunk of RAM");
-    let key = c.object_key();
-    let mut bytes = objects.get(&key).unwrap();
-    bytes[to_usize(c.offset() + c.stored / 2)] ^= 1;
-    objects.put(&key, &bytes).unwrap();
+    let hash = common::damage_first_ram_chunk(&*objects, "gmem");
     let named = |e: &str| {
         assert!(
             e.contains("corrupt store snapshot")
                 && e.contains("region 'ram' chunk 0 (offset 0x0)")
-                && e.contains(&store_chunk::hex(&c.hash)),
+                && e.contains(&store_chunk::hex(&hash)),
             "{e}"
         );
     };
 
     let snap = StoreSnapshot::open(objects.clone(), "gmem", None).unwrap();
-    let quiet = PagerConfig {
-        background: false,
-        ..PagerConfig::default()
-    };
-    let mut lazy =
-        snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(quiet.clone())).unwrap();
-    let running = lazy.vm.resume().unwrap();
-    let e = running
-        .wait(Duration::from_secs(60))
-        .unwrap_err()
-        .to_string();
-    named(&e);
-    drop(lazy);
+    named(&common::lazy_run_error(&snap, Duration::from_secs(60)));
 
     let lazy = snapshot::restore(
         &snap,

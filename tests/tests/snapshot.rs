@@ -329,17 +329,7 @@ fn lazy_restore_refuses_what_it_cannot_serve_and_stops_on_corrupt_pages() {
     snapshot_running_vm(&VmConfig::simple(2, SIZE, Backend::Anon), SIZE, &dir.0);
     flip_byte_in_ram(&dir.0, 5, 1);
     let snap = Snapshot::open(&dir.0).unwrap();
-    let quiet = PagerConfig {
-        background: false,
-        ..PagerConfig::default()
-    };
-    let mut lazy =
-        snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(quiet.clone())).unwrap();
-    let running = lazy.vm.resume().unwrap();
-    let e = running
-        .wait(std::time::Duration::from_secs(30))
-        .unwrap_err()
-        .to_string();
+    let e = common::lazy_run_error(&snap, std::time::Duration::from_secs(30));
     assert!(
         e.contains("corrupt snapshot") && e.contains("region 'ram' chunk 0 (offset 0x0)"),
         "{e}"

@@ -735,25 +735,9 @@ fn minio_lazy_restore_stops_on_a_damaged_chunk() {
     let vm = paused_vm();
     write(&*objects, "vm", &vm, None).unwrap();
     drop(vm);
-    let manifest = StoreManifest::load(&*objects, "vm").unwrap();
-    let c = StoreManifest::stored(&manifest.regions[1].chunks[0], &manifest.pack_ids())
-        .expect("the guest wrote the first chunk of RAM");
-    let (hash, key) = (c.hash, c.object_key());
-    let mut bytes = objects.get(&key).unwrap();
-    bytes[to_usize(c.offset() + c.stored / 2)] ^= 1;
-    objects.put(&key, &bytes).unwrap();
+    let hash = common::damage_first_ram_chunk(&*objects, "vm");
     let snap = StoreSnapshot::open(objects.clone(), "vm", None).unwrap();
-    let quiet = PagerConfig {
-        background: false,
-        ..PagerConfig::default()
-    };
-    let mut lazy =
-        snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(quiet.clone())).unwrap();
-    let running = lazy.vm.resume().unwrap();
-    let e = running
-        .wait(Duration::from_secs(30))
-        .unwrap_err()
-        .to_string();
+    let e = common::lazy_run_error(&snap, Duration::from_secs(30));
     assert!(
         e.contains("corrupt store snapshot") && e.contains("region 'ram' chunk 0 (offset 0x0)"),
         "{e}"
