@@ -174,6 +174,29 @@ fn run_to_error(vm: &mut Vm) -> String {
         .to_string()
 }
 
+/// Restores `clones` clones of `snap`, whose first RAM chunk is damaged, lazily through
+/// `share`: each stops with the error (`corrupt`, naming the chunk), and the image of the
+/// snapshot (`checksum`) never publishes the chunk.
+fn every_clone_refuses<I: snapshot::SnapshotImage + ?Sized>(
+    snap: &I,
+    share: &ShareDir,
+    checksum: &str,
+    clones: usize,
+    corrupt: &str,
+) {
+    let image = share.image(checksum);
+    for clone in 0..clones {
+        let mut lazy =
+            snapshot::restore(snap, &mut VmBuilder, RestoreMode::Lazy(share.config())).unwrap();
+        let e = run_to_error(&mut lazy.vm);
+        assert!(
+            e.contains(corrupt) && e.contains("region 'ram' chunk 0 (offset 0x0)"),
+            "clone {clone}: {e}"
+        );
+        assert!(!image.is_published(0, 4096), "clone {clone}");
+    }
+}
+
 /// A damaged chunk is never published: every clone fetches it, finds it damaged and stops
 /// with the error naming it, none runs on its bytes (flat snapshot and store). Sharing is
 /// refused for guest_memfd RAM, saying why.
@@ -188,40 +211,16 @@ fn a_damaged_chunk_is_refused_by_every_clone() {
     flip_byte_in_ram(&dir.0, 5, 1);
     let snap = Snapshot::open(&dir.0).unwrap();
     let share = ShareDir::new("bad");
-    let image = share.image(&snap.manifest().checksum);
-    for clone in 0..3 {
-        let mut lazy =
-            snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(share.config())).unwrap();
-        let e = run_to_error(&mut lazy.vm);
-        assert!(
-            e.contains("corrupt snapshot") && e.contains("region 'ram' chunk 0 (offset 0x0)"),
-            "clone {clone}: {e}"
-        );
-        assert!(!image.is_published(0, 4096), "clone {clone}");
-    }
+    let checksum = snap.manifest().checksum.clone();
+    every_clone_refuses(&snap, &share, &checksum, 3, "corrupt snapshot");
 
     // A store chunk damaged in its pack.
     let tmp = TempDir::new("clones-bad-store");
-    let objects: Arc<dyn ObjectStore> = Arc::new(LocalObjectStore::new(&tmp.0));
-    let mut vm = Vm::new(&VmConfig::simple(2, RAM, MemBackend::Anon)).unwrap();
-    let running = vm.start(&dirty_work(2, RAM)).unwrap();
-    wait_for_generation(&running, 2);
-    running.pause().unwrap();
-    write(&*objects, "vm", &vm, None).unwrap();
-    drop(vm);
+    let (objects, _, _) = store_snapshot(&tmp, RAM);
     common::damage_first_ram_chunk(&*objects, "vm");
     let snap = StoreSnapshot::open(objects.clone(), "vm", None).unwrap();
-    let image = share.image(&snap.manifest.checksum);
-    for clone in 0..2 {
-        let mut lazy =
-            snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(share.config())).unwrap();
-        let e = run_to_error(&mut lazy.vm);
-        assert!(
-            e.contains("corrupt store snapshot") && e.contains("region 'ram' chunk 0 (offset 0x0)"),
-            "clone {clone}: {e}"
-        );
-        assert!(!image.is_published(0, 4096), "clone {clone}");
-    }
+    let checksum = snap.manifest.checksum.clone();
+    every_clone_refuses(&snap, &share, &checksum, 2, "corrupt store snapshot");
 
     // guest_memfd RAM is mapped for the guest by KVM, not through a mapping of the image.
     let dir = TempDir::new("clones-gmem");

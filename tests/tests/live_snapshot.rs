@@ -15,7 +15,6 @@ use guestmem_contract::component::{Component, ComponentError, Components};
 use guestmem_contract::PayloadVm;
 use guestmem_contract::VmBuilder;
 use guestmem_memory::{Backend as MemBackend, GuestMemory};
-use guestmem_paging::PagerConfig;
 use guestmem_snapshot::live::{write_machine_live, LiveBase, LiveOptions, LiveReport};
 use guestmem_snapshot::{self as snapshot, RestoreMode, Snapshot};
 use guestmem_store::local::LocalObjectStore;
@@ -133,15 +132,7 @@ fn check_flat(dir: &Path, work: &[VcpuWork]) {
     assert_pages_consistent(&vm, work, &pages);
     resume_and_check_continuation(&mut vm, work, &pages);
     drop(vm);
-    let lazy = snapshot::restore(
-        &snap,
-        &mut VmBuilder,
-        RestoreMode::Lazy(PagerConfig::default()),
-    )
-    .unwrap();
-    for p in &lazy.pagers {
-        assert!(p.wait_resident(Duration::from_secs(60)).unwrap());
-    }
+    let lazy = common::lazy_restore_resident(&snap, Duration::from_secs(60));
     assert_eq!(digests(&lazy.vm), want, "{}: lazy restore", dir.display());
 }
 
@@ -262,15 +253,7 @@ fn check_store(objects: &Arc<dyn ObjectStore>, name: &str, work: &[VcpuWork], tm
     assert_pages_consistent(&vm, work, &pages);
     resume_and_check_continuation(&mut vm, work, &pages);
     drop(vm);
-    let lazy = snapshot::restore(
-        &snap,
-        &mut VmBuilder,
-        RestoreMode::Lazy(PagerConfig::default()),
-    )
-    .unwrap();
-    for p in &lazy.pagers {
-        assert!(p.wait_resident(Duration::from_secs(60)).unwrap());
-    }
+    let lazy = common::lazy_restore_resident(&snap, Duration::from_secs(60));
     assert_eq!(digests(&lazy.vm), want, "{name}: lazy restore");
 }
 

@@ -151,16 +151,8 @@ fn round_trip(objects: Arc<dyn ObjectStore>, tmp: &TempDir) {
 
     for pass in 0..2 {
         let snap = StoreSnapshot::open(objects.clone(), "vm1", Some(cache(tmp))).unwrap();
-        let lazy = snapshot::restore(
-            &snap,
-            &mut VmBuilder,
-            RestoreMode::Lazy(PagerConfig::default()),
-        )
-        .unwrap();
+        let lazy = common::lazy_restore_resident(&snap, Duration::from_secs(60));
         let (pagers, mut vm) = (lazy.pagers, lazy.vm);
-        for p in &pagers {
-            assert!(p.wait_resident(Duration::from_secs(60)).unwrap());
-        }
         assert_eq!(digests(&vm), want, "lazy restore {pass}");
         if pass == 0 {
             snapshot::record_working_set(&snap, vm.memory(), &pagers, &[]).unwrap();
@@ -204,17 +196,9 @@ fn local_store_lazy_restore_of_a_memfd_vm() {
     write(&*objects, "memfd", &vm, None).unwrap();
     drop(vm);
     let snap = StoreSnapshot::open(objects, "memfd", None).unwrap();
-    let lazy = snapshot::restore(
-        &snap,
-        &mut VmBuilder,
-        RestoreMode::Lazy(PagerConfig::default()),
-    )
-    .unwrap();
+    let lazy = common::lazy_restore_resident(&snap, Duration::from_secs(60));
     let (pagers, mut vm) = (lazy.pagers, lazy.vm);
     assert!(!pagers.is_empty());
-    for p in &pagers {
-        assert!(p.wait_resident(Duration::from_secs(60)).unwrap());
-    }
     assert_eq!(digests(&vm), want, "lazy restore of a memfd VM");
     memory_checked_chunk_by_chunk(&snap, &vm);
     resume_and_check_continuation(&mut vm, &dirty_work(2, SIZE), &at_snapshot);

@@ -310,3 +310,21 @@ pub fn damage_first_ram_chunk(
     objects.put(&key, &bytes).unwrap();
     c.hash
 }
+
+/// Restores `snap` lazily with the default pager settings (the background fetch on) and waits
+/// until every pager has made its region resident (within `timeout` each).
+pub fn lazy_restore_resident<I: snapshot::SnapshotImage + ?Sized>(
+    snap: &I,
+    timeout: Duration,
+) -> snapshot::Restored<Vm> {
+    let lazy = snapshot::restore(
+        snap,
+        &mut guestmem_contract::VmBuilder,
+        snapshot::RestoreMode::Lazy(guestmem_paging::PagerConfig::default()),
+    )
+    .unwrap();
+    for p in &lazy.pagers {
+        assert!(p.wait_resident(timeout).unwrap());
+    }
+    lazy
+}
