@@ -261,7 +261,11 @@ pub(super) fn sync_dir(dir: &Path) -> Result<()> {
 
 /// Writes the state file into `dir`: the machine's saved `state` and its `components`'
 /// states. Returns its bytes (the manifest names their hash).
-fn write_state(dir: &Path, state: Vec<u8>, components: &[ComponentState]) -> Result<Vec<u8>> {
+pub(super) fn write_state(
+    dir: &Path,
+    state: Vec<u8>,
+    components: &[ComponentState],
+) -> Result<Vec<u8>> {
     let state = SavedState {
         machine: state,
         components: components.to_vec(),
@@ -364,7 +368,7 @@ fn write_files(
         file.sync_all().map_err(Error::io(path, "sync"))?;
     }
 
-    let mut manifest = Manifest {
+    let manifest = Manifest {
         format: FORMAT.into(),
         version: VERSION,
         config: config.clone(),
@@ -377,14 +381,19 @@ fn write_files(
         base: diff.map(|(base, _)| base),
         checksum: String::new(),
     };
+    write_manifest(dir, manifest)?;
+    Ok(report)
+}
+
+/// Seals `manifest` and writes it into `dir`.
+pub(super) fn write_manifest(dir: &Path, mut manifest: Manifest) -> Result<()> {
     manifest.seal();
     // Compact: a restore parses it before anything else (an 8 GiB guest's is 4096 chunks).
     let json = serde_json::to_vec(&manifest).map_err(|e| Error::Json {
         path: dir.join(MANIFEST),
         source: e,
     })?;
-    write_file(&dir.join(MANIFEST), &json)?;
-    Ok(report)
+    write_file(&dir.join(MANIFEST), &json)
 }
 
 pub(crate) fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
