@@ -15,6 +15,7 @@ use crate::vm_args::VmArgs;
 
 mod live;
 mod store;
+pub(crate) use store::open_store_snapshot;
 
 pub(crate) use store::is_store;
 

@@ -237,18 +237,23 @@ struct StoreRestoreOutput {
     guest_continued: bool,
 }
 
-pub(super) fn restore(args: &RestoreArgs) -> crate::Result<()> {
-    let run_for = crate::units::seconds(args.run_for, "--run-for")?;
-    let text = args.dir.to_string_lossy().into_owned();
-    let at = Location::parse(&text)?;
-    let t = Instant::now();
+/// Opens the store snapshot `at`, through the host's chunk cache when the store is remote.
+pub(crate) fn open_store_snapshot(at: &Location) -> crate::Result<StoreSnapshot> {
     let objects = at.store.open()?;
     let cache = if objects.remote() {
         Some(ChunkCache::host_default()?)
     } else {
         None
     };
-    let snap = StoreSnapshot::open(objects, &at.name, cache)?;
+    Ok(StoreSnapshot::open(objects, &at.name, cache)?)
+}
+
+pub(super) fn restore(args: &RestoreArgs) -> crate::Result<()> {
+    let run_for = crate::units::seconds(args.run_for, "--run-for")?;
+    let text = args.dir.to_string_lossy().into_owned();
+    let at = Location::parse(&text)?;
+    let t = Instant::now();
+    let snap = open_store_snapshot(&at)?;
     if matches!(args.mode, Mode::Map) {
         return Err(format!(
             "--mode map maps a flat snapshot's memory file; {text} is a store snapshot \
