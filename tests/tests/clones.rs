@@ -19,7 +19,6 @@ use guestmem_paging::{PagerConfig, Share, SharedImage};
 use guestmem_snapshot::service::RestoreService;
 use guestmem_snapshot::{self as snapshot, PreparedVm, RestoreMode, Snapshot};
 use guestmem_store::local::LocalObjectStore;
-use guestmem_store::manifest::StoreManifest;
 use guestmem_store::restore::StoreSnapshot;
 use guestmem_store::write::write;
 use guestmem_store::ObjectStore;
@@ -148,16 +147,16 @@ fn two_clones_of_a_snapshot_share_one_copy_and_keep_their_own_writes() {
 )]
 fn two_clones_of_a_store_snapshot_share_one_copy_and_keep_their_own_writes() {
     let tmp = TempDir::new("clones-store");
-    let backend: Arc<dyn ObjectStore> = Arc::new(LocalObjectStore::new(&tmp.0));
+    let objects: Arc<dyn ObjectStore> = Arc::new(LocalObjectStore::new(&tmp.0));
     let mut vm = Vm::new(&VmConfig::simple(2, RAM, MemBackend::Anon)).unwrap();
     let running = vm.start(&dirty_work(2, RAM)).unwrap();
     wait_for_generation(&running, 2);
     running.pause().unwrap();
-    write(&*backend, "vm", &vm, None).unwrap();
+    write(&*objects, "vm", &vm, None).unwrap();
     let at_snapshot = vm.pages_done();
     let snapshot_ram = ram_bytes(&vm);
     drop(vm);
-    let snap = StoreSnapshot::open(backend, "vm", None).unwrap();
+    let snap = StoreSnapshot::open(objects, "vm", None).unwrap();
     let share = ShareDir::new("store");
     let mut a =
         snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(share.config())).unwrap();
@@ -175,6 +174,29 @@ fn run_to_error(vm: &mut Vm) -> String {
         .to_string()
 }
 
+/// Restores `clones` clones of `snap`, whose first RAM chunk is damaged, lazily through
+/// `share`: each stops with the error (`corrupt`, naming the chunk), and the image of the
+/// snapshot (`checksum`) never publishes the chunk.
+fn every_clone_refuses<I: snapshot::SnapshotImage + ?Sized>(
+    snap: &I,
+    share: &ShareDir,
+    checksum: &str,
+    clones: usize,
+    corrupt: &str,
+) {
+    let image = share.image(checksum);
+    for clone in 0..clones {
+        let mut lazy =
+            snapshot::restore(snap, &mut VmBuilder, RestoreMode::Lazy(share.config())).unwrap();
+        let e = run_to_error(&mut lazy.vm);
+        assert!(
+            e.contains(corrupt) && e.contains("region 'ram' chunk 0 (offset 0x0)"),
+            "clone {clone}: {e}"
+        );
+        assert!(!image.is_published(0, 4096), "clone {clone}");
+    }
+}
+
 /// A damaged chunk is never published: every clone fetches it, finds it damaged and stops
 /// with the error naming it, none runs on its bytes (flat snapshot and store). Sharing is
 /// refused for guest_memfd RAM, saying why.
@@ -189,46 +211,16 @@ fn a_damaged_chunk_is_refused_by_every_clone() {
     flip_byte_in_ram(&dir.0, 5, 1);
     let snap = Snapshot::open(&dir.0).unwrap();
     let share = ShareDir::new("bad");
-    let image = share.image(&snap.manifest().checksum);
-    for clone in 0..3 {
-        let mut lazy =
-            snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(share.config())).unwrap();
-        let e = run_to_error(&mut lazy.vm);
-        assert!(
-            e.contains("corrupt snapshot") && e.contains("region 'ram' chunk 0 (offset 0x0)"),
-            "clone {clone}: {e}"
-        );
-        assert!(!image.is_published(0, 4096), "clone {clone}");
-    }
+    let checksum = snap.manifest().checksum.clone();
+    every_clone_refuses(&snap, &share, &checksum, 3, "corrupt snapshot");
 
     // A store chunk damaged in its pack.
     let tmp = TempDir::new("clones-bad-store");
-    let backend: Arc<dyn ObjectStore> = Arc::new(LocalObjectStore::new(&tmp.0));
-    let mut vm = Vm::new(&VmConfig::simple(2, RAM, MemBackend::Anon)).unwrap();
-    let running = vm.start(&dirty_work(2, RAM)).unwrap();
-    wait_for_generation(&running, 2);
-    running.pause().unwrap();
-    write(&*backend, "vm", &vm, None).unwrap();
-    drop(vm);
-    let manifest = StoreManifest::load(&*backend, "vm").unwrap();
-    let c = StoreManifest::stored(&manifest.regions[1].chunks[0], &manifest.pack_ids())
-        .expect("the guest wrote the first chunk of RAM");
-    let key = c.object_key();
-    let mut bytes = backend.get(&key).unwrap();
-    bytes[to_usize(c.offset() + c.stored / 2)] ^= 1;
-    backend.put(&key, &bytes).unwrap();
-    let snap = StoreSnapshot::open(backend.clone(), "vm", None).unwrap();
-    let image = share.image(&snap.manifest.checksum);
-    for clone in 0..2 {
-        let mut lazy =
-            snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(share.config())).unwrap();
-        let e = run_to_error(&mut lazy.vm);
-        assert!(
-            e.contains("corrupt store snapshot") && e.contains("region 'ram' chunk 0 (offset 0x0)"),
-            "clone {clone}: {e}"
-        );
-        assert!(!image.is_published(0, 4096), "clone {clone}");
-    }
+    let (objects, _, _) = store_snapshot(&tmp, RAM);
+    common::damage_first_ram_chunk(&*objects, "vm");
+    let snap = StoreSnapshot::open(objects.clone(), "vm", None).unwrap();
+    let checksum = snap.manifest.checksum.clone();
+    every_clone_refuses(&snap, &share, &checksum, 2, "corrupt store snapshot");
 
     // guest_memfd RAM is mapped for the guest by KVM, not through a mapping of the image.
     let dir = TempDir::new("clones-gmem");
@@ -288,17 +280,17 @@ fn clones_racing_to_publish_the_same_chunks_all_read_the_snapshots_bytes() {
 }
 
 /// A snapshot written to a fresh local store in `tmp` from a guest that ran a while: the
-/// backend, the guest's progress and its RAM at the snapshot.
+/// object store, the guest's progress and its RAM at the snapshot.
 fn store_snapshot(tmp: &TempDir, ram: u64) -> (Arc<dyn ObjectStore>, Vec<u64>, Vec<u8>) {
-    let backend: Arc<dyn ObjectStore> = Arc::new(LocalObjectStore::new(&tmp.0));
+    let objects: Arc<dyn ObjectStore> = Arc::new(LocalObjectStore::new(&tmp.0));
     let mut vm = Vm::new(&VmConfig::simple(2, ram, MemBackend::Anon)).unwrap();
     let running = vm.start(&dirty_work(2, ram)).unwrap();
     wait_for_generation(&running, 2);
     running.pause().unwrap();
-    write(&*backend, "vm", &vm, None).unwrap();
+    write(&*objects, "vm", &vm, None).unwrap();
     let at_snapshot = vm.pages_done();
     let snapshot_ram = ram_bytes(&vm);
-    (backend, at_snapshot, snapshot_ram)
+    (objects, at_snapshot, snapshot_ram)
 }
 
 /// A restore service (the snapshot held open, a pool of VMs armed ahead: sys region in,
@@ -313,10 +305,10 @@ fn store_snapshot(tmp: &TempDir, ram: u64) -> (Arc<dyn ObjectStore>, Vec<u64>, V
 )]
 fn a_restore_service_restores_armed_clones_to_the_snapshots_bytes() {
     let tmp = TempDir::new("clones-service");
-    let (backend, at_snapshot, snapshot_ram) = store_snapshot(&tmp, RAM);
+    let (objects, at_snapshot, snapshot_ram) = store_snapshot(&tmp, RAM);
     let share = ShareDir::new("service");
     let service = RestoreService::new(
-        StoreSnapshot::open(backend.clone(), "vm", None).unwrap(),
+        StoreSnapshot::open(objects.clone(), "vm", None).unwrap(),
         share.config(),
     )
     .unwrap();
@@ -367,16 +359,10 @@ fn a_restore_service_restores_armed_clones_to_the_snapshots_bytes() {
     assert!(e.contains("armed for the snapshot"), "{e}");
 
     // A damaged chunk: every clone of the service stops naming it; none publishes it.
-    let manifest = StoreManifest::load(&*backend, "vm").unwrap();
-    let c = StoreManifest::stored(&manifest.regions[1].chunks[0], &manifest.pack_ids())
-        .expect("the guest wrote the first chunk of RAM");
-    let key = c.object_key();
-    let mut bytes = backend.get(&key).unwrap();
-    bytes[guestmem_sys::to_usize(c.offset() + c.stored / 2)] ^= 1;
-    backend.put(&key, &bytes).unwrap();
+    common::damage_first_ram_chunk(&*objects, "vm");
     let share = ShareDir::new("service-bad");
     let service = RestoreService::new(
-        StoreSnapshot::open(backend, "vm", None).unwrap(),
+        StoreSnapshot::open(objects, "vm", None).unwrap(),
         share.config(),
     )
     .unwrap();

@@ -555,6 +555,27 @@ const PEER_SNAPSHOT_ENV: &str = "GUESTMEM_FC_TEST_PEER_SNAPSHOT";
 /// second 2 MiB chunk).
 const CORRUPT_AT: u64 = (2 << 20) + 4096 * 3 + 100;
 
+/// Starts the peer process (this test binary run again as `peer_process_helper`) on a socket
+/// at `socket`, with `env` set as well and its stdout to `stdout`; returns it and the
+/// connection it made.
+fn spawn_peer(
+    socket: &Path,
+    env: &[(&str, &std::ffi::OsStr)],
+    stdout: std::process::Stdio,
+) -> (std::process::Child, std::os::unix::net::UnixStream) {
+    let listener = UnixListener::bind(socket).unwrap();
+    let child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "peer_process_helper", "--nocapture"])
+        .env(PEER_ENV, socket)
+        .envs(env.iter().copied())
+        .stdout(stdout)
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let (stream, _) = listener.accept().unwrap();
+    (child, stream)
+}
+
 /// Not a test on its own: the peer process of `failed_serving_kills_the_peer` (the test binary
 /// re-run with `PEER_ENV` set). It sends a mapping the server must refuse, then waits to die.
 #[test]
@@ -643,15 +664,7 @@ fn failed_serving_kills_the_peer() {
     let dir = TempDir::new("kill");
     let mem = mem_file(&dir.0, 4 << 20);
     let socket = dir.0.join("uffd.sock");
-    let listener = UnixListener::bind(&socket).unwrap();
-    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "peer_process_helper", "--nocapture"])
-        .env(PEER_ENV, &socket)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let (stream, _) = listener.accept().unwrap();
+    let (mut child, stream) = spawn_peer(&socket, &[], std::process::Stdio::null());
     let err = match serve_connection(stream, &mem, &PageServerConfig::default()) {
         Ok(_) => panic!("a mapping beyond the file was accepted"),
         Err(e) => guestmem_migration::error_chain(&e, ": "),
@@ -675,16 +688,11 @@ fn a_fetch_failing_for_good_kills_the_peer() {
     let dir = TempDir::new("kill-serving");
     let mem = mem_file(&dir.0, 4 << 20);
     let socket = dir.0.join("uffd.sock");
-    let listener = UnixListener::bind(&socket).unwrap();
-    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "peer_process_helper", "--nocapture"])
-        .env(PEER_ENV, &socket)
-        .env(PEER_UNREGISTERED_ENV, "1")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let (stream, _) = listener.accept().unwrap();
+    let (mut child, stream) = spawn_peer(
+        &socket,
+        &[(PEER_UNREGISTERED_ENV, "1".as_ref())],
+        std::process::Stdio::null(),
+    );
     // The handshake is fine; the background fetch's first UFFDIO_COPY is not.
     let session = serve_connection(stream, &mem, &PageServerConfig::default()).unwrap();
     assert_eq!(session.peer_pid, child.id() as i32);
@@ -715,16 +723,11 @@ fn a_corrupt_chunk_is_refused_naming_it() {
     flip_byte_in_ram(&dir.0, CORRUPT_AT, 0x40);
     let memory = snapshot::served_memory(&Snapshot::open(&dir.0).unwrap()).unwrap();
     let socket = dir.0.join("uffd.sock");
-    let listener = UnixListener::bind(&socket).unwrap();
-    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "peer_process_helper", "--nocapture"])
-        .env(PEER_ENV, &socket)
-        .env(PEER_SNAPSHOT_ENV, &dir.0)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let (stream, _) = listener.accept().unwrap();
+    let (mut child, stream) = spawn_peer(
+        &socket,
+        &[(PEER_SNAPSHOT_ENV, dir.0.as_os_str())],
+        std::process::Stdio::piped(),
+    );
     // On demand only: the VMM's read is what reaches the corrupt chunk.
     let config = PageServerConfig {
         pager: PagerConfig {
@@ -825,16 +828,11 @@ fn a_range_the_peer_unmapped_ends_serving_without_a_kill() {
     let dir = TempDir::new("unmapped");
     let mem = mem_file(&dir.0, 4 << 20);
     let socket = dir.0.join("uffd.sock");
-    let listener = UnixListener::bind(&socket).unwrap();
-    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "peer_process_helper", "--nocapture"])
-        .env(PEER_ENV, &socket)
-        .env(PEER_UNMAPPED_ENV, "1")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let (stream, _) = listener.accept().unwrap();
+    let (mut child, stream) = spawn_peer(
+        &socket,
+        &[(PEER_UNMAPPED_ENV, "1".as_ref())],
+        std::process::Stdio::null(),
+    );
     // The background fetch's first UFFDIO_COPY finds the range gone.
     let session = serve_connection(stream, &mem, &PageServerConfig::default()).unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -857,7 +855,7 @@ fn a_range_the_peer_unmapped_ends_serving_without_a_kill() {
 /// snapshot (its sys region and state), the server brings the RAM through the store's page
 /// source (each chunk checked against its hash): memory ends equal to the snapshot's and the
 /// guest goes on.
-fn serve_from_store(backend: std::sync::Arc<dyn guestmem_store::ObjectStore>, tag: &str) {
+fn serve_from_store(objects: std::sync::Arc<dyn guestmem_store::ObjectStore>, tag: &str) {
     use guestmem_store::restore::StoreSnapshot;
     let dir = TempDir::new(&format!("store-server-{tag}"));
     let config = VmConfig::simple(2, SIZE, Backend::Anon);
@@ -868,11 +866,11 @@ fn serve_from_store(backend: std::sync::Arc<dyn guestmem_store::ObjectStore>, ta
         let vm = snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Full)
             .map(|r| r.vm)
             .unwrap();
-        guestmem_store::write::write(&*backend, "vm1", &vm, None).unwrap();
+        guestmem_store::write::write(&*objects, "vm1", &vm, None).unwrap();
     }
     let work = dirty_work(2, SIZE);
     for background in [false, true] {
-        let store = StoreSnapshot::open(backend.clone(), "vm1", None).unwrap();
+        let store = StoreSnapshot::open(objects.clone(), "vm1", None).unwrap();
         let memory = snapshot::served_memory(&store).unwrap();
         assert!(memory.describe().contains("vm1"), "{}", memory.describe());
         let socket = dir.0.join(format!("uffd-{background}.sock"));
@@ -881,7 +879,7 @@ fn serve_from_store(backend: std::sync::Arc<dyn guestmem_store::ObjectStore>, ta
             ..PagerConfig::default()
         };
         let session = spawn_server(&socket, memory, pager);
-        let vmm_side = StoreSnapshot::open(backend.clone(), "vm1", None).unwrap();
+        let vmm_side = StoreSnapshot::open(objects.clone(), "vm1", None).unwrap();
         let mut restored = snapshot::restore(
             &vmm_side,
             &mut VmBuilder,
@@ -920,7 +918,7 @@ fn serve_from_store(backend: std::sync::Arc<dyn guestmem_store::ObjectStore>, ta
 
     // A damaged chunk is refused when first served, naming the store snapshot and the chunk.
     let (key, at) = {
-        let m = guestmem_store::StoreManifest::load(&*backend, "vm1").unwrap();
+        let m = guestmem_store::StoreManifest::load(&*objects, "vm1").unwrap();
         let ids = m.pack_ids();
         let ram = m.regions.iter().find(|r| r.spec.name == "ram").unwrap();
         let c = ram
@@ -930,11 +928,11 @@ fn serve_from_store(backend: std::sync::Arc<dyn guestmem_store::ObjectStore>, ta
             .unwrap();
         (c.object_key(), to_usize(c.offset() + c.stored / 2))
     };
-    let good = backend.get(&key).unwrap();
+    let good = objects.get(&key).unwrap();
     let mut bad = good.clone();
     bad[at] ^= 0xff;
-    backend.put(&key, &bad).unwrap();
-    let store = StoreSnapshot::open(backend.clone(), "vm1", None).unwrap();
+    objects.put(&key, &bad).unwrap();
+    let store = StoreSnapshot::open(objects.clone(), "vm1", None).unwrap();
     let socket = dir.0.join("uffd-bad.sock");
     let session = spawn_server(
         &socket,
@@ -959,7 +957,7 @@ fn serve_from_store(backend: std::sync::Arc<dyn guestmem_store::ObjectStore>, ta
     );
     drop(session);
     drop(restored);
-    backend.put(&key, &good).unwrap();
+    objects.put(&key, &good).unwrap();
 }
 
 #[test]

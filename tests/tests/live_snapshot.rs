@@ -15,7 +15,6 @@ use guestmem_contract::component::{Component, ComponentError, Components};
 use guestmem_contract::PayloadVm;
 use guestmem_contract::VmBuilder;
 use guestmem_memory::{Backend as MemBackend, GuestMemory};
-use guestmem_paging::PagerConfig;
 use guestmem_snapshot::live::{write_machine_live, LiveBase, LiveOptions, LiveReport};
 use guestmem_snapshot::{self as snapshot, RestoreMode, Snapshot};
 use guestmem_store::local::LocalObjectStore;
@@ -133,15 +132,7 @@ fn check_flat(dir: &Path, work: &[VcpuWork]) {
     assert_pages_consistent(&vm, work, &pages);
     resume_and_check_continuation(&mut vm, work, &pages);
     drop(vm);
-    let lazy = snapshot::restore(
-        &snap,
-        &mut VmBuilder,
-        RestoreMode::Lazy(PagerConfig::default()),
-    )
-    .unwrap();
-    for p in &lazy.pagers {
-        assert!(p.wait_resident(Duration::from_secs(60)).unwrap());
-    }
+    let lazy = common::lazy_restore_resident(&snap, Duration::from_secs(60));
     assert_eq!(digests(&lazy.vm), want, "{}: lazy restore", dir.display());
 }
 
@@ -251,9 +242,9 @@ fn a_guest_memfd_region_is_stored_during_the_pause() {
 }
 
 /// Store snapshot `name`: full and lazy restores hold the memory digested at the pause.
-fn check_store(backend: &Arc<dyn ObjectStore>, name: &str, work: &[VcpuWork], tmp: &TempDir) {
+fn check_store(objects: &Arc<dyn ObjectStore>, name: &str, work: &[VcpuWork], tmp: &TempDir) {
     let cache = guestmem_store::cache::ChunkCache::open(&tmp.0.join("cache"), 1 << 30).unwrap();
-    let snap = StoreSnapshot::open(backend.clone(), name, Some(cache)).unwrap();
+    let snap = StoreSnapshot::open(objects.clone(), name, Some(cache)).unwrap();
     let (want, pages) = parse_saved(&snap.components[0].data, 2);
     let mut vm = snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Full)
         .map(|r| r.vm)
@@ -262,15 +253,7 @@ fn check_store(backend: &Arc<dyn ObjectStore>, name: &str, work: &[VcpuWork], tm
     assert_pages_consistent(&vm, work, &pages);
     resume_and_check_continuation(&mut vm, work, &pages);
     drop(vm);
-    let lazy = snapshot::restore(
-        &snap,
-        &mut VmBuilder,
-        RestoreMode::Lazy(PagerConfig::default()),
-    )
-    .unwrap();
-    for p in &lazy.pagers {
-        assert!(p.wait_resident(Duration::from_secs(60)).unwrap());
-    }
+    let lazy = common::lazy_restore_resident(&snap, Duration::from_secs(60));
     assert_eq!(digests(&lazy.vm), want, "{name}: lazy restore");
 }
 
@@ -281,7 +264,7 @@ fn check_store(backend: &Arc<dyn ObjectStore>, name: &str, work: &[VcpuWork], tm
 )]
 fn live_store_snapshot_and_diff_are_the_memory_at_their_pause() {
     let tmp = TempDir::new("live-store");
-    let backend: Arc<dyn ObjectStore> = Arc::new(LocalObjectStore::new(&tmp.0.join("store")));
+    let objects: Arc<dyn ObjectStore> = Arc::new(LocalObjectStore::new(&tmp.0.join("store")));
     let mut vm = Vm::new(&VmConfig::simple(2, SIZE, MemBackend::Anon)).unwrap();
     fill_second_half(&vm);
     let work = half_work(2);
@@ -296,7 +279,7 @@ fn live_store_snapshot_and_diff_are_the_memory_at_their_pause() {
     let w = {
         let mut c = Components::new(vec![&mut probe as &mut dyn Component]).unwrap();
         guestmem_store::live::write_machine_live(
-            &*backend,
+            &*objects,
             "base",
             &mut machine,
             &mut c,
@@ -312,7 +295,7 @@ fn live_store_snapshot_and_diff_are_the_memory_at_their_pause() {
         let mut c = Components::new(vec![&mut probe as &mut dyn Component]).unwrap();
         let base = Some(("base", w.tracker.expect("kept")));
         guestmem_store::live::write_machine_live(
-            &*backend,
+            &*objects,
             "diff",
             &mut machine,
             &mut c,
@@ -332,8 +315,8 @@ fn live_store_snapshot_and_diff_are_the_memory_at_their_pause() {
     let running = machine.into_running().unwrap();
     running.stop();
     running.wait(Duration::from_secs(30)).unwrap();
-    check_store(&backend, "base", &work, &tmp);
-    check_store(&backend, "diff", &work, &tmp);
+    check_store(&objects, "base", &work, &tmp);
+    check_store(&objects, "diff", &work, &tmp);
 }
 
 /// A local store that refuses chunk puts once armed.

@@ -83,15 +83,15 @@ fn a_prepared_vm_restores_from_a_store() {
     let at_snapshot = snapshot_running_vm(&config, SIZE, &flat);
     let flat_snap = Snapshot::open(&flat).unwrap();
     // The same guest into a local store: restored from there into prepared VMs.
-    let backend: Arc<dyn guestmem_store::ObjectStore> =
+    let objects: Arc<dyn guestmem_store::ObjectStore> =
         Arc::new(LocalObjectStore::new(&tmp.0.join("store")));
     {
         let vm = snapshot::restore(&flat_snap, &mut VmBuilder, RestoreMode::Full)
             .map(|r| r.vm)
             .unwrap();
-        guestmem_store::write::write(&*backend, "vm1", &vm, None).unwrap();
+        guestmem_store::write::write(&*objects, "vm1", &vm, None).unwrap();
     }
-    let store = StoreSnapshot::open(backend, "vm1", None).unwrap();
+    let store = StoreSnapshot::open(objects, "vm1", None).unwrap();
     let work = dirty_work(2, SIZE);
 
     let mut vm = snapshot::restore(&store, PreparedVm::new(&config).unwrap(), RestoreMode::Full)
@@ -177,15 +177,15 @@ fn a_snapshot_of_another_layout_is_refused_naming_the_difference() {
     }
 
     // The same from a store: refused before any chunk is fetched.
-    let backend: Arc<dyn guestmem_store::ObjectStore> =
+    let objects: Arc<dyn guestmem_store::ObjectStore> =
         Arc::new(LocalObjectStore::new(&tmp.0.join("store")));
     {
         let vm = snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Full)
             .map(|r| r.vm)
             .unwrap();
-        guestmem_store::write::write(&*backend, "vm1", &vm, None).unwrap();
+        guestmem_store::write::write(&*objects, "vm1", &vm, None).unwrap();
     }
-    let store = StoreSnapshot::open(backend, "vm1", None).unwrap();
+    let store = StoreSnapshot::open(objects, "vm1", None).unwrap();
     let prepared = PreparedVm::new(&cases[0].0).unwrap();
     let err = snapshot::restore(&store, prepared, RestoreMode::Lazy(PagerConfig::default()))
         .map(drop)

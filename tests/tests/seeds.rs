@@ -19,7 +19,6 @@ use guestmem_paging::PagerConfig;
 use guestmem_snapshot::{self as snapshot, RestoreMode, Snapshot};
 use guestmem_store::chunk as store_chunk;
 use guestmem_store::local::LocalObjectStore;
-use guestmem_store::manifest::StoreManifest;
 use guestmem_store::restore::StoreSnapshot;
 use guestmem_store::write::write as store_write;
 use guestmem_store::ObjectStore;
@@ -106,17 +105,7 @@ fn gmem_lazy_restore_stops_on_a_corrupt_chunk() {
     );
     common::flip_byte_in_ram(&dir.0, 5, 1);
     let snap = Snapshot::open(&dir.0).unwrap();
-    let quiet = PagerConfig {
-        background: false,
-        ..PagerConfig::default()
-    };
-    let mut lazy =
-        snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(quiet.clone())).unwrap();
-    let running = lazy.vm.resume().unwrap();
-    let e = running
-        .wait(Duration::from_secs(60))
-        .unwrap_err()
-        .to_string();
+    let e = common::lazy_run_error(&snap, Duration::from_secs(60));
     assert!(
         e.contains("corrupt snapshot") && e.contains("region 'ram' chunk 0"),
         "{e}"
@@ -262,10 +251,10 @@ fn gmem_store_snapshot(dir: &TempDir) -> (Arc<dyn ObjectStore>, Vec<u64>, Vec<u6
     let running = vm.start(&dirty_work(2, SIZE)).unwrap();
     common::wait_for_generation(&running, 2);
     running.pause().unwrap();
-    let backend: Arc<dyn ObjectStore> = Arc::new(LocalObjectStore::new(&dir.0.join("store")));
-    store_write(&*backend, "gmem", &vm, None).unwrap();
+    let objects: Arc<dyn ObjectStore> = Arc::new(LocalObjectStore::new(&dir.0.join("store")));
+    store_write(&*objects, "gmem", &vm, None).unwrap();
     let digests = region_digests(vm.memory());
-    (backend, vm.pages_done(), digests, vm)
+    (objects, vm.pages_done(), digests, vm)
 }
 
 fn region_digests(m: &guestmem_memory::GuestMemory) -> Vec<u64> {
@@ -284,10 +273,10 @@ fn region_digests(m: &guestmem_memory::GuestMemory) -> Vec<u64> {
 #[ignore = "needs the seeds kernel (scripts/build-seeds-kernel.sh): run in the kernel lab with --ignored"]
 fn gmem_store_lazy_restore_through_kvm_userfault() {
     let dir = TempDir::new("seeds-store-lazy-gmem");
-    let (backend, at_snapshot, want, source_vm) = gmem_store_snapshot(&dir);
+    let (objects, at_snapshot, want, source_vm) = gmem_store_snapshot(&dir);
     drop(source_vm);
     let work = dirty_work(2, SIZE);
-    let snap = StoreSnapshot::open(backend.clone(), "gmem", None).unwrap();
+    let snap = StoreSnapshot::open(objects.clone(), "gmem", None).unwrap();
     let quiet = PagerConfig {
         background: false,
         ..PagerConfig::default()
@@ -332,38 +321,20 @@ fn gmem_store_lazy_restore_through_kvm_userfault() {
 #[ignore = "needs the seeds kernel (scripts/build-seeds-kernel.sh): run in the kernel lab with --ignored"]
 fn gmem_store_lazy_restore_refuses_a_damaged_chunk() {
     let dir = TempDir::new("seeds-store-lazy-gmem-bad");
-    let (backend, _, _, source_vm) = gmem_store_snapshot(&dir);
+    let (objects, _, _, source_vm) = gmem_store_snapshot(&dir);
     drop(source_vm);
-    let manifest = StoreManifest::load(&*backend, "gmem").unwrap();
-    let c = StoreManifest::stored(&manifest.regions[1].chunks[0], &manifest.pack_ids())
-        .expect("the guest wrote the first chunk of RAM");
-    let key = c.object_key();
-    let mut bytes = backend.get(&key).unwrap();
-    bytes[to_usize(c.offset() + c.stored / 2)] ^= 1;
-    backend.put(&key, &bytes).unwrap();
+    let hash = common::damage_first_ram_chunk(&*objects, "gmem");
     let named = |e: &str| {
         assert!(
             e.contains("corrupt store snapshot")
                 && e.contains("region 'ram' chunk 0 (offset 0x0)")
-                && e.contains(&store_chunk::hex(&c.hash)),
+                && e.contains(&store_chunk::hex(&hash)),
             "{e}"
         );
     };
 
-    let snap = StoreSnapshot::open(backend.clone(), "gmem", None).unwrap();
-    let quiet = PagerConfig {
-        background: false,
-        ..PagerConfig::default()
-    };
-    let mut lazy =
-        snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(quiet.clone())).unwrap();
-    let running = lazy.vm.resume().unwrap();
-    let e = running
-        .wait(Duration::from_secs(60))
-        .unwrap_err()
-        .to_string();
-    named(&e);
-    drop(lazy);
+    let snap = StoreSnapshot::open(objects.clone(), "gmem", None).unwrap();
+    named(&common::lazy_run_error(&snap, Duration::from_secs(60)));
 
     let lazy = snapshot::restore(
         &snap,
@@ -386,7 +357,7 @@ fn gmem_store_lazy_restore_refuses_a_damaged_chunk() {
 #[ignore = "needs the seeds kernel (scripts/build-seeds-kernel.sh): run in the kernel lab with --ignored"]
 fn gmem_host_read_of_an_unfetched_page_gets_the_snapshot_bytes() {
     let dir = TempDir::new("seeds-store-gmem-host-read");
-    let (backend, at_snapshot, want, source_vm) = gmem_store_snapshot(&dir);
+    let (objects, at_snapshot, want, source_vm) = gmem_store_snapshot(&dir);
     // A page in the second half of RAM holding data at the snapshot.
     let page = to_usize(PAGE_SIZE);
     let mut expected = vec![0u8; page];
@@ -403,7 +374,7 @@ fn gmem_host_read_of_an_unfetched_page_gets_the_snapshot_bytes() {
         );
     }
     drop(source_vm);
-    let snap = StoreSnapshot::open(backend, "gmem", None).unwrap();
+    let snap = StoreSnapshot::open(objects, "gmem", None).unwrap();
     let quiet = PagerConfig {
         background: false,
         ..PagerConfig::default()

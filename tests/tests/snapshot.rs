@@ -277,17 +277,7 @@ fn lazily_restored_guest_continues_while_memory_arrives() {
         drop(lazy);
 
         // Left alone, the background fetch brings in exactly the snapshot's memory.
-        let lazy = snapshot::restore(
-            &snap,
-            &mut VmBuilder,
-            RestoreMode::Lazy(PagerConfig::default()),
-        )
-        .unwrap();
-        for pager in &lazy.pagers {
-            assert!(pager
-                .wait_resident(std::time::Duration::from_secs(30))
-                .unwrap());
-        }
+        let lazy = common::lazy_restore_resident(&snap, std::time::Duration::from_secs(30));
         assert_memory_is_snapshot(&lazy.vm, &snap, &format!("{backend}"));
         assert_pages_consistent(&lazy.vm, &work, &at_snapshot);
     }
@@ -329,17 +319,7 @@ fn lazy_restore_refuses_what_it_cannot_serve_and_stops_on_corrupt_pages() {
     snapshot_running_vm(&VmConfig::simple(2, SIZE, Backend::Anon), SIZE, &dir.0);
     flip_byte_in_ram(&dir.0, 5, 1);
     let snap = Snapshot::open(&dir.0).unwrap();
-    let quiet = PagerConfig {
-        background: false,
-        ..PagerConfig::default()
-    };
-    let mut lazy =
-        snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(quiet.clone())).unwrap();
-    let running = lazy.vm.resume().unwrap();
-    let e = running
-        .wait(std::time::Duration::from_secs(30))
-        .unwrap_err()
-        .to_string();
+    let e = common::lazy_run_error(&snap, std::time::Duration::from_secs(30));
     assert!(
         e.contains("corrupt snapshot") && e.contains("region 'ram' chunk 0 (offset 0x0)"),
         "{e}"
@@ -421,18 +401,8 @@ fn a_diff_snapshot_restores_over_its_base() {
 
     // Lazily, pages come from the diff where it holds them, else from the base: the guest
     // continues from the same point and the memory ends up equal to the snapshot's.
-    let mut lazy = snapshot::restore(
-        &snap,
-        &mut VmBuilder,
-        RestoreMode::Lazy(PagerConfig::default()),
-    )
-    .unwrap();
+    let mut lazy = common::lazy_restore_resident(&snap, std::time::Duration::from_secs(30));
     assert_eq!(lazy.vm.pages_done(), at_diff);
-    for pager in &lazy.pagers {
-        assert!(pager
-            .wait_resident(std::time::Duration::from_secs(30))
-            .unwrap());
-    }
     assert_memory_is_snapshot(&lazy.vm, &snap, "lazy");
     resume_and_check_continuation(&mut lazy.vm, &work, &at_diff);
     drop(lazy);
@@ -665,17 +635,7 @@ fn a_recorded_working_set_is_fetched_first_and_saves_faults() {
     drop(lazy);
 
     // With the background sweep after the prefetch, memory ends up equal to the snapshot's.
-    let lazy = snapshot::restore(
-        &snap,
-        &mut VmBuilder,
-        RestoreMode::Lazy(PagerConfig::default()),
-    )
-    .unwrap();
-    for pager in &lazy.pagers {
-        assert!(pager
-            .wait_resident(std::time::Duration::from_secs(30))
-            .unwrap());
-    }
+    let lazy = common::lazy_restore_resident(&snap, std::time::Duration::from_secs(30));
     assert_memory_is_snapshot(&lazy.vm, &snap, "restored");
     drop(lazy);
 

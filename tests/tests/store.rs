@@ -101,11 +101,11 @@ fn memory_checked_chunk_by_chunk(snap: &StoreSnapshot, vm: &Vm) {
 
 /// Snapshot, then restore in full and lazily: the guest sees the same bytes (digests) and goes
 /// on from where it was. A second lazy restore on the host fetches nothing from the store.
-fn round_trip(backend: Arc<dyn ObjectStore>, tmp: &TempDir) {
+fn round_trip(objects: Arc<dyn ObjectStore>, tmp: &TempDir) {
     let vm = paused_vm();
     let at_snapshot = vm.pages_done();
     let want = digests(&vm);
-    let report = write(&*backend, "vm1", &vm, None).unwrap();
+    let report = write(&*objects, "vm1", &vm, None).unwrap();
     assert_eq!(report.memory_bytes, vm.memory().size());
     assert!(
         report.new_chunks > 0 && report.zero_chunks > 0,
@@ -118,7 +118,7 @@ fn round_trip(backend: Arc<dyn ObjectStore>, tmp: &TempDir) {
     );
     drop(vm);
 
-    let snap = StoreSnapshot::open(backend.clone(), "vm1", Some(cache(tmp))).unwrap();
+    let snap = StoreSnapshot::open(objects.clone(), "vm1", Some(cache(tmp))).unwrap();
     // Map mode maps a flat snapshot's memory file: a store snapshot is refused, saying why.
     let e = snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Map)
         .map(|r| r.vm)
@@ -150,23 +150,15 @@ fn round_trip(backend: Arc<dyn ObjectStore>, tmp: &TempDir) {
     drop(snap);
 
     for pass in 0..2 {
-        let snap = StoreSnapshot::open(backend.clone(), "vm1", Some(cache(tmp))).unwrap();
-        let lazy = snapshot::restore(
-            &snap,
-            &mut VmBuilder,
-            RestoreMode::Lazy(PagerConfig::default()),
-        )
-        .unwrap();
+        let snap = StoreSnapshot::open(objects.clone(), "vm1", Some(cache(tmp))).unwrap();
+        let lazy = common::lazy_restore_resident(&snap, Duration::from_secs(60));
         let (pagers, mut vm) = (lazy.pagers, lazy.vm);
-        for p in &pagers {
-            assert!(p.wait_resident(Duration::from_secs(60)).unwrap());
-        }
         assert_eq!(digests(&vm), want, "lazy restore {pass}");
         if pass == 0 {
             snapshot::record_working_set(&snap, vm.memory(), &pagers, &[]).unwrap();
         }
         let stats = snap.fetcher.stats();
-        if backend.remote() {
+        if objects.remote() {
             // Everything came from the host's chunk cache, filled by the first restore.
             assert_eq!(stats.store_gets, 0, "lazy restore {pass}: {stats:?}");
             assert!(stats.cache_hits > 0);
@@ -197,24 +189,16 @@ fn local_store_round_trip_full_and_lazy() {
 )]
 fn local_store_lazy_restore_of_a_memfd_vm() {
     let tmp = TempDir::new("store-memfd-lazy");
-    let backend: Arc<dyn ObjectStore> = Arc::new(LocalObjectStore::new(&tmp.0.join("store")));
+    let objects: Arc<dyn ObjectStore> = Arc::new(LocalObjectStore::new(&tmp.0.join("store")));
     let vm = paused_vm_on(MemBackend::Memfd);
     let at_snapshot = vm.pages_done();
     let want = digests(&vm);
-    write(&*backend, "memfd", &vm, None).unwrap();
+    write(&*objects, "memfd", &vm, None).unwrap();
     drop(vm);
-    let snap = StoreSnapshot::open(backend, "memfd", None).unwrap();
-    let lazy = snapshot::restore(
-        &snap,
-        &mut VmBuilder,
-        RestoreMode::Lazy(PagerConfig::default()),
-    )
-    .unwrap();
+    let snap = StoreSnapshot::open(objects, "memfd", None).unwrap();
+    let lazy = common::lazy_restore_resident(&snap, Duration::from_secs(60));
     let (pagers, mut vm) = (lazy.pagers, lazy.vm);
     assert!(!pagers.is_empty());
-    for p in &pagers {
-        assert!(p.wait_resident(Duration::from_secs(60)).unwrap());
-    }
     assert_eq!(digests(&vm), want, "lazy restore of a memfd VM");
     memory_checked_chunk_by_chunk(&snap, &vm);
     resume_and_check_continuation(&mut vm, &dirty_work(2, SIZE), &at_snapshot);
@@ -234,8 +218,8 @@ fn minio_round_trip_full_and_lazy() {
 /// Identical chunks are stored once: a second snapshot of the same memory (another VM) puts
 /// no chunk; a diff stores only what changed and its merge is a manifest operation; gc
 /// removes exactly what no manifest references, and never while a write holds a lease.
-fn dedup_diff_merge_gc(backend: Arc<dyn ObjectStore>) {
-    let b = &*backend;
+fn dedup_diff_merge_gc(objects: Arc<dyn ObjectStore>) {
+    let b = &*objects;
     let mut vm = paused_vm();
     let first = write(b, "base", &vm, None).unwrap();
     let again = write(b, "copy", &vm, None).unwrap();
@@ -262,7 +246,7 @@ fn dedup_diff_merge_gc(backend: Arc<dyn ObjectStore>) {
     );
     drop(vm);
 
-    let restored = StoreSnapshot::open(backend.clone(), "diff", None).unwrap();
+    let restored = StoreSnapshot::open(objects.clone(), "diff", None).unwrap();
     let mut vm = snapshot::restore(&restored, &mut VmBuilder, RestoreMode::Full)
         .map(|r| r.vm)
         .unwrap();
@@ -278,7 +262,7 @@ fn dedup_diff_merge_gc(backend: Arc<dyn ObjectStore>) {
         .flat_map(|r| &r.chunks)
         .all(|c| *c != ChunkRef::Base));
     let vm = snapshot::restore(
-        &StoreSnapshot::open(backend.clone(), "merged", None).unwrap(),
+        &StoreSnapshot::open(objects.clone(), "merged", None).unwrap(),
         &mut VmBuilder,
         RestoreMode::Full,
     )
@@ -322,7 +306,7 @@ fn dedup_diff_merge_gc(backend: Arc<dyn ObjectStore>) {
         "exactly the merged snapshot's packs are left"
     );
     let vm = snapshot::restore(
-        &StoreSnapshot::open(backend.clone(), "merged", None).unwrap(),
+        &StoreSnapshot::open(objects.clone(), "merged", None).unwrap(),
         &mut VmBuilder,
         RestoreMode::Full,
     )
@@ -352,8 +336,8 @@ fn minio_dedup_diff_merge_gc() {
 #[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
 fn a_store_written_before_packs_is_read_and_its_chunks_reused() {
     let tmp = TempDir::new("store-v1");
-    let backend: Arc<dyn ObjectStore> = Arc::new(LocalObjectStore::new(&tmp.0.join("store")));
-    let b = &*backend;
+    let objects: Arc<dyn ObjectStore> = Arc::new(LocalObjectStore::new(&tmp.0.join("store")));
+    let b = &*objects;
     let vm = paused_vm();
     let want = digests(&vm);
     write(b, "old", &vm, None).unwrap();
@@ -390,7 +374,7 @@ fn a_store_written_before_packs_is_read_and_its_chunks_reused() {
     )
     .unwrap();
     let vm2 = snapshot::restore(
-        &StoreSnapshot::open(backend.clone(), "old", None).unwrap(),
+        &StoreSnapshot::open(objects.clone(), "old", None).unwrap(),
         &mut VmBuilder,
         RestoreMode::Full,
     )
@@ -405,7 +389,7 @@ fn a_store_written_before_packs_is_read_and_its_chunks_reused() {
     let r = gc::gc(b, Duration::ZERO).unwrap();
     assert_eq!(r.removed_chunks, 0, "{r:?}");
     let vm2 = snapshot::restore(
-        &StoreSnapshot::open(backend.clone(), "new", None).unwrap(),
+        &StoreSnapshot::open(objects.clone(), "new", None).unwrap(),
         &mut VmBuilder,
         RestoreMode::Full,
     )
@@ -440,8 +424,8 @@ fn replaced(object: &[u8], c: &chunk::Stored, with: &[u8]) -> Vec<u8> {
 /// A chunk replaced by another's bytes, a missing chunk, a damaged manifest: each refused
 /// before any vCPU runs, naming the snapshot, region, chunk and what is wrong.
 #[allow(clippy::cast_possible_truncation)] // a short test payload.
-fn refusals(backend: Arc<dyn ObjectStore>) {
-    let b = &*backend;
+fn refusals(objects: Arc<dyn ObjectStore>) {
+    let b = &*objects;
     let vm = paused_vm();
     write(b, "vm", &vm, None).unwrap();
     drop(vm);
@@ -462,7 +446,7 @@ fn refusals(backend: Arc<dyn ObjectStore>) {
     other.extend_from_slice(&(pad as u32).to_le_bytes());
     other.resize(to_usize(c.stored), 0);
     b.put(&key, &replaced(&good, &c, &other)).unwrap();
-    let snap = StoreSnapshot::open(backend.clone(), "vm", None).unwrap();
+    let snap = StoreSnapshot::open(objects.clone(), "vm", None).unwrap();
     let e = snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Full)
         .map(|r| r.vm)
         .expect_err("refused")
@@ -497,7 +481,7 @@ fn refusals(backend: Arc<dyn ObjectStore>) {
     b.put(&key, &damaged).unwrap();
     let full_restore_error = || {
         snapshot::restore(
-            &StoreSnapshot::open(backend.clone(), "vm", None).unwrap(),
+            &StoreSnapshot::open(objects.clone(), "vm", None).unwrap(),
             &mut VmBuilder,
             RestoreMode::Full,
         )
@@ -533,7 +517,7 @@ fn refusals(backend: Arc<dyn ObjectStore>) {
     );
     b.put(&key, &good).unwrap();
     snapshot::restore(
-        &StoreSnapshot::open(backend.clone(), "vm", None).unwrap(),
+        &StoreSnapshot::open(objects.clone(), "vm", None).unwrap(),
         &mut VmBuilder,
         RestoreMode::Full,
     )
@@ -551,7 +535,7 @@ fn refusals(backend: Arc<dyn ObjectStore>) {
     b.put(&skey, foreign).unwrap();
     b.put(&manifest_key("vm"), &serde_json::to_vec_pretty(&m).unwrap())
         .unwrap();
-    let e = StoreSnapshot::open(backend.clone(), "vm", None).expect_err("refused");
+    let e = StoreSnapshot::open(objects.clone(), "vm", None).expect_err("refused");
     let text = chain(&e);
     assert!(
         matches!(e, Error::Json { .. }) && text.contains(&skey) && text.contains("unknown field"),
@@ -562,18 +546,18 @@ fn refusals(backend: Arc<dyn ObjectStore>) {
     let mkey = manifest_key("vm");
     let manifest = b.get(&mkey).unwrap();
     b.put(&mkey, &manifest[..manifest.len() / 2]).unwrap();
-    let e = StoreSnapshot::open(backend.clone(), "vm", None)
+    let e = StoreSnapshot::open(objects.clone(), "vm", None)
         .expect_err("refused")
         .to_string();
     assert!(e.contains(&mkey) && e.contains("truncated"), "{e}");
     b.put(&mkey, br#"{"format":"something-else","version":1}"#)
         .unwrap();
-    let e = StoreSnapshot::open(backend.clone(), "vm", None)
+    let e = StoreSnapshot::open(objects.clone(), "vm", None)
         .expect_err("refused")
         .to_string();
     assert!(e.contains("not a guestmem store snapshot"), "{e}");
     // A missing snapshot (or one whose write never finished: no manifest).
-    let e = StoreSnapshot::open(backend.clone(), "nothing", None)
+    let e = StoreSnapshot::open(objects.clone(), "nothing", None)
         .expect_err("refused")
         .to_string();
     assert!(e.contains("no snapshot 'nothing'"), "{e}");
@@ -647,14 +631,14 @@ fn minio_wrong_credentials_and_unreachable_store_are_named() {
 fn local_store_on_a_full_disk_fails_and_leaves_no_manifest() {
     let tmp = TempDir::new("store-full");
     let (mnt, _unmount) = small_tmpfs(&tmp, "4m");
-    let backend: Arc<dyn ObjectStore> = Arc::new(LocalObjectStore::new(&mnt.join("store")));
-    let e = write(&*backend, "full", &vm_of_random_bytes(), None).unwrap_err();
+    let objects: Arc<dyn ObjectStore> = Arc::new(LocalObjectStore::new(&mnt.join("store")));
+    let e = write(&*objects, "full", &vm_of_random_bytes(), None).unwrap_err();
     let text = chain(&e);
     assert!(
         text.contains("store:") && text.contains("packs/") && text.contains("No space left"),
         "{text}"
     );
-    assert_no_snapshot(backend, "full");
+    assert_no_snapshot(objects, "full");
 }
 
 /// The same against MinIO whose data directory is on a file system that fills: the write
@@ -665,8 +649,8 @@ fn minio_on_a_full_disk_fails_and_leaves_no_manifest() {
     let tmp = TempDir::new("store-full-s3");
     let (mnt, _unmount) = small_tmpfs(&tmp, "16m");
     let m = Minio::start_in("snaps", &mnt);
-    let backend = s3(&m, "full-disk");
-    let e = write(&*backend, "full", &vm_of_random_bytes(), None).unwrap_err();
+    let objects = s3(&m, "full-disk");
+    let e = write(&*objects, "full", &vm_of_random_bytes(), None).unwrap_err();
     // MinIO answers a PUT it runs out of space for as an incomplete body (400), or one it
     // has no room for as storage full (507, with or without a body saying so), depending on
     // when the space runs out; the error names the store, the object and what MinIO said.
@@ -678,7 +662,7 @@ fn minio_on_a_full_disk_fails_and_leaves_no_manifest() {
                 .any(|t| text.contains(t)),
         "{text}"
     );
-    assert_no_snapshot(backend, "full");
+    assert_no_snapshot(objects, "full");
 }
 
 /// A VM whose RAM (SIZE) holds incompressible bytes.
@@ -710,10 +694,10 @@ fn chain(e: &Error) -> String {
     text
 }
 
-/// No manifest `name` in `backend`, and opening it says the write did not finish.
-fn assert_no_snapshot(backend: Arc<dyn ObjectStore>, name: &str) {
-    assert!(!backend.exists(&manifest_key(name)).unwrap());
-    let e = StoreSnapshot::open(backend, name, None)
+/// No manifest `name` in `objects`, and opening it says the write did not finish.
+fn assert_no_snapshot(objects: Arc<dyn ObjectStore>, name: &str) {
+    assert!(!objects.exists(&manifest_key(name)).unwrap());
+    let e = StoreSnapshot::open(objects, name, None)
         .expect_err("no snapshot")
         .to_string();
     assert!(
@@ -731,29 +715,13 @@ fn assert_no_snapshot(backend: Arc<dyn ObjectStore>, name: &str) {
 )]
 fn minio_lazy_restore_stops_on_a_damaged_chunk() {
     let m = Minio::start("snapshots");
-    let backend = s3(&m, "lazy-bad");
+    let objects = s3(&m, "lazy-bad");
     let vm = paused_vm();
-    write(&*backend, "vm", &vm, None).unwrap();
+    write(&*objects, "vm", &vm, None).unwrap();
     drop(vm);
-    let manifest = StoreManifest::load(&*backend, "vm").unwrap();
-    let c = StoreManifest::stored(&manifest.regions[1].chunks[0], &manifest.pack_ids())
-        .expect("the guest wrote the first chunk of RAM");
-    let (hash, key) = (c.hash, c.object_key());
-    let mut bytes = backend.get(&key).unwrap();
-    bytes[to_usize(c.offset() + c.stored / 2)] ^= 1;
-    backend.put(&key, &bytes).unwrap();
-    let snap = StoreSnapshot::open(backend.clone(), "vm", None).unwrap();
-    let quiet = PagerConfig {
-        background: false,
-        ..PagerConfig::default()
-    };
-    let mut lazy =
-        snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(quiet.clone())).unwrap();
-    let running = lazy.vm.resume().unwrap();
-    let e = running
-        .wait(Duration::from_secs(30))
-        .unwrap_err()
-        .to_string();
+    let hash = common::damage_first_ram_chunk(&*objects, "vm");
+    let snap = StoreSnapshot::open(objects.clone(), "vm", None).unwrap();
+    let e = common::lazy_run_error(&snap, Duration::from_secs(30));
     assert!(
         e.contains("corrupt store snapshot") && e.contains("region 'ram' chunk 0 (offset 0x0)"),
         "{e}"
@@ -790,10 +758,10 @@ fn gmem_store_lazy_restore_is_served_or_refused_naming_kvm_userfault() {
     wait_for_generation(&running, 1);
     running.pause().unwrap();
     let at_snapshot = vm.pages_done();
-    let backend: Arc<dyn ObjectStore> = Arc::new(LocalObjectStore::new(&tmp.0.join("store")));
-    write(&*backend, "gmem", &vm, None).unwrap();
+    let objects: Arc<dyn ObjectStore> = Arc::new(LocalObjectStore::new(&tmp.0.join("store")));
+    write(&*objects, "gmem", &vm, None).unwrap();
     drop(vm);
-    let snap = StoreSnapshot::open(backend, "gmem", None).unwrap();
+    let snap = StoreSnapshot::open(objects, "gmem", None).unwrap();
     let restored = snapshot::restore(
         &snap,
         &mut VmBuilder,

@@ -358,7 +358,7 @@ fn a_vmm_machine_goes_through_a_chunk_store() {
     use guestmem_store::restore::StoreSnapshot;
     let config = VmConfig::simple(2, SIZE, Backend::Anon);
     let dir = TempDir::new("vmm-store");
-    let backend: Arc<dyn guestmem_store::ObjectStore> =
+    let objects: Arc<dyn guestmem_store::ObjectStore> =
         Arc::new(LocalObjectStore::new(&dir.0.join("store")));
     let mut vm = Vm::new(&config).unwrap();
     let running = vm.start(&dirty_work(2, SIZE)).unwrap();
@@ -370,7 +370,7 @@ fn a_vmm_machine_goes_through_a_chunk_store() {
         data: vec![1, 2, 3],
     };
     guestmem_store::write::write_machine(
-        &*backend,
+        &*objects,
         "vmm",
         &mut machine,
         std::slice::from_ref(&state),
@@ -383,7 +383,7 @@ fn a_vmm_machine_goes_through_a_chunk_store() {
 
     let work = dirty_work(2, SIZE);
     for lazy in [false, true] {
-        let snap = StoreSnapshot::open(backend.clone(), "vmm", None).unwrap();
+        let snap = StoreSnapshot::open(objects.clone(), "vmm", None).unwrap();
         assert_eq!(snap.components, std::slice::from_ref(&state));
         let (pagers, mut restored) = if lazy {
             let l = snapshot::restore(

@@ -525,22 +525,8 @@ pub fn main(args: Args) -> crate::Result<()> {
     let link_measured_mib_per_s = measure_link(&args, link.as_ref())?;
     let qemu_configs = qemu_configs(&args);
     let qemu_cases = if qemu_ok { qemu_configs.len() } else { 0 };
-    let variants = args
-        .compress
-        .iter()
-        .map(|&c| zstd_windows(&args, c).len())
-        .sum::<usize>()
-        * args.delta_cache_mib.len();
-    let total = cases * (modes.len() * variants + qemu_cases) * args.repeat;
-    let bar = if args.json {
-        ProgressBar::hidden()
-    } else {
-        ProgressBar::new(total as u64)
-    };
-    bar.set_style(
-        ProgressStyle::with_template("{bar:30} {pos}/{len} {elapsed_precise} {msg}")
-            .expect("valid template"),
-    );
+    let total = cases * (modes.len() * variants(&args).len() + qemu_cases) * args.repeat;
+    let bar = progress_bar(args.json, total);
     let load_before = crate::envelope::load_average();
     let mut rows = Vec::new();
     let mut qemu_rows = Vec::new();
@@ -549,42 +535,16 @@ pub fn main(args: Args) -> crate::Result<()> {
             for &mode in modes {
                 rows.extend(guestmem_rows(&args, link.as_ref(), size, rate, mode, &bar)?);
             }
-            // The image laid out for QEMU, once per size.
-            let qemu_image = match (&args.image, qemu_ok) {
-                (Some(image), true) => Some(qemu_peer::QemuImage::prepare(
-                    image,
+            if qemu_ok {
+                let configs = &qemu_configs;
+                qemu_rows.extend(qemu_rows_of(
+                    &args,
+                    link.as_ref(),
                     size,
-                    &qemu_image_dir(),
-                )?),
-                _ => None,
-            };
-            for &(channel, multifd) in qemu_configs.iter().filter(|_| qemu_ok) {
-                let config = qemu_peer::Config {
-                    mem: size,
-                    dirty_pages_per_s: rate.mib_per_s().map(|m| m * 256),
-                    downtime_limit_ms: args.downtime_ms,
-                    vcpus: args.vcpus,
-                    channel,
-                    multifd,
-                    image: qemu_image.as_ref(),
-                    rewrite: args.rewrite,
-                    link: link.as_ref(),
-                };
-                let mut runs = Vec::new();
-                for i in 0..args.repeat {
-                    bar.set_message(format!(
-                        "{} MiB, {}, QEMU pre-copy ({}): run {}",
-                        size >> 20,
-                        rate.label(),
-                        config.name(),
-                        i + 1
-                    ));
-                    let steal = Steal::start();
-                    let figures = qemu_precopy(&config)?;
-                    runs.push((figures, steal.percent()));
-                    bar.inc(1);
-                }
-                qemu_rows.push(qemu_row(args.link, size, rate, &config, &runs));
+                    rate,
+                    configs,
+                    &bar,
+                )?);
             }
         }
     }
@@ -614,6 +574,70 @@ pub fn main(args: Args) -> crate::Result<()> {
         print_table(&out);
     }
     Ok(())
+}
+
+/// The progress bar of `total` runs (hidden when the output is JSON).
+fn progress_bar(json: bool, total: usize) -> ProgressBar {
+    let bar = if json {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(total as u64)
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} {elapsed_precise} {msg}")
+            .expect("valid template"),
+    );
+    bar
+}
+
+/// QEMU's rows of one size and rate: `--repeat` pre-copies of each of `configs`, on the image
+/// laid out for QEMU (once per call).
+fn qemu_rows_of(
+    args: &Args,
+    link: Option<&Link>,
+    size: u64,
+    rate: Rate,
+    configs: &[(qemu_peer::Channel, Option<qemu_peer::Multifd>)],
+    bar: &ProgressBar,
+) -> crate::Result<Vec<QemuRow>> {
+    let qemu_image = match &args.image {
+        Some(image) => Some(qemu_peer::QemuImage::prepare(
+            image,
+            size,
+            &qemu_image_dir(),
+        )?),
+        None => None,
+    };
+    let mut rows = Vec::new();
+    for &(channel, multifd) in configs {
+        let config = qemu_peer::Config {
+            mem: size,
+            dirty_pages_per_s: rate.mib_per_s().map(|m| m * 256),
+            downtime_limit_ms: args.downtime_ms,
+            vcpus: args.vcpus,
+            channel,
+            multifd,
+            image: qemu_image.as_ref(),
+            rewrite: args.rewrite,
+            link,
+        };
+        let mut runs = Vec::new();
+        for i in 0..args.repeat {
+            bar.set_message(format!(
+                "{} MiB, {}, QEMU pre-copy ({}): run {}",
+                size >> 20,
+                rate.label(),
+                config.name(),
+                i + 1
+            ));
+            let steal = Steal::start();
+            let figures = qemu_precopy(&config)?;
+            runs.push((figures, steal.percent()));
+            bar.inc(1);
+        }
+        rows.push(qemu_row(args.link, size, rate, &config, &runs));
+    }
+    Ok(rows)
 }
 
 /// Refuses arguments no run can be made of.
@@ -719,6 +743,20 @@ fn zstd_windows(args: &Args, c: Compress) -> Vec<u64> {
 /// One row's case and variant, with its runs.
 type RowRuns = (u64, Rate, Mode, (Compress, DeltaCacheArg, u64), Vec<Run>);
 
+/// The variants guestmem runs each size, rate and mode with: each compression, zstd window
+/// (several for zstd and auto only) and delta cache.
+fn variants(args: &Args) -> Vec<(Compress, DeltaCacheArg, u64)> {
+    let mut variants = Vec::new();
+    for &c in &args.compress {
+        for w in zstd_windows(args, c) {
+            for &d in &args.delta_cache_mib {
+                variants.push((c, d, w));
+            }
+        }
+    }
+    variants
+}
+
 /// guestmem's runs of one size, rate and mode: `--repeat` runs of each compression, zstd
 /// window and delta cache.
 fn guestmem_rows(
@@ -730,15 +768,7 @@ fn guestmem_rows(
     bar: &ProgressBar,
 ) -> crate::Result<Vec<RowRuns>> {
     let mut rows = Vec::new();
-    let mut variants = Vec::new();
-    for &c in &args.compress {
-        for w in zstd_windows(args, c) {
-            for &d in &args.delta_cache_mib {
-                variants.push((c, d, w));
-            }
-        }
-    }
-    for (compress, delta, window) in variants {
+    for (compress, delta, window) in variants(args) {
         let mut runs = Vec::new();
         for i in 0..args.repeat {
             bar.set_message(format!(
@@ -815,20 +845,60 @@ fn output(
     qemu_note: Option<String>,
     load_before: Option<String>,
 ) -> Output {
-    let comparisons: Vec<Comparison> = rows
-        .iter()
+    let comparisons = comparisons(args.link, &rows, &qemu_rows);
+    let target = precopy_target(&rows, &comparisons);
+    let p99 = max_of(rows.iter().filter_map(|r| r.fault_p99_us));
+    // A zstd stream window is memory asked for (about its size per connection), not the
+    // source's own bookkeeping: its rows are left out of the target.
+    let extra = max_of(
+        rows.iter()
+            .filter(|r| r.zstd_window_bytes == 0)
+            .map(|r| r.source_extra_percent),
+    );
+    Output {
+        vcpus: args.vcpus,
+        connections: args.connections,
+        whole_pages: args.whole_pages,
+        fault_cpus: args.fault_cpus.0.clone(),
+        transport: transport_name(args.transport, args.link),
+        repeat: args.repeat,
+        link: args.link,
+        link_measured_mib_per_s: None,
+        link_delay_ms_each_way: 0.0,
+        image: args.image.clone(),
+        rewrite: args.rewrite,
+        downtime_target_ms: args.downtime_ms,
+        idle_pages_per_s: qemu_peer::IDLE_PAGES_PER_S,
+        load_average_before: load_before,
+        load_average_after: crate::envelope::load_average(),
+        rows,
+        qemu_rows,
+        qemu_note,
+        floors: Vec::new(),
+        comparisons,
+        target_4g_64mib_precopy: target,
+        postcopy_fault_p99_us_max: p99,
+        postcopy_fault_p99_target_met: p99.map(|p| p < 1000.0),
+        source_extra_percent_max: extra,
+        source_extra_target_met: extra.map(|e| e < 2.0),
+    }
+}
+
+/// guestmem's pre-copy rows beside QEMU's best configuration of the same size and rate.
+fn comparisons(link: link::Speed, rows: &[Row], qemu_rows: &[QemuRow]) -> Vec<Comparison> {
+    rows.iter()
         .filter(|r| r.mode == Mode::Precopy)
         .filter_map(|r| {
             let q = qemu_rows.iter().find(|q| {
                 q.best && q.memory_bytes == r.memory_bytes && q.dirty_mib_per_s == r.dirty_mib_per_s
             })?;
-            let target = match args.link {
+            let target = match link {
                 link::Speed::OneGbit => 0.6,
                 _ => 0.8,
             };
             let total = r.total_ms / q.total_ms.max(1e-3);
             Some(Comparison {
-                link: args.link,
+                link,
                 memory_bytes: r.memory_bytes,
                 dirty_mib_per_s: r.dirty_mib_per_s,
                 guestmem_compress: r.compress,
@@ -847,9 +917,12 @@ fn output(
                 first_pass_target_met: r.first_pass_wire_bytes_per_guest_byte <= 0.3,
             })
         })
-        .collect();
-    let target = rows
-        .iter()
+        .collect()
+}
+
+/// The 4 GiB, 64 MiB/s pre-copy target (None when that case was not run).
+fn precopy_target(rows: &[Row], comparisons: &[Comparison]) -> Option<PrecopyTarget> {
+    rows.iter()
         .find(|r| {
             r.mode == Mode::Precopy && r.memory_bytes == 4 << 30 && r.dirty_mib_per_s == Some(64)
         })
@@ -876,48 +949,20 @@ fn output(
                         && c.total_vs_qemu_best_ratio < 1.0,
                 })
                 .collect(),
-        });
-    let p99 = rows
-        .iter()
-        .filter_map(|r| r.fault_p99_us)
-        .fold(None, |m: Option<f64>, v| Some(m.map_or(v, |m| m.max(v))));
-    // A zstd stream window is memory asked for (about its size per connection), not the
-    // source's own bookkeeping: its rows are left out of the target.
-    let extra = rows
-        .iter()
-        .filter(|r| r.zstd_window_bytes == 0)
-        .map(|r| r.source_extra_percent)
-        .fold(None, |m: Option<f64>, v| Some(m.map_or(v, |m| m.max(v))));
-    Output {
-        vcpus: args.vcpus,
-        connections: args.connections,
-        whole_pages: args.whole_pages,
-        fault_cpus: args.fault_cpus.0.clone(),
-        transport: match (args.transport, args.link) {
-            (Transport::Tcp, link::Speed::Loopback) => "tcp:127.0.0.1".into(),
-            (Transport::Tcp, _) => format!("tcp:{}", Link::ip(Side::Destination)),
-            (Transport::Unix, _) => "unix".into(),
-        },
-        repeat: args.repeat,
-        link: args.link,
-        link_measured_mib_per_s: None,
-        link_delay_ms_each_way: 0.0,
-        image: args.image.clone(),
-        rewrite: args.rewrite,
-        downtime_target_ms: args.downtime_ms,
-        idle_pages_per_s: qemu_peer::IDLE_PAGES_PER_S,
-        load_average_before: load_before,
-        load_average_after: crate::envelope::load_average(),
-        rows,
-        qemu_rows,
-        qemu_note,
-        floors: Vec::new(),
-        comparisons,
-        target_4g_64mib_precopy: target,
-        postcopy_fault_p99_us_max: p99,
-        postcopy_fault_p99_target_met: p99.map(|p| p < 1000.0),
-        source_extra_percent_max: extra,
-        source_extra_target_met: extra.map(|e| e < 2.0),
+        })
+}
+
+/// The highest of `values` (None when there is none).
+fn max_of(values: impl Iterator<Item = f64>) -> Option<f64> {
+    values.fold(None, |m: Option<f64>, v| Some(m.map_or(v, |m| m.max(v))))
+}
+
+/// How the pages travel, as the output names it.
+fn transport_name(transport: Transport, link: link::Speed) -> String {
+    match (transport, link) {
+        (Transport::Tcp, link::Speed::Loopback) => "tcp:127.0.0.1".into(),
+        (Transport::Tcp, _) => format!("tcp:{}", Link::ip(Side::Destination)),
+        (Transport::Unix, _) => "unix".into(),
     }
 }
 
@@ -1288,6 +1333,71 @@ fn compression_chosen(compression: &CompressionReport) -> &'static str {
     .map_or("none", |(_, name)| name)
 }
 
+/// The median of a figure every run has; `None` when there are no runs or one lacks it.
+fn median_if_all(figures: impl Iterator<Item = Option<f64>>) -> Option<f64> {
+    let v: Option<Vec<f64>> = figures.collect();
+    v.filter(|v| !v.is_empty()).map(median)
+}
+
+/// The median of a figure of the destinations' reports of the runs that have one; `None` for
+/// pre-copy (the destination has no faults to report) or when no run has a report.
+fn destination_median(
+    runs: &[Run],
+    mode: Mode,
+    f: &dyn Fn(&DestinationReport) -> f64,
+) -> Option<f64> {
+    if mode == Mode::Precopy {
+        return None;
+    }
+    let v: Vec<f64> = runs
+        .iter()
+        .filter_map(|r| r.report.destination.as_ref().map(f))
+        .collect();
+    (!v.is_empty()).then(|| median(v))
+}
+
+/// The per-run figures of a row that take more than a field of the report.
+impl Run {
+    /// GiB of pages the run sent (never 0: the figures per GiB divide by it).
+    fn sent_gib(&self) -> f64 {
+        (self.report.bytes as f64 / (1u64 << 30) as f64).max(1e-9)
+    }
+
+    /// What the destination's zstd streams held at their most (0 without its report).
+    fn destination_zstd_stream_bytes(&self) -> f64 {
+        self.report
+            .destination
+            .as_ref()
+            .map_or(0.0, |d| d.zstd_stream_bytes as f64)
+    }
+
+    /// Wire bytes of the first round per byte of guest memory.
+    fn first_pass_wire_bytes_per_guest_byte(&self) -> f64 {
+        let first = self.report.rounds.first().map_or(0, |x| x.wire_bytes);
+        first as f64 / self.report.guest_bytes.max(1) as f64
+    }
+
+    /// MiB the rounds after the first put on the wire.
+    fn later_rounds_wire_mib(&self) -> f64 {
+        let bytes: u64 = self
+            .report
+            .rounds
+            .iter()
+            .skip(1)
+            .map(|x| x.wire_bytes)
+            .sum();
+        bytes as f64 / f64::from(1 << 20)
+    }
+
+    /// The first round's bandwidth.
+    fn round1_mib_per_s(&self) -> f64 {
+        self.report
+            .rounds
+            .first()
+            .map_or(0.0, |x| x.bandwidth_mib_per_s)
+    }
+}
+
 /// One row of the table: the medians of `runs` (a table: one field per column).
 fn median_row(
     link: link::Speed,
@@ -1298,25 +1408,15 @@ fn median_row(
     runs: &[Run],
 ) -> Row {
     let m = |f: &dyn Fn(&Run) -> f64| median(runs.iter().map(f).collect());
-    let opt = |f: &dyn Fn(&DestinationReport) -> f64| -> Option<f64> {
-        if mode == Mode::Precopy {
-            return None;
-        }
-        let v: Vec<f64> = runs
-            .iter()
-            .filter_map(|r| r.report.destination.as_ref().map(f))
-            .collect();
-        (!v.is_empty()).then(|| median(v))
-    };
+    let opt = |f: &dyn Fn(&DestinationReport) -> f64| destination_median(runs, mode, f);
     let steady = m(&|r| r.steady_pages_per_s);
     let during = m(&|r| r.during_pages_per_s);
     let extra = m(&|r| r.report.source_extra_bytes as f64);
-    // GiB of pages a run sent, and a figure of its floors (None unless every run has them).
-    let gib = |r: &Run| (r.report.bytes as f64 / (1u64 << 30) as f64).max(1e-9);
-    let floor = |f: &dyn Fn(&Run, (f64, f64)) -> f64| -> Option<f64> {
-        let v: Option<Vec<f64>> = runs.iter().map(|r| r.floor.map(|x| f(r, x))).collect();
-        v.filter(|v| !v.is_empty()).map(median)
+    // A figure of the runs' floors: None unless every run has them.
+    let floor = |f: &dyn Fn(&Run, (f64, f64)) -> f64| {
+        median_if_all(runs.iter().map(|r| r.floor.map(|x| f(r, x))))
     };
+    let gib = Run::sent_gib;
     let compression = runs
         .first()
         .map(|r| r.report.compression.clone())
@@ -1332,12 +1432,7 @@ fn median_row(
         zstd_window_asked_bytes,
         zstd_window_bytes: runs.first().map_or(0, |r| r.report.zstd_window_bytes),
         zstd_stream_bytes_source: m(&|r| r.report.zstd_stream_bytes as f64),
-        zstd_stream_bytes_destination: m(&|r| {
-            r.report
-                .destination
-                .as_ref()
-                .map_or(0.0, |d| d.zstd_stream_bytes as f64)
-        }),
+        zstd_stream_bytes_destination: m(&Run::destination_zstd_stream_bytes),
         runs: runs.len(),
         total_ms: m(&|r| r.report.total_ms),
         downtime_ms: m(&|r| r.report.downtime_ms),
@@ -1345,10 +1440,7 @@ fn median_row(
         downtime_ms_runs: runs.iter().map(|r| r.report.downtime_ms).collect(),
         sent_mib: m(&|r| r.report.bytes as f64 / f64::from(1 << 20)),
         wire_mib: m(&|r| r.report.wire_bytes as f64 / f64::from(1 << 20)),
-        first_pass_wire_bytes_per_guest_byte: m(&|r| {
-            r.report.rounds.first().map_or(0.0, |x| x.wire_bytes as f64)
-                / r.report.guest_bytes.max(1) as f64
-        }),
+        first_pass_wire_bytes_per_guest_byte: m(&Run::first_pass_wire_bytes_per_guest_byte),
         wire_bytes_per_guest_gib: m(&|r| {
             r.report.wire_bytes as f64 * (1u64 << 30) as f64 / size as f64
         }),
@@ -1362,15 +1454,7 @@ fn median_row(
         source_floor_cpu_s_per_gib: floor(&|_, (_, s)| s),
         dest_cpu_to_floor: floor(&|r, (d, _)| r.destination_cpu_s / gib(r) / d),
         source_cpu_to_floor: floor(&|r, (_, s)| r.source_cpu_s / gib(r) / s),
-        later_rounds_wire_mib: m(&|r| {
-            r.report
-                .rounds
-                .iter()
-                .skip(1)
-                .map(|x| x.wire_bytes)
-                .sum::<u64>() as f64
-                / f64::from(1 << 20)
-        }),
+        later_rounds_wire_mib: m(&Run::later_rounds_wire_mib),
         delta_cache_bytes: runs.first().map_or(0, |r| r.report.delta.cache_bytes),
         delta_hit_rate: m(&|r| r.report.delta.hit_rate()),
         delta_saved_mib: m(&|r| r.report.delta.bytes_saved() as f64 / f64::from(1 << 20)),
@@ -1381,12 +1465,7 @@ fn median_row(
         rounds: m(&|r| r.report.rounds.len() as f64),
         converged_runs: runs.iter().filter(|r| r.report.converged).count(),
         max_throttle_percent: m(&|r| r.report.max_throttle_percent as f64),
-        round1_mib_per_s: m(&|r| {
-            r.report
-                .rounds
-                .first()
-                .map_or(0.0, |x| x.bandwidth_mib_per_s)
-        }),
+        round1_mib_per_s: m(&Run::round1_mib_per_s),
         fault_p50_us: opt(&|d| d.fault_latency_p50_us),
         fault_p99_us: opt(&|d| d.fault_latency_p99_us),
         faults: opt(&|d| d.faults as f64),
@@ -1702,6 +1781,55 @@ fn print_targets(out: &Output) {
 mod tests {
     fn error_of(argv: &[&str]) -> String {
         crate::refusal(argv, super::main)
+    }
+
+    #[test]
+    fn only_zstd_and_auto_run_each_zstd_window() {
+        let args: super::Args = crate::parse(&[
+            "--compress",
+            "none,zstd",
+            "--zstd-window-mib",
+            "0,8",
+            "--delta-cache-mib",
+            "0,64",
+        ])
+        .expect("the arguments parse");
+        let variants = super::variants(&args);
+        // none: the first window only; zstd: both; each with both delta caches.
+        assert_eq!(variants.len(), (1 + 2) * 2);
+        let none = variants.iter().filter(|v| v.0 == super::Compress::None);
+        assert!(none.clone().all(|v| v.2 == 0));
+        assert_eq!(none.count(), 2);
+        assert!(variants
+            .iter()
+            .any(|v| v.0 == super::Compress::Zstd && v.2 == 8 << 20));
+    }
+
+    #[test]
+    fn the_highest_of_no_figures_is_none() {
+        assert_eq!(super::max_of([2.0, 7.5, 1.0].into_iter()), Some(7.5));
+        assert_eq!(super::max_of(std::iter::empty()), None);
+    }
+
+    #[test]
+    fn the_transport_names_the_destination_address() {
+        use super::{link::Speed, transport_name, Transport};
+        assert_eq!(
+            transport_name(Transport::Tcp, Speed::Loopback),
+            "tcp:127.0.0.1"
+        );
+        assert_eq!(transport_name(Transport::Unix, Speed::OneGbit), "unix");
+        assert!(transport_name(Transport::Tcp, Speed::OneGbit).starts_with("tcp:"));
+    }
+
+    #[test]
+    fn a_floor_figure_needs_every_run() {
+        assert_eq!(
+            super::median_if_all([Some(3.0), Some(1.0), Some(2.0)].into_iter()),
+            Some(2.0)
+        );
+        assert_eq!(super::median_if_all([Some(3.0), None].into_iter()), None);
+        assert_eq!(super::median_if_all(std::iter::empty()), None);
     }
 
     #[test]

@@ -250,38 +250,16 @@ pub fn precopy(config: &Config) -> crate::Result<QemuFigures> {
     }
 
     let booted = Instant::now();
-    let mut src_args = machine_args(image, Side::Source, mem_mib);
-    src_args.extend(tls_args(channel, dir.path(), "client"));
-    let mut src = Qemu::start(&qemu, link, Side::Source, &common, &src_args, dir.path())?;
-    src.wait_for(BOOT_TIMEOUT, "the guest workload to start", |c| {
-        if c.state == STATE_BAD_WORKLOAD {
-            return Err("the payload found no RAM above 8 MiB in QEMU's e820 map".into());
-        }
-        Ok(c.state == STATE_RUNNING)
-    })?;
-    let boot_ms = booted.elapsed().as_secs_f64() * 1e3;
-    let image_words_matched = match image {
-        Some(i) => Some(check_image(&mut src, i)?),
-        None => None,
-    };
-    let range_pages = src.read(CTL_RANGE_PAGES, 1)?[0];
-    let filled = Instant::now();
-    wait_filled(&mut src, rewrite, range_pages)?;
-    let fill_ms = filled.elapsed().as_secs_f64() * 1e3;
-    tracing::info!(boot_ms, fill_ms, range_pages, "QEMU source guest running");
+    let SourceGuest {
+        qemu: mut src,
+        boot_ms,
+        fill_ms,
+        range_pages,
+        image_words_matched,
+    } = start_source(&qemu, config, &common, dir.path(), mem_mib)?;
 
     let incoming = incoming_uri(link, booted)?;
-    let mut incoming_args = vec!["-incoming".to_string(), "defer".to_string()];
-    incoming_args.extend(machine_args(image, Side::Destination, mem_mib));
-    incoming_args.extend(tls_args(channel, dir.path(), "server"));
-    let mut dst = Qemu::start(
-        &qemu,
-        link,
-        Side::Destination,
-        &common,
-        &incoming_args,
-        dir.path(),
-    )?;
+    let mut dst = start_destination(&qemu, config, &common, dir.path(), mem_mib)?;
     set_parameters(&mut src, &mut dst, config, &incoming)?;
     let before = src.control()?;
     let pids = vec![src.child.id(), dst.child.id()];
@@ -330,6 +308,72 @@ pub fn precopy(config: &Config) -> crate::Result<QemuFigures> {
         end_mbit_per_s: figures.mbit_per_s,
         guest_pages_per_s_during,
         dest_pages_per_s,
+    })
+}
+
+/// Starts the destination QEMU of `config` (`binary`, with `common` arguments and its files
+/// in `dir`), waiting for an incoming migration (`-incoming defer`).
+fn start_destination(
+    binary: &str,
+    config: &Config,
+    common: &[String],
+    dir: &Path,
+    mem_mib: u64,
+) -> crate::Result<Qemu> {
+    let mut args = vec!["-incoming".to_string(), "defer".to_string()];
+    args.extend(machine_args(config.image, Side::Destination, mem_mib));
+    args.extend(tls_args(config.channel, dir, "server"));
+    Qemu::start(binary, config.link, Side::Destination, common, &args, dir)
+}
+
+/// The source QEMU of a pre-copy, its guest's workload running and its memory filled.
+struct SourceGuest {
+    qemu: Qemu,
+    /// From the start of `qemu` until the workload ran.
+    boot_ms: f64,
+    /// The fill's first pass.
+    fill_ms: f64,
+    /// Pages the workload writes.
+    range_pages: u64,
+    /// With an image: its sampled words found in the guest's memory, of those sampled.
+    image_words_matched: Option<(usize, usize)>,
+}
+
+/// Starts the source QEMU of `config` (`binary`, with `common` arguments and its files in
+/// `dir`) and waits for its workload to run and fill its memory.
+fn start_source(
+    binary: &str,
+    config: &Config,
+    common: &[String],
+    dir: &Path,
+    mem_mib: u64,
+) -> crate::Result<SourceGuest> {
+    let booted = Instant::now();
+    let mut args = machine_args(config.image, Side::Source, mem_mib);
+    args.extend(tls_args(config.channel, dir, "client"));
+    let mut src = Qemu::start(binary, config.link, Side::Source, common, &args, dir)?;
+    src.wait_for(BOOT_TIMEOUT, "the guest workload to start", |c| {
+        if c.state == STATE_BAD_WORKLOAD {
+            return Err("the payload found no RAM above 8 MiB in QEMU's e820 map".into());
+        }
+        Ok(c.state == STATE_RUNNING)
+    })?;
+    let boot_ms = booted.elapsed().as_secs_f64() * 1e3;
+    let image_words_matched = match config.image {
+        Some(i) => Some(check_image(&mut src, i)?),
+        None => None,
+    };
+    let range_pages = src.read(CTL_RANGE_PAGES, 1)?[0];
+    let filled = Instant::now();
+    wait_filled(&mut src, config.rewrite, range_pages)?;
+    let fill_ms = filled.elapsed().as_secs_f64() * 1e3;
+    tracing::info!(boot_ms, fill_ms, range_pages, "QEMU source guest running");
+    Ok(SourceGuest {
+        qemu: src,
+        boot_ms,
+        fill_ms,
+        range_pages,
+        image_words_matched,
     })
 }
 

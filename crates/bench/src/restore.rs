@@ -349,106 +349,137 @@ fn restore_once(
         return Err("lazy+ws: no working set was recorded by the lazy run".into());
     }
     match mode {
-        Mode::Full | Mode::Map => {
-            let restore_mode = if mode == Mode::Full {
-                RestoreMode::Full
-            } else {
-                RestoreMode::Map
-            };
-            let mut vm = match prepared {
-                Some(p) => snapshot::restore(&snap, p, restore_mode)?.vm,
-                None => snapshot::restore(&snap, &mut VmBuilder, restore_mode)?.vm,
-            };
-            let ready = t.elapsed();
-            let running = vm.resume()?;
-            let latency = first_progress(&running, t)?;
-            finish(running)?;
-            Ok(Run {
-                ready_ms: ms(ready),
-                latency_ms: ms(latency),
-                // Full: all memory is in place when the restore returns.
-                resident_ms: (mode == Mode::Full).then(|| ms(ready)),
-                retired_ms: None,
-                stats: None,
-                recorded: None,
-                phases: Vec::new(),
-            })
-        }
-        Mode::Lazy | Mode::LazyWs => {
-            let lazy = RestoreMode::Lazy(PagerConfig::default());
-            let Restored {
-                pagers,
-                mut vm,
-                mut phases,
-                ..
-            } = match prepared {
-                Some(p) => snapshot::restore(&snap, p, lazy)?,
-                None => snapshot::restore(&snap, &mut VmBuilder, lazy)?,
-            };
-            phases.insert(0, ("Snapshot::open".to_string(), opened));
-            let ready = t.elapsed();
-            let running = vm.resume()?;
-            let latency = first_progress(&running, t)?;
-            // The one pager serves the "ram" region, whose first `ws` bytes are the working set.
-            let resident = loop {
-                if pagers.iter().all(|p| p.is_resident(0, ws)) {
-                    break t.elapsed();
-                }
-                if let Some(f) = pagers.iter().find_map(guestmem_paging::Pager::failure) {
-                    return Err(f.into());
-                }
-                if t.elapsed() > TIMEOUT {
-                    return Err("the working set was not resident after 300 s".into());
-                }
-                std::thread::sleep(Duration::from_micros(200));
-            };
-            let mut retired = None;
-            for p in &pagers {
-                if !p.wait_resident(TIMEOUT)? {
-                    return Err("the lazily restored memory was not resident after 300 s".into());
-                }
-                retired = Some(t.elapsed());
-            }
-            finish(running)?;
-            let stats = pagers.iter().fold(PagerStats::default(), |mut a, p| {
-                let s = p.stats();
-                a.faults += s.faults;
-                a.fault_chunks += s.fault_chunks;
-                a.readahead_chunks += s.readahead_chunks;
-                a.prefetch_chunks += s.prefetch_chunks;
-                a.background_chunks += s.background_chunks;
-                a
-            });
-            let recorded = if mode == Mode::Lazy {
-                Some(snapshot::record_working_set(
-                    &snap,
-                    vm.memory(),
-                    &pagers,
-                    &[],
-                )?)
-            } else {
-                None
-            };
-            // The pagers go before the VM and its memory.
-            drop(pagers);
-            drop(vm);
-            Ok(Run {
-                ready_ms: ms(ready),
-                latency_ms: ms(latency),
-                resident_ms: Some(ms(resident)),
-                retired_ms: retired.map(ms),
-                stats: Some(stats),
-                recorded,
-                phases: phases
-                    .iter()
-                    .map(|(phase, d)| Phase {
-                        phase: phase.clone(),
-                        ms: ms(*d),
-                    })
-                    .collect(),
-            })
-        }
+        Mode::Full | Mode::Map => restore_eager(&snap, mode, prepared, t),
+        Mode::Lazy | Mode::LazyWs => restore_lazy(&snap, mode, ws, prepared, (t, opened)),
     }
+}
+
+/// A full or mapped restore of `snap` (`mode`), timed from `t`.
+fn restore_eager(
+    snap: &Snapshot,
+    mode: Mode,
+    prepared: Option<PreparedVm>,
+    t: Instant,
+) -> crate::Result<Run> {
+    let restore_mode = if mode == Mode::Full {
+        RestoreMode::Full
+    } else {
+        RestoreMode::Map
+    };
+    let mut vm = match prepared {
+        Some(p) => snapshot::restore(snap, p, restore_mode)?.vm,
+        None => snapshot::restore(snap, &mut VmBuilder, restore_mode)?.vm,
+    };
+    let ready = t.elapsed();
+    let running = vm.resume()?;
+    let latency = first_progress(&running, t)?;
+    finish(running)?;
+    Ok(Run {
+        ready_ms: ms(ready),
+        latency_ms: ms(latency),
+        // Full: all memory is in place when the restore returns.
+        resident_ms: (mode == Mode::Full).then(|| ms(ready)),
+        retired_ms: None,
+        stats: None,
+        recorded: None,
+        phases: Vec::new(),
+    })
+}
+
+/// A lazy restore of `snap` (`mode`: with its working set or without, recording one), timed
+/// from `t`, the snapshot having been opened in `opened`.
+fn restore_lazy(
+    snap: &Snapshot,
+    mode: Mode,
+    ws: u64,
+    prepared: Option<PreparedVm>,
+    (t, opened): (Instant, Duration),
+) -> crate::Result<Run> {
+    let lazy = RestoreMode::Lazy(PagerConfig::default());
+    let Restored {
+        pagers,
+        mut vm,
+        mut phases,
+        ..
+    } = match prepared {
+        Some(p) => snapshot::restore(snap, p, lazy)?,
+        None => snapshot::restore(snap, &mut VmBuilder, lazy)?,
+    };
+    phases.insert(0, ("Snapshot::open".to_string(), opened));
+    let ready = t.elapsed();
+    let running = vm.resume()?;
+    let latency = first_progress(&running, t)?;
+    let resident = wait_working_set(&pagers, ws, t)?;
+    let mut retired = None;
+    for p in &pagers {
+        if !p.wait_resident(TIMEOUT)? {
+            return Err("the lazily restored memory was not resident after 300 s".into());
+        }
+        retired = Some(t.elapsed());
+    }
+    finish(running)?;
+    let stats = chunk_counts(pagers.iter().map(guestmem_paging::Pager::stats));
+    let recorded = if mode == Mode::Lazy {
+        Some(snapshot::record_working_set(
+            snap,
+            vm.memory(),
+            &pagers,
+            &[],
+        )?)
+    } else {
+        None
+    };
+    // The pagers go before the VM and its memory.
+    drop(pagers);
+    drop(vm);
+    Ok(Run {
+        ready_ms: ms(ready),
+        latency_ms: ms(latency),
+        resident_ms: Some(ms(resident)),
+        retired_ms: retired.map(ms),
+        stats: Some(stats),
+        recorded,
+        phases: phases
+            .iter()
+            .map(|(phase, d)| Phase {
+                phase: phase.clone(),
+                ms: ms(*d),
+            })
+            .collect(),
+    })
+}
+
+/// Waits until the working set is resident: the one pager serves the "ram" region, whose
+/// first `ws` bytes are the working set. Returns when it was, from `t`.
+fn wait_working_set(
+    pagers: &[guestmem_paging::Pager],
+    ws: u64,
+    t: Instant,
+) -> crate::Result<Duration> {
+    loop {
+        if pagers.iter().all(|p| p.is_resident(0, ws)) {
+            return Ok(t.elapsed());
+        }
+        if let Some(f) = pagers.iter().find_map(guestmem_paging::Pager::failure) {
+            return Err(f.into());
+        }
+        if t.elapsed() > TIMEOUT {
+            return Err("the working set was not resident after 300 s".into());
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+/// The pagers' fault and chunk counts added up (the other fields left at their default).
+fn chunk_counts(stats: impl Iterator<Item = PagerStats>) -> PagerStats {
+    stats.fold(PagerStats::default(), |mut a, s| {
+        a.faults += s.faults;
+        a.fault_chunks += s.fault_chunks;
+        a.readahead_chunks += s.readahead_chunks;
+        a.prefetch_chunks += s.prefetch_chunks;
+        a.background_chunks += s.background_chunks;
+        a
+    })
 }
 
 /// Polls the vCPUs' pages-done counters (every ~20-80 µs) until one moves; returns the time
@@ -625,6 +656,32 @@ fn mode_label(r: &Row) -> String {
 mod tests {
     fn error_of(argv: &[&str]) -> String {
         crate::refusal(argv, super::main)
+    }
+
+    #[test]
+    fn the_pagers_counts_add_up() {
+        let one = super::PagerStats {
+            faults: 3,
+            fault_chunks: 2,
+            readahead_chunks: 5,
+            prefetch_chunks: 7,
+            background_chunks: 11,
+            resident_bytes: 1 << 20,
+            ..Default::default()
+        };
+        let two = super::PagerStats {
+            faults: 1,
+            background_chunks: 4,
+            ..Default::default()
+        };
+        let sum = super::chunk_counts([one, two].into_iter());
+        assert_eq!(
+            (sum.faults, sum.fault_chunks, sum.readahead_chunks),
+            (4, 2, 5)
+        );
+        assert_eq!((sum.prefetch_chunks, sum.background_chunks), (7, 15));
+        // Only the counts are added.
+        assert_eq!(sum.resident_bytes, 0);
     }
 
     #[test]

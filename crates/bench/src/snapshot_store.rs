@@ -242,8 +242,8 @@ fn open(args: &Args, url: &StoreUrl) -> crate::Result<(Arc<dyn ObjectStore>, Opt
         .ok_or_else(|| format!("--rtt-ms: AWS_ENDPOINT_URL {endpoint} has no address"))?;
     let proxy = DelayProxy::start(target, Duration::from_secs_f64(args.rtt_ms / 2e3))?;
     config.endpoint = Some(format!("http://{}", proxy.addr()));
-    let backend: Arc<dyn ObjectStore> = Arc::new(S3ObjectStore::new(bucket, prefix, &config)?);
-    Ok((backend, Some(proxy)))
+    let objects: Arc<dyn ObjectStore> = Arc::new(S3ObjectStore::new(bucket, prefix, &config)?);
+    Ok((objects, Some(proxy)))
 }
 
 pub fn main(args: Args) -> crate::Result<()> {
@@ -253,8 +253,8 @@ pub fn main(args: Args) -> crate::Result<()> {
         Some(s) => StoreUrl::parse(s)?,
         None => StoreUrl::Local(temp.join("store")),
     };
-    let (backend, proxy) = open(&args, &url)?;
-    let result = bench(&args, run, &url, backend, &temp);
+    let (objects, proxy) = open(&args, &url)?;
+    let result = bench(&args, run, &url, objects, &temp);
     drop(proxy);
     let _ = std::fs::remove_dir_all(&temp);
     let out = result?;
@@ -309,13 +309,13 @@ fn bench(
     args: &Args,
     run: Duration,
     url: &StoreUrl,
-    backend: Arc<dyn ObjectStore>,
+    objects: Arc<dyn ObjectStore>,
     temp: &std::path::Path,
 ) -> crate::Result<Output> {
     let name = format!("bench-{}", std::process::id());
     let vm = guest(args, run)?;
     let cpu = process_cpu_s();
-    let report = write(&*backend, &name, &vm, None)?;
+    let report = write(&*objects, &name, &vm, None)?;
     let write_cpu_s = process_cpu_s() - cpu;
     // The same guest as one local file, the baseline of the store's lazy restores.
     let flat = temp.join("flat");
@@ -330,10 +330,10 @@ fn bench(
     for i in 0..args.clones {
         let vm = guest(args, run)?;
         let n = format!("{name}-clone{i}");
-        total += write(&*backend, &n, &vm, None)?.new_stored_bytes;
+        total += write(&*objects, &n, &vm, None)?.new_stored_bytes;
         names.push(n);
     }
-    let remote = backend.remote();
+    let remote = objects.remote();
     let store_kind = if remote { "s3" } else { "local" };
     let mut restores = Vec::new();
     let runs = args.restore_runs.max(1);
@@ -360,11 +360,11 @@ fn bench(
         for _ in 0..runs {
             if mode == "lazy" {
                 // The first restore of each run records the working set anew.
-                backend.delete(&working_set_key(&name))?;
+                objects.delete(&working_set_key(&name))?;
             }
             for (k, cache) in kinds.iter().enumerate() {
                 let (timing, stats, pagers_installed) =
-                    restore_once(&backend, &name, mode, *cache, &cache_dir)?;
+                    restore_once(&objects, &name, mode, *cache, &cache_dir)?;
                 installed[k] = pagers_installed;
                 timings[k].push(timing);
                 fetched[k] = stats;
@@ -385,7 +385,7 @@ fn bench(
     }
     // The bench's snapshots go; their chunks at the store's next `guestmem snapshot gc`.
     for n in &names {
-        guestmem_store::gc::delete(&*backend, n)?;
+        guestmem_store::gc::delete(&*objects, n)?;
     }
     Ok(Output {
         image: args.image.clone(),
@@ -428,7 +428,7 @@ fn file_lazy_restores(flat: &std::path::Path, runs: usize) -> crate::Result<Rest
 /// `cache_dir` (or none): its timings (ready, first progress, resident, ms), what it fetched,
 /// and what its pagers installed.
 fn restore_once(
-    backend: &Arc<dyn ObjectStore>,
+    objects: &Arc<dyn ObjectStore>,
     name: &str,
     mode: &str,
     cache: Option<&str>,
@@ -442,7 +442,7 @@ fn restore_once(
         Some(_) => Some(ChunkCache::open(cache_dir, 64 << 30)?),
         None => None,
     };
-    let snap = StoreSnapshot::open(backend.clone(), name, chunk_cache)?;
+    let snap = StoreSnapshot::open(objects.clone(), name, chunk_cache)?;
     let how = if mode == "full" {
         RestoreMode::Full
     } else {

@@ -84,16 +84,8 @@ pub fn main(args: Args) -> crate::Result<()> {
 /// A store snapshot's RAM, served through a [`guestmem_store::pages::StorePages`] per region
 /// (the host's chunk cache in front of a remote store).
 fn store_memory(at: &std::path::Path) -> crate::Result<ServedMemory> {
-    use guestmem_store::cache::ChunkCache;
     use guestmem_store::location::Location;
-    use guestmem_store::restore::StoreSnapshot;
     let at = Location::parse(&at.to_string_lossy())?;
-    let backend = at.store.open()?;
-    let cache = if backend.remote() {
-        Some(ChunkCache::host_default()?)
-    } else {
-        None
-    };
-    let snap = StoreSnapshot::open(backend, &at.name, cache)?;
+    let snap = crate::snapshot::open_store_snapshot(&at)?;
     Ok(guestmem_snapshot::served_memory(&snap)?)
 }

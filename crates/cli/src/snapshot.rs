@@ -15,6 +15,7 @@ use crate::vm_args::VmArgs;
 
 mod live;
 mod store;
+pub(crate) use store::open_store_snapshot;
 
 pub(crate) use store::is_store;
 
@@ -265,20 +266,7 @@ pub fn snapshot(mut args: SnapshotArgs) -> crate::Result<()> {
     }
     let mut vm = Vm::new(&args.vm.config()?)?;
     args.vm.load_image(&vm)?;
-    // Each vCPU's share of the rate.
-    let rate = args.pages_per_s.map(|r| (r / args.vm.vcpus as u64).max(1));
-    let dirty = if args.rewrite {
-        Workload::Rewrite {
-            pages_per_s: rate,
-            passes: None,
-        }
-    } else {
-        Workload::Dirty {
-            pages_per_s: rate,
-            passes: None,
-            fill_first: false,
-        }
-    };
+    let dirty = vcpu_workload(args.pages_per_s, args.vm.vcpus, args.rewrite);
     let work = VcpuWork::split(dirty, layout::RAM_GPA, args.vm.memory, args.vm.vcpus, 1);
     let running = vm.start(&work)?;
     if args.live {
@@ -295,33 +283,7 @@ pub fn snapshot(mut args: SnapshotArgs) -> crate::Result<()> {
     let pages_done_per_vcpu = vm.pages_done();
     let diff = match &args.diff {
         None => None,
-        Some(dir) => {
-            // Bitmap mode: it reports only what is written from now on (manual mode starts
-            // with every page dirty).
-            let mut tracker = Tracker::start(&vm, TrackingMode::Bitmap)?;
-            let running = vm.resume()?;
-            std::thread::sleep(diff_after);
-            running.pause()?;
-            let dirty = tracker.harvest()?;
-            tracker.stop()?;
-            let t = Instant::now();
-            let report = snapshot::write_diff(&vm, dir, &out, &dirty)?;
-            let write_ms = t.elapsed().as_secs_f64() * 1e3;
-            let inherited = Snapshot::open(dir)?
-                .manifest()
-                .regions
-                .iter()
-                .flat_map(|r| &r.chunks)
-                .filter(|c| c.inherited)
-                .count() as u64;
-            Some(DiffOutput {
-                dir: dir.clone(),
-                stored_chunks: report.chunks - inherited,
-                report,
-                write_ms,
-                pages_done_per_vcpu: vm.pages_done(),
-            })
-        }
+        Some(dir) => Some(write_diff_after(&mut vm, dir, &out, diff_after)?),
     };
     let out = SnapshotOutput {
         dir: out,
@@ -361,6 +323,60 @@ pub fn snapshot(mut args: SnapshotArgs) -> crate::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Each vCPU's workload: the guest's writes at `pages_per_s` over all `vcpus` (unthrottled
+/// without), rewriting its pages (`rewrite`) or dirtying them.
+fn vcpu_workload(pages_per_s: Option<u64>, vcpus: usize, rewrite: bool) -> Workload {
+    // Each vCPU's share of the rate.
+    let rate = pages_per_s.map(|r| (r / vcpus as u64).max(1));
+    if rewrite {
+        Workload::Rewrite {
+            pages_per_s: rate,
+            passes: None,
+        }
+    } else {
+        Workload::Dirty {
+            pages_per_s: rate,
+            passes: None,
+            fill_first: false,
+        }
+    }
+}
+
+/// Lets the paused `vm` run `diff_after` more, then writes a diff snapshot of it into `dir`
+/// over the snapshot in `base`.
+fn write_diff_after(
+    vm: &mut Vm,
+    dir: &std::path::Path,
+    base: &std::path::Path,
+    diff_after: Duration,
+) -> crate::Result<DiffOutput> {
+    // Bitmap mode: it reports only what is written from now on (manual mode starts with
+    // every page dirty).
+    let mut tracker = Tracker::start(vm, TrackingMode::Bitmap)?;
+    let running = vm.resume()?;
+    std::thread::sleep(diff_after);
+    running.pause()?;
+    let dirty = tracker.harvest()?;
+    tracker.stop()?;
+    let t = Instant::now();
+    let report = snapshot::write_diff(vm, dir, base, &dirty)?;
+    let write_ms = t.elapsed().as_secs_f64() * 1e3;
+    let inherited = Snapshot::open(dir)?
+        .manifest()
+        .regions
+        .iter()
+        .flat_map(|r| &r.chunks)
+        .filter(|c| c.inherited)
+        .count() as u64;
+    Ok(DiffOutput {
+        dir: dir.to_path_buf(),
+        stored_chunks: report.chunks - inherited,
+        report,
+        write_ms,
+        pages_done_per_vcpu: vm.pages_done(),
+    })
 }
 
 /// `--live`: the guest's undisturbed rate over the second half of `after`, then the live
@@ -528,4 +544,30 @@ fn print_restore(args: &RestoreArgs, out: &RestoreOutput) -> crate::Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_vcpu_writes_its_share_of_the_rate() {
+        let share = |w: Workload| match w {
+            Workload::Dirty { pages_per_s, .. } | Workload::Rewrite { pages_per_s, .. } => {
+                pages_per_s
+            }
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(share(vcpu_workload(Some(1000), 4, false)), Some(250));
+        // At least a page a second each.
+        assert_eq!(share(vcpu_workload(Some(2), 4, false)), Some(1));
+        assert_eq!(share(vcpu_workload(None, 4, false)), None);
+        assert!(matches!(
+            vcpu_workload(Some(8), 2, true),
+            Workload::Rewrite {
+                pages_per_s: Some(4),
+                passes: None
+            }
+        ));
+    }
 }

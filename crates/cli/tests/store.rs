@@ -332,8 +332,8 @@ fn two_clone_processes_share_one_image_of_the_snapshot() {
         assert_eq!(v["guest_continued"], true, "{v}");
     }
 
-    let backend = Arc::new(LocalObjectStore::new(&tmp.0.join("store")));
-    let snapshot = StoreSnapshot::open(backend, "vm", None).unwrap();
+    let objects = Arc::new(LocalObjectStore::new(&tmp.0.join("store")));
+    let snapshot = StoreSnapshot::open(objects, "vm", None).unwrap();
     let region = snapshot
         .manifest
         .regions

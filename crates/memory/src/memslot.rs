@@ -350,115 +350,128 @@ impl MemslotManager {
     /// kernel's memory manager, for a discard), then update the table.
     fn commit(&self, table: &mut SlotTable, change: Change) -> Result<()> {
         match change {
-            Change::Set(new) => {
-                check_window(&new)?;
-                if let Some(other) = table.overlapping(new.gpa, new.end(), Some(new.id)) {
-                    return Err(Error::SlotOverlap {
-                        region: new.region.name().into(),
-                        gpa: new.gpa,
-                        end: new.end(),
-                        other_slot: other.id,
-                        other: other.region.name().into(),
-                        other_gpa: other.gpa,
-                        other_end: other.end(),
-                    });
-                }
-                let old = table.slots.get(new.id as usize).cloned().flatten();
-                // A change of flags alone maps the same guest range to the same host memory:
-                // handles in flight stay valid, so they are not waited for (this keeps turning
-                // dirty logging on cheap while device threads use handles).
-                let same_mapping = old.as_ref().is_some_and(|old| {
-                    old.gpa == new.gpa
-                        && old.size == new.size
-                        && old.region_offset == new.region_offset
-                        && Arc::ptr_eq(&old.region, &new.region)
-                });
-                self.generation.fetch_add(1, Ordering::SeqCst);
-                if let (Some(old), false) = (&old, same_mapping) {
-                    self.wait_for_handles(old.gpa, old.size);
-                }
-                // KVM changes a slot in place only for a move or a dirty-logging change of the
-                // same host memory; anything else (resize, read-only, guest_memfd) is a delete
-                // and a create.
-                let in_place = old.as_ref().is_some_and(|old| {
-                    old.size == new.size
-                        && old.region_offset == new.region_offset
-                        && Arc::ptr_eq(&old.region, &new.region)
-                        && old.flags.read_only == new.flags.read_only
-                        && !new.guest_memfd()
-                });
-                if let (Some(old), false) = (&old, in_place) {
-                    self.set_user_memory_region(old, true)?;
-                    table.remove(old.id);
-                }
-                self.set_user_memory_region(&new, false)?;
-                if old.is_some() && in_place {
-                    table.remove(new.id);
-                }
-                table.free_ids.remove(&new.id);
-                if table.slots.len() <= new.id as usize {
-                    table.slots.resize(new.id as usize + 1, None);
-                }
-                table.insert(new);
-            }
-            Change::Remove(id) => {
-                let old = table.get(id)?.clone();
-                self.generation.fetch_add(1, Ordering::SeqCst);
-                self.wait_for_handles(old.gpa, old.size);
-                self.set_user_memory_region(&old, true)?;
-                table.remove(id);
-            }
-            Change::Discard { gpa, len } => {
-                let slot = table
-                    .lookup(gpa, len)
-                    .ok_or(Error::NoMemslot { gpa, len })?;
-                let region = &slot.region;
-                let page = region.backend().page_size();
-                if !gpa.is_multiple_of(page) || !len.is_multiple_of(page) || len == 0 {
-                    return Err(Error::Misaligned {
-                        region: region.name().into(),
-                        what: "discard range",
-                        value: if gpa.is_multiple_of(page) { len } else { gpa },
-                        backend: region.backend(),
-                        page_size: page,
-                    });
-                }
-                let (host, offset) = slot.host_range(gpa, len).expect("looked up");
-                self.generation.fetch_add(1, Ordering::SeqCst);
-                self.wait_for_handles(gpa, len);
-                let ret = match region.fd() {
-                    // SAFETY: `host`/`len` lie inside the region's private anonymous mapping;
-                    // MADV_DONTNEED only drops its pages (they read as zero afterwards).
-                    None => unsafe {
-                        libc::madvise(
-                            host.cast::<libc::c_void>(),
-                            to_usize(len),
-                            libc::MADV_DONTNEED,
-                        )
-                    },
-                    // SAFETY: punching a hole in the region's own file, inside its size.
-                    Some(fd) => unsafe {
-                        libc::fallocate(
-                            fd.as_raw_fd(),
-                            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                            offset as libc::off_t,
-                            len as libc::off_t,
-                        )
-                    },
-                };
-                if ret != 0 {
-                    return Err(Error::Kvm {
-                        slot: slot.id,
-                        region: region.name().into(),
-                        op: if region.fd().is_some() {
-                            "fallocate(PUNCH_HOLE)"
-                        } else {
-                            "madvise(MADV_DONTNEED)"
-                        },
-                        source: io::Error::last_os_error(),
-                    });
-                }
-            }
+            Change::Set(new) => self.commit_set(table, new),
+            Change::Remove(id) => self.commit_remove(table, id),
+            Change::Discard { gpa, len } => self.commit_discard(table, gpa, len),
+        }
+    }
+
+    /// Puts `new` in place of slot `new.id` (which may not exist yet), once no handle in
+    /// flight reads through the mapping it replaces.
+    fn commit_set(&self, table: &mut SlotTable, new: Memslot) -> Result<()> {
+        check_window(&new)?;
+        if let Some(other) = table.overlapping(new.gpa, new.end(), Some(new.id)) {
+            return Err(Error::SlotOverlap {
+                region: new.region.name().into(),
+                gpa: new.gpa,
+                end: new.end(),
+                other_slot: other.id,
+                other: other.region.name().into(),
+                other_gpa: other.gpa,
+                other_end: other.end(),
+            });
+        }
+        let old = table.slots.get(new.id as usize).cloned().flatten();
+        // A change of flags alone maps the same guest range to the same host memory:
+        // handles in flight stay valid, so they are not waited for (this keeps turning
+        // dirty logging on cheap while device threads use handles).
+        let same_mapping = old.as_ref().is_some_and(|old| {
+            old.gpa == new.gpa
+                && old.size == new.size
+                && old.region_offset == new.region_offset
+                && Arc::ptr_eq(&old.region, &new.region)
+        });
+        self.generation.fetch_add(1, Ordering::SeqCst);
+        if let (Some(old), false) = (&old, same_mapping) {
+            self.wait_for_handles(old.gpa, old.size);
+        }
+        // KVM changes a slot in place only for a move or a dirty-logging change of the
+        // same host memory; anything else (resize, read-only, guest_memfd) is a delete
+        // and a create.
+        let in_place = old.as_ref().is_some_and(|old| {
+            old.size == new.size
+                && old.region_offset == new.region_offset
+                && Arc::ptr_eq(&old.region, &new.region)
+                && old.flags.read_only == new.flags.read_only
+                && !new.guest_memfd()
+        });
+        if let (Some(old), false) = (&old, in_place) {
+            self.set_user_memory_region(old, true)?;
+            table.remove(old.id);
+        }
+        self.set_user_memory_region(&new, false)?;
+        if old.is_some() && in_place {
+            table.remove(new.id);
+        }
+        table.free_ids.remove(&new.id);
+        if table.slots.len() <= new.id as usize {
+            table.slots.resize(new.id as usize + 1, None);
+        }
+        table.insert(new);
+        Ok(())
+    }
+
+    /// Deletes slot `id`, once no handle in flight reads through it.
+    fn commit_remove(&self, table: &mut SlotTable, id: u32) -> Result<()> {
+        let old = table.get(id)?.clone();
+        self.generation.fetch_add(1, Ordering::SeqCst);
+        self.wait_for_handles(old.gpa, old.size);
+        self.set_user_memory_region(&old, true)?;
+        table.remove(id);
+        Ok(())
+    }
+
+    /// Drops the pages of `[gpa, gpa + len)` (they read as zero afterwards), once no handle in
+    /// flight reads them.
+    fn commit_discard(&self, table: &SlotTable, gpa: u64, len: u64) -> Result<()> {
+        let slot = table
+            .lookup(gpa, len)
+            .ok_or(Error::NoMemslot { gpa, len })?;
+        let region = &slot.region;
+        let page = region.backend().page_size();
+        if !gpa.is_multiple_of(page) || !len.is_multiple_of(page) || len == 0 {
+            return Err(Error::Misaligned {
+                region: region.name().into(),
+                what: "discard range",
+                value: if gpa.is_multiple_of(page) { len } else { gpa },
+                backend: region.backend(),
+                page_size: page,
+            });
+        }
+        let (host, offset) = slot.host_range(gpa, len).expect("looked up");
+        self.generation.fetch_add(1, Ordering::SeqCst);
+        self.wait_for_handles(gpa, len);
+        let ret = match region.fd() {
+            // SAFETY: `host`/`len` lie inside the region's private anonymous mapping;
+            // MADV_DONTNEED only drops its pages (they read as zero afterwards).
+            None => unsafe {
+                libc::madvise(
+                    host.cast::<libc::c_void>(),
+                    to_usize(len),
+                    libc::MADV_DONTNEED,
+                )
+            },
+            // SAFETY: punching a hole in the region's own file, inside its size.
+            Some(fd) => unsafe {
+                libc::fallocate(
+                    fd.as_raw_fd(),
+                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                    offset as libc::off_t,
+                    len as libc::off_t,
+                )
+            },
+        };
+        if ret != 0 {
+            return Err(Error::Kvm {
+                slot: slot.id,
+                region: region.name().into(),
+                op: if region.fd().is_some() {
+                    "fallocate(PUNCH_HOLE)"
+                } else {
+                    "madvise(MADV_DONTNEED)"
+                },
+                source: io::Error::last_os_error(),
+            });
         }
         Ok(())
     }

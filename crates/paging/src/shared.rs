@@ -105,31 +105,13 @@ impl SharedImage {
                     .into(),
             });
         };
-        let name: String = format!("{id}-{region}")
-            .chars()
-            .map(|c| {
-                if c.is_ascii_alphanumeric() || c == '-' {
-                    c
-                } else {
-                    '_'
-                }
-            })
-            .collect();
+        let name = file_name(id, region);
         let path = share.dir.join(&name);
-        let io_err = |op: &'static str, path: &Path| {
-            let (region, path) = (region.to_string(), path.to_path_buf());
-            move |source| Error::ShareIo {
-                region,
-                path,
-                op,
-                source,
-            }
-        };
         std::fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)
             .create(&share.dir)
-            .map_err(io_err("creating", &share.dir))?;
+            .map_err(io_err(region, "creating", &share.dir))?;
         check_tmpfs(&share.dir)
             .and_then(|()| check_owner(&share.dir))
             .map_err(|reason| Error::Share {
@@ -137,70 +119,11 @@ impl SharedImage {
                 path: share.dir.clone(),
                 reason,
             })?;
-        let data = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            .open(&path)
-            .map_err(io_err("opening", &path))?;
-        let meta = data.metadata().map_err(io_err("stat", &path))?;
-        check_owner(&path).map_err(|reason| Error::Share {
-            region: region.into(),
-            path: path.clone(),
-            reason,
-        })?;
-        if meta.len() > size {
-            return Err(Error::Share {
-                region: region.into(),
-                path,
-                reason: format!(
-                    "{} bytes, more than the region's {size}: not this snapshot's; delete it",
-                    meta.len()
-                ),
-            });
-        }
-        if meta.len() < size {
-            data.set_len(size).map_err(io_err("ftruncate", &path))?;
-        }
+        let (data, meta) = open_data(region, &path, size)?;
         let header = header(id, region, size, meta.dev(), meta.ino());
         let bits_path = path.with_file_name(format!("{name}.bits"));
         let bits_len = to_usize(HEADER + size.div_ceil(PAGE).div_ceil(64) * 8);
-        let sidecar = open_sidecar(&bits_path, &header, bits_len as u64)
-            .map_err(io_err("creating the sidecar", &bits_path))?;
-        let mut found = vec![0u8; header.len()];
-        sidecar
-            .read_exact_at(&mut found, 0)
-            .map_err(io_err("reading the sidecar", &bits_path))?;
-        let sidecar_len = sidecar
-            .metadata()
-            .map_err(io_err("stat", &bits_path))?
-            .len();
-        if found != header || sidecar_len != bits_len as u64 {
-            return Err(Error::Share {
-                region: region.into(),
-                path: bits_path,
-                reason: "its header names another snapshot, region size or data file (a \
-                         stale image): delete it and its data file"
-                    .into(),
-            });
-        }
-        // SAFETY: a fresh shared mapping of the whole sidecar, which is `bits_len` bytes long
-        // (checked above); it is only accessed through atomics.
-        let map = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                bits_len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                sidecar.as_raw_fd(),
-                0,
-            )
-        };
-        if map == libc::MAP_FAILED {
-            return Err(io_err("mmap", &bits_path)(io::Error::last_os_error()));
-        }
+        let map = map_sidecar(region, &bits_path, &header, bits_len)?;
         Ok(SharedImage {
             data,
             path,
@@ -303,6 +226,118 @@ impl Drop for SharedImage {
             )
         };
     }
+}
+
+/// The image's file name in the share's directory: the snapshot's content id and the
+/// region's name, anything but ASCII letters, digits and '-' made '_'.
+fn file_name(id: &str, region: &str) -> String {
+    format!("{id}-{region}")
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+/// The error of I/O `op` on `path`, for region `region`.
+fn io_err(region: &str, op: &'static str, path: &Path) -> impl FnOnce(io::Error) -> Error {
+    let (region, path) = (region.to_string(), path.to_path_buf());
+    move |source| Error::ShareIo {
+        region,
+        path,
+        op,
+        source,
+    }
+}
+
+/// Opens (or creates) the data file of region `region`'s image at `path`, `size` bytes long;
+/// refused when it is someone else's or longer (another snapshot's). Returns it and its
+/// metadata (the sidecar's header names its device and inode).
+fn open_data(region: &str, path: &Path, size: u64) -> Result<(File, std::fs::Metadata)> {
+    let data = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(path)
+        .map_err(io_err(region, "opening", path))?;
+    let meta = data.metadata().map_err(io_err(region, "stat", path))?;
+    check_owner(path).map_err(|reason| Error::Share {
+        region: region.into(),
+        path: path.to_path_buf(),
+        reason,
+    })?;
+    if meta.len() > size {
+        return Err(Error::Share {
+            region: region.into(),
+            path: path.to_path_buf(),
+            reason: format!(
+                "{} bytes, more than the region's {size}: not this snapshot's; delete it",
+                meta.len()
+            ),
+        });
+    }
+    if meta.len() < size {
+        data.set_len(size)
+            .map_err(io_err(region, "ftruncate", path))?;
+    }
+    Ok((data, meta))
+}
+
+/// Opens (or creates) the sidecar at `bits_path` of region `region`'s image, `bits_len` bytes
+/// starting with `header`, and maps it shared; refused when its header or length is another
+/// image's (a stale one).
+fn map_sidecar(
+    region: &str,
+    bits_path: &Path,
+    header: &[u8],
+    bits_len: usize,
+) -> Result<*mut libc::c_void> {
+    let sidecar = open_sidecar(bits_path, header, bits_len as u64).map_err(io_err(
+        region,
+        "creating the sidecar",
+        bits_path,
+    ))?;
+    let mut found = vec![0u8; header.len()];
+    sidecar.read_exact_at(&mut found, 0).map_err(io_err(
+        region,
+        "reading the sidecar",
+        bits_path,
+    ))?;
+    let sidecar_len = sidecar
+        .metadata()
+        .map_err(io_err(region, "stat", bits_path))?
+        .len();
+    if found != header || sidecar_len != bits_len as u64 {
+        return Err(Error::Share {
+            region: region.into(),
+            path: bits_path.to_path_buf(),
+            reason: "its header names another snapshot, region size or data file (a \
+                     stale image): delete it and its data file"
+                .into(),
+        });
+    }
+    // SAFETY: a fresh shared mapping of the whole sidecar, which is `bits_len` bytes long
+    // (checked above); it is only accessed through atomics.
+    let map = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            bits_len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            sidecar.as_raw_fd(),
+            0,
+        )
+    };
+    if map == libc::MAP_FAILED {
+        return Err(io_err(region, "mmap", bits_path)(io::Error::last_os_error()));
+    }
+    Ok(map)
 }
 
 /// The sidecar's header: magic, the snapshot id and region, the region's size, the data file.
@@ -413,6 +448,12 @@ mod tests {
         a.write(0, &[7u8; 4096]).unwrap();
         assert_eq!(b.resident_bytes(), 4096);
         std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn the_file_name_keeps_only_letters_digits_and_dashes() {
+        assert_eq!(file_name("ab12-cd", "ram"), "ab12-cd-ram");
+        assert_eq!(file_name("id", "../dev/x y"), "id-___dev_x_y");
     }
 
     #[test]

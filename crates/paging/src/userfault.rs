@@ -97,6 +97,72 @@ struct Inner {
     host_chunks: AtomicU64,
 }
 
+/// The chunk size KVM Userfault serves `region` in (`config.fault_around`, at least a page
+/// and at most the region); refused when its source of `source_size` bytes is short of the
+/// region, its pages are huge, the chunk is not a power of two, or the memory is shared.
+fn checked_chunk(region: &Region, source_size: u64, config: &PagerConfig) -> Result<u64> {
+    if config.share.is_some() {
+        return Err(crate::pager::share_refusal(region));
+    }
+    let name = region.name().to_string();
+    let size = region.size();
+    if source_size < size {
+        return Err(Error::Config {
+            region: name,
+            reason: format!("the source holds {source_size:#x} bytes, the region {size:#x}"),
+        });
+    }
+    if region.backend().page_size() != PAGE_SIZE {
+        return Err(Error::Unsupported {
+            region: name,
+            backend: region.backend(),
+            reason: "KVM Userfault maps 4 KiB pages; huge page backends are not paged by it".into(),
+        });
+    }
+    let chunk = config.fault_around.clamp(PAGE_SIZE, size.max(PAGE_SIZE));
+    if !chunk.is_power_of_two() {
+        return Err(Error::Config {
+            region: name,
+            reason: format!("fault_around {chunk:#x} is not a power of two"),
+        });
+    }
+    Ok(chunk)
+}
+
+/// The userfault bitmap of a region of `size` bytes: every page set (missing) except in the
+/// chunks of `chunk` bytes for which `resident(offset)` is true.
+fn missing_bitmap(size: u64, chunk: u64, resident: &dyn Fn(u64) -> bool) -> UserfaultBitmap {
+    let bitmap = UserfaultBitmap::all_set(size);
+    let mut offset = 0;
+    while offset < size {
+        if resident(offset) {
+            bitmap.clear(offset / PAGE_SIZE, chunk.min(size - offset) / PAGE_SIZE);
+        }
+        offset += chunk;
+    }
+    bitmap
+}
+
+/// Starts the thread that fetches `config.prefetch`, then (with `config.background`) every
+/// chunk still missing; none when there is neither.
+fn spawn_background(inner: &Arc<Inner>, config: &PagerConfig) -> Result<Option<JoinHandle<()>>> {
+    if !config.background && config.prefetch.is_empty() {
+        return Ok(None);
+    }
+    let worker = inner.clone();
+    let prefetch = config.prefetch.clone();
+    let sweep = config.background;
+    let thread = std::thread::Builder::new()
+        .name(format!("kvm-uf-{}", worker.region.name()))
+        .spawn(move || worker.background(&prefetch, sweep))
+        .map_err(|e| Error::Os {
+            region: inner.region.name().into(),
+            op: "spawning the background fetch thread",
+            source: e,
+        })?;
+    Ok(Some(thread))
+}
+
 impl UserfaultPager {
     /// Arms KVM Userfault on region `index` of `memory` (registered as memslots, slot `i` =
     /// region `i`, vCPUs not running yet) and serves its pages from `source`. `config` gives
@@ -131,35 +197,8 @@ impl UserfaultPager {
                 reason: format!("the memory has {} regions", memory.regions().len()),
             })?;
         let name = region.name().to_string();
-        if config.share.is_some() {
-            return Err(crate::pager::share_refusal(&region));
-        }
         let size = region.size();
-        if source.size() < size {
-            return Err(Error::Config {
-                region: name,
-                reason: format!(
-                    "the source holds {:#x} bytes, the region {size:#x}",
-                    source.size()
-                ),
-            });
-        }
-        let page = region.backend().page_size();
-        if page != PAGE_SIZE {
-            return Err(Error::Unsupported {
-                region: name,
-                backend: region.backend(),
-                reason: "KVM Userfault maps 4 KiB pages; huge page backends are not paged by it"
-                    .into(),
-            });
-        }
-        let chunk = config.fault_around.clamp(PAGE_SIZE, size.max(PAGE_SIZE));
-        if !chunk.is_power_of_two() {
-            return Err(Error::Config {
-                region: name,
-                reason: format!("fault_around {chunk:#x} is not a power of two"),
-            });
-        }
+        let chunk = checked_chunk(&region, source.size(), config)?;
         let manager = memory.memslots().ok_or_else(|| Error::Config {
             region: name.clone(),
             reason: "the memory is not registered as memslots".into(),
@@ -167,14 +206,7 @@ impl UserfaultPager {
         // Asked on a VM of its own first: a guest_memfd slot is deleted before it is created
         // anew with the flag, and a refusal then would leave the VM without it.
         require_kvm_userfault(&region)?;
-        let bitmap = Arc::new(UserfaultBitmap::all_set(size));
-        let mut offset = 0;
-        while offset < size {
-            if resident(offset) {
-                bitmap.clear(offset / PAGE_SIZE, chunk.min(size - offset) / PAGE_SIZE);
-            }
-            offset += chunk;
-        }
+        let bitmap = Arc::new(missing_bitmap(size, chunk, resident));
         manager
             .set_userfault(
                 u32::try_from(index).expect("memslot ids are u32"),
@@ -194,22 +226,7 @@ impl UserfaultPager {
         memory
             .userfault_router()
             .add(inner.region.gpa(), size, inner.clone());
-        let background = if config.background || !config.prefetch.is_empty() {
-            let worker = inner.clone();
-            let prefetch = config.prefetch.clone();
-            let sweep = config.background;
-            let thread = std::thread::Builder::new()
-                .name(format!("kvm-uf-{}", worker.region.name()))
-                .spawn(move || worker.background(&prefetch, sweep))
-                .map_err(|e| Error::Os {
-                    region: inner.region.name().into(),
-                    op: "spawning the background fetch thread",
-                    source: e,
-                })?;
-            Some(thread)
-        } else {
-            None
-        };
+        let background = spawn_background(&inner, config)?;
         Ok(UserfaultPager {
             inner,
             background,
@@ -617,5 +634,24 @@ impl Inner {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_chunks_not_resident_stay_missing() {
+        // 10 pages in chunks of 4: chunk 1 (pages 4..8) resident, the short last chunk
+        // (pages 8..10) too.
+        let bitmap = missing_bitmap(10 * PAGE_SIZE, 4 * PAGE_SIZE, &|offset| {
+            offset == 4 * PAGE_SIZE || offset == 8 * PAGE_SIZE
+        });
+        let missing: Vec<u64> = (0..10).filter(|&p| bitmap.is_set(p)).collect();
+        assert_eq!(missing, [0, 1, 2, 3]);
+        assert_eq!(bitmap.count_set(), 4);
+        let none_resident = missing_bitmap(10 * PAGE_SIZE, 4 * PAGE_SIZE, &|_| false);
+        assert_eq!(none_resident.count_set(), 10);
     }
 }

@@ -45,8 +45,10 @@ use super::manifest::{
     BaseRef, Chunk, Manifest, RegionFile, RegionImage, CHUNK_BYTES, FORMAT, VERSION,
 };
 use super::sparse::is_zero;
-use super::write::{check_replaceable, commit, staging_dir, sync_dir, write_file, WriteReport};
-use super::{SavedState, Snapshot, MANIFEST, STATE};
+use super::write::{
+    check_replaceable, commit, staging_dir, sync_dir, write_manifest, write_state, WriteReport,
+};
+use super::Snapshot;
 use crate::{Error, Result};
 use guestmem_contract::component::{ComponentState, Components, Machine};
 
@@ -684,15 +686,7 @@ fn finish<M: Machine + ?Sized>(
     components: &[ComponentState],
     base: Option<(BaseRef, Snapshot)>,
 ) -> Result<WriteReport> {
-    let state_json = serde_json::to_vec(&SavedState {
-        machine: machine_state,
-        components: components.to_vec(),
-    })
-    .map_err(|e| Error::Json {
-        path: dir.join(STATE),
-        source: e,
-    })?;
-    write_file(&dir.join(STATE), &state_json)?;
+    let state_json = write_state(dir, machine_state, components)?;
     let mut report = WriteReport {
         memory_bytes: 0,
         data_bytes: 0,
@@ -746,7 +740,7 @@ fn finish<M: Machine + ?Sized>(
     for (file, path) in &sink.files {
         file.sync_all().map_err(Error::io(path, "sync"))?;
     }
-    let mut manifest = Manifest {
+    let manifest = Manifest {
         format: FORMAT.into(),
         version: VERSION,
         config: machine.config().clone(),
@@ -759,12 +753,7 @@ fn finish<M: Machine + ?Sized>(
         base: base.map(|(r, _)| r),
         checksum: String::new(),
     };
-    manifest.seal();
-    let json = serde_json::to_vec(&manifest).map_err(|e| Error::Json {
-        path: dir.join(MANIFEST),
-        source: e,
-    })?;
-    write_file(&dir.join(MANIFEST), &json)?;
+    write_manifest(dir, manifest)?;
     Ok(report)
 }
 

@@ -315,61 +315,77 @@ impl Manifest {
                 image.file_offset + size,
                 name,
             ));
-            // Every whole chunk's: computed once (8 GiB of zeros are 4096 of them).
-            let full_zero_crc = zeros_hasher(CHUNK_BYTES).finalize();
-            for (i, chunk) in image.chunks.iter().enumerate() {
-                let at = i as u64 * CHUNK_BYTES;
-                if chunk.zero && chunk.inherited {
-                    return bad(format!(
-                        "region '{name}' chunk at offset {at:#x} is marked both zero and \
-                         inherited"
-                    ));
-                }
-                if chunk.inherited && self.base.is_none() {
-                    return bad(format!(
-                        "region '{name}' chunk at offset {at:#x} is inherited, but the \
-                         snapshot has no base"
-                    ));
-                }
-                let zeros_crc = || match image.chunk_len(i) {
-                    CHUNK_BYTES => full_zero_crc,
-                    len => zeros_hasher(len).finalize(),
-                };
-                if chunk.zero && chunk.crc32 != zeros_crc() {
-                    return bad(format!(
-                        "region '{name}' chunk at offset {at:#x} is marked zero, but its \
-                         checksum {:#010x} is not that of zeros",
-                        chunk.crc32
-                    ));
-                }
-            }
+            check_chunks(image, self.base.is_some()).or_else(bad)?;
         }
-        extents.sort();
-        for pair in extents.windows(2) {
-            let ((fa, _, end_a, a), (fb, start_b, _, b)) = (pair[0], pair[1]);
-            if fa == fb && start_b < end_a {
-                return bad(format!(
-                    "regions '{a}' and '{b}' overlap in the {} file",
-                    fa.name()
-                ));
-            }
-        }
-        for file in [RegionFile::Memory, RegionFile::Sys] {
-            let used: u64 = extents
-                .iter()
-                .filter(|e| e.0 == file)
-                .map(|e| e.2 - e.1)
-                .sum();
-            if used != self.file_bytes(file) {
-                return bad(format!(
-                    "the {} file is {:#x} bytes but its regions hold {used:#x}",
-                    file.name(),
-                    self.file_bytes(file)
-                ));
-            }
-        }
-        Ok(())
+        check_extents(extents, |file| self.file_bytes(file)).or_else(bad)
     }
+}
+
+/// Why the chunk entries of `image` are wrong, if they are: a chunk marked both zero and
+/// inherited, inherited without a base (`has_base`), or marked zero with another checksum.
+fn check_chunks(image: &RegionImage, has_base: bool) -> std::result::Result<(), String> {
+    let name = &image.spec.name;
+    // Every whole chunk's: computed once (8 GiB of zeros are 4096 of them).
+    let full_zero_crc = zeros_hasher(CHUNK_BYTES).finalize();
+    for (i, chunk) in image.chunks.iter().enumerate() {
+        let at = i as u64 * CHUNK_BYTES;
+        if chunk.zero && chunk.inherited {
+            return Err(format!(
+                "region '{name}' chunk at offset {at:#x} is marked both zero and inherited"
+            ));
+        }
+        if chunk.inherited && !has_base {
+            return Err(format!(
+                "region '{name}' chunk at offset {at:#x} is inherited, but the snapshot has \
+                 no base"
+            ));
+        }
+        let zeros_crc = || match image.chunk_len(i) {
+            CHUNK_BYTES => full_zero_crc,
+            len => zeros_hasher(len).finalize(),
+        };
+        if chunk.zero && chunk.crc32 != zeros_crc() {
+            return Err(format!(
+                "region '{name}' chunk at offset {at:#x} is marked zero, but its checksum \
+                 {:#010x} is not that of zeros",
+                chunk.crc32
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Why the regions' `extents` (file, start, end, region) in the files do not tile them, if
+/// they do not: two overlap, or a file (of `file_bytes` bytes) holds more than its regions.
+fn check_extents(
+    mut extents: Vec<(RegionFile, u64, u64, &str)>,
+    file_bytes: impl Fn(RegionFile) -> u64,
+) -> std::result::Result<(), String> {
+    extents.sort();
+    for pair in extents.windows(2) {
+        let ((fa, _, end_a, a), (fb, start_b, _, b)) = (pair[0], pair[1]);
+        if fa == fb && start_b < end_a {
+            return Err(format!(
+                "regions '{a}' and '{b}' overlap in the {} file",
+                fa.name()
+            ));
+        }
+    }
+    for file in [RegionFile::Memory, RegionFile::Sys] {
+        let used: u64 = extents
+            .iter()
+            .filter(|e| e.0 == file)
+            .map(|e| e.2 - e.1)
+            .sum();
+        if used != file_bytes(file) {
+            return Err(format!(
+                "the {} file is {:#x} bytes but its regions hold {used:#x}",
+                file.name(),
+                file_bytes(file)
+            ));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -477,6 +493,36 @@ mod tests {
             let e = parse(&m).unwrap_err().to_string();
             assert!(e.contains(want), "want '{want}' in: {e}");
         }
+    }
+
+    #[test]
+    fn overlapping_or_short_extents_are_named() {
+        let bytes = |file| match file {
+            RegionFile::Memory => 0x3000,
+            RegionFile::Sys => 0,
+        };
+        let m = RegionFile::Memory;
+        let tiled = vec![(m, 0x1000, 0x3000, "b"), (m, 0, 0x1000, "a")];
+        assert_eq!(check_extents(tiled, bytes), Ok(()));
+        let overlap = vec![(m, 0, 0x2000, "a"), (m, 0x1000, 0x3000, "b")];
+        let e = check_extents(overlap, bytes).unwrap_err();
+        assert!(e.contains("'a' and 'b' overlap in the memory"), "{e}");
+        let short = vec![(m, 0, 0x2000, "a")];
+        let e = check_extents(short, bytes).unwrap_err();
+        assert!(e.contains("regions hold 0x2000"), "{e}");
+    }
+
+    #[test]
+    fn a_diff_may_inherit_chunks_a_full_snapshot_may_not() {
+        let mut image = manifest().regions.remove(1);
+        image.chunks[2] = Chunk {
+            crc32: 0,
+            zero: false,
+            inherited: true,
+        };
+        assert_eq!(check_chunks(&image, true), Ok(()));
+        let e = check_chunks(&image, false).unwrap_err();
+        assert!(e.contains("offset 0x") && e.contains("no base"), "{e}");
     }
 
     #[test]

@@ -15,9 +15,9 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use guestmem_memory::{GuestMemory, PageBuf, PAGE_SIZE};
+use guestmem_memory::{GuestMemory, PageBuf};
 use guestmem_sys::to_usize;
-use guestmem_tracking::DirtyBitmap;
+use guestmem_tracking::{any_dirty, DirtyBitmap};
 use guestmem_vm::{Vm, VmConfig};
 use serde::Serialize;
 
@@ -259,6 +259,47 @@ pub(super) fn sync_dir(dir: &Path) -> Result<()> {
         .map_err(Error::io(dir, "sync directory"))
 }
 
+/// Writes the state file into `dir`: the machine's saved `state` and its `components`'
+/// states. Returns its bytes (the manifest names their hash).
+pub(super) fn write_state(
+    dir: &Path,
+    state: Vec<u8>,
+    components: &[ComponentState],
+) -> Result<Vec<u8>> {
+    let state = SavedState {
+        machine: state,
+        components: components.to_vec(),
+    };
+    let state_json = serde_json::to_vec(&state).map_err(|e| Error::Json {
+        path: dir.join(STATE),
+        source: e,
+    })?;
+    write_file(&dir.join(STATE), &state_json)?;
+    Ok(state_json)
+}
+
+/// Writes the non-zero pages of the chunk `bytes` into `file` (at `path`) at `offset`,
+/// adding them to `report`; returns the chunk's entry.
+fn write_chunk(
+    bytes: &[u8],
+    (file, path, offset): (&File, &Path, u64),
+    report: &mut WriteReport,
+) -> Result<Chunk> {
+    let mut zero = true;
+    for (run_start, run) in nonzero_page_runs(bytes) {
+        zero = false;
+        file.write_all_at(run, offset + run_start as u64)
+            .map_err(Error::io(path, "write"))?;
+        report.data_bytes += run.len() as u64;
+    }
+    report.zero_chunks += u64::from(zero);
+    Ok(Chunk {
+        crc32: crc32fast::hash(bytes),
+        zero,
+        inherited: false,
+    })
+}
+
 /// Writes the state, memory, sys and manifest files of a snapshot of the VM `saved` into `dir`.
 fn write_files(
     saved: SavedVm<'_>,
@@ -271,15 +312,7 @@ fn write_files(
         memory,
         state,
     } = saved;
-    let state = SavedState {
-        machine: state,
-        components: components.to_vec(),
-    };
-    let state_json = serde_json::to_vec(&state).map_err(|e| Error::Json {
-        path: dir.join(STATE),
-        source: e,
-    })?;
-    write_file(&dir.join(STATE), &state_json)?;
+    let state_json = write_state(dir, state, components)?;
 
     let create = |f: RegionFile| {
         let path = dir.join(f.name());
@@ -297,6 +330,7 @@ fn write_files(
     };
     let mut regions = Vec::new();
     let mut buf = PageBuf::zeroed(to_usize(CHUNK_BYTES));
+    let dirty = diff.as_ref().map(|(_, dirty)| *dirty);
     for region in memory.regions() {
         let which = RegionFile::for_region(region.spec());
         let (file, path, end) = &mut files[which as usize];
@@ -304,37 +338,19 @@ fn write_files(
         let mut chunks = Vec::new();
         for offset in (0..region.size()).step_by(to_usize(CHUNK_BYTES)) {
             let len = to_usize(CHUNK_BYTES.min(region.size() - offset));
-            if let Some((_, dirty)) = &diff {
-                let (first, last) = (region.gpa() + offset, region.gpa() + offset + len as u64);
-                let written = dirty.iter().any(|d| {
-                    (first..last)
-                        .step_by(to_usize(PAGE_SIZE))
-                        .any(|gpa| d.contains(gpa))
+            let gpa = region.gpa() + offset;
+            if dirty.is_some_and(|d| !any_dirty(d, gpa, len as u64)) {
+                chunks.push(Chunk {
+                    crc32: 0,
+                    zero: false,
+                    inherited: true,
                 });
-                if !written {
-                    chunks.push(Chunk {
-                        crc32: 0,
-                        zero: false,
-                        inherited: true,
-                    });
-                    continue;
-                }
+                continue;
             }
             let bytes = &mut buf[..len];
-            memory.read(region.gpa() + offset, bytes)?;
-            let mut zero = true;
-            for (run_start, run) in nonzero_page_runs(bytes) {
-                zero = false;
-                file.write_all_at(run, file_offset + offset + run_start as u64)
-                    .map_err(Error::io(path, "write"))?;
-                report.data_bytes += run.len() as u64;
-            }
-            report.zero_chunks += u64::from(zero);
-            chunks.push(Chunk {
-                crc32: crc32fast::hash(bytes),
-                zero,
-                inherited: false,
-            });
+            memory.read(gpa, bytes)?;
+            let at = (&*file, &**path, file_offset + offset);
+            chunks.push(write_chunk(bytes, at, &mut report)?);
         }
         report.chunks += chunks.len() as u64;
         report.memory_bytes += region.size();
@@ -352,7 +368,7 @@ fn write_files(
         file.sync_all().map_err(Error::io(path, "sync"))?;
     }
 
-    let mut manifest = Manifest {
+    let manifest = Manifest {
         format: FORMAT.into(),
         version: VERSION,
         config: config.clone(),
@@ -365,14 +381,19 @@ fn write_files(
         base: diff.map(|(base, _)| base),
         checksum: String::new(),
     };
+    write_manifest(dir, manifest)?;
+    Ok(report)
+}
+
+/// Seals `manifest` and writes it into `dir`.
+pub(super) fn write_manifest(dir: &Path, mut manifest: Manifest) -> Result<()> {
     manifest.seal();
     // Compact: a restore parses it before anything else (an 8 GiB guest's is 4096 chunks).
     let json = serde_json::to_vec(&manifest).map_err(|e| Error::Json {
         path: dir.join(MANIFEST),
         source: e,
     })?;
-    write_file(&dir.join(MANIFEST), &json)?;
-    Ok(report)
+    write_file(&dir.join(MANIFEST), &json)
 }
 
 pub(crate) fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {

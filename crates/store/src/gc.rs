@@ -29,7 +29,7 @@ const GC_WAIT: Duration = Duration::from_secs(120);
 
 /// A lease held until dropped (see the module docs).
 pub struct Lease<'a> {
-    backend: &'a dyn ObjectStore,
+    objects: &'a dyn ObjectStore,
     key: String,
 }
 
@@ -81,9 +81,9 @@ fn holder_is_gone(key: &str) -> bool {
 
 /// The live leases of `kind` other than `own`: younger than [`LEASE_TTL`] and not held by a
 /// process of this host that is gone.
-fn live(backend: &dyn ObjectStore, kind: &str, own: &str) -> Result<Vec<String>> {
+fn live(objects: &dyn ObjectStore, kind: &str, own: &str) -> Result<Vec<String>> {
     let now = SystemTime::now();
-    Ok(backend
+    Ok(objects
         .list("leases/")?
         .into_iter()
         .filter(|o| o.key != own && o.key.starts_with(&format!("leases/{kind}-")))
@@ -96,20 +96,20 @@ fn live(backend: &dyn ObjectStore, kind: &str, own: &str) -> Result<Vec<String>>
 impl<'a> Lease<'a> {
     /// Takes a write lease for `what` (a snapshot name), then waits for any collection under
     /// way to end.
-    pub fn acquire(backend: &'a dyn ObjectStore, op: &str, what: &str) -> Result<Lease<'a>> {
+    pub fn acquire(objects: &'a dyn ObjectStore, op: &str, what: &str) -> Result<Lease<'a>> {
         let key = lease_key("write");
-        backend.put(&key, format!("{op} {what}\n").as_bytes())?;
-        let lease = Lease { backend, key };
+        objects.put(&key, format!("{op} {what}\n").as_bytes())?;
+        let lease = Lease { objects, key };
         let start = Instant::now();
         loop {
-            let gcs = live(backend, "gc", &lease.key)?;
+            let gcs = live(objects, "gc", &lease.key)?;
             if gcs.is_empty() {
                 return Ok(lease);
             }
             if start.elapsed() > GC_WAIT {
                 return Err(Error::Write(format!(
                     "{}: a garbage collection is under way ({}) and did not end in {} s",
-                    backend.describe(),
+                    objects.describe(),
                     gcs.join(", "),
                     GC_WAIT.as_secs()
                 )));
@@ -121,7 +121,7 @@ impl<'a> Lease<'a> {
 
 impl Drop for Lease<'_> {
     fn drop(&mut self) {
-        if let Err(e) = self.backend.delete(&self.key) {
+        if let Err(e) = self.objects.delete(&self.key) {
             tracing::warn!(
                 "could not remove the lease {}: {}",
                 self.key,
@@ -156,22 +156,22 @@ pub struct GcReport {
 /// Removes the packs (and chunk objects) no snapshot manifest of the store references and that
 /// are older than `grace`. A pack goes when no manifest lists any chunk of it. Refuses, removing nothing, while a snapshot write holds a live lease, or when a
 /// manifest cannot be read (its chunks could not be told apart from garbage).
-pub fn gc(backend: &dyn ObjectStore, grace: Duration) -> Result<GcReport> {
+pub fn gc(objects: &dyn ObjectStore, grace: Duration) -> Result<GcReport> {
     let key = lease_key("gc");
-    backend.put(&key, b"gc\n")?;
-    let lease = Lease { backend, key };
-    let writers = live(backend, "write", &lease.key)?;
+    objects.put(&key, b"gc\n")?;
+    let lease = Lease { objects, key };
+    let writers = live(objects, "write", &lease.key)?;
     if !writers.is_empty() {
         return Err(Error::Write(format!(
             "{}: a snapshot write is under way ({}): nothing was collected; run gc again when \
              it is done",
-            backend.describe(),
+            objects.describe(),
             writers.join(", ")
         )));
     }
     let mut report = GcReport::default();
     let mut referenced = HashSet::new();
-    for o in backend.list("snapshots/")? {
+    for o in objects.list("snapshots/")? {
         let Some(name) = o
             .key
             .strip_prefix("snapshots/")
@@ -180,8 +180,8 @@ pub fn gc(backend: &dyn ObjectStore, grace: Duration) -> Result<GcReport> {
             continue;
         };
         let manifest =
-            StoreManifest::load(backend, name).map_err(|e| Error::GcUnreadableManifest {
-                store: backend.describe(),
+            StoreManifest::load(objects, name).map_err(|e| Error::GcUnreadableManifest {
+                store: objects.describe(),
                 name: name.to_string(),
                 source: Box::new(e),
             })?;
@@ -189,9 +189,9 @@ pub fn gc(backend: &dyn ObjectStore, grace: Duration) -> Result<GcReport> {
         referenced.extend(manifest.data_chunks().map(|c| c.object_key()));
     }
     let now = SystemTime::now();
-    let mut objects = backend.list("chunks/")?;
-    objects.extend(backend.list("packs/")?);
-    for o in objects {
+    let mut stored = objects.list("chunks/")?;
+    stored.extend(objects.list("packs/")?);
+    for o in stored {
         if chunk::hash_of_key(&o.key).is_none() && chunk::pack_of_key(&o.key).is_none() {
             continue;
         }
@@ -204,17 +204,17 @@ pub fn gc(backend: &dyn ObjectStore, grace: Duration) -> Result<GcReport> {
             report.young_chunks += 1;
             continue;
         }
-        backend.delete(&o.key)?;
+        objects.delete(&o.key)?;
         report.removed_chunks += 1;
         report.removed_bytes += o.size;
     }
-    report.stale_temporaries = backend.remove_stale_temporaries(LEASE_TTL)?;
-    for o in backend.list("leases/")? {
+    report.stale_temporaries = objects.remove_stale_temporaries(LEASE_TTL)?;
+    for o in objects.list("leases/")? {
         if o.key != lease.key
             && (now.duration_since(o.modified).unwrap_or_default() >= LEASE_TTL
                 || holder_is_gone(&o.key))
         {
-            backend.delete(&o.key)?;
+            objects.delete(&o.key)?;
             report.stale_leases += 1;
         }
     }
@@ -224,9 +224,9 @@ pub fn gc(backend: &dyn ObjectStore, grace: Duration) -> Result<GcReport> {
 /// Deletes snapshot `name`'s manifest (first: the snapshot is gone from then on), state and
 /// working set; its chunks stay until a collection. Refuses while another snapshot of the
 /// store stands on it as its base.
-pub fn delete(backend: &dyn ObjectStore, name: &str) -> Result<()> {
-    StoreManifest::load(backend, name)?;
-    for o in backend.list("snapshots/")? {
+pub fn delete(objects: &dyn ObjectStore, name: &str) -> Result<()> {
+    StoreManifest::load(objects, name)?;
+    for o in objects.list("snapshots/")? {
         let Some(other) = o
             .key
             .strip_prefix("snapshots/")
@@ -237,19 +237,19 @@ pub fn delete(backend: &dyn ObjectStore, name: &str) -> Result<()> {
         if other == name {
             continue;
         }
-        if let Ok(m) = StoreManifest::load(backend, other) {
+        if let Ok(m) = StoreManifest::load(objects, other) {
             if m.base.as_ref().is_some_and(|b| b.name == name) {
                 return Err(Error::Write(format!(
                     "{}: snapshot '{other}' is a diff over '{name}': merge it (guestmem snapshot \
                      merge) or delete it first",
-                    backend.describe()
+                    objects.describe()
                 )));
             }
         }
     }
-    backend.delete(&manifest_key(name))?;
-    backend.delete(&state_key(name))?;
-    backend.delete(&working_set_key(name))
+    objects.delete(&manifest_key(name))?;
+    objects.delete(&state_key(name))?;
+    objects.delete(&working_set_key(name))
 }
 
 #[cfg(test)]

@@ -11,17 +11,16 @@ use std::time::Instant;
 use guestmem_contract::component::{Components, Machine};
 use guestmem_memory::GuestMemory;
 use guestmem_snapshot::live::{capture, ChunkSource, LiveOptions, LiveReport, LiveSink};
-use guestmem_snapshot::SavedState;
 use guestmem_sys::to_usize;
 use guestmem_tracking::{DirtyBitmap, Tracker};
 
 use crate::chunk::{Hash, Stored, CHUNK_BYTES};
 use crate::gc::Lease;
-use crate::manifest::{ChunkRef, PackTable, StoreManifest, StoreRegion, FORMAT, VERSION};
+use crate::manifest::{ChunkRef, PackTable, StoreRegion};
 use crate::objects::ObjectStore;
 use crate::write::{
-    base_of, check_name, commit, known_chunks, store_jobs, stored_bytes, threads, Counts, Job,
-    StoreWriteReport,
+    base_of, check_name, commit, known_claims, saved_state_json, sealed_manifest, store_jobs,
+    stored_bytes, threads, Counts, Job, StoreWriteReport,
 };
 use crate::{Error, Result};
 
@@ -39,7 +38,7 @@ pub struct StoreLiveWrite {
 
 /// The chunks put so far, and what each chunk of guest memory holds now.
 struct StoreSink<'a> {
-    backend: &'a dyn ObjectStore,
+    objects: &'a dyn ObjectStore,
     threads: usize,
     known: Mutex<HashMap<Hash, Option<Stored>>>,
     /// Per region, per chunk: `None` not stored yet, `Some(None)` zero, else its hash.
@@ -84,7 +83,7 @@ impl LiveSink for StoreSink<'_> {
             Ok(source.read(job.region, job.index, job.gpa, buf)?)
         };
         match store_jobs(
-            self.backend,
+            self.objects,
             memory,
             &jobs,
             &self.known,
@@ -104,7 +103,7 @@ impl LiveSink for StoreSink<'_> {
             Err(e) => {
                 let message = format!(
                     "{}: a round's chunks were not stored",
-                    self.backend.describe()
+                    self.objects.describe()
                 );
                 self.failed = Some(e);
                 Err(guestmem_snapshot::Error::Write(message))
@@ -113,13 +112,13 @@ impl LiveSink for StoreSink<'_> {
     }
 }
 
-/// Writes a snapshot of the running `machine` and its `components` as `name` into `backend`
+/// Writes a snapshot of the running `machine` and its `components` as `name` into `objects`
 /// while they run (see the module docs); they run again on return, error or not. A snapshot
 /// of that name is replaced only when the new manifest is put; a failed write puts none. With
 /// `base` (a snapshot of the same store, and the tracker started when it was taken), a diff
 /// that stores only the chunks written since.
 pub fn write_machine_live<M: Machine + ?Sized>(
-    backend: &dyn ObjectStore,
+    objects: &dyn ObjectStore,
     name: &str,
     machine: &mut M,
     components: &mut Components<'_>,
@@ -128,10 +127,10 @@ pub fn write_machine_live<M: Machine + ?Sized>(
 ) -> Result<StoreLiveWrite> {
     let t = Instant::now();
     check_name(name)?;
-    let _lease = Lease::acquire(backend, "write", name)?;
+    let _lease = Lease::acquire(objects, "write", name)?;
     let (base, tracker) = match base {
         None => (None, None),
-        Some((base_name, tracker)) => match base_of(backend, name, base_name, machine.config()) {
+        Some((base_name, tracker)) => match base_of(objects, name, base_name, machine.config()) {
             Ok(b) => (Some(b), Some(tracker)),
             Err(e) => {
                 let _ = tracker.stop();
@@ -139,14 +138,10 @@ pub fn write_machine_live<M: Machine + ?Sized>(
             }
         },
     };
-    let known = known_chunks(backend)?
-        .into_iter()
-        .map(|(h, c)| (h, Some(c)))
-        .collect();
     let mut sink = StoreSink {
-        backend,
-        threads: threads(backend),
-        known: Mutex::new(known),
+        objects,
+        threads: threads(objects),
+        known: Mutex::new(known_claims(objects)?),
         chunks: machine
             .memory()
             .regions()
@@ -160,23 +155,11 @@ pub fn write_machine_live<M: Machine + ?Sized>(
         Ok(c) => c,
         Err(e) => return Err(sink.failed.take().unwrap_or(Error::Snapshot(e))),
     };
-    let state_json = serde_json::to_vec(&SavedState {
-        machine: captured.machine,
-        components: captured.components,
-    })
-    .expect("a saved state serializes");
+    let state_json = saved_state_json(captured.machine, captured.components);
     let diff = base.is_some();
     let known = sink.known.into_inner().expect("not poisoned");
     let mut table = PackTable::default();
-    let mut report = StoreWriteReport {
-        snapshot: format!("{}/{name}", backend.describe()),
-        threads: sink.threads,
-        new_chunks: sink.counts.new_chunks,
-        new_stored_bytes: sink.counts.new_bytes,
-        new_packs: sink.counts.packs,
-        deduplicated_chunks: sink.counts.dedup,
-        ..Default::default()
-    };
+    let mut report = StoreWriteReport::new(objects, name, sink.threads, sink.counts);
     let mut regions = Vec::new();
     for (region, chunks) in machine.memory().regions().iter().zip(sink.chunks) {
         let mut refs = Vec::with_capacity(chunks.len());
@@ -186,7 +169,7 @@ pub fn write_machine_live<M: Machine + ?Sized>(
                 None => {
                     return Err(Error::Write(format!(
                         "{}/{name}: region '{}' chunk {ci} was never stored",
-                        backend.describe(),
+                        objects.describe(),
                         region.name()
                     )))
                 }
@@ -194,32 +177,16 @@ pub fn write_machine_live<M: Machine + ?Sized>(
                 Some(Some(h)) => table.entry(&known[&h].expect("every claimed chunk was put")),
             });
         }
-        report.memory_bytes += region.size();
-        report.chunks += refs.len() as u64;
-        report.zero_chunks += refs.iter().filter(|c| **c == ChunkRef::Zero).count() as u64;
-        report.inherited_chunks += refs.iter().filter(|c| **c == ChunkRef::Base).count() as u64;
+        report.count_region(region.size(), &refs);
         regions.push(StoreRegion {
             spec: region.spec().clone(),
             digest: None,
             chunks: refs,
         });
     }
-    let mut manifest = StoreManifest {
-        format: FORMAT.into(),
-        version: VERSION,
-        name: name.to_string(),
-        config: machine.config().clone(),
-        chunk_bytes: CHUNK_BYTES,
-        packs: table.into_ids(),
-        regions,
-        state_bytes: state_json.len() as u64,
-        state_blake3: blake3::hash(&state_json).to_hex().to_string(),
-        base,
-        checksum: String::new(),
-    };
-    manifest.seal();
+    let manifest = sealed_manifest(name, machine.config(), table, regions, &state_json, base);
     report.stored_bytes = stored_bytes(&manifest);
-    if let Err(e) = commit(backend, &manifest, &state_json) {
+    if let Err(e) = commit(objects, &manifest, &state_json) {
         if let Some(tracker) = captured.tracker {
             let _ = tracker.stop();
         }

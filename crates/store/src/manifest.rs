@@ -405,10 +405,10 @@ impl StoreManifest {
         Ok(())
     }
 
-    /// Reads and checks the manifest of snapshot `name` in `backend`.
-    pub fn load(backend: &dyn ObjectStore, name: &str) -> Result<StoreManifest> {
+    /// Reads and checks the manifest of snapshot `name` in `objects`.
+    pub fn load(objects: &dyn ObjectStore, name: &str) -> Result<StoreManifest> {
         let key = manifest_key(name);
-        let bytes = backend.get(&key).map_err(|e| match e {
+        let bytes = objects.get(&key).map_err(|e| match e {
             Error::Missing { store, key } => Error::Missing {
                 store,
                 key: format!(
@@ -417,7 +417,7 @@ impl StoreManifest {
             },
             e => e,
         })?;
-        StoreManifest::parse(&bytes, &backend.describe(), &key, name)
+        StoreManifest::parse(&bytes, &objects.describe(), &key, name)
     }
 }
 
@@ -425,9 +425,9 @@ impl StoreManifest {
 /// per chunk, `None` for zeros or the stored chunk.
 pub type Resolved = Vec<Vec<Option<Stored>>>;
 
-/// Resolves `manifest`'s base chain in `backend`: each base must be the very snapshot the diff
+/// Resolves `manifest`'s base chain in `objects`: each base must be the very snapshot the diff
 /// was written over (its checksum) and of the same layout.
-pub fn resolve(backend: &dyn ObjectStore, manifest: &StoreManifest) -> Result<Resolved> {
+pub fn resolve(objects: &dyn ObjectStore, manifest: &StoreManifest) -> Result<Resolved> {
     let mut resolved: Resolved = manifest
         .regions
         .iter()
@@ -452,16 +452,16 @@ pub fn resolve(backend: &dyn ObjectStore, manifest: &StoreManifest) -> Result<Re
         if depth > MAX_BASE_DEPTH {
             return Err(Error::Corrupt(format!(
                 "{}: snapshot '{}': more than {MAX_BASE_DEPTH} diff snapshots stand on one another",
-                backend.describe(),
+                objects.describe(),
                 manifest.name
             )));
         }
-        let base = StoreManifest::load(backend, &b.name)?;
+        let base = StoreManifest::load(objects, &b.name)?;
         if base.checksum != b.checksum {
             return Err(Error::Corrupt(format!(
                 "{}: snapshot '{}' is not the base '{child_name}' was written over (its manifest \
                  checksum is {}, the diff's base had {}): the base was replaced since",
-                backend.describe(),
+                objects.describe(),
                 b.name,
                 base.checksum,
                 b.checksum
@@ -478,7 +478,7 @@ pub fn resolve(backend: &dyn ObjectStore, manifest: &StoreManifest) -> Result<Re
         if !same {
             return Err(Error::Corrupt(format!(
                 "{}: the base '{}' of '{child_name}' has another memory layout",
-                backend.describe(),
+                objects.describe(),
                 b.name
             )));
         }
@@ -497,7 +497,7 @@ pub fn resolve(backend: &dyn ObjectStore, manifest: &StoreManifest) -> Result<Re
     if let Some(&(ri, ci)) = pending.first() {
         return Err(Error::Corrupt(format!(
             "{}: snapshot '{}': region '{}' chunk {ci} is inherited, but no base holds it",
-            backend.describe(),
+            objects.describe(),
             manifest.name,
             manifest.regions[ri].spec.name
         )));

@@ -10,12 +10,12 @@ use crate::{Error, Result};
 
 /// Merges snapshot `name` and its base chain into one snapshot `into` of the same store that
 /// stands alone: a manifest operation (every chunk is already stored; none is read or put).
-pub fn merge(backend: &dyn ObjectStore, name: &str, into: &str) -> Result<StoreManifest> {
+pub fn merge(objects: &dyn ObjectStore, name: &str, into: &str) -> Result<StoreManifest> {
     crate::write::check_name(into)?;
-    let _lease = Lease::acquire(backend, "merge", into)?;
-    let source = StoreManifest::load(backend, name)?;
-    let resolved = resolve(backend, &source)?;
-    let state = crate::restore::read_state(backend, &source)?;
+    let _lease = Lease::acquire(objects, "merge", into)?;
+    let source = StoreManifest::load(objects, name)?;
+    let resolved = resolve(objects, &source)?;
+    let state = crate::restore::read_state(objects, &source)?;
     let mut merged = source.clone();
     merged.name = into.to_string();
     merged.base = None;
@@ -38,14 +38,14 @@ pub fn merge(backend: &dyn ObjectStore, name: &str, into: &str) -> Result<StoreM
         .map(|c| c.object_key())
         .collect::<HashSet<_>>()
     {
-        if !backend.exists(&key)? {
+        if !objects.exists(&key)? {
             return Err(Error::Missing {
-                store: backend.describe(),
+                store: objects.describe(),
                 key: format!("{key} (holding chunks of snapshot '{name}')"),
             });
         }
     }
     merged.seal();
-    crate::write::commit(backend, &merged, &state)?;
+    crate::write::commit(objects, &merged, &state)?;
     Ok(merged)
 }

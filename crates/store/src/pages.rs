@@ -160,7 +160,7 @@ impl Drop for CacheWriter {
 
 /// Gets chunks of one store for the restore paths.
 pub struct Fetcher {
-    backend: Arc<dyn ObjectStore>,
+    objects: Arc<dyn ObjectStore>,
     cache: Option<CacheWriter>,
     store_gets: AtomicU64,
     store_bytes: AtomicU64,
@@ -180,10 +180,10 @@ impl std::fmt::Debug for Fetcher {
 }
 
 impl Fetcher {
-    /// A fetcher of `backend`'s chunks, through `cache` if any.
-    pub fn new(backend: Arc<dyn ObjectStore>, cache: Option<ChunkCache>) -> Fetcher {
+    /// A fetcher of the chunks in `objects`, through `cache` if any.
+    pub fn new(objects: Arc<dyn ObjectStore>, cache: Option<ChunkCache>) -> Fetcher {
         Fetcher {
-            backend,
+            objects,
             cache: cache.map(CacheWriter::new),
             store_gets: AtomicU64::new(0),
             store_bytes: AtomicU64::new(0),
@@ -193,7 +193,7 @@ impl Fetcher {
 
     /// The store.
     pub fn object_store(&self) -> &Arc<dyn ObjectStore> {
-        &self.backend
+        &self.objects
     }
 
     /// Where the chunks came from so far.
@@ -301,10 +301,10 @@ impl Fetcher {
             n => format!(" and {} more", n - 1),
         };
         let got = if read.range {
-            self.backend
+            self.objects
                 .get_range(&read.key, read.start, read.end - read.start)
         } else {
-            self.backend.get(&read.key)
+            self.objects.get(&read.key)
         }
         .map_err(|e| match e {
             Error::Missing { store, key } => Error::Missing {
@@ -333,7 +333,7 @@ impl Fetcher {
                 w.chunk.stored,
                 w.chunk.offset(),
                 read.key,
-                self.backend.describe(),
+                self.objects.describe(),
                 if read.range {
                     held.saturating_sub(w.chunk.offset()).min(w.chunk.stored)
                 } else {

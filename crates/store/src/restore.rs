@@ -46,13 +46,13 @@ pub struct StoreSnapshot {
 }
 
 /// The state object of `manifest`'s snapshot, checked against the manifest.
-pub fn read_state(backend: &dyn ObjectStore, manifest: &StoreManifest) -> Result<Vec<u8>> {
-    check_state(backend, manifest, backend.get(&state_key(&manifest.name))?)
+pub fn read_state(objects: &dyn ObjectStore, manifest: &StoreManifest) -> Result<Vec<u8>> {
+    check_state(objects, manifest, objects.get(&state_key(&manifest.name))?)
 }
 
 /// `bytes`, read as `manifest`'s state object, if they are what the manifest says.
 fn check_state(
-    backend: &dyn ObjectStore,
+    objects: &dyn ObjectStore,
     manifest: &StoreManifest,
     bytes: Vec<u8>,
 ) -> Result<Vec<u8>> {
@@ -65,7 +65,7 @@ fn check_state(
         };
         return Err(Error::Corrupt(format!(
             "{}: {key}: {} bytes, the manifest says {}: {what}",
-            backend.describe(),
+            objects.describe(),
             bytes.len(),
             manifest.state_bytes
         )));
@@ -74,7 +74,7 @@ fn check_state(
     if hash != manifest.state_blake3 {
         return Err(Error::Corrupt(format!(
             "{}: {key}: BLAKE3 {hash}, the manifest says {}",
-            backend.describe(),
+            objects.describe(),
             manifest.state_blake3
         )));
     }
@@ -82,18 +82,18 @@ fn check_state(
 }
 
 impl StoreSnapshot {
-    /// Opens snapshot `name` of `backend`: manifest, base chain, state. A remote store's
+    /// Opens snapshot `name` of `objects`: manifest, base chain, state. A remote store's
     /// chunks go through `cache` (the host's chunk cache) when given. The state object is
     /// read while the manifest is (one round trip to a remote store, not two), and checked
     /// against the manifest once both are in.
     pub fn open(
-        backend: Arc<dyn ObjectStore>,
+        objects: Arc<dyn ObjectStore>,
         name: &str,
         cache: Option<ChunkCache>,
     ) -> Result<StoreSnapshot> {
         let (manifest, state) = std::thread::scope(|s| {
-            let state = s.spawn(|| backend.get(&state_key(name)));
-            let manifest = StoreManifest::load(&*backend, name);
+            let state = s.spawn(|| objects.get(&state_key(name)));
+            let manifest = StoreManifest::load(&*objects, name);
             (
                 manifest,
                 state.join().expect("reading the state object panicked"),
@@ -101,9 +101,9 @@ impl StoreSnapshot {
         });
         // A missing or damaged manifest explains itself before any state error does.
         let manifest = manifest?;
-        let resolved = resolve(&*backend, &manifest)?;
-        let state_json = check_state(&*backend, &manifest, state?)?;
-        let label = format!("{}/{}", backend.describe(), state_key(name));
+        let resolved = resolve(&*objects, &manifest)?;
+        let state_json = check_state(&*objects, &manifest, state?)?;
+        let label = format!("{}/{}", objects.describe(), state_key(name));
         let (machine, components) = if manifest.version < 2 {
             // Version 1 kept guestmem's own VM state alone, as its machine saves it.
             guestmem_snapshot::parse_state(&state_json, manifest.config.vcpus, Path::new(&label))?;
@@ -111,7 +111,7 @@ impl StoreSnapshot {
         } else {
             let saved: SavedState =
                 serde_json::from_slice(&state_json).map_err(|source| Error::Json {
-                    store: backend.describe(),
+                    store: objects.describe(),
                     key: state_key(name),
                     source,
                 })?;
@@ -122,7 +122,7 @@ impl StoreSnapshot {
             machine,
             components,
             resolved,
-            fetcher: Arc::new(Fetcher::new(backend, cache)),
+            fetcher: Arc::new(Fetcher::new(objects, cache)),
         })
     }
 

@@ -15,10 +15,10 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use guestmem_contract::component::{ComponentState, Machine};
-use guestmem_memory::{GuestMemory, PAGE_SIZE};
+use guestmem_memory::GuestMemory;
 use guestmem_snapshot::SavedState;
 use guestmem_sys::to_usize;
-use guestmem_tracking::DirtyBitmap;
+use guestmem_tracking::{any_dirty, DirtyBitmap};
 use guestmem_vm::{Vm, VmConfig};
 use serde::Serialize;
 
@@ -67,9 +67,9 @@ pub struct StoreWriteReport {
 
 /// How many threads compress and put chunks: every core for a local store; more for a remote
 /// one, whose puts mostly wait on the network.
-pub(crate) fn threads(backend: &dyn ObjectStore) -> usize {
+pub(crate) fn threads(objects: &dyn ObjectStore) -> usize {
     let cores = std::thread::available_parallelism().map_or(2, std::num::NonZero::get);
-    if backend.remote() {
+    if objects.remote() {
         cores.max(8)
     } else {
         cores
@@ -77,24 +77,24 @@ pub(crate) fn threads(backend: &dyn ObjectStore) -> usize {
 }
 
 /// Writes a snapshot of `vm` (paused: holding `&Vm` proves no vCPU runs) as `name` into
-/// `backend`, replacing a snapshot of that name. With `diff`, a diff over snapshot `base` of
+/// `objects`, replacing a snapshot of that name. With `diff`, a diff over snapshot `base` of
 /// the same store: only chunks holding a page that `dirty` reports (a tracker started when the
 /// base was taken) are read; the others are inherited.
 pub fn write(
-    backend: &dyn ObjectStore,
+    objects: &dyn ObjectStore,
     name: &str,
     vm: &Vm,
     diff: Option<(&str, &[DirtyBitmap])>,
 ) -> Result<StoreWriteReport> {
     let state = guestmem_contract::payload_state(vm)?;
-    write_state(backend, name, vm.config(), vm.memory(), state, &[], diff)
+    write_state(objects, name, vm.config(), vm.memory(), state, &[], diff)
 }
 
 /// [`write()`] of any VMM's VM (a [`Machine`], paused, its devices too: nothing writes its
 /// memory until the write returns), its state being what [`Machine::save`] gives, with its
 /// `components`' states beside it for a restore to hand back.
 pub fn write_machine<M: Machine + ?Sized>(
-    backend: &dyn ObjectStore,
+    objects: &dyn ObjectStore,
     name: &str,
     machine: &mut M,
     components: &[ComponentState],
@@ -103,7 +103,7 @@ pub fn write_machine<M: Machine + ?Sized>(
     let state = machine.save()?;
     let machine: &M = machine;
     write_state(
-        backend,
+        objects,
         name,
         machine.config(),
         machine.memory(),
@@ -116,7 +116,7 @@ pub fn write_machine<M: Machine + ?Sized>(
 /// Writes the snapshot of a paused VM of `config` whose memory is `memory` and whose machine
 /// saved `state`.
 fn write_state(
-    backend: &dyn ObjectStore,
+    objects: &dyn ObjectStore,
     name: &str,
     config: &VmConfig,
     memory: &GuestMemory,
@@ -126,27 +126,107 @@ fn write_state(
 ) -> Result<StoreWriteReport> {
     let t = Instant::now();
     check_name(name)?;
-    let _lease = Lease::acquire(backend, "write", name)?;
+    let _lease = Lease::acquire(objects, "write", name)?;
     let base = match diff {
         None => None,
-        Some((base_name, _)) => Some(base_of(backend, name, base_name, config)?),
+        Some((base_name, _)) => Some(base_of(objects, name, base_name, config)?),
     };
-    let dirty = diff.map(|(_, d)| d);
-
-    let state_json = serde_json::to_vec(&SavedState {
-        machine: state,
-        components: components.to_vec(),
-    })
-    .expect("a saved state serializes");
+    let state_json = saved_state_json(state, components.to_vec());
 
     // What the store already holds: those chunks are not put again.
-    let known: HashMap<Hash, Option<Stored>> = known_chunks(backend)?
+    let known = Mutex::new(known_claims(objects)?);
+    let (jobs, mut entries) = plan_jobs(memory, diff.map(|(_, d)| d));
+    let threads = threads(objects);
+    let (results, counts) = store_jobs(objects, memory, &jobs, &known, threads, None)?;
+    let known = known.into_inner().expect("not poisoned");
+    let mut table = PackTable::default();
+    for (ri, ci, h) in results {
+        entries[ri][ci] = Some(match h {
+            None => ChunkRef::Zero,
+            Some(hash) => table.entry(&known[&hash].expect("every claimed chunk was put")),
+        });
+    }
+
+    let mut report = StoreWriteReport::new(objects, name, threads, counts);
+    let regions: Vec<StoreRegion> = memory
+        .regions()
+        .iter()
+        .zip(entries)
+        .map(|(region, e)| {
+            let chunks: Vec<ChunkRef> = e
+                .into_iter()
+                .map(|c| c.expect("every chunk done"))
+                .collect();
+            report.count_region(region.size(), &chunks);
+            StoreRegion {
+                spec: region.spec().clone(),
+                digest: None,
+                chunks,
+            }
+        })
+        .collect();
+    let manifest = sealed_manifest(name, config, table, regions, &state_json, base);
+    report.stored_bytes = stored_bytes(&manifest);
+    commit(objects, &manifest, &state_json)?;
+    report.write_ms = t.elapsed().as_secs_f64() * 1e3;
+    Ok(report)
+}
+
+impl StoreWriteReport {
+    /// The report of a write of `name` into `objects` on `threads` threads that put `counts`;
+    /// its per-region counts are added by [`Self::count_region`].
+    pub(crate) fn new(
+        objects: &dyn ObjectStore,
+        name: &str,
+        threads: usize,
+        counts: Counts,
+    ) -> Self {
+        StoreWriteReport {
+            snapshot: format!("{}/{name}", objects.describe()),
+            threads,
+            new_chunks: counts.new_chunks,
+            new_stored_bytes: counts.new_bytes,
+            new_packs: counts.packs,
+            deduplicated_chunks: counts.dedup,
+            ..Default::default()
+        }
+    }
+
+    /// Counts a region of `size` bytes whose chunks are `chunks`.
+    pub(crate) fn count_region(&mut self, size: u64, chunks: &[ChunkRef]) {
+        self.memory_bytes += size;
+        self.chunks += chunks.len() as u64;
+        self.zero_chunks += chunks.iter().filter(|c| **c == ChunkRef::Zero).count() as u64;
+        self.inherited_chunks += chunks.iter().filter(|c| **c == ChunkRef::Base).count() as u64;
+    }
+}
+
+/// The state object's bytes: the machine's saved `state` and its components' states.
+pub(crate) fn saved_state_json(state: Vec<u8>, components: Vec<ComponentState>) -> Vec<u8> {
+    serde_json::to_vec(&SavedState {
+        machine: state,
+        components,
+    })
+    .expect("a saved state serializes")
+}
+
+/// The chunks the store already holds, each claimed as put (a write does not put them again).
+pub(crate) fn known_claims(objects: &dyn ObjectStore) -> Result<HashMap<Hash, Option<Stored>>> {
+    Ok(known_chunks(objects)?
         .into_iter()
         .map(|(h, c)| (h, Some(c)))
-        .collect();
+        .collect())
+}
 
+/// The chunks of `memory` to store, and per region, per chunk, its entry so far: a diff's
+/// chunk holding no page that `dirty` reports is left to the base (`Some(ChunkRef::Base)`),
+/// every other chunk is a job (`None` until stored).
+fn plan_jobs(
+    memory: &GuestMemory,
+    dirty: Option<&[DirtyBitmap]>,
+) -> (Vec<Job>, Vec<Vec<Option<ChunkRef>>>) {
     let mut jobs = Vec::new();
-    let mut entries: Vec<Vec<Option<ChunkRef>>> = Vec::new();
+    let mut entries = Vec::new();
     for (ri, region) in memory.regions().iter().enumerate() {
         let n = to_usize(region.size().div_ceil(CHUNK_BYTES));
         let mut e = vec![None; n];
@@ -154,16 +234,9 @@ fn write_state(
             let offset = index as u64 * CHUNK_BYTES;
             let len = to_usize(CHUNK_BYTES.min(region.size() - offset));
             let gpa = region.gpa() + offset;
-            if let Some(dirty) = dirty {
-                let written = dirty.iter().any(|d| {
-                    (gpa..gpa + len as u64)
-                        .step_by(to_usize(PAGE_SIZE))
-                        .any(|p| d.contains(p))
-                });
-                if !written {
-                    *slot = Some(ChunkRef::Base);
-                    continue;
-                }
+            if dirty.is_some_and(|d| !any_dirty(d, gpa, len as u64)) {
+                *slot = Some(ChunkRef::Base);
+                continue;
             }
             jobs.push(Job {
                 region: ri,
@@ -174,48 +247,19 @@ fn write_state(
         }
         entries.push(e);
     }
-    let threads = threads(backend);
-    let known = Mutex::new(known);
-    let (results, counts) = store_jobs(backend, memory, &jobs, &known, threads, None)?;
-    let known = known.into_inner().expect("not poisoned");
-    let mut table = PackTable::default();
-    for (ri, ci, h) in results {
-        entries[ri][ci] = Some(match h {
-            None => ChunkRef::Zero,
-            Some(hash) => table.entry(&known[&hash].expect("every claimed chunk was put")),
-        });
-    }
+    (jobs, entries)
+}
 
-    let mut report = StoreWriteReport {
-        snapshot: format!("{}/{name}", backend.describe()),
-        threads,
-        new_chunks: counts.new_chunks,
-        new_stored_bytes: counts.new_bytes,
-        new_packs: counts.packs,
-        deduplicated_chunks: counts.dedup,
-        ..Default::default()
-    };
-    let regions: Vec<StoreRegion> = memory
-        .regions()
-        .iter()
-        .zip(entries)
-        .map(|(region, e)| {
-            let chunks: Vec<ChunkRef> = e
-                .into_iter()
-                .map(|c| c.expect("every chunk done"))
-                .collect();
-            report.memory_bytes += region.size();
-            report.chunks += chunks.len() as u64;
-            report.zero_chunks += chunks.iter().filter(|c| **c == ChunkRef::Zero).count() as u64;
-            report.inherited_chunks +=
-                chunks.iter().filter(|c| **c == ChunkRef::Base).count() as u64;
-            StoreRegion {
-                spec: region.spec().clone(),
-                digest: None,
-                chunks,
-            }
-        })
-        .collect();
+/// The manifest of snapshot `name` of a VM of `config`, sealed: its `regions`, the packs of
+/// `table`, the state object `state_json` and the diff's `base`.
+pub(crate) fn sealed_manifest(
+    name: &str,
+    config: &VmConfig,
+    table: PackTable,
+    regions: Vec<StoreRegion>,
+    state_json: &[u8],
+    base: Option<StoreBase>,
+) -> StoreManifest {
     let mut manifest = StoreManifest {
         format: FORMAT.into(),
         version: VERSION,
@@ -225,15 +269,12 @@ fn write_state(
         packs: table.into_ids(),
         regions,
         state_bytes: state_json.len() as u64,
-        state_blake3: blake3::hash(&state_json).to_hex().to_string(),
+        state_blake3: blake3::hash(state_json).to_hex().to_string(),
         base,
         checksum: String::new(),
     };
     manifest.seal();
-    report.stored_bytes = stored_bytes(&manifest);
-    commit(backend, &manifest, &state_json)?;
-    report.write_ms = t.elapsed().as_secs_f64() * 1e3;
-    Ok(report)
+    manifest
 }
 
 /// One chunk of guest memory to store: chunk `index` of region `region`, `len` bytes at `gpa`.
@@ -265,7 +306,7 @@ type Placed = (usize, usize, Option<Hash>);
 /// or without it in place from `memory` (the VM is paused). Returns each job's (region, index,
 /// hash; `None` for a zero chunk).
 pub(crate) fn store_jobs(
-    backend: &dyn ObjectStore,
+    objects: &dyn ObjectStore,
     memory: &GuestMemory,
     jobs: &[Job],
     known: &Mutex<HashMap<Hash, Option<Stored>>>,
@@ -274,7 +315,7 @@ pub(crate) fn store_jobs(
 ) -> Result<(Vec<Placed>, Counts)> {
     let runs: Vec<&[Job]> = jobs.chunks(PACK_CHUNKS).collect();
     let packer = Packer {
-        backend,
+        objects,
         memory,
         known,
         copy,
@@ -328,7 +369,7 @@ pub(crate) fn store_jobs(
 
 /// What [`store_jobs`]'s threads share: where chunks come from and go, and the counts.
 struct Packer<'a> {
-    backend: &'a dyn ObjectStore,
+    objects: &'a dyn ObjectStore,
     memory: &'a GuestMemory,
     known: &'a Mutex<HashMap<Hash, Option<Stored>>>,
     copy: Option<ReadChunk<'a>>,
@@ -403,7 +444,7 @@ impl Packer<'_> {
             id.update(h);
         }
         let id = *id.finalize().as_bytes();
-        self.backend.put_chunk(&chunk::pack_key(&id), pack)?;
+        self.objects.put_chunk(&chunk::pack_key(&id), pack)?;
         self.packs.fetch_add(1, Ordering::Relaxed);
         self.new_chunks
             .fetch_add(placed.len() as u64, Ordering::Relaxed);
@@ -427,7 +468,7 @@ impl Packer<'_> {
 /// How a diff `name` of a VM of `config` names its base `base_name` (of the same store and
 /// configuration, and not `name` itself).
 pub(crate) fn base_of(
-    backend: &dyn ObjectStore,
+    objects: &dyn ObjectStore,
     name: &str,
     base_name: &str,
     config: &VmConfig,
@@ -435,14 +476,14 @@ pub(crate) fn base_of(
     if base_name == name {
         return Err(Error::Write(format!(
             "{}/{name}: a diff cannot replace its own base",
-            backend.describe()
+            objects.describe()
         )));
     }
-    let base = StoreManifest::load(backend, base_name)?;
+    let base = StoreManifest::load(objects, base_name)?;
     if base.config != *config || base.chunk_bytes != CHUNK_BYTES {
         return Err(Error::Write(format!(
             "{}/{base_name}: the base snapshot is of another VM configuration or chunk size",
-            backend.describe()
+            objects.describe()
         )));
     }
     Ok(StoreBase {
@@ -466,9 +507,9 @@ pub fn stored_bytes(manifest: &StoreManifest) -> u64 {
 /// objects of a store written before packs; a chunk is pointed at only where its object or
 /// pack is listed. Read under a write lease (see [`crate::gc`]): a
 /// collection does not remove them meanwhile.
-pub fn known_chunks(backend: &dyn ObjectStore) -> Result<HashMap<Hash, Stored>> {
+pub fn known_chunks(objects: &dyn ObjectStore) -> Result<HashMap<Hash, Stored>> {
     let mut known = HashMap::new();
-    for o in backend.list("chunks/")? {
+    for o in objects.list("chunks/")? {
         if let Some(hash) = chunk::hash_of_key(&o.key) {
             known.insert(
                 hash,
@@ -480,7 +521,7 @@ pub fn known_chunks(backend: &dyn ObjectStore) -> Result<HashMap<Hash, Stored>> 
             );
         }
     }
-    let names: Vec<String> = backend
+    let names: Vec<String> = objects
         .list("snapshots/")?
         .into_iter()
         .filter_map(|o| {
@@ -489,19 +530,19 @@ pub fn known_chunks(backend: &dyn ObjectStore) -> Result<HashMap<Hash, Stored>> 
         })
         .collect();
     let manifests = Mutex::new(Vec::new());
-    crate::pages::parallel(names, threads(backend), |name| {
-        match StoreManifest::load(backend, &name) {
+    crate::pages::parallel(names, threads(objects), |name| {
+        match StoreManifest::load(objects, &name) {
             Ok(m) => manifests.lock().expect("not poisoned").push(m),
             Err(e) => tracing::warn!(
                 "{}: snapshot '{name}' unreadable, its chunks not reused: {}",
-                backend.describe(),
+                objects.describe(),
                 crate::chain_text(&e)
             ),
         }
         Ok(())
     })?;
     // Only chunks whose pack is there (a damaged store's missing pack is not pointed at).
-    let packs: HashSet<Hash> = backend
+    let packs: HashSet<Hash> = objects
         .list("packs/")?
         .into_iter()
         .filter_map(|o| chunk::pack_of_key(&o.key))
@@ -518,14 +559,14 @@ pub fn known_chunks(backend: &dyn ObjectStore) -> Result<HashMap<Hash, Stored>> 
 
 /// Puts the state object, then the manifest (the last step: the snapshot exists from here).
 pub(crate) fn commit(
-    backend: &dyn ObjectStore,
+    objects: &dyn ObjectStore,
     manifest: &StoreManifest,
     state: &[u8],
 ) -> Result<()> {
-    backend.sync()?;
-    backend.put(&state_key(&manifest.name), state)?;
+    objects.sync()?;
+    objects.put(&state_key(&manifest.name), state)?;
     let json = serde_json::to_vec_pretty(manifest).expect("a manifest serializes");
-    backend.put(&manifest_key(&manifest.name), &json)
+    objects.put(&manifest_key(&manifest.name), &json)
 }
 
 /// A snapshot name is one path element of plain characters.
@@ -542,5 +583,24 @@ pub fn check_name(name: &str) -> Result<()> {
         Err(Error::Location(format!(
             "'{name}': a snapshot name is one path element of letters, digits and -_.+="
         )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_region_adds_its_zero_and_inherited_chunks_to_the_report() {
+        let mut report = StoreWriteReport::default();
+        report.count_region(
+            3 * CHUNK_BYTES,
+            &[ChunkRef::Zero, ChunkRef::Base, ChunkRef::Zero],
+        );
+        report.count_region(CHUNK_BYTES, &[ChunkRef::Base]);
+        assert_eq!(report.memory_bytes, 4 * CHUNK_BYTES);
+        assert_eq!(report.chunks, 4);
+        assert_eq!(report.zero_chunks, 2);
+        assert_eq!(report.inherited_chunks, 2);
     }
 }

@@ -275,6 +275,16 @@ pub fn full_bitmaps(memory: &GuestMemory, pick: impl Fn(&Region) -> bool) -> Vec
         .collect()
 }
 
+/// Whether one of the `dirty` bitmaps reports a page of the `len` bytes at `gpa` (a diff
+/// stores such a chunk; it leaves the others to its base).
+pub fn any_dirty(dirty: &[DirtyBitmap], gpa: u64, len: u64) -> bool {
+    dirty.iter().any(|d| {
+        (gpa..gpa + len)
+            .step_by(to_usize(PAGE_SIZE))
+            .any(|p| d.contains(p))
+    })
+}
+
 /// The union of two harvests.
 pub fn merge(mut a: Vec<DirtyBitmap>, b: Vec<DirtyBitmap>) -> Vec<DirtyBitmap> {
     for other in b {
@@ -577,6 +587,20 @@ impl Tracker {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_range_is_dirty_when_any_of_its_pages_is() {
+        // Slot at 1 MiB, 8 pages, page 5 dirty.
+        let mut b = DirtyBitmap::new(0, 1 << 20, 8);
+        b.bits[0] = 1 << 5;
+        let dirty = [b];
+        let page5 = (1 << 20) + 5 * PAGE_SIZE;
+        assert!(any_dirty(&dirty, 1 << 20, 8 * PAGE_SIZE));
+        assert!(any_dirty(&dirty, page5, PAGE_SIZE));
+        assert!(!any_dirty(&dirty, 1 << 20, 5 * PAGE_SIZE));
+        assert!(!any_dirty(&dirty, page5 + PAGE_SIZE, 2 * PAGE_SIZE));
+        assert!(!any_dirty(&[], 1 << 20, 8 * PAGE_SIZE));
+    }
 
     #[test]
     fn bitmap_ranges_count_and_contains() {

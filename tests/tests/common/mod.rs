@@ -274,3 +274,57 @@ fn update_byte_in_ram(dir: &Path, offset: u64, update: impl FnOnce(u8) -> u8) {
     f.read_exact_at(&mut b, at).unwrap();
     f.write_all_at(&[update(b[0])], at).unwrap();
 }
+
+/// Restores `snap` lazily without the background fetch (only what the guest touches is
+/// fetched), runs the guest until it stops with an error (within `timeout`), and returns that
+/// error.
+pub fn lazy_run_error<I: snapshot::SnapshotImage + ?Sized>(snap: &I, timeout: Duration) -> String {
+    let quiet = guestmem_paging::PagerConfig {
+        background: false,
+        ..guestmem_paging::PagerConfig::default()
+    };
+    let mut lazy = snapshot::restore(
+        snap,
+        &mut guestmem_contract::VmBuilder,
+        snapshot::RestoreMode::Lazy(quiet),
+    )
+    .unwrap();
+    let running = lazy.vm.resume().unwrap();
+    running.wait(timeout).unwrap_err().to_string()
+}
+
+/// Flips a bit in the middle of the stored bytes of the first chunk of RAM (region 1, which
+/// the guest wrote) of store snapshot `name` in `objects`, in its pack. Returns the chunk's
+/// hash.
+pub fn damage_first_ram_chunk(
+    objects: &dyn guestmem_store::ObjectStore,
+    name: &str,
+) -> guestmem_store::chunk::Hash {
+    use guestmem_store::StoreManifest;
+    let manifest = StoreManifest::load(objects, name).unwrap();
+    let c = StoreManifest::stored(&manifest.regions[1].chunks[0], &manifest.pack_ids())
+        .expect("the guest wrote the first chunk of RAM");
+    let key = c.object_key();
+    let mut bytes = objects.get(&key).unwrap();
+    bytes[guestmem_sys::to_usize(c.offset() + c.stored / 2)] ^= 1;
+    objects.put(&key, &bytes).unwrap();
+    c.hash
+}
+
+/// Restores `snap` lazily with the default pager settings (the background fetch on) and waits
+/// until every pager has made its region resident (within `timeout` each).
+pub fn lazy_restore_resident<I: snapshot::SnapshotImage + ?Sized>(
+    snap: &I,
+    timeout: Duration,
+) -> snapshot::Restored<Vm> {
+    let lazy = snapshot::restore(
+        snap,
+        &mut guestmem_contract::VmBuilder,
+        snapshot::RestoreMode::Lazy(guestmem_paging::PagerConfig::default()),
+    )
+    .unwrap();
+    for p in &lazy.pagers {
+        assert!(p.wait_resident(timeout).unwrap());
+    }
+    lazy
+}

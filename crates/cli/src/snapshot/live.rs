@@ -209,13 +209,13 @@ fn one(
             )
         }
         Target::Store(at) => {
-            let backend = at.store.open()?;
+            let objects = at.store.open()?;
             let base = base.map(|(b, tracker)| match b {
                 Target::Store(l) => (l.name.as_str(), tracker),
                 Target::Flat(_) => unreachable!("checked: both in a store"),
             });
             let w = guestmem_store::live::write_machine_live(
-                &*backend, &at.name, machine, &mut none, base, &opts,
+                &*objects, &at.name, machine, &mut none, base, &opts,
             )?;
             (at.to_string(), Written::Store(w.report), w.live, w.tracker)
         }
@@ -263,14 +263,14 @@ fn paused_reference(
             (r.data_bytes, write_ms)
         }
         Target::Store(at) => {
-            let r = reference_store(&at.store, &at.name, |backend| {
-                guestmem_store::write::write(backend, &at.name, vm, None)
+            let r = reference_store(&at.store, &at.name, |objects| {
+                guestmem_store::write::write(objects, &at.name, vm, None)
             })?;
             deduplicated = r.deduplicated_chunks;
-            let backend = at.store.open()?;
+            let objects = at.store.open()?;
             let name = format!("{}.paused-reference", at.name);
-            let same = guestmem_store::write::write(&*backend, &name, vm, None)?;
-            guestmem_store::gc::delete(&*backend, &name)?;
+            let same = guestmem_store::write::write(&*objects, &name, vm, None)?;
+            guestmem_store::gc::delete(&*objects, &name)?;
             same_store_ms = Some(same.write_ms);
             (r.stored_bytes, r.write_ms)
         }
@@ -315,10 +315,10 @@ fn reference_store<T>(
                 bucket: bucket.clone(),
                 prefix: format!("{}{SUFFIX}", prefix.trim_end_matches('/')),
             };
-            let backend = reference.open()?;
-            let written = write(&*backend)?;
-            guestmem_store::gc::delete(&*backend, name)?;
-            guestmem_store::gc::gc(&*backend, Duration::ZERO)?;
+            let objects = reference.open()?;
+            let written = write(&*objects)?;
+            guestmem_store::gc::delete(&*objects, name)?;
+            guestmem_store::gc::gc(&*objects, Duration::ZERO)?;
             Ok(written)
         }
     }

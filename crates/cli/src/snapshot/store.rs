@@ -61,8 +61,8 @@ pub fn run_op(op: StoreOp) -> crate::Result<()> {
                 )
                 .into());
             }
-            let backend = from.store.open()?;
-            let merged = guestmem_store::merge::merge(&*backend, &from.name, &to.name)?;
+            let objects = from.store.open()?;
+            let merged = guestmem_store::merge::merge(&*objects, &from.name, &to.name)?;
             println!(
                 "merged {snapshot} into {out}: {} chunks, {} MiB stored, no base",
                 merged.regions.iter().map(|r| r.chunks.len()).sum::<usize>(),
@@ -74,8 +74,8 @@ pub fn run_op(op: StoreOp) -> crate::Result<()> {
             grace_s,
             json,
         } => {
-            let backend = StoreUrl::parse(&store)?.open()?;
-            let r = guestmem_store::gc::gc(&*backend, Duration::from_secs(grace_s))?;
+            let objects = StoreUrl::parse(&store)?.open()?;
+            let r = guestmem_store::gc::gc(&*objects, Duration::from_secs(grace_s))?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&r)?);
             } else {
@@ -150,8 +150,8 @@ pub(super) fn snapshot(
             .into())
         }
     };
-    let backend = at.store.open()?;
-    let report = guestmem_store::write::write(&*backend, &at.name, vm, None)?;
+    let objects = at.store.open()?;
+    let report = guestmem_store::write::write(&*objects, &at.name, vm, None)?;
     let pages_done_per_vcpu = vm.pages_done();
     let diff = match diff_at {
         None => None,
@@ -163,7 +163,7 @@ pub(super) fn snapshot(
             let dirty = tracker.harvest()?;
             tracker.stop()?;
             let report =
-                guestmem_store::write::write(&*backend, &d.name, vm, Some((&at.name, &dirty)))?;
+                guestmem_store::write::write(&*objects, &d.name, vm, Some((&at.name, &dirty)))?;
             Some(StoreDiffOutput {
                 report,
                 pages_done_per_vcpu: vm.pages_done(),
@@ -237,18 +237,23 @@ struct StoreRestoreOutput {
     guest_continued: bool,
 }
 
+/// Opens the store snapshot `at`, through the host's chunk cache when the store is remote.
+pub(crate) fn open_store_snapshot(at: &Location) -> crate::Result<StoreSnapshot> {
+    let objects = at.store.open()?;
+    let cache = if objects.remote() {
+        Some(ChunkCache::host_default()?)
+    } else {
+        None
+    };
+    Ok(StoreSnapshot::open(objects, &at.name, cache)?)
+}
+
 pub(super) fn restore(args: &RestoreArgs) -> crate::Result<()> {
     let run_for = crate::units::seconds(args.run_for, "--run-for")?;
     let text = args.dir.to_string_lossy().into_owned();
     let at = Location::parse(&text)?;
     let t = Instant::now();
-    let backend = at.store.open()?;
-    let cache = if backend.remote() {
-        Some(ChunkCache::host_default()?)
-    } else {
-        None
-    };
-    let snap = StoreSnapshot::open(backend, &at.name, cache)?;
+    let snap = open_store_snapshot(&at)?;
     if matches!(args.mode, Mode::Map) {
         return Err(format!(
             "--mode map maps a flat snapshot's memory file; {text} is a store snapshot \
@@ -314,36 +319,41 @@ pub(super) fn restore(args: &RestoreArgs) -> crate::Result<()> {
     if args.json {
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
-        println!(
-            "restored {} ({}) in {:.1} ms",
-            out.snapshot, out.mode, out.restore_ms
-        );
-        match out.memory_digests_match {
-            Some(_) => println!("memory digests match the snapshot's: yes"),
-            None => println!("memory checked chunk by chunk (BLAKE3) as it was paged in"),
-        }
-        if let Some(ms) = out.resident_ms {
-            println!("all memory resident {ms:.1} ms after the restore began");
-        }
-        println!(
-            "chunks: {} fetched from the store ({} MiB), {} from the host's chunk cache",
-            out.fetched.store_gets,
-            out.fetched.store_bytes >> 20,
-            out.fetched.cache_hits
-        );
-        if let Some(ws) = &out.working_set {
-            println!(
-                "working set: {} chunks {}; {} page faults served during the run",
-                ws.chunks, ws.action, ws.faults
-            );
-        }
-        println!(
-            "guest pages written per vCPU: {:?} at the snapshot, {:?} after running {:.1} s",
-            out.pages_at_snapshot_per_vcpu, out.pages_after_run_per_vcpu, args.run_for
-        );
+        print_restore(&out, args.run_for);
     }
     if !out.guest_continued {
         return Err("the restored guest did not go on running".into());
     }
     Ok(())
+}
+
+/// Prints what a restore did, for a reader; `run_for`: the seconds the guest ran after it.
+fn print_restore(out: &StoreRestoreOutput, run_for: f64) {
+    println!(
+        "restored {} ({}) in {:.1} ms",
+        out.snapshot, out.mode, out.restore_ms
+    );
+    match out.memory_digests_match {
+        Some(_) => println!("memory digests match the snapshot's: yes"),
+        None => println!("memory checked chunk by chunk (BLAKE3) as it was paged in"),
+    }
+    if let Some(ms) = out.resident_ms {
+        println!("all memory resident {ms:.1} ms after the restore began");
+    }
+    println!(
+        "chunks: {} fetched from the store ({} MiB), {} from the host's chunk cache",
+        out.fetched.store_gets,
+        out.fetched.store_bytes >> 20,
+        out.fetched.cache_hits
+    );
+    if let Some(ws) = &out.working_set {
+        println!(
+            "working set: {} chunks {}; {} page faults served during the run",
+            ws.chunks, ws.action, ws.faults
+        );
+    }
+    println!(
+        "guest pages written per vCPU: {:?} at the snapshot, {:?} after running {:.1} s",
+        out.pages_at_snapshot_per_vcpu, out.pages_after_run_per_vcpu, run_for
+    );
 }

@@ -55,48 +55,15 @@ pub(super) fn arm_postcopy(
             .bits
             .as_deref();
         let chunk = POSTCOPY_FAULT_BYTES.max(region.backend().page_size());
-        let is_stale = |offset: u64| match bits {
-            None => true,
-            Some(bits) => {
-                (offset / POSTCOPY_CHUNK..(offset + chunk).div_ceil(POSTCOPY_CHUNK)).any(|c| {
-                    bits.get((c / 64) as usize)
-                        .is_some_and(|w| w >> (c % 64) & 1 != 0)
-                })
-            }
-        };
+        let is_stale = |offset: u64| chunk_is_stale(bits, offset, chunk);
         if bits.is_some() {
             let slots = vm.memory().memslots().expect("a VM's memory is registered");
             // One discard per run of stale chunks (each discard is a memslot change).
-            let mut run: Option<u64> = None;
-            let ends = (0..region.size())
-                .step_by(to_usize(chunk))
-                .chain([region.size()]);
-            for offset in ends {
-                let stale = offset < region.size() && is_stale(offset);
-                match (run, stale) {
-                    (None, true) => run = Some(offset),
-                    (Some(start), false) => {
-                        slots.discard(region.gpa() + start, offset - start)?;
-                        run = None;
-                    }
-                    _ => {}
-                }
+            for (start, len) in stale_runs(region.size(), chunk, &is_stale) {
+                slots.discard(region.gpa() + start, len)?;
             }
         }
-        let chunks = to_usize(region.size().div_ceil(chunk));
-        let config = PagerConfig {
-            uffds: vm.vcpu_count().clamp(1, chunks),
-            handlers: opts.handlers.max(1),
-            fault_around: chunk,
-            readahead_chunks: 2,
-            background: true,
-            fetch_attempts: 1,
-            retry_delay: Duration::from_millis(1),
-            abort: vm.abort_handle(),
-            realtime_handlers: true,
-            cpus: opts.fault_cpus.clone(),
-            ..Default::default()
-        };
+        let config = pager_config(vm, opts, chunk, to_usize(region.size().div_ceil(chunk)));
         let source = RegionSource {
             link: link.clone(),
             gpa: region.gpa(),
@@ -106,19 +73,14 @@ pub(super) fn arm_postcopy(
         // Userfault sees the vCPUs' first accesses (where it is absent, the region is refused,
         // naming what is missing: the destination checked that before anything moved).
         if region.backend() == Backend::GuestMemfd {
-            match UserfaultPager::start_partial(
+            userfault_pagers.push(UserfaultPager::start_partial(
                 vm.memory(),
                 index,
                 Arc::new(source.clone()),
                 &config,
                 &|offset| !is_stale(offset),
-            ) {
-                Ok(p) => {
-                    userfault_pagers.push(p);
-                    continue;
-                }
-                Err(e) => return Err(e.into()),
-            }
+            )?);
+            continue;
         }
         pagers.push(Pager::start_partial(
             region,
@@ -128,6 +90,61 @@ pub(super) fn arm_postcopy(
         )?);
     }
     Ok((link, pagers, userfault_pagers))
+}
+
+/// Whether the pre-copy left stale any of the post-copy chunks (`POSTCOPY_CHUNK` bits of
+/// `bits`; every chunk when there are none) that the `chunk` bytes at `offset` overlap.
+fn chunk_is_stale(bits: Option<&[u64]>, offset: u64, chunk: u64) -> bool {
+    let Some(bits) = bits else {
+        return true;
+    };
+    (offset / POSTCOPY_CHUNK..(offset + chunk).div_ceil(POSTCOPY_CHUNK)).any(|c| {
+        bits.get((c / 64) as usize)
+            .is_some_and(|w| w >> (c % 64) & 1 != 0)
+    })
+}
+
+/// The runs of consecutive stale chunks of `chunk` bytes of a region of `size` bytes, as
+/// (offset, bytes).
+fn stale_runs(size: u64, chunk: u64, is_stale: &dyn Fn(u64) -> bool) -> Vec<(u64, u64)> {
+    let mut runs = Vec::new();
+    let mut run: Option<u64> = None;
+    let ends = (0..size).step_by(to_usize(chunk)).chain([size]);
+    for offset in ends {
+        let stale = offset < size && is_stale(offset);
+        match (run, stale) {
+            (None, true) => run = Some(offset),
+            (Some(start), false) => {
+                runs.push((start, offset - start));
+                run = None;
+            }
+            _ => {}
+        }
+    }
+    runs
+}
+
+/// The pager settings of a post-copy region of `chunks` chunks of `chunk` bytes: a
+/// userfaultfd per vCPU, every chunk fetched in the background, each fetch tried once.
+fn pager_config(
+    vm: &impl TargetMachine,
+    opts: &ReceiveOptions,
+    chunk: u64,
+    chunks: usize,
+) -> PagerConfig {
+    PagerConfig {
+        uffds: vm.vcpu_count().clamp(1, chunks),
+        handlers: opts.handlers.max(1),
+        fault_around: chunk,
+        readahead_chunks: 2,
+        background: true,
+        fetch_attempts: 1,
+        retry_delay: Duration::from_millis(1),
+        abort: vm.abort_handle(),
+        realtime_handlers: true,
+        cpus: opts.fault_cpus.clone(),
+        ..Default::default()
+    }
 }
 
 /// The destination's end of the post-copy link: lock-step requests on the pages connections
@@ -569,6 +586,23 @@ impl PageSource for RegionSource {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_stale_chunks_are_discarded_in_runs() {
+        // Post-copy chunks 1 and 2 stale (bits), faulted in chunks of a quarter of one.
+        let bits = [0b110u64];
+        let chunk = POSTCOPY_CHUNK / 4;
+        assert!(!chunk_is_stale(Some(&bits), 0, chunk));
+        assert!(chunk_is_stale(Some(&bits), POSTCOPY_CHUNK, chunk));
+        assert!(chunk_is_stale(None, 0, chunk));
+        let size = 4 * POSTCOPY_CHUNK;
+        let runs = stale_runs(size, chunk, &|o| chunk_is_stale(Some(&bits), o, chunk));
+        assert_eq!(runs, [(POSTCOPY_CHUNK, 2 * POSTCOPY_CHUNK)]);
+        // A run reaching the region's end is closed there.
+        let tail = stale_runs(size, chunk, &|o| o >= 3 * POSTCOPY_CHUNK);
+        assert_eq!(tail, [(3 * POSTCOPY_CHUNK, POSTCOPY_CHUNK)]);
+        assert!(stale_runs(size, chunk, &|_| false).is_empty());
+    }
 
     /// A source that has its answers ready: reads come from them, writes (the requests) are
     /// kept.

@@ -86,6 +86,47 @@ fn new_eventfd(region: &str) -> Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
+/// Why range `r` cannot be served in chunks of `chunk` bytes, `previous` being the range
+/// below it (in address order), if any.
+fn check_range(
+    r: &PeerRange,
+    previous: Option<&PeerRange>,
+    chunk: u64,
+) -> std::result::Result<(), String> {
+    if !r.page_size.is_power_of_two() || r.page_size < 4096 {
+        return Err(format!(
+            "page size {:#x} is not a power of two of at least 4 KiB",
+            r.page_size
+        ));
+    }
+    if !chunk.is_power_of_two() {
+        return Err(format!("fault-around {chunk:#x} is not a power of two"));
+    }
+    if r.size == 0
+        || !r.size.is_multiple_of(r.page_size)
+        || !r.host_addr.is_multiple_of(r.page_size)
+    {
+        return Err(format!(
+            "range {:#x}+{:#x} is empty or not aligned to its page size {:#x}",
+            r.host_addr, r.size, r.page_size
+        ));
+    }
+    if r.source.size() < r.size {
+        return Err(format!(
+            "the page source holds {:#x} bytes, less than the range's {:#x}",
+            r.source.size(),
+            r.size
+        ));
+    }
+    if let Some(p) = previous.filter(|p| p.host_addr + p.size > r.host_addr) {
+        return Err(format!(
+            "range {:#x}+{:#x} overlaps '{}'",
+            r.host_addr, r.size, p.name
+        ));
+    }
+    Ok(())
+}
+
 impl PeerPager {
     /// Serves `ranges`, all registered (`MISSING`) on `uffd`, which must already have gone
     /// through `UFFDIO_API`. `config.uffds` and `config.handlers` are ignored (one fd, one
@@ -107,43 +148,12 @@ impl PeerPager {
         let mut sorted = ranges;
         sorted.sort_by_key(|r| r.host_addr);
         for (i, r) in sorted.iter().enumerate() {
-            let bad = |reason: String| Error::Config {
+            let chunk = config.fault_around.max(r.page_size);
+            let previous = i.checked_sub(1).map(|p| &sorted[p]);
+            check_range(r, previous, chunk).map_err(|reason| Error::Config {
                 region: r.name.clone(),
                 reason,
-            };
-            let chunk = config.fault_around.max(r.page_size);
-            if !r.page_size.is_power_of_two() || r.page_size < 4096 {
-                return Err(bad(format!(
-                    "page size {:#x} is not a power of two of at least 4 KiB",
-                    r.page_size
-                )));
-            }
-            if !chunk.is_power_of_two() {
-                return Err(bad(format!(
-                    "fault-around {chunk:#x} is not a power of two"
-                )));
-            }
-            if r.size == 0 || r.size % r.page_size != 0 || r.host_addr % r.page_size != 0 {
-                return Err(bad(format!(
-                    "range {:#x}+{:#x} is empty or not aligned to its page size {:#x}",
-                    r.host_addr, r.size, r.page_size
-                )));
-            }
-            if r.source.size() < r.size {
-                return Err(bad(format!(
-                    "the page source holds {:#x} bytes, less than the range's {:#x}",
-                    r.source.size(),
-                    r.size
-                )));
-            }
-            if i > 0 && sorted[i - 1].host_addr + sorted[i - 1].size > r.host_addr {
-                return Err(bad(format!(
-                    "range {:#x}+{:#x} overlaps '{}'",
-                    r.host_addr,
-                    r.size,
-                    sorted[i - 1].name
-                )));
-            }
+            })?;
             let dup = uffd.try_clone().map_err(|source| Error::Os {
                 region: r.name.clone(),
                 op: "dup of the userfaultfd",
@@ -384,4 +394,41 @@ pub fn register_for_peer(regions: &[&Region]) -> Result<OwnedFd> {
     std::mem::forget(uffd);
     // SAFETY: the forgotten Uffd's fd, which we now own alone.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ZeroSource;
+
+    fn range(name: &str, host_addr: u64, size: u64, source_size: u64) -> PeerRange {
+        PeerRange {
+            name: name.into(),
+            host_addr,
+            size,
+            page_size: 4096,
+            source: Arc::new(ZeroSource { size: source_size }),
+        }
+    }
+
+    #[test]
+    fn a_range_that_cannot_be_served_is_refused_with_its_reason() {
+        let a = range("a", 0x10_0000, 0x4000, 0x4000);
+        assert_eq!(check_range(&a, None, 0x1000), Ok(()));
+        let err = |r: &PeerRange, prev, chunk| check_range(r, prev, chunk).unwrap_err();
+        assert!(err(&a, None, 0x3000).contains("fault-around 0x3000"));
+        let unaligned = range("u", 0x10_0800, 0x4000, 0x4000);
+        assert!(err(&unaligned, None, 0x1000).contains("not aligned"));
+        let short = range("s", 0x20_0000, 0x4000, 0x1000);
+        assert!(err(&short, None, 0x1000).contains("page source holds 0x1000"));
+        let overlapping = range("o", 0x10_2000, 0x4000, 0x4000);
+        assert!(err(&overlapping, Some(&a), 0x1000).contains("overlaps 'a'"));
+        let after = range("n", 0x10_4000, 0x4000, 0x4000);
+        assert_eq!(check_range(&after, Some(&a), 0x1000), Ok(()));
+        let huge_page = PeerRange {
+            page_size: 0x3000,
+            ..range("h", 0, 0x6000, 0x6000)
+        };
+        assert!(err(&huge_page, None, 0x3000).contains("page size 0x3000"));
+    }
 }
