@@ -153,14 +153,24 @@ impl Connection {
                 e.kind(),
                 with_own(explain_tls(tls, &self.peer), self.own_problem.as_deref()),
             ),
-            None if e.kind() == io::ErrorKind::UnexpectedEof => io::Error::new(
+            // A reset or a broken pipe is the peer gone as well: the kernel's words alone
+            // would not say which peer.
+            None if matches!(
                 e.kind(),
-                format!(
-                    "{} closed the connection in the middle of the stream (it ended, died or \
-                     was cut off)",
-                    self.peer
-                ),
-            ),
+                io::ErrorKind::UnexpectedEof
+                    | io::ErrorKind::ConnectionReset
+                    | io::ErrorKind::BrokenPipe
+            ) =>
+            {
+                io::Error::new(
+                    e.kind(),
+                    format!(
+                        "{} closed the connection in the middle of the stream (it ended, died or \
+                         was cut off)",
+                        self.peer
+                    ),
+                )
+            }
             None => e,
         }
     }
