@@ -770,7 +770,8 @@ fn print_traffic(report: &Report) {
     let d = &report.delta;
     if d.cache_bytes > 0 {
         println!(
-            "  delta cache {:.1} MiB: {} hits, {} misses ({:.0} % hits); {} pages sent as              {:.1} MiB of deltas ({:.1} MiB saved)",
+            "  delta cache {:.1} MiB: {} hits, {} misses ({:.0} % hits); {} pages sent as \
+             {:.1} MiB of deltas ({:.1} MiB saved)",
             mib(d.cache_bytes),
             d.hits,
             d.misses,
