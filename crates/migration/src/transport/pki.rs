@@ -192,19 +192,34 @@ pub fn write_credentials(
         .push(rcgen::DnType::CommonName, "guestmem migration CA");
     let ca_cert = ca_params.self_signed(&ca_key).map_err(tls)?;
     let issuer = rcgen::Issuer::new(ca_params, ca_key);
-    let write = |name: &str, contents: String| {
+    // `mode`: a private key is for its owner's eyes only (0600, also when a file was there),
+    // certificates are public (0644).
+    let write = |name: &str, contents: String, mode: u32| {
+        use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
         let path = dir.join(name);
-        std::fs::write(&path, contents).map_err(io_err(format!("{}: write", path.display())))
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(mode)
+            .open(&path)
+            .and_then(|f| {
+                f.set_permissions(std::fs::Permissions::from_mode(mode))?;
+                Ok(f)
+            })
+            .map_err(io_err(format!("{}: write", path.display())))?;
+        file.write_all(contents.as_bytes())
+            .map_err(io_err(format!("{}: write", path.display())))
     };
-    write("ca.pem", ca_cert.pem())?;
+    write("ca.pem", ca_cert.pem(), 0o644)?;
     for role in [Role::Source, Role::Destination] {
         let key = rcgen::KeyPair::generate().map_err(tls)?;
         let mut params =
             rcgen::CertificateParams::new(vec![role.name().to_string()]).map_err(tls)?;
         tweak(role, &mut params);
         let cert = params.signed_by(&key, &issuer).map_err(tls)?;
-        write(&format!("{}.pem", role.name()), cert.pem())?;
-        write(&format!("{}.key", role.name()), key.serialize_pem())?;
+        write(&format!("{}.pem", role.name()), cert.pem(), 0o644)?;
+        write(&format!("{}.key", role.name()), key.serialize_pem(), 0o600)?;
     }
     Ok(())
 }
