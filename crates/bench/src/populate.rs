@@ -253,3 +253,81 @@ fn make_image(size: u64, zero_percent: u8, run: u64) -> Vec<u8> {
 fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    /// The image holds about the share of zero runs asked for (each run all zero or without a
+    /// zero word), and the same image for the same arguments.
+    #[test]
+    fn images_have_the_zero_share_asked_for() {
+        let (size, run) = (4u64 << 20, 4096u64);
+        let image = make_image(size, 30, run);
+        assert_eq!(image.len() as u64, size);
+        assert!(image == make_image(size, 30, run));
+        let mut zero = 0;
+        for chunk in image.chunks(to_usize(run)) {
+            if chunk.iter().all(|&b| b == 0) {
+                zero += 1;
+            } else {
+                assert!(chunk.chunks(8).all(|w| w.iter().any(|&b| b != 0)));
+            }
+        }
+        let runs = size / run;
+        assert!(
+            (runs * 25 / 100..=runs * 35 / 100).contains(&zero),
+            "{zero} of {runs}"
+        );
+        assert!(make_image(size, 0, run).chunks(8).all(|w| w != [0; 8]));
+        assert!(make_image(size, 100, run).iter().all(|&b| b == 0));
+    }
+
+    /// The check finds a differing byte and names where; an equal region passes.
+    #[test]
+    fn the_check_names_where_the_region_differs() {
+        let image = make_image(3 << 20, 10, 4096);
+        let spec = RegionSpec::new("ram", GPA, 3 << 20, Backend::Anon);
+        let mem = GuestMemory::new(&[spec], None).unwrap();
+        mem.write(GPA, &image).unwrap();
+        check(&mem, &image, "memcpy").unwrap();
+        mem.write(GPA + (2 << 20) + 5, &[!image[(2 << 20) + 5]])
+            .unwrap();
+        assert_eq!(
+            check(&mem, &image, "pwrite").unwrap_err().to_string(),
+            "pwrite: the region differs from the image near 0x100200000"
+        );
+    }
+
+    /// A method whose population fell back to another is reported unavailable with the
+    /// reason; the others get their median time against memcpy's.
+    #[test]
+    fn fallbacks_are_reported_unavailable() {
+        let done = |method, reason: Option<&str>| Populated {
+            method,
+            fallback_reason: reason.map(String::from),
+            bytes: 8192,
+            pages_copied: 2,
+            zero_pages_skipped: 0,
+            threads: 1,
+            elapsed: Duration::ZERO,
+        };
+        let (methods, unavailable) = results(
+            vec![Method::Pwrite, Method::PopulateCopy],
+            vec![vec![9.0, 10.0, 30.0], vec![4.0, 5.0, 6.0]],
+            vec![
+                Some(done(Method::PopulateCopy, Some("no pwrite here"))),
+                Some(done(Method::PopulateCopy, None)),
+            ],
+            10.0,
+        );
+        assert_eq!(
+            unavailable,
+            vec![(Method::Pwrite, "no pwrite here".to_string())]
+        );
+        assert_eq!(methods.len(), 1);
+        assert_eq!(methods[0].method, Method::PopulateCopy);
+        assert_eq!((methods[0].ms, methods[0].ratio_vs_memcpy), (5.0, 0.5));
+    }
+}

@@ -93,6 +93,14 @@ pub type Result<T> = std::result::Result<T, Box<dyn std::error::Error + Send + S
 #[cfg(test)]
 mod tests {
     use super::error_text;
+    use clap::Parser;
+
+    /// The command line `args` (after `guestmem`), parsed, or clap's message.
+    pub(crate) fn parse_for_test(args: &[&str]) -> std::result::Result<super::Command, String> {
+        super::Cli::try_parse_from(std::iter::once("guestmem").chain(args.iter().copied()))
+            .map(|c| c.command)
+            .map_err(|e| e.to_string())
+    }
 
     #[derive(Debug, thiserror::Error)]
     #[error("outer: {inner}")]

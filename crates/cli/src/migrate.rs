@@ -770,7 +770,8 @@ fn print_traffic(report: &Report) {
     let d = &report.delta;
     if d.cache_bytes > 0 {
         println!(
-            "  delta cache {:.1} MiB: {} hits, {} misses ({:.0} % hits); {} pages sent as              {:.1} MiB of deltas ({:.1} MiB saved)",
+            "  delta cache {:.1} MiB: {} hits, {} misses ({:.0} % hits); {} pages sent as \
+             {:.1} MiB of deltas ({:.1} MiB saved)",
             mib(d.cache_bytes),
             d.hits,
             d.misses,
@@ -922,4 +923,270 @@ pub fn svg(report: &Report) -> String {
         line.join(" ")
     );
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    /// `guestmem migrate send` with `extra` flags, parsed.
+    fn send(extra: &[&str]) -> Result<SendArgs, String> {
+        let args = [
+            "guestmem",
+            "migrate",
+            "send",
+            "--to",
+            "unix:/tmp/s",
+            "--keys",
+            "/k",
+        ];
+        let cli =
+            crate::Cli::try_parse_from(args.iter().chain(extra)).map_err(|e| e.to_string())?;
+        match cli.command {
+            crate::Command::Migrate(Migrate::Send(a)) => Ok(a),
+            _ => unreachable!("migrate send parses as itself"),
+        }
+    }
+
+    fn refused(extra: &[&str]) -> String {
+        let how = send(extra).expect("parses").how;
+        how.options().expect_err("refused").to_string()
+    }
+
+    /// The defaults make precopy options with their documented values; the flags given come
+    /// through in bytes.
+    #[test]
+    fn flags_become_send_options() {
+        let o = send(&[]).unwrap().how.options().unwrap();
+        assert_eq!(o.mode, Mode::Precopy);
+        assert_eq!(o.downtime, Duration::from_millis(50));
+        assert!(o.auto_converge && !o.verify && !o.share_memory && !o.whole_pages);
+        assert_eq!(o.compress, Compress::Auto);
+        assert_eq!((o.max_bandwidth, o.delta_cache_bytes), (None, Some(0)));
+        assert_eq!(o.zstd_window_bytes, 0);
+        assert_eq!(o.fault_cpus, None);
+
+        let o = send(&[
+            "--mode",
+            "hybrid",
+            "--downtime-ms",
+            "7",
+            "--connections",
+            "4",
+            "--max-bandwidth-mib-per-s",
+            "4",
+            "--no-auto-converge",
+            "--verify",
+            "--compress",
+            "lz4",
+            "--delta-cache-mib",
+            "3",
+            "--zstd-window-mib",
+            "8",
+            "--fault-cpus",
+            "0,2",
+        ])
+        .unwrap()
+        .how
+        .options()
+        .unwrap();
+        assert_eq!(o.mode, Mode::Hybrid);
+        assert_eq!(o.downtime, Duration::from_millis(7));
+        assert!(!o.auto_converge && o.verify);
+        assert_eq!(o.compress, Compress::Lz4);
+        assert_eq!(o.max_bandwidth, Some(4 << 20));
+        assert_eq!(o.delta_cache_bytes, Some(3 << 20));
+        assert_eq!(o.zstd_window_bytes, 8 << 20);
+        assert_eq!(o.fault_cpus, Some(vec![0, 2]));
+    }
+
+    /// Each bad value is refused with a message naming the flag and the value.
+    #[test]
+    fn bad_flags_are_refused_naming_them() {
+        assert_eq!(
+            refused(&["--connections", "0"]),
+            "--connections must be 1 to 64, not 0"
+        );
+        assert_eq!(
+            refused(&["--connections", "65"]),
+            "--connections must be 1 to 64, not 65"
+        );
+        assert_eq!(
+            refused(&["--connections", "8", "--max-bandwidth-mib-per-s", "7"]),
+            "--max-bandwidth-mib-per-s 7 is refused: at least 1 MiB/s per connection (8 with \
+             --connections 8) is needed, or the migration never finishes"
+        );
+        let huge = (u64::MAX >> 10).to_string();
+        assert_eq!(
+            refused(&["--max-bandwidth-mib-per-s", &huge]),
+            format!("--max-bandwidth-mib-per-s {huge} is refused: more bytes/s than 64 bits hold")
+        );
+        assert_eq!(
+            refused(&["--delta-cache-mib", &huge]),
+            format!("--delta-cache-mib {huge} is refused: more bytes than 64 bits hold")
+        );
+        // Refused while parsing, each naming what it expected.
+        for (flags, says) in [
+            (
+                &["--mode", "warp"][..],
+                "unknown migration mode 'warp' (precopy, postcopy or hybrid)",
+            ),
+            (
+                &["--compress", "gzip"],
+                "unknown compression 'gzip' (none, lz4, zstd or auto)",
+            ),
+            (
+                &["--zstd-window-mib", "big"],
+                "zstd window 'big': a number of MiB, or off",
+            ),
+            (
+                &["--zstd-window-mib", "2048"],
+                "zstd window of 2048 MiB: at most 1024",
+            ),
+            (&["--backend", "tape"], "unknown backend 'tape'"),
+            (&["--memory", "lots"], "'lots' is not a size"),
+            (&["--fault-cpus", "0,x"], "--fault-cpus"),
+        ] {
+            let e = send(flags).err().expect("refused");
+            assert!(e.contains(says), "{flags:?}: {e}");
+        }
+        let e = crate::Cli::try_parse_from([
+            "guestmem", "migrate", "send", "--to", "host:1", "--keys", "/k",
+        ])
+        .err()
+        .expect("refused")
+        .to_string();
+        assert!(
+            e.contains("'host:1' is not an endpoint (expected tcp:HOST:PORT or unix:PATH)"),
+            "{e}"
+        );
+    }
+
+    /// Zero seconds are allowed; a negative or unbounded number is refused naming the flag.
+    #[test]
+    fn seconds_accept_zero_and_name_the_flag() {
+        assert_eq!(seconds(0.0, "--after").unwrap(), Duration::ZERO);
+        assert_eq!(
+            seconds(0.25, "--after").unwrap(),
+            Duration::from_millis(250)
+        );
+        for bad in [-1.0, f64::NAN, f64::INFINITY] {
+            let e = seconds(bad, "--run-for").unwrap_err().to_string();
+            assert!(e.starts_with("--run-for must be"), "{e}");
+        }
+    }
+
+    /// The dirty rate is shared between the vCPUs in pages per second (at least one each);
+    /// 0 is full speed; each vCPU gets its own half of RAM.
+    #[test]
+    fn the_dirty_rate_is_split_between_vcpus() {
+        let vm = send(&["--memory", "64M", "--vcpus", "2"]).unwrap().vm;
+        let rate = |w: &VcpuWork| match w.workload {
+            Workload::Dirty {
+                pages_per_s,
+                fill_first: true,
+                passes: None,
+            } => pages_per_s,
+            other => panic!("{other:?}"),
+        };
+        let work = dirty_work(&vm, 64);
+        assert_eq!(work.len(), 2);
+        assert_eq!(
+            work.iter().map(rate).collect::<Vec<_>>(),
+            vec![Some(8192); 2]
+        );
+        assert_eq!(
+            (work[0].gpa, work[1].gpa),
+            (layout::RAM_GPA, layout::RAM_GPA + (32 << 20))
+        );
+        assert_eq!(rate(&dirty_work(&vm, 0)[0]), None);
+        let many = send(&["--memory", "64M", "--vcpus", "3000"]).unwrap().vm;
+        assert_eq!(rate(&dirty_work(&many, 1)[0]), Some(1));
+    }
+
+    /// A failure after the destination took the VM over says the source is stopped, unless
+    /// the destination was taken for dead or unresponsive (then the source keeps the guest).
+    #[test]
+    fn a_failure_without_the_source_vm_says_what_became_of_it() {
+        let failure = |reason: &str| migrate::Failure {
+            error: MigrationError::Dead {
+                reason: reason.into(),
+            }
+            .into(),
+            vm: None,
+        };
+        let (e, dead) = send_failure(failure(&format!("{DEAD}: nothing listens")));
+        assert_eq!(
+            (e.as_str(), dead),
+            ("the destination is dead: nothing listens", true)
+        );
+        let (e, dead) = send_failure(failure(&format!("{UNRESPONSIVE}: no reconnection")));
+        assert_eq!(
+            (e.as_str(), dead),
+            ("the destination does not answer: no reconnection", true)
+        );
+        let (e, dead) = send_failure(failure("the link broke"));
+        assert_eq!(
+            (e.as_str(), dead),
+            (
+                "the link broke (the destination had taken the VM over; the source is stopped)",
+                false
+            )
+        );
+    }
+
+    /// `migrate resume` sends the endpoint (or an empty line) to the waiting source and
+    /// reports its answer: an error answer fails naming the source; no source waiting fails
+    /// naming the socket.
+    #[test]
+    fn resume_talks_to_the_waiting_source() {
+        let dir = std::env::temp_dir().join(format!("guestmem-resume-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let control = dir.join("control.sock");
+        let e = resume_main(ResumeArgs {
+            control: control.clone(),
+            to: None,
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.starts_with(&format!(
+                "{}: no `migrate send` waits there (",
+                control.display()
+            )),
+            "{e}"
+        );
+
+        let listener = UnixListener::bind(&control).unwrap();
+        let source = std::thread::spawn(move || {
+            let mut lines = Vec::new();
+            for answer in [
+                "reconnected to unix:/tmp/new; post-copy goes on",
+                "error: refused",
+            ] {
+                let (stream, _) = listener.accept().unwrap();
+                let mut line = String::new();
+                BufReader::new(&stream).read_line(&mut line).unwrap();
+                lines.push(line);
+                writeln!(&stream, "{answer}").unwrap();
+            }
+            lines
+        });
+        resume_main(ResumeArgs {
+            control: control.clone(),
+            to: Some("unix:/tmp/new".parse().unwrap()),
+        })
+        .unwrap();
+        let e = resume_main(ResumeArgs {
+            control: control.clone(),
+            to: None,
+        })
+        .unwrap_err()
+        .to_string();
+        assert_eq!(e, "the source could not reconnect: refused");
+        assert_eq!(source.join().unwrap(), vec!["unix:/tmp/new\n", "\n"]);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -161,3 +161,31 @@ fn print_table(out: &Output) {
         );
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(extra: &[&str]) -> Args {
+        let mut all = vec!["run"];
+        all.extend_from_slice(extra);
+        match crate::tests::parse_for_test(&all).unwrap() {
+            crate::Command::Run(a) => a,
+            _ => unreachable!("run parses as itself"),
+        }
+    }
+
+    /// A rate of 0, a duration that is not a positive number of seconds, and a memory too
+    /// small to give every vCPU a page are refused naming the flag.
+    #[test]
+    fn bad_run_flags_are_refused() {
+        let e = |extra: &[&str]| main(args(extra)).unwrap_err().to_string();
+        assert_eq!(e(&["--rate", "0"]), "--rate must be at least 1 page/s");
+        assert!(e(&["--duration", "0"]).starts_with("--duration must be"));
+        assert!(e(&["--stall-timeout=-1"]).starts_with("--stall-timeout must be"));
+        assert_eq!(
+            e(&["--memory", "4K", "--vcpus", "2"]),
+            "--memory 4096 is too small to give each of 2 vCPUs a page"
+        );
+    }
+}

@@ -570,4 +570,94 @@ mod tests {
             }
         ));
     }
+
+    fn restore_args(extra: &[&str]) -> RestoreArgs {
+        let mut all = vec!["restore", "/snap"];
+        all.extend_from_slice(extra);
+        match crate::tests::parse_for_test(&all).unwrap() {
+            crate::Command::Restore(a) => a,
+            _ => unreachable!("restore parses as itself"),
+        }
+    }
+
+    fn snapshot_args(extra: &[&str]) -> SnapshotArgs {
+        let mut all = vec!["snapshot"];
+        all.extend_from_slice(extra);
+        match crate::tests::parse_for_test(&all).unwrap() {
+            crate::Command::Snapshot(a) => a,
+            _ => unreachable!("snapshot parses as itself"),
+        }
+    }
+
+    /// `--mode` and `--uffd-socket` choose how memory comes back; `--share` goes only with
+    /// an in-process lazy restore and `--uffd-socket` only with `--mode lazy`.
+    #[test]
+    fn restore_modes_follow_the_flags() {
+        let mode = |extra: &[&str]| {
+            restore_args(extra)
+                .restore_mode()
+                .map_err(|e| e.to_string())
+        };
+        assert!(matches!(mode(&[]), Ok(RestoreMode::Full)));
+        assert!(matches!(mode(&["--mode", "map"]), Ok(RestoreMode::Map)));
+        match mode(&["--mode", "lazy", "--share", "/dev/shm/x"]) {
+            Ok(RestoreMode::Lazy(config)) => assert!(config.share.is_some()),
+            other => panic!("{:?}", other.err()),
+        }
+        match mode(&["--mode", "lazy"]) {
+            Ok(RestoreMode::Lazy(config)) => assert!(config.share.is_none()),
+            other => panic!("{:?}", other.err()),
+        }
+        assert!(matches!(
+            mode(&["--mode", "lazy", "--uffd-socket", "/run/uffd.sock"]),
+            Ok(RestoreMode::PageServer(p)) if p == std::path::Path::new("/run/uffd.sock")
+        ));
+        assert_eq!(
+            mode(&["--uffd-socket", "/run/uffd.sock"]).err().unwrap(),
+            "--uffd-socket needs --mode lazy"
+        );
+        let share = "--share needs --mode lazy (served in this process, not --uffd-socket)";
+        assert_eq!(mode(&["--share"]).err().unwrap(), share);
+        assert_eq!(
+            mode(&["--mode", "lazy", "--share", "--uffd-socket", "/s"])
+                .err()
+                .unwrap(),
+            share
+        );
+        assert!(crate::tests::parse_for_test(&["restore", "/snap", "--mode", "eager"]).is_err());
+    }
+
+    /// A snapshot's own refusals, before any VM is made: a diff over itself, a merge across
+    /// stores; clap's: --diff-after without --diff.
+    #[test]
+    fn snapshot_refusals_name_the_flags() {
+        let e = snapshot(snapshot_args(&["--out", "/s/a", "--diff", "/s/a"]))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "--diff must name another directory than --out (the diff's base)"
+        );
+        let e = snapshot(snapshot_args(&[
+            "merge",
+            "store:/tmp/one/diff",
+            "--out",
+            "store:/tmp/two/merged",
+        ]))
+        .unwrap_err()
+        .to_string();
+        assert_eq!(
+            e,
+            "--out store:/tmp/two/merged is in another store than store:/tmp/one/diff: a merge \
+             reuses the chunks of its store"
+        );
+        let e = crate::tests::parse_for_test(&["snapshot", "--out", "/s", "--diff-after", "1"])
+            .err()
+            .unwrap();
+        assert!(e.contains("--diff"), "{e}");
+        assert!(crate::tests::parse_for_test(&["snapshot"])
+            .err()
+            .unwrap()
+            .contains("--out"));
+    }
 }

@@ -55,3 +55,43 @@ impl VmArgs {
         Ok(Some(load))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(extra: &[&str]) -> VmArgs {
+        let mut all = vec!["migrate", "send", "--to", "unix:/s", "--keys", "/k"];
+        all.extend_from_slice(extra);
+        match crate::tests::parse_for_test(&all).unwrap() {
+            crate::Command::Migrate(crate::migrate::Migrate::Send(a)) => a.vm,
+            _ => unreachable!("migrate send parses as itself"),
+        }
+    }
+
+    /// The options make the VM they describe; no vCPU is refused naming the option; without
+    /// --image nothing is loaded.
+    #[test]
+    fn options_make_the_vm_or_name_the_problem() {
+        let c = args(&["--memory", "64M", "--vcpus", "3", "--backend", "memfd"])
+            .config()
+            .unwrap();
+        assert_eq!((c.vcpus, c.regions.len()), (3, 1));
+        assert_eq!(
+            (c.regions[0].size, c.regions[0].backend),
+            (64 << 20, Backend::Memfd)
+        );
+        let d = args(&[]);
+        assert_eq!((d.memory, d.vcpus, d.backend), (1 << 30, 2, Backend::Anon));
+        assert_eq!(
+            args(&["--vcpus", "0"]).config().err().unwrap().to_string(),
+            "--vcpus must be at least 1"
+        );
+        let small = args(&["--memory", "2M", "--vcpus", "1"]);
+        let vm = Vm::new(&small.config().unwrap()).unwrap();
+        assert!(small.load_image(&vm).unwrap().is_none());
+        let missing = args(&["--memory", "2M", "--image", "/nonexistent/ram.raw"]);
+        let e = missing.load_image(&vm).unwrap_err().to_string();
+        assert!(e.contains("/nonexistent/ram.raw"), "{e}");
+    }
+}

@@ -93,3 +93,33 @@ pub fn main(args: Args) -> crate::Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(extra: &[&str]) -> Args {
+        let mut all = vec!["payload"];
+        all.extend_from_slice(extra);
+        match crate::tests::parse_for_test(&all).unwrap() {
+            crate::Command::Payload(a) => a,
+            _ => unreachable!("payload parses as itself"),
+        }
+    }
+
+    /// The payload is written as the ELF the VMM boots; --fill-first alone is refused.
+    #[test]
+    fn the_payload_is_written_or_the_flags_refused() {
+        let path = std::env::temp_dir().join(format!("guestmem-pvh-{}.elf", std::process::id()));
+        let p = path.to_str().unwrap();
+        main(args(&["--pvh-elf", p, "--workload", "touch"])).unwrap();
+        let elf = std::fs::read(&path).unwrap();
+        assert_eq!(&elf[..4], b"\x7fELF");
+        assert_eq!(elf.len(), payload::PVH_ELF.len());
+        let e = main(args(&["--pvh-elf", p, "--fill-first"]))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(e, "--fill-first goes with --pages-per-s");
+        let _ = std::fs::remove_file(&path);
+    }
+}

@@ -248,3 +248,37 @@ impl Error {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A system call's error names the region and the call, its cause kept as the source
+    /// only; addresses and sizes are printed in hex.
+    #[test]
+    fn errors_name_the_region_and_print_addresses_in_hex() {
+        let spec = RegionSpec::new("ram", 0x4000_0000, 1 << 20, Backend::Memfd);
+        let e = Error::os(
+            &spec,
+            "memfd_create",
+            io::Error::from_raw_os_error(libc::EMFILE),
+        );
+        assert_eq!(e.to_string(), "region 'ram': memfd_create failed");
+        let source = std::error::Error::source(&e)
+            .expect("the cause")
+            .to_string();
+        assert!(source.contains("os error 24"), "{source}");
+        let e = Error::Misaligned {
+            region: "ram".into(),
+            what: "size",
+            value: 0x1800,
+            backend: Backend::Hugetlbfs,
+            page_size: 0x20_0000,
+        };
+        assert_eq!(
+            e.to_string(),
+            "region 'ram': size 0x1800 is not a multiple of the hugetlb backend's page size \
+             (0x200000)"
+        );
+    }
+}

@@ -155,3 +155,125 @@ fn read_at(file: &File, buf: &mut [u8], at: u64) -> io::Result<()> {
     use std::os::unix::fs::FileExt;
     file.read_exact_at(buf, at)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Backend, RegionSpec};
+    use std::path::PathBuf;
+
+    fn temp(name: &str, bytes: &[u8]) -> PathBuf {
+        let p = std::env::temp_dir().join(format!("guestmem-image-{}-{name}", std::process::id()));
+        std::fs::write(&p, bytes).unwrap();
+        p
+    }
+
+    fn region(pages: u64) -> Region {
+        let spec = RegionSpec::new("ram", 0, pages * PAGE_SIZE, Backend::Anon);
+        Region::create(spec, None).unwrap()
+    }
+
+    fn page(fill: u8) -> Vec<u8> {
+        vec![fill; to_usize(PAGE_SIZE)]
+    }
+
+    /// A zstd stream that does not record its size (as a streaming compressor writes it) is
+    /// still loaded byte for byte, its zero pages skipped; one that turns out larger than the
+    /// region is refused naming the sizes.
+    #[test]
+    fn a_compressed_image_of_unknown_size_loads_or_is_refused() {
+        let image = [page(7), page(0), page(9)].concat();
+        let mut enc = zstd::Encoder::new(Vec::new(), 1).unwrap();
+        std::io::Write::write_all(&mut enc, &image).unwrap();
+        let zst = enc.finish().unwrap();
+        assert_eq!(
+            zstd::zstd_safe::get_frame_content_size(&zst[..18]).unwrap(),
+            None,
+            "the frame records no size"
+        );
+        let path = temp("stream.zst", &zst);
+        let r = region(4);
+        let load = load_image(&r, &path).unwrap();
+        assert_eq!(
+            (
+                load.image_bytes,
+                load.compressed,
+                load.pages_copied,
+                load.zero_pages_skipped
+            ),
+            (3 * PAGE_SIZE, true, 2, 1)
+        );
+        let mut back = vec![0u8; to_usize(4 * PAGE_SIZE)];
+        // SAFETY: the region's mapping is live and 4 pages long; nothing else uses it.
+        unsafe { std::ptr::copy_nonoverlapping(r.host_addr(), back.as_mut_ptr(), back.len()) };
+        assert!(back[..image.len()] == image[..]);
+        assert!(back[image.len()..].iter().all(|&b| b == 0));
+
+        let e = load_image(&region(2), &path).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "memory image {}: 0x3000 bytes do not fit region 'ram' of 0x2000 bytes",
+                path.display()
+            )
+        );
+        let _ = std::fs::remove_file(&path);
+    }
+
+    /// A damaged compressed image fails naming the offset it was decompressing; an empty file,
+    /// a directory and a missing file are each refused saying which.
+    #[test]
+    fn bad_images_name_the_problem() {
+        let mut zst = zstd::encode_all(&page(5)[..], 1).unwrap();
+        let n = zst.len();
+        zst[n - 8..].fill(0xff);
+        let path = temp("damaged.zst", &zst);
+        match load_image(&region(2), &path) {
+            Err(Error::ImageIo { what, .. }) => assert_eq!(what, "decompressing at offset 0x0"),
+            other => panic!("{other:?}"),
+        }
+        let empty = temp("empty.raw", &[]);
+        let e = load_image(&region(2), &empty).unwrap_err().to_string();
+        assert!(
+            e.ends_with("0 bytes is not a positive whole number of 4096-byte pages"),
+            "{e}"
+        );
+        let e = load_image(&region(2), &std::env::temp_dir()).unwrap_err();
+        assert!(
+            matches!(&e, Error::Image { reason, .. } if reason == "not a regular file"),
+            "{e}"
+        );
+        let missing = std::env::temp_dir().join("guestmem-image-none");
+        match load_image(&region(2), &missing) {
+            Err(Error::ImageIo { what, source, .. }) => {
+                assert_eq!(what, "cannot open");
+                assert_eq!(source.kind(), io::ErrorKind::NotFound);
+            }
+            other => panic!("{other:?}"),
+        }
+        for p in [path, empty] {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+
+    /// `read_full` gathers short reads until the buffer is full, and stops at the end.
+    #[test]
+    fn read_full_gathers_short_reads() {
+        struct Dribble(Vec<u8>);
+        impl Read for Dribble {
+            fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+                let n = buf.len().min(3).min(self.0.len());
+                buf[..n].copy_from_slice(&self.0[..n]);
+                self.0.drain(..n);
+                Ok(n)
+            }
+        }
+        let mut src = Dribble((0..10).collect());
+        let mut buf = [0u8; 8];
+        assert_eq!(read_full(&mut src, &mut buf).unwrap(), 8);
+        assert_eq!(buf, [0, 1, 2, 3, 4, 5, 6, 7]);
+        assert_eq!(read_full(&mut src, &mut buf).unwrap(), 2);
+        assert_eq!(buf[..2], [8, 9]);
+        assert_eq!(read_full(&mut src, &mut buf).unwrap(), 0);
+    }
+}

@@ -230,3 +230,156 @@ impl CachedMapping {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Backend, RegionSpec, SlotFlags, PAGE_SIZE};
+    use std::time::{Duration, Instant};
+
+    const GPA: u64 = 0x1_0000_0000;
+
+    fn manager() -> (kvm_ioctls::VmFd, Arc<MemslotManager>) {
+        let vm = kvm_ioctls::Kvm::new()
+            .expect("/dev/kvm")
+            .create_vm()
+            .expect("a VM");
+        let slots = Arc::new(MemslotManager::new(&vm).unwrap());
+        (vm, slots)
+    }
+
+    fn region(name: &str, size: u64) -> Arc<Region> {
+        let spec = RegionSpec::new(name, GPA, size, Backend::Memfd);
+        Arc::new(Region::create(spec, None).expect("region"))
+    }
+
+    /// Two ranges overlap when they share a byte; ranges that touch do not.
+    #[test]
+    fn handle_ranges_overlap_when_they_share_a_byte() {
+        let h = HandleState {
+            gpa: 0x1000,
+            len: 0x100,
+            inflight: AtomicBool::new(false),
+        };
+        assert!(h.overlaps(0x1000, 1));
+        assert!(h.overlaps(0x10ff, 1));
+        assert!(h.overlaps(0, 0x1001));
+        assert!(h.overlaps(0x1080, u64::MAX), "a length that overflows");
+        assert!(!h.overlaps(0x1100, 0x1000), "starts at its end");
+        assert!(!h.overlaps(0, 0x1000), "ends at its start");
+    }
+
+    /// A range that is empty or wraps around is refused; the u64 accessors are little-endian
+    /// and a write marks exactly its pages VMM-dirty, at the window's offset in the region.
+    #[test]
+    fn handles_copy_exact_bytes_and_mark_their_pages() {
+        let (_vm, slots) = manager();
+        let r = region("m", 8 * PAGE_SIZE);
+        slots
+            .add(&r, 2 * PAGE_SIZE, 4 * PAGE_SIZE, GPA, SlotFlags::default())
+            .unwrap();
+        for (gpa, len) in [(GPA, 0), (u64::MAX - 4, 8)] {
+            assert!(matches!(
+                slots.map(gpa, len),
+                Err(Error::NoMemslot { gpa: g, len: l }) if g == gpa && l == len
+            ));
+        }
+        let h = slots.map(GPA + PAGE_SIZE, 2 * PAGE_SIZE).unwrap();
+        assert_eq!(
+            (h.gpa(), h.len(), h.is_empty()),
+            (GPA + PAGE_SIZE, 2 * PAGE_SIZE, false)
+        );
+        r.vmm_dirty().take();
+        h.write_u64(PAGE_SIZE - 4, 0x0807_0605_0403_0201).unwrap();
+        let mut bytes = [0u8; 8];
+        slots.read(GPA + 2 * PAGE_SIZE - 4, &mut bytes).unwrap();
+        assert_eq!(bytes, [1, 2, 3, 4, 5, 6, 7, 8]);
+        assert_eq!(h.read_u64(PAGE_SIZE - 4).unwrap(), 0x0807_0605_0403_0201);
+        // The write straddled the handle's pages 0 and 1: the region's pages 3 and 4.
+        let marked: Vec<u64> = (0..8).filter(|&p| r.vmm_dirty().is_marked(p)).collect();
+        assert_eq!(marked, vec![3, 4]);
+        let mut buf = [0u8; 3];
+        h.read(PAGE_SIZE - 2, &mut buf).unwrap();
+        assert_eq!(buf, [3, 4, 5]);
+        // Reads mark nothing.
+        r.vmm_dirty().take();
+        h.read_u64(0).unwrap();
+        assert!((0..8).all(|p| !r.vmm_dirty().is_marked(p)));
+    }
+
+    /// A handle follows the slot table: after its slot moved away it finds no memslot; once a
+    /// slot maps its range again it reaches the new slot's memory.
+    #[test]
+    fn a_handle_revalidates_after_a_change() {
+        let (_vm, slots) = manager();
+        let (a, b) = (region("a", 2 * PAGE_SIZE), region("b", 2 * PAGE_SIZE));
+        let id = slots
+            .add(&a, 0, 2 * PAGE_SIZE, GPA, SlotFlags::default())
+            .unwrap();
+        slots.write(GPA + 16, &[0xaa; 8]).unwrap();
+        let h = slots.map(GPA + 16, 8).unwrap();
+        assert_eq!(h.read_u64(0).unwrap(), 0xaaaa_aaaa_aaaa_aaaa);
+        slots.move_to(id, GPA + 0x10_0000).unwrap();
+        assert!(matches!(h.read_u64(0), Err(Error::NoMemslot { .. })));
+        assert!(matches!(h.write(0, &[1]), Err(Error::NoMemslot { .. })));
+        let other = slots
+            .add(&b, 0, 2 * PAGE_SIZE, GPA, SlotFlags::default())
+            .unwrap();
+        slots.write(GPA + 16, &[0xbb; 8]).unwrap();
+        assert_eq!(h.read_u64(0).unwrap(), 0xbbbb_bbbb_bbbb_bbbb);
+        h.write(0, &[0xcc; 8]).unwrap();
+        // The write went to region b, region a is untouched.
+        let mut got = [0u8; 8];
+        slots.read(GPA + 16, &mut got).unwrap();
+        assert_eq!(got, [0xcc; 8]);
+        slots.read(GPA + 0x10_0000 + 16, &mut got).unwrap();
+        assert_eq!(got, [0xaa; 8]);
+        slots.remove(other).unwrap();
+        assert!(matches!(h.read(0, &mut got), Err(Error::NoMemslot { .. })));
+    }
+
+    /// A change of flags alone keeps the mapping, so it does not wait for a handle inside an
+    /// access; a move does, until the access ends.
+    #[test]
+    fn only_a_change_of_mapping_waits_for_handles_in_an_access() {
+        let (_vm, slots) = manager();
+        let r = region("w", 4 * PAGE_SIZE);
+        let id = slots
+            .add(&r, 0, 4 * PAGE_SIZE, GPA, SlotFlags::default())
+            .unwrap();
+        let handle = slots.map(GPA + PAGE_SIZE, 8).unwrap();
+        // An access in progress, as `CachedMapping::access` marks it.
+        handle
+            .state()
+            .inflight
+            .store(true, std::sync::atomic::Ordering::Release);
+        let started = Instant::now();
+        let logging = SlotFlags {
+            log_dirty_pages: true,
+            read_only: false,
+        };
+        slots.set_flags(id, logging).unwrap();
+        assert!(started.elapsed() < Duration::from_millis(150));
+
+        let state = handle.state().clone();
+        let ender = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            state
+                .inflight
+                .store(false, std::sync::atomic::Ordering::Release);
+        });
+        let started = Instant::now();
+        slots.move_to(id, GPA + 0x10_0000).unwrap();
+        assert!(
+            started.elapsed() >= Duration::from_millis(200),
+            "the move did not wait for the access: {:?}",
+            started.elapsed()
+        );
+        ender.join().unwrap();
+        assert!(matches!(
+            handle.read_u64(0),
+            Err(Error::NoMemslot { gpa, len: 8 }) if gpa == GPA + PAGE_SIZE
+        ));
+        assert_eq!(slots.slot(id).unwrap().flags, logging);
+    }
+}

@@ -653,3 +653,173 @@ fn check_window(slot: &Memslot) -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::RegionSpec;
+
+    const GPA: u64 = 0x1_0000_0000;
+
+    fn vm() -> VmFd {
+        kvm_ioctls::Kvm::new()
+            .expect("/dev/kvm")
+            .create_vm()
+            .expect("a VM")
+    }
+
+    fn region(name: &str, size: u64, backend: Backend) -> Arc<Region> {
+        Arc::new(Region::create(RegionSpec::new(name, GPA, size, backend), None).expect("region"))
+    }
+
+    fn slot(id: u32, gpa: u64, size: u64, region: &Arc<Region>, offset: u64) -> Memslot {
+        Memslot {
+            id,
+            gpa,
+            size,
+            region: region.clone(),
+            region_offset: offset,
+            flags: SlotFlags::default(),
+            userfault: None,
+        }
+    }
+
+    /// The table finds a range only inside one slot: not across two adjacent slots, not in the
+    /// gap between them, not below the first; slots that merely touch do not overlap, and a
+    /// slot never overlaps itself when it is the one changing.
+    #[test]
+    fn the_table_finds_ranges_inside_one_slot_only() {
+        let r = region("t", 16 * PAGE_SIZE, Backend::Anon);
+        let mut table = SlotTable {
+            slots: vec![None; 3],
+            ..Default::default()
+        };
+        table.insert(slot(0, GPA, 4 * PAGE_SIZE, &r, 0));
+        table.insert(slot(
+            2,
+            GPA + 4 * PAGE_SIZE,
+            2 * PAGE_SIZE,
+            &r,
+            8 * PAGE_SIZE,
+        ));
+        let found = |gpa, len| table.lookup(gpa, len).map(|s| s.id);
+        assert_eq!(found(GPA, 4 * PAGE_SIZE), Some(0));
+        assert_eq!(found(GPA + 4 * PAGE_SIZE - 8, 8), Some(0));
+        assert_eq!(
+            found(GPA + 4 * PAGE_SIZE - 8, 16),
+            None,
+            "straddles two slots"
+        );
+        assert_eq!(found(GPA + 4 * PAGE_SIZE, 2 * PAGE_SIZE), Some(2));
+        assert_eq!(found(GPA + 6 * PAGE_SIZE, 1), None, "past the last slot");
+        assert_eq!(found(GPA - 1, 1), None, "below the first slot");
+        assert_eq!(found(GPA, u64::MAX), None, "a length that overflows");
+
+        let over = |gpa, end, except| table.overlapping(gpa, end, except).map(|s| s.id);
+        assert_eq!(over(GPA - PAGE_SIZE, GPA, None), None, "touches slot 0");
+        assert_eq!(over(GPA + 6 * PAGE_SIZE, GPA + 7 * PAGE_SIZE, None), None);
+        assert_eq!(over(GPA - PAGE_SIZE, GPA + 1, None), Some(0));
+        assert_eq!(
+            over(GPA + 5 * PAGE_SIZE, GPA + 9 * PAGE_SIZE, None),
+            Some(2)
+        );
+        assert_eq!(over(GPA, GPA + 5 * PAGE_SIZE, Some(2)), Some(0));
+        assert_eq!(
+            over(GPA + 4 * PAGE_SIZE, GPA + 5 * PAGE_SIZE, Some(2)),
+            None
+        );
+
+        // The host address of a range is the region's, at the window's offset.
+        let (host, offset) = table.slots[2]
+            .as_ref()
+            .unwrap()
+            .host_range(GPA + 5 * PAGE_SIZE + 16, 8)
+            .unwrap();
+        assert_eq!(offset, 9 * PAGE_SIZE + 16);
+        assert_eq!(host as usize - r.host_addr() as usize, to_usize(offset));
+
+        table.remove(0);
+        assert!(table.lookup(GPA, 8).is_none());
+        assert_eq!(table.free_ids.iter().copied().collect::<Vec<_>>(), vec![0]);
+    }
+
+    /// The flags KVM is given follow the slot's own flags, a userfault bitmap and the region's
+    /// backend, each bit independently.
+    #[test]
+    fn kvm_flags_follow_the_slot() {
+        let r = region("f", 4 * PAGE_SIZE, Backend::Memfd);
+        let mut s = slot(0, GPA, 4 * PAGE_SIZE, &r, 0);
+        assert_eq!(s.kvm_flags(), 0);
+        s.flags.log_dirty_pages = true;
+        assert_eq!(s.kvm_flags(), KVM_MEM_LOG_DIRTY_PAGES);
+        s.flags.read_only = true;
+        assert_eq!(s.kvm_flags(), KVM_MEM_LOG_DIRTY_PAGES | KVM_MEM_READONLY);
+        s.flags = SlotFlags::default();
+        s.userfault = Some(Arc::new(UserfaultBitmap::all_set(4 * PAGE_SIZE)));
+        assert_eq!(s.kvm_flags(), KVM_MEM_USERFAULT_CANDIDATE);
+        assert!(!s.guest_memfd());
+    }
+
+    /// A discard names the value that is misaligned: the address if it is, else the length; a
+    /// userfault bitmap shorter than the slot is refused naming both sizes; neither changes
+    /// the generation.
+    #[test]
+    fn refused_discards_and_bitmaps_name_the_problem() {
+        let vm = vm();
+        let slots = MemslotManager::new(&vm).unwrap();
+        let r = region("d", 8 * PAGE_SIZE, Backend::Memfd);
+        let id = slots
+            .add(&r, 0, 8 * PAGE_SIZE, GPA, SlotFlags::default())
+            .unwrap();
+        let generation = slots.generation();
+        for (gpa, len, value) in [
+            (GPA + 8, PAGE_SIZE, GPA + 8),
+            (GPA, 100, 100),
+            (GPA + PAGE_SIZE, 0, 0),
+        ] {
+            match slots.discard(gpa, len) {
+                Err(Error::Misaligned {
+                    what: "discard range",
+                    value: v,
+                    page_size: PAGE_SIZE,
+                    ..
+                }) => assert_eq!(v, value, "{gpa:#x}+{len:#x}"),
+                other => panic!("{gpa:#x}+{len:#x}: {other:?}"),
+            }
+        }
+        let short = Arc::new(UserfaultBitmap::all_set(7 * PAGE_SIZE));
+        let e = slots.set_userfault(id, Some(short)).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "region 'd': KVM Userfault: the userfault bitmap covers 7 pages, the slot 8"
+        );
+        assert_eq!(slots.generation(), generation);
+        assert!(slots.slot(id).unwrap().userfault.is_none());
+    }
+
+    /// A discard zeroes exactly its pages, on a file backend and an anonymous one.
+    #[test]
+    fn a_discard_zeroes_exactly_its_pages() {
+        let vm = vm();
+        let slots = MemslotManager::new(&vm).unwrap();
+        for (i, backend) in [Backend::Memfd, Backend::Anon].into_iter().enumerate() {
+            let gpa = GPA + i as u64 * 0x10_0000;
+            let r = region(&format!("z{i}"), 4 * PAGE_SIZE, backend);
+            slots
+                .add(&r, 0, 4 * PAGE_SIZE, gpa, SlotFlags::default())
+                .unwrap();
+            slots
+                .write(gpa, &vec![0xa5; to_usize(4 * PAGE_SIZE)])
+                .unwrap();
+            let generation = slots.generation();
+            slots.discard(gpa + PAGE_SIZE, 2 * PAGE_SIZE).unwrap();
+            assert_eq!(slots.generation(), generation + 1);
+            let mut got = vec![0u8; to_usize(4 * PAGE_SIZE)];
+            slots.read(gpa, &mut got).unwrap();
+            let page = to_usize(PAGE_SIZE);
+            assert!(got[..page].iter().all(|&b| b == 0xa5), "{backend}");
+            assert!(got[page..3 * page].iter().all(|&b| b == 0), "{backend}");
+            assert!(got[3 * page..].iter().all(|&b| b == 0xa5), "{backend}");
+        }
+    }
+}

@@ -58,3 +58,27 @@ impl Error {
         move |source| Error::File(at(source))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A file's error names the file and the operation; a killed peer names its pid and keeps
+    /// why it was killed as the source.
+    #[test]
+    fn errors_name_the_file_and_the_peer() {
+        let e = Error::io(Path::new("/run/uffd.sock"), "bind")(io::Error::other("in use"));
+        assert_eq!(
+            guestmem_sys::error_chain(&e, ": "),
+            "/run/uffd.sock: bind failed: in use"
+        );
+        let killed = Error::PeerKilled {
+            pid: 42,
+            source: Box::new(Error::Protocol("short handshake".into())),
+        };
+        assert_eq!(
+            guestmem_sys::error_chain(&killed, ": "),
+            "page-server: peer pid 42 killed: page-server protocol: short handshake"
+        );
+    }
+}

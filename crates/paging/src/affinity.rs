@@ -83,3 +83,39 @@ impl std::fmt::Debug for CpuSet {
         write!(f, "CpuSet({})", self.list())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An empty list and a CPU this process may not use are refused, the latter listing the
+    /// allowed ones; a thread pinned to a set runs on exactly it.
+    #[test]
+    fn sets_are_checked_and_pin_a_thread() {
+        assert_eq!(
+            CpuSet::new(&[]).unwrap_err(),
+            "an empty CPU list; at least one CPU is needed"
+        );
+        let allowed = CpuSet::of_current_thread().unwrap().cpus();
+        assert!(!allowed.is_empty());
+        let e = CpuSet::new(&[allowed[0], 100_000]).unwrap_err();
+        let list: Vec<String> = allowed.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            e,
+            format!(
+                "CPU 100000 does not exist or is not one this process may run on (allowed: {})",
+                list.join(", ")
+            )
+        );
+        let first = *allowed.last().unwrap();
+        let set = CpuSet::new(&[first]).unwrap();
+        assert_eq!(format!("{set:?}"), format!("CpuSet({first})"));
+        let pinned = std::thread::spawn(move || {
+            set.pin_current_thread().unwrap();
+            CpuSet::of_current_thread().unwrap().cpus()
+        })
+        .join()
+        .unwrap();
+        assert_eq!(pinned, vec![first]);
+    }
+}

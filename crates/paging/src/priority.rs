@@ -77,3 +77,42 @@ pub fn make_realtime() {
         raise();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn nice() -> i32 {
+        // SAFETY: reads this thread's nice value only.
+        unsafe { libc::getpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t) }
+    }
+
+    fn policy() -> i32 {
+        // SAFETY: reads this thread's (pid 0) policy.
+        unsafe { libc::sched_getscheduler(0) }
+    }
+
+    /// `foreground` runs its closure at a raised priority (real time where allowed) and puts
+    /// the thread's policy and nice value back afterwards; `reset` and `normal` return to the
+    /// defaults.
+    #[test]
+    fn foreground_puts_the_priority_back() {
+        std::thread::spawn(|| {
+            set_nice(5);
+            assert_eq!(nice(), 5);
+            let (inside_policy, inside_nice) = foreground(|| (policy(), nice()));
+            assert!(
+                inside_policy == libc::SCHED_FIFO || inside_nice < 5,
+                "not raised: policy {inside_policy}, nice {inside_nice}"
+            );
+            assert_eq!((policy(), nice()), (libc::SCHED_OTHER, 5));
+            make_realtime();
+            reset();
+            assert_eq!(policy(), libc::SCHED_OTHER);
+            normal();
+            assert_eq!(nice(), 0);
+        })
+        .join()
+        .unwrap();
+    }
+}

@@ -444,3 +444,226 @@ impl PageSource for WindowSource {
             .map(|p| unsafe { p.add(to_usize(self.offset)) })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::PathBuf;
+
+    /// A source whose byte at `o` is `o % 251`, counting its fetches by kind.
+    #[derive(Default)]
+    struct Counting {
+        urgent: AtomicU64,
+        background: AtomicU64,
+    }
+
+    #[allow(clippy::cast_possible_truncation)] // `% 251` fits a byte.
+    fn pattern(offset: u64, buf: &mut [u8]) {
+        for (i, b) in buf.iter_mut().enumerate() {
+            *b = ((offset + i as u64) % 251) as u8;
+        }
+    }
+
+    impl PageSource for Counting {
+        fn fetch(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+            self.urgent.fetch_add(1, Ordering::Relaxed);
+            pattern(offset, buf);
+            Ok(())
+        }
+        fn fetch_background(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+            self.background.fetch_add(1, Ordering::Relaxed);
+            pattern(offset, buf);
+            Ok(())
+        }
+        fn size(&self) -> u64 {
+            1 << 20
+        }
+    }
+
+    fn expected(offset: u64, len: usize) -> Vec<u8> {
+        let mut v = vec![0; len];
+        pattern(offset, &mut v);
+        v
+    }
+
+    fn temp_file(name: &str, bytes: &[u8]) -> PathBuf {
+        let p = std::env::temp_dir().join(format!("guestmem-source-{}-{name}", std::process::id()));
+        std::fs::write(&p, bytes).unwrap();
+        p
+    }
+
+    /// The default `fetch_pieces` walks the range a buffer at a time (the last piece short),
+    /// through `fetch` when urgent and `fetch_background` otherwise, and stops once the sink
+    /// says so.
+    #[test]
+    fn pieces_cover_the_range_in_order_and_stop_when_told() {
+        let s = Counting::default();
+        let mut buf = [0u8; 100];
+        let mut got = Vec::new();
+        s.fetch_pieces(1000, 250, &mut buf, true, &mut |off, piece| {
+            assert_eq!(piece, &expected(off, piece.len())[..]);
+            got.push((off, piece.len()));
+            true
+        })
+        .unwrap();
+        assert_eq!(got, vec![(1000, 100), (1100, 100), (1200, 50)]);
+        assert_eq!(s.urgent.load(Ordering::Relaxed), 3);
+        assert_eq!(s.background.load(Ordering::Relaxed), 0);
+
+        let mut pieces = 0;
+        s.fetch_pieces(0, 1000, &mut buf, false, &mut |_, _| {
+            pieces += 1;
+            pieces < 2
+        })
+        .unwrap();
+        assert_eq!(pieces, 2);
+        assert_eq!(s.background.load(Ordering::Relaxed), 2);
+        assert_eq!(s.urgent.load(Ordering::Relaxed), 3);
+    }
+
+    /// A file source reads and maps the file's bytes; an empty file has no mapping.
+    #[test]
+    fn a_file_source_reads_and_maps_its_file() {
+        let bytes = expected(0, 10_000);
+        let path = temp_file("file", &bytes);
+        let s = FileSource::open(&path).unwrap();
+        assert_eq!(s.size(), 10_000);
+        let mut buf = [0u8; 300];
+        s.fetch(9_000, &mut buf).unwrap();
+        assert_eq!(buf[..], bytes[9_000..9_300]);
+        let map = s.mapped().expect("mapped");
+        // SAFETY: the mapping is 10 000 bytes long and lives as long as `s`.
+        let mapped = unsafe { std::slice::from_raw_parts(map, 10_000) };
+        assert!(mapped == &bytes[..]);
+        let e = s.fetch(9_900, &mut buf).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
+        let empty = temp_file("empty", &[]);
+        let s = FileSource::open(&empty).unwrap();
+        assert_eq!((s.size(), s.mapped()), (0, None));
+        assert!(!s.is_zero(0, 0));
+        for p in [path, empty] {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+
+    /// A window reads its inner source shifted by its offset, pieces named by their offset in
+    /// the window, its mapping shifted too; a window or a fetch that does not fit is refused
+    /// naming the numbers.
+    #[test]
+    fn a_window_shifts_its_inner_source() {
+        let bytes = expected(0, 8192);
+        let path = temp_file("window", &bytes);
+        let inner: Arc<dyn PageSource> = Arc::new(FileSource::open(&path).unwrap());
+        let e = WindowSource::new(inner.clone(), 4096, 4097).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "window at offset 0x1000 of 0x1001 bytes ends beyond the source's 0x2000 bytes"
+        );
+        assert!(WindowSource::new(inner.clone(), u64::MAX, 2).is_err());
+        let w = WindowSource::new(inner, 4096, 4096).unwrap();
+        assert_eq!(w.size(), 4096);
+        let mut buf = [0u8; 16];
+        w.fetch(8, &mut buf).unwrap();
+        assert_eq!(buf[..], bytes[4104..4120]);
+        w.fetch_background(4080, &mut buf).unwrap();
+        assert_eq!(buf[..], bytes[8176..8192]);
+        let e = w.fetch(4088, &mut buf).unwrap_err();
+        assert_eq!(e.to_string(), "fetch 0xff8+0x10 outside the window");
+        assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+        let mut offsets = Vec::new();
+        w.fetch_pieces(100, 40, &mut buf, true, &mut |off, piece| {
+            assert_eq!(piece, &bytes[to_usize(4096 + off)..][..piece.len()]);
+            offsets.push(off);
+            true
+        })
+        .unwrap();
+        assert_eq!(offsets, vec![100, 116, 132]);
+        assert!(w
+            .fetch_pieces(4000, 97, &mut buf, true, &mut |_, _| true)
+            .is_err());
+        // SAFETY: one byte inside the inner mapping, which `w` keeps alive.
+        assert_eq!(unsafe { *w.mapped().unwrap().add(5) }, bytes[4101]);
+        let _ = std::fs::remove_file(path);
+    }
+
+    /// The peer threads answer with exactly the bytes asked for; a range fetched in pieces is
+    /// read to its end even when the sink stops early, so the connection's next answer is
+    /// still its own; a failed fetch comes back as the peer's errno and leaves the connection
+    /// usable.
+    #[test]
+    fn a_remote_source_answers_exact_bytes_and_keeps_its_connection_in_step() {
+        let bytes = expected(0, 3 << 20);
+        let path = temp_file("remote", &bytes);
+        let inner: Arc<dyn PageSource> = Arc::new(FileSource::open(&path).unwrap());
+        let remote = RemoteSource::spawn(inner, Duration::ZERO, 1).unwrap();
+        assert_eq!(remote.size(), 3 << 20);
+        assert_eq!(remote.observed_delay(), None);
+        let mut buf = vec![0u8; 4096];
+        remote.fetch((2 << 20) + 5, &mut buf).unwrap();
+        assert!(buf[..] == bytes[(2 << 20) + 5..][..4096]);
+        let mut seen = 0;
+        remote
+            .fetch_pieces(0, 64 << 10, &mut buf, true, &mut |off, piece| {
+                assert!(piece == &bytes[to_usize(off)..][..piece.len()]);
+                seen += 1;
+                false
+            })
+            .unwrap();
+        assert_eq!(seen, 1);
+        remote.fetch(777, &mut buf[..100]).unwrap();
+        assert!(buf[..100] == bytes[777..877]);
+
+        let e = remote.fetch((3 << 20) - 10, &mut buf[..20]).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EIO), "{e}");
+        remote.fetch(12345, &mut buf[..10]).unwrap();
+        assert!(buf[..10] == bytes[12345..12355]);
+        let _ = std::fs::remove_file(path);
+    }
+
+    /// Requests go to the connection of their 2 MiB block when it is idle, else to the next
+    /// idle one; a delayed peer reports the delays it waited.
+    #[test]
+    fn requests_spread_over_idle_connections() {
+        let remote = RemoteSource::spawn(
+            Arc::new(ZeroSource { size: 8 << 20 }),
+            Duration::from_millis(2),
+            3,
+        )
+        .unwrap();
+        let ptr = |g: &MutexGuard<'_, UnixStream>| std::ptr::from_ref::<UnixStream>(g);
+        let conn =
+            |i: usize| std::ptr::from_ref::<UnixStream>(&remote.connections[i].lock().unwrap());
+        let (c0, c1, c2) = (conn(0), conn(1), conn(2));
+        {
+            let a = remote.connection(2 << 20);
+            assert_eq!(ptr(&a), c1, "block 1's connection");
+            let b = remote.connection((2 << 20) + 4096);
+            assert_eq!(ptr(&b), c2, "the next idle one");
+            let c = remote.connection(5 << 20);
+            assert_eq!(
+                ptr(&c),
+                c0,
+                "block 2's connection is busy: the next idle one"
+            );
+        }
+        assert_eq!(ptr(&remote.connection(6 << 20)), c0, "block 3 wraps to 0");
+        let mut buf = [1u8; 64];
+        remote.fetch(4 << 20, &mut buf).unwrap();
+        assert_eq!(buf, [0u8; 64]);
+        let waited = remote.observed_delay().expect("one delayed request");
+        assert!(waited >= Duration::from_millis(2), "{waited:?}");
+    }
+
+    /// Zero memory is zeros, and says so without a fetch.
+    #[test]
+    fn a_zero_source_is_zeros() {
+        let z = ZeroSource { size: 8192 };
+        let mut buf = [9u8; 32];
+        z.fetch(100, &mut buf).unwrap();
+        assert_eq!(buf, [0u8; 32]);
+        assert!(z.is_zero(0, 8192));
+        assert_eq!((z.size(), z.mapped()), (8192, None));
+        assert_eq!(z.background_bytes(), None);
+        assert!(!z.concurrent_requests());
+    }
+}

@@ -640,6 +640,76 @@ impl Inner {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{Share, ZeroSource};
+    use guestmem_memory::{Backend, RegionSpec};
+
+    fn refusal(r: Result<UserfaultPager>) -> String {
+        match r {
+            Ok(_) => panic!("started"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    /// Each start that cannot work is refused naming the region and what is wrong, before
+    /// any memslot changes: an unknown region, sharing, a short source, memory not registered
+    /// as memslots, and (on a kernel without it) KVM Userfault itself.
+    #[test]
+    fn bad_starts_name_what_is_missing() {
+        let spec = RegionSpec::new("ram", 0x1_0000_0000, 4 << 20, Backend::Anon);
+        let loose = GuestMemory::new(&[spec], None).unwrap();
+        let zero = |size| -> Arc<dyn PageSource> { Arc::new(ZeroSource { size }) };
+        let config = PagerConfig::default();
+        assert_eq!(
+            refusal(UserfaultPager::start(&loose, 3, zero(4 << 20), &config)),
+            "region '#3': invalid pager configuration: the memory has 1 regions"
+        );
+        let shared = PagerConfig {
+            share: Some(Share::new("/dev/shm/x")),
+            ..Default::default()
+        };
+        assert!(
+            refusal(UserfaultPager::start(&loose, 0, zero(4 << 20), &shared))
+                .contains("copy-on-write mapping of the snapshot's image")
+        );
+        let e = refusal(UserfaultPager::start(&loose, 0, zero(1 << 20), &config));
+        assert!(
+            e.contains("the source holds 0x100000 bytes, the region 0x400000"),
+            "{e}"
+        );
+        let e = refusal(UserfaultPager::start(&loose, 0, zero(4 << 20), &config));
+        assert!(
+            e.contains("the memory is not registered as memslots"),
+            "{e}"
+        );
+
+        let vm = guestmem_vm::Vm::new(&guestmem_vm::VmConfig::simple(1, 4 << 20, Backend::Anon))
+            .unwrap();
+        let memory = vm.memory();
+        let ram = memory
+            .regions()
+            .iter()
+            .position(|r| r.name() == "ram")
+            .unwrap();
+        let present = guestmem_sys::probe::kvm_userfault_on_a_new_vm().is_ok_and(|u| u.present);
+        let started = UserfaultPager::start(memory, ram, zero(4 << 20), &config);
+        if present {
+            assert!(started.is_ok(), "{:?}", started.err());
+        } else {
+            let e = refusal(started);
+            assert!(
+                e.contains(
+                    "KVM Userfault (a KVM_MEM_USERFAULT memslot with a userfault bitmap) is absent"
+                ),
+                "{e}"
+            );
+            let slot = memory
+                .memslots()
+                .unwrap()
+                .slot(u32::try_from(ram).unwrap())
+                .unwrap();
+            assert!(slot.userfault.is_none(), "the memslot was left as it was");
+        }
+    }
 
     #[test]
     fn only_the_chunks_not_resident_stay_missing() {

@@ -113,3 +113,36 @@ fn length_mismatch(found: u64, expected: u64) -> &'static str {
         "longer than written (bytes appended, or another file in its place)"
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A file of the wrong length says whether it was cut short or grew; a file operation's
+    /// error names the file and the operation, its cause kept as the source.
+    #[test]
+    fn errors_say_what_happened_to_the_file() {
+        let e = |found, expected| {
+            Error::WrongLength {
+                path: "/s/memory".into(),
+                found,
+                expected,
+            }
+            .to_string()
+        };
+        assert_eq!(
+            e(10, 20),
+            "/s/memory: 10 bytes, the manifest says 20: truncated"
+        );
+        assert_eq!(
+            e(30, 20),
+            "/s/memory: 30 bytes, the manifest says 20: longer than written (bytes appended, \
+             or another file in its place)"
+        );
+        let io = Error::io(Path::new("/s/state.json"), "read")(io::Error::other("gone"));
+        assert_eq!(
+            guestmem_sys::error_chain(&io, ": "),
+            "/s/state.json: read failed: gone"
+        );
+    }
+}

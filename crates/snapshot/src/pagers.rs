@@ -50,3 +50,62 @@ pub fn start_region_pagers(
     }
     Ok(started)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use guestmem_memory::RegionSpec;
+    use guestmem_paging::{FileSource, ZeroSource};
+
+    /// Every region but the VM's own gets a userfaultfd pager over the source its caller
+    /// prepared, which serves the bytes a host access faults on; a failed preparation stops
+    /// the start naming its region.
+    #[test]
+    fn each_guest_region_gets_a_pager_over_its_source() {
+        let memory = GuestMemory::new(
+            &[
+                RegionSpec::new("sys", layout::SYS_GPA, layout::SYS_SIZE, Backend::Anon),
+                RegionSpec::new("ram", layout::RAM_GPA, 4 << 20, Backend::Anon),
+                RegionSpec::new("hi", layout::RAM_GPA + (8 << 20), 2 << 20, Backend::Memfd),
+            ],
+            None,
+        )
+        .unwrap();
+        let path = std::env::temp_dir().join(format!("guestmem-pagers-{}", std::process::id()));
+        std::fs::write(&path, vec![0x5a; 4 << 20]).unwrap();
+        let mut asked = Vec::new();
+        let started = start_region_pagers(&memory, |i, region| {
+            asked.push((i, region.name().to_string()));
+            let source: Arc<dyn PageSource> = if region.name() == "ram" {
+                Arc::new(FileSource::open(&path).map_err(crate::Error::io(&path, "open"))?)
+            } else {
+                Arc::new(ZeroSource {
+                    size: region.size(),
+                })
+            };
+            Ok((source, PagerConfig::default()))
+        })
+        .map_err(|e| e.to_string())
+        .unwrap();
+        assert_eq!(asked, [(1, "ram".to_string()), (2, "hi".to_string())]);
+        assert_eq!(
+            (started.pagers.len(), started.userfault_pagers.len()),
+            (2, 0)
+        );
+        let mut got = [0u8; 8];
+        memory.read(layout::RAM_GPA + (3 << 20), &mut got).unwrap();
+        assert_eq!(got, [0x5a; 8]);
+        assert!(started.pagers[0].stats().faults >= 1);
+        drop(started);
+
+        let e = start_region_pagers(&memory, |_, region| {
+            Err(crate::Error::Layout(format!(
+                "no source for '{}'",
+                region.name()
+            )))
+        })
+        .unwrap_err();
+        assert_eq!(e.to_string(), "cannot restore here: no source for 'ram'");
+        let _ = std::fs::remove_file(&path);
+    }
+}

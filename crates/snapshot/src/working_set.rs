@@ -179,3 +179,103 @@ impl Snapshot {
         std::fs::rename(&tmp, &path).map_err(Error::io(&path, "rename"))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use guestmem_vm::VmConfig;
+    use std::path::{Path, PathBuf};
+
+    /// A snapshot of a fresh 8 MiB VM in a directory of its own.
+    fn snapshot(name: &str) -> (PathBuf, Snapshot) {
+        let dir = std::env::temp_dir().join(format!("guestmem-ws-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let vm = Vm::new(&VmConfig::simple(1, 8 << 20, Backend::Anon)).unwrap();
+        crate::write(&vm, &dir).unwrap();
+        let snap = Snapshot::open(&dir).unwrap();
+        (dir, snap)
+    }
+
+    fn rewrite(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
+        let path = dir.join(WORKING_SET);
+        let mut v: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        edit(&mut v);
+        std::fs::write(&path, serde_json::to_vec(&v).unwrap()).unwrap();
+    }
+
+    fn refusal(snap: &Snapshot) -> String {
+        match snap.working_set() {
+            Err(Error::Corrupt(why)) => why,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// A recorded working set reads back as written; each kind of damage is refused saying
+    /// what is wrong, and a missing file is none.
+    #[test]
+    fn a_working_set_reads_back_or_is_refused_naming_the_damage() {
+        let (dir, snap) = snapshot("round-trip");
+        assert_eq!(snap.working_set().unwrap(), None);
+        let chunks = vec![3 * CHUNK_BYTES, 0, CHUNK_BYTES];
+        snap.write_working_set(vec![WorkingSetRegion {
+            name: "ram".into(),
+            chunks: chunks.clone(),
+        }])
+        .unwrap();
+        let ws = snap.working_set().unwrap().expect("recorded");
+        assert_eq!((ws.offsets("ram"), ws.chunks()), (chunks, 3));
+        assert!(ws.offsets("sys").is_empty());
+        let good = std::fs::read(dir.join(WORKING_SET)).unwrap();
+
+        rewrite(&dir, |v| {
+            v["regions"][0]["chunks"][1] = (5 * CHUNK_BYTES).into();
+        });
+        let e = refusal(&snap);
+        assert!(
+            e.contains(": checksum 0x") && e.contains(", the file says 0x"),
+            "{e}"
+        );
+
+        let recrc = |v: &mut serde_json::Value| {
+            let regions: Vec<WorkingSetRegion> =
+                serde_json::from_value(v["regions"].clone()).unwrap();
+            v["crc32"] = WorkingSet::checksum(&regions).into();
+        };
+        std::fs::write(dir.join(WORKING_SET), &good).unwrap();
+        rewrite(&dir, |v| {
+            v["regions"][0]["chunks"][1] = (CHUNK_BYTES + 4096).into();
+            recrc(v);
+        });
+        assert!(
+            refusal(&snap).ends_with(&format!(
+                "region 'ram': {:#x} is not a chunk of the region",
+                CHUNK_BYTES + 4096
+            )),
+            "{}",
+            refusal(&snap)
+        );
+        rewrite(&dir, |v| {
+            v["regions"][0]["chunks"][1] = (8u64 << 20).into();
+            recrc(v);
+        });
+        assert!(refusal(&snap).contains("is not a chunk of the region"));
+        rewrite(&dir, |v| {
+            v["regions"][0]["name"] = "disk".into();
+            recrc(v);
+        });
+        assert!(refusal(&snap).ends_with("no region 'disk' in the snapshot"));
+
+        std::fs::write(dir.join(WORKING_SET), &good).unwrap();
+        rewrite(&dir, |v| v["manifest_checksum"] = "0".into());
+        assert!(refusal(&snap).contains("recorded for another snapshot"));
+        std::fs::write(dir.join(WORKING_SET), &good).unwrap();
+        rewrite(&dir, |v| v["version"] = 1.into());
+        assert!(refusal(&snap).contains(&format!(
+            "format {WORKING_SET_FORMAT} version 1, not {WORKING_SET_FORMAT} version {VERSION}"
+        )));
+        std::fs::write(dir.join(WORKING_SET), b"{").unwrap();
+        assert!(matches!(snap.working_set(), Err(Error::Json { .. })));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

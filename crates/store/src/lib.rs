@@ -255,3 +255,35 @@ impl Error {
 pub(crate) fn chain_text(e: &(dyn std::error::Error + 'static)) -> String {
     guestmem_snapshot::error_chain(e, ": ")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A store error the restore engine carried boxed comes back as itself (still missing,
+    /// with its words); another boxed error stays the snapshot's; the chain names each cause
+    /// once.
+    #[test]
+    fn store_errors_come_back_from_the_restore_engine_as_themselves() {
+        let missing = Error::Missing {
+            store: "store:/s".into(),
+            key: "chunks/ab".into(),
+        };
+        let boxed = guestmem_snapshot::Error::Image(Box::new(missing));
+        let back = Error::from(boxed);
+        assert!(back.is_missing(), "{back:?}");
+        assert_eq!(back.to_string(), "store:/s: chunks/ab is missing");
+
+        let other = guestmem_snapshot::Error::Image(Box::new(std::io::Error::other("net down")));
+        let back = Error::from(other);
+        assert!(!back.is_missing());
+        assert!(
+            matches!(&back, Error::Snapshot(guestmem_snapshot::Error::Image(_))),
+            "{back:?}"
+        );
+        assert_eq!(chain_text(&back), "net down");
+        let corrupt = Error::from(guestmem_snapshot::Error::Corrupt("bad".into()));
+        assert_eq!(chain_text(&corrupt), "corrupt snapshot: bad");
+        assert!(!Error::Location("x".into()).is_missing());
+    }
+}

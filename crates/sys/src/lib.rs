@@ -61,3 +61,30 @@ pub fn error_chain(e: &(dyn std::error::Error + 'static), separator: &str) -> St
     }
     text
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("outer ({inner})")]
+    struct Repeats {
+        #[source]
+        inner: FileError,
+    }
+
+    /// Each cause follows once: one whose text an earlier one already carries is left out,
+    /// the others come after the separator, in order.
+    #[test]
+    fn an_error_chain_names_each_cause_once() {
+        let file = || FileError::at(Path::new("/x/mem"), "read")(io::Error::other("disk gone"));
+        assert_eq!(file().to_string(), "/x/mem: read failed");
+        assert_eq!(error_chain(&file(), ": "), "/x/mem: read failed: disk gone");
+        let e = Repeats { inner: file() };
+        assert_eq!(
+            error_chain(&e, " / "),
+            "outer (/x/mem: read failed) / disk gone"
+        );
+        assert_eq!(to_usize(u64::MAX), usize::MAX);
+    }
+}

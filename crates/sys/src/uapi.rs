@@ -147,3 +147,44 @@ pub const _UFFDIO_RWPROTECT: u32 = 0x09;
 /// `UFFDIO_SET_MODE`: changes a userfaultfd's mode after `UFFDIO_API` (newer than the system headers).
 pub const _UFFDIO_SET_MODE: u32 = 0x0A;
 pub const _UFFDIO_API: u32 = 0x3F;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The ioctl numbers are the kernel's (direction, size, type and number as the kernel
+    /// headers encode them): a wrong struct size here would make every call fail with ENOTTY.
+    #[test]
+    fn ioctl_numbers_are_the_kernels() {
+        assert_eq!(std::mem::size_of::<kvm_userspace_memory_region2>(), 160);
+        assert_eq!(KVM_SET_USER_MEMORY_REGION(), 0x4020_ae46);
+        assert_eq!(KVM_SET_USER_MEMORY_REGION2(), 0x40a0_ae49);
+        assert_eq!(KVM_GET_DIRTY_LOG(), 0x4010_ae42);
+        assert_eq!(KVM_CLEAR_DIRTY_LOG(), 0xc018_aec0);
+        assert_eq!(KVM_RESET_DIRTY_RINGS(), 0xaec7);
+        assert_eq!(UFFDIO_API(), 0xc018_aa3f);
+        assert_eq!(USERFAULTFD_IOC_NEW(), 0xaa00);
+        assert_eq!(std::mem::size_of::<kvm_dirty_gfn>(), 16);
+    }
+
+    /// `UFFDIO_API` as declared here is answered by the kernel with the API version and the
+    /// ioctls the fd then accepts.
+    #[test]
+    fn uffdio_api_is_answered() {
+        // SAFETY: the userfaultfd syscall takes only an int of flags.
+        let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC) };
+        assert!(fd >= 0, "userfaultfd: {}", std::io::Error::last_os_error());
+        let fd = i32::try_from(fd).unwrap();
+        let mut api = uffdio_api {
+            api: UFFD_API,
+            ..Default::default()
+        };
+        // SAFETY: UFFDIO_API reads and writes one uffdio_api, live and writable.
+        let r = unsafe { libc::ioctl(fd, UFFDIO_API(), &raw mut api) };
+        assert_eq!(r, 0, "{}", std::io::Error::last_os_error());
+        assert_eq!(api.api, UFFD_API);
+        assert_ne!(api.ioctls & (1 << _UFFDIO_REGISTER), 0);
+        // SAFETY: closes the fd opened above, used by nothing else.
+        unsafe { libc::close(fd) };
+    }
+}

@@ -72,3 +72,30 @@ impl Error {
         move |source| Error::Ioctl { op, source }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An ioctl's error names the ioctl and keeps the kernel's error as its source; a stall
+    /// names the vCPU, its progress and where it was.
+    #[test]
+    fn errors_name_what_failed() {
+        let e = Error::ioctl("KVM_SET_REGS")(kvm_ioctls::Error::new(libc::EINVAL));
+        assert_eq!(e.to_string(), "KVM_SET_REGS failed");
+        let source = std::error::Error::source(&e)
+            .expect("the cause")
+            .to_string();
+        assert!(source.contains("os error 22"), "{source}");
+        let e = Error::Stalled {
+            vcpu: 1,
+            secs: 2.26,
+            rip: 0x10_0040,
+            pages: 7,
+        };
+        assert_eq!(
+            e.to_string(),
+            "vCPU 1 made no progress for 2.3 s (RIP 0x100040, 7 pages done); the run was stopped"
+        );
+    }
+}

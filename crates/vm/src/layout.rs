@@ -41,3 +41,24 @@ pub fn control_gpa(vcpu: usize) -> u64 {
 pub fn stack_top(vcpu: usize) -> u64 {
     control_gpa(vcpu) + VCPU_BLOCK_SIZE
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every vCPU's control block and stack lie inside the sys region, one after another,
+    /// above the page tables; guest RAM starts above the sys region.
+    #[test]
+    fn vcpu_blocks_fit_the_sys_region() {
+        const {
+            assert!(MAX_VCPUS >= 1);
+            assert!(PD_GPA + (MAX_GUEST_ADDR >> 30) * 0x1000 <= VCPU_BLOCKS_GPA);
+            assert!(PAYLOAD_GPA + PAYLOAD_MAX <= PML4_GPA);
+            assert!(RAM_GPA >= SYS_GPA + SYS_SIZE);
+        }
+        assert_eq!(control_gpa(0), VCPU_BLOCKS_GPA);
+        assert_eq!(stack_top(0), control_gpa(1));
+        assert!(stack_top(MAX_VCPUS - 1) <= SYS_GPA + SYS_SIZE);
+        assert!(stack_top(MAX_VCPUS) > SYS_GPA + SYS_SIZE);
+    }
+}

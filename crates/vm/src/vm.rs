@@ -862,3 +862,80 @@ fn build_identity_map(memory: &GuestMemory) -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The page tables map every GiB up to the end of guest memory with 2 MiB pages, identity
+    /// (GVA = GPA), present, writable and user at every level; nothing past the last GiB.
+    #[test]
+    fn the_identity_map_covers_guest_memory_exactly() {
+        let memory = GuestMemory::new(
+            &[
+                RegionSpec::new("sys", layout::SYS_GPA, layout::SYS_SIZE, Backend::Anon),
+                RegionSpec::new("ram", layout::RAM_GPA, (1 << 30) + (2 << 20), Backend::Anon),
+            ],
+            None,
+        )
+        .unwrap();
+        build_identity_map(&memory).unwrap();
+        let u64_at = |gpa| memory.read_u64(gpa).unwrap();
+        assert_eq!(u64_at(layout::PML4_GPA), layout::PDPT_GPA | 7);
+        // RAM ends 2 MiB into the third GiB: three page directories.
+        for g in 0..3 {
+            let pd = layout::PD_GPA + g * 0x1000;
+            assert_eq!(u64_at(layout::PDPT_GPA + g * 8), pd | 7);
+            for i in [0, 1, 511] {
+                assert_eq!(
+                    u64_at(pd + i * 8),
+                    ((g << 30) + (i << 21)) | 0x87,
+                    "GiB {g}, 2 MiB {i}"
+                );
+            }
+        }
+        assert_eq!(u64_at(layout::PDPT_GPA + 3 * 8), 0);
+    }
+
+    /// The first reason given wins; taking it clears it, for every clone.
+    #[test]
+    fn an_abort_keeps_its_first_reason() {
+        let a = AbortHandle::default();
+        let b = a.clone();
+        assert_eq!(a.take(), None);
+        b.abort("the page source failed");
+        a.abort("a later reason");
+        assert_eq!(b.take().as_deref(), Some("the page source failed"));
+        assert_eq!(a.take(), None);
+    }
+
+    /// A dirty ring size KVM refuses is named with the rule it must follow.
+    #[test]
+    fn a_bad_dirty_ring_size_is_refused_naming_the_rule() {
+        let vm = Kvm::new().unwrap().create_vm().unwrap();
+        let e = enable_dirty_ring(&vm, 1000).unwrap_err().to_string();
+        assert!(
+            e.contains("dirty ring of 1000 bytes per vCPU refused")
+                && e.contains("it must be a power of two from 4096 to"),
+            "{e}"
+        );
+    }
+
+    /// The phases are timed in order, each from the end of the one before.
+    #[test]
+    fn phases_are_timed_in_order() {
+        let mut p = Phases::start();
+        std::thread::sleep(Duration::from_millis(5));
+        p.mark("first");
+        p.mark("second");
+        let done = p.done();
+        assert_eq!(
+            done.iter().map(|d| d.0).collect::<Vec<_>>(),
+            ["first", "second"]
+        );
+        assert!(done[0].1 >= Duration::from_millis(5) && done[1].1 < Duration::from_millis(5));
+        let c = VmConfig::simple(3, 1 << 30, Backend::Memfd);
+        assert_eq!((c.vcpus, c.dirty_ring_bytes), (3, None));
+        assert_eq!(c.regions[0].gpa, layout::RAM_GPA);
+    }
+}

@@ -139,3 +139,34 @@ pub struct RunReport {
     /// Sum of the vCPUs' own rates.
     pub total_pages_per_s: f64,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each vCPU gets an equal, page-aligned, consecutive range and its own seed; the pages
+    /// left over after an equal split go to nobody.
+    #[test]
+    fn split_gives_equal_consecutive_ranges() {
+        let w = Workload::Touch;
+        let work = VcpuWork::split(w, 0x4000_0000, 10 * 4096 + 100, 3, 7);
+        let got: Vec<_> = work.iter().map(|v| (v.gpa, v.size, v.seed)).collect();
+        assert_eq!(
+            got,
+            [
+                (0x4000_0000, 3 * 4096, 7),
+                (0x4000_3000, 3 * 4096, 8),
+                (0x4000_6000, 3 * 4096, 9)
+            ]
+        );
+        assert!(work.iter().all(|v| v.pages() == 3 && v.workload == w));
+        assert_eq!(
+            Workload::Random {
+                writes: 1,
+                log_gpa: 0
+            }
+            .name(),
+            "random"
+        );
+    }
+}

@@ -357,3 +357,54 @@ fn print_restore(out: &StoreRestoreOutput, run_for: f64) {
         out.pages_at_snapshot_per_vcpu, out.pages_after_run_per_vcpu, run_for
     );
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use guestmem_memory::Backend;
+    use guestmem_vm::VmConfig;
+
+    /// Store snapshots are told apart from directories by their URL; a diff of a store
+    /// snapshot must be a store snapshot of the same store, refused before anything is
+    /// written otherwise.
+    #[test]
+    fn a_store_diff_goes_into_the_same_store() {
+        assert!(is_store(Path::new("store:/s/a")) && is_store(Path::new("s3://b/p/a")));
+        assert!(!is_store(Path::new("/s/a")) && !is_store(Path::new("./store:a")));
+        let dir = std::env::temp_dir().join(format!("guestmem-cli-store-{}", std::process::id()));
+        let out = format!("store:{}/one/base", dir.display());
+        let mut vm = Vm::new(&VmConfig::simple(1, 2 << 20, Backend::Anon)).unwrap();
+        let e = snapshot(
+            &mut vm,
+            Path::new(&out),
+            Some(Path::new("/flat/dir")),
+            Duration::ZERO,
+            true,
+        )
+        .unwrap_err()
+        .to_string();
+        assert_eq!(
+            e,
+            "--diff /flat/dir: a diff over a store snapshot goes into the same store (s3://… or \
+             store:…)"
+        );
+        let other = format!("store:{}/two/diff", dir.display());
+        let e = snapshot(
+            &mut vm,
+            Path::new(&out),
+            Some(Path::new(&other)),
+            Duration::ZERO,
+            true,
+        )
+        .unwrap_err()
+        .to_string();
+        assert_eq!(
+            e,
+            format!(
+                "--diff {other} is in another store than --out {out}: a diff reuses its base's \
+                 chunks"
+            )
+        );
+        assert!(!dir.exists(), "nothing was written");
+    }
+}

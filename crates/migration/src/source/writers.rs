@@ -370,3 +370,297 @@ impl Writer {
         write_frame(&mut self.conn, f)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::compress::Compress;
+    use crate::transport::{connect, generate_credentials, Credentials, Endpoint, Listener, Role};
+    use guestmem_memory::{Backend, RegionSpec};
+    use std::io::Read;
+
+    const PAGE: usize = 4096;
+
+    fn memory() -> Arc<GuestMemory> {
+        let spec = RegionSpec::new("ram", 0, 1 << 20, Backend::Anon);
+        Arc::new(GuestMemory::new(&[spec], None).unwrap())
+    }
+
+    /// Text-like (compressible) pages, different for each seed.
+    #[allow(clippy::cast_possible_truncation)] // the low byte of a small counter.
+    fn pages(count: usize, seed: u8) -> Vec<u8> {
+        let words: [&[u8]; 4] = [b"guest ", b"memory ", b"page ", b"dirty\n"];
+        let mut out = Vec::with_capacity(count * PAGE);
+        let mut i = usize::from(seed);
+        while out.len() < count * PAGE {
+            out.extend_from_slice(words[i % 4]);
+            out.push(b'a' + (i % 26) as u8);
+            i = i.wrapping_mul(7).wrapping_add(3);
+        }
+        out.truncate(count * PAGE);
+        out
+    }
+
+    /// One encoding, read back as the frame it is.
+    fn encode(
+        memory: &GuestMemory,
+        part: &mut Partition,
+        gpa: u64,
+        len: usize,
+        (try_delta, round, last): (bool, u32, bool),
+    ) -> Frame {
+        let (mut out, mut buf) = (Vec::new(), Vec::new());
+        encode_cached(
+            &mut out,
+            &mut buf,
+            memory,
+            part,
+            gpa,
+            len,
+            false,
+            (try_delta, round, last),
+        )
+        .unwrap();
+        Frame::read_from(&mut &out[..]).unwrap()
+    }
+
+    /// Pages sent for the first time go whole and are remembered; sent again after a few bytes
+    /// changed, they go as deltas that rebuild exactly the new bytes; pages never sent go
+    /// whole (counted as misses); after the last round nothing is remembered.
+    #[test]
+    fn the_delta_cache_decides_between_whole_pages_and_deltas() {
+        let memory = memory();
+        let cache = DeltaCache::new(64 * PAGE as u64, 1, BLOCK);
+        let mut part = cache.part(0);
+        let old = pages(4, 1);
+        memory.write(0x4000, &old).unwrap();
+        let first = encode(&memory, &mut part, 0x4000, 4 * PAGE, (false, 1, false));
+        assert_eq!(
+            first,
+            Frame::Pages {
+                gpa: 0x4000,
+                pages: old.clone(),
+                fresh: false
+            }
+        );
+        assert!((0..4).all(|p| part.contains(0x4000 + p * PAGE as u64)));
+        drop(part);
+        assert_eq!((cache.report().hits, cache.report().misses), (0, 0));
+
+        let mut new = old.clone();
+        new[PAGE + 100..PAGE + 110].fill(0xee);
+        new[3 * PAGE + 4000] ^= 0xff;
+        memory.write(0x4000, &new).unwrap();
+        let mut part = cache.part(0);
+        let second = encode(&memory, &mut part, 0x4000, 4 * PAGE, (true, 2, false));
+        let Frame::Delta {
+            gpa: 0x4000,
+            count: 4,
+            ..
+        } = &second
+        else {
+            panic!("{second:?}");
+        };
+        let mut rebuilt = old.clone();
+        second.apply_delta(&mut rebuilt).unwrap();
+        assert!(rebuilt == new, "the deltas rebuild the new pages");
+        drop(part);
+        let r = cache.report();
+        assert_eq!((r.hits, r.misses, r.delta_pages), (4, 0, 4));
+        assert!(r.delta_bytes < PAGE as u64, "{} delta bytes", r.delta_bytes);
+
+        // Not cached: whole pages, two misses; the last round stores nothing.
+        let mut part = cache.part(0);
+        let third = encode(&memory, &mut part, 0x10000, 2 * PAGE, (true, 3, true));
+        assert!(
+            matches!(third, Frame::Pages { gpa: 0x10000, .. }),
+            "{third:?}"
+        );
+        assert!(!part.contains(0x10000) && !part.contains(0x11000));
+        drop(part);
+        assert_eq!(cache.report().misses, 2);
+    }
+
+    /// A guest range outside memory is refused naming it, and nothing is cached.
+    #[test]
+    fn encoding_pages_outside_memory_is_an_error() {
+        let memory = memory();
+        let cache = DeltaCache::new(8 * PAGE as u64, 1, BLOCK);
+        let (mut out, mut buf) = (Vec::new(), Vec::new());
+        let e = encode_cached(
+            &mut out,
+            &mut buf,
+            &memory,
+            &mut cache.part(0),
+            (1 << 20) - PAGE as u64,
+            2 * PAGE,
+            false,
+            (false, 1, false),
+        )
+        .unwrap_err();
+        assert!(matches!(e, StreamError::Malformed(_)), "{e:?}");
+        assert!(out.is_empty());
+        assert!(!cache.part(0).contains((1 << 20) - PAGE as u64));
+    }
+
+    /// A connected TLS pair over a Unix socket: (the source's end, the destination's end).
+    fn pair(name: &str) -> (Connection, Connection) {
+        let dir =
+            std::env::temp_dir().join(format!("guestmem-writers-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        generate_credentials(&dir).unwrap();
+        let endpoint = Endpoint::Unix(dir.join("sock"));
+        let dest = Credentials::load(&dir, Role::Destination).unwrap();
+        let listener = Listener::bind(&endpoint, &dest).unwrap();
+        let server = std::thread::spawn(move || listener.accept().unwrap());
+        let src = connect(&endpoint, &Credentials::load(&dir, Role::Source).unwrap()).unwrap();
+        let dst = server.join().unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        (src, dst)
+    }
+
+    /// Reads everything the peer sends until it hangs up.
+    struct Counted<R>(R, u64);
+    impl<R: Read> Read for Counted<R> {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            let n = self.0.read(buf)?;
+            self.1 += n as u64;
+            Ok(n)
+        }
+    }
+
+    /// A writer sends its jobs in order over its connection, its pages compressed with the
+    /// codec chosen (LZ4 here) and counted as written; a Zero frame makes the delta cache
+    /// forget those pages; joined, it hands its connection back.
+    #[test]
+    fn a_writer_sends_its_jobs_in_order_and_counts_its_pages() {
+        let memory = memory();
+        let data = pages(8, 3);
+        memory.write(0x2000, &data).unwrap();
+        let (src, dst) = pair("send");
+        let compressor = Arc::new(Compressor::new(Compress::Lz4));
+        let cache = Arc::new(DeltaCache::new(64 * PAGE as u64, 1, BLOCK));
+        let mut writers = Writers::spawn(
+            vec![src],
+            Vec::new(),
+            &memory,
+            false,
+            compressor.clone(),
+            None,
+            Some(cache.clone()),
+            (1, false),
+        );
+        let reader = std::thread::spawn(move || {
+            let mut r = Counted(dst, 0);
+            let frames: Vec<Frame> = (0..3).map(|_| Frame::read_from(&mut r).unwrap()).collect();
+            (frames, r.1)
+        });
+        writers
+            .queue(
+                0,
+                Job::Pages {
+                    gpa: 0x2000,
+                    len: 8 * PAGE as u64,
+                    fresh: false,
+                    delta: DeltaUse::Admit,
+                },
+            )
+            .unwrap();
+        writers
+            .queue(
+                0,
+                Job::Frame(Frame::Zero {
+                    gpa: 0x2000,
+                    count: 2,
+                }),
+            )
+            .unwrap();
+        writers
+            .queue(
+                0,
+                Job::Frame(Frame::EndOfRound {
+                    round: 1,
+                    last: true,
+                }),
+            )
+            .unwrap();
+        let joined = writers.join().unwrap();
+        let (frames, total) = reader.join().unwrap();
+        assert_eq!(
+            frames,
+            vec![
+                Frame::Pages {
+                    gpa: 0x2000,
+                    pages: data,
+                    fresh: false
+                },
+                Frame::Zero {
+                    gpa: 0x2000,
+                    count: 2
+                },
+                Frame::EndOfRound {
+                    round: 1,
+                    last: true
+                },
+            ]
+        );
+        let others = Frame::Zero {
+            gpa: 0x2000,
+            count: 2,
+        }
+        .encode()
+        .unwrap()
+        .len()
+            + Frame::EndOfRound {
+                round: 1,
+                last: true,
+            }
+            .encode()
+            .unwrap()
+            .len();
+        assert_eq!(joined.wire_bytes, total - others as u64);
+        assert!(
+            joined.wire_bytes < 4 * PAGE as u64,
+            "compressed: {}",
+            joined.wire_bytes
+        );
+        assert_eq!((joined.conns.len(), joined.streams.len()), (1, 1));
+        assert_eq!(compressor.report().lz4_frames, 1);
+        let part = cache.part(0);
+        assert!(!part.contains(0x2000) && !part.contains(0x3000));
+        assert!((2..8).all(|p| part.contains(0x2000 + p * PAGE as u64)));
+    }
+
+    /// A writer whose job fails stops there and its join names the failure.
+    #[test]
+    fn a_failed_job_fails_the_join() {
+        let memory = memory();
+        let (src, _dst) = pair("fail");
+        let mut writers = Writers::spawn(
+            vec![src],
+            Vec::new(),
+            &memory,
+            false,
+            Arc::new(Compressor::new(Compress::None)),
+            None,
+            None,
+            (1, false),
+        );
+        writers
+            .queue(
+                0,
+                Job::Pages {
+                    gpa: 1 << 20,
+                    len: PAGE as u64,
+                    fresh: false,
+                    delta: DeltaUse::Off,
+                },
+            )
+            .unwrap();
+        let e = writers.join().err().expect("pages outside memory");
+        assert!(
+            matches!(e, Error::Stream(StreamError::Malformed(_))),
+            "{e:?}"
+        );
+    }
+}

@@ -153,14 +153,24 @@ impl Connection {
                 e.kind(),
                 with_own(explain_tls(tls, &self.peer), self.own_problem.as_deref()),
             ),
-            None if e.kind() == io::ErrorKind::UnexpectedEof => io::Error::new(
+            // A reset or a broken pipe is the peer gone as well: the kernel's words alone
+            // would not say which peer.
+            None if matches!(
                 e.kind(),
-                format!(
-                    "{} closed the connection in the middle of the stream (it ended, died or \
-                     was cut off)",
-                    self.peer
-                ),
-            ),
+                io::ErrorKind::UnexpectedEof
+                    | io::ErrorKind::ConnectionReset
+                    | io::ErrorKind::BrokenPipe
+            ) =>
+            {
+                io::Error::new(
+                    e.kind(),
+                    format!(
+                        "{} closed the connection in the middle of the stream (it ended, died or \
+                         was cut off)",
+                        self.peer
+                    ),
+                )
+            }
             None => e,
         }
     }
@@ -419,4 +429,242 @@ where
         peer_cert,
         own_problem,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A connected pair over `tcp` or a Unix socket, with credentials of one fresh CA: (the
+    /// source's end, the destination's end).
+    fn pair(name: &str, tcp: bool, timeouts: Timeouts) -> (Connection, Connection) {
+        let dir = std::env::temp_dir().join(format!("guestmem-conn-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        generate_credentials(&dir).unwrap();
+        let endpoint: Endpoint = if tcp {
+            "tcp:127.0.0.1:0".parse().unwrap()
+        } else {
+            Endpoint::Unix(dir.join("sock"))
+        };
+        let listener = Listener::bind(
+            &endpoint,
+            &Credentials::load(&dir, Role::Destination).unwrap(),
+        )
+        .unwrap()
+        .with_timeouts(timeouts);
+        let endpoint = match listener.port() {
+            Some(port) => format!("tcp:127.0.0.1:{port}").parse().unwrap(),
+            None => endpoint,
+        };
+        let server = std::thread::spawn(move || listener.accept().unwrap());
+        let source = Credentials::load(&dir, Role::Source).unwrap();
+        let src = connect_with(&endpoint, &source, timeouts).unwrap();
+        let dst = server.join().unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        (src, dst)
+    }
+
+    fn short() -> Timeouts {
+        Timeouts {
+            handshake: Duration::from_secs(5),
+            idle: Duration::from_millis(200),
+        }
+    }
+
+    /// Each TLS alert a peer may send is explained in the terms of a migration, naming the
+    /// peer and the alert; a certificate for another name is called one of the wrong role.
+    #[test]
+    fn tls_failures_are_explained_naming_the_peer() {
+        use rustls::AlertDescription as A;
+        let peer = "the destination at tcp:h:1";
+        for (alert, why) in [
+            (
+                A::CertificateExpired,
+                "our certificate has expired (or is not valid yet)",
+            ),
+            (
+                A::UnknownCA,
+                "our certificate is signed by a CA it does not trust",
+            ),
+            (
+                A::BadCertificate,
+                "our certificate is not one it accepts (wrong role or name)",
+            ),
+            (
+                A::CertificateUnknown,
+                "our certificate is not one it accepts (wrong role or name)",
+            ),
+            (A::CertificateRequired, "it requires a certificate"),
+            (A::HandshakeFailure, "it refused the session"),
+        ] {
+            assert_eq!(
+                explain_tls(&rustls::Error::AlertReceived(alert), peer),
+                format!("{peer} refused the TLS handshake: {why} (TLS alert {alert:?})")
+            );
+        }
+        let wrong = explain_tls(
+            &rustls::Error::InvalidCertificate(rustls::CertificateError::NotValidForName),
+            peer,
+        );
+        assert!(
+            wrong.starts_with(&format!(
+                "{peer} presented a certificate of the wrong role: "
+            )) && wrong.ends_with(
+                "(a source must present a guestmem-source certificate, a destination a \
+                     guestmem-destination one)"
+            ),
+            "{wrong}"
+        );
+        let expired = explain_tls(
+            &rustls::Error::InvalidCertificate(rustls::CertificateError::Expired),
+            peer,
+        );
+        assert!(
+            expired.starts_with(&format!("{peer} presented a certificate we refuse: ")),
+            "{expired}"
+        );
+        assert_eq!(
+            explain_tls(&rustls::Error::DecryptError, peer),
+            format!("TLS with {peer}: {}", rustls::Error::DecryptError)
+        );
+        assert_eq!(with_own("r".into(), None), "r");
+        assert_eq!(with_own("r".into(), Some("own")), "r (own)");
+        let e = io::Error::new(io::ErrorKind::InvalidData, rustls::Error::DecryptError);
+        assert_eq!(tls_error(&e), Some(&rustls::Error::DecryptError));
+        assert_eq!(tls_error(&io::Error::other("not tls")), None);
+    }
+
+    /// Bytes go both ways; a peer silent for the idle timeout ends a read with an error naming
+    /// it and the bound; a peer gone mid-stream is named as such.
+    #[test]
+    fn waits_are_bounded_and_a_lost_peer_is_named() {
+        let (mut src, mut dst) = pair("idle", true, short());
+        assert!(!src.is_local() && !dst.is_local());
+        assert!(
+            src.peer().starts_with("the destination at tcp:127.0.0.1:"),
+            "{}",
+            src.peer()
+        );
+        assert!(
+            dst.peer().starts_with("the source at 127.0.0.1:"),
+            "{}",
+            dst.peer()
+        );
+        src.write_all(b"hello").unwrap();
+        src.flush().unwrap();
+        let mut got = [0u8; 5];
+        dst.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"hello");
+        assert!(src.delivery_rate().is_some());
+
+        let started = Instant::now();
+        let e = dst.read(&mut got).unwrap_err();
+        assert!(started.elapsed() < Duration::from_secs(2));
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "{} sent nothing for 0.2 s (the idle timeout of a migration connection)",
+                dst.peer()
+            )
+        );
+        // Unbounded, then the peer is gone without ending the TLS session: over TCP, with
+        // data it never read (the session tickets), its socket resets the connection.
+        dst.set_idle_timeout(None).unwrap();
+        drop(src);
+        let gone = |e: io::Error, peer: &str| {
+            assert_eq!(
+                e.to_string(),
+                format!(
+                    "{peer} closed the connection in the middle of the stream (it ended, died \
+                     or was cut off)"
+                )
+            );
+            e.kind()
+        };
+        let peer = dst.peer().to_string();
+        let kind = gone(dst.read(&mut got).unwrap_err(), &peer);
+        assert!(
+            matches!(
+                kind,
+                io::ErrorKind::ConnectionReset | io::ErrorKind::UnexpectedEof
+            ),
+            "{kind:?}"
+        );
+        // A write to a peer gone is named the same way.
+        let kind = gone(
+            dst.write_all(&[0u8; 1 << 16])
+                .and_then(|()| dst.flush())
+                .unwrap_err(),
+            &peer,
+        );
+        assert!(
+            matches!(
+                kind,
+                io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe
+            ),
+            "{kind:?}"
+        );
+        // A peer that read all it was sent closes without a reset: an end of file.
+        let (mut src, mut dst) = pair("eof", false, short());
+        let e = src.read(&mut got).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
+        drop(src);
+        let peer = dst.peer().to_string();
+        assert_eq!(
+            gone(dst.read(&mut got).unwrap_err(), &peer),
+            io::ErrorKind::UnexpectedEof
+        );
+    }
+
+    /// A cutter ends a read blocked in another thread; file descriptors travel over a Unix
+    /// connection (the same open file arrives) and are refused over TCP.
+    #[test]
+    fn a_cut_ends_a_blocked_read_and_fds_travel_only_locally() {
+        let (src, mut dst) = pair("fds", false, Timeouts::default());
+        assert!(src.is_local() && dst.is_local());
+        assert_eq!(src.enlarge_send_buffer().ok(), Some(()));
+        let file = tempfile_with(b"guest memory");
+        src.send_fds(&[file.as_raw_fd()]).unwrap();
+        let fds = dst.recv_fds(1).unwrap();
+        let mut back = [0u8; 12];
+        File::from(fds.into_iter().next().unwrap())
+            .read_exact_at(&mut back, 0)
+            .unwrap();
+        assert_eq!(&back, b"guest memory");
+
+        let cutter = dst.cutter().unwrap();
+        let reader = std::thread::spawn(move || {
+            let mut byte = [0u8; 1];
+            dst.read(&mut byte)
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        cutter.cut();
+        let ended = reader.join().unwrap();
+        assert!(matches!(ended, Ok(0) | Err(_)), "{ended:?}");
+
+        let (tcp, _peer) = pair("fds-tcp", true, Timeouts::default());
+        let e = tcp.send_fds(&[file.as_raw_fd()]).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "file descriptors travel only over Unix sockets"
+        );
+        let e = tcp.recv_fds(1).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "file descriptors travel only over Unix sockets"
+        );
+    }
+
+    use std::fs::File;
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::FileExt;
+
+    fn tempfile_with(bytes: &[u8]) -> File {
+        let p = std::env::temp_dir().join(format!("guestmem-conn-fd-{}", std::process::id()));
+        std::fs::write(&p, bytes).unwrap();
+        let f = File::open(&p).unwrap();
+        let _ = std::fs::remove_file(&p);
+        f
+    }
 }

@@ -36,3 +36,31 @@ impl std::fmt::Display for Endpoint {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An endpoint prints as it is written and parses back to itself, IPv6 and host names
+    /// included.
+    #[test]
+    fn endpoints_print_as_they_parse() {
+        for text in [
+            "tcp:127.0.0.1:7000",
+            "tcp:[::1]:7000",
+            "tcp:host.example:1",
+            "unix:/run/m.sock",
+        ] {
+            let e: Endpoint = text.parse().unwrap();
+            assert_eq!(e.to_string(), text);
+        }
+        assert_eq!(
+            "tcp:[::1]:7000".parse::<Endpoint>().unwrap(),
+            Endpoint::Tcp("[::1]:7000".into())
+        );
+        assert_eq!(
+            "tcp:[::1]:".parse::<Endpoint>().unwrap_err().to_string(),
+            "'tcp:[::1]:' is not an endpoint (expected tcp:HOST:PORT or unix:PATH)"
+        );
+    }
+}

@@ -132,3 +132,52 @@ impl Listener {
         self.accept_socket()?.handshake()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A listener names its endpoint when it cannot listen there; an accepted socket names
+    /// its peer before the handshake, and keeps the listener's timeouts.
+    #[test]
+    fn a_listener_names_its_endpoint_and_its_peers() {
+        let dir = std::env::temp_dir().join(format!("guestmem-listener-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        generate_credentials(&dir).unwrap();
+        let creds = Credentials::load(&dir, Role::Destination).unwrap();
+        let endpoint = Endpoint::Unix(dir.join("sock"));
+        let short = Timeouts {
+            handshake: Duration::from_millis(100),
+            idle: Duration::from_millis(200),
+        };
+        let listener = Listener::bind(&endpoint, &creds)
+            .unwrap()
+            .with_timeouts(short);
+        assert_eq!((listener.port(), listener.timeouts()), (None, short));
+        match Listener::bind(&endpoint, &creds) {
+            Err(TransportError::Io { what, error }) => {
+                assert_eq!(
+                    what,
+                    format!("listen on unix:{}", dir.join("sock").display())
+                );
+                assert_eq!(error.kind(), io::ErrorKind::AddrInUse);
+            }
+            other => panic!("{other:?}"),
+        }
+        let _client = UnixStream::connect(dir.join("sock")).unwrap();
+        let accepted = listener.accept_socket().unwrap();
+        assert_eq!(accepted.peer(), "the source on the Unix socket");
+        assert_eq!(accepted.timeouts(), short);
+
+        let tcp = Listener::bind(&"tcp:127.0.0.1:0".parse().unwrap(), &creds).unwrap();
+        let port = tcp.port().expect("a TCP port");
+        let client = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        let accepted = tcp.accept_socket().unwrap();
+        assert_eq!(
+            accepted.peer(),
+            format!("the source at {}", client.local_addr().unwrap())
+        );
+        assert_eq!(accepted.timeouts(), Timeouts::default());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -192,19 +192,122 @@ pub fn write_credentials(
         .push(rcgen::DnType::CommonName, "guestmem migration CA");
     let ca_cert = ca_params.self_signed(&ca_key).map_err(tls)?;
     let issuer = rcgen::Issuer::new(ca_params, ca_key);
-    let write = |name: &str, contents: String| {
+    // `mode`: a private key is for its owner's eyes only (0600, also when a file was there),
+    // certificates are public (0644).
+    let write = |name: &str, contents: String, mode: u32| {
+        use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
         let path = dir.join(name);
-        std::fs::write(&path, contents).map_err(io_err(format!("{}: write", path.display())))
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(mode)
+            .open(&path)
+            .and_then(|f| {
+                f.set_permissions(std::fs::Permissions::from_mode(mode))?;
+                Ok(f)
+            })
+            .map_err(io_err(format!("{}: write", path.display())))?;
+        file.write_all(contents.as_bytes())
+            .map_err(io_err(format!("{}: write", path.display())))
     };
-    write("ca.pem", ca_cert.pem())?;
+    write("ca.pem", ca_cert.pem(), 0o644)?;
     for role in [Role::Source, Role::Destination] {
         let key = rcgen::KeyPair::generate().map_err(tls)?;
         let mut params =
             rcgen::CertificateParams::new(vec![role.name().to_string()]).map_err(tls)?;
         tweak(role, &mut params);
         let cert = params.signed_by(&key, &issuer).map_err(tls)?;
-        write(&format!("{}.pem", role.name()), cert.pem())?;
-        write(&format!("{}.key", role.name()), key.serialize_pem())?;
+        write(&format!("{}.pem", role.name()), cert.pem(), 0o644)?;
+        write(&format!("{}.key", role.name()), key.serialize_pem(), 0o600)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn temp_dir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("guestmem-pki-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        d
+    }
+
+    /// Each role names itself and its peer.
+    #[test]
+    fn roles_name_themselves_and_their_peer() {
+        assert_eq!(Role::Source.name(), "guestmem-source");
+        assert_eq!(Role::Destination.name(), "guestmem-destination");
+        assert_eq!(Role::Source.peer(), Role::Destination);
+        assert_eq!(Role::Destination.peer(), Role::Source);
+        assert_eq!(
+            (Role::Source.word(), Role::Destination.word()),
+            ("source", "destination")
+        );
+    }
+
+    /// The private keys are readable by their owner only, even over files that were there;
+    /// the certificates by anyone.
+    #[test]
+    fn private_keys_are_for_their_owner_only() {
+        let dir = temp_dir("modes");
+        std::fs::create_dir_all(&dir).unwrap();
+        let key = dir.join("guestmem-source.key");
+        std::fs::write(&key, "old").unwrap();
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o666)).unwrap();
+        generate_credentials(&dir).unwrap();
+        let mode = |name: &str| {
+            std::fs::metadata(dir.join(name))
+                .unwrap()
+                .permissions()
+                .mode()
+                & 0o777
+        };
+        assert_eq!(mode("guestmem-source.key"), 0o600);
+        assert_eq!(mode("guestmem-destination.key"), 0o600);
+        for cert in ["ca.pem", "guestmem-source.pem", "guestmem-destination.pem"] {
+            assert_eq!(mode(cert), 0o644, "{cert}");
+        }
+        assert!(Credentials::load(&dir, Role::Source)
+            .unwrap()
+            .problem()
+            .is_none());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A certificate for neither role is named as such, and said to be unusable when loaded;
+    /// a certificate file that holds no certificate is refused naming the file.
+    #[test]
+    fn a_certificate_of_neither_role_is_named() {
+        let dir = temp_dir("neither");
+        write_credentials(&dir, |role, params| {
+            if role == Role::Source {
+                params.subject_alt_names =
+                    vec![rcgen::SanType::DnsName("elsewhere".try_into().unwrap())];
+            }
+        })
+        .unwrap();
+        let creds = Credentials::load(&dir, Role::Source).unwrap();
+        assert_eq!(
+            names_role(&creds.cert, Role::Source).unwrap_err(),
+            "it names neither role, where a source certificate (guestmem-source) is required"
+        );
+        let problem = creds.problem().expect("unusable");
+        assert!(
+            problem.starts_with("this source's own certificate ")
+                && problem.ends_with("is unusable: it names neither role, where a source certificate (guestmem-source) is required"),
+            "{problem}"
+        );
+        std::fs::write(dir.join("ca.pem"), "no certificate here\n").unwrap();
+        match Credentials::load(&dir, Role::Destination) {
+            Err(TransportError::Credentials { path, reason }) => {
+                assert_eq!(path, dir.join("ca.pem"));
+                assert!(reason.starts_with("not a PEM certificate"), "{reason}");
+            }
+            other => panic!("{other:?}"),
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

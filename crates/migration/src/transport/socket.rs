@@ -151,3 +151,83 @@ pub(super) fn set_send_buffer(s: &TcpStream) -> io::Result<()> {
         Err(io::Error::last_os_error())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A zero timeout bounds a read (the smallest bound) instead of lifting the bound.
+    #[test]
+    fn a_zero_timeout_still_bounds_a_read() {
+        let (a, _b) = UnixStream::pair().unwrap();
+        let mut s = Socket::Unix(a);
+        s.set_timeouts(Some(Duration::ZERO)).unwrap();
+        let started = Instant::now();
+        let e = s.read(&mut [0u8; 1]).unwrap_err();
+        assert!(
+            matches!(
+                e.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+            ),
+            "{e}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(1));
+    }
+
+    /// Cutting the reads ends a blocked read at once while writes still reach the peer; a
+    /// full cut ends the writes too.
+    #[test]
+    fn cutting_reads_leaves_writes() {
+        let (a, mut b) = UnixStream::pair().unwrap();
+        let mut s = Socket::Unix(a);
+        let cutter = Cutter(s.try_clone().unwrap());
+        let mut reader = s.try_clone().unwrap();
+        let blocked = std::thread::spawn(move || reader.read(&mut [0u8; 1]).unwrap());
+        std::thread::sleep(Duration::from_millis(20));
+        cutter.cut_reads();
+        assert_eq!(blocked.join().unwrap(), 0);
+        s.write_all(b"abort").unwrap();
+        let mut got = [0u8; 5];
+        b.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"abort");
+        cutter.cut();
+        assert!(s.write_all(b"x").is_err());
+    }
+
+    /// A TCP send buffer is enlarged to what was asked, as far as the kernel's cap allows.
+    #[test]
+    fn the_send_buffer_is_enlarged() {
+        use std::os::fd::AsRawFd;
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let s = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let sndbuf = || {
+            let mut v: libc::c_int = 0;
+            let mut len = libc::socklen_t::try_from(std::mem::size_of::<libc::c_int>()).unwrap();
+            // SAFETY: SO_SNDBUF writes one c_int into `v`, live and that long.
+            let r = unsafe {
+                libc::getsockopt(
+                    s.as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    libc::SO_SNDBUF,
+                    std::ptr::addr_of_mut!(v).cast(),
+                    &raw mut len,
+                )
+            };
+            assert_eq!(r, 0);
+            u64::try_from(v).unwrap()
+        };
+        let before = sndbuf();
+        set_send_buffer(&s).unwrap();
+        let cap: u64 = std::fs::read_to_string("/proc/sys/net/core/wmem_max")
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        // The kernel doubles what it is given for its bookkeeping.
+        assert_eq!(
+            sndbuf(),
+            2 * (SEND_BUFFER_BYTES as u64).min(cap),
+            "was {before}"
+        );
+    }
+}

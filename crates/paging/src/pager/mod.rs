@@ -591,3 +591,93 @@ fn spawn_pager_thread(
             source,
         })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::FileSource;
+    use guestmem_memory::RegionSpec;
+
+    const MIB: u64 = 1 << 20;
+
+    #[allow(clippy::cast_possible_truncation)] // `% 251` fits a byte.
+    fn pattern(len: u64) -> Vec<u8> {
+        (0..len).map(|i| (i % 251) as u8).collect()
+    }
+
+    /// A host thread's first access to each chunk faults, and the pager answers with the
+    /// source's bytes: exactly the chunks touched are resident, in the order they were
+    /// touched, until the rest is fetched; anonymous memory by copy, a memfd through its page
+    /// cache.
+    #[test]
+    fn host_faults_are_served_with_the_sources_bytes() {
+        let bytes = pattern(8 * MIB);
+        let path = std::env::temp_dir().join(format!("guestmem-pager-{}", std::process::id()));
+        std::fs::write(&path, &bytes).unwrap();
+        for backend in [Backend::Anon, Backend::Memfd] {
+            let region = Region::create(RegionSpec::new("ram", 0, 8 * MIB, backend), None).unwrap();
+            let config = PagerConfig {
+                background: false,
+                readahead_chunks: 0,
+                ..Default::default()
+            };
+            let source: Arc<dyn PageSource> = Arc::new(FileSource::open(&path).unwrap());
+            let pager = Pager::start(&region, source, &config).unwrap();
+            assert_eq!((pager.size(), pager.chunk_bytes()), (8 * MIB, 2 * MIB));
+            let read = |offset: u64, len: usize| {
+                let mut buf = vec![0u8; len];
+                // SAFETY: `offset + len` lies inside the region's live mapping; the pager
+                // fills the pages on the faults this copy takes.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        region.host_addr().add(guestmem_sys::to_usize(offset)),
+                        buf.as_mut_ptr(),
+                        len,
+                    );
+                }
+                buf
+            };
+            assert!(
+                read(5 * MIB + 3, 4096) == bytes[guestmem_sys::to_usize(5 * MIB + 3)..][..4096]
+            );
+            assert!(read(100, 64) == bytes[100..164]);
+            // The kernel wakes the faulting thread as the chunk's pages land; the handler
+            // records the chunk just after: wait (boundedly) for the record.
+            let settled = Instant::now();
+            while pager.stats().fault_chunks < 2 && settled.elapsed() < Duration::from_secs(1) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            assert_eq!(pager.fault_order(), [4 * MIB, 0], "{backend}");
+            let stats = pager.stats();
+            assert_eq!(stats.fault_chunks, 2, "{backend}: {stats:?}");
+            assert!(stats.faults >= 2 && !stats.retired, "{backend}: {stats:?}");
+            assert!(pager.is_resident(4 * MIB, 2 * MIB) && pager.is_resident(0, 2 * MIB));
+            assert!(!pager.is_resident(2 * MIB, 1) && !pager.is_resident(6 * MIB, 2 * MIB));
+            assert!(!pager.wait_resident(Duration::from_millis(10)).unwrap());
+            assert_eq!(pager.failure(), None);
+        }
+        let _ = std::fs::remove_file(&path);
+    }
+
+    /// Pager CPUs are checked against the CPUs this process may use, naming the list.
+    #[test]
+    fn pager_cpus_are_checked() {
+        assert!(pager_cpus(&PagerConfig::default()).unwrap().is_none());
+        let e = pager_cpus(&PagerConfig {
+            cpus: Some(vec![]),
+            ..Default::default()
+        })
+        .unwrap_err();
+        assert_eq!(
+            e,
+            "pager CPUs []: an empty CPU list; at least one CPU is needed"
+        );
+        let set = pager_cpus(&PagerConfig {
+            cpus: Some(vec![0]),
+            ..Default::default()
+        })
+        .unwrap()
+        .unwrap();
+        assert_eq!(set.cpus(), [0]);
+    }
+}

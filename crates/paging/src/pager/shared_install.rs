@@ -173,3 +173,92 @@ impl Shared {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{PageSource, Pager, Share};
+    use guestmem_memory::RegionSpec;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::time::{Duration, Instant};
+
+    const MIB: u64 = 1 << 20;
+
+    /// Pages of `fill`, counting its fetches.
+    struct Counting(u8, AtomicU64);
+
+    impl PageSource for Counting {
+        fn fetch(&self, _offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
+            self.1.fetch_add(1, Ordering::Relaxed);
+            buf.fill(self.0);
+            Ok(())
+        }
+        fn size(&self) -> u64 {
+            4 * MIB
+        }
+    }
+
+    fn read(region: &Region, offset: u64) -> u8 {
+        // SAFETY: one byte inside the region's live mapping; the pager serves its fault.
+        unsafe { region.host_addr().add(to_usize(offset)).read_volatile() }
+    }
+
+    fn settled(pager: &Pager, chunks: u64) {
+        let t = Instant::now();
+        while pager.stats().fault_chunks < chunks && t.elapsed() < Duration::from_secs(1) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// Two clones of one snapshot share its image: the chunk the first one fetched is mapped
+    /// for the second without a fetch from its own source; a chunk nobody published is fetched
+    /// by whoever faults first. A region that is not anonymous memory is refused, naming why.
+    #[test]
+    fn clones_fetch_each_chunk_once() {
+        let dir = std::path::PathBuf::from(format!(
+            "/dev/shm/guestmem-unit-{}-clones",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        let share = Share::new(&dir).of("snap");
+        let config = PagerConfig {
+            background: false,
+            readahead_chunks: 0,
+            share: Some(share),
+            ..Default::default()
+        };
+        let spec = || RegionSpec::new("ram", 0, 4 * MIB, Backend::Anon);
+        let (a, b) = (
+            Region::create(spec(), None).unwrap(),
+            Region::create(spec(), None).unwrap(),
+        );
+        let (src_a, src_b) = (
+            Arc::new(Counting(0xaa, AtomicU64::new(0))),
+            Arc::new(Counting(0xbb, AtomicU64::new(0))),
+        );
+        let pager_a = Pager::start(&a, src_a.clone(), &config).unwrap();
+        let pager_b = Pager::start(&b, src_b.clone(), &config).unwrap();
+        assert_eq!(read(&a, 2 * MIB + 5), 0xaa);
+        settled(&pager_a, 1);
+        let fetched_a = src_a.1.load(Ordering::Relaxed);
+        assert!(fetched_a >= 1);
+        // Clone b sees a's bytes for the chunk a published, without fetching it.
+        assert_eq!(read(&b, 2 * MIB + 9), 0xaa);
+        assert_eq!(src_b.1.load(Ordering::Relaxed), 0);
+        // The chunk nobody fetched yet comes from b's own source.
+        assert_eq!(read(&b, 100), 0xbb);
+        assert!(src_b.1.load(Ordering::Relaxed) >= 1);
+        assert_eq!(src_a.1.load(Ordering::Relaxed), fetched_a);
+        drop((pager_a, pager_b));
+
+        let memfd =
+            Region::create(RegionSpec::new("ram", 0, 4 * MIB, Backend::Memfd), None).unwrap();
+        match shared_image(&memfd, &config) {
+            Err(Error::Unsupported { reason, .. }) => {
+                assert!(reason.contains("replaces anonymous RAM only"), "{reason}");
+            }
+            other => panic!("{:?}", other.err()),
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -173,3 +173,136 @@ pub(super) fn eventfd(region: &str) -> Result<OwnedFd> {
     // SAFETY: `stop` is the fresh eventfd from above.
     Ok(unsafe { OwnedFd::from_raw_fd(stop) })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ZeroSource;
+    use guestmem_memory::{Region, RegionSpec};
+
+    /// Each backend gets its fault mode (a shared image overrides it); guest_memfd is refused
+    /// naming the region and KVM Userfault.
+    #[test]
+    fn each_backend_gets_its_mode() {
+        assert_eq!(mode("r", Backend::Anon, false).unwrap(), Mode::Copy);
+        assert_eq!(mode("r", Backend::Hugetlbfs, false).unwrap(), Mode::Copy);
+        assert_eq!(mode("r", Backend::MemfdHugetlb, false).unwrap(), Mode::Copy);
+        assert_eq!(mode("r", Backend::Memfd, false).unwrap(), Mode::Continue);
+        assert_eq!(mode("r", Backend::Anon, true).unwrap(), Mode::Shared);
+        match mode("gm", Backend::GuestMemfd, false) {
+            Err(Error::Unsupported { region, reason, .. }) => {
+                assert_eq!(region, "gm");
+                assert!(reason.contains("KVM Userfault"), "{reason}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// Every bad configuration is refused naming the value and its bounds.
+    #[test]
+    fn bad_configs_name_the_value_and_bounds() {
+        let source = ZeroSource { size: 8 << 20 };
+        let check = |config: PagerConfig, size| {
+            check_config("ram", Backend::Anon, size, &config, &source)
+                .err()
+                .map(|e| e.to_string())
+        };
+        assert_eq!(check(PagerConfig::default(), 8 << 20), None);
+        let e = check(
+            PagerConfig {
+                fault_around: 3 << 12,
+                ..Default::default()
+            },
+            8 << 20,
+        )
+        .unwrap();
+        assert!(
+            e.contains("fault-around 0x3000 must be a power of two of at least the anon backend's page size (0x1000)"),
+            "{e}"
+        );
+        assert!(check(
+            PagerConfig {
+                fault_around: 2048,
+                ..Default::default()
+            },
+            8 << 20
+        )
+        .is_some());
+        let e = check(
+            PagerConfig {
+                uffds: 5,
+                ..Default::default()
+            },
+            8 << 20,
+        )
+        .unwrap();
+        assert!(
+            e.contains(
+                "5 userfaultfds requested; 1 to 4 (one per 0x200000-byte chunk) are possible"
+            ),
+            "{e}"
+        );
+        let e = check(
+            PagerConfig {
+                handlers: 0,
+                ..Default::default()
+            },
+            8 << 20,
+        )
+        .unwrap();
+        assert!(e.contains("0 handler threads requested"), "{e}");
+        let e = check(
+            PagerConfig {
+                fetch_attempts: 0,
+                ..Default::default()
+            },
+            8 << 20,
+        )
+        .unwrap();
+        assert!(e.contains("0 fetch attempts requested"), "{e}");
+        let e = check(PagerConfig::default(), 16 << 20).unwrap();
+        assert!(
+            e.contains("the page source holds 0x800000 bytes, less than the region's 0x1000000"),
+            "{e}"
+        );
+    }
+
+    /// The region is split between the userfaultfds by whole chunks, as evenly as they go, the
+    /// last one ending at the region's end; each range is registered on its own fd.
+    #[test]
+    fn shards_split_the_chunks_evenly() {
+        let size = 9 * (1 << 20) + 4096;
+        let region = Region::create(RegionSpec::new("ram", 0, size, Backend::Anon), None).unwrap();
+        let config = PagerConfig {
+            uffds: 3,
+            fault_around: 1 << 20,
+            ..Default::default()
+        };
+        let host = region.host_addr() as usize;
+        let (uffds, shards) =
+            register("ram", Backend::Anon, Mode::Copy, host, size, &config).unwrap();
+        assert_eq!(shards, vec![0..3, 3..6, 6..10]);
+        assert_eq!(uffds.len(), 3);
+        // The last fd's range ends at the region's end: unregistering exactly it works.
+        let last = (host + (6 << 20)) as *mut libc::c_void;
+        uffds[2]
+            .unregister(last, to_usize(size) - (6 << 20))
+            .unwrap();
+        // Registered already, a range cannot be registered on another fd.
+        let again = register(
+            "ram",
+            Backend::Anon,
+            Mode::Copy,
+            host,
+            1 << 20,
+            &PagerConfig {
+                fault_around: 1 << 20,
+                ..Default::default()
+            },
+        );
+        match again {
+            Err(e) => assert!(e.to_string().contains("UFFDIO_REGISTER"), "{e}"),
+            Ok(_) => panic!("the range belongs to another userfaultfd"),
+        }
+    }
+}

@@ -38,3 +38,19 @@ pub(super) fn sysconf(name: c_int, what: &str) -> Result<u64, String> {
         Ok(v as u64)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The release is the kernel's; the page size is x86-64's; a name sysconf does not know
+    /// is an error naming it.
+    #[test]
+    fn the_host_answers_and_names_a_refusal() {
+        let proc_release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+        assert_eq!(kernel_release().unwrap(), proc_release.trim());
+        assert_eq!(sysconf(libc::_SC_PAGESIZE, "_SC_PAGESIZE"), Ok(4096));
+        assert_eq!(sysconf(-1, "BOGUS"), Err("sysconf(BOGUS) = -1".to_string()));
+        assert!(host().online_cpus.unwrap() >= 1);
+    }
+}

@@ -76,3 +76,28 @@ pub(super) fn huge_page_sizes() -> Result<Vec<HugePageSize>, String> {
     sizes.sort_by_key(|s| s.size_kib);
     Ok(sizes)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The selected mode is the bracketed word; a file without one is refused quoting it.
+    #[test]
+    fn the_selected_mode_is_the_bracketed_word() {
+        let path = std::env::temp_dir().join(format!("guestmem-thp-{}", std::process::id()));
+        let p = path.to_str().unwrap();
+        std::fs::write(&path, "always [madvise] never\n").unwrap();
+        assert_eq!(selected_mode(p).unwrap(), "madvise");
+        std::fs::write(&path, "always madvise never\n").unwrap();
+        assert_eq!(
+            selected_mode(p).unwrap_err(),
+            format!("{p}: no [selected] mode in \"always madvise never\\n\"")
+        );
+        let _ = std::fs::remove_file(&path);
+        let mode = thp().enabled.unwrap();
+        assert!(
+            ["always", "madvise", "never"].contains(&mode.as_str()),
+            "{mode}"
+        );
+    }
+}

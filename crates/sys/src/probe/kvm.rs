@@ -67,3 +67,21 @@ pub(super) fn cap(vm: &VmFd, nr: u32) -> Result<u64, String> {
         Ok(answer as u64)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A capability's answer is read as is (0: absent); the caps' flags are decoded by name.
+    #[test]
+    fn capabilities_are_read_and_decoded() {
+        let (kvm, vm) = throwaway_vm().unwrap();
+        assert!(cap(&vm, uapi::KVM_CAP_NR_MEMSLOTS).unwrap() >= 32);
+        assert_eq!(cap(&vm, 100_000), Ok(0), "an unknown capability is absent");
+        let caps = kvm_caps(&kvm, &vm);
+        assert_eq!(caps.api_version, 12);
+        let manual = caps.manual_dirty_log_protect2.unwrap();
+        assert_eq!(manual.raw & !3, 0, "{manual:?}");
+        assert_eq!(manual.has("MANUAL_PROTECT_ENABLE"), manual.raw & 1 != 0);
+    }
+}

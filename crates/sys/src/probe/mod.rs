@@ -315,3 +315,29 @@ impl Probe {
         matches!(&self.kvm, Ok(k) if matches!(&k.guest_memfd_flags, Ok(f) if f.has("MMAP")))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Known bits go by their names in the table's order, the others as `unknown(bit)`,
+    /// lowest first; `has` matches a whole name only.
+    #[test]
+    fn bit_flags_name_known_and_unknown_bits() {
+        let known = [(1 << 3, "C"), (1, "A"), (1 << 1, "B")];
+        let f = BitFlags::decode(0b1001 | (1 << 40) | (1 << 5), &known);
+        assert_eq!(f.raw, 0b1001 | (1 << 40) | (1 << 5));
+        assert_eq!(
+            f.names,
+            ["C", "A", "unknown(0x20)", "unknown(0x10000000000)"]
+        );
+        assert!(f.has("A") && f.has("C") && !f.has("B") && !f.has("unknown"));
+        assert!(BitFlags::decode(0, &known).names.is_empty());
+        let gmem = GuestMemfdUffd {
+            missing: false,
+            minor: true,
+            detail: String::new(),
+        };
+        assert!(gmem.present());
+    }
+}

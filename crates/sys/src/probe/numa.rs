@@ -86,3 +86,22 @@ pub(super) fn syscall_check(call: &str, ret: libc::c_long) -> SyscallCheck {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A syscall that returned 0 is available; one that failed is not, naming its errno.
+    #[test]
+    fn a_syscall_check_names_the_errno() {
+        let ok = syscall_check("f()", 0);
+        assert!(ok.available);
+        assert_eq!(ok.detail, "f() = 0");
+        // SAFETY: close(-1) only sets errno (EBADF).
+        let ret = unsafe { libc::close(-1) };
+        let failed = syscall_check("close(-1)", libc::c_long::from(ret));
+        assert!(!failed.available);
+        assert_eq!(failed.detail, "close(-1): EBADF");
+        assert!(get_mempolicy().available, "{:?}", get_mempolicy());
+    }
+}

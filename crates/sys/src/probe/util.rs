@@ -71,3 +71,53 @@ pub(super) fn errno_name(errno: i32) -> String {
     };
     name.to_string()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A meminfo-style value is the number after its key, wherever the line is; a missing key
+    /// is named with the file.
+    #[test]
+    fn meminfo_values_are_found_by_key() {
+        let text = "Node 0 MemTotal:  1000 kB\nNode 0 MemFree:    250 kB\nHugePages_Total: 7\n";
+        assert_eq!(meminfo_value(text, "MemTotal:", "f").unwrap(), 1000);
+        assert_eq!(meminfo_value(text, "MemFree:", "f").unwrap(), 250);
+        assert_eq!(meminfo_value(text, "HugePages_Total:", "f").unwrap(), 7);
+        assert_eq!(
+            meminfo_value(text, "MemUsed:", "/proc/x").unwrap_err(),
+            "/proc/x: no MemUsed: line"
+        );
+        assert!(meminfo_value("MemTotal: lots kB\n", "MemTotal:", "f").is_err());
+    }
+
+    /// Errnos go by their names (unknown ones by number); an I/O error without one keeps its
+    /// text; a file read or parse that fails names the file.
+    #[test]
+    fn errors_are_named() {
+        assert_eq!(errno_name(libc::ENOENT), "ENOENT");
+        assert_eq!(errno_name(libc::EHWPOISON), "EHWPOISON");
+        assert_eq!(errno_name(4095), "errno 4095");
+        assert_eq!(
+            io_error_name(&std::io::Error::from_raw_os_error(libc::EACCES)),
+            "EACCES"
+        );
+        assert_eq!(io_error_name(&std::io::Error::other("plain")), "plain");
+        assert_eq!(
+            read("/nonexistent/guestmem").unwrap_err(),
+            "/nonexistent/guestmem: ENOENT"
+        );
+        assert_eq!(
+            read_u64("/proc/sys/kernel/pid_max").map(|n| n > 0),
+            Ok(true)
+        );
+        let e = read_u64("/proc/sys/kernel/ostype").unwrap_err();
+        assert!(
+            e.starts_with("/proc/sys/kernel/ostype: \"Linux\\n\": "),
+            "{e}"
+        );
+        // SAFETY: close(-1) only sets errno (EBADF).
+        unsafe { libc::close(-1) };
+        assert_eq!(last_errno(), libc::EBADF);
+    }
+}
