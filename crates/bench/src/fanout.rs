@@ -351,7 +351,7 @@ fn print_text(out: &Output) {
 
 /// The snapshot the clones restore: a store and its name.
 struct Source {
-    backend: Arc<dyn ObjectStore>,
+    objects: Arc<dyn ObjectStore>,
     name: String,
     config: VmConfig,
     /// The snapshot opened once (`--via warm`).
@@ -369,21 +369,21 @@ impl Source {
 }
 
 fn bench(args: &Args, run: Duration, temp: &Path) -> crate::Result<Output> {
-    let backend: Arc<dyn ObjectStore> = Arc::new(LocalObjectStore::new(&temp.join("store")));
+    let objects: Arc<dyn ObjectStore> = Arc::new(LocalObjectStore::new(&temp.join("store")));
     let name = "fanout".to_string();
     let vm = guest(args, run)?;
-    write(&*backend, &name, &vm, None)?;
+    write(&*objects, &name, &vm, None)?;
     let config = vm.config().clone();
     drop(vm);
     let mut source = Source {
-        backend,
+        objects,
         name,
         config,
         opened: None,
         services: None,
     };
     // One restore runs `run` and records its working set for the clones to prefetch.
-    let snap = StoreSnapshot::open(source.backend.clone(), &source.name, None)?;
+    let snap = StoreSnapshot::open(source.objects.clone(), &source.name, None)?;
     let mut lazy =
         guestmem_snapshot::restore(&snap, &mut VmBuilder, RestoreMode::Lazy(quiet(None)))?;
     let running = lazy.vm.resume()?;
@@ -401,14 +401,14 @@ fn bench(args: &Args, run: Duration, temp: &Path) -> crate::Result<Output> {
     match args.via {
         Via::Warm => {
             source.opened = Some(StoreSnapshot::open(
-                source.backend.clone(),
+                source.objects.clone(),
                 &source.name,
                 None,
             )?);
         }
         Via::Service => {
             let open = |share: Option<&Share>| -> crate::Result<RestoreService<StoreSnapshot>> {
-                let snap = StoreSnapshot::open(source.backend.clone(), &source.name, None)?;
+                let snap = StoreSnapshot::open(source.objects.clone(), &source.name, None)?;
                 Ok(RestoreService::new(snap, quiet(share))?)
             };
             source.services = Some([open(None)?, open(Some(&share))?]);
@@ -648,7 +648,7 @@ fn restore(
     let snap = match &source.opened {
         Some(s) => s,
         None => {
-            fresh = StoreSnapshot::open(source.backend.clone(), &source.name, None)?;
+            fresh = StoreSnapshot::open(source.objects.clone(), &source.name, None)?;
             &fresh
         }
     };
