@@ -114,7 +114,7 @@ pub(crate) fn block_connection(region_gpa: u64, offset: u64, connections: usize)
 
 /// Pages connections a migration opens unless told otherwise: on loopback one connection is
 /// bound by its receiving thread (decrypt, check, copy into guest memory), and a second one
-/// overlaps it (4 GiB pre-copy at 64 MiB/s: 8.3-9.6 s against 12.5 s with one).
+/// overlaps it (see docs/benchmarks.md, live migration).
 pub const DEFAULT_CONNECTIONS: usize = 2;
 
 /// Post-copy: the destination sends a one-page request on each connection of the link that

@@ -21,9 +21,9 @@ use super::{thread_failed, unexpected};
 
 /// The post-copy servers: a thread per connection (its urgent ones pinned to
 /// [`SendOptions::fault_cpus`] and real-time), started before the switch-over and handed the
-/// urgent connections then. Starting a thread takes 0.1-0.3 ms on a busy host, and the
-/// destination's first faults come within half a millisecond of its vCPUs running: servers
-/// started or handed their connections after the switch-over made those faults wait.
+/// urgent connections then. The destination's first faults come as soon as its vCPUs run,
+/// sooner than a thread starts on a busy host: servers started or handed their connections
+/// after the switch-over made those faults wait.
 pub(super) struct PostcopyServers {
     /// A connection to serve, for each thread (pages connections, then urgent ones).
     jobs: Vec<SyncSender<(Connection, Arc<Vec<Cutter>>)>>,

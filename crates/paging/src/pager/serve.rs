@@ -695,9 +695,9 @@ impl Shared {
             return;
         }
         // The guest comes first: on a small host the sweep would take the CPU from the vCPU
-        // that is about to run and from the handler serving its first fault (measured: 5-8 ms
-        // more to the restored guest's first progress on 2 cores). Wait for a first fault to
-        // be served, or for SWEEP_DELAY if none comes.
+        // that is about to run and from the handler serving its first fault, and delay the
+        // restored guest's first progress. Wait for a first fault to be served, or for
+        // SWEEP_DELAY if none comes.
         let deadline = Instant::now() + SWEEP_DELAY;
         while self.fault_chunks.load(Ordering::Acquire) == 0 && Instant::now() < deadline {
             if self.stopped() {
