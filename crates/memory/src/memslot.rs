@@ -15,7 +15,7 @@
 use guestmem_sys::to_usize;
 use std::collections::{BTreeMap, BTreeSet};
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, Weak};
 
@@ -441,36 +441,32 @@ impl MemslotManager {
         let (host, offset) = slot.host_range(gpa, len).expect("looked up");
         self.generation.fetch_add(1, Ordering::SeqCst);
         self.wait_for_handles(gpa, len);
-        let ret = match region.fd() {
-            // SAFETY: `host`/`len` lie inside the region's private anonymous mapping;
-            // MADV_DONTNEED only drops its pages (they read as zero afterwards).
-            None => unsafe {
-                libc::madvise(
-                    host.cast::<libc::c_void>(),
-                    to_usize(len),
-                    libc::MADV_DONTNEED,
-                )
-            },
-            // SAFETY: punching a hole in the region's own file, inside its size.
-            Some(fd) => unsafe {
-                libc::fallocate(
-                    fd.as_raw_fd(),
-                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                    offset as libc::off_t,
-                    len as libc::off_t,
-                )
-            },
+        let dropped = match region.fd() {
+            None => {
+                // SAFETY: `host`/`len` lie inside the region's private anonymous mapping;
+                // MADV_DONTNEED only drops its pages (they read as zero afterwards).
+                let ret = unsafe {
+                    libc::madvise(
+                        host.cast::<libc::c_void>(),
+                        to_usize(len),
+                        libc::MADV_DONTNEED,
+                    )
+                };
+                if ret == 0 {
+                    Ok(())
+                } else {
+                    Err(("madvise(MADV_DONTNEED)", io::Error::last_os_error()))
+                }
+            }
+            Some(fd) => guestmem_sys::punch_hole(fd.as_fd(), offset, len)
+                .map_err(|e| ("fallocate(PUNCH_HOLE)", e)),
         };
-        if ret != 0 {
+        if let Err((op, source)) = dropped {
             return Err(Error::Kvm {
                 slot: slot.id,
                 region: region.name().into(),
-                op: if region.fd().is_some() {
-                    "fallocate(PUNCH_HOLE)"
-                } else {
-                    "madvise(MADV_DONTNEED)"
-                },
-                source: io::Error::last_os_error(),
+                op,
+                source,
             });
         }
         Ok(())

@@ -354,34 +354,22 @@ fn prefault(region: &Region, dst: u64, len: u64) -> Result<()> {
 
 /// Makes `[dst, dst + len)` read zero and hold no memory.
 fn discard(region: &Region, dst: u64, len: u64) -> Result<()> {
-    let (ret, op) = match region.fd() {
-        Some(fd) => (
-            // SAFETY: punching a hole inside the file of an fd we own.
-            unsafe {
-                libc::fallocate(
-                    fd.as_raw_fd(),
-                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                    dst as libc::off_t,
-                    len as libc::off_t,
-                )
-            },
-            "fallocate(PUNCH_HOLE)",
-        ),
-        None => (
-            // SAFETY: the range lies inside the region's private anonymous mapping; DONTNEED
-            // makes it read zero, which is what population wants there.
-            unsafe {
-                libc::madvise(
-                    region.host_addr().add(to_usize(dst)).cast(),
-                    to_usize(len),
-                    libc::MADV_DONTNEED,
-                )
-            },
-            "madvise(MADV_DONTNEED)",
-        ),
+    if let Some(fd) = region.fd() {
+        return guestmem_sys::punch_hole(fd.as_fd(), dst, len)
+            .map_err(|e| Error::os(region.spec(), "fallocate(PUNCH_HOLE)", e));
+    }
+    // SAFETY: the range lies inside the region's private anonymous mapping; DONTNEED makes it
+    // read zero, which is what population wants there.
+    let ret = unsafe {
+        libc::madvise(
+            region.host_addr().add(to_usize(dst)).cast(),
+            to_usize(len),
+            libc::MADV_DONTNEED,
+        )
     };
     if ret != 0 {
-        return Err(Error::os(region.spec(), op, io::Error::last_os_error()));
+        let e = io::Error::last_os_error();
+        return Err(Error::os(region.spec(), "madvise(MADV_DONTNEED)", e));
     }
     Ok(())
 }

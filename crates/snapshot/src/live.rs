@@ -31,7 +31,7 @@
 //! ([`write_machine_live`]), or a chunk store (crate guestmem_store).
 
 use std::fs::File;
-use std::os::fd::AsRawFd;
+use std::os::fd::AsFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -571,19 +571,7 @@ impl LiveSink for FlatSink {
 
 /// Zeroes `len` bytes of `file` at `at` for good (a hole, as a paused write leaves zero pages).
 fn punch_hole(file: &File, at: u64, len: u64) -> std::io::Result<()> {
-    // SAFETY: fallocate on an fd we hold, within the file's length; it changes only the file.
-    let r = unsafe {
-        libc::fallocate(
-            file.as_raw_fd(),
-            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-            at as libc::off_t,
-            len as libc::off_t,
-        )
-    };
-    if r != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
+    guestmem_sys::punch_hole(file.as_fd(), at, len)
 }
 
 /// What [`write_machine_live`] did.

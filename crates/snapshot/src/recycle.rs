@@ -12,7 +12,7 @@
 //! Userfault state), dirty rings (entries of the old clone), a page server's handoff, a NUMA
 //! policy (fresh anonymous memory would not carry it).
 
-use std::os::fd::AsRawFd;
+use std::os::fd::AsFd;
 
 use guestmem_memory::{Backend, GuestMemory, NumaPolicy, SlotFlags};
 use guestmem_pageserver::PeerHandoff;
@@ -156,19 +156,8 @@ pub(crate) fn wipe(memory: &GuestMemory) -> std::result::Result<(), String> {
                 let fd = region
                     .fd()
                     .ok_or_else(|| format!("region '{}' has no file", region.name()))?;
-                let size = libc::off_t::try_from(region.size())
-                    .map_err(|_| format!("region '{}' is too large", region.name()))?;
-                // SAFETY: fallocate on the region's own file descriptor; punching holes only
-                // drops its pages (the shared mapping then reads zeros).
-                let ret = unsafe {
-                    libc::fallocate(
-                        fd.as_raw_fd(),
-                        libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                        0,
-                        size,
-                    )
-                };
-                if ret != 0 {
+                // Punching out its pages only drops them (the shared mapping then reads zeros).
+                if guestmem_sys::punch_hole(fd.as_fd(), 0, region.size()).is_err() {
                     return Err(failed("fallocate (punching out its pages)"));
                 }
             }

@@ -62,6 +62,28 @@ pub fn error_chain(e: &(dyn std::error::Error + 'static), separator: &str) -> St
     text
 }
 
+/// Drops the pages of `len` bytes of the file `fd` at `offset`, keeping its size
+/// (`fallocate(PUNCH_HOLE | KEEP_SIZE)`): the range reads zero afterwards and holds no memory.
+pub fn punch_hole(fd: std::os::fd::BorrowedFd<'_>, offset: u64, len: u64) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let too_large = || io::Error::new(io::ErrorKind::InvalidInput, "range beyond off_t");
+    let offset = libc::off_t::try_from(offset).map_err(|_| too_large())?;
+    let len = libc::off_t::try_from(len).map_err(|_| too_large())?;
+    // SAFETY: fallocate on a descriptor the caller lends; it changes only that file's pages.
+    let r = unsafe {
+        libc::fallocate(
+            fd.as_raw_fd(),
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            offset,
+            len,
+        )
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -86,5 +108,38 @@ mod tests {
             "outer (/x/mem: read failed) / disk gone"
         );
         assert_eq!(to_usize(u64::MAX), usize::MAX);
+    }
+
+    /// A punched range reads zero and the file keeps its size; the bytes around it stay.
+    #[test]
+    fn a_punched_hole_reads_zero_and_keeps_the_size() {
+        use std::io::{Read, Seek, Write};
+        use std::os::fd::AsFd;
+        let mut f = std::fs::File::from(new_memfd().expect("memfd_create"));
+        f.write_all(&[7u8; 3 * 4096]).unwrap();
+        punch_hole(f.as_fd(), 4096, 4096).unwrap();
+        assert_eq!(f.metadata().unwrap().len(), 3 * 4096);
+        let mut back = vec![0u8; 3 * 4096];
+        f.rewind().unwrap();
+        f.read_exact(&mut back).unwrap();
+        assert!(back[..4096].iter().all(|b| *b == 7));
+        assert!(back[4096..8192].iter().all(|b| *b == 0));
+        assert!(back[8192..].iter().all(|b| *b == 7));
+        assert_eq!(
+            punch_hole(f.as_fd(), u64::MAX, 1).unwrap_err().kind(),
+            io::ErrorKind::InvalidInput
+        );
+    }
+
+    fn new_memfd() -> io::Result<std::os::fd::OwnedFd> {
+        use std::os::fd::FromRawFd;
+        // SAFETY: memfd_create with a NUL-terminated name; a non-negative result is a new
+        // descriptor we own.
+        let fd = unsafe { libc::memfd_create(c"punch-test".as_ptr(), 0) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `fd` was just created and is owned by nobody else.
+        Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
     }
 }
