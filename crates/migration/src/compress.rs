@@ -11,9 +11,17 @@
 //! socket's queue while the link is busy; `c` and `r` are what the writers measure compressing
 //! (`c` as wall time, so a CPU shared with the vCPUs and the destination counts as it should).
 //! [`Compressor`] keeps running averages of them, shared by all writers of a migration, and
-//! picks for each frame the codec with the least time per byte; every [`PROBE_EVERY`]-th frame
-//! tries another codec so that its figures stay current. Until the link has been seen busy,
-//! nothing says it is slower than the writers: frames go plain.
+//! picks for each frame the codec with the least time per byte. A codec's `c` is taken from
+//! every frame it compressed (the CPU it costs follows the host's load more than the pages);
+//! its `r` only from probes: every [`PAIRED_PROBE_EVERY`]-th pre-copy frame is compressed with
+//! both codecs (LZ4 on a copy, not sent; the frame goes with zstd), so that the two ratios
+//! always come from the same pages. Memory's compressibility changes from one frame to the
+//! next: ratios taken from the frames each codec was chosen for compared one codec's pages
+//! with the other's, and a probe that met a run of compressible pages kept LZ4 chosen long
+//! after. No codec needs no probe: it costs no CPU and sends the frame as it is. Post-copy's
+//! answers, which cannot be compressed twice, try LZ4 and zstd in turn every [`PROBE_EVERY`]
+//! answers instead. Until the link has been seen busy, nothing says it is slower than the
+//! writers: frames go plain.
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -23,8 +31,12 @@ use serde::Serialize;
 use crate::stream::Codec;
 use crate::transport::LinkSample;
 
-/// Every this many frames a writer tries a codec other than the chosen one (auto mode).
+/// Every this many answers post-copy tries LZ4 or zstd, in turn (auto mode).
 pub const PROBE_EVERY: u64 = 16;
+/// Every this many frames a pre-copy writer compresses a frame with both codecs (auto mode): a
+/// probe costs both codecs' CPU, which a fast link, where frames go plain, feels; this spends
+/// on probes what trying one codec every [`PROBE_EVERY`] frames did.
+pub const PAIRED_PROBE_EVERY: u64 = 3 * PROBE_EVERY;
 /// The zstd level of [`Compress::Zstd`] and of auto mode: the one that compresses real guest
 /// memory about 2.6x at roughly three times LZ4's CPU cost.
 pub const ZSTD_LEVEL: i32 = 1;
@@ -98,6 +110,31 @@ pub struct CompressionReport {
     pub compressed_out_bytes: u64,
 }
 
+impl CompressionReport {
+    /// Counts a frame sent: `codec` made `wire_bytes` of `frame_bytes` (as many: sent plain).
+    fn count(&mut self, codec: Codec, frame_bytes: usize, wire_bytes: usize) {
+        let compressed = wire_bytes < frame_bytes;
+        match (codec, compressed) {
+            (Codec::Lz4, true) => self.lz4_frames += 1,
+            (Codec::Zstd(_), true) => self.zstd_frames += 1,
+            _ => self.plain_frames += 1,
+        }
+        if compressed {
+            self.compressed_in_bytes += frame_bytes as u64;
+            self.compressed_out_bytes += wire_bytes as u64;
+        }
+    }
+}
+
+/// What a pre-copy writer does with its next frame ([`Compressor::next`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Next {
+    /// Compress it with this codec (none: send it plain).
+    Use(Codec),
+    /// Try LZ4 on a copy of it, then send it compressed with zstd, recording both.
+    Probe,
+}
+
 /// Sums of what was measured, older measurements fading (each new one scales the sums by
 /// `1 - ALPHA` before adding itself): a rate is the ratio of two sums, in which each frame or
 /// sample counts by its size. An average of per-frame rates would let a frame of a few bytes,
@@ -116,22 +153,63 @@ impl Sums {
 
 #[derive(Debug, Clone, Copy, Default)]
 struct Figures {
-    /// Per candidate (None's unused): compression nanoseconds, bytes in, bytes out.
-    compress: [Option<Sums>; 3],
+    /// Per candidate (None's unused): compression nanoseconds and bytes in, over every frame
+    /// the codec compressed.
+    time: [Option<Sums>; 3],
+    /// Per candidate (None's unused): bytes in and out, over the frames both codecs compressed
+    /// (probes) where a writer can try both, else over every frame (post-copy's answers).
+    ratio: [Option<Sums>; 3],
     /// The link: nanoseconds, bytes carried.
     wire: Option<Sums>,
 }
 
 impl Figures {
+    /// Adds what `codec` did to a frame to its figures (none for no codec): its time, and
+    /// its ratio if `ratio`.
+    fn add_codec(
+        &mut self,
+        codec: Codec,
+        (frame_bytes, out_bytes): (usize, usize),
+        time: Duration,
+        ratio: bool,
+    ) {
+        let i = CANDIDATES
+            .iter()
+            .position(|c| std::mem::discriminant(c) == std::mem::discriminant(&codec))
+            .unwrap_or(0);
+        if frame_bytes > 0 && out_bytes > 0 && i > 0 {
+            let new = [time.as_nanos() as f64, frame_bytes as f64, 0.0];
+            self.time[i].get_or_insert_default().add(new);
+            if ratio {
+                let new = [frame_bytes as f64, out_bytes as f64, 0.0];
+                self.ratio[i].get_or_insert_default().add(new);
+            }
+        }
+    }
+
+    /// Adds a sample of the link, if the writer saw it busy.
+    fn add_wire(&mut self, link: Option<LinkSample>) {
+        if let Some(LinkSample { elapsed, bytes }) = link.filter(|l| l.bytes > 0) {
+            let new = [elapsed.as_nanos() as f64, bytes as f64, 0.0];
+            self.wire.get_or_insert_default().add(new);
+        }
+    }
+
     /// Nanoseconds per byte on the wire, once the link was seen busy.
     fn wire_ns(&self) -> Option<f64> {
         self.wire.map(|Sums([ns, bytes, _])| ns / bytes)
     }
 
+    /// Whether candidate `i` has figures of both kinds.
+    fn measured(&self, i: usize) -> bool {
+        self.time[i].is_some() && self.ratio[i].is_some()
+    }
+
     /// Candidate `i`'s nanoseconds per byte of pages and ratio, once it compressed a frame.
     fn compression(&self, i: usize) -> Option<(f64, f64)> {
-        self.compress[i]
-            .map(|Sums([ns, bytes_in, bytes_out])| (ns / bytes_in, bytes_in / bytes_out))
+        let Sums([ns, bytes_in, _]) = self.time[i]?;
+        let Sums([ratio_in, ratio_out, _]) = self.ratio[i]?;
+        Some((ns / bytes_in, ratio_in / ratio_out))
     }
 }
 
@@ -158,30 +236,90 @@ impl Compressor {
         }
     }
 
-    /// The codec for the next frame.
+    /// What to do with the next pre-copy frame: compress it with one codec, or (auto mode,
+    /// every [`PAIRED_PROBE_EVERY`]-th frame and until both codecs have figures) try both
+    /// codecs on it ([`Next::Probe`]), so that their ratios come from the same pages.
+    pub fn next(&self) -> Next {
+        match self.mode {
+            Compress::Auto => {
+                let mut state = self.lock();
+                state.2 += 1;
+                let (n, figures) = (state.2, state.0);
+                if n.is_multiple_of(PAIRED_PROBE_EVERY)
+                    || !(figures.measured(1) && figures.measured(2))
+                {
+                    Next::Probe
+                } else {
+                    Next::Use(best(&figures))
+                }
+            }
+            _ => Next::Use(self.choose()),
+        }
+    }
+
+    /// The codec for the next frame where frames cannot be tried twice (post-copy's
+    /// answers): in auto mode, a codec without figures, every [`PROBE_EVERY`]-th frame LZ4 and
+    /// zstd in turn, else the best.
     pub fn choose(&self) -> Codec {
         match self.mode {
             Compress::None => Codec::None,
             Compress::Lz4 => Codec::Lz4,
             Compress::Zstd => Codec::Zstd(ZSTD_LEVEL),
             Compress::Auto => {
-                let mut state = self
-                    .state
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                let mut state = self.lock();
                 state.2 += 1;
-                let n = state.2;
-                let figures = state.0;
-                // Until a codec has figures, or when its probe comes up, it is tried.
-                if let Some(i) = (1..3).find(|&i| figures.compress[i].is_none()) {
+                let (n, figures) = (state.2, state.0);
+                if let Some(i) = (1..3).find(|&i| !figures.measured(i)) {
                     return CANDIDATES[i];
                 }
                 if n.is_multiple_of(PROBE_EVERY) {
-                    return CANDIDATES[((n / PROBE_EVERY) % 3) as usize];
+                    return CANDIDATES[1 + ((n / PROBE_EVERY) % 2) as usize];
                 }
                 best(&figures)
             }
         }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, (Figures, CompressionReport, u64)> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Records a trial that is not sent: `codec` turned a frame of `frame_bytes` into
+    /// `out_bytes` in `compress_time` (a probe's other codec, on the same pages as the frame
+    /// sent).
+    pub fn record_trial(
+        &self,
+        codec: Codec,
+        frame_bytes: usize,
+        out_bytes: usize,
+        compress_time: Duration,
+    ) {
+        let mut state = self.lock();
+        state
+            .0
+            .add_codec(codec, (frame_bytes, out_bytes), compress_time, true);
+    }
+
+    /// Records a frame sent with the codec [`Compressor::next`] chose: its compression time
+    /// goes into the codec's figures (the CPU a codec costs follows the host's load more than
+    /// the pages), its ratio does not. Ratios come from probes only, where both codecs saw the
+    /// same pages: memory's compressibility changes from one frame to the next, and a codec's
+    /// ratio taken from the frames it was chosen for would be compared with the other's from
+    /// other memory.
+    pub fn record_sent(
+        &self,
+        codec: Codec,
+        (frame_bytes, wire_bytes): (usize, usize),
+        compress_time: Duration,
+        link: Option<LinkSample>,
+    ) {
+        let mut state = self.lock();
+        let (figures, report, _) = &mut *state;
+        figures.add_codec(codec, (frame_bytes, wire_bytes), compress_time, false);
+        figures.add_wire(link);
+        report.count(codec, frame_bytes, wire_bytes);
     }
 
     /// Records a frame of `frame_bytes` (as encoded) that `codec` turned into `wire_bytes` in
@@ -195,46 +333,16 @@ impl Compressor {
         compress_time: Duration,
         link: Option<LinkSample>,
     ) {
-        let mut state = self
-            .state
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut state = self.lock();
         let (figures, report, _) = &mut *state;
-        let i = CANDIDATES
-            .iter()
-            .position(|c| std::mem::discriminant(c) == std::mem::discriminant(&codec))
-            .unwrap_or(0);
-        if frame_bytes > 0 && wire_bytes > 0 && i > 0 {
-            let new = [
-                compress_time.as_nanos() as f64,
-                frame_bytes as f64,
-                wire_bytes as f64,
-            ];
-            figures.compress[i].get_or_insert_default().add(new);
-        }
-        if let Some(LinkSample { elapsed, bytes }) = link.filter(|l| l.bytes > 0) {
-            let new = [elapsed.as_nanos() as f64, bytes as f64, 0.0];
-            figures.wire.get_or_insert_default().add(new);
-        }
-        let compressed = wire_bytes < frame_bytes;
-        match (codec, compressed) {
-            (Codec::Lz4, true) => report.lz4_frames += 1,
-            (Codec::Zstd(_), true) => report.zstd_frames += 1,
-            _ => report.plain_frames += 1,
-        }
-        if compressed {
-            report.compressed_in_bytes += frame_bytes as u64;
-            report.compressed_out_bytes += wire_bytes as u64;
-        }
+        figures.add_codec(codec, (frame_bytes, wire_bytes), compress_time, true);
+        figures.add_wire(link);
+        report.count(codec, frame_bytes, wire_bytes);
     }
 
     /// What it did so far.
     pub fn report(&self) -> CompressionReport {
-        self.state
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .1
-            .clone()
+        self.lock().1.clone()
     }
 }
 
@@ -349,6 +457,95 @@ mod tests {
             }),
         );
         assert_eq!(chosen(&c), Codec::Zstd(1));
+    }
+
+    /// Pre-copy: the first frame and every `PAIRED_PROBE_EVERY`-th are probes, and the frames sent
+    /// with the codec chosen leave the codecs' ratios alone, so that LZ4 and zstd are only
+    /// compared on the same pages. (Taken from the frames sent, zstd's figures would fall on
+    /// memory that hardly compresses while LZ4's stayed those of the compressible probe, and
+    /// LZ4 would be chosen.)
+    #[test]
+    fn precopy_codecs_are_compared_on_the_same_pages() {
+        let mb = 1 << 20;
+        // A writer's share of 1 Gbit/s: 16 ns per byte.
+        let busy = Some(LinkSample {
+            elapsed: Duration::from_nanos(16 * mb as u64),
+            bytes: mb as u64,
+        });
+        let c = Compressor::new(Compress::Auto);
+        assert_eq!(c.next(), Next::Probe);
+        // The probe: LZ4 halves the pages in 1 ms, zstd makes them 2.8x smaller in 3 ms.
+        c.record_trial(Codec::Lz4, mb, mb / 2, Duration::from_millis(1));
+        c.record(
+            Codec::Zstd(1),
+            mb,
+            mb * 10 / 28,
+            Duration::from_millis(3),
+            busy,
+        );
+        for _ in 2..PAIRED_PROBE_EVERY {
+            assert_eq!(c.next(), Next::Use(Codec::Zstd(1)));
+            c.record_sent(
+                Codec::Zstd(1),
+                (mb, mb * 9 / 10),
+                Duration::from_millis(3),
+                busy,
+            );
+        }
+        assert_eq!(c.next(), Next::Probe);
+        // The next probe's pages hardly compress with either: zstd still sends fewer bytes.
+        c.record_trial(Codec::Lz4, mb, mb * 19 / 20, Duration::from_micros(400));
+        c.record(
+            Codec::Zstd(1),
+            mb,
+            mb * 9 / 10,
+            Duration::from_millis(2),
+            busy,
+        );
+        assert_eq!(c.next(), Next::Use(Codec::Zstd(1)));
+        let r = c.report();
+        assert_eq!((r.zstd_frames, r.lz4_frames, r.plain_frames), (48, 0, 0));
+        // The frames sent do count by their compression time: zstd slowed down to 300 ms per
+        // MiB on a busy host loses to LZ4.
+        for _ in 0..8 {
+            c.record_sent(
+                Codec::Zstd(1),
+                (mb, mb * 9 / 10),
+                Duration::from_millis(300),
+                busy,
+            );
+        }
+        assert_eq!(chosen(&c), Codec::Lz4);
+        // Fixed modes never probe.
+        assert_eq!(Compressor::new(Compress::Lz4).next(), Next::Use(Codec::Lz4));
+        assert_eq!(
+            Compressor::new(Compress::None).next(),
+            Next::Use(Codec::None)
+        );
+    }
+
+    /// Post-copy's answers take turns between LZ4 and zstd for their probes, never plain: no
+    /// codec needs no measuring.
+    #[test]
+    fn answers_probe_each_codec_never_plain() {
+        let c = Compressor::new(Compress::Auto);
+        let mb = 1 << 20;
+        let busy = Some(LinkSample {
+            elapsed: Duration::from_nanos(mb as u64),
+            bytes: mb as u64,
+        });
+        let mut probed = std::collections::BTreeSet::new();
+        for n in 1..=6 * PROBE_EVERY {
+            let codec = c.choose();
+            c.record(codec, mb, mb / 2, Duration::from_millis(2), busy);
+            if n % PROBE_EVERY == 0 {
+                probed.insert(format!("{codec:?}"));
+            }
+        }
+        // At 1 ns per byte, 2 ms per MiB of compression is too slow: frames go plain, probes
+        // do not.
+        assert_eq!(c.choose(), Codec::None);
+        assert_eq!(probed.into_iter().collect::<Vec<_>>(), ["Lz4", "Zstd(1)"]);
     }
 
     #[test]

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use guestmem_memory::{GuestMemory, PAGE_SIZE};
 
 use crate::chunk_digests::ChunkDigests;
-use crate::compress::Compressor;
+use crate::compress::{Compressor, Next};
 use crate::delta::{DeltaCache, Partition};
 use crate::protocol::{write_frame, BLOCK};
 use crate::stream::{compress_pages, compress_pages_stream, Codec, Frame, StreamError, ZstdStream};
@@ -167,6 +167,7 @@ impl Writers {
                 last,
                 out: Vec::new(),
                 scratch: Vec::new(),
+                trial: Vec::new(),
                 pages: Vec::new(),
                 hashing: Duration::ZERO,
                 gauge: LinkGauge::default(),
@@ -247,6 +248,8 @@ struct Writer {
     out: Vec<u8>,
     /// The compressor's buffer.
     scratch: Vec<u8>,
+    /// A probe's copy of the frame, for the codec tried on it and not sent.
+    trial: Vec<u8>,
     /// The pages read for the delta cache.
     pages: Vec<u8>,
     /// Time spent hashing chunks.
@@ -289,7 +292,7 @@ impl Writer {
     /// A Pages job: the pages encoded (through the delta cache, unless `delta` is off),
     /// compressed, and written.
     fn send_pages(&mut self, gpa: u64, len: u64, fresh: bool, delta: DeltaUse) -> Result<()> {
-        let (codec, encoded, compress_time) = self
+        let (sent, encoded, compress_time) = self
             .encode(gpa, to_usize(len), fresh, delta)
             .and_then(|()| self.compress())
             .map_err(Error::Stream)?;
@@ -300,8 +303,14 @@ impl Writer {
             .write_all(&self.out)
             .map_err(|e| Error::Stream(e.into()))?;
         let link = self.gauge.after_write(&self.conn, self.out.len() as u64);
-        self.compressor
-            .record(codec, encoded, self.out.len(), compress_time, link);
+        let (t, probe) = compress_time;
+        if probe {
+            self.compressor
+                .record(sent, encoded, self.out.len(), t, link);
+        } else {
+            self.compressor
+                .record_sent(sent, (encoded, self.out.len()), t, link);
+        }
         Ok(())
     }
 
@@ -343,19 +352,41 @@ impl Writer {
         }
     }
 
-    /// Compresses the frame in `out` with the codec the compressor chooses (through the
-    /// connection's zstd stream, if it has one): the codec, the frame's size before and the
-    /// time it took.
-    fn compress(&mut self) -> std::result::Result<(Codec, usize, Duration), StreamError> {
-        let codec = self.compressor.choose();
-        let (encoded, t) = (self.out.len(), Instant::now());
+    /// Compresses the frame in `out` as the compressor says (through the connection's zstd
+    /// stream, if it has one): the codec sent, the frame's size before, the compression time
+    /// and whether the frame was a probe (LZ4 tried on a copy, recorded here; the frame goes
+    /// with zstd).
+    fn compress(&mut self) -> std::result::Result<(Codec, usize, (Duration, bool)), StreamError> {
+        let encoded = self.out.len();
+        let codec = match self.compressor.next() {
+            Next::Use(codec) => {
+                let t = Instant::now();
+                self.compress_with(codec)?;
+                return Ok((codec, encoded, (t.elapsed(), false)));
+            }
+            Next::Probe => {
+                self.trial.clear();
+                self.trial.extend_from_slice(&self.out);
+                let t = Instant::now();
+                let n = compress_pages(&mut self.trial, Codec::Lz4, &mut self.scratch)?;
+                self.compressor
+                    .record_trial(Codec::Lz4, encoded, n, t.elapsed());
+                Codec::Zstd(crate::compress::ZSTD_LEVEL)
+            }
+        };
+        let t = Instant::now();
+        self.compress_with(codec)?;
+        Ok((codec, encoded, (t.elapsed(), true)))
+    }
+
+    fn compress_with(&mut self, codec: Codec) -> std::result::Result<(), StreamError> {
         match (codec, self.stream.as_mut()) {
             (Codec::Zstd(_), Some(s)) => {
                 compress_pages_stream(&mut self.out, s, &mut self.scratch)?
             }
             _ => compress_pages(&mut self.out, codec, &mut self.scratch)?,
         };
-        Ok((codec, encoded, t.elapsed()))
+        Ok(())
     }
 
     /// Any other frame, written as it is.
