@@ -315,11 +315,7 @@ impl Compressor {
         compress_time: Duration,
         link: Option<LinkSample>,
     ) {
-        let mut state = self.lock();
-        let (figures, report, _) = &mut *state;
-        figures.add_codec(codec, (frame_bytes, wire_bytes), compress_time, false);
-        figures.add_wire(link);
-        report.count(codec, frame_bytes, wire_bytes);
+        self.record_frame(codec, (frame_bytes, wire_bytes), compress_time, link, false);
     }
 
     /// Records a frame of `frame_bytes` (as encoded) that `codec` turned into `wire_bytes` in
@@ -333,11 +329,23 @@ impl Compressor {
         compress_time: Duration,
         link: Option<LinkSample>,
     ) {
+        self.record_frame(codec, (frame_bytes, wire_bytes), compress_time, link, true);
+    }
+
+    /// A frame sent: its codec's time, and its ratio if `ratio`; the link; the counts.
+    fn record_frame(
+        &self,
+        codec: Codec,
+        sizes: (usize, usize),
+        compress_time: Duration,
+        link: Option<LinkSample>,
+        ratio: bool,
+    ) {
         let mut state = self.lock();
         let (figures, report, _) = &mut *state;
-        figures.add_codec(codec, (frame_bytes, wire_bytes), compress_time, true);
+        figures.add_codec(codec, sizes, compress_time, ratio);
         figures.add_wire(link);
-        report.count(codec, frame_bytes, wire_bytes);
+        report.count(codec, sizes.0, sizes.1);
     }
 
     /// What it did so far.
