@@ -307,7 +307,9 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let mut peer = Socket::Tcp(TcpStream::connect(listener.local_addr().unwrap()).unwrap());
         let mut wire = Wire::new(Socket::Tcp(listener.accept().unwrap().0));
-        let bytes: Vec<u8> = (0..3 * READ_AHEAD + 777).map(|i| (i * 7 % 251) as u8).collect();
+        let bytes: Vec<u8> = (0..3 * READ_AHEAD + 777)
+            .map(|i| u8::try_from(i * 7 % 251).expect("below 251"))
+            .collect();
         let sender = std::thread::spawn(move || {
             let (a, b) = bytes.split_at(1000);
             let n = peer
