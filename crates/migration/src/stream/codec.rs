@@ -145,8 +145,12 @@ impl Frame {
         }
         *buf = compressed;
         if let (Some((scratch, land)), kind::PAGES) = (landing, inner[4]) {
-            // Landed from where it was decompressed, once checked whole.
-            let frame = Frame::land_inner(&inner, scratch, land);
+            // Landed from where it was decompressed. A codec-3 frame's inner CRC is checked
+            // first: its bytes depend on the stream's history, which the outer CRC does not
+            // cover. A frame of codec 1 or 2 decodes from its compressed bytes alone, which
+            // the outer CRC covered: checking the inner CRC too would be a second pass over
+            // every decompressed page that catches nothing the first did not.
+            let frame = Frame::land_inner(&inner, codec == ZSTD_STREAM_CODEC, scratch, land);
             INFLATED.set(inner);
             return frame;
         }
@@ -164,9 +168,11 @@ impl Frame {
 
 impl Frame {
     /// A decompressed inner Pages frame (header, payload, CRC: exactly `inner`), checked as
-    /// [`Frame::read_into`] checks one, then landed ([`Frame::land_pages`]).
+    /// [`Frame::read_into`] checks one (its CRC only if `check_crc`), then landed
+    /// ([`Frame::land_pages`]).
     fn land_inner(
         inner: &[u8],
+        check_crc: bool,
         scratch: &mut [u8],
         land: &mut Land<'_>,
     ) -> Result<FrameRef<'static>, StreamError> {
@@ -179,11 +185,13 @@ impl Frame {
                 rest.len().saturating_sub(4)
             )));
         }
-        let found = u32::from_le_bytes(rest[len..].try_into().expect("4 bytes"));
-        let mut hasher = crc32fast::Hasher::new();
-        hasher.update(&header);
-        hasher.update(&rest[..len]);
-        check_crc(found, hasher.finalize())?;
+        if check_crc {
+            let found = u32::from_le_bytes(rest[len..].try_into().expect("4 bytes"));
+            let mut hasher = crc32fast::Hasher::new();
+            hasher.update(&header);
+            hasher.update(&rest[..len]);
+            super::check_crc(found, hasher.finalize())?;
+        }
         Frame::land_pages(&rest[..len], scratch, land)
     }
 }

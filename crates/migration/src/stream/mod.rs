@@ -16,10 +16,13 @@
 //! A PagesZ payload carries one whole Pages frame (header, payload and CRC), compressed:
 //! `codec (u8) | 3 zero bytes | inner length (u32) | compressed bytes`, codec 1 = LZ4 block,
 //! 2 = zstd frame, 3 = zstd stream. The receiver decompresses into a buffer of exactly the
-//! announced length (never more) and decodes the inner frame as any Pages frame, its own CRC
-//! included: the pages are checked end to end, after decompression. Codecs 1 and 2 compress
-//! each frame on its own, and a sender uses them only when that makes the frame smaller
-//! ([`compress_pages`]).
+//! announced length (never more) and decodes the inner frame as any Pages frame. Codecs 1 and
+//! 2 compress each frame on its own, and a sender uses them only when that makes the frame
+//! smaller ([`compress_pages`]); such a frame decodes from its compressed bytes alone, which
+//! the outer CRC covers, so a receiver landing it ([`Frame::read_into_landing`]) does not
+//! check the inner CRC again (a second pass over every decompressed page). The inner CRC is
+//! checked wherever the inner frame is read as any other ([`Frame::read_into`]) and for codec
+//! 3, whose bytes also depend on the stream's history.
 //!
 //! Codec 3, the zstd stream ([`ZstdStream`], [`compress_pages_stream`]): each pre-copy pages
 //! connection carries one zstd frame that never ends, of which every PagesZ frame of codec 3

@@ -353,17 +353,21 @@ pub fn connect_with(
     let conn = ClientConnection::new(Arc::new(config), name)
         .map_err(|e| TransportError::Setup(e.to_string()))?;
     handshake(
-        StreamOwned::new(conn, socket),
+        StreamOwned::new(conn, Wire::new(socket)),
         peer,
         timeouts,
         creds.problem.clone(),
     )
 }
 
+/// The TLS records a connection holds, encrypted, before its writes wait for the socket: as
+/// many as one `writev` sends (rustls hands over 64 at most, of up to 16 KiB each).
+const SEND_AHEAD: usize = 1 << 20;
+
 /// Drives the handshake to its end now (within the handshake timeout), so that a refused peer
 /// is an error here, not at the first read or write.
 pub(super) fn handshake<C, D>(
-    mut stream: StreamOwned<C, Socket>,
+    mut stream: StreamOwned<C, Wire>,
     peer: String,
     timeouts: Timeouts,
     own_problem: Option<String>,
@@ -385,6 +389,7 @@ where
         }
         stream
             .sock
+            .socket
             .set_timeouts(Some(left))
             .map_err(io_err("socket timeout"))?;
         if let Err(e) = stream.conn.complete_io(&mut stream.sock) {
@@ -409,6 +414,9 @@ where
             return Err(TransportError::Tls { peer, reason });
         }
     }
+    // A write of a whole frame is taken at once and leaves in one `writev` of its records
+    // (see `Wire`), where rustls's default (64 KiB) cut it in many.
+    stream.conn.set_buffer_limit(Some(SEND_AHEAD));
     let peer_cert = stream
         .conn
         .peer_certificates()
@@ -416,6 +424,7 @@ where
         .map(|c| c.clone().into_owned());
     let socket = stream
         .sock
+        .socket
         .try_clone()
         .map_err(io_err("dup of the connection's socket"))?;
     socket

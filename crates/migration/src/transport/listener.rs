@@ -47,7 +47,7 @@ impl Accepted {
         let conn =
             ServerConnection::new(self.config).map_err(|e| TransportError::Setup(e.to_string()))?;
         handshake(
-            StreamOwned::new(conn, self.socket),
+            StreamOwned::new(conn, Wire::new(self.socket)),
             self.peer,
             self.timeouts,
             self.own_problem,

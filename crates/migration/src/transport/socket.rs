@@ -109,6 +109,14 @@ impl Write for Socket {
             Socket::Unix(s) => s.write(buf),
         }
     }
+    /// One `writev` for many buffers: rustls hands over every TLS record it holds at once
+    /// (up to 64), which the default (the first buffer only) would send one syscall each.
+    fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        match self {
+            Socket::Tcp(s) => s.write_vectored(bufs),
+            Socket::Unix(s) => s.write_vectored(bufs),
+        }
+    }
     fn flush(&mut self) -> io::Result<()> {
         match self {
             Socket::Tcp(s) => s.flush(),
@@ -149,6 +157,66 @@ pub(super) fn set_send_buffer(s: &TcpStream) -> io::Result<()> {
         Ok(())
     } else {
         Err(io::Error::last_os_error())
+    }
+}
+
+/// The bytes a TCP socket's read fetches at most (see [`Wire`]).
+const READ_AHEAD: usize = 128 << 10;
+
+/// The socket under a connection's TLS. rustls reads at most one TLS record (16 KiB) per call;
+/// a TCP socket is read ahead instead, up to [`READ_AHEAD`] bytes per `recv`, and rustls's reads
+/// served from there: a pages connection then makes one syscall where it made up to eight, for
+/// a copy of what was read, made while it is still in the cache. A Unix socket is read as it
+/// is: it also carries file descriptors beside the TLS stream, which a read ahead could take.
+#[derive(Debug)]
+pub(super) struct Wire {
+    pub(super) socket: Socket,
+    ahead: Vec<u8>,
+    /// The bytes of `ahead` read but not yet handed on.
+    at: usize,
+    end: usize,
+}
+
+impl Wire {
+    pub(super) fn new(socket: Socket) -> Wire {
+        let ahead = match socket {
+            Socket::Tcp(_) => vec![0; READ_AHEAD],
+            Socket::Unix(_) => Vec::new(),
+        };
+        Wire {
+            socket,
+            ahead,
+            at: 0,
+            end: 0,
+        }
+    }
+}
+
+impl Read for Wire {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if self.at == self.end {
+            if buf.len() >= self.ahead.len() {
+                return self.socket.read(buf);
+            }
+            self.end = self.socket.read(&mut self.ahead)?;
+            self.at = 0;
+        }
+        let n = buf.len().min(self.end - self.at);
+        buf[..n].copy_from_slice(&self.ahead[self.at..self.at + n]);
+        self.at += n;
+        Ok(n)
+    }
+}
+
+impl Write for Wire {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.socket.write(buf)
+    }
+    fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        self.socket.write_vectored(bufs)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.socket.flush()
     }
 }
 
@@ -229,5 +297,55 @@ mod tests {
             2 * (SEND_BUFFER_BYTES as u64).min(cap),
             "was {before}"
         );
+    }
+
+    /// A TCP socket is read ahead: a small read leaves the rest of what arrived in the
+    /// wire's buffer, and reads of any size, small or larger than the read ahead, give the
+    /// bytes in order; writes of many buffers go whole.
+    #[test]
+    fn tcp_reads_ahead_and_keeps_the_order() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut peer = Socket::Tcp(TcpStream::connect(listener.local_addr().unwrap()).unwrap());
+        let mut wire = Wire::new(Socket::Tcp(listener.accept().unwrap().0));
+        let bytes: Vec<u8> = (0..3 * READ_AHEAD + 777)
+            .map(|i| u8::try_from(i * 7 % 251).expect("below 251"))
+            .collect();
+        let sender = std::thread::spawn(move || {
+            let (a, b) = bytes.split_at(1000);
+            let n = peer
+                .write_vectored(&[io::IoSlice::new(a), io::IoSlice::new(b)])
+                .unwrap();
+            assert!(n > a.len(), "{n} bytes of the first buffer only");
+            peer.write_all(&bytes[n..]).unwrap();
+            bytes
+        });
+        let mut got = vec![0u8; 16];
+        wire.read_exact(&mut got).unwrap();
+        assert!(wire.end > wire.at, "nothing read ahead");
+        for size in [5, 16 << 10, READ_AHEAD + 3, 1] {
+            let mut piece = vec![0u8; size];
+            wire.read_exact(&mut piece).unwrap();
+            got.extend_from_slice(&piece);
+        }
+        let mut rest = Vec::new();
+        wire.read_to_end(&mut rest).unwrap();
+        got.extend_from_slice(&rest);
+        assert!(got == sender.join().unwrap());
+    }
+
+    /// A Unix socket is read as asked, never ahead: bytes after a read stay in the socket
+    /// (where a descriptor passed beside the TLS stream waits for its own read).
+    #[test]
+    fn unix_reads_are_not_read_ahead() {
+        let (a, mut b) = UnixStream::pair().unwrap();
+        let mut raw = a.try_clone().unwrap();
+        raw.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let mut wire = Wire::new(Socket::Unix(a));
+        b.write_all(b"headrest").unwrap();
+        let mut head = [0u8; 4];
+        wire.read_exact(&mut head).unwrap();
+        let mut rest = [0u8; 4];
+        raw.read_exact(&mut rest).unwrap();
+        assert_eq!((&head, &rest), (b"head", b"rest"));
     }
 }
