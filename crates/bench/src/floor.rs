@@ -21,7 +21,11 @@
 //!   the copy alone);
 //! - the source's floor: each encoded frame compressed with the crate's own call, plus one
 //!   copy of the pages out of guest memory (`copy_present_cpu_s_per_gib`):
-//!   `source_floor_cpu_s_per_gib`.
+//!   `source_floor_cpu_s_per_gib`;
+//! - beside the floors, what a receiver spends on its transport: the frames' bytes read from
+//!   a guestmem connection (TLS 1.3 over loopback TCP, as a migration's pages connections)
+//!   into a reused buffer, nothing else done with them (`tls_receive_cpu_s_per_gib`). The
+//!   destination's floor leaves it out; `bench migrate` gives its CPU over both as well.
 //!
 //! CPU time is the measuring thread's (`getrusage(RUSAGE_THREAD)`: user and system, so page
 //! faults count), per GiB of pages the frames carry (zero pages of the image are not sent, as
@@ -101,6 +105,10 @@ pub struct CodecFloor {
     pub copy_present_cpu_s_per_gib: f64,
     /// Compression of the encoded frames and one copy of their pages, per GiB of pages.
     pub source_floor_cpu_s_per_gib: f64,
+    /// Reading the frames' bytes from a guestmem connection (TLS over loopback TCP, as a
+    /// migration's pages connections) and nothing else, per GiB of pages: what a receiver
+    /// spends on its transport, outside the floor above.
+    pub tls_receive_cpu_s_per_gib: f64,
     /// Each run's destination floors (`memcpy`, `UFFDIO_COPY`).
     pub dest_floor_memcpy_cpu_s_per_gib_runs: Vec<f64>,
     pub dest_floor_uffd_cpu_s_per_gib_runs: Vec<f64>,
@@ -140,7 +148,7 @@ pub fn main(args: Args) -> crate::Result<()> {
             out.runs
         );
         println!(
-            "{:>6} {:>7} {:>9} {:>9} {:>9} {:>9} {:>11} {:>11} {:>12} {:>11} {:>11}",
+            "{:>6} {:>7} {:>9} {:>9} {:>9} {:>9} {:>11} {:>11} {:>12} {:>11} {:>11} {:>11}",
             "codec",
             "frames",
             "wire MiB",
@@ -151,11 +159,12 @@ pub fn main(args: Args) -> crate::Result<()> {
             "copy fresh",
             "copy present",
             "source",
+            "tls receive",
             "pages MiB"
         );
         for f in &out.floors {
             println!(
-                "{:>6} {:>7} {:>9.0} {:>9.3} {:>9.3} {:>9.3} {:>11.3} {:>11.3} {:>12.3} {:>11.3} {:>11.0}",
+                "{:>6} {:>7} {:>9.0} {:>9.3} {:>9.3} {:>9.3} {:>11.3} {:>11.3} {:>12.3} {:>11.3} {:>11.3} {:>11.0}",
                 format!("{:?}", f.codec).to_lowercase(),
                 f.frames,
                 f.wire_bytes as f64 / f64::from(1 << 20),
@@ -166,6 +175,7 @@ pub fn main(args: Args) -> crate::Result<()> {
                 f.copy_fresh_cpu_s_per_gib,
                 f.copy_present_cpu_s_per_gib,
                 f.source_floor_cpu_s_per_gib,
+                f.tls_receive_cpu_s_per_gib,
                 f.page_bytes as f64 / f64::from(1 << 20)
             );
         }
@@ -201,7 +211,9 @@ pub fn measure(image: &[u8], codecs: &[FloorCodec], runs: usize) -> crate::Resul
         let mut decompress = Vec::new();
         let mut fresh = Vec::new();
         let mut present = Vec::new();
+        let mut tls = Vec::new();
         for _ in 0..runs {
+            tls.push(tls_receive(&frames)? / gib);
             dest.push(receive(&frames, image.len(), Pass::Both)? / gib);
             uffd.push(receive(&frames, image.len(), Pass::Uffd)? / gib);
             decompress.push(receive(&frames, image.len(), Pass::Decompress)? / gib);
@@ -221,6 +233,7 @@ pub fn measure(image: &[u8], codecs: &[FloorCodec], runs: usize) -> crate::Resul
             copy_fresh_cpu_s_per_gib: median(fresh),
             copy_present_cpu_s_per_gib: median(present.clone()),
             source_floor_cpu_s_per_gib: source_s / gib + median(present.clone()),
+            tls_receive_cpu_s_per_gib: median(tls),
             dest_floor_memcpy_cpu_s_per_gib_runs: dest,
             dest_floor_uffd_cpu_s_per_gib_runs: uffd,
         });
@@ -466,6 +479,64 @@ fn spread(frame: &[u8], memory: &mut [u8]) {
     }
 }
 
+/// CPU seconds the receiving end of a guestmem connection (TLS over loopback TCP, the
+/// transport of a migration's pages connections) takes to read the bytes of `frames`, which a
+/// thread of its own writes whole, frame after frame; the bytes are read into a reused buffer
+/// and nothing else is done with them.
+fn tls_receive(frames: &[Vec<u8>]) -> crate::Result<f64> {
+    use guestmem_migration::transport::{
+        connect, generate_credentials, Credentials, Endpoint, Listener, Role,
+    };
+    use std::io::{Read, Write};
+    let dir = std::env::temp_dir().join(format!("guestmem-floor-tls-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    generate_credentials(&dir)?;
+    let creds = (
+        Credentials::load(&dir, Role::Destination),
+        Credentials::load(&dir, Role::Source),
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    let (destination, source) = (creds.0?, creds.1?);
+    let listener = Listener::bind(&"tcp:127.0.0.1:0".parse::<Endpoint>()?, &destination)?;
+    let port = listener.port().ok_or("the loopback listener has no port")?;
+    let to: Endpoint = format!("tcp:127.0.0.1:{port}").parse()?;
+    let total: usize = frames.iter().map(Vec::len).sum();
+    std::thread::scope(|s| -> crate::Result<f64> {
+        let writer = s.spawn(move || -> Result<(), String> {
+            let mut conn = connect(&to, &source).map_err(|e| e.to_string())?;
+            conn.enlarge_send_buffer().map_err(|e| e.to_string())?;
+            for f in frames {
+                conn.write_all(f).map_err(|e| e.to_string())?;
+            }
+            conn.flush().map_err(|e| e.to_string())?;
+            // Closed before the reader has it all, the socket could be reset under it.
+            conn.read_exact(&mut [0u8]).map_err(|e| e.to_string())
+        });
+        let read = || -> crate::Result<f64> {
+            let mut conn = listener.accept()?;
+            let mut buf = vec![0u8; 1 << 20];
+            let t = thread_cpu_s();
+            let mut left = total;
+            while left > 0 {
+                let n = left.min(buf.len());
+                conn.read_exact(&mut buf[..n])?;
+                left -= n;
+            }
+            let secs = thread_cpu_s() - t;
+            conn.write_all(&[1])?;
+            conn.flush()?;
+            Ok(secs)
+        };
+        let secs = read();
+        // The writer's failure first: it is why a read fails.
+        writer
+            .join()
+            .map_err(|_| "the writer panicked")?
+            .map_err(|e| format!("the floor's TLS writer: {e}"))?;
+        secs
+    })
+}
+
 /// A fresh anonymous mapping (no page touched), unmapped when dropped.
 struct Fresh {
     ptr: *mut u8,
@@ -582,5 +653,16 @@ mod tests {
             // Pages never copied (the zero ones) read as zero once unregistered.
             assert!(map.bytes() == &image[..], "{codec:?} by UFFDIO_COPY");
         }
+    }
+
+    /// The transport's receive reads every byte the writer sent (a lost tail would be an
+    /// error) and takes some CPU.
+    #[test]
+    fn the_tls_receive_reads_every_frame() {
+        let frames: Vec<Vec<u8>> = (0..40u8)
+            .map(|i| vec![i; 300_000 + usize::from(i)])
+            .collect();
+        let secs = tls_receive(&frames).unwrap();
+        assert!(secs > 0.0 && secs < 10.0, "{secs}");
     }
 }

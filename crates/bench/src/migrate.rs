@@ -245,7 +245,7 @@ struct Run {
     source_cpu_s: f64,
     destination_cpu_s: f64,
     /// The floors of both ends for this run's mix of codecs (see [`Floors::mix`]).
-    floor: Option<(f64, f64)>,
+    floor: Option<EndFloors>,
 }
 
 /// The CPU floor of both ends per codec on the image, CPU-s per GiB of pages
@@ -255,7 +255,7 @@ struct Floors(Vec<crate::floor::CodecFloor>);
 impl Floors {
     /// The floors of the destination and the source for a migration whose frames went as
     /// `c` says: each codec's floor weighted by its share of the frames.
-    fn mix(&self, c: &CompressionReport) -> Option<(f64, f64)> {
+    fn mix(&self, c: &CompressionReport) -> Option<EndFloors> {
         let of = |codec| self.0.iter().find(|f| f.codec == codec);
         let parts = [
             (c.zstd_frames, of(crate::floor::FloorCodec::Zstd)?),
@@ -264,15 +264,26 @@ impl Floors {
         ];
         let frames: u64 = parts.iter().map(|p| p.0).sum();
         (frames > 0).then(|| {
-            parts.iter().fold((0.0, 0.0), |(d, s), (n, f)| {
+            parts.iter().fold(EndFloors::default(), |sum, (n, f)| {
                 let w = *n as f64 / frames as f64;
-                (
-                    d + w * f.dest_floor_cpu_s_per_gib,
-                    s + w * f.source_floor_cpu_s_per_gib,
-                )
+                EndFloors {
+                    dest: sum.dest + w * f.dest_floor_cpu_s_per_gib,
+                    source: sum.source + w * f.source_floor_cpu_s_per_gib,
+                    tls_receive: sum.tls_receive + w * f.tls_receive_cpu_s_per_gib,
+                }
             })
         })
     }
+}
+
+/// The floors of a migration's ends, CPU-s per GiB of pages (see [`crate::floor`]): the
+/// destination's (decompression and one copy), the source's (compression and one copy), and
+/// what receiving the bytes over the transport takes (TLS over loopback TCP).
+#[derive(Debug, Clone, Copy, Default)]
+struct EndFloors {
+    dest: f64,
+    source: f64,
+    tls_receive: f64,
 }
 
 /// A delta cache size for the bench: MiB, or the default share of guest memory.
@@ -354,6 +365,11 @@ struct Row {
     source_floor_cpu_s_per_gib: Option<f64>,
     dest_cpu_to_floor: Option<f64>,
     source_cpu_to_floor: Option<f64>,
+    /// With `--image`: what receiving the run's bytes over the transport alone takes (TLS
+    /// over loopback TCP, see `bench floor`), CPU-s per GiB of pages, and the destination's
+    /// CPU over its floor and that together.
+    dest_tls_receive_cpu_s_per_gib: Option<f64>,
+    dest_cpu_to_floor_and_tls_receive: Option<f64>,
     /// What the pages of the rounds after the first took on the wire.
     later_rounds_wire_mib: f64,
     /// The delta cache's size, and its hit rate over the re-sent pages looked up.
@@ -1413,7 +1429,7 @@ fn median_row(
     let during = m(&|r| r.during_pages_per_s);
     let extra = m(&|r| r.report.source_extra_bytes as f64);
     // A figure of the runs' floors: None unless every run has them.
-    let floor = |f: &dyn Fn(&Run, (f64, f64)) -> f64| {
+    let floor = |f: &dyn Fn(&Run, EndFloors) -> f64| {
         median_if_all(runs.iter().map(|r| r.floor.map(|x| f(r, x))))
     };
     let gib = Run::sent_gib;
@@ -1450,10 +1466,14 @@ fn median_row(
         destination_cpu_s: m(&|r| r.destination_cpu_s),
         source_cpu_s_per_gib: m(&|r| r.source_cpu_s / gib(r)),
         dest_cpu_s_per_gib: m(&|r| r.destination_cpu_s / gib(r)),
-        dest_floor_cpu_s_per_gib: floor(&|_, (d, _)| d),
-        source_floor_cpu_s_per_gib: floor(&|_, (_, s)| s),
-        dest_cpu_to_floor: floor(&|r, (d, _)| r.destination_cpu_s / gib(r) / d),
-        source_cpu_to_floor: floor(&|r, (_, s)| r.source_cpu_s / gib(r) / s),
+        dest_floor_cpu_s_per_gib: floor(&|_, f| f.dest),
+        source_floor_cpu_s_per_gib: floor(&|_, f| f.source),
+        dest_cpu_to_floor: floor(&|r, f| r.destination_cpu_s / gib(r) / f.dest),
+        source_cpu_to_floor: floor(&|r, f| r.source_cpu_s / gib(r) / f.source),
+        dest_tls_receive_cpu_s_per_gib: floor(&|_, f| f.tls_receive),
+        dest_cpu_to_floor_and_tls_receive: floor(&|r, f| {
+            r.destination_cpu_s / gib(r) / (f.dest + f.tls_receive)
+        }),
         later_rounds_wire_mib: m(&Run::later_rounds_wire_mib),
         delta_cache_bytes: runs.first().map_or(0, |r| r.report.delta.cache_bytes),
         delta_hit_rate: m(&|r| r.report.delta.hit_rate()),
@@ -1706,8 +1726,15 @@ fn print_cpu_per_gib(out: &Output) {
             (Some(f), Some(x)) => format!(" (floor {f:.2}, {x:.2}x)"),
             _ => String::new(),
         };
+        let tls = match (
+            r.dest_tls_receive_cpu_s_per_gib,
+            r.dest_cpu_to_floor_and_tls_receive,
+        ) {
+            (Some(t), Some(x)) => format!(" (with the TLS receive's {t:.2}: {x:.2}x)"),
+            _ => String::new(),
+        };
         println!(
-            "{} MiB, {}, {} {:?}: CPU-s per GiB of pages sent: destination {:.2}{}, source \
+            "{} MiB, {}, {} {:?}: CPU-s per GiB of pages sent: destination {:.2}{}{}, source \
              {:.2}{}",
             r.memory_bytes >> 20,
             rate_label(r.dirty_mib_per_s),
@@ -1715,6 +1742,7 @@ fn print_cpu_per_gib(out: &Output) {
             r.compress,
             r.dest_cpu_s_per_gib,
             floor(r.dest_floor_cpu_s_per_gib, r.dest_cpu_to_floor),
+            tls,
             r.source_cpu_s_per_gib,
             floor(r.source_floor_cpu_s_per_gib, r.source_cpu_to_floor),
         );
