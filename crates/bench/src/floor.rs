@@ -36,7 +36,7 @@ use guestmem_sys::to_usize;
 use std::path::{Path, PathBuf};
 
 use guestmem_migration::compress::ZSTD_LEVEL;
-use guestmem_migration::stream::{compress_pages, Codec, Frame};
+use guestmem_migration::stream::{compress_pages, Codec, Encoding, Frame};
 use serde::Serialize;
 
 const PAGE: usize = 4096;
@@ -261,10 +261,22 @@ fn encode(image: &[u8], codec: Codec) -> crate::Result<(Vec<Vec<u8>>, u64, f64)>
             if !zero[p] {
                 let bytes = &block[p * PAGE..(p + run) * PAGE];
                 let gpa = (b * BLOCK + p * PAGE) as u64;
-                Frame::encode_pages_with(&mut out, gpa, bytes.len(), true, false, |at, piece| {
-                    piece.copy_from_slice(&bytes[at..at + piece.len()]);
-                    Ok(())
-                })?;
+                // As a migration's writers encode them: no CRC, the channel checks the bytes.
+                let encoding = Encoding {
+                    whole_pages: false,
+                    no_crc: true,
+                };
+                Frame::encode_pages_with(
+                    &mut out,
+                    gpa,
+                    bytes.len(),
+                    true,
+                    encoding,
+                    |at, piece| {
+                        piece.copy_from_slice(&bytes[at..at + piece.len()]);
+                        Ok(())
+                    },
+                )?;
                 // The compression call alone, as the source makes it (into a buffer of the
                 // bound), for the source's floor.
                 let t = thread_cpu_s();

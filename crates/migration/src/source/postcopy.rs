@@ -13,7 +13,7 @@ use guestmem_vm::layout;
 
 use crate::compress::Compressor;
 use crate::protocol::{link_error, read_frame, write_frame, Links};
-use crate::stream::{compress_pages, Codec, Frame, StreamError};
+use crate::stream::{compress_pages, Codec, Encoding, Frame, StreamError};
 use crate::transport::{AnswerGauge, Connection, Cutter};
 use crate::{Error, MigrationError, Result};
 
@@ -252,7 +252,11 @@ pub(super) fn serve(
                     gpa,
                     len as usize,
                     false,
-                    false,
+                    // The channel (TLS) authenticates the answer's bytes.
+                    Encoding {
+                        whole_pages: false,
+                        no_crc: true,
+                    },
                     |at, piece| {
                         memory.read(gpa + at as u64, piece).map_err(|e| {
                             StreamError::Malformed(format!(

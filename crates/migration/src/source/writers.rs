@@ -14,7 +14,9 @@ use crate::chunk_digests::ChunkDigests;
 use crate::compress::{Compressor, Next};
 use crate::delta::{DeltaCache, Partition};
 use crate::protocol::{write_frame, BLOCK};
-use crate::stream::{compress_pages, compress_pages_stream, Codec, Frame, StreamError, ZstdStream};
+use crate::stream::{
+    compress_pages, compress_pages_stream, Codec, Encoding, Frame, StreamError, ZstdStream,
+};
 use crate::transport::{Connection, LinkGauge};
 use crate::{Error, Result};
 
@@ -87,7 +89,7 @@ pub(super) fn encode_cached(
                 part.lookup(at(p));
             });
         }
-        Frame::encode_pages_with(out, gpa, len, fresh, false, |o, piece| {
+        Frame::encode_pages_with(out, gpa, len, fresh, Encoding::default(), |o, piece| {
             piece.copy_from_slice(&pages[o..o + piece.len()]);
             Ok(())
         })?;
@@ -340,7 +342,12 @@ impl Writer {
                     gpa,
                     len,
                     fresh,
-                    self.whole_pages,
+                    Encoding {
+                        whole_pages: self.whole_pages,
+                        // The channel (TLS) authenticates the frame's bytes; a zstd stream's
+                        // frames keep their CRC, which checks the stream's history too.
+                        no_crc: self.stream.is_none(),
+                    },
                     |at, piece| {
                         memory
                             .read(gpa + at as u64, piece)

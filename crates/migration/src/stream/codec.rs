@@ -62,12 +62,18 @@ pub fn compress_pages(
     if at + n + 4 >= frame.len() || payload > MAX_PAYLOAD as usize {
         return Ok(frame.len());
     }
+    // Without CRC inside, none outside: the frame crosses a channel that checks its bytes.
+    let flags = frame[5] & NO_CRC;
     scratch[..4].copy_from_slice(&MAGIC);
-    scratch[4..8].copy_from_slice(&[kind::PAGES_Z, 0, 0, 0]);
+    scratch[4..8].copy_from_slice(&[kind::PAGES_Z, flags, 0, 0]);
     scratch[8..12].copy_from_slice(&(payload as u32).to_le_bytes());
     scratch[12..16].copy_from_slice(&[codec.id(), 0, 0, 0]);
     scratch[16..20].copy_from_slice(&(frame.len() as u32).to_le_bytes());
-    let crc = crc32fast::hash(&scratch[..at + n]);
+    let crc = if flags == 0 {
+        crc32fast::hash(&scratch[..at + n])
+    } else {
+        0
+    };
     scratch[at + n..at + n + 4].copy_from_slice(&crc.to_le_bytes());
     frame.clear();
     frame.extend_from_slice(&scratch[..at + n + 4]);
@@ -185,8 +191,10 @@ impl Frame {
                 rest.len().saturating_sub(4)
             )));
         }
-        if check_crc {
-            let found = u32::from_le_bytes(rest[len..].try_into().expect("4 bytes"));
+        let found = u32::from_le_bytes(rest[len..].try_into().expect("4 bytes"));
+        if !has_crc(&header) {
+            no_crc_field(found)?;
+        } else if check_crc {
             let mut hasher = crc32fast::Hasher::new();
             hasher.update(&header);
             hasher.update(&rest[..len]);
@@ -203,10 +211,17 @@ mod tests {
 
     fn compressed_frame(codec: Codec, pages: &[u8], gpa: u64) -> (Vec<u8>, usize) {
         let mut out = Vec::new();
-        Frame::encode_pages_with(&mut out, gpa, pages.len(), false, false, |at, piece| {
-            piece.copy_from_slice(&pages[at..at + piece.len()]);
-            Ok(())
-        })
+        Frame::encode_pages_with(
+            &mut out,
+            gpa,
+            pages.len(),
+            false,
+            Encoding::default(),
+            |at, piece| {
+                piece.copy_from_slice(&pages[at..at + piece.len()]);
+                Ok(())
+            },
+        )
         .unwrap();
         let plain = out.len();
         let wire = compress_pages(&mut out, codec, &mut Vec::new()).unwrap();

@@ -208,10 +208,17 @@ mod tests {
         assert!(deltas >= count - count / 4, "{deltas} deltas");
         assert!(bytes.len() < new.len() / 2, "{} bytes", bytes.len());
         let mut plain = Vec::new();
-        Frame::encode_pages_with(&mut plain, 0x20_0000, new.len(), false, false, |at, p| {
-            p.copy_from_slice(&new[at..at + p.len()]);
-            Ok(())
-        })
+        Frame::encode_pages_with(
+            &mut plain,
+            0x20_0000,
+            new.len(),
+            false,
+            Encoding::default(),
+            |at, p| {
+                p.copy_from_slice(&new[at..at + p.len()]);
+                Ok(())
+            },
+        )
         .unwrap();
         let mut scratch = Vec::new();
         for codec in [Codec::None, Codec::Lz4, Codec::Zstd(1)] {

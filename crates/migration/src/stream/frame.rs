@@ -175,10 +175,17 @@ impl Frame {
     pub fn encode(&self) -> Result<Vec<u8>, StreamError> {
         let mut out = Vec::new();
         if let Frame::Pages { gpa, pages, fresh } = self {
-            Frame::encode_pages_with(&mut out, *gpa, pages.len(), *fresh, false, |at, piece| {
-                piece.copy_from_slice(&pages[at..at + piece.len()]);
-                Ok(())
-            })?;
+            Frame::encode_pages_with(
+                &mut out,
+                *gpa,
+                pages.len(),
+                *fresh,
+                Encoding::default(),
+                |at, piece| {
+                    piece.copy_from_slice(&pages[at..at + piece.len()]);
+                    Ok(())
+                },
+            )?;
             return Ok(out);
         }
         let payload = self.payload();
@@ -257,11 +264,12 @@ impl Frame {
     }
 
     /// [`Frame::read_into_stream`], but a Pages frame (plain, or the one a PagesZ frame holds)
-    /// is read whole into `buf` (or decompressed into the thread's buffer), its CRC checked,
-    /// and only then handed to `land` from there ([`Land`]): runs of whole pages as they are,
-    /// the pages with zero lines spread into `scratch` first (a multiple of the page size),
-    /// zero lines written. It comes back as [`FrameRef::Placed`]; no byte of a damaged frame
-    /// is landed. `place` still takes PagesD frames.
+    /// is read whole into `buf` (or decompressed into the thread's buffer), its CRC checked
+    /// (unless it has none, [`NO_CRC`]: its channel checked the bytes), and only then handed
+    /// to `land` from there ([`Land`]): runs of whole pages as they are, the pages with zero
+    /// lines spread into `scratch` first (a multiple of the page size), zero lines written. It
+    /// comes back as [`FrameRef::Placed`]; no byte of a frame found damaged is landed. `place`
+    /// still takes PagesD frames.
     pub fn read_into_landing<'b>(
         r: &mut impl Read,
         buf: &'b mut Vec<u8>,
@@ -316,10 +324,20 @@ impl Frame {
         if magic != MAGIC {
             return Err(StreamError::Magic(magic));
         }
-        if header[5..8] != [0, 0, 0] {
+        if header[6..8] != [0, 0] {
             return Err(StreamError::Malformed(
                 "reserved header bytes are not zero".into(),
             ));
+        }
+        let flags_allowed = match header[4] {
+            kind::PAGES | kind::PAGES_Z => NO_CRC,
+            _ => 0,
+        };
+        if header[5] & !flags_allowed != 0 {
+            return Err(StreamError::Malformed(format!(
+                "header flags {:#04x} on a frame of kind {}",
+                header[5], header[4]
+            )));
         }
         let len = u32::from_le_bytes(header[8..12].try_into().expect("4 bytes"));
         // Only a PagesZ frame may exceed the largest Pages payload (see Z_SLACK).
@@ -338,7 +356,7 @@ impl Frame {
 
     /// Reads the rest of a frame after its header: the payload lands at the start of `buf`
     /// (which only grows: its bytes are overwritten, not zeroed again), and the CRC over
-    /// header and payload is checked.
+    /// header and payload is checked (a frame flagged [`NO_CRC`] must have zero there).
     pub(super) fn read_payload(
         r: &mut impl Read,
         header: &[u8; HEADER],
@@ -350,6 +368,9 @@ impl Frame {
         }
         r.read_exact(&mut buf[..len + 4])?;
         let found = u32::from_le_bytes(buf[len..len + 4].try_into().expect("4 bytes"));
+        if !has_crc(header) {
+            return no_crc_field(found);
+        }
         let mut hasher = crc32fast::Hasher::new();
         hasher.update(header);
         hasher.update(&buf[..len]);
@@ -538,7 +559,7 @@ pub(super) mod tests {
                 0x1000 * i as u64,
                 pages * PAGE,
                 false,
-                false,
+                Encoding::default(),
                 |_, buf| {
                     buf.fill(i as u8 + 1);
                     Ok(())
@@ -689,10 +710,17 @@ pub(super) mod tests {
         .encode()
         .is_err());
         let mut out = Vec::new();
-        Frame::encode_pages_with(&mut out, 0x3000, 2 * PAGE, false, false, |_, b| {
-            b.fill(5);
-            Ok(())
-        })
+        Frame::encode_pages_with(
+            &mut out,
+            0x3000,
+            2 * PAGE,
+            false,
+            Encoding::default(),
+            |_, b| {
+                b.fill(5);
+                Ok(())
+            },
+        )
         .unwrap();
         assert_eq!(
             out,
@@ -705,9 +733,15 @@ pub(super) mod tests {
             .unwrap()
         );
         for len in [100, 513 * PAGE] {
-            assert!(
-                Frame::encode_pages_with(&mut out, 0, len, false, false, |_, _| Ok(())).is_err()
-            );
+            assert!(Frame::encode_pages_with(
+                &mut out,
+                0,
+                len,
+                false,
+                Encoding::default(),
+                |_, _| Ok(())
+            )
+            .is_err());
         }
     }
 

@@ -1,11 +1,17 @@
 //! The migration stream: frames that carry a VM from one guestmem to another.
 //!
 //! Every frame is `header | payload | crc32`:
-//! - header (12 bytes, little-endian): magic `b"GMf2"`, kind (u8), three reserved zero bytes,
-//!   payload length (u32, at most [`MAX_PAYLOAD`] for a PagesZ frame, 2 MiB of pages with
-//!   their masks and header for the others);
+//! - header (12 bytes, little-endian): magic `b"GMf3"`, kind (u8), flags (u8), two reserved
+//!   zero bytes, payload length (u32, at most [`MAX_PAYLOAD`] for a PagesZ frame, 2 MiB of
+//!   pages with their masks and header for the others);
 //! - payload: as the kind says (below);
-//! - CRC-32 (u32) of header and payload together.
+//! - CRC-32 (u32) of header and payload together, or zero with flag [`NO_CRC`].
+//!
+//! Flag [`NO_CRC`], on Pages and PagesZ frames only: the frame carries no CRC (the field is
+//! zero and not checked), because the channel it crosses authenticates every byte itself. A
+//! migration's channel is TLS 1.3, whose AEAD tag already checks each record: a CRC-32 over the
+//! same bytes would be a second pass over every page at both ends for nothing. Frames kept
+//! anywhere else (tests, a file) keep their CRC; so do the other kinds, which are small.
 //!
 //! A Pages payload is `gpa (u64) | count (u32) | flags (u32) | count line masks (u64) | lines`:
 //! bit `i` of page `p`'s mask says its 64-byte line `i` is not all zero, and only those lines
@@ -67,7 +73,7 @@ use std::io;
 
 pub use codec::{compress_pages, Codec};
 pub use frame::{Frame, FrameRef, Lend};
-pub use pages_frame::Land;
+pub use pages_frame::{Encoding, Land};
 pub(crate) use zstd_stream::free_aside;
 pub use zstd_stream::{
     check_window_log, compress_pages_stream, ZstdStream, ZstdStreamDecoder, ZSTD_WINDOW_LOG_MAX,
@@ -75,7 +81,7 @@ pub use zstd_stream::{
 };
 
 /// The stream's magic and version: a peer speaking another version is refused by its first frame.
-pub const MAGIC: [u8; 4] = *b"GMf2";
+pub const MAGIC: [u8; 4] = *b"GMf3";
 /// The most pages one Pages frame carries (2 MiB).
 pub const MAX_FRAME_PAGES: usize = 512;
 /// The largest payload a frame may carry: 2 MiB of pages with their masks and header, plus
@@ -96,6 +102,9 @@ const Z_HEADER: usize = 8;
 const PAGES_HEADER: usize = 16;
 /// Pages flag: the receiver's memory at these pages holds zeros; zero lines need no writing.
 pub const FRESH: u32 = 1;
+/// Frame header flag (byte 5): no CRC, the channel authenticates the bytes (see the module's
+/// docs). Only on Pages and PagesZ frames.
+pub const NO_CRC: u8 = 1;
 /// The unit of zero elision inside a page: one cache line.
 const LINE: usize = 64;
 const LINES: usize = PAGE / LINE;
@@ -153,6 +162,22 @@ mod kind {
     pub const RUNNING: u8 = 11;
     pub const PAGES_Z: u8 = 12;
     pub const PAGES_D: u8 = 13;
+}
+
+/// Whether a frame with this header carries a CRC ([`NO_CRC`]).
+fn has_crc(header: &[u8; HEADER]) -> bool {
+    header[5] & NO_CRC == 0
+}
+
+/// The CRC field of a frame flagged [`NO_CRC`]: zero, or the frame is malformed.
+fn no_crc_field(found: u32) -> Result<(), StreamError> {
+    if found == 0 {
+        Ok(())
+    } else {
+        Err(StreamError::Malformed(format!(
+            "a frame flagged without CRC has {found:#010x} in its CRC field"
+        )))
+    }
 }
 
 fn check_crc(found: u32, computed: u32) -> Result<(), StreamError> {

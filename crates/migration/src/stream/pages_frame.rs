@@ -5,21 +5,29 @@ use std::io::Read;
 
 use super::*;
 
+/// How [`Frame::encode_pages_with`] encodes a Pages frame, besides its pages.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Encoding {
+    /// Every line kept, zero or not (for comparison with senders that send whole pages).
+    pub whole_pages: bool,
+    /// No CRC ([`NO_CRC`]): for a channel that authenticates every byte itself.
+    pub no_crc: bool,
+}
+
 impl Frame {
     /// Encodes into `out` (its contents replaced) a Pages frame of `len` bytes of pages at
     /// `gpa`, whose pages `fill` writes straight into the frame (no copy in between: senders
     /// read guest memory into it), [`CRC_PIECE`] bytes at a time: `fill(offset, piece)`. Each
-    /// piece's zero lines are then squeezed out and what is left checksummed, while the piece
-    /// is still in the cache. `whole_pages` keeps every line (for comparison with senders that
-    /// send whole pages). Returns the bytes of lines the frame carries (0: the pages are all
-    /// zero).
+    /// piece's zero lines are then squeezed out and what is left checksummed (unless
+    /// `encoding` says no CRC), while the piece is still in the cache. Returns the bytes of
+    /// lines the frame carries (0: the pages are all zero).
     #[allow(clippy::cast_possible_truncation)] // frame lengths and counts are bounded by MAX_PAYLOAD.
     pub fn encode_pages_with(
         out: &mut Vec<u8>,
         gpa: u64,
         len: usize,
         fresh: bool,
-        whole_pages: bool,
+        encoding: Encoding,
         mut fill: impl FnMut(usize, &mut [u8]) -> Result<(), StreamError>,
     ) -> Result<usize, StreamError> {
         let count = len / PAGE;
@@ -45,7 +53,7 @@ impl Frame {
             fill(start, &mut out[begin..begin + n])?;
             for p in 0..n / PAGE {
                 let from = begin + p * PAGE;
-                let mask = if whole_pages {
+                let mask = if encoding.whole_pages {
                     u64::MAX
                 } else {
                     line_mask(&out[from..from + PAGE])
@@ -63,11 +71,14 @@ impl Frame {
                     w += LINE;
                 }
             }
-            lines.update(&out[begin..w]);
+            if !encoding.no_crc {
+                lines.update(&out[begin..w]);
+            }
         }
         let payload = w - HEADER;
+        let flags = if encoding.no_crc { NO_CRC } else { 0 };
         out[..4].copy_from_slice(&MAGIC);
-        out[4..8].copy_from_slice(&[kind::PAGES, 0, 0, 0]);
+        out[4..8].copy_from_slice(&[kind::PAGES, flags, 0, 0]);
         out[8..12].copy_from_slice(&(payload as u32).to_le_bytes());
         out[12..20].copy_from_slice(&gpa.to_le_bytes());
         out[20..24].copy_from_slice(&(count as u32).to_le_bytes());
@@ -76,11 +87,16 @@ impl Frame {
             let at = HEADER + PAGES_HEADER + 8 * p;
             out[at..at + 8].copy_from_slice(&mask.to_le_bytes());
         }
-        let mut hasher = crc32fast::Hasher::new();
-        hasher.update(&out[..lines_at]);
-        hasher.combine(&lines);
+        let crc = if encoding.no_crc {
+            0
+        } else {
+            let mut hasher = crc32fast::Hasher::new();
+            hasher.update(&out[..lines_at]);
+            hasher.combine(&lines);
+            hasher.finalize()
+        };
         out.truncate(w);
-        out.extend_from_slice(&hasher.finalize().to_le_bytes());
+        out.extend_from_slice(&crc.to_le_bytes());
         Ok(w - lines_at)
     }
 
@@ -97,35 +113,47 @@ impl Frame {
         if len < PAGES_HEADER {
             return malformed(format!("{len} bytes, shorter than its header"));
         }
+        // The hasher of a frame without CRC (`NO_CRC`) is kept but never fed.
+        let checked = has_crc(header);
         let mut hasher = crc32fast::Hasher::new();
-        hasher.update(header);
+        let mut hash = |bytes: &[u8]| {
+            if checked {
+                hasher.update(bytes);
+            }
+        };
+        hash(header);
         let mut head = [0u8; PAGES_HEADER];
         r.read_exact(&mut head)?;
-        hasher.update(&head);
+        hash(&head);
         let (gpa, count, fresh) = pages_head(&head, len)?;
         let mut mask_bytes = [0u8; 8 * MAX_FRAME_PAGES];
         let mask_bytes = &mut mask_bytes[..8 * count];
         r.read_exact(mask_bytes)?;
-        hasher.update(mask_bytes);
+        hash(mask_bytes);
         let masks = masks_of(mask_bytes, len)?;
         let size = count * PAGE;
         let placed = match place(gpa, size, Lend::Pages { fresh }) {
             Some(dst) => {
                 assert_eq!(dst.len(), size, "`place` lent a slice of another length");
-                read_lines(r, &mut hasher, &masks, dst, !fresh)?;
+                read_lines(r, &mut hash, &masks, dst, !fresh)?;
                 true
             }
             None => {
                 if buf.len() < size {
                     buf.resize(size, 0);
                 }
-                read_lines(r, &mut hasher, &masks, &mut buf[..size], true)?;
+                read_lines(r, &mut hash, &masks, &mut buf[..size], true)?;
                 false
             }
         };
         let mut crc = [0u8; 4];
         r.read_exact(&mut crc)?;
-        check_crc(u32::from_le_bytes(crc), hasher.finalize())?;
+        let found = u32::from_le_bytes(crc);
+        if checked {
+            check_crc(found, hasher.finalize())?;
+        } else {
+            no_crc_field(found)?;
+        }
         Ok(if placed {
             FrameRef::Placed {
                 gpa,
@@ -260,12 +288,12 @@ fn line_mask(page: &[u8]) -> u64 {
 }
 
 /// Reads a Pages frame's lines into `dst` (its pages, whole), page by page as `masks` say, and
-/// hashes them in stream order. Runs of whole pages are read straight into `dst`; a page with
-/// zero lines is read into a page-sized scratch first and spread, writing the zero lines only if
-/// `write_zeros`.
+/// hands them to `hash` in stream order. Runs of whole pages are read straight into `dst`; a
+/// page with zero lines is read into a page-sized scratch first and spread, writing the zero
+/// lines only if `write_zeros`.
 fn read_lines(
     r: &mut impl Read,
-    hasher: &mut crc32fast::Hasher,
+    hash: &mut impl FnMut(&[u8]),
     masks: &[u64],
     dst: &mut [u8],
     write_zeros: bool,
@@ -277,14 +305,14 @@ fn read_lines(
             let run = masks[p..].iter().take_while(|&&m| m == u64::MAX).count();
             for piece in dst[p * PAGE..(p + run) * PAGE].chunks_mut(CRC_PIECE) {
                 r.read_exact(piece)?;
-                hasher.update(piece);
+                hash(piece);
             }
             p += run;
             continue;
         }
         let kept = &mut scratch[..masks[p].count_ones() as usize * LINE];
         r.read_exact(kept)?;
-        hasher.update(kept);
+        hash(kept);
         let mut lines = kept.chunks_exact(LINE);
         for (l, line) in dst[p * PAGE..(p + 1) * PAGE]
             .chunks_exact_mut(LINE)
@@ -314,10 +342,17 @@ mod tests {
         let mut bytes = Vec::new();
         let mut out = Vec::new();
         for (gpa, fill) in [(0x3000u64, 7u8), (0x9000, 9)] {
-            Frame::encode_pages_with(&mut out, gpa, 2 * PAGE, false, false, |_, buf| {
-                buf.fill(fill);
-                Ok(())
-            })
+            Frame::encode_pages_with(
+                &mut out,
+                gpa,
+                2 * PAGE,
+                false,
+                Encoding::default(),
+                |_, buf| {
+                    buf.fill(fill);
+                    Ok(())
+                },
+            )
             .unwrap();
             bytes.extend_from_slice(&out);
         }
@@ -379,10 +414,17 @@ mod tests {
             (false, Codec::Zstd(1)),
         ] {
             let mut out = Vec::new();
-            Frame::encode_pages_with(&mut out, gpa, pages.len(), fresh, false, |at, piece| {
-                piece.copy_from_slice(&pages[at..at + piece.len()]);
-                Ok(())
-            })
+            Frame::encode_pages_with(
+                &mut out,
+                gpa,
+                pages.len(),
+                fresh,
+                Encoding::default(),
+                |at, piece| {
+                    piece.copy_from_slice(&pages[at..at + piece.len()]);
+                    Ok(())
+                },
+            )
             .unwrap();
             compress_pages(&mut out, codec, &mut Vec::new()).unwrap();
             for scratch_pages in [1, 2, 512] {
@@ -448,7 +490,10 @@ mod tests {
                 0x10000,
                 pages.len(),
                 fresh,
-                whole,
+                Encoding {
+                    whole_pages: whole,
+                    no_crc: false,
+                },
                 |at, piece| {
                     piece.copy_from_slice(&pages[at..at + piece.len()]);
                     Ok(())
@@ -511,5 +556,73 @@ mod tests {
             Frame::read_from(&mut &bad[..]),
             Err(StreamError::Checksum { .. })
         ));
+    }
+
+    /// A frame encoded without CRC (for a channel that authenticates its bytes) says so in
+    /// its header, carries zero in the CRC field, and decodes, lands and compresses to the
+    /// same pages, its PagesZ frame without CRC too; a CRC field that is not zero in such a
+    /// frame, or the flag on another kind of frame, is refused.
+    #[test]
+    fn frames_without_crc_are_flagged_and_still_decode() {
+        let pages = sparse_pages(9);
+        let encode = |out: &mut Vec<u8>| {
+            let no_crc = Encoding {
+                whole_pages: false,
+                no_crc: true,
+            };
+            Frame::encode_pages_with(out, 0x8000, pages.len(), false, no_crc, |at, piece| {
+                piece.copy_from_slice(&pages[at..at + piece.len()]);
+                Ok(())
+            })
+            .unwrap();
+        };
+        let mut out = Vec::new();
+        encode(&mut out);
+        assert_eq!(out[5], NO_CRC);
+        assert_eq!(out[out.len() - 4..], [0, 0, 0, 0]);
+        let want = Frame::Pages {
+            gpa: 0x8000,
+            pages: pages.clone(),
+            fresh: false,
+        };
+        assert_eq!(Frame::read_from(&mut &out[..]).unwrap(), want);
+        for codec in [Codec::None, Codec::Lz4, Codec::Zstd(1)] {
+            let mut frame = Vec::new();
+            encode(&mut frame);
+            compress_pages(&mut frame, codec, &mut Vec::new()).unwrap();
+            assert_eq!(frame[5], NO_CRC, "{codec:?}");
+            assert_eq!(frame[frame.len() - 4..], [0, 0, 0, 0], "{codec:?}");
+            assert_eq!(
+                Frame::read_from(&mut &frame[..]).unwrap(),
+                want,
+                "{codec:?}"
+            );
+            let mut memory = vec![0x77u8; pages.len()];
+            let mut land = |at: u64, bytes: &[u8]| {
+                let o = to_usize(at - 0x8000);
+                memory[o..o + bytes.len()].copy_from_slice(bytes);
+                Ok(())
+            };
+            let mut buf = Vec::new();
+            let got = Frame::read_into_landing(
+                &mut &frame[..],
+                &mut buf,
+                None,
+                (&mut [0u8; 2 * PAGE][..], &mut land),
+                |_, _, _| None,
+            )
+            .map(|_| ());
+            assert!(got.is_ok(), "{codec:?}: {got:?}");
+            assert!(memory == pages, "{codec:?}: landed pages");
+        }
+        let mut bad = out.clone();
+        let last = bad.len() - 1;
+        bad[last] = 1;
+        let e = Frame::read_from(&mut &bad[..]).unwrap_err().to_string();
+        assert!(e.contains("without CRC"), "{e}");
+        let mut control = Frame::Go.encode().unwrap();
+        control[5] = NO_CRC;
+        let e = Frame::read_from(&mut &control[..]).unwrap_err().to_string();
+        assert!(e.contains("flags"), "{e}");
     }
 }

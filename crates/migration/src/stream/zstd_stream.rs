@@ -218,10 +218,17 @@ mod tests {
 
     fn pages_frame(pages: &[u8], gpa: u64) -> Vec<u8> {
         let mut out = Vec::new();
-        Frame::encode_pages_with(&mut out, gpa, pages.len(), false, false, |at, piece| {
-            piece.copy_from_slice(&pages[at..at + piece.len()]);
-            Ok(())
-        })
+        Frame::encode_pages_with(
+            &mut out,
+            gpa,
+            pages.len(),
+            false,
+            Encoding::default(),
+            |at, piece| {
+                piece.copy_from_slice(&pages[at..at + piece.len()]);
+                Ok(())
+            },
+        )
         .unwrap();
         out
     }
