@@ -207,22 +207,10 @@ impl Frame {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::stream::test_pages::dense_pages;
+    use crate::stream::test_pages::{dense_pages, pages_frame};
 
     fn compressed_frame(codec: Codec, pages: &[u8], gpa: u64) -> (Vec<u8>, usize) {
-        let mut out = Vec::new();
-        Frame::encode_pages_with(
-            &mut out,
-            gpa,
-            pages.len(),
-            false,
-            Encoding::default(),
-            |at, piece| {
-                piece.copy_from_slice(&pages[at..at + piece.len()]);
-                Ok(())
-            },
-        )
-        .unwrap();
+        let mut out = pages_frame(pages, gpa);
         let plain = out.len();
         let wire = compress_pages(&mut out, codec, &mut Vec::new()).unwrap();
         assert_eq!(wire, out.len());

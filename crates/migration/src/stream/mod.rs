@@ -190,7 +190,26 @@ fn check_crc(found: u32, computed: u32) -> Result<(), StreamError> {
 
 #[cfg(test)]
 mod test_pages {
-    use super::PAGE;
+    use super::{Encoding, Frame, PAGE};
+
+    /// A Pages frame of `pages` at `gpa`, encoded with its CRC, as frames kept outside a
+    /// migration's channel are.
+    pub(super) fn pages_frame(pages: &[u8], gpa: u64) -> Vec<u8> {
+        let mut out = Vec::new();
+        Frame::encode_pages_with(
+            &mut out,
+            gpa,
+            pages.len(),
+            false,
+            Encoding::default(),
+            |at, piece| {
+                piece.copy_from_slice(&pages[at..at + piece.len()]);
+                Ok(())
+            },
+        )
+        .unwrap();
+        out
+    }
 
     /// Text-like pages (every line non-zero, compressible) and a zero page: what compression
     /// is for.

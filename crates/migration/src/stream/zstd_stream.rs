@@ -214,24 +214,7 @@ pub fn compress_pages_stream(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::stream::test_pages::dense_pages;
-
-    fn pages_frame(pages: &[u8], gpa: u64) -> Vec<u8> {
-        let mut out = Vec::new();
-        Frame::encode_pages_with(
-            &mut out,
-            gpa,
-            pages.len(),
-            false,
-            Encoding::default(),
-            |at, piece| {
-                piece.copy_from_slice(&pages[at..at + piece.len()]);
-                Ok(())
-            },
-        )
-        .unwrap();
-        out
-    }
+    use crate::stream::test_pages::{dense_pages, pages_frame};
 
     fn random_pages(count: usize, seed: u64) -> Vec<u8> {
         let mut x = seed | 1;
