@@ -40,8 +40,17 @@ pub const PAIRED_PROBE_EVERY: u64 = 3 * PROBE_EVERY;
 /// The zstd level of [`Compress::Zstd`] and of auto mode: the one that compresses real guest
 /// memory about 2.6x at roughly three times LZ4's CPU cost.
 pub const ZSTD_LEVEL: i32 = 1;
-/// How much older measurements fade with each new one (see `Sums`).
+/// Pre-copy probes every frame until each codec's time rests on this many bytes of pages
+/// (see `Figures::settled`).
+const SETTLED_BYTES: f64 = (3 << 19) as f64;
+/// How much older measurements fade with each new one (see `Sums`): ratios and the link.
 const ALPHA: f64 = 0.2;
+/// How much a codec's older compression times fade with each frame it compresses. A frame's
+/// wall time swings several times over as the writer is preempted (by the other writers, the
+/// receiving end, the vCPUs): averaged over a few frames, one slow frame made the cheaper
+/// codec look best, and since a codec's time is only measured again when it compresses, the
+/// choice stuck until the next probe.
+const TIME_ALPHA: f64 = 0.05;
 
 /// How a migration compresses its Pages frames.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
@@ -144,9 +153,9 @@ pub enum Next {
 struct Sums([f64; 3]);
 
 impl Sums {
-    fn add(&mut self, new: [f64; 3]) {
+    fn add(&mut self, new: [f64; 3], alpha: f64) {
         for (s, n) in self.0.iter_mut().zip(new) {
-            *s = *s * (1.0 - ALPHA) + n;
+            *s = *s * (1.0 - alpha) + n;
         }
     }
 }
@@ -179,10 +188,10 @@ impl Figures {
             .unwrap_or(0);
         if frame_bytes > 0 && out_bytes > 0 && i > 0 {
             let new = [time.as_nanos() as f64, frame_bytes as f64, 0.0];
-            self.time[i].get_or_insert_default().add(new);
+            self.time[i].get_or_insert_default().add(new, TIME_ALPHA);
             if ratio {
                 let new = [frame_bytes as f64, out_bytes as f64, 0.0];
-                self.ratio[i].get_or_insert_default().add(new);
+                self.ratio[i].get_or_insert_default().add(new, ALPHA);
             }
         }
     }
@@ -191,7 +200,7 @@ impl Figures {
     fn add_wire(&mut self, link: Option<LinkSample>) {
         if let Some(LinkSample { elapsed, bytes }) = link.filter(|l| l.bytes > 0) {
             let new = [elapsed.as_nanos() as f64, bytes as f64, 0.0];
-            self.wire.get_or_insert_default().add(new);
+            self.wire.get_or_insert_default().add(new, ALPHA);
         }
     }
 
@@ -203,6 +212,13 @@ impl Figures {
     /// Whether candidate `i` has figures of both kinds.
     fn measured(&self, i: usize) -> bool {
         self.time[i].is_some() && self.ratio[i].is_some()
+    }
+
+    /// Whether candidate `i`'s time rests on at least [`SETTLED_BYTES`] of pages: a first
+    /// frame, often small and paying for the codec's setup, says little, and a codec that
+    /// looks slow is not timed again until the next probe.
+    fn settled(&self, i: usize) -> bool {
+        self.measured(i) && self.time[i].is_some_and(|Sums([_, bytes, _])| bytes >= SETTLED_BYTES)
     }
 
     /// Candidate `i`'s nanoseconds per byte of pages and ratio, once it compressed a frame.
@@ -237,7 +253,7 @@ impl Compressor {
     }
 
     /// What to do with the next pre-copy frame: compress it with one codec, or (auto mode,
-    /// every [`PAIRED_PROBE_EVERY`]-th frame and until both codecs have figures) try both
+    /// every [`PAIRED_PROBE_EVERY`]-th frame and until both codecs' figures have settled) try both
     /// codecs on it ([`Next::Probe`]), so that their ratios come from the same pages.
     pub fn next(&self) -> Next {
         match self.mode {
@@ -246,7 +262,7 @@ impl Compressor {
                 state.2 += 1;
                 let (n, figures) = (state.2, state.0);
                 if n.is_multiple_of(PAIRED_PROBE_EVERY)
-                    || !(figures.measured(1) && figures.measured(2))
+                    || !(figures.settled(1) && figures.settled(2))
                 {
                     Next::Probe
                 } else {
@@ -467,7 +483,7 @@ mod tests {
         assert_eq!(chosen(&c), Codec::Zstd(1));
     }
 
-    /// Pre-copy: the first frame and every `PAIRED_PROBE_EVERY`-th are probes, and the frames sent
+    /// Pre-copy: the first frames and every `PAIRED_PROBE_EVERY`-th are probes, and the frames sent
     /// with the codec chosen leave the codecs' ratios alone, so that LZ4 and zstd are only
     /// compared on the same pages. (Taken from the frames sent, zstd's figures would fall on
     /// memory that hardly compresses while LZ4's stayed those of the compressible probe, and
@@ -487,12 +503,15 @@ mod tests {
             c.record_trial(Codec::Lz4, mb, lz4.0, lz4.1);
             c.record(Codec::Zstd(1), mb, zstd.0, zstd.1, busy);
         };
-        // The first: LZ4 halves the pages in 1 ms, zstd makes them 2.8x smaller in 3 ms.
-        probe(
-            (mb / 2, Duration::from_millis(1)),
-            (mb * 10 / 28, Duration::from_millis(3)),
-        );
-        for _ in 2..PAIRED_PROBE_EVERY {
+        // The first two (one MiB each is not enough to settle on): LZ4 halves the pages in
+        // 1 ms, zstd makes them 2.8x smaller in 3 ms.
+        for _ in 0..2 {
+            probe(
+                (mb / 2, Duration::from_millis(1)),
+                (mb * 10 / 28, Duration::from_millis(3)),
+            );
+        }
+        for _ in 3..PAIRED_PROBE_EVERY {
             assert_eq!(c.next(), Next::Use(Codec::Zstd(1)));
             c.record_sent(
                 Codec::Zstd(1),
@@ -526,6 +545,46 @@ mod tests {
             Compressor::new(Compress::None).next(),
             Next::Use(Codec::None)
         );
+    }
+
+    /// Pre-copy probes until each codec was timed on enough pages: a small first frame, all
+    /// setup, does not decide.
+    #[test]
+    fn probes_go_on_until_the_times_settle() {
+        let c = Compressor::new(Compress::Auto);
+        let mb = 1 << 20;
+        let busy = Some(LinkSample {
+            elapsed: Duration::from_nanos(16 * mb as u64),
+            bytes: mb as u64,
+        });
+        // One page, which zstd took 1 ms to set up for.
+        assert_eq!(c.next(), Next::Probe);
+        c.record_trial(Codec::Lz4, 4096, 4000, Duration::from_micros(20));
+        c.record(Codec::Zstd(1), 4096, 3900, Duration::from_millis(1), busy);
+        for _ in 0..2 {
+            assert_eq!(c.next(), Next::Probe);
+            c.record_trial(Codec::Lz4, mb, mb / 2, Duration::from_millis(1));
+            c.record(Codec::Zstd(1), mb, mb / 3, Duration::from_millis(3), busy);
+        }
+        assert_eq!(c.next(), Next::Use(Codec::Zstd(1)));
+    }
+
+    /// A codec's time is averaged over many frames: one frame slowed down tenfold (the writer
+    /// preempted) does not turn auto mode to the cheaper codec.
+    #[test]
+    fn one_slow_frame_does_not_turn_the_choice() {
+        let c = Compressor::new(Compress::Auto);
+        // A writer's share of 1 Gbit/s: zstd (max(3, 6.2)) beats LZ4 (8).
+        feed(&c, 16.0, (1.0, 2.0), (3.0, 2.6));
+        assert_eq!(chosen(&c), Codec::Zstd(1));
+        let mb = 1 << 20;
+        c.record_sent(
+            Codec::Zstd(1),
+            (mb, mb * 10 / 26),
+            Duration::from_nanos(40 * mb as u64),
+            None,
+        );
+        assert_eq!(chosen(&c), Codec::Zstd(1));
     }
 
     /// Post-copy's answers take turns between LZ4 and zstd for their probes, never plain: no

@@ -4,6 +4,7 @@
 //! ([`postcopy`]).
 
 mod options;
+mod order;
 mod postcopy;
 mod writers;
 
@@ -199,6 +200,23 @@ impl RoundQueue {
     fn delta_use(&self) -> DeltaUse {
         delta_use(self.round, self.cache_pages, self.total, self.pages)
     }
+}
+
+/// The blocks of `dirty` with a dirty page, in memory order: (bitmap index, first page,
+/// pages), each [`BLOCK`] long but a slot's last.
+fn dirty_blocks(dirty: &[DirtyBitmap]) -> Vec<(usize, u64, u64)> {
+    let block_pages = BLOCK / PAGE_SIZE;
+    let mut blocks = Vec::new();
+    for (i, b) in dirty.iter().enumerate() {
+        for first in (0..b.pages).step_by(to_usize(block_pages)) {
+            let count = block_pages.min(b.pages - first);
+            let words = &b.bits[to_usize(first / 64)..to_usize((first + count).div_ceil(64))];
+            if words.iter().any(|&w| w != 0) {
+                blocks.push((i, first, count));
+            }
+        }
+    }
+    blocks
 }
 
 /// What a run does with a delta cache of `cache_pages` in round `round` of `total` pages,
@@ -568,23 +586,22 @@ impl<'o> Source<'o> {
         last: bool,
         q: &mut RoundQueue,
     ) -> Result<()> {
-        for b in dirty {
-            let tracked = tracked_gpa(&self.memory, b.gpa);
-            let block_pages = BLOCK / PAGE_SIZE;
-            let mut first = 0;
-            while first < b.pages {
-                let count = block_pages.min(b.pages - first);
-                let words = &b.bits[(first / 64) as usize..to_usize((first + count).div_ceil(64))];
-                if words.iter().all(|&w| w == 0) {
-                    first += count;
-                    continue;
-                }
-                if let Some(t) = tracker.as_mut().filter(|_| tracked) {
-                    t.clear(b, first, count)?;
-                }
-                self.queue_block(q, b, first, count)?;
-                first += count;
+        let blocks = dirty_blocks(dirty);
+        let n = q.writers.queues.len();
+        let conns: Vec<usize> = blocks
+            .iter()
+            .map(|&(b, first, _)| block_connection(dirty[b].gpa, first * PAGE_SIZE, n))
+            .collect();
+        for i in order::send_order(&conns, n) {
+            let (b, first, count) = blocks[i];
+            let b = &dirty[b];
+            if let Some(t) = tracker
+                .as_mut()
+                .filter(|_| tracked_gpa(&self.memory, b.gpa))
+            {
+                t.clear(b, first, count)?;
             }
+            self.queue_block(q, b, first, count)?;
         }
         let round = q.round;
         for i in 0..q.writers.queues.len() {
@@ -1054,5 +1071,26 @@ mod tests {
         assert_eq!(delta_use(1, 10, 100, 89), DeltaUse::Off);
         assert_eq!(delta_use(1, 10, 100, 90), DeltaUse::Admit);
         assert_eq!(delta_use(2, 10, 100, 0), DeltaUse::Try);
+    }
+
+    /// Every block with a dirty page, in memory order, and only those; a slot's last block
+    /// may be short.
+    #[test]
+    fn dirty_blocks_are_those_with_a_dirty_page() {
+        let bitmap = |slot, gpa, pages: u64| DirtyBitmap {
+            slot,
+            gpa,
+            pages,
+            bits: vec![0; to_usize(pages.div_ceil(64))],
+        };
+        let block = to_usize(BLOCK / PAGE_SIZE);
+        let mut a = bitmap(0, 1 << 30, 3 * block as u64 + 64);
+        a.bits[block / 64] = 1; // block 1
+        a.bits[3 * block / 64] = 1 << 63; // the short last block
+        let mut b = bitmap(1, 2 << 30, block as u64);
+        b.bits[7] = 2;
+        let blocks = dirty_blocks(&[a, b]);
+        let (bp, last) = (block as u64, 3 * block as u64);
+        assert_eq!(blocks, [(0, bp, bp), (0, last, 64), (1, 0, bp)]);
     }
 }
