@@ -1187,7 +1187,11 @@ fn run_once(
                 running.stop();
                 let _ = running.wait(Duration::from_secs(10));
             }
-            return Err(format!("{mode} migration failed: {}", failure.error).into());
+            return Err(format!(
+                "{mode} migration failed: {}",
+                guestmem_migration::error_chain(&failure.error, ": ")
+            )
+            .into());
         }
     };
     // The source is paused: its control blocks hold the counts at switch-over.
