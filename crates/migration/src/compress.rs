@@ -40,9 +40,12 @@ pub const PAIRED_PROBE_EVERY: u64 = 3 * PROBE_EVERY;
 /// The zstd level of [`Compress::Zstd`] and of auto mode: the one that compresses real guest
 /// memory about 2.6x at roughly three times LZ4's CPU cost.
 pub const ZSTD_LEVEL: i32 = 1;
-/// Pre-copy probes every frame until each codec's time rests on this many bytes of pages
-/// (see `Figures::settled`).
+/// Pre-copy probes every frame until each codec's time rests on this many bytes of pages, or
+/// on [`SETTLED_FRAMES`] frames (see `Figures::settled`).
 const SETTLED_BYTES: f64 = (3 << 19) as f64;
+/// Frames that settle a codec's time whatever their size: frames of memory that is mostly zero
+/// lines are a few KiB each once encoded, and would never add up to [`SETTLED_BYTES`].
+const SETTLED_FRAMES: f64 = 6.0;
 /// How much older measurements fade with each new one (see `Sums`): ratios and the link.
 const ALPHA: f64 = 0.2;
 /// How much a codec's older compression times fade with each frame it compresses. A frame's
@@ -162,7 +165,7 @@ impl Sums {
 
 #[derive(Debug, Clone, Copy, Default)]
 struct Figures {
-    /// Per candidate (None's unused): compression nanoseconds and bytes in, over every frame
+    /// Per candidate (None's unused): compression nanoseconds, bytes in and frames, over every frame
     /// the codec compressed.
     time: [Option<Sums>; 3],
     /// Per candidate (None's unused): bytes in and out, over the frames both codecs compressed
@@ -187,7 +190,7 @@ impl Figures {
             .position(|c| std::mem::discriminant(c) == std::mem::discriminant(&codec))
             .unwrap_or(0);
         if frame_bytes > 0 && out_bytes > 0 && i > 0 {
-            let new = [time.as_nanos() as f64, frame_bytes as f64, 0.0];
+            let new = [time.as_nanos() as f64, frame_bytes as f64, 1.0];
             self.time[i].get_or_insert_default().add(new, TIME_ALPHA);
             if ratio {
                 let new = [frame_bytes as f64, out_bytes as f64, 0.0];
@@ -214,11 +217,15 @@ impl Figures {
         self.time[i].is_some() && self.ratio[i].is_some()
     }
 
-    /// Whether candidate `i`'s time rests on at least [`SETTLED_BYTES`] of pages: a first
-    /// frame, often small and paying for the codec's setup, says little, and a codec that
-    /// looks slow is not timed again until the next probe.
+    /// Whether candidate `i`'s time rests on at least [`SETTLED_BYTES`] of pages or
+    /// [`SETTLED_FRAMES`] frames (as faded): a first frame, often small and paying for the
+    /// codec's setup, says little, and a codec that looks slow is not timed again until the
+    /// next probe.
     fn settled(&self, i: usize) -> bool {
-        self.measured(i) && self.time[i].is_some_and(|Sums([_, bytes, _])| bytes >= SETTLED_BYTES)
+        self.measured(i)
+            && self.time[i].is_some_and(|Sums([_, bytes, frames])| {
+                bytes >= SETTLED_BYTES || frames >= SETTLED_FRAMES
+            })
     }
 
     /// Candidate `i`'s nanoseconds per byte of pages and ratio, once it compressed a frame.
@@ -567,6 +574,34 @@ mod tests {
             c.record(Codec::Zstd(1), mb, mb / 3, Duration::from_millis(3), busy);
         }
         assert_eq!(c.next(), Next::Use(Codec::Zstd(1)));
+    }
+
+    /// Frames of a few KiB (memory of mostly zero lines) settle the times by their number:
+    /// probing does not go on for the whole migration.
+    #[test]
+    fn small_frames_settle_by_their_number() {
+        let c = Compressor::new(Compress::Auto);
+        let busy = Some(LinkSample {
+            elapsed: Duration::from_micros(50),
+            bytes: 4096,
+        });
+        let mut probes = 0;
+        for _ in 0..20 {
+            if c.next() == Next::Probe {
+                probes += 1;
+                c.record_trial(Codec::Lz4, 32 << 10, 2048, Duration::from_micros(10));
+                c.record(
+                    Codec::Zstd(1),
+                    32 << 10,
+                    1024,
+                    Duration::from_micros(30),
+                    busy,
+                );
+            } else {
+                c.record_sent(Codec::None, (32 << 10, 32 << 10), Duration::ZERO, busy);
+            }
+        }
+        assert!((6..=7).contains(&probes), "{probes} probes");
     }
 
     /// A codec's time is averaged over many frames: one frame slowed down tenfold (the writer
