@@ -354,15 +354,16 @@ fn header(id: &str, region: &str, size: u64, dev: u64, ino: u64) -> Vec<u8> {
 }
 
 /// Opens the sidecar at `path`, creating it with `header` and `len` bytes if it does not exist:
-/// written under a temporary name and linked into place, so that any sidecar seen has its
-/// whole header (two clones creating it at once: one link wins, the other opens its file).
+/// written under a temporary name of its own and linked into place, so that any sidecar seen
+/// has its whole header (two clones creating it at once: one link wins, the other opens its
+/// file).
 fn open_sidecar(path: &Path, header: &[u8], len: u64) -> io::Result<File> {
     let open = || OpenOptions::new().read(true).write(true).open(path);
     match open() {
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         other => return other,
     }
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    let tmp = temporary_path(path);
     let f = OpenOptions::new()
         .read(true)
         .write(true)
@@ -379,6 +380,16 @@ fn open_sidecar(path: &Path, header: &[u8], len: u64) -> io::Result<File> {
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => open(),
         Err(e) => Err(e),
     }
+}
+
+/// A name beside `path` that no other creation uses, in this process (clones restored by
+/// several threads at once) or another: named by the process alone, a second thread's
+/// creation truncated the first one's file before it was linked into place, and a clone read
+/// a sidecar without its header.
+fn temporary_path(path: &Path) -> PathBuf {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    path.with_extension(format!("tmp{}-{n}", std::process::id()))
 }
 
 /// `Err` when `path` belongs to another user or others may write it: its bytes reach the
@@ -447,6 +458,34 @@ mod tests {
         assert_eq!(b.published_bytes(), 3 * 4096);
         a.write(0, &[7u8; 4096]).unwrap();
         assert_eq!(b.resident_bytes(), 4096);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// Threads creating the same sidecar at once each get it whole: its header and length,
+    /// whichever creation won.
+    #[test]
+    fn sidecars_created_at_once_by_threads_are_whole() {
+        let d = dir("sidecar-race");
+        std::fs::create_dir_all(&d).unwrap();
+        let header = vec![0x5a; 4096];
+        for round in 0..50 {
+            let path = d.join(format!("{round}.bits"));
+            let start = std::sync::Barrier::new(8);
+            std::thread::scope(|s| {
+                for _ in 0..8 {
+                    let (path, header, start) = (&path, &header, &start);
+                    s.spawn(move || {
+                        start.wait();
+                        let f = open_sidecar(path, header, 1 << 16).unwrap();
+                        let mut found = vec![0u8; header.len()];
+                        f.read_exact_at(&mut found, 0).unwrap();
+                        assert!(found == *header, "round {round}: a torn header");
+                        assert_eq!(f.metadata().unwrap().len(), 1 << 16);
+                    });
+                }
+            });
+        }
+        assert_ne!(temporary_path(&d), temporary_path(&d));
         std::fs::remove_dir_all(&d).unwrap();
     }
 
