@@ -77,6 +77,13 @@ if [ $GMEM = yes ]; then
         say "@@END numa $policy"
     done
 fi
+# What a migration connection's TLS costs each end, with rustls and with the kernel's TLS where
+# this kernel has it (times: TCG, comparable with each other only).
+say "@@BEGIN transport"
+timeout -s KILL "$LIMIT" guestmem bench transport --size 64M --runs 3 --json > /tmp/b.out 2>&1
+cat /tmp/b.out > $R
+say "@@END transport"
+
 # What each gmem path says on this kernel, for the record: where a path is refused, its message.
 refusal() {
     name=$1; shift

@@ -107,6 +107,8 @@ def main():
     }
     if "populate" in sections:
         record["populate_gmem_64mib_tcg"] = as_json(sections["populate"])
+    if "transport" in sections:
+        record["transport_tls_64mib_tcg"] = as_json(sections["transport"])
     numa = {k[len("numa "):]: as_json(v) for k, v in sections.items() if k.startswith("numa ")}
     if numa:
         record["numa_gmem_64mib"] = numa

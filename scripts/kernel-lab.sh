@@ -124,7 +124,8 @@ WORK="$ROOT/target/kernel-lab/$NAME"
 rm -rf "$WORK" && mkdir -p "$WORK"
 echo "kernel-lab: kernel $IMAGE ($NAME), suite $SUITE"
 
-# The KVM modules in load order (dependencies first), from modules.dep (made with depmod when
+# The KVM modules and kernel TLS's (migration connections hand their records to the kernel
+# where it has TLS) in load order (dependencies first), from modules.dep (made with depmod when
 # the package carries none), decompressed here: the guest's busybox insmod takes plain .ko.
 MODDIR=""
 if [ -n "$KROOT" ]; then
@@ -137,14 +138,14 @@ if [ -n "$MODDIR" ] && [ -d "$MODDIR" ]; then
     if [ ! -f "$MODDIR/modules.dep" ]; then
         depmod -b "$(dirname "$(dirname "$(dirname "$MODDIR")")")" "$release" 2>/dev/null
     fi
-    python3 - "$MODDIR/modules.dep" kvm-amd > "$WORK/modules.list" <<'PY'
+    python3 - "$MODDIR/modules.dep" kvm-amd tls > "$WORK/modules.list" <<'PY'
 import sys
 dep = {}
 for line in open(sys.argv[1]):
     mod, _, deps = line.partition(":")
     dep[mod.strip()] = deps.split()
-name = sys.argv[2]
-want = [m for m in dep if m.rsplit("/", 1)[-1].split(".ko")[0].replace("_", "-") == name]
+names = sys.argv[2:]
+want = [m for m in dep if m.rsplit("/", 1)[-1].split(".ko")[0].replace("_", "-") in names]
 order = []
 def visit(m):
     for d in dep.get(m, []):

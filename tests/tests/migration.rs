@@ -225,6 +225,49 @@ fn precopy_moves_a_running_guest_on_every_backend() {
     }
 }
 
+/// Pre-copy over TCP: where the kernel has TLS, every connection of both ends hands its
+/// records to the kernel after the handshake (else none does, and the probe names what is
+/// missing); with `rustls_source`, the source keeps rustls and the destination still takes
+/// kernel TLS (the two talk, both ways). The memory arrives whole either way.
+fn precopy_over_tcp(name: &str, rustls_source: bool) {
+    let pair = Pair::tcp(name);
+    let dest = destination(pair.listener.clone(), false);
+    let mut vm = source_vm(Backend::Anon);
+    let running = start(&mut vm);
+    let links = transport::with_kernel_tls(!rustls_source, || pair.connect(Mode::Precopy, 2));
+    let count = links.connection_count();
+    let kernel = match transport::kernel_tls_probe() {
+        Ok(()) => true,
+        Err(why) => {
+            assert!(why.contains("TCP_ULP"), "{why}");
+            false
+        }
+    };
+    let expected = |on: bool| if kernel && on { count } else { 0 };
+    assert_eq!(links.kernel_tls_connections(), expected(!rustls_source));
+    let opts = SendOptions {
+        verify: true,
+        ..Default::default()
+    };
+    let report = migrate::send(running, links, &opts).unwrap_or_else(|f| panic!("{f:?}"));
+    let received = dest.join().unwrap();
+    check(&report, &received, &vm.pages_done());
+    assert!(report.verify_ms > 0.0, "the digest was checked");
+    assert_eq!(received.report.kernel_tls_connections, expected(true));
+}
+
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn precopy_over_tcp_takes_kernel_tls_where_the_kernel_has_it() {
+    precopy_over_tcp("ktls", false);
+}
+
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn a_rustls_source_migrates_to_a_kernel_tls_destination() {
+    precopy_over_tcp("ktls-mixed", true);
+}
+
 #[test]
 #[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
 fn postcopy_and_hybrid_bring_every_page() {

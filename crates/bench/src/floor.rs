@@ -23,8 +23,9 @@
 //!   copy of the pages out of guest memory (`copy_present_cpu_s_per_gib`):
 //!   `source_floor_cpu_s_per_gib`;
 //! - beside the floors, what a receiver spends on its transport: the frames' bytes read from
-//!   a guestmem connection (TLS 1.3 over loopback TCP, as a migration's pages connections)
-//!   into a reused buffer, nothing else done with them (`tls_receive_cpu_s_per_gib`). The
+//!   a guestmem connection (TLS 1.3 over loopback TCP, as a migration's pages connections, the
+//!   kernel's TLS where it has it: `bench transport`) into a reused buffer, nothing else done
+//!   with them (`tls_receive_cpu_s_per_gib`). The
 //!   destination's floor leaves it out; `bench migrate` gives its CPU over both as well.
 //!
 //! CPU time is the measuring thread's (`getrusage(RUSAGE_THREAD)`: user and system, so page
@@ -33,6 +34,8 @@
 //! mapping). `bench migrate --image` measures this too and divides its ends' CPU by it.
 
 use guestmem_sys::to_usize;
+
+use crate::transport::thread_cpu_s;
 use std::path::{Path, PathBuf};
 
 use guestmem_migration::compress::ZSTD_LEVEL;
@@ -213,7 +216,7 @@ pub fn measure(image: &[u8], codecs: &[FloorCodec], runs: usize) -> crate::Resul
         let mut present = Vec::new();
         let mut tls = Vec::new();
         for _ in 0..runs {
-            tls.push(tls_receive(&frames)? / gib);
+            tls.push(crate::transport::receive(&frames, true)?.receive_s / gib);
             dest.push(receive(&frames, image.len(), Pass::Both)? / gib);
             uffd.push(receive(&frames, image.len(), Pass::Uffd)? / gib);
             decompress.push(receive(&frames, image.len(), Pass::Decompress)? / gib);
@@ -491,69 +494,6 @@ fn spread(frame: &[u8], memory: &mut [u8]) {
     }
 }
 
-/// CPU seconds the receiving end of a guestmem connection (TLS over loopback TCP, the
-/// transport of a migration's pages connections) takes to read the bytes of `frames`, which a
-/// thread of its own writes whole, frame after frame; the bytes are read into a reused buffer
-/// and nothing else is done with them.
-fn tls_receive(frames: &[Vec<u8>]) -> crate::Result<f64> {
-    use guestmem_migration::transport::{
-        connect, generate_credentials, Credentials, Endpoint, Listener, Role,
-    };
-    use std::io::{Read, Write};
-    let dir = std::env::temp_dir().join(format!("guestmem-floor-tls-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    generate_credentials(&dir)?;
-    let creds = (
-        Credentials::load(&dir, Role::Destination),
-        Credentials::load(&dir, Role::Source),
-    );
-    let _ = std::fs::remove_dir_all(&dir);
-    let (destination, source) = (creds.0?, creds.1?);
-    let listener = Listener::bind(&"tcp:127.0.0.1:0".parse::<Endpoint>()?, &destination)?;
-    let port = listener.port().ok_or("the loopback listener has no port")?;
-    let to: Endpoint = format!("tcp:127.0.0.1:{port}").parse()?;
-    let total: usize = frames.iter().map(Vec::len).sum();
-    std::thread::scope(|s| -> crate::Result<f64> {
-        let writer = s.spawn(move || -> Result<(), String> {
-            let mut conn = connect(&to, &source).map_err(|e| {
-                // The reader waits in `accept`: a bare connection ends that wait (its
-                // handshake then fails within the handshake timeout).
-                let _ = std::net::TcpStream::connect(("127.0.0.1", port));
-                e.to_string()
-            })?;
-            conn.enlarge_send_buffer().map_err(|e| e.to_string())?;
-            for f in frames {
-                conn.write_all(f).map_err(|e| e.to_string())?;
-            }
-            conn.flush().map_err(|e| e.to_string())?;
-            // Closed before the reader has it all, the socket could be reset under it.
-            conn.read_exact(&mut [0u8]).map_err(|e| e.to_string())
-        });
-        let read = || -> crate::Result<f64> {
-            let mut conn = listener.accept()?;
-            let mut buf = vec![0u8; 1 << 20];
-            let t = thread_cpu_s();
-            let mut left = total;
-            while left > 0 {
-                let n = left.min(buf.len());
-                conn.read_exact(&mut buf[..n])?;
-                left -= n;
-            }
-            let secs = thread_cpu_s() - t;
-            conn.write_all(&[1])?;
-            conn.flush()?;
-            Ok(secs)
-        };
-        let secs = read();
-        // The writer's failure first: it is why a read fails.
-        writer
-            .join()
-            .map_err(|_| "the writer panicked")?
-            .map_err(|e| format!("the floor's TLS writer: {e}"))?;
-        secs
-    })
-}
-
 /// A fresh anonymous mapping (no page touched), unmapped when dropped.
 struct Fresh {
     ptr: *mut u8,
@@ -594,18 +534,6 @@ impl Drop for Fresh {
         // SAFETY: the mapping made in `new`, no longer borrowed.
         unsafe { libc::munmap(self.ptr.cast(), self.len) };
     }
-}
-
-/// This thread's CPU time (user and system), seconds.
-fn thread_cpu_s() -> f64 {
-    let mut r = std::mem::MaybeUninit::<libc::rusage>::zeroed();
-    // SAFETY: getrusage writes one rusage into the zeroed buffer.
-    let r = unsafe {
-        libc::getrusage(libc::RUSAGE_THREAD, r.as_mut_ptr());
-        r.assume_init()
-    };
-    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
-    tv(r.ru_utime) + tv(r.ru_stime)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -670,16 +598,5 @@ mod tests {
             // Pages never copied (the zero ones) read as zero once unregistered.
             assert!(map.bytes() == &image[..], "{codec:?} by UFFDIO_COPY");
         }
-    }
-
-    /// The transport's receive reads every byte the writer sent (a lost tail would be an
-    /// error) and takes some CPU.
-    #[test]
-    fn the_tls_receive_reads_every_frame() {
-        let frames: Vec<Vec<u8>> = (0..40u8)
-            .map(|i| vec![i; 300_000 + usize::from(i)])
-            .collect();
-        let secs = tls_receive(&frames).unwrap();
-        assert!(secs > 0.0 && secs < 10.0, "{secs}");
     }
 }

@@ -22,6 +22,7 @@ mod qemu_migrate;
 pub mod qemu_peer;
 mod restore;
 mod snapshot_store;
+mod transport;
 pub mod units;
 
 /// Errors of any bench: each names what went wrong.
@@ -44,6 +45,9 @@ pub enum Bench {
     Floor(floor::Args),
     /// Live migration per size, dirty rate and mode, beside QEMU's pre-copy.
     Migrate(migrate::Args),
+    /// What a migration connection's TLS costs each end per GiB, with rustls and with the
+    /// kernel's TLS where the kernel has it.
+    Transport(transport::Args),
     /// The QEMU peer of `bench migrate`: the same workload live-migrated by QEMU's pre-copy.
     #[command(hide = true)]
     QemuMigrate(qemu_migrate::Args),
@@ -68,6 +72,7 @@ pub fn main(bench: Bench) -> Result<()> {
         Bench::DirtyLog(args) => dirty_log::main(args),
         Bench::Floor(args) => floor::main(args),
         Bench::Migrate(args) => migrate::main(args),
+        Bench::Transport(args) => transport::main(args),
         Bench::QemuMigrate(args) => qemu_migrate::main(args),
         Bench::Restore(args) => restore::main(args),
         Bench::Snapshot(args) => snapshot_store::main(args),

@@ -257,6 +257,21 @@ impl Resume {
 }
 
 impl Links {
+    /// How many of the connections have their TLS records encrypted and decrypted by the
+    /// kernel (kernel TLS, where it has it), not by rustls.
+    pub fn kernel_tls_connections(&self) -> usize {
+        self.pages
+            .iter()
+            .chain(&self.urgent)
+            .filter(|c| c.kernel_tls())
+            .count()
+    }
+
+    /// How many connections the migration has (pages and urgent ones).
+    pub fn connection_count(&self) -> usize {
+        self.pages.len() + self.urgent.len()
+    }
+
     /// Connects to the destination at `endpoint`: `connections` pages connections, plus the
     /// urgent ones post-copy needs. Each says Hello as soon as it is up.
     pub fn connect(

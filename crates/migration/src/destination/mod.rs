@@ -114,6 +114,10 @@ pub struct DestinationReport {
     /// windows; 0 without zstd streams).
     #[serde(default)]
     pub zstd_stream_bytes: u64,
+    /// Connections whose TLS records the kernel encrypted and decrypted (kernel TLS), of all
+    /// the migration's connections.
+    #[serde(default)]
+    pub kernel_tls_connections: usize,
 }
 
 /// A VM received up to the switch-over: its memory (or, in post-copy, its pagers) and vCPU
@@ -208,6 +212,7 @@ pub fn receive_into<B: MachineBuilder>(
     rx.say_hello()?;
     let mut report = DestinationReport {
         mode: Some(rx.setup.mode),
+        kernel_tls_connections: rx.links.kernel_tls_connections(),
         ..Default::default()
     };
     let chunks = chunk_digests_of(&rx.setup, &memory);

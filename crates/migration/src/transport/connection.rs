@@ -18,6 +18,8 @@ pub struct Connection {
     peer_cert: Option<CertificateDer<'static>>,
     /// What is wrong with our own certificate (named with any TLS failure).
     own_problem: Option<String>,
+    /// Whether the kernel encrypts and decrypts its records ([`kernel_tls`]).
+    kernel_tls: bool,
 }
 
 impl std::fmt::Debug for Connection {
@@ -57,6 +59,12 @@ impl Connection {
     /// it (TCP), in bytes per second (see [`AnswerGauge`]).
     pub fn delivery_rate(&self) -> Option<u64> {
         self.socket.delivery_rate()
+    }
+
+    /// Whether the kernel encrypts and decrypts this connection's TLS records (kernel TLS),
+    /// rather than rustls in this process.
+    pub fn kernel_tls(&self) -> bool {
+        self.kernel_tls
     }
 
     /// Whether the peer is on this host (a Unix socket): only then can fds be handed over.
@@ -349,6 +357,9 @@ pub fn connect_with(
         .with_root_certificates(creds.roots()?)
         .with_client_auth_cert(vec![creds.cert.clone()], creds.key.clone_key())
         .map_err(|e| TransportError::Setup(format!("our certificate or key is unusable: {e}")))?;
+    let mut config = config;
+    // The keys move into the kernel after the handshake where it has TLS (kernel_tls).
+    config.enable_secret_extraction = true;
     let name = ServerName::try_from(peer_role.name()).expect("a valid DNS name");
     let conn = ClientConnection::new(Arc::new(config), name)
         .map_err(|e| TransportError::Setup(e.to_string()))?;
@@ -373,7 +384,11 @@ pub(super) fn handshake<C, D>(
     own_problem: Option<String>,
 ) -> Result<Connection>
 where
-    C: std::ops::DerefMut + std::ops::Deref<Target = rustls::ConnectionCommon<D>> + Send + 'static,
+    C: kernel_tls::IntoSecrets
+        + std::ops::DerefMut
+        + std::ops::Deref<Target = rustls::ConnectionCommon<D>>
+        + Send
+        + 'static,
     D: rustls::SideData + 'static,
 {
     let deadline = Instant::now() + timeouts.handshake;
@@ -414,9 +429,13 @@ where
             return Err(TransportError::Tls { peer, reason });
         }
     }
-    // A write of a whole frame is taken at once and leaves in one `writev` of its records
-    // (see `Wire`), where rustls's default (64 KiB) cut it in many.
-    stream.conn.set_buffer_limit(Some(SEND_AHEAD));
+    // Our last handshake records leave before the keys can move.
+    while stream.conn.wants_write() {
+        stream
+            .conn
+            .write_tls(&mut stream.sock)
+            .map_err(io_err("sending the end of the TLS handshake"))?;
+    }
     let peer_cert = stream
         .conn
         .peer_certificates()
@@ -430,14 +449,35 @@ where
     socket
         .set_timeouts(Some(timeouts.idle))
         .map_err(io_err("socket timeout"))?;
+    let (tls, kernel_tls): (Box<dyn Channel>, bool) = match kernel_tls::try_move(stream) {
+        Ok(kernel_tls::Moved::Kernel(k)) => (Box::new(k), true),
+        Ok(kernel_tls::Moved::Rustls(mut stream, why)) => {
+            if let Some(why) = why {
+                note_user_space_tls(&why);
+            }
+            stream.sock.handshake_done();
+            // A write of a whole frame is taken at once and leaves in one `writev` of its
+            // records (see `Wire`), where rustls's default (64 KiB) cut it in many.
+            stream.conn.set_buffer_limit(Some(SEND_AHEAD));
+            (Box::new(stream), false)
+        }
+        Err(reason) => return Err(TransportError::Tls { peer, reason }),
+    };
     Ok(Connection {
-        tls: Box::new(stream),
+        tls,
         socket,
         peer,
         idle: Some(timeouts.idle),
         peer_cert,
         own_problem,
+        kernel_tls,
     })
+}
+
+/// Says once per process why TCP connections keep TLS in user space (rustls).
+fn note_user_space_tls(why: &str) {
+    static NOTED: std::sync::Once = std::sync::Once::new();
+    NOTED.call_once(|| tracing::info!("TLS in user space (rustls): {why}"));
 }
 
 #[cfg(test)]
@@ -577,8 +617,7 @@ mod tests {
                 dst.peer()
             )
         );
-        // Unbounded, then the peer is gone without ending the TLS session: over TCP, with
-        // data it never read (the session tickets), its socket resets the connection.
+        // Unbounded, then the peer is gone without ending the TLS session.
         dst.set_idle_timeout(None).unwrap();
         drop(src);
         let gone = |e: io::Error, peer: &str| {
@@ -600,13 +639,14 @@ mod tests {
             ),
             "{kind:?}"
         );
-        // A write to a peer gone is named the same way.
-        let kind = gone(
-            dst.write_all(&[0u8; 1 << 16])
-                .and_then(|()| dst.flush())
-                .unwrap_err(),
-            &peer,
-        );
+        // A write to a peer gone is named the same way (the first writes may still be taken
+        // by the socket, before the peer's reset comes back).
+        let write_fails = (0..100).find_map(|_| {
+            let r = dst.write_all(&[0u8; 1 << 16]).and_then(|()| dst.flush());
+            std::thread::sleep(Duration::from_millis(10));
+            r.err()
+        });
+        let kind = gone(write_fails.expect("writes to a peer gone fail"), &peer);
         assert!(
             matches!(
                 kind,

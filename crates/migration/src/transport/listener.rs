@@ -77,6 +77,12 @@ impl Listener {
             .map_err(|e| {
                 TransportError::Setup(format!("our certificate or key is unusable: {e}"))
             })?;
+        let mut config = config;
+        // The keys move into the kernel after the handshake where it has TLS (kernel_tls);
+        // nothing of the stream may then be left for rustls: no session tickets follow the
+        // handshake (guestmem does not resume sessions).
+        config.enable_secret_extraction = true;
+        config.send_tls13_tickets = 0;
         Ok(Listener {
             socket,
             config: Arc::new(config),

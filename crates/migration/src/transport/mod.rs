@@ -38,6 +38,7 @@ use rustls::{
 mod connection;
 mod endpoint;
 mod gauge;
+mod kernel_tls;
 mod listener;
 mod pki;
 mod socket;
@@ -45,6 +46,7 @@ mod socket;
 pub use connection::*;
 pub use endpoint::*;
 pub use gauge::*;
+pub use kernel_tls::{kernel_tls_probe, with_kernel_tls};
 pub use listener::*;
 pub use pki::*;
 pub use socket::*;

@@ -163,11 +163,14 @@ pub(super) fn set_send_buffer(s: &TcpStream) -> io::Result<()> {
 /// The bytes a TCP socket's read fetches at most (see [`Wire`]).
 const READ_AHEAD: usize = 128 << 10;
 
-/// The socket under a connection's TLS. rustls reads at most one TLS record (16 KiB) per call;
-/// a TCP socket is read ahead instead, up to [`READ_AHEAD`] bytes per `recv`, and rustls's reads
-/// served from there: a pages connection then makes one syscall where it made up to eight, for
-/// a copy of what was read, made while it is still in the cache. A Unix socket is read as it
-/// is: it also carries file descriptors beside the TLS stream, which a read ahead could take.
+/// The socket under a connection's rustls. During the handshake a TCP socket is read one TLS
+/// record at a time, never past a record's end ([`RecordEdge`]): what follows the handshake
+/// stays in the socket, for kernel TLS to take over ([`super::kernel_tls`]). After it, rustls
+/// reads at most one TLS record (16 KiB) per call; a TCP socket is read ahead instead, up to
+/// [`READ_AHEAD`] bytes per `recv`, and rustls's reads served from there: a pages connection
+/// then makes one syscall where it made up to eight, for a copy of what was read, made while it
+/// is still in the cache. A Unix socket is read as it is: it also carries file descriptors
+/// beside the TLS stream, which a read ahead could take.
 #[derive(Debug)]
 pub(super) struct Wire {
     pub(super) socket: Socket,
@@ -175,25 +178,76 @@ pub(super) struct Wire {
     /// The bytes of `ahead` read but not yet handed on.
     at: usize,
     end: usize,
+    /// While the handshake runs on a TCP socket: where the current record ends.
+    edge: Option<RecordEdge>,
 }
 
 impl Wire {
     pub(super) fn new(socket: Socket) -> Wire {
-        let ahead = match socket {
-            Socket::Tcp(_) => vec![0; READ_AHEAD],
-            Socket::Unix(_) => Vec::new(),
+        let (ahead, edge) = match socket {
+            Socket::Tcp(_) => (vec![0; READ_AHEAD], Some(RecordEdge::default())),
+            Socket::Unix(_) => (Vec::new(), None),
         };
         Wire {
             socket,
             ahead,
             at: 0,
             end: 0,
+            edge,
+        }
+    }
+
+    /// The handshake is over: reads go ahead from now on.
+    pub(super) fn handshake_done(&mut self) {
+        self.edge = None;
+    }
+}
+
+/// The TLS record a read is in (its 5-byte header, then its body of the length the header
+/// gives), so that a read stops at its end.
+#[derive(Debug, Default)]
+pub(super) struct RecordEdge {
+    header: [u8; 5],
+    /// Bytes of the header read; when 5, `body_left` bytes of the body are still to come.
+    got: usize,
+    body_left: usize,
+}
+
+impl RecordEdge {
+    /// How much of `len` bytes a read may take without crossing the record's end.
+    fn allowed(&self, len: usize) -> usize {
+        if self.got < self.header.len() {
+            len.min(self.header.len() - self.got)
+        } else {
+            len.min(self.body_left)
+        }
+    }
+
+    /// Accounts for `bytes`, just read.
+    fn took(&mut self, bytes: &[u8]) {
+        if self.got < self.header.len() {
+            self.header[self.got..self.got + bytes.len()].copy_from_slice(bytes);
+            self.got += bytes.len();
+            if self.got == self.header.len() {
+                self.body_left = usize::from(u16::from_be_bytes([self.header[3], self.header[4]]));
+            }
+        } else {
+            self.body_left -= bytes.len();
+        }
+        if self.got == self.header.len() && self.body_left == 0 {
+            self.got = 0;
         }
     }
 }
 
 impl Read for Wire {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if let Some(edge) = &mut self.edge {
+            let allowed = edge.allowed(buf.len());
+            let n = self.socket.read(&mut buf[..allowed])?;
+            edge.took(&buf[..n]);
+            return Ok(n);
+        }
         if self.at == self.end {
             if buf.len() >= self.ahead.len() {
                 return self.socket.read(buf);
@@ -307,6 +361,7 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let mut peer = Socket::Tcp(TcpStream::connect(listener.local_addr().unwrap()).unwrap());
         let mut wire = Wire::new(Socket::Tcp(listener.accept().unwrap().0));
+        wire.handshake_done();
         let bytes: Vec<u8> = (0..3 * READ_AHEAD + 777)
             .map(|i| u8::try_from(i * 7 % 251).expect("below 251"))
             .collect();
@@ -331,6 +386,67 @@ mod tests {
         wire.read_to_end(&mut rest).unwrap();
         got.extend_from_slice(&rest);
         assert!(got == sender.join().unwrap());
+    }
+
+    /// During the handshake a TCP socket is read a TLS record at a time: a read never takes
+    /// a byte past the end of the record it is in, whatever it asks for, so what follows the
+    /// handshake stays in the socket; records of any length (none, one byte, the largest)
+    /// are followed across reads of any size.
+    #[test]
+    fn handshake_reads_stop_at_each_record_end() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut peer = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let mut wire = Wire::new(Socket::Tcp(listener.accept().unwrap().0));
+        let record = |kind: u8, len: usize| -> Vec<u8> {
+            let mut r = vec![kind, 3, 3];
+            r.extend_from_slice(&u16::try_from(len).unwrap().to_be_bytes());
+            r.extend((0..len).map(|i| u8::try_from(i % 251).expect("below 251")));
+            r
+        };
+        let records = [
+            record(22, 300),
+            record(23, 0),
+            record(23, 1),
+            record(23, 16 * 1024 + 256),
+        ];
+        let all: Vec<u8> = records.concat();
+        peer.write_all(&all).unwrap();
+        peer.write_all(b"after the handshake").unwrap();
+        // Whatever was asked, each read ended inside its record or at its end.
+        let mut ends = Vec::new();
+        let mut at = 0;
+        let mut got = Vec::new();
+        for ask in [3usize, 100, 1 << 20, 7].iter().cycle() {
+            if at == all.len() {
+                break;
+            }
+            let mut buf = vec![0u8; *ask];
+            let n = wire.read(&mut buf).unwrap();
+            assert!(n > 0);
+            got.extend_from_slice(&buf[..n]);
+            at += n;
+            ends.push(at);
+        }
+        assert!(got == all);
+        let mut boundaries = vec![0];
+        for r in &records {
+            let last = *boundaries.last().unwrap();
+            boundaries.push(last + 5);
+            boundaries.push(last + r.len());
+        }
+        for w in ends.windows(2) {
+            let crossed = boundaries.iter().any(|b| w[0] < *b && *b < w[1]);
+            assert!(
+                !crossed,
+                "a read from {} to {} crossed a record's end",
+                w[0], w[1]
+            );
+        }
+        // Past the handshake, what followed is read as it is.
+        wire.handshake_done();
+        let mut rest = [0u8; 19];
+        wire.read_exact(&mut rest).unwrap();
+        assert_eq!(&rest, b"after the handshake");
     }
 
     /// A Unix socket is read as asked, never ahead: bytes after a read stay in the socket
