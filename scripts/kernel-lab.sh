@@ -124,8 +124,8 @@ WORK="$ROOT/target/kernel-lab/$NAME"
 rm -rf "$WORK" && mkdir -p "$WORK"
 echo "kernel-lab: kernel $IMAGE ($NAME), suite $SUITE"
 
-# The KVM modules and kernel TLS's (migration connections hand their records to the kernel
-# where it has TLS) in load order (dependencies first), from modules.dep (made with depmod when
+# The KVM modules and kernel TLS's with its AES-GCM of the CPU's instructions (migration
+# connections hand their records to the kernel where it has both) in load order (dependencies first), from modules.dep (made with depmod when
 # the package carries none), decompressed here: the guest's busybox insmod takes plain .ko.
 MODDIR=""
 if [ -n "$KROOT" ]; then
@@ -138,7 +138,7 @@ if [ -n "$MODDIR" ] && [ -d "$MODDIR" ]; then
     if [ ! -f "$MODDIR/modules.dep" ]; then
         depmod -b "$(dirname "$(dirname "$(dirname "$MODDIR")")")" "$release" 2>/dev/null
     fi
-    python3 - "$MODDIR/modules.dep" kvm-amd tls > "$WORK/modules.list" <<'PY'
+    python3 - "$MODDIR/modules.dep" kvm-amd tls aesni-intel > "$WORK/modules.list" <<'PY'
 import sys
 dep = {}
 for line in open(sys.argv[1]):

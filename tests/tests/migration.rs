@@ -236,7 +236,7 @@ fn precopy_over_tcp(name: &str, rustls_source: bool) {
     let running = start(&mut vm);
     let links = transport::with_kernel_tls(!rustls_source, || pair.connect(Mode::Precopy, 2));
     let count = links.connection_count();
-    let kernel = match transport::kernel_tls_probe() {
+    let kernel = match guestmem_sys::probe::kernel_tls() {
         Ok(()) => true,
         Err(why) => {
             assert!(why.contains("TCP_ULP"), "{why}");
@@ -786,6 +786,85 @@ fn a_bandwidth_limit_that_never_finishes_is_refused() {
         dest.join().unwrap().is_err(),
         "the destination got nothing to run"
     );
+}
+
+/// A relay to `to` of one connection that flips one bit of the byte at offset `at` of what the
+/// client sends, and forwards all else as it is.
+fn damaging_relay(to: u16, at: usize) -> u16 {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        let Ok((client, _)) = listener.accept() else {
+            return;
+        };
+        let server = std::net::TcpStream::connect(("127.0.0.1", to)).unwrap();
+        for (mut from, mut into, flip) in [
+            (client.try_clone().unwrap(), server.try_clone().unwrap(), Some(at)),
+            (server, client, None),
+        ] {
+            std::thread::spawn(move || {
+                let mut buf = vec![0u8; 64 << 10];
+                let mut offset = 0;
+                loop {
+                    let n = match from.read(&mut buf) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => n,
+                    };
+                    if let Some(at) = flip.filter(|at| (offset..offset + n).contains(at)) {
+                        buf[at - offset] ^= 0x10;
+                    }
+                    offset += n;
+                    if into.write_all(&buf[..n]).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    port
+}
+
+/// A byte damaged on the way, past the handshake, fails the destination's read with an error
+/// that says the peer's record did not decrypt, whichever TLS the ends run (rustls, or the
+/// kernel's where it has it): no damaged byte is ever handed on.
+#[test]
+fn a_record_damaged_on_the_way_is_refused_by_either_tls() {
+    use std::io::{Read, Write};
+    for kernel in [false, true] {
+        let dir = TempDir::new(&format!("damaged-{kernel}"));
+        let listener = listen(&dir, &Endpoint::Tcp("127.0.0.1:0".into()), None);
+        let relay = damaging_relay(listener.port().unwrap(), 200 << 10);
+        let to = Endpoint::Tcp(format!("127.0.0.1:{relay}"));
+        let creds = Credentials::load(&dir.0, Role::Source).unwrap();
+        let writer = std::thread::spawn(move || {
+            let mut conn = transport::with_kernel_tls(kernel, || transport::connect(&to, &creds))
+                .unwrap();
+            // The destination may fail, and hang up, before all is written.
+            let _ = conn.write_all(&vec![7u8; 1 << 20]);
+            let _ = conn.flush();
+        });
+        let mut conn = transport::with_kernel_tls(kernel, || listener.accept()).unwrap();
+        let expected = kernel && guestmem_sys::probe::kernel_tls().is_ok();
+        assert_eq!(conn.kernel_tls(), expected);
+        let mut buf = vec![0u8; 1 << 20];
+        let mut got = 0;
+        let e = loop {
+            match conn.read(&mut buf[got..]) {
+                Ok(0) => panic!("the stream ended after {got} bytes, no error"),
+                Ok(n) => got += n,
+                Err(e) => break e,
+            }
+        };
+        assert!(got < 200 << 10, "{got} bytes read, past the damaged one");
+        assert!(buf[..got].iter().all(|&b| b == 7), "a damaged byte was handed on");
+        let text = e.to_string();
+        assert!(
+            text.starts_with("TLS with the source at ") && text.contains("decrypt"),
+            "kernel TLS {kernel}: {text}"
+        );
+        writer.join().unwrap();
+    }
 }
 
 /// A relay to `to` that forwards both ways until frozen, then forwards nothing and keeps its

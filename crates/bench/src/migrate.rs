@@ -336,6 +336,9 @@ struct Row {
     /// `source_extra_bytes`) and on the destination.
     zstd_stream_bytes_source: f64,
     zstd_stream_bytes_destination: f64,
+    /// The destination's connections whose TLS records the kernel handled (kernel TLS), in
+    /// the first run.
+    dest_kernel_tls_connections: usize,
     runs: usize,
     total_ms: f64,
     downtime_ms: f64,
@@ -1453,6 +1456,10 @@ fn median_row(
         zstd_window_bytes: runs.first().map_or(0, |r| r.report.zstd_window_bytes),
         zstd_stream_bytes_source: m(&|r| r.report.zstd_stream_bytes as f64),
         zstd_stream_bytes_destination: m(&Run::destination_zstd_stream_bytes),
+        dest_kernel_tls_connections: runs
+            .first()
+            .and_then(|r| r.report.destination.as_ref())
+            .map_or(0, |d| d.kernel_tls_connections),
         runs: runs.len(),
         total_ms: m(&|r| r.report.total_ms),
         downtime_ms: m(&|r| r.report.downtime_ms),

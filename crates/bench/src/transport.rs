@@ -11,8 +11,7 @@
 use std::io::{Read, Write};
 
 use guestmem_migration::transport::{
-    connect, generate_credentials, kernel_tls_probe, with_kernel_tls, Credentials, Endpoint,
-    Listener, Role,
+    connect, generate_credentials, with_kernel_tls, Credentials, Endpoint, Listener, Role,
 };
 use serde::Serialize;
 
@@ -75,7 +74,7 @@ pub fn main(args: Args) -> crate::Result<()> {
     }
     let frames = random_frames(size, frame);
     let gib = (frames.len() * frame) as f64 / (1u64 << 30) as f64;
-    let absent = kernel_tls_probe().err();
+    let absent = guestmem_sys::probe::kernel_tls().err();
     let mut engines = Vec::new();
     for kernel in [false, true] {
         if kernel && absent.is_some() {
@@ -250,7 +249,10 @@ mod tests {
         for kernel in [false, true] {
             let c = receive(&frames, kernel).unwrap();
             assert!(c.receive_s > 0.0 && c.receive_s < 10.0, "{c:?}");
-            assert_eq!(c.kernel_tls, kernel && kernel_tls_probe().is_ok());
+            assert_eq!(
+                c.kernel_tls,
+                kernel && guestmem_sys::probe::kernel_tls().is_ok()
+            );
         }
     }
 

@@ -41,6 +41,18 @@ fn host_rows(p: &Probe, rows: &mut Vec<Row>) {
     rows.push(row_res("host.online_cpus", &h.online_cpus, |v| {
         (v.to_string(), String::new())
     }));
+    rows.push(match &h.kernel_tls {
+        Ok(()) => row(
+            "host.kernel_tls",
+            "yes",
+            "TCP migration connections hand their TLS records to the kernel",
+        ),
+        Err(e) => row(
+            "host.kernel_tls",
+            "absent",
+            &format!("{e}: TLS records stay with rustls"),
+        ),
+    });
 }
 
 fn kvm_rows(p: &Probe, rows: &mut Vec<Row>) {

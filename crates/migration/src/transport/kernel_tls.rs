@@ -1,6 +1,8 @@
 //! Kernel TLS: once rustls has completed a TCP connection's handshake (certificates, roles, the
 //! keys agreed), its record layer moves into the kernel (`TCP_ULP` "tls", `TLS_TX`, `TLS_RX`),
-//! where the kernel has it (found by trying: `CONFIG_TLS`, the `tls` module). A read then
+//! where the kernel has it (found by trying: `CONFIG_TLS`, the `tls` module) with AES-GCM of
+//! the CPU's instructions (`aesni_intel`; the kernel's generic AES-GCM would cost many times
+//! rustls's: see `guestmem_sys::probe::kernel_tls`). A read then
 //! decrypts straight out of the socket into the reader's buffer, and a write encrypts on its
 //! way into the socket: no copy of the records through rustls's buffers, no allocation per
 //! record, no read ahead — what the destination's receive spends above decompression and the
@@ -51,16 +53,6 @@ pub fn with_kernel_tls<T>(on: bool, f: impl FnOnce() -> T) -> T {
     out
 }
 
-/// Whether this kernel takes TLS on a TCP socket (`TCP_ULP` "tls" on a loopback connection),
-/// or why not.
-pub fn kernel_tls_probe() -> std::result::Result<(), String> {
-    let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| format!("listen: {e}"))?;
-    let addr = listener.local_addr().map_err(|e| format!("listen: {e}"))?;
-    let client = TcpStream::connect(addr).map_err(|e| format!("connect: {e}"))?;
-    let _server = listener.accept().map_err(|e| format!("accept: {e}"))?;
-    set_ulp(client.as_raw_fd()).map_err(|e| format!("setsockopt TCP_ULP \"tls\": {e}"))
-}
-
 /// A connection's TLS after its handshake.
 pub(super) enum Moved<S> {
     /// The kernel's: read and write the socket.
@@ -99,6 +91,9 @@ where
         Socket::Tcp(s) if wanted() => s.as_raw_fd(),
         _ => return Ok(Moved::Rustls(stream, None)),
     };
+    if let Err(why) = kernel_has_tls() {
+        return Ok(Moved::Rustls(stream, Some(why)));
+    }
     if let Some(why) = stays_in_user_space(&mut stream.conn) {
         return Ok(Moved::Rustls(stream, Some(why)));
     }
@@ -126,6 +121,13 @@ where
         socket: sock.socket,
         closed: false,
     }))
+}
+
+/// Whether the kernel has TLS with AES-GCM of the CPU's instructions
+/// ([`guestmem_sys::probe::kernel_tls`]), asked once per process.
+fn kernel_has_tls() -> std::result::Result<(), String> {
+    static ANSWER: OnceLock<std::result::Result<(), String>> = OnceLock::new();
+    ANSWER.get_or_init(guestmem_sys::probe::kernel_tls).clone()
 }
 
 /// Why a connection must keep rustls although the kernel may have TLS: a cipher the kernel is

@@ -46,7 +46,7 @@ mod socket;
 pub use connection::*;
 pub use endpoint::*;
 pub use gauge::*;
-pub use kernel_tls::{kernel_tls_probe, with_kernel_tls};
+pub use kernel_tls::with_kernel_tls;
 pub use listener::*;
 pub use pki::*;
 pub use socket::*;

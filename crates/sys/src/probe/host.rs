@@ -1,4 +1,4 @@
-//! Item 7: the host (kernel release, page size, memory).
+//! Item 7: the host (kernel release, page size, memory, kernel TLS).
 
 use std::ffi::CStr;
 
@@ -7,12 +7,82 @@ use libc::c_int;
 use super::util::{errno_name, last_errno};
 use super::Host;
 
-/// Kernel release, page size and online CPUs.
+/// Kernel release, page size, online CPUs and kernel TLS.
 pub fn host() -> Host {
     Host {
         kernel_release: kernel_release(),
         page_size_bytes: sysconf(libc::_SC_PAGESIZE, "_SC_PAGESIZE"),
         online_cpus: sysconf(libc::_SC_NPROCESSORS_ONLN, "_SC_NPROCESSORS_ONLN"),
+        kernel_tls: kernel_tls(),
+    }
+}
+
+/// Whether this kernel takes TLS on a TCP socket (`setsockopt(TCP_ULP, "tls")` on a loopback
+/// connection, which loads the `tls` module where it must) with AES-GCM done by the CPU's AES
+/// instructions ([`accelerated_aes_gcm`]), or why not: migration connections hand their records
+/// to it after the handshake where it does. Without the second, the kernel's AES-GCM is its
+/// generic C code, many times slower than rustls's.
+pub fn kernel_tls() -> Result<(), String> {
+    tcp_ulp_tls()?;
+    let crypto = std::fs::read_to_string("/proc/crypto")
+        .map_err(|e| format!("reading /proc/crypto: {e}"))?;
+    accelerated_aes_gcm(&crypto)
+}
+
+/// Whether `/proc/crypto` (its text: blocks of `key : value` lines) lists an AES-GCM AEAD of
+/// the CPU's instructions (such as aesni_intel's `generic-gcm-aesni` or `generic-gcm-vaes-avx2`),
+/// not the generic template (`gcm_base(ctr(aes-generic),ghash-generic)`) or an internal helper.
+fn accelerated_aes_gcm(crypto: &str) -> Result<(), String> {
+    let found = crypto.split("\n\n").any(|block| {
+        let field = |key: &str| {
+            block.lines().find_map(|l| {
+                let (k, v) = l.split_once(':')?;
+                (k.trim() == key).then(|| v.trim())
+            })
+        };
+        field("name") == Some("gcm(aes)")
+            && field("type") == Some("aead")
+            && field("internal") != Some("yes")
+            && field("driver").is_some_and(|d| !d.starts_with("gcm_base("))
+    });
+    if found {
+        Ok(())
+    } else {
+        Err(
+            "the kernel's AES-GCM is not accelerated (no gcm(aes) of the CPU's AES \
+             instructions in /proc/crypto: is aesni_intel loaded?)"
+                .into(),
+        )
+    }
+}
+
+/// Whether a TCP socket takes the kernel's TLS as its upper layer.
+fn tcp_ulp_tls() -> Result<(), String> {
+    use std::net::{TcpListener, TcpStream};
+    use std::os::fd::AsRawFd;
+    const NAME: &[u8] = b"tls";
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| format!("listen: {e}"))?;
+    let addr = listener.local_addr().map_err(|e| format!("listen: {e}"))?;
+    let client = TcpStream::connect(addr).map_err(|e| format!("connect: {e}"))?;
+    let _server = listener.accept().map_err(|e| format!("accept: {e}"))?;
+    // SAFETY: setsockopt reads the 3 bytes of NAME, a live static; the fd is the open TCP
+    // socket `client` owns.
+    let r = unsafe {
+        libc::setsockopt(
+            client.as_raw_fd(),
+            libc::SOL_TCP,
+            libc::TCP_ULP,
+            NAME.as_ptr().cast(),
+            3,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(format!(
+            "setsockopt TCP_ULP \"tls\": {}",
+            errno_name(last_errno())
+        ))
     }
 }
 
@@ -52,5 +122,31 @@ mod tests {
         assert_eq!(sysconf(libc::_SC_PAGESIZE, "_SC_PAGESIZE"), Ok(4096));
         assert_eq!(sysconf(-1, "BOGUS"), Err("sysconf(BOGUS) = -1".to_string()));
         assert!(host().online_cpus.unwrap() >= 1);
+    }
+
+    /// AES-GCM counts as accelerated only from a driver of the CPU's instructions: the generic
+    /// template and the internal helpers do not.
+    #[test]
+    fn only_an_accelerated_aes_gcm_counts() {
+        let block = |name: &str, driver: &str, internal: &str| {
+            format!(
+                "name         : {name}\ndriver       : {driver}\nmodule       : m\n\
+                 priority     : 400\ninternal     : {internal}\ntype         : aead\n\
+                 ivsize       : 12\n"
+            )
+        };
+        let generic = block("gcm(aes)", "gcm_base(ctr(aes-generic),ghash-generic)", "no");
+        let helper = block("__gcm(aes)", "__generic-gcm-aesni", "yes");
+        let hidden = block("gcm(aes)", "__generic-gcm-aesni", "yes");
+        let aesni = block("gcm(aes)", "generic-gcm-vaes-avx2", "no");
+        let other = block("rfc4106(gcm(aes))", "rfc4106-gcm-aesni", "no");
+        for text in [&generic, &helper, &hidden, &other] {
+            assert!(accelerated_aes_gcm(text)
+                .unwrap_err()
+                .contains("not accelerated"));
+        }
+        let all = [generic, helper, other, aesni].join("\n");
+        assert_eq!(accelerated_aes_gcm(&all), Ok(()));
+        assert!(accelerated_aes_gcm("").is_err());
     }
 }

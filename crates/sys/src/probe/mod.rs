@@ -23,7 +23,7 @@ use serde::Serialize;
 
 pub use gmem_uffd::guest_memfd_uffd;
 pub use gmem_write::guest_memfd_write;
-pub use host::host;
+pub use host::{host, kernel_tls};
 pub use hugepages::{hugetlb, thp};
 pub use kvm::kvm_caps;
 use kvm::throwaway_vm;
@@ -97,6 +97,8 @@ pub struct Host {
     pub page_size_bytes: Result<u64, String>,
     /// `sysconf(_SC_NPROCESSORS_ONLN)`.
     pub online_cpus: Result<u64, String>,
+    /// Kernel TLS on TCP sockets ([`kernel_tls`]).
+    pub kernel_tls: Result<(), String>,
 }
 
 /// KVM capabilities. Every `KVM_CHECK_EXTENSION` is asked on a VM fd (several caps answer only
