@@ -800,7 +800,11 @@ fn damaging_relay(to: u16, at: usize) -> u16 {
         };
         let server = std::net::TcpStream::connect(("127.0.0.1", to)).unwrap();
         for (mut from, mut into, flip) in [
-            (client.try_clone().unwrap(), server.try_clone().unwrap(), Some(at)),
+            (
+                client.try_clone().unwrap(),
+                server.try_clone().unwrap(),
+                Some(at),
+            ),
             (server, client, None),
         ] {
             std::thread::spawn(move || {
@@ -838,8 +842,8 @@ fn a_record_damaged_on_the_way_is_refused_by_either_tls() {
         let to = Endpoint::Tcp(format!("127.0.0.1:{relay}"));
         let creds = Credentials::load(&dir.0, Role::Source).unwrap();
         let writer = std::thread::spawn(move || {
-            let mut conn = transport::with_kernel_tls(kernel, || transport::connect(&to, &creds))
-                .unwrap();
+            let mut conn =
+                transport::with_kernel_tls(kernel, || transport::connect(&to, &creds)).unwrap();
             // The destination may fail, and hang up, before all is written.
             let _ = conn.write_all(&vec![7u8; 1 << 20]);
             let _ = conn.flush();
@@ -857,7 +861,10 @@ fn a_record_damaged_on_the_way_is_refused_by_either_tls() {
             }
         };
         assert!(got < 200 << 10, "{got} bytes read, past the damaged one");
-        assert!(buf[..got].iter().all(|&b| b == 7), "a damaged byte was handed on");
+        assert!(
+            buf[..got].iter().all(|&b| b == 7),
+            "a damaged byte was handed on"
+        );
         let text = e.to_string();
         assert!(
             text.starts_with("TLS with the source at ") && text.contains("decrypt"),
