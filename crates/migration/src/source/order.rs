@@ -11,7 +11,8 @@
 //! on its own connection ([`crate::protocol::block_connection`]), and each block's dirty bits
 //! are cleared just before it is queued, whatever the order.
 
-/// Stretches of memory a connection's blocks are taken from in turn.
+/// Stretches of memory a connection's blocks are taken from in turn (4, 8, 32 and 64 were
+/// measured against it: docs/benchmarks.md, "A round's order").
 pub(super) const SPREAD_WAYS: usize = 16;
 
 /// The order in which to queue blocks whose connections are `conns` (in memory order): each

@@ -1,12 +1,11 @@
 //! Kernel TLS: once rustls has completed a TCP connection's handshake (certificates, roles, the
 //! keys agreed), its record layer moves into the kernel (`TCP_ULP` "tls", `TLS_TX`, `TLS_RX`),
-//! where the kernel has it (found by trying: `CONFIG_TLS`, the `tls` module) with AES-GCM of
-//! the CPU's instructions (`aesni_intel`; the kernel's generic AES-GCM would cost many times
-//! rustls's: see `guestmem_sys::probe::kernel_tls`). A read then
-//! decrypts straight out of the socket into the reader's buffer, and a write encrypts on its
-//! way into the socket: no copy of the records through rustls's buffers, no allocation per
-//! record, no read ahead — what the destination's receive spends above decompression and the
-//! copy into guest memory.
+//! where the kernel has it (found by trying: `CONFIG_TLS`, the `tls` module) with AES-GCM of the
+//! CPU's instructions (`aesni_intel`; the kernel's generic AES-GCM would cost many times rustls's:
+//! see `guestmem_sys::probe::kernel_tls`). A read then decrypts straight out of the socket into the
+//! reader's buffer, and a write encrypts on its way into the socket: no copy of the records through
+//! rustls's buffers, no allocation per record, no read ahead — what the destination's receive
+//! spends above decompression and the copy into guest memory.
 //!
 //! Only the record layer moves: the handshake, and with it who may connect, stays rustls's.
 //! The move needs nothing of the stream to be held in user space past the handshake: during it a
