@@ -125,6 +125,19 @@ fn threads(pid: u32) -> Vec<(u32, String, u64)> {
     .collect()
 }
 
+/// This thread's CPU time (user and system, so page faults and the kernel's work for its
+/// syscalls count), seconds.
+pub(crate) fn thread_cpu_s() -> f64 {
+    let mut r = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage writes one rusage into the zeroed buffer.
+    let r = unsafe {
+        libc::getrusage(libc::RUSAGE_THREAD, r.as_mut_ptr());
+        r.assume_init()
+    };
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    tv(r.ru_utime) + tv(r.ru_stime)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

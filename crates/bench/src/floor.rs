@@ -35,7 +35,7 @@
 
 use guestmem_sys::to_usize;
 
-use crate::transport::thread_cpu_s;
+use crate::cpu::thread_cpu_s;
 use std::path::{Path, PathBuf};
 
 use guestmem_migration::compress::ZSTD_LEVEL;

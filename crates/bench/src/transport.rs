@@ -15,6 +15,7 @@ use guestmem_migration::transport::{
 };
 use serde::Serialize;
 
+use crate::cpu::thread_cpu_s;
 use crate::units::parse_size;
 
 #[derive(Debug, clap::Args)]
@@ -218,21 +219,9 @@ pub fn receive(frames: &[Vec<u8>], kernel: bool) -> crate::Result<Costs> {
     })
 }
 
-/// This thread's CPU time (user and system), seconds.
-pub fn thread_cpu_s() -> f64 {
-    let mut r = std::mem::MaybeUninit::<libc::rusage>::zeroed();
-    // SAFETY: getrusage writes one rusage into the zeroed buffer.
-    let r = unsafe {
-        libc::getrusage(libc::RUSAGE_THREAD, r.as_mut_ptr());
-        r.assume_init()
-    };
-    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
-    tv(r.ru_utime) + tv(r.ru_stime)
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+/// The median of `v` as the figures report it (the mean of the middle two for an even count).
+fn median(v: Vec<f64>) -> f64 {
+    crate::envelope::Figure::of(&v).map_or(f64::NAN, |f| f.median)
 }
 
 #[cfg(test)]

@@ -203,16 +203,17 @@ fn set_keys(
         out_iv.copy_from_slice(&iv.as_ref()[4..]);
         *rec_seq = seq.to_be_bytes();
     }
-    match secrets {
-        ConnectionTrafficSecrets::Aes128Gcm { key, iv } => {
+    // The uapi struct of one AES-GCM key size, filled, handed over, and wiped.
+    macro_rules! aes_gcm {
+        ($info:ty, $cipher:expr, $key:expr, $iv:expr) => {{
             // SAFETY: the uapi struct is plain old data: all zeroes is a valid value.
-            let mut info: libc::tls12_crypto_info_aes_gcm_128 = unsafe { std::mem::zeroed() };
+            let mut info: $info = unsafe { std::mem::zeroed() };
             info.info.version = libc::TLS_1_3_VERSION;
-            info.info.cipher_type = libc::TLS_CIPHER_AES_GCM_128;
+            info.info.cipher_type = $cipher;
             let i = &mut info;
             fill(
-                &key,
-                &iv,
+                $key,
+                $iv,
                 seq,
                 &mut i.key,
                 &mut i.salt,
@@ -222,26 +223,21 @@ fn set_keys(
             let r = set_opt(fd, libc::SOL_TLS, direction, &info);
             wipe(&mut info);
             r
-        }
-        ConnectionTrafficSecrets::Aes256Gcm { key, iv } => {
-            // SAFETY: as above.
-            let mut info: libc::tls12_crypto_info_aes_gcm_256 = unsafe { std::mem::zeroed() };
-            info.info.version = libc::TLS_1_3_VERSION;
-            info.info.cipher_type = libc::TLS_CIPHER_AES_GCM_256;
-            let i = &mut info;
-            fill(
-                &key,
-                &iv,
-                seq,
-                &mut i.key,
-                &mut i.salt,
-                &mut i.iv,
-                &mut i.rec_seq,
-            );
-            let r = set_opt(fd, libc::SOL_TLS, direction, &info);
-            wipe(&mut info);
-            r
-        }
+        }};
+    }
+    match secrets {
+        ConnectionTrafficSecrets::Aes128Gcm { key, iv } => aes_gcm!(
+            libc::tls12_crypto_info_aes_gcm_128,
+            libc::TLS_CIPHER_AES_GCM_128,
+            &key,
+            &iv
+        ),
+        ConnectionTrafficSecrets::Aes256Gcm { key, iv } => aes_gcm!(
+            libc::tls12_crypto_info_aes_gcm_256,
+            libc::TLS_CIPHER_AES_GCM_256,
+            &key,
+            &iv
+        ),
         _ => Err(io::Error::new(
             io::ErrorKind::Unsupported,
             "a cipher other than AES-GCM",
