@@ -225,9 +225,9 @@ fn precopy_moves_a_running_guest_on_every_backend() {
     }
 }
 
-/// Pre-copy over TCP: where the kernel has TLS, every connection of both ends hands its
-/// records to the kernel after the handshake (else none does, and the probe names what is
-/// missing); with `rustls_source`, the source keeps rustls and the destination still takes
+/// Pre-copy over TCP: where the kernel has TLS (with the CPU's AES-GCM), every connection of
+/// both ends hands its records to the kernel after the handshake (else none does, and the probe
+/// names what is missing); with `rustls_source`, the source keeps rustls and the destination still takes
 /// kernel TLS (the two talk, both ways). The memory arrives whole either way.
 fn precopy_over_tcp(name: &str, rustls_source: bool) {
     let pair = Pair::tcp(name);
@@ -239,7 +239,13 @@ fn precopy_over_tcp(name: &str, rustls_source: bool) {
     let kernel = match guestmem_sys::probe::kernel_tls() {
         Ok(()) => true,
         Err(why) => {
-            assert!(why.contains("TCP_ULP"), "{why}");
+            // It names what is missing: the ULP, a key direction, or the CPU's AES-GCM.
+            assert!(
+                ["TCP_ULP", "TLS_TX", "TLS_RX", "AES-GCM"]
+                    .iter()
+                    .any(|w| why.contains(w)),
+                "{why}"
+            );
             false
         }
     };

@@ -56,33 +56,62 @@ fn accelerated_aes_gcm(crypto: &str) -> Result<(), String> {
     }
 }
 
-/// Whether a TCP socket takes the kernel's TLS as its upper layer.
+/// Whether a TCP socket takes the kernel's TLS as its upper layer, and TLS 1.3 AES-128-GCM keys
+/// for both directions (a throw-away key on a loopback connection): what a migration
+/// connection's move into the kernel asks, so that a kernel refusing any of it keeps rustls.
 fn tcp_ulp_tls() -> Result<(), String> {
     use std::net::{TcpListener, TcpStream};
     use std::os::fd::AsRawFd;
-    const NAME: &[u8] = b"tls";
     let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| format!("listen: {e}"))?;
     let addr = listener.local_addr().map_err(|e| format!("listen: {e}"))?;
     let client = TcpStream::connect(addr).map_err(|e| format!("connect: {e}"))?;
     let _server = listener.accept().map_err(|e| format!("accept: {e}"))?;
-    // SAFETY: setsockopt reads the 3 bytes of NAME, a live static; the fd is the open TCP
-    // socket `client` owns.
+    let fd = client.as_raw_fd();
+    set_opt(fd, libc::SOL_TCP, libc::TCP_ULP, b"tls", "TCP_ULP \"tls\"")?;
+    // SAFETY: the uapi struct is plain old data: all zeroes is a valid value.
+    let mut info: libc::tls12_crypto_info_aes_gcm_128 = unsafe { std::mem::zeroed() };
+    info.info.version = libc::TLS_1_3_VERSION;
+    info.info.cipher_type = libc::TLS_CIPHER_AES_GCM_128;
+    set_opt(
+        fd,
+        libc::SOL_TLS,
+        libc::TLS_TX,
+        &info,
+        "TLS_TX (TLS 1.3, AES-128-GCM)",
+    )?;
+    set_opt(
+        fd,
+        libc::SOL_TLS,
+        libc::TLS_RX,
+        &info,
+        "TLS_RX (TLS 1.3, AES-128-GCM)",
+    )
+}
+
+/// `setsockopt(fd, level, name, v)`, or an error naming `what` and the errno.
+#[allow(clippy::cast_possible_truncation)] // the option values are a few dozen bytes.
+fn set_opt<T: ?Sized>(
+    fd: c_int,
+    level: c_int,
+    name: c_int,
+    v: &T,
+    what: &str,
+) -> Result<(), String> {
+    // SAFETY: setsockopt reads size_of_val(v) bytes from `v`, a live value of plain old data
+    // (bytes, a uapi struct); `fd` is an open socket its caller owns.
     let r = unsafe {
         libc::setsockopt(
-            client.as_raw_fd(),
-            libc::SOL_TCP,
-            libc::TCP_ULP,
-            NAME.as_ptr().cast(),
-            3,
+            fd,
+            level,
+            name,
+            std::ptr::from_ref(v).cast(),
+            std::mem::size_of_val(v) as libc::socklen_t,
         )
     };
     if r == 0 {
         Ok(())
     } else {
-        Err(format!(
-            "setsockopt TCP_ULP \"tls\": {}",
-            errno_name(last_errno())
-        ))
+        Err(format!("setsockopt {what}: {}", errno_name(last_errno())))
     }
 }
 
