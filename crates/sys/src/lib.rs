@@ -84,9 +84,67 @@ pub fn punch_hole(fd: std::os::fd::BorrowedFd<'_>, offset: u64, len: u64) -> io:
     Ok(())
 }
 
+/// `setsockopt(fd, level, name, v)` with `v`'s bytes (an integer, a uapi struct, a name):
+/// the socket options the std library does not set (kernel TLS, `SO_SNDBUF` beyond its API).
+#[allow(clippy::cast_possible_truncation)] // option values are a few dozen bytes.
+pub fn setsockopt<T: ?Sized>(
+    fd: std::os::fd::BorrowedFd<'_>,
+    level: libc::c_int,
+    name: libc::c_int,
+    v: &T,
+) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: setsockopt reads size_of_val(v) bytes from `v`, a live value of plain old data
+    // (integers, bytes, a uapi struct); the fd is the open socket the caller lends.
+    let r = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            level,
+            name,
+            std::ptr::from_ref(v).cast(),
+            std::mem::size_of_val(v) as libc::socklen_t,
+        )
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A socket option is set (and reads back as the kernel keeps it); one the kernel does not
+    /// know is an error with its errno, not a panic.
+    #[test]
+    fn socket_options_are_set_or_refused() {
+        use std::os::fd::{AsFd, AsRawFd};
+        let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        setsockopt(
+            s.as_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_SNDBUF,
+            &(1 << 20) as &libc::c_int,
+        )
+        .unwrap();
+        let mut v: libc::c_int = 0;
+        let mut len: libc::socklen_t = 4;
+        // SAFETY: getsockopt writes at most `len` bytes into `v`, a live c_int.
+        let r = unsafe {
+            libc::getsockopt(
+                s.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_SNDBUF,
+                (&raw mut v).cast(),
+                &raw mut len,
+            )
+        };
+        assert_eq!(r, 0);
+        assert!(v >= 1 << 20, "{v}");
+        let e = setsockopt(s.as_fd(), libc::SOL_SOCKET, -1, &0 as &libc::c_int).unwrap_err();
+        assert!(e.raw_os_error().is_some(), "{e}");
+    }
 
     #[derive(Debug, thiserror::Error)]
     #[error("outer ({inner})")]

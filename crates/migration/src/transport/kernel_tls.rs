@@ -19,7 +19,7 @@
 
 use super::*;
 use std::cell::Cell;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 
 use rustls::crypto::cipher::{AeadKey, Iv};
 use rustls::{ConnectionTrafficSecrets, ExtractedSecrets};
@@ -86,26 +86,28 @@ where
     C: IntoSecrets + std::ops::DerefMut + std::ops::Deref<Target = rustls::ConnectionCommon<D>>,
     D: rustls::SideData,
 {
-    let fd = match &stream.sock.socket {
-        Socket::Tcp(s) if wanted() => s.as_raw_fd(),
-        _ => return Ok(Moved::Rustls(stream, None)),
-    };
+    if !matches!(stream.sock.socket, Socket::Tcp(_)) || !wanted() {
+        return Ok(Moved::Rustls(stream, None));
+    }
     if let Err(why) = kernel_has_tls() {
         return Ok(Moved::Rustls(stream, Some(why)));
     }
     if let Some(why) = stays_in_user_space(&mut stream.conn) {
         return Ok(Moved::Rustls(stream, Some(why)));
     }
-    if let Err(e) = set_ulp(fd) {
-        let why = match e.raw_os_error() {
-            Some(libc::ENOENT) => {
-                format!("the kernel has no TLS (setsockopt TCP_ULP \"tls\": {e})")
-            }
-            _ => format!("setsockopt TCP_ULP \"tls\": {e}"),
-        };
+    // Attaches the kernel's TLS to the socket (the probe above did the same on its own).
+    let ulp = guestmem_sys::setsockopt(
+        tcp_fd(&stream.sock.socket),
+        libc::SOL_TCP,
+        libc::TCP_ULP,
+        b"tls",
+    );
+    if let Err(e) = ulp {
+        let why = format!("setsockopt TCP_ULP \"tls\": {e}");
         return Ok(Moved::Rustls(stream, Some(why)));
     }
     let StreamOwned { conn, sock } = stream;
+    let fd = tcp_fd(&sock.socket);
     let secrets = conn
         .into_secrets()
         .map_err(|e| format!("taking the TLS keys for kernel TLS: {e}"))?;
@@ -115,11 +117,24 @@ where
         .map_err(|e| format!("kernel TLS: setting the receiving key (TLS_RX): {e}"))?;
     // Records come unpadded from every TLS 1.3 peer guestmem talks to: the kernel may decrypt
     // into the reader's buffer at once (it checks, and decrypts again if one was padded).
-    let _ = set_int(fd, libc::SOL_TLS, libc::TLS_RX_EXPECT_NO_PAD, 1);
+    let _ = guestmem_sys::setsockopt(
+        fd,
+        libc::SOL_TLS,
+        libc::TLS_RX_EXPECT_NO_PAD,
+        &1 as &libc::c_int,
+    );
     Ok(Moved::Kernel(KernelTls {
         socket: sock.socket,
         closed: false,
     }))
+}
+
+/// The descriptor of a TCP socket (kernel TLS runs on nothing else).
+fn tcp_fd(socket: &Socket) -> BorrowedFd<'_> {
+    match socket {
+        Socket::Tcp(s) => s.as_fd(),
+        Socket::Unix(_) => unreachable!("kernel TLS runs on TCP sockets only"),
+    }
 }
 
 /// Whether the kernel has TLS with AES-GCM of the CPU's instructions
@@ -148,44 +163,10 @@ fn stays_in_user_space<D>(conn: &mut rustls::ConnectionCommon<D>) -> Option<Stri
     }
 }
 
-/// Attaches the kernel's TLS to the TCP socket (loading the `tls` module if it must).
-fn set_ulp(fd: libc::c_int) -> io::Result<()> {
-    set_opt(fd, libc::SOL_TCP, libc::TCP_ULP, b"tls")
-}
-
-fn set_int(
-    fd: libc::c_int,
-    level: libc::c_int,
-    name: libc::c_int,
-    v: libc::c_int,
-) -> io::Result<()> {
-    set_opt(fd, level, name, &v)
-}
-
-#[allow(clippy::cast_possible_truncation)] // the option structs are a few dozen bytes.
-fn set_opt<T>(fd: libc::c_int, level: libc::c_int, name: libc::c_int, v: &T) -> io::Result<()> {
-    // SAFETY: setsockopt reads size_of::<T>() bytes from `v`, a live T (plain old data: the
-    // kernel's uapi structs and integers); `fd` is an open socket its caller owns.
-    let r = unsafe {
-        libc::setsockopt(
-            fd,
-            level,
-            name,
-            std::ptr::from_ref(v).cast(),
-            std::mem::size_of::<T>() as libc::socklen_t,
-        )
-    };
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
-}
-
 /// Hands one direction's key, IV and record sequence number to the kernel (`TLS_TX` or
 /// `TLS_RX`): TLS 1.3's 12-byte IV is the uapi's 4-byte salt and 8-byte IV.
 fn set_keys(
-    fd: libc::c_int,
+    fd: BorrowedFd<'_>,
     direction: libc::c_int,
     (seq, secrets): (u64, ConnectionTrafficSecrets),
 ) -> io::Result<()> {
@@ -220,7 +201,7 @@ fn set_keys(
                 &mut i.iv,
                 &mut i.rec_seq,
             );
-            let r = set_opt(fd, libc::SOL_TLS, direction, &info);
+            let r = guestmem_sys::setsockopt(fd, libc::SOL_TLS, direction, &info);
             wipe(&mut info);
             r
         }};

@@ -140,24 +140,9 @@ pub const SEND_BUFFER_BYTES: usize = 4 << 20;
 
 #[allow(clippy::cast_possible_truncation)] // SEND_BUFFER_BYTES is a few MiB.
 pub(super) fn set_send_buffer(s: &TcpStream) -> io::Result<()> {
-    use std::os::fd::AsRawFd;
+    use std::os::fd::AsFd;
     let bytes = SEND_BUFFER_BYTES as libc::c_int;
-    // SAFETY: setsockopt reads `size_of::<c_int>()` bytes from `bytes`, a live c_int, and the
-    // fd is the open socket `s` borrows.
-    let r = unsafe {
-        libc::setsockopt(
-            s.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_SNDBUF,
-            (&raw const bytes).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
+    guestmem_sys::setsockopt(s.as_fd(), libc::SOL_SOCKET, libc::SO_SNDBUF, &bytes)
 }
 
 /// The bytes a TCP socket's read fetches at most (see [`Wire`]).

@@ -61,12 +61,12 @@ fn accelerated_aes_gcm(crypto: &str) -> Result<(), String> {
 /// connection's move into the kernel asks, so that a kernel refusing any of it keeps rustls.
 fn tcp_ulp_tls() -> Result<(), String> {
     use std::net::{TcpListener, TcpStream};
-    use std::os::fd::AsRawFd;
+    use std::os::fd::AsFd;
     let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| format!("listen: {e}"))?;
     let addr = listener.local_addr().map_err(|e| format!("listen: {e}"))?;
     let client = TcpStream::connect(addr).map_err(|e| format!("connect: {e}"))?;
     let _server = listener.accept().map_err(|e| format!("accept: {e}"))?;
-    let fd = client.as_raw_fd();
+    let fd = client.as_fd();
     set_opt(fd, libc::SOL_TCP, libc::TCP_ULP, b"tls", "TCP_ULP \"tls\"")?;
     // SAFETY: the uapi struct is plain old data: all zeroes is a valid value.
     let mut info: libc::tls12_crypto_info_aes_gcm_128 = unsafe { std::mem::zeroed() };
@@ -88,31 +88,20 @@ fn tcp_ulp_tls() -> Result<(), String> {
     )
 }
 
-/// `setsockopt(fd, level, name, v)`, or an error naming `what` and the errno.
-#[allow(clippy::cast_possible_truncation)] // the option values are a few dozen bytes.
+/// [`crate::setsockopt`], or an error naming `what` and the errno.
 fn set_opt<T: ?Sized>(
-    fd: c_int,
+    fd: std::os::fd::BorrowedFd<'_>,
     level: c_int,
     name: c_int,
     v: &T,
     what: &str,
 ) -> Result<(), String> {
-    // SAFETY: setsockopt reads size_of_val(v) bytes from `v`, a live value of plain old data
-    // (bytes, a uapi struct); `fd` is an open socket its caller owns.
-    let r = unsafe {
-        libc::setsockopt(
-            fd,
-            level,
-            name,
-            std::ptr::from_ref(v).cast(),
-            std::mem::size_of_val(v) as libc::socklen_t,
+    crate::setsockopt(fd, level, name, v).map_err(|e| {
+        format!(
+            "setsockopt {what}: {}",
+            errno_name(e.raw_os_error().unwrap_or(0))
         )
-    };
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(format!("setsockopt {what}: {}", errno_name(last_errno())))
-    }
+    })
 }
 
 pub(super) fn kernel_release() -> Result<String, String> {
