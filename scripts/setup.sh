@@ -16,10 +16,12 @@ command -v tc >/dev/null 2>&1 || need+=(iproute2)
 command -v qemu-system-x86_64 >/dev/null 2>&1 || need+=(qemu-system-x86)
 command -v zstd >/dev/null 2>&1 || need+=(zstd)
 # The kernel lab (scripts/kernel-lab.sh): a static busybox for its initramfs, cpio to pack it,
-# xz to unpack Debian's kernel modules.
+# xz to unpack Debian's kernel modules, kmod's depmod to order them.
 [ -x /bin/busybox ] && ! ldd /bin/busybox >/dev/null 2>&1 || need+=(busybox-static)
 command -v cpio >/dev/null 2>&1 || need+=(cpio)
 command -v xz >/dev/null 2>&1 || need+=(xz-utils)
+# depmod, for Debian's kernel modules in the lab (/usr/sbin, not always on a user's PATH).
+command -v depmod >/dev/null 2>&1 || [ -x /usr/sbin/depmod ] || [ -x /sbin/depmod ] || need+=(kmod)
 if [ ${#need[@]} -gt 0 ]; then
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
   $SUDO apt-get update -qq
