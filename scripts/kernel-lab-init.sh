@@ -7,7 +7,10 @@ mount -t proc proc /proc
 mount -t sysfs sys /sys
 mount -t devtmpfs dev /dev
 mount -t tmpfs -o size=768m tmp /tmp
-export PATH=/bin:/sbin HOME=/root TMPDIR=/tmp RUST_BACKTRACE=1
+# GUESTMEM_BIN: the guestmem the CLI's tests run (crates/cli/tests/common), here at a path of
+# the lab's own: the build's path may not exist in the guest, or be under a directory mounted
+# over above (a checkout under /tmp).
+export PATH=/bin:/sbin HOME=/root TMPDIR=/tmp RUST_BACKTRACE=1 GUESTMEM_BIN=/bin/guestmem
 ip link set lo up
 R=/dev/ttyS1
 stty -F $R raw -echo 2>/dev/null
@@ -23,23 +26,65 @@ for m in $(cat /lab/modules.order); do
 done
 if [ -e /dev/kvm ]; then say "@@LAB kvm yes"; else say "@@LAB kvm no"; fi
 
+# The probe, once: its JSON goes into the record, its table answers the suite's needs= (need).
+# A probe that cannot run fails the run; no test is skipped on its account.
+guestmem probe --json > /tmp/probe.json 2>&1
+json_rc=$?
+guestmem probe > /tmp/probe.table 2>&1
+table_rc=$?
 say "@@BEGIN probe"
-guestmem probe --json > $R 2>&1
+cat /tmp/probe.json > $R
 say "@@END probe"
 echo "=== guestmem probe"
-guestmem probe
+cat /tmp/probe.table
+PROBE_ERROR=""
+if [ $json_rc -ne 0 ] || [ $table_rc -ne 0 ]; then
+    PROBE_ERROR="guestmem probe could not run (exit $json_rc, table exit $table_rc): $(tail -n 3 /tmp/probe.table | tr '\n' ' ')"
+    say "@@LAB probe-error $PROBE_ERROR"
+fi
 
-# The suite: `TARGET TEST [needs=guest_memfd] [ignored]` a line; each test alone, bounded;
+# probe_row NAME: the value and detail of the probe table's row NAME (empty when it has none).
+probe_row() { awk -v n="$1" '$1 == n { sub(/^[^ ]+ +/, ""); gsub(/  +/, " "); print; exit }' /tmp/probe.table; }
+# need NAME: what the probe says of a suite line's needs=NAME: `yes`; `no WHY` (the probe ran
+# and says the kernel lacks it: the test is skipped, the record says which probe said so); or
+# `error WHY` (the probe could not run, or answered what the lab does not expect: the test
+# fails). A new need is one more case, reading its row of `guestmem probe`'s table.
+need() {
+    [ -z "$PROBE_ERROR" ] || { echo "error $PROBE_ERROR"; return; }
+    case "$1" in
+        guest_memfd)
+            # Host-mapped guest_memfd: the MMAP flag among kvm.guest_memfd_flags' `0xN (A|B)`.
+            row=$(probe_row kvm.guest_memfd_flags)
+            case "$row" in
+                0x*"(MMAP|"*|0x*"(MMAP)"*|0x*"|MMAP|"*|0x*"|MMAP)"*) echo yes ;;
+                0x*) echo "no \`guestmem probe\` says kvm.guest_memfd_flags $row: host-mapped guest_memfd (MMAP) is absent (its refusal is tested by the gmem_ tests)" ;;
+                *) echo "error \`guestmem probe\` gave kvm.guest_memfd_flags '$row', not flags (kvm: $(probe_row kvm))" ;;
+            esac ;;
+        *) echo "error the lab knows no need '$1' (scripts/kernel-lab-init.sh, need)" ;;
+    esac
+}
+
+# The suite: `TARGET TEST [needs=NAME] [ignored]` a line; each test alone, bounded;
 # `ignored`: a test ignored elsewhere (it needs this lab's kernel), run with --include-ignored.
-GMEM=no
-guestmem probe --json | grep -q '"MMAP"' && GMEM=yes
-while read -r target test needs; do
+# A test that reports itself ignored all the same fails: the lab does not quietly test less.
+while read -r target test flags; do
     [ -n "$target" ] || continue
     extra=""
-    case " $needs " in *" ignored "*) extra=--include-ignored ;; esac
-    case " $needs " in *" needs=guest_memfd "*) needs=needs=guest_memfd ;; esac
-    if [ "$needs" = "needs=guest_memfd" ] && [ $GMEM = no ]; then
-        say "@@TEST $target::$test skipped 0 host-mapped guest_memfd is absent (its refusal is tested by the gmem_ tests)"
+    verdict=""
+    for flag in $flags; do
+        case "$flag" in
+            ignored) extra=--include-ignored ;;
+            needs=*) answer=$(need "${flag#needs=}")
+                     case "$answer" in
+                         yes) ;;
+                         no\ *) [ -n "$verdict" ] || verdict="skipped ${answer#no }" ;;
+                         *) verdict="failed ${answer#error }" ;;
+                     esac ;;
+            *) verdict="failed the suite line's '$flag' is neither ignored nor needs=NAME" ;;
+        esac
+    done
+    if [ -n "$verdict" ]; then
+        say "@@TEST $target::$test ${verdict%% *} 0 ${verdict#* }"
         continue
     fi
     echo "=== $target::$test"
@@ -51,10 +96,10 @@ while read -r target test needs; do
     cat /tmp/test.out
     if [ $rc -eq 0 ] && grep -q '^test result: ok. 1 passed' /tmp/test.out; then
         say "@@TEST $target::$test ok $secs"
-    elif [ $rc -eq 0 ] && grep -q '^test result: ok. 0 passed; 0 failed; 1 ignored' /tmp/test.out; then
-        say "@@TEST $target::$test ignored $secs"
     else
         why="exit $rc"
+        grep -q '^test result: ok. 0 passed; 0 failed; 1 ignored' /tmp/test.out &&
+            why="the test is ignored in its code: mark its suite line \`ignored\` to run it here"
         [ $rc -eq 137 ] && why="killed at the ${LIMIT} s limit"
         grep -q '^running 0 tests' /tmp/test.out && why="no such test"
         say "@@TEST $target::$test failed $secs $why"
@@ -64,7 +109,8 @@ while read -r target test needs; do
     fi
 done < /lab/suite
 
-if [ $GMEM = yes ]; then
+GMEM=$(need guest_memfd)
+if [ "$GMEM" = yes ]; then
     # Population of gmem by each method the kernel offers, beside mmap+memcpy (times: TCG).
     say "@@BEGIN populate"
     timeout -s KILL "$LIMIT" guestmem bench populate --size 64M --backend gmem --json > /tmp/b.out 2>&1
@@ -94,11 +140,11 @@ refusal() {
     tail -n 5 /tmp/r.out > $R
     say "@@END refusal $name"
 }
-if [ $GMEM = yes ]; then
+if [ "$GMEM" = yes ]; then
     guestmem snapshot --out /tmp/lab-snap --memory 16M --backend gmem --after 0.1 > /dev/null 2>&1
     refusal lazy-restore restore /tmp/lab-snap --mode lazy --run-for 0.1
     rm -rf /tmp/lab-snap
-else
+elif [ "${GMEM%% *}" = no ]; then
     refusal run run --memory 16M --backend gmem --workload touch
     refusal snapshot snapshot --out /tmp/lab-snap --memory 16M --backend gmem --after 0.1
     refusal numa numa --size 16M --backend gmem --numa bind:1

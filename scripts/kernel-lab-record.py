@@ -69,9 +69,18 @@ def main():
                 test["output_tail"] = out.split("\n")
             tests.append(test)
     completed = "done" in lab
+    probe = as_json(sections.get("probe"))
+    # The probe answers every needs= of the suite: one that could not run, or whose JSON is not
+    # the probe's, fails the run (the guest's init fails the tests that needed it).
+    probe_error = lab.get("probe-error")
+    if probe_error is None and completed and (not isinstance(probe, dict) or "unparsed" in probe):
+        probe_error = "`guestmem probe --json` gave no JSON: " + str(probe.get("unparsed", probe))[-300:]
     passed = sum(t["result"] == "ok" for t in tests)
     failed = sum(t["result"] == "failed" for t in tests)
-    skipped = sum(t["result"] in ("skipped", "ignored") for t in tests)
+    # Skipped: only where a probe that ran says the kernel lacks what the test needs (the
+    # reason names it); any other result is a failure.
+    skipped = sum(t["result"] == "skipped" for t in tests)
+    failed += sum(t["result"] not in ("ok", "failed", "skipped") for t in tests)
     qemu = subprocess.run(["qemu-system-x86_64", "--version"], capture_output=True, text=True)
     record = {
         "what": "guestmem's lab suite on another kernel, in a QEMU TCG guest with KVM "
@@ -103,7 +112,8 @@ def main():
         "failed": failed,
         "skipped": skipped,
         "tests": tests,
-        "probe": as_json(sections.get("probe")),
+        "probe": probe,
+        "probe_error": probe_error,
     }
     if "populate" in sections:
         record["populate_gmem_64mib_tcg"] = as_json(sections["populate"])
@@ -133,9 +143,11 @@ def main():
               f"limit {args.timeout} s); the console's last lines:")
         for l in console[-40:]:
             print("    " + l.rstrip("\r"))
+    if probe_error:
+        print(f"lab: the probe failed: {probe_error}")
     print(f"lab: kernel {lab.get('kernel')}, record {args.out}")
     print(f"lab: {passed} passed, {failed} failed, {skipped} skipped")
-    sys.exit(0 if completed and failed == 0 and tests else 1)
+    sys.exit(0 if completed and failed == 0 and tests and not probe_error else 1)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,10 @@
 #
 #   scripts/kernel-lab.sh [--kernel debian-7.3|debian-6.1|PATH/bzImage] [--modules DIR]
 #                         [--suite gmem] [--timeout SECONDS] [--name NAME] [--out FILE]
-#                         [--tcg-thread single|multi] [--fetch-only]
+#                         [--tcg-thread single|multi] [--fetch-only] [--package-only]
 #
+# --package-only builds and checks the initramfs, then stops without booting (CI runs it from
+# a checkout under /tmp, the directory the guest's init mounts a tmpfs over).
 # --kernel PATH boots any kernel image (KVM built in, or its modules in --modules DIR, a
 # lib/modules/RELEASE tree). Times measured in the lab are under TCG: never compare them with
 # host figures. Needs qemu-system-x86, busybox-static, cpio, xz-utils (scripts/setup.sh).
@@ -28,6 +30,7 @@ TIMEOUT=1500
 NAME=""
 OUT=""
 FETCH_ONLY=no
+PACKAGE_ONLY=no
 TCG_THREAD=single
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -38,6 +41,7 @@ while [ $# -gt 0 ]; do
         --name) NAME=$2; shift 2 ;;
         --out) OUT=$2; shift 2 ;;
         --fetch-only) FETCH_ONLY=yes; shift ;;
+        --package-only) PACKAGE_ONLY=yes; shift ;;
         --tcg-thread) TCG_THREAD=$2; shift 2 ;;
         -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
         *) echo "kernel-lab: unknown argument '$1' (see --help)" >&2; exit 2 ;;
@@ -198,10 +202,9 @@ done > "$WORK/executables"
 I="$WORK/initramfs"
 mkdir -p "$I/bin" "$I/lab/bin" "$I/proc" "$I/sys" "$I/dev" "$I/tmp" "$I/root" "$I/etc"
 cp "$BUSYBOX" "$I/bin/busybox"
-# guestmem where the CLI tests look for it (CARGO_BIN_EXE_guestmem is an absolute path).
-mkdir -p "$I$(dirname "$GUESTMEM_BIN")"
-strip --strip-debug -o "$I$GUESTMEM_BIN" "$GUESTMEM_BIN"
-ln -s "$GUESTMEM_BIN" "$I/bin/guestmem"
+# guestmem at a path of the lab's own, whatever the checkout's: the init points the CLI's tests
+# at it (GUESTMEM_BIN).
+strip --strip-debug -o "$I/bin/guestmem" "$GUESTMEM_BIN"
 bins=("$GUESTMEM_BIN")
 while read -r target exe; do
     strip --strip-debug -o "$I/lab/bin/$target" "$exe"
@@ -220,8 +223,26 @@ echo "root:x:0:0:root:/root:/bin/sh" > "$I/etc/passwd"
 cp "$ROOT/scripts/kernel-lab-init.sh" "$I/init"
 echo "${TEST_TIMEOUT:-600}" > "$I/lab/test-timeout"
 chmod +x "$I/init"
+# What the guest runs must be where the init finds it, and not under a directory the init mounts
+# over (a `mount ... DIR` line of its own): there it would be hidden.
+check_initramfs() {
+    local dir target
+    for dir in $(awk '$1 == "mount" { print $NF }' "$I/init"); do
+        if [ -n "$(find "$I$dir" -mindepth 1 2>/dev/null | head -1)" ]; then
+            echo "kernel-lab: the initramfs holds $(find "$I$dir" -mindepth 1 | head -1 | sed "s|^$I||")," \
+                 "which the guest's init hides under the mount on $dir" >&2
+            return 1
+        fi
+    done
+    for target in guestmem $(cut -d' ' -f1 "$I/lab/suite" | sort -u); do
+        [ "$target" = guestmem ] && target=/bin/guestmem || target=/lab/bin/$target
+        [ -x "$I$target" ] || { echo "kernel-lab: the initramfs has no $target" >&2; return 1; }
+    done
+}
+check_initramfs || exit 1
 (cd "$I" && find . | cpio -o -H newc --quiet) > "$WORK/initramfs.cpio"
-echo "kernel-lab: initramfs $(du -m "$WORK/initramfs.cpio" | cut -f1) MiB"
+echo "kernel-lab: initramfs $(du -m "$WORK/initramfs.cpio" | cut -f1) MiB (checked: nothing under the init's mounts)"
+if [ $PACKAGE_ONLY = yes ]; then echo "kernel-lab: packaged $WORK/initramfs.cpio from $ROOT"; exit 0; fi
 
 # --- Boot, bounded. ----------------------------------------------------------------------
 boot() {

@@ -1,9 +1,11 @@
 //! The `guestmem` command as a user runs it.
 
+mod common;
+
 use std::process::{Command, Output};
 
 fn guestmem(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_guestmem"))
+    Command::new(common::guestmem_bin())
         .args(args)
         .output()
         .expect("run guestmem")
@@ -358,7 +360,7 @@ impl Drop for Reaped {
 
 fn page_server(socket: &std::path::Path, memory: &[&str]) -> Reaped {
     let _ = std::fs::remove_file(socket);
-    let child = Command::new(env!("CARGO_BIN_EXE_guestmem"))
+    let child = Command::new(common::guestmem_bin())
         .args(["page-server", "--firecracker", socket.to_str().unwrap()])
         .args(memory)
         .args(["--connections", "1"])

@@ -1,6 +1,8 @@
 //! `guestmem migrate` and `guestmem demo` as a user runs them: two guestmem processes, the
 //! destination's JSON and the source's, and what each prints when things go wrong.
 
+mod common;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -10,9 +12,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use common::guestmem_bin;
 use serde_json::Value;
-
-const GUESTMEM: &str = env!("CARGO_BIN_EXE_guestmem");
 
 /// A directory of this test process, removed on drop.
 struct TempDir(PathBuf);
@@ -35,7 +36,7 @@ impl TempDir {
     /// A fresh migration CA and both sides' certificates in `name`.
     fn keys(&self, name: &str) -> String {
         let dir = self.path(name);
-        let o = Command::new(GUESTMEM)
+        let o = Command::new(guestmem_bin())
             .args(["migrate", "keys", "--out", &dir])
             .output()
             .unwrap();
@@ -145,10 +146,10 @@ impl Proc {
         let mut cmd = match prefix.split_first() {
             Some((first, rest)) => {
                 let mut c = Command::new(first);
-                c.args(rest).arg(GUESTMEM);
+                c.args(rest).arg(guestmem_bin());
                 c
             }
-            None => Command::new(GUESTMEM),
+            None => Command::new(guestmem_bin()),
         };
         let mut child = cmd
             .args(args)
@@ -1089,7 +1090,7 @@ fn demo_migrates_and_the_digests_match() {
 
 /// `guestmem probe --json`.
 fn probe_json() -> Value {
-    let o = Command::new(GUESTMEM)
+    let o = Command::new(guestmem_bin())
         .args(["probe", "--json"])
         .output()
         .unwrap();

@@ -1,6 +1,7 @@
 //! `guestmem snapshot` to and `guestmem restore` from a chunk store, as a user runs them: a
 //! local store and a real MinIO started by the test (credentials in the AWS environment).
 
+mod common;
 #[path = "../../../tests/tests/common/minio.rs"]
 mod minio;
 
@@ -10,7 +11,7 @@ use std::process::{Command, Output};
 use minio::Minio;
 
 fn guestmem(args: &[&str], env: &[(&str, String)]) -> Output {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_guestmem"));
+    let mut c = Command::new(common::guestmem_bin());
     c.args(args);
     for (k, v) in env {
         c.env(k, v);
@@ -200,7 +201,7 @@ fn snapshot_to_and_restore_from_minio() {
         "{err}"
     );
     bad.push(("AWS_SECRET_ACCESS_KEY", "wrong".into()));
-    let mut c = Command::new(env!("CARGO_BIN_EXE_guestmem"));
+    let mut c = Command::new(common::guestmem_bin());
     c.args(["restore", "s3://vms/fleet/merged"])
         .env_remove("AWS_SECRET_ACCESS_KEY");
     for (k, v) in &bad {
@@ -223,7 +224,7 @@ fn a_killed_snapshot_write_leaves_no_manifest_and_gc_collects_its_chunks() {
     let tmp = Tmp::new("killed");
     let root = tmp.0.join("store");
     let url = format!("store:{}/x", root.display());
-    let mut child = Command::new(env!("CARGO_BIN_EXE_guestmem"))
+    let mut child = Command::new(common::guestmem_bin())
         .args(["snapshot", "--memory", "2G", "--after", "1", "--out", &url])
         .stdout(std::process::Stdio::null())
         .spawn()
@@ -319,7 +320,7 @@ fn two_clone_processes_share_one_image_of_the_snapshot() {
     ];
     let clones: Vec<_> = (0..2)
         .map(|_| {
-            Command::new(env!("CARGO_BIN_EXE_guestmem"))
+            Command::new(common::guestmem_bin())
                 .args(args)
                 .stdout(std::process::Stdio::piped())
                 .stderr(std::process::Stdio::piped())
