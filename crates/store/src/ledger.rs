@@ -2,19 +2,21 @@
 //! restore that fails on its store says which chunks were never fetched (the guest was stopped
 //! rather than run without them).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use guestmem_sys::to_usize;
 
 /// The most runs of chunks a message lists (then how many more there are).
 const MAX_RUNS: usize = 12;
 
-/// One region's chunks: which hold data, which of those were fetched.
+/// One region's chunks: which hold data, which of those were fetched; whether this restore
+/// fetches the region at all (a page server serves RAM only).
 #[derive(Debug)]
 struct RegionLedger {
     label: String,
     data: Vec<bool>,
     fetched: Vec<AtomicU64>,
+    used: AtomicBool,
 }
 
 /// The fetched chunks of a snapshot's regions, shared by their page sources.
@@ -36,9 +38,15 @@ impl Ledger {
                         .collect(),
                     label,
                     data,
+                    used: AtomicBool::new(false),
                 })
                 .collect(),
         }
+    }
+
+    /// Region `region` is fetched by this restore (its chunks never fetched will count).
+    pub(crate) fn use_region(&self, region: usize) {
+        self.regions[region].used.store(true, Ordering::Relaxed);
     }
 
     /// Chunk `chunk` of region `region` is fetched (and checked).
@@ -49,11 +57,15 @@ impl Ledger {
         }
     }
 
-    /// The data chunks never fetched, per region that has any: "LABEL: N of M data chunks
-    /// never fetched: 3-9, 12, …".
+    /// The data chunks never fetched, per region used that has any: "LABEL: N of M data
+    /// chunks never fetched: 3-9, 12, …".
     pub(crate) fn unfetched(&self) -> String {
         let mut parts = Vec::new();
-        for r in &self.regions {
+        for r in self
+            .regions
+            .iter()
+            .filter(|r| r.used.load(Ordering::Relaxed))
+        {
             let fetched =
                 |c: usize| r.fetched[c / 64].load(Ordering::Relaxed) & (1 << (c % 64)) != 0;
             let missing: Vec<usize> = (0..r.data.len())
@@ -109,7 +121,7 @@ mod tests {
     use super::*;
 
     /// The chunks never fetched are named in runs, data chunks only, regions with none left
-    /// out.
+    /// out, and regions this restore does not fetch.
     #[test]
     fn names_the_data_chunks_never_fetched_in_runs() {
         let mut data = vec![true; 20];
@@ -117,7 +129,10 @@ mod tests {
         let l = Ledger::new(vec![
             ("s/v region 'sys'".into(), vec![true]),
             ("s/v region 'ram'".into(), data),
+            ("s/v region 'other'".into(), vec![true]),
         ]);
+        l.use_region(0);
+        l.use_region(1);
         l.mark(0, 0);
         for c in [0, 1, 2, 10, 19] {
             l.mark(1, c);

@@ -291,7 +291,14 @@ impl Error {
 }
 
 /// [`Error::Stalled`]'s message.
-fn stalled_text(store: &str, key: &str, op: &str, waited: f64, silent: f64, timeout: f64) -> String {
+fn stalled_text(
+    store: &str,
+    key: &str,
+    op: &str,
+    waited: f64,
+    silent: f64,
+    timeout: f64,
+) -> String {
     let silent = if silent > waited + 0.5 {
         format!(" (the store has answered nothing for {silent:.1} s)")
     } else {

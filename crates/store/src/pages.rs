@@ -421,6 +421,7 @@ impl StorePages {
         ledger: Arc<Ledger>,
         region: usize,
     ) -> StorePages {
+        ledger.use_region(region);
         StorePages {
             fetcher,
             chunks,

@@ -19,8 +19,8 @@ use guestmem_vm::VmConfig;
 use serde::{Deserialize, Serialize};
 
 use crate::cache::ChunkCache;
-use crate::ledger::Ledger;
 use crate::chunk::{Hash, Stored};
+use crate::ledger::Ledger;
 use crate::manifest::{resolve, state_key, working_set_key, Resolved, StoreManifest};
 use crate::objects::ObjectStore;
 use crate::pages::{parallel, Fetcher, StorePages, Want};
@@ -173,6 +173,7 @@ impl StoreSnapshot {
         // Runs of chunks, each fetched by one thread (neighbours in a pack with one read)
         // while the others fetch and decompress theirs.
         let runs: Vec<&[(usize, Stored)]> = jobs.chunks(RUN_CHUNKS).collect();
+        self.ledger.use_region(index);
         parallel(runs, threads, |run| {
             let mut bufs: Vec<Vec<u8>> = run
                 .iter()
@@ -272,6 +273,7 @@ impl StoreSnapshot {
                 what: format!("{label} chunk {i} (offset {:#x})", i as u64 * cb),
             })
             .collect();
+        self.ledger.use_region(index);
         self.fetcher.fetch(wants, self.threads())?;
         for &(i, _) in &chunks {
             self.ledger.mark(index, i as u64);

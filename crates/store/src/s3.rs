@@ -254,8 +254,7 @@ impl S3ObjectStore {
                         return Err(Failure::Store(e));
                     }
                     Err(_) => {
-                        if let Verdict::Fail(waited, silent) = self.watch.waiting(key, op, start)
-                        {
+                        if let Verdict::Fail(waited, silent) = self.watch.waiting(key, op, start) {
                             return Err(Failure::Stalled(waited, silent));
                         }
                     }

@@ -151,6 +151,29 @@ impl Minio {
         ]
     }
 
+    /// Stops the server's process (SIGSTOP): its connections stay open and nothing answers.
+    pub fn freeze(&self) {
+        self.signal(libc::SIGSTOP);
+    }
+
+    /// Lets a frozen server go on (SIGCONT): it answers what it was sent meanwhile.
+    pub fn thaw(&self) {
+        self.signal(libc::SIGCONT);
+    }
+
+    fn signal(&self, sig: libc::c_int) {
+        let pid = libc::pid_t::try_from(self.child.id()).expect("a pid");
+        // SAFETY: kill(2) of our own child process, which we have not reaped (no other
+        // process can have its pid).
+        let r = unsafe { libc::kill(pid, sig) };
+        assert_eq!(
+            r,
+            0,
+            "kill {pid} {sig}: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+
     /// The data directory's file for an object (to damage or remove it behind MinIO's back
     /// is not possible: MinIO keeps its own format), so tests go through the S3 API instead.
     pub fn data_dir(&self) -> PathBuf {
