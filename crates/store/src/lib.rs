@@ -299,14 +299,19 @@ fn stalled_text(
     silent: f64,
     timeout: f64,
 ) -> String {
-    let silent = if silent > waited + 0.5 {
-        format!(" (the store has answered nothing for {silent:.1} s)")
+    let what = if waited == 0.0 {
+        format!("{op} {key} not sent: the store has answered nothing for {silent:.1} s")
+    } else if silent > waited + 0.5 {
+        format!(
+            "no answer to {op} {key} for {waited:.1} s (the store has answered nothing for \
+             {silent:.1} s)"
+        )
     } else {
-        String::new()
+        format!("no answer to {op} {key} for {waited:.1} s")
     };
     format!(
-        "{store}: no answer to {op} {key} for {waited:.1} s{silent}: the store is stalled or \
-         unreachable (the store timeout is {timeout:.1} s: --store-timeout)"
+        "{store}: {what}: the store is stalled or unreachable (the store timeout is \
+         {timeout:.1} s: --store-timeout)"
     )
 }
 

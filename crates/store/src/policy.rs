@@ -7,10 +7,11 @@
 //! - a stall shorter than the bound ([`StoreOptions::timeout`], default
 //!   [`DEFAULT_STORE_TIMEOUT`]) is ridden out: the request goes on and nothing is lost;
 //! - a request the store answers nothing for the bound fails with [`crate::Error::Stalled`],
-//!   naming the store, the object and how long it waited. Until the store answers again, every
-//!   other request to it (in flight or new) fails once it has waited [`StoreOptions::probe`]: a
-//!   dead store fails an operation once, within the bound and a few seconds, however many
-//!   requests and retries the operation has;
+//!   naming the store, the object and how long it waited. The store is then *dead* until it
+//!   answers again: a request in flight fails once it has waited [`StoreOptions::probe`], and a
+//!   new one fails at once, but for one a probe long (a *probe*, which finds out whether the
+//!   store is back). A dead store fails an operation once, within the bound and a second or
+//!   so, however many requests and retries the operation has;
 //! - a request the store answered with an error is not retried as a stall is: the S3 client
 //!   retries a server error (5xx) or a dropped connection at most [`MAX_RETRIES`] times, all
 //!   within the bound; a refusal (4xx: missing, credentials) is final at once.
@@ -134,6 +135,8 @@ struct State {
     stalled_since: Option<Instant>,
     /// When a request found the store dead, and when that request began.
     dead: Option<(Instant, Instant)>,
+    /// When the last probe of a dead store began.
+    probed: Option<Instant>,
 }
 
 /// A store's watch over its requests' answers.
@@ -187,6 +190,21 @@ impl Watch {
         }
     }
 
+    /// Whether a request may be sent now: always, unless the store is dead; then only as a
+    /// probe, one per [`StoreOptions::probe`]. `Err`: how long the store has answered nothing.
+    pub(crate) fn admit(&self) -> Result<(), Duration> {
+        let mut state = self.state.lock().expect("not poisoned");
+        let Some((found, began)) = state.dead else {
+            return Ok(());
+        };
+        let last = state.probed.unwrap_or(found);
+        if last.elapsed() >= self.options.probe() {
+            state.probed = Some(Instant::now());
+            return Ok(());
+        }
+        Err(began.elapsed())
+    }
+
     /// A request for `op` `key` that began at `start` has no answer yet: tells a new stall,
     /// and says whether to fail.
     pub(crate) fn waiting(&self, key: &str, op: &'static str, start: Instant) -> Verdict {
@@ -203,7 +221,7 @@ impl Watch {
             let now = Instant::now();
             state.dead = Some((now, start));
             drop(state);
-            tracing::error!(
+            tracing::warn!(
                 "{}: no answer to {op} {key} for {:.1} s (the store timeout): failing",
                 self.store,
                 waited.as_secs_f64()
@@ -231,6 +249,7 @@ impl Watch {
     pub(crate) fn answered(&self, key: &str, op: &'static str) {
         let mut state = self.state.lock().expect("not poisoned");
         state.dead = None;
+        state.probed = None;
         if let Some(since) = state.stalled_since.take() {
             drop(state);
             let waited = since.elapsed();
@@ -290,16 +309,21 @@ mod tests {
             panic!("the bound fails the request");
         };
         assert!(waited >= Duration::from_millis(400));
-        // Another request: the store is dead; it fails after the probe (200 ms), not the
-        // bound.
+        // A new request is refused at once, until a probe's time has passed: then one probe
+        // goes, and fails after the probe (200 ms), not the bound.
+        assert!(w.admit().is_err());
+        std::thread::sleep(Duration::from_millis(210));
+        assert!(w.admit().is_ok(), "a probe");
+        assert!(w.admit().is_err(), "one probe at a time");
         let other = Instant::now();
         assert!(matches!(w.waiting("k3", "read", other), Verdict::Wait));
         std::thread::sleep(Duration::from_millis(210));
         let Verdict::Fail(_, silent) = w.waiting("k3", "read", other) else {
             panic!("a dead store fails the next request after the probe");
         };
-        assert!(silent >= Duration::from_millis(600), "{silent:?}");
+        assert!(silent >= Duration::from_millis(800), "{silent:?}");
         w.answered("k3", "read");
+        assert!(w.admit().is_ok(), "the store answered: not dead");
         let again = Instant::now();
         std::thread::sleep(Duration::from_millis(210));
         assert!(matches!(w.waiting("k4", "read", again), Verdict::Wait));

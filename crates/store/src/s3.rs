@@ -236,6 +236,9 @@ impl S3ObjectStore {
         op: &'static str,
         request: impl Future<Output = object_store::Result<T>>,
     ) -> std::result::Result<T, Failure> {
+        if let Err(silent) = self.watch.admit() {
+            return Err(Failure::Stalled(Duration::ZERO, silent));
+        }
         let start = Instant::now();
         let tick = (self.watch.options().probe() / 4)
             .clamp(Duration::from_millis(10), Duration::from_millis(250));

@@ -153,25 +153,19 @@ impl Minio {
 
     /// Stops the server's process (SIGSTOP): its connections stay open and nothing answers.
     pub fn freeze(&self) {
-        self.signal(libc::SIGSTOP);
+        self.signal("-STOP");
     }
 
     /// Lets a frozen server go on (SIGCONT): it answers what it was sent meanwhile.
     pub fn thaw(&self) {
-        self.signal(libc::SIGCONT);
+        self.signal("-CONT");
     }
 
-    fn signal(&self, sig: libc::c_int) {
-        let pid = libc::pid_t::try_from(self.child.id()).expect("a pid");
-        // SAFETY: kill(2) of our own child process, which we have not reaped (no other
-        // process can have its pid).
-        let r = unsafe { libc::kill(pid, sig) };
-        assert_eq!(
-            r,
-            0,
-            "kill {pid} {sig}: {}",
-            std::io::Error::last_os_error()
-        );
+    /// Sends `sig` to the server's process (our child, not reaped: no other has its pid).
+    fn signal(&self, sig: &str) {
+        let pid = self.child.id().to_string();
+        let s = Command::new("kill").args([sig, &pid]).status().unwrap();
+        assert!(s.success(), "kill {sig} {pid}: {s}");
     }
 
     /// The data directory's file for an object (to damage or remove it behind MinIO's back
