@@ -423,7 +423,7 @@ fn a_frozen_store_fails_each_command_within_the_store_timeout() {
         assert!(
             err.contains("s3://vms/fleet: stalled: no answer to ")
                 && err.contains("guestmem: error: s3://vms/fleet: no answer to ")
-                && err.contains("for 3.0 s: the store is stalled or unreachable"),
+                && err.contains("the store is stalled or unreachable (the store timeout is 3.0 s"),
             "{args:?}: {err}"
         );
     }
