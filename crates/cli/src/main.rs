@@ -18,8 +18,37 @@ use clap::{Parser, Subcommand};
 #[derive(Parser)]
 #[command(name = "guestmem", version, about = "Guest memory engine for KVM VMMs")]
 struct Cli {
+    /// How long an object store (s3://…) may answer nothing before the operation fails, in
+    /// seconds; every command that reads or writes a store (restore, snapshot, page-server,
+    /// merge, gc, delete) keeps to it. A request the store has not answered for 2 s is
+    /// reported on stderr as a stall (naming the store and the object); a stall shorter than
+    /// this is ridden out with nothing lost; one this long fails the command naming the store,
+    /// the object and how long it waited (a lazily restored guest is stopped, never run
+    /// without its memory, and the chunks never fetched are named). A server error (5xx) is
+    /// retried at most twice within the bound; a refusal (4xx) is not retried.
+    #[arg(long, global = true, value_name = "SECONDS", default_value_t = 30.0)]
+    store_timeout: f64,
     #[command(subcommand)]
     command: Command,
+}
+
+/// The store timeout policy of this run (`--store-timeout`).
+static STORE_OPTIONS: std::sync::OnceLock<guestmem_store::StoreOptions> =
+    std::sync::OnceLock::new();
+
+/// The options every store this run opens is under.
+pub(crate) fn store_options() -> guestmem_store::StoreOptions {
+    STORE_OPTIONS.get().cloned().unwrap_or_default()
+}
+
+/// `--store-timeout SECONDS` as the store's options.
+fn parse_store_options(seconds: f64) -> Result<guestmem_store::StoreOptions> {
+    let options =
+        guestmem_store::StoreOptions::with_timeout(units::seconds(seconds, "--store-timeout")?);
+    options
+        .check()
+        .map_err(|e| format!("--store-timeout: {e}"))?;
+    Ok(options)
 }
 
 #[derive(Subcommand)]
@@ -61,6 +90,15 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    match parse_store_options(cli.store_timeout) {
+        Ok(options) => {
+            let _ = STORE_OPTIONS.set(options);
+        }
+        Err(e) => {
+            eprintln!("guestmem: error: {}", error_text(&*e));
+            std::process::exit(2);
+        }
+    }
     let result = match cli.command {
         Command::Demo(args) => demo::main(args),
         Command::Migrate(cmd) => migrate::main(cmd),
@@ -114,6 +152,31 @@ mod tests {
     struct InSourceOnly {
         #[source]
         inner: std::io::Error,
+    }
+
+    /// `--store-timeout` defaults to 30 s, is taken after any subcommand, and a bound that is
+    /// none is refused naming the flag.
+    #[test]
+    fn the_store_timeout_defaults_to_30_s_and_is_a_global_flag() {
+        use clap::Parser;
+        let cli = super::Cli::try_parse_from(["guestmem", "snapshot", "gc", "store:/s"]).unwrap();
+        let o = super::parse_store_options(cli.store_timeout).unwrap();
+        assert_eq!(o.timeout, std::time::Duration::from_secs(30));
+        assert_eq!(o.timeout, guestmem_store::DEFAULT_STORE_TIMEOUT);
+        let cli = super::Cli::try_parse_from([
+            "guestmem",
+            "restore",
+            "s3://b/p/vm",
+            "--store-timeout",
+            "4.5",
+        ])
+        .unwrap();
+        let o = super::parse_store_options(cli.store_timeout).unwrap();
+        assert_eq!(o.timeout, std::time::Duration::from_millis(4500));
+        for bad in [0.0, -1.0, 0.01] {
+            let e = super::parse_store_options(bad).unwrap_err().to_string();
+            assert!(e.contains("--store-timeout"), "{e}");
+        }
     }
 
     #[test]

@@ -187,6 +187,10 @@ use crate::units::seconds;
 /// Resumes a restored VM, lets it run `run_for`, stops it, and waits (lazy restores) until its
 /// memory is resident: the guest's page counters before and after, and the time from `t` to
 /// resident.
+/// How long past the store timeout a lazily restored guest waits on a page before the VM's
+/// no-progress check ends its run (the pager fails it first, with the store's error).
+const STORE_SLACK: Duration = Duration::from_secs(10);
+
 pub(crate) fn run_restored(
     vm: &mut Vm,
     pagers: &[Pager],
@@ -198,7 +202,11 @@ pub(crate) fn run_restored(
     let running = vm.resume()?;
     std::thread::sleep(run_for);
     running.stop();
-    let report = running.wait(Duration::from_secs(30))?;
+    // A vCPU waiting on a page from a stalled store is stopped by its pager when the store
+    // timeout (and its probes) run out, with the store's error: the VM's own no-progress
+    // check waits past that.
+    let no_progress = Duration::from_secs(30).max(crate::store_options().timeout + STORE_SLACK);
+    let report = running.wait(no_progress)?;
     let after: Vec<u64> = report.vcpus.iter().map(|v| v.pages).collect();
     let mut resident_ms = None;
     for pager in pagers {

@@ -373,3 +373,60 @@ fn two_clone_processes_share_one_image_of_the_snapshot() {
         "the image holds the snapshot's bytes, not a clone's writes"
     );
 }
+
+/// A MinIO that answers nothing (frozen with SIGSTOP): `--store-timeout 3` fails a restore,
+/// a snapshot and a gc within the bound and 5 s, the stall told on stderr on the way, each
+/// error naming the store, the object and the wait; the flag and its default are in --help.
+#[test]
+#[cfg_attr(
+    not(all(kvm, uffd)),
+    ignore = "no usable /dev/kvm and /dev/userfaultfd on this host"
+)]
+fn a_frozen_store_fails_each_command_within_the_store_timeout() {
+    let help = guestmem(&["restore", "--help"], &[]);
+    let help = String::from_utf8_lossy(&help.stdout);
+    assert!(
+        help.contains("--store-timeout <SECONDS>") && help.contains("[default: 30]"),
+        "{help}"
+    );
+    let m = Minio::start("vms");
+    let tmp = Tmp::new("s3-frozen");
+    let mut env = m.env();
+    env.push((
+        "GUESTMEM_CHUNK_CACHE",
+        tmp.0.join("cache").display().to_string(),
+    ));
+    let o = guestmem(
+        &["snapshot", "--memory", "64M", "--out", "s3://vms/fleet/vm"],
+        &env,
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    m.freeze();
+    let commands: [&[&str]; 3] = [
+        &["restore", "s3://vms/fleet/vm", "--mode", "lazy"],
+        &["snapshot", "--memory", "64M", "--out", "s3://vms/fleet/vm2"],
+        &["snapshot", "gc", "s3://vms/fleet"],
+    ];
+    for args in commands {
+        let mut args = args.to_vec();
+        args.extend(["--store-timeout", "3"]);
+        let t = std::time::Instant::now();
+        let o = guestmem(&args, &env);
+        let waited = t.elapsed();
+        let err = String::from_utf8_lossy(&o.stderr);
+        eprintln!("{args:?}: {:.2} s: {err}", waited.as_secs_f64());
+        assert!(!o.status.success(), "{args:?}: {err}");
+        assert!(
+            waited >= std::time::Duration::from_secs(3)
+                && waited <= std::time::Duration::from_secs(8),
+            "{args:?}: {waited:?}: {err}"
+        );
+        assert!(
+            err.contains("s3://vms/fleet: stalled: no answer to ")
+                && err.contains("guestmem: error: s3://vms/fleet: no answer to ")
+                && err.contains("the store is stalled or unreachable (the store timeout is 3.0 s"),
+            "{args:?}: {err}"
+        );
+    }
+    m.thaw();
+}

@@ -27,6 +27,7 @@
 pub mod cache;
 pub mod chunk;
 pub mod gc;
+mod ledger;
 pub mod live;
 pub mod local;
 pub mod location;
@@ -34,6 +35,7 @@ pub mod manifest;
 pub mod merge;
 pub mod objects;
 pub mod pages;
+pub mod policy;
 pub mod restore;
 pub mod s3;
 pub mod write;
@@ -44,6 +46,7 @@ use std::path::PathBuf;
 pub use location::Location;
 pub use manifest::{ChunkRef, StoreManifest, StoreRegion};
 pub use objects::{ObjectInfo, ObjectStore};
+pub use policy::{StallEvent, StallStatus, StoreOptions, DEFAULT_STORE_TIMEOUT};
 
 /// What the store's operations return.
 pub type Result<T> = std::result::Result<T, Error>;
@@ -101,6 +104,33 @@ pub enum Error {
         /// The object store's error.
         #[source]
         source: Box<object_store::Error>,
+    },
+    /// The object store answered nothing to a request for the store timeout (or, once it had
+    /// done so, for the probe that followed): the store is stalled or unreachable.
+    #[error("{}", stalled_text(store, key, op, *waited_s, *silent_s, *timeout_s))]
+    Stalled {
+        /// The store.
+        store: String,
+        /// The object's key.
+        key: String,
+        /// The operation.
+        op: &'static str,
+        /// How long this request waited, in seconds.
+        waited_s: f64,
+        /// How long the store had answered nothing, in seconds (at least `waited_s`).
+        silent_s: f64,
+        /// The store timeout, in seconds.
+        timeout_s: f64,
+    },
+    /// A lazy restore's memory source failed for good on a stalled store: the chunks it never
+    /// fetched (its guest was stopped, never run on them).
+    #[error("{unfetched}")]
+    NeverFetched {
+        /// Which chunks, per region.
+        unfetched: String,
+        /// Why they were not fetched.
+        #[source]
+        source: Box<Error>,
     },
     /// The object store refused the credentials.
     #[error(
@@ -249,6 +279,40 @@ impl Error {
     pub fn is_missing(&self) -> bool {
         matches!(self, Error::Missing { .. })
     }
+
+    /// Whether the store answered nothing for the store timeout.
+    pub fn is_stalled(&self) -> bool {
+        match self {
+            Error::Stalled { .. } => true,
+            Error::NeverFetched { source, .. } => source.is_stalled(),
+            _ => false,
+        }
+    }
+}
+
+/// [`Error::Stalled`]'s message.
+fn stalled_text(
+    store: &str,
+    key: &str,
+    op: &str,
+    waited: f64,
+    silent: f64,
+    timeout: f64,
+) -> String {
+    let what = if waited == 0.0 {
+        format!("{op} {key} not sent: the store has answered nothing for {silent:.1} s")
+    } else if silent > waited + 0.5 {
+        format!(
+            "no answer to {op} {key} for {waited:.1} s (the store has answered nothing for \
+             {silent:.1} s)"
+        )
+    } else {
+        format!("no answer to {op} {key} for {waited:.1} s")
+    };
+    format!(
+        "{store}: {what}: the store is stalled or unreachable (the store timeout is \
+         {timeout:.1} s: --store-timeout)"
+    )
 }
 
 /// An error and its causes in one line, each cause once (to sort errors by what they say).

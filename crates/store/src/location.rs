@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use crate::local::LocalObjectStore;
 use crate::objects::ObjectStore;
+use crate::policy::StoreOptions;
 use crate::s3::S3ObjectStore;
 use crate::{Error, Result};
 
@@ -74,11 +75,20 @@ impl StoreUrl {
     }
 
     /// Opens the back end (an S3 client takes its endpoint and credentials from the AWS
-    /// environment variables).
+    /// environment variables) under the default [`StoreOptions`].
     pub fn open(&self) -> Result<Arc<dyn ObjectStore>> {
+        self.open_with(StoreOptions::default())
+    }
+
+    /// Opens the back end, its requests under `options` (the store timeout policy of
+    /// [`crate::policy`]; a local directory's reads and writes are file system calls, not
+    /// bounded by it).
+    pub fn open_with(&self, options: StoreOptions) -> Result<Arc<dyn ObjectStore>> {
         Ok(match self {
             StoreUrl::Local(dir) => Arc::new(LocalObjectStore::new(dir)),
-            StoreUrl::S3 { bucket, prefix } => Arc::new(S3ObjectStore::from_env(bucket, prefix)?),
+            StoreUrl::S3 { bucket, prefix } => {
+                Arc::new(S3ObjectStore::from_env_with(bucket, prefix, options)?)
+            }
         })
     }
 }

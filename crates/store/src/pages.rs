@@ -15,6 +15,7 @@ use serde::Serialize;
 
 use crate::cache::ChunkCache;
 use crate::chunk::{self, Hash, Loc, Stored};
+use crate::ledger::Ledger;
 use crate::objects::ObjectStore;
 use crate::{Error, Result};
 
@@ -389,6 +390,10 @@ pub struct StorePages {
     size: u64,
     /// "STORE/NAME region 'R'", for errors.
     label: String,
+    /// The chunks fetched so far (of this region: `region`), for a failure to name those
+    /// never fetched.
+    ledger: Arc<Ledger>,
+    region: usize,
 }
 
 impl StorePages {
@@ -400,12 +405,51 @@ impl StorePages {
         size: u64,
         label: String,
     ) -> StorePages {
+        let data = chunks.iter().map(Option::is_some).collect();
+        let ledger = Arc::new(Ledger::new(vec![(label.clone(), data)]));
+        StorePages::in_ledger(fetcher, chunks, chunk_bytes, size, label, ledger, 0)
+    }
+
+    /// [`StorePages::new`] for region `region` of a snapshot whose fetched chunks `ledger`
+    /// keeps (shared by its regions' sources).
+    pub(crate) fn in_ledger(
+        fetcher: Arc<Fetcher>,
+        chunks: Vec<Option<Stored>>,
+        chunk_bytes: u64,
+        size: u64,
+        label: String,
+        ledger: Arc<Ledger>,
+        region: usize,
+    ) -> StorePages {
+        ledger.use_region(region);
         StorePages {
             fetcher,
             chunks,
             chunk_bytes,
             size,
             label,
+            ledger,
+            region,
+        }
+    }
+
+    /// Fetches `wants` (chunks `indices` of the region) and notes them fetched; a store that
+    /// stalled or cannot be reached fails naming the chunks never fetched.
+    fn fetch_noted(&self, wants: Vec<Want<'_>>, indices: &[u64]) -> Result<()> {
+        match self.fetcher.fetch(wants, IN_FLIGHT) {
+            Ok(()) => {
+                for &i in indices {
+                    self.ledger.mark(self.region, i);
+                }
+                Ok(())
+            }
+            Err(e @ (Error::Stalled { .. } | Error::Unreachable { .. })) => {
+                Err(Error::NeverFetched {
+                    unfetched: self.ledger.unfetched(),
+                    source: Box::new(e),
+                })
+            }
+            Err(e) => Err(e),
         }
     }
 
@@ -437,6 +481,7 @@ impl StorePages {
         // Whole chunks go straight into `buf`; a piece of one through a buffer of its own.
         let mut wants = Vec::new();
         let mut partial: Vec<(usize, &mut [u8], Stored, u64)> = Vec::new();
+        let indices: Vec<u64> = pieces.iter().map(|p| p.0 as u64).collect();
         for (index, at, piece, chunk) in pieces {
             let start = index as u64 * cb;
             if at == start && piece.len() as u64 == cb.min(self.size - start) {
@@ -463,7 +508,7 @@ impl StorePages {
                     what: self.what(i),
                 }),
         );
-        self.fetcher.fetch(wants, IN_FLIGHT)?;
+        self.fetch_noted(wants, &indices)?;
         for ((from, piece, _, _), whole) in partial.into_iter().zip(&wholes) {
             piece.copy_from_slice(&whole[from..from + piece.len()]);
         }
@@ -529,7 +574,8 @@ impl PageSource for StorePages {
                     })
                 })
                 .collect();
-            self.fetcher.fetch(wants, IN_FLIGHT).map_err(io_error)?;
+            let indices: Vec<u64> = (first..=last).collect();
+            self.fetch_noted(wants, &indices).map_err(io_error)?;
             while at < window_end {
                 let i = at / cb;
                 let chunk = &chunks[to_usize(i - first)];

@@ -20,6 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::cache::ChunkCache;
 use crate::chunk::{Hash, Stored};
+use crate::ledger::Ledger;
 use crate::manifest::{resolve, state_key, working_set_key, Resolved, StoreManifest};
 use crate::objects::ObjectStore;
 use crate::pages::{parallel, Fetcher, StorePages, Want};
@@ -43,6 +44,8 @@ pub struct StoreSnapshot {
     pub resolved: Resolved,
     /// What gets its chunks (through the host's chunk cache for S3).
     pub fetcher: Arc<Fetcher>,
+    /// The chunks its page sources fetched, for a failure to name those never fetched.
+    ledger: Arc<Ledger>,
 }
 
 /// The state object of `manifest`'s snapshot, checked against the manifest.
@@ -117,12 +120,28 @@ impl StoreSnapshot {
                 })?;
             (saved.machine, saved.components)
         };
+        let ledger = Arc::new(Ledger::new(
+            resolved
+                .iter()
+                .enumerate()
+                .map(|(i, chunks)| {
+                    let label = format!(
+                        "{}/{} region '{}'",
+                        objects.describe(),
+                        manifest.name,
+                        manifest.regions[i].spec.name
+                    );
+                    (label, chunks.iter().map(Option::is_some).collect())
+                })
+                .collect(),
+        ));
         Ok(StoreSnapshot {
             manifest,
             machine,
             components,
             resolved,
             fetcher: Arc::new(Fetcher::new(objects, cache)),
+            ledger,
         })
     }
 
@@ -154,6 +173,7 @@ impl StoreSnapshot {
         // Runs of chunks, each fetched by one thread (neighbours in a pack with one read)
         // while the others fetch and decompress theirs.
         let runs: Vec<&[(usize, Stored)]> = jobs.chunks(RUN_CHUNKS).collect();
+        self.ledger.use_region(index);
         parallel(runs, threads, |run| {
             let mut bufs: Vec<Vec<u8>> = run
                 .iter()
@@ -170,6 +190,7 @@ impl StoreSnapshot {
                 .collect();
             self.fetcher.fetch(wants, 1)?;
             for (&(i, _), buf) in run.iter().zip(&bufs) {
+                self.ledger.mark(index, i as u64);
                 for r in non_zero_runs(buf) {
                     memory.write(region.spec.gpa + (i as u64 * cb) + r.start as u64, &buf[r])?;
                 }
@@ -252,7 +273,11 @@ impl StoreSnapshot {
                 what: format!("{label} chunk {i} (offset {:#x})", i as u64 * cb),
             })
             .collect();
+        self.ledger.use_region(index);
         self.fetcher.fetch(wants, self.threads())?;
+        for &(i, _) in &chunks {
+            self.ledger.mark(index, i as u64);
+        }
         Ok(out
             .iter()
             .flat_map(|(offset, buf)| {
@@ -282,12 +307,14 @@ impl StoreSnapshot {
     /// The page source of RAM region `i` (each chunk checked against its hash as it is
     /// decompressed).
     fn source(&self, i: usize) -> StorePages {
-        StorePages::new(
+        StorePages::in_ledger(
             self.fetcher.clone(),
             self.resolved[i].clone(),
             self.manifest.chunk_bytes,
             self.manifest.regions[i].spec.size,
             self.label(i),
+            self.ledger.clone(),
+            i,
         )
     }
 

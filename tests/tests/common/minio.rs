@@ -151,6 +151,23 @@ impl Minio {
         ]
     }
 
+    /// Stops the server's process (SIGSTOP): its connections stay open and nothing answers.
+    pub fn freeze(&self) {
+        self.signal("-STOP");
+    }
+
+    /// Lets a frozen server go on (SIGCONT): it answers what it was sent meanwhile.
+    pub fn thaw(&self) {
+        self.signal("-CONT");
+    }
+
+    /// Sends `sig` to the server's process (our child, not reaped: no other has its pid).
+    fn signal(&self, sig: &str) {
+        let pid = self.child.id().to_string();
+        let s = Command::new("kill").args([sig, &pid]).status().unwrap();
+        assert!(s.success(), "kill {sig} {pid}: {s}");
+    }
+
     /// The data directory's file for an object (to damage or remove it behind MinIO's back
     /// is not possible: MinIO keeps its own format), so tests go through the S3 API instead.
     pub fn data_dir(&self) -> PathBuf {

@@ -209,7 +209,7 @@ fn one(
             )
         }
         Target::Store(at) => {
-            let objects = at.store.open()?;
+            let objects = at.store.open_with(crate::store_options())?;
             let base = base.map(|(b, tracker)| match b {
                 Target::Store(l) => (l.name.as_str(), tracker),
                 Target::Flat(_) => unreachable!("checked: both in a store"),
@@ -267,7 +267,7 @@ fn paused_reference(
                 guestmem_store::write::write(objects, &at.name, vm, None)
             })?;
             deduplicated = r.deduplicated_chunks;
-            let objects = at.store.open()?;
+            let objects = at.store.open_with(crate::store_options())?;
             let name = format!("{}.paused-reference", at.name);
             let same = guestmem_store::write::write(&*objects, &name, vm, None)?;
             guestmem_store::gc::delete(&*objects, &name)?;
@@ -304,7 +304,8 @@ fn reference_store<T>(
             if reference.exists() {
                 std::fs::remove_dir_all(&reference)?;
             }
-            let written = write(&*StoreUrl::Local(reference.clone()).open()?);
+            let written =
+                write(&*StoreUrl::Local(reference.clone()).open_with(crate::store_options())?);
             let removed = std::fs::remove_dir_all(&reference);
             let written = written?;
             removed?;
@@ -315,7 +316,7 @@ fn reference_store<T>(
                 bucket: bucket.clone(),
                 prefix: format!("{}{SUFFIX}", prefix.trim_end_matches('/')),
             };
-            let objects = reference.open()?;
+            let objects = reference.open_with(crate::store_options())?;
             let written = write(&*objects)?;
             guestmem_store::gc::delete(&*objects, name)?;
             guestmem_store::gc::gc(&*objects, Duration::ZERO)?;

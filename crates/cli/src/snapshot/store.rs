@@ -61,7 +61,7 @@ pub fn run_op(op: StoreOp) -> crate::Result<()> {
                 )
                 .into());
             }
-            let objects = from.store.open()?;
+            let objects = from.store.open_with(crate::store_options())?;
             let merged = guestmem_store::merge::merge(&*objects, &from.name, &to.name)?;
             println!(
                 "merged {snapshot} into {out}: {} chunks, {} MiB stored, no base",
@@ -74,7 +74,7 @@ pub fn run_op(op: StoreOp) -> crate::Result<()> {
             grace_s,
             json,
         } => {
-            let objects = StoreUrl::parse(&store)?.open()?;
+            let objects = StoreUrl::parse(&store)?.open_with(crate::store_options())?;
             let r = guestmem_store::gc::gc(&*objects, Duration::from_secs(grace_s))?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&r)?);
@@ -93,7 +93,7 @@ pub fn run_op(op: StoreOp) -> crate::Result<()> {
         }
         StoreOp::Delete { snapshot } => {
             let at = Location::parse(&snapshot)?;
-            guestmem_store::gc::delete(&*at.store.open()?, &at.name)?;
+            guestmem_store::gc::delete(&*at.store.open_with(crate::store_options())?, &at.name)?;
             println!("deleted {snapshot} (its chunks go at the next gc)");
         }
     }
@@ -150,7 +150,7 @@ pub(super) fn snapshot(
             .into())
         }
     };
-    let objects = at.store.open()?;
+    let objects = at.store.open_with(crate::store_options())?;
     let report = guestmem_store::write::write(&*objects, &at.name, vm, None)?;
     let pages_done_per_vcpu = vm.pages_done();
     let diff = match diff_at {
@@ -239,7 +239,7 @@ struct StoreRestoreOutput {
 
 /// Opens the store snapshot `at`, through the host's chunk cache when the store is remote.
 pub(crate) fn open_store_snapshot(at: &Location) -> crate::Result<StoreSnapshot> {
-    let objects = at.store.open()?;
+    let objects = at.store.open_with(crate::store_options())?;
     let cache = if objects.remote() {
         Some(ChunkCache::host_default()?)
     } else {
