@@ -16,7 +16,7 @@ use guestmem_bench::units;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "guestmem", version, about = "Guest memory engine for KVM VMMs")]
+#[command(name = "guestmem", version = guestmem_sys::release::LONG_VERSION, about = "Guest memory engine for KVM VMMs")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
