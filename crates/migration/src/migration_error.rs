@@ -71,10 +71,10 @@ pub enum MigrationError {
         #[source]
         source: serde_json::Error,
     },
-    /// The two sides speak different switch-over formats: they are not the same guestmem.
+    /// The source's switch-over state is not of the format the negotiated protocol gives.
     #[error(
-        "the source's switch-over state is of format {found}, this destination reads \
-         {supported}: run the same guestmem on both sides"
+        "the source's switch-over state is of format {found}; the protocol negotiated in the \
+         Hellos gives format {supported}"
     )]
     Format {
         /// The source's format.

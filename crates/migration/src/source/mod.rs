@@ -82,6 +82,9 @@ pub fn send_machine(
 ) -> std::result::Result<Report, MachineFailure> {
     let started = Instant::now();
     let kept = |error| MachineFailure { error, kept: true };
+    // Nothing the destination did not accept in the Hellos goes out (see crate::negotiate).
+    let fitted = links.negotiated.fit(opts).map_err(kept)?;
+    let opts = &fitted;
     opts.check(links.pages.len()).map_err(kept)?;
     let fault_cpus = fault_cpus(opts).map_err(kept)?;
     let memory = machine.memory().clone();
@@ -290,6 +293,7 @@ impl<'o> Source<'o> {
                 destination: None,
                 compression: CompressionReport::default(),
                 delta: DeltaReport::default(),
+                negotiated: links.negotiated.clone(),
             },
         }
     }
@@ -359,7 +363,7 @@ impl<'o> Source<'o> {
         let setup = Setup {
             config: config.clone(),
             mode: self.opts.mode,
-            format: crate::protocol::FORMAT,
+            format: links.negotiated.state_format(),
             shared: shared.iter().map(|r| r.name().to_string()).collect(),
             verify: self.verifies(),
             verify_chunk: self.chunks.as_ref().map(|c| c.chunk()),
@@ -786,6 +790,12 @@ impl<'o> Source<'o> {
         self.report.rounds.push(stats);
 
         let state = machine.save()?;
+        // Protocol 1 (guestmem 0.1.0) takes the machine's state bare, as it saved it.
+        let state = if links.negotiated.protocol <= 1 {
+            guestmem_contract::envelope::bare_v1(&state)?
+        } else {
+            state
+        };
         let saved_components = components.save()?;
         let region_digests = match &self.chunks {
             Some(chunks) => {

@@ -315,6 +315,8 @@ pub struct Report {
     pub compression: CompressionReport,
     /// The delta cache: its size, hits and misses, and the pages it turned into deltas.
     pub delta: DeltaReport,
+    /// What the Hellos agreed on: protocol, features, the destination's guestmem.
+    pub negotiated: crate::negotiate::Negotiated,
 }
 
 /// A migration that failed. `vm` is the source VM, still running, when the source kept the
