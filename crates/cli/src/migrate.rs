@@ -619,6 +619,11 @@ pub struct Received {
     pub pages_at_switchover_per_vcpu: Vec<u64>,
     pub pages_after_run_per_vcpu: Vec<u64>,
     pub guest_continued: bool,
+    /// Whether every page of guest memory agrees with what the guest's counters say it wrote
+    /// (checked after the run, with all memory resident; `None` for other workloads than
+    /// `dirty`): the post-copy's check of the memory that came, beside pre-copy's digests.
+    #[serde(default)]
+    pub pages_consistent: Option<bool>,
     pub run_ms: f64,
 }
 
@@ -658,8 +663,13 @@ fn receive_main(args: ReceiveArgs) -> crate::Result<()> {
     let report = transfer.finish()?;
     run?;
     let after = vm.pages_done();
+    let consistent = vm.dirty_pages_disagreeing();
+    if let Some(Err(why)) = &consistent {
+        eprintln!("guestmem: guest memory disagrees with the guest's counters: {why}");
+    }
     let out = Received {
         guest_continued: after.iter().zip(&before).all(|(a, b)| a > b),
+        pages_consistent: consistent.map(|c| c.is_ok()),
         report,
         pages_at_switchover_per_vcpu: before,
         pages_after_run_per_vcpu: after,
@@ -672,6 +682,9 @@ fn receive_main(args: ReceiveArgs) -> crate::Result<()> {
     }
     if !out.guest_continued {
         return Err("the migrated guest did not go on counting".into());
+    }
+    if out.pages_consistent == Some(false) {
+        return Err("the migrated guest's memory disagrees with its counters".into());
     }
     Ok(())
 }
