@@ -39,7 +39,10 @@ fn same_cpu_vendor(release: &str) -> bool {
     let ours = std::fs::read_to_string("/proc/cpuinfo")
         .unwrap()
         .lines()
-        .find_map(|l| l.strip_prefix("vendor_id").map(|v| v.trim_start_matches([' ', '\t', ':']).to_string()))
+        .find_map(|l| {
+            l.strip_prefix("vendor_id")
+                .map(|v| v.trim_start_matches([' ', '\t', ':']).to_string())
+        })
         .unwrap_or_default();
     if theirs.trim() != ours.trim() {
         eprintln!(
@@ -85,7 +88,11 @@ fn restore_both_ways<I: SnapshotImage>(image: &I, digests: Option<&Snapshot>) {
         ..PagerConfig::default()
     };
     let mut lazy = snapshot::restore(image, &mut VmBuilder, RestoreMode::Lazy(quiet)).unwrap();
-    assert_eq!(lazy.vm.pages_done(), before, "control blocks restored lazily");
+    assert_eq!(
+        lazy.vm.pages_done(),
+        before,
+        "control blocks restored lazily"
+    );
     resume_and_check_continuation(&mut lazy.vm, &work, &before);
 }
 
@@ -101,7 +108,9 @@ fn a_0_1_0_flat_snapshot_restores() {
     let snap = Snapshot::open(&dir.0).unwrap();
     assert_eq!(snap.manifest().version, 3);
     assert_eq!(snap.manifest().writer, None);
-    assert!(!guestmem_contract::envelope::is_sealed(snap.machine_state()));
+    assert!(!guestmem_contract::envelope::is_sealed(
+        snap.machine_state()
+    ));
     assert_eq!(work_of(&snap).len(), 2);
     if same_cpu_vendor("v0.1.0") {
         restore_both_ways(&snap, Some(&snap));

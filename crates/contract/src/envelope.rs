@@ -6,7 +6,7 @@
 //!
 //! Version 1 of every kind is the state as it was saved before envelopes (guestmem 0.1.0's
 //! bare JSON): a reader takes a blob with no envelope as version 1 ([`StateKind::open`]), and
-//! a version-1 state travels bare to a peer of that time ([`StateKind::bare_v1`]).
+//! a version-1 state travels bare to a peer of that time ([`bare_v1`]).
 //!
 //! The envelope is generic: guestmem's own VM uses it for its [`VmState`]
 //! ([`crate::PayloadVm`]), and any VMM may wrap its own machine blob the same way. A change to
@@ -80,7 +80,8 @@ impl StateKind {
         let head: Head = serde_json::from_slice(blob).ok()?;
         let kind = head.guestmem_state?;
         Some((
-            kind.as_str().map_or_else(|| kind.to_string(), str::to_string),
+            kind.as_str()
+                .map_or_else(|| kind.to_string(), str::to_string),
             head.version.and_then(|v| v.as_u64()).unwrap_or(0),
             head.writer,
         ))
@@ -110,52 +111,50 @@ impl StateKind {
             return Err(self.refusal(kind, version, writer.as_ref()));
         }
         let sealed: Sealed<T> = serde_json::from_slice(blob).map_err(parse_error)?;
-        Ok((sealed.state, u32::try_from(version).expect("within this build's versions")))
-    }
-
-    /// `blob` as a reader from before envelopes (guestmem 0.1.0) takes it: a version-1 state
-    /// out of its envelope, a bare blob as it is. A later version is refused naming both
-    /// versions (that reader would misread it).
-    pub fn bare_v1(&self, blob: &[u8]) -> Result<Vec<u8>> {
-        let Some((kind, version, writer)) = StateKind::head(blob) else {
-            return Ok(blob.to_vec());
-        };
-        if kind != self.name {
-            return Err(Error::StateKind {
-                found: kind,
-                expected: self.name,
-            });
-        }
-        if version != 1 {
-            return Err(Error::StateVersion {
-                kind,
-                found: version,
-                writer: Writer::describe(writer.as_ref()),
-                reader: "guestmem 0.1.0".into(),
-                min: 1,
-                max: 1,
-            });
-        }
-        let sealed: Sealed<serde_json::Value> =
-            serde_json::from_slice(blob).map_err(|source| Error::Machine {
-                op: "read the saved state",
-                source: Box::new(source),
-            })?;
-        Ok(serde_json::to_vec(&sealed.state).expect("a JSON value serializes"))
+        Ok((
+            sealed.state,
+            u32::try_from(version).expect("within this build's versions"),
+        ))
     }
 
     fn refusal(&self, kind: String, found: u64, writer: Option<&Writer>) -> Error {
         Error::StateVersion {
             kind,
             found,
-            writer: writer.map_or_else(|| "a guestmem that named none".into(), |w| {
-                Writer::describe(Some(w))
-            }),
+            writer: writer.map_or_else(
+                || "a guestmem that named none".into(),
+                |w| Writer::describe(Some(w)),
+            ),
             reader: format!("this guestmem ({})", guestmem_sys::release::LONG_VERSION),
             min: self.min_version,
             max: self.version,
         }
     }
+}
+
+/// `blob` as a reader from before envelopes (guestmem 0.1.0) takes it: a version-1 state (of
+/// any kind) out of its envelope, a blob without one as it is. A later version is refused
+/// naming both versions (that reader would misread it).
+pub fn bare_v1(blob: &[u8]) -> Result<Vec<u8>> {
+    let Some((kind, version, writer)) = StateKind::head(blob) else {
+        return Ok(blob.to_vec());
+    };
+    if version != 1 {
+        return Err(Error::StateVersion {
+            kind,
+            found: version,
+            writer: Writer::describe(writer.as_ref()),
+            reader: "guestmem 0.1.0".into(),
+            min: 1,
+            max: 1,
+        });
+    }
+    let sealed: Sealed<serde_json::Value> =
+        serde_json::from_slice(blob).map_err(|source| Error::Machine {
+            op: "read the saved state",
+            source: Box::new(source),
+        })?;
+    Ok(serde_json::to_vec(&sealed.state).expect("a JSON value serializes"))
 }
 
 /// Whether `blob` is a state in an envelope (of any kind).
@@ -196,8 +195,8 @@ mod tests {
         assert!(String::from_utf8_lossy(&blob).starts_with(&format!("{{\"{KEY}\":\"test-vm\"")));
         assert_eq!(ONE.open::<V1>(&blob).unwrap(), (V1 { a: 7 }, 1));
         assert_eq!(ONE.open::<V1>(br#"{"a":3}"#).unwrap(), (V1 { a: 3 }, 1));
-        assert_eq!(ONE.bare_v1(&blob).unwrap(), br#"{"a":7}"#);
-        assert_eq!(ONE.bare_v1(br#"{"a":3}"#).unwrap(), br#"{"a":3}"#);
+        assert_eq!(bare_v1(&blob).unwrap(), br#"{"a":7}"#);
+        assert_eq!(bare_v1(br#"{"a":3}"#).unwrap(), br#"{"a":3}"#);
     }
 
     /// A newer version (a field added) read by an older reader: a version error naming both
@@ -206,7 +205,17 @@ mod tests {
     fn a_newer_version_is_refused_by_version_not_by_serde() {
         let blob = TWO.seal(&V2 { a: 1, b: 2 });
         let e = ONE.open::<V1>(&blob).unwrap_err();
-        assert!(matches!(e, Error::StateVersion { found: 2, max: 1, .. }), "{e:?}");
+        assert!(
+            matches!(
+                e,
+                Error::StateVersion {
+                    found: 2,
+                    max: 1,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
         let text = e.to_string();
         assert!(
             text.contains("'test-vm' state of version 2")
@@ -214,12 +223,21 @@ mod tests {
                 && text.contains("reads versions 1 to 1"),
             "{text}"
         );
-        let e = TWO.bare_v1(&blob).unwrap_err().to_string();
-        assert!(e.contains("guestmem 0.1.0") && e.contains("version 2"), "{e}");
+        let e = bare_v1(&blob).unwrap_err().to_string();
+        assert!(
+            e.contains("guestmem 0.1.0") && e.contains("version 2"),
+            "{e}"
+        );
         // The newer reader takes both.
         assert_eq!(TWO.open::<V2>(&blob).unwrap().1, 2);
         let e = ONE
-            .open::<V1>(&StateKind { name: "other", ..ONE }.seal(&V1 { a: 1 }))
+            .open::<V1>(
+                &StateKind {
+                    name: "other",
+                    ..ONE
+                }
+                .seal(&V1 { a: 1 }),
+            )
             .unwrap_err();
         assert!(matches!(e, Error::StateKind { .. }), "{e:?}");
     }
@@ -227,7 +245,16 @@ mod tests {
     #[test]
     fn a_damaged_state_is_a_parse_error_of_the_step() {
         let e = ONE.open::<V1>(b"{\"a\": \"x\"}").unwrap_err();
-        assert!(matches!(e, Error::Machine { op: "read the saved state", .. }), "{e:?}");
+        assert!(
+            matches!(
+                e,
+                Error::Machine {
+                    op: "read the saved state",
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
         let e = ONE.open::<V1>(b"not json").unwrap_err();
         assert!(matches!(e, Error::Machine { .. }), "{e:?}");
     }

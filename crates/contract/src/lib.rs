@@ -11,7 +11,8 @@ mod target;
 
 pub use guestmem_sys::error_chain;
 pub use payload_vm::{
-    save as payload_state, state_of as payload_state_of, PayloadVm, VmBuilder, STATE as PAYLOAD_STATE,
+    save as payload_state, state_of as payload_state_of, PayloadVm, VmBuilder,
+    STATE as PAYLOAD_STATE,
 };
 pub use target::{MachineBuilder, SharedFiles, TargetMachine};
 

@@ -7,7 +7,7 @@
 //! destination answers each connection's Hello with the version it chose (the highest both
 //! speak) and the features it accepts of those offered, or refuses the connection with an Abort
 //! naming both guestmems and both ranges. The source then sends nothing the destination did not
-//! accept: a feature it can do without is turned off ([`Negotiated::fit`]); one the migration
+//! accept: a feature it can do without is turned off (`SendOptions::fitted_to`); one the migration
 //! cannot do without (post-copy, shared memory, the digest check) refuses the migration before
 //! any page moves, naming it. Both sides report what was negotiated ([`Negotiated`] in their
 //! reports).
@@ -20,8 +20,6 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::source::SendOptions;
-use crate::{MigrationError, Result};
 use guestmem_sys::release::LONG_VERSION;
 
 /// The protocol version this build speaks best. 1: guestmem 0.1.0 (no negotiation; State
@@ -157,9 +155,10 @@ const OURS: ProtocolRange = ProtocolRange {
     max: PROTOCOL,
 };
 
-/// The destination's choice for a source that offered `offer` (`None`: guestmem 0.1.0, protocol
-/// 1) and `features` (`None`: all of protocol 1's), the source naming itself `source`; or the
-/// refusal to send it (an Abort's reason, naming both sides' guestmem and protocols).
+/// The destination's choice for a source that offered `offer` (`None`: guestmem 0.1.0, which
+/// speaks protocol 1 only) and `features` (`None`: all of protocol 1's), the source naming
+/// itself `source`; or the refusal to send it (an Abort's reason, naming both sides' guestmem
+/// and protocols).
 pub(crate) fn choose(
     source: &str,
     offer: Option<ProtocolRange>,
@@ -180,7 +179,10 @@ pub(crate) fn choose(
     }
     let offered: Vec<String> = match features {
         Some(f) => f.to_vec(),
-        None => PROTOCOL_1_FEATURES.iter().map(|f| (*f).to_string()).collect(),
+        None => PROTOCOL_1_FEATURES
+            .iter()
+            .map(|f| (*f).to_string())
+            .collect(),
     };
     let accepted: Vec<String> = offered
         .into_iter()
@@ -223,7 +225,10 @@ pub(crate) fn accept(json: &[u8]) -> std::result::Result<Negotiated, String> {
     }
     let features: Vec<String> = match answer.features {
         Some(f) => f,
-        None => PROTOCOL_1_FEATURES.iter().map(|f| (*f).to_string()).collect(),
+        None => PROTOCOL_1_FEATURES
+            .iter()
+            .map(|f| (*f).to_string())
+            .collect(),
     };
     if let Some(f) = features.iter().find(|f| !FEATURES.contains(&f.as_str())) {
         return Err(format!(
@@ -247,52 +252,6 @@ impl Negotiated {
     pub fn state_format(&self) -> u32 {
         state_format(self.protocol)
     }
-
-    /// `opts` fitted to what the destination accepted: a feature it did not accept and the
-    /// migration can do without is turned off (compression, the zstd stream, deltas); one the
-    /// migration needs refuses it, naming the feature and the destination (before any page
-    /// moves).
-    pub(crate) fn fit(&self, opts: &SendOptions) -> Result<SendOptions> {
-        let needs = |feature: &'static str, option: &'static str| -> Result<()> {
-            if self.has(feature) {
-                return Ok(());
-            }
-            Err(MigrationError::BadOption {
-                option,
-                reason: format!(
-                    "the destination ({}) does not accept '{feature}' (negotiated protocol {}, \
-                     features {})",
-                    self.peer,
-                    self.protocol,
-                    self.features.join(", ")
-                ),
-            }
-            .into())
-        };
-        if opts.mode.has_postcopy() {
-            needs(POSTCOPY, "mode")?;
-        }
-        if opts.share_memory {
-            needs(SHARED_MEMORY, "share_memory")?;
-        }
-        if opts.verify {
-            needs(CHUNK_DIGESTS, "verify")?;
-        }
-        // Every guestmem so far takes Pages frames without CRC under TLS.
-        needs(NO_CRC, "the stream's frames")?;
-        let mut fitted = opts.clone();
-        if !self.has(PAGES_D) {
-            fitted.whole_pages = true;
-        }
-        if !self.has(ZSTD_STREAM) {
-            fitted.zstd_window_bytes = 0;
-        }
-        if !self.has(PAGES_Z) {
-            fitted.compress = crate::compress::Compress::None;
-            fitted.zstd_window_bytes = 0;
-        }
-        Ok(fitted)
-    }
 }
 
 #[cfg(test)]
@@ -315,7 +274,10 @@ mod tests {
         assert_eq!(negotiated.protocol, PROTOCOL);
         assert_eq!(negotiated.features, strings(FEATURES));
         let back = accept(&serde_json::to_vec(&answer).unwrap()).unwrap();
-        assert_eq!((back.protocol, &back.features), (PROTOCOL, &strings(FEATURES)));
+        assert_eq!(
+            (back.protocol, &back.features),
+            (PROTOCOL, &strings(FEATURES))
+        );
         assert!(back.peer.contains(LONG_VERSION), "{}", back.peer);
         assert_eq!(back.state_format(), 3);
     }
@@ -349,10 +311,13 @@ mod tests {
                 && e.contains("upgrading the older side first"),
             "{e}"
         );
-        let e = accept(br#"{"guestmem_version":"0.9.0","guestmem":"0.9.0 (commit f)","protocol":9}"#)
-            .unwrap_err();
+        let e =
+            accept(br#"{"guestmem_version":"0.9.0","guestmem":"0.9.0 (commit f)","protocol":9}"#)
+                .unwrap_err();
         assert!(
-            e.contains("guestmem 0.9.0 (commit f)") && e.contains("protocol 9") && e.contains(LONG_VERSION),
+            e.contains("guestmem 0.9.0 (commit f)")
+                && e.contains("protocol 9")
+                && e.contains(LONG_VERSION),
             "{e}"
         );
         let e = accept(br#"{"protocol":2,"features":["teleport"]}"#).unwrap_err();
@@ -360,36 +325,19 @@ mod tests {
     }
 
     /// A newer source offering a feature this build does not know: it is left out of the
-    /// answer; a source fits its options to what was accepted, and refuses when it needs what
-    /// was not.
+    /// answer.
     #[test]
-    fn features_not_accepted_are_done_without_or_refused() {
+    fn features_this_build_does_not_know_are_left_out() {
         let mut offered = strings(FEATURES);
         offered.push("teleport".into());
-        let (answer, _) = choose("0.3.0", Some(ProtocolRange { min: 1, max: 3 }), Some(&offered))
-            .unwrap();
+        let (answer, _) = choose(
+            "0.3.0",
+            Some(ProtocolRange { min: 1, max: 3 }),
+            Some(&offered),
+        )
+        .unwrap();
         assert_eq!(answer.features, Some(strings(FEATURES)));
         assert_eq!(answer.protocol, Some(PROTOCOL));
-
-        let narrow = Negotiated {
-            protocol: PROTOCOL,
-            features: strings(&[NO_CRC, CHUNK_DIGESTS]),
-            peer: "guestmem test".into(),
-        };
-        let opts = SendOptions {
-            verify: true,
-            ..SendOptions::default()
-        };
-        let fitted = narrow.fit(&opts).unwrap();
-        assert!(fitted.whole_pages);
-        assert_eq!(fitted.zstd_window_bytes, 0);
-        assert!(matches!(fitted.compress, crate::compress::Compress::None));
-        let post = SendOptions {
-            mode: crate::protocol::Mode::Postcopy,
-            ..SendOptions::default()
-        };
-        let e = crate::error_chain(&narrow.fit(&post).unwrap_err(), ": ");
-        assert!(e.contains("does not accept 'postcopy'") && e.contains("guestmem test"), "{e}");
     }
 
     /// The exchange guestmem 0.1.0 recorded (tests/golden/v0.1.0/migration): its Hellos and
@@ -442,7 +390,9 @@ mod tests {
             serde_json::Value::Object(_) => "object",
         };
         for (k, v) in old.as_object().unwrap() {
-            let n = new.get(k).unwrap_or_else(|| panic!("field '{k}' is gone: {new}"));
+            let n = new
+                .get(k)
+                .unwrap_or_else(|| panic!("field '{k}' is gone: {new}"));
             assert_eq!(kind(v), kind(n), "field '{k}' changed type: {new}");
         }
     }

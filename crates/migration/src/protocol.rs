@@ -46,8 +46,8 @@ use guestmem_vm::VmConfig;
 use serde::{Deserialize, Serialize};
 
 use crate::chunk_digests::RegionDigest;
-use crate::negotiate::{Negotiated, ProtocolRange};
 use crate::component::ComponentState;
+use crate::negotiate::{Negotiated, ProtocolRange};
 use crate::stream::{Frame, StreamError};
 use crate::transport::{self, Connection, Credentials, Endpoint};
 use crate::{Error, MigrationError, Peer, Result};

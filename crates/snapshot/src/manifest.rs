@@ -222,7 +222,10 @@ impl Manifest {
             found,
             writer: writer
                 .and_then(|w| serde_json::from_value::<Writer>(w.clone()).ok())
-                .map_or_else(|| "an unknown guestmem".into(), |w| Writer::describe(Some(&w))),
+                .map_or_else(
+                    || "an unknown guestmem".into(),
+                    |w| Writer::describe(Some(&w)),
+                ),
             min: MIN_VERSION,
             supported: VERSION,
         };

@@ -321,7 +321,10 @@ impl StoreManifest {
                 writer: head
                     .writer
                     .and_then(|w| serde_json::from_value::<Writer>(w).ok())
-                    .map_or_else(|| "an unknown guestmem".into(), |w| Writer::describe(Some(&w))),
+                    .map_or_else(
+                        || "an unknown guestmem".into(),
+                        |w| Writer::describe(Some(&w)),
+                    ),
                 min: MIN_VERSION,
                 supported: VERSION,
             });
@@ -677,8 +680,10 @@ mod tests {
         m.seal();
         let e = parse(&m).unwrap_err().to_string();
         assert!(
-            e.contains(&format!("store snapshot version {}, written by guestmem ", VERSION + 1))
-                && e.contains(&format!("reads versions {MIN_VERSION} to {VERSION}")),
+            e.contains(&format!(
+                "store snapshot version {}, written by guestmem ",
+                VERSION + 1
+            )) && e.contains(&format!("reads versions {MIN_VERSION} to {VERSION}")),
             "{e}"
         );
     }

@@ -159,14 +159,11 @@ impl Gate {
             .guestmem
             .clone()
             .unwrap_or_else(|| hello.guestmem_version.clone());
-        let (answer, negotiated) = match crate::negotiate::choose(
-            &source,
-            hello.protocols,
-            hello.features.as_deref(),
-        ) {
-            Ok(chosen) => chosen,
-            Err(why) => return refuse(&mut conn, why),
-        };
+        let (answer, negotiated) =
+            match crate::negotiate::choose(&source, hello.protocols, hello.features.as_deref()) {
+                Ok(chosen) => chosen,
+                Err(why) => return refuse(&mut conn, why),
+            };
         let verdict = {
             let mut st = self.lock();
             match st.current {

@@ -83,7 +83,7 @@ pub fn send_machine(
     let started = Instant::now();
     let kept = |error| MachineFailure { error, kept: true };
     // Nothing the destination did not accept in the Hellos goes out (see crate::negotiate).
-    let fitted = links.negotiated.fit(opts).map_err(kept)?;
+    let fitted = opts.fitted_to(&links.negotiated).map_err(kept)?;
     let opts = &fitted;
     opts.check(links.pages.len()).map_err(kept)?;
     let fault_cpus = fault_cpus(opts).map_err(kept)?;
@@ -139,6 +139,16 @@ fn fault_cpus(opts: &SendOptions) -> Result<Option<CpuSet>> {
             }
             .into()
         })
+}
+
+/// The paused `machine`'s state as protocol `protocol` carries it: protocol 1 (guestmem 0.1.0)
+/// takes it bare, out of its versioned envelope.
+fn machine_state(machine: &mut dyn Machine, protocol: u32) -> Result<Vec<u8>> {
+    let state = machine.save()?;
+    if protocol <= 1 {
+        return Ok(guestmem_contract::envelope::bare_v1(&state)?);
+    }
+    Ok(state)
 }
 
 /// Stops dirty logging, if it was started (its failure changes nothing then).
@@ -789,13 +799,7 @@ impl<'o> Source<'o> {
         stats.throttle_percent = 0;
         self.report.rounds.push(stats);
 
-        let state = machine.save()?;
-        // Protocol 1 (guestmem 0.1.0) takes the machine's state bare, as it saved it.
-        let state = if links.negotiated.protocol <= 1 {
-            guestmem_contract::envelope::bare_v1(&state)?
-        } else {
-            state
-        };
+        let state = machine_state(machine, links.negotiated.protocol)?;
         let saved_components = components.save()?;
         let region_digests = match &self.chunks {
             Some(chunks) => {
