@@ -690,10 +690,19 @@ fn receive_main(args: ReceiveArgs) -> crate::Result<()> {
 }
 
 pub fn print_received(r: &Received) {
+    if let Some(n) = &r.report.negotiated {
+        println!("destination: {}", negotiated_line(n));
+    }
     println!(
         "destination: the guest went on from {:?} to {:?} pages written per vCPU in {:.0} ms",
         r.pages_at_switchover_per_vcpu, r.pages_after_run_per_vcpu, r.run_ms
     );
+    if let Some(ok) = r.pages_consistent {
+        println!(
+            "destination: every page agrees with the guest's counters: {}",
+            if ok { "yes" } else { "NO" }
+        );
+    }
     if let Some(d) = r.report.digest {
         println!(
             "destination: memory digest at switch-over {d:#018x}, equal to the source's ({:.1} ms \
@@ -714,10 +723,22 @@ pub fn print_report(report: &Report, json: bool, plot: Option<&Path>) -> crate::
         return Ok(());
     }
     print_header(report);
+    println!("{}", negotiated_line(&report.negotiated));
     print_traffic(report);
     print_rounds(report);
     print_postcopy(report);
     Ok(())
+}
+
+/// What the Hellos agreed on, as one line.
+fn negotiated_line(n: &migrate::Negotiated) -> String {
+    format!(
+        "negotiated with {}: migration protocol {} (State format {}), features {}",
+        n.peer,
+        n.protocol,
+        n.state_format(),
+        n.features.join(", ")
+    )
 }
 
 /// Mebibytes in `b` bytes.

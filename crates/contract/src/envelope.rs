@@ -157,6 +157,20 @@ pub fn bare_v1(blob: &[u8]) -> Result<Vec<u8>> {
     Ok(serde_json::to_vec(&sealed.state).expect("a JSON value serializes"))
 }
 
+/// What `blob` is, in words: `'KIND' state version N (sealed by WRITER)`, or a bare state
+/// (version 1 of its kind, as guestmem 0.1.0 saved it).
+pub fn describe(blob: &[u8]) -> String {
+    match StateKind::head(blob) {
+        Some((kind, version, writer)) => format!(
+            "'{kind}' state version {version} (sealed by {})",
+            Writer::describe(writer.as_ref())
+        ),
+        None => {
+            "a state without envelope (version 1 of its kind, as guestmem 0.1.0 saved it)".into()
+        }
+    }
+}
+
 /// Whether `blob` is a state in an envelope (of any kind).
 pub fn is_sealed(blob: &[u8]) -> bool {
     StateKind::head(blob).is_some()
@@ -192,6 +206,8 @@ mod tests {
     fn a_sealed_state_opens_and_a_bare_one_is_version_1() {
         let blob = ONE.seal(&V1 { a: 7 });
         assert!(is_sealed(&blob));
+        assert!(describe(&blob).starts_with("'test-vm' state version 1 (sealed by guestmem "));
+        assert!(describe(br#"{"a":3}"#).contains("without envelope"));
         assert!(String::from_utf8_lossy(&blob).starts_with(&format!("{{\"{KEY}\":\"test-vm\"")));
         assert_eq!(ONE.open::<V1>(&blob).unwrap(), (V1 { a: 7 }, 1));
         assert_eq!(ONE.open::<V1>(br#"{"a":3}"#).unwrap(), (V1 { a: 3 }, 1));
