@@ -135,6 +135,25 @@ fn a_0_1_0_store_snapshot_restores() {
     }
 }
 
+/// A store snapshot of manifest version 1 (every chunk an object of its own, the VM state bare
+/// as the state object; converted from the 0.1.0 one, see tests/golden/README.md) reads and
+/// restores, in full and lazily.
+#[test]
+#[cfg_attr(
+    not(all(kvm, uffd)),
+    ignore = "no usable /dev/kvm and /dev/userfaultfd on this host"
+)]
+fn a_version_1_store_snapshot_restores() {
+    let objects = Arc::new(LocalObjectStore::new(&golden("store-v1")));
+    let snap = StoreSnapshot::open(objects, "vm", None).unwrap();
+    assert_eq!(snap.manifest.version, 1);
+    assert!(snap.manifest.packs.is_empty());
+    assert_eq!(work_of(&snap).len(), 2);
+    if same_cpu_vendor("v0.1.0") {
+        restore_both_ways(&snap, None);
+    }
+}
+
 /// A snapshot whose machine state is of a version this build does not read (a field added by
 /// a later guestmem) is refused naming both versions and its writer, never with a parse error,
 /// before any guest runs.
