@@ -2,10 +2,12 @@
 # The compatibility job (README, "Compatibility"; QEMU's migration-compat in spirit): builds the
 # previous release from the commit CHANGELOG.md names (cached between runs), then, against this
 # checkout's build:
-#   - restores the previous release's snapshots (flat and store, full and lazy) with this build;
+#   - restores the previous release's snapshots (flat: full, map and lazy; store: full and
+#     lazy) with this build;
 #   - migrates a running guest previous -> this and this -> previous, pre-copy (memory digests
-#     at switch-over compared by both sides, and here) and post-copy, the guest going on each
-#     time, and checks the negotiated protocol on this build's side;
+#     at switch-over compared by both sides, and here), post-copy and hybrid, the guest going on
+#     each time (a destination of this build also checks every page against the guest's
+#     counters), and checks the negotiated protocol on this build's side;
 #   - checks that the previous release refuses this build's snapshots by their version.
 # Its closing line `compat: N passed, N failed, N skipped` counts in CI's total.
 #
@@ -123,7 +125,7 @@ protocol() {
     fi
 }
 
-for mode in precopy postcopy; do
+for mode in precopy postcopy hybrid; do
     verify=()
     [ "$mode" = precopy ] && verify=(--verify)
     migrate "old-to-new-$mode" "$old" "$new" "$mode" "${verify[@]}"
@@ -163,6 +165,7 @@ for mode in full lazy; do
     restore "old-flat-$mode" "$out/old-flat" "$mode"
     restore "old-store-$mode" "store:$out/old-store/vm" "$mode"
 done
+restore "old-flat-map" "$out/old-flat" map
 
 # The previous release refuses this build's snapshots by their version, and this build's
 # `snapshot info` names the writer of each.

@@ -135,6 +135,30 @@ fn a_0_1_0_store_snapshot_restores() {
     }
 }
 
+/// guestmem 0.2.0's snapshots (flat manifest 4 and store manifest 3, naming their writer; the
+/// VM state in its envelope) read and restore, in full and lazily.
+#[test]
+#[cfg_attr(
+    not(all(kvm, uffd)),
+    ignore = "no usable /dev/kvm and /dev/userfaultfd on this host"
+)]
+fn the_0_2_0_snapshots_restore() {
+    let dir = flat_copy("v0.2.0", "golden-flat-0.2.0");
+    let snap = Snapshot::open(&dir.0).unwrap();
+    assert_eq!(snap.manifest().version, 4);
+    let writer = snap.manifest().writer.clone().expect("0.2.0 names itself");
+    assert_eq!(writer.version, "0.2.0");
+    assert!(guestmem_contract::envelope::is_sealed(snap.machine_state()));
+    let objects = Arc::new(LocalObjectStore::new(&golden("v0.2.0").join("store")));
+    let store = StoreSnapshot::open(objects, "vm", None).unwrap();
+    assert_eq!(store.manifest.version, 3);
+    assert_eq!(store.manifest.writer.as_ref(), Some(&writer));
+    if same_cpu_vendor("v0.2.0") {
+        restore_both_ways(&snap, Some(&snap));
+        restore_both_ways(&store, None);
+    }
+}
+
 /// A store snapshot of manifest version 1 (every chunk an object of its own, the VM state bare
 /// as the state object; converted from the 0.1.0 one, see tests/golden/README.md) reads and
 /// restores, in full and lazily.

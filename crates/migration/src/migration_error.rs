@@ -42,6 +42,15 @@ pub enum MigrationError {
         /// The reason it gave.
         reason: String,
     },
+    /// The destination's answer to the Hello chose what this source does not speak (a protocol
+    /// outside its window, a feature it never offered): refused before any page moves.
+    #[error("the destination at {endpoint} cannot be migrated to: {reason}")]
+    Incompatible {
+        /// Where the destination listens.
+        endpoint: String,
+        /// Why, naming both guestmems.
+        reason: String,
+    },
     /// The peer gave up (its Abort) and said why; a source that gives up keeps the guest.
     #[error("the {peer} gave up: {reason}")]
     PeerGaveUp {

@@ -377,6 +377,43 @@ mod tests {
         assert_eq!(n.features, strings(PROTOCOL_1_FEATURES));
     }
 
+    /// The exchange guestmem 0.2.0 recorded (tests/golden/v0.2.0/migration) decodes: its
+    /// Hellos offer protocols 1 to 2 and get this build's choice, its Setups are of the State
+    /// format of protocol 2, its answer chose protocol 2; what this build sends keeps every
+    /// field of those.
+    #[test]
+    fn the_recorded_0_2_0_exchange_decodes() {
+        use crate::protocol::{Hello, Setup};
+        for json in [
+            include_str!("../../../tests/golden/v0.2.0/migration/hello.json"),
+            include_str!("../../../tests/golden/v0.2.0/migration/hello-postcopy.json"),
+        ] {
+            let h: Hello = serde_json::from_str(json).unwrap();
+            assert_eq!(h.protocols, Some(ProtocolRange { min: 1, max: 2 }));
+            let (answer, n) = choose(
+                h.guestmem.as_deref().unwrap(),
+                h.protocols,
+                h.features.as_deref(),
+            )
+            .unwrap();
+            assert_eq!(answer.protocol, Some(2.min(PROTOCOL)));
+            assert!(n.peer.starts_with("guestmem 0.2.0 (commit "), "{}", n.peer);
+            assert_same_fields(json, &serde_json::to_string(&h).unwrap());
+        }
+        for json in [
+            include_str!("../../../tests/golden/v0.2.0/migration/setup.json"),
+            include_str!("../../../tests/golden/v0.2.0/migration/setup-postcopy.json"),
+        ] {
+            let setup: Setup = serde_json::from_str(json).unwrap();
+            assert_eq!(setup.format, state_format(2));
+            assert_same_fields(json, &serde_json::to_string(&setup).unwrap());
+        }
+        let answer = include_bytes!("../../../tests/golden/v0.2.0/migration/answer.json");
+        let n = accept(answer).unwrap();
+        assert_eq!((n.protocol, n.state_format()), (2, 3));
+        assert_eq!(n.features, strings(FEATURES));
+    }
+
     /// Every field of the JSON object `old` is in `new`, with a value of the same JSON type.
     fn assert_same_fields(old: &str, new: &str) {
         let old: serde_json::Value = serde_json::from_str(old).unwrap();

@@ -7,8 +7,10 @@
 //! destination's background fetches and the `urgent` connections its fault fetches, each
 //! connection lock-step (one request in flight), so faults never queue behind bulk transfers.
 //!
-//! **Sequence**: Hello each way (the source's carries the VM configuration, the destination
-//! answers Hello or Abort) → rounds of Pages / Zero frames, each closed by EndOfRound on every
+//! **Sequence**: Hello each way on every connection (the source's offers the protocol versions
+//! and features it speaks, the destination's answer chooses among them or is an Abort naming
+//! both versions: [`crate::negotiate`]) → on the first, the source's Setup (a Hello frame with
+//! the VM configuration) and the destination's Hello once its VM is built → rounds of Pages / Zero frames, each closed by EndOfRound on every
 //! pages connection (which the destination sends back once it applied the round, except after
 //! the last) → the source pauses the VM, sends the last pages and the State (vCPU state,
 //! memory digest, and in post-copy which chunks are still to fetch) → the destination answers
@@ -414,7 +416,12 @@ impl Links {
                         answer = %String::from_utf8_lossy(&config_json),
                         "the destination's answer to a Hello"
                     );
-                    let negotiated = crate::negotiate::accept(&config_json).map_err(refused)?;
+                    let negotiated = crate::negotiate::accept(&config_json).map_err(|reason| {
+                        MigrationError::Incompatible {
+                            endpoint: endpoint.to_string(),
+                            reason,
+                        }
+                    })?;
                     Ok((conn, negotiated))
                 }
                 Frame::Abort { reason } => Err(refused(reason).into()),
