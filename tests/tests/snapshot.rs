@@ -151,8 +151,13 @@ fn bad_snapshots_are_refused_before_anything_runs() {
         edit_manifest(&d.0, |m| m["version"] = version.into());
         let e = restore_err(&d.0);
         assert!(
-            e.contains(&format!("snapshot version {version};"))
-                && e.contains(&format!("reads version {}", snapshot::VERSION)),
+            e.contains(&format!(
+                "snapshot format version {version}, written by guestmem "
+            )) && e.contains(&format!(
+                "reads versions {} to {}",
+                snapshot::MIN_VERSION,
+                snapshot::VERSION
+            )),
             "{e}"
         );
     }

@@ -358,14 +358,17 @@ fn a_store_written_before_packs_is_read_and_its_chunks_reused() {
     for id in &ids {
         b.delete(&chunk::pack_key(id)).unwrap();
     }
-    // Its state object held guestmem's VM state alone (the machine's blob, no components).
+    // Its state object held guestmem's VM state alone (the machine's blob, bare as it was
+    // before envelopes, no components), and it named no writer.
     let key = guestmem_store::manifest::state_key("old");
     let saved: guestmem_snapshot::SavedState =
         serde_json::from_slice(&b.get(&key).unwrap()).unwrap();
-    b.put(&key, &saved.machine).unwrap();
-    m.state_bytes = saved.machine.len() as u64;
-    m.state_blake3 = blake3::hash(&saved.machine).to_hex().to_string();
+    let bare = guestmem_contract::envelope::bare_v1(&saved.machine).unwrap();
+    b.put(&key, &bare).unwrap();
+    m.state_bytes = bare.len() as u64;
+    m.state_blake3 = blake3::hash(&bare).to_hex().to_string();
     m.version = 1;
+    m.writer = None;
     m.packs.clear();
     m.seal();
     b.put(

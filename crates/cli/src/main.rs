@@ -16,7 +16,7 @@ use guestmem_bench::units;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "guestmem", version, about = "Guest memory engine for KVM VMMs")]
+#[command(name = "guestmem", version = guestmem_sys::release::LONG_VERSION, about = "Guest memory engine for KVM VMMs")]
 struct Cli {
     /// How long an object store (s3://…) may answer nothing before the operation fails, in
     /// seconds; every command that reads or writes a store (restore, snapshot, page-server,

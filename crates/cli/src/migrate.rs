@@ -619,6 +619,11 @@ pub struct Received {
     pub pages_at_switchover_per_vcpu: Vec<u64>,
     pub pages_after_run_per_vcpu: Vec<u64>,
     pub guest_continued: bool,
+    /// Whether every page of guest memory agrees with what the guest's counters say it wrote
+    /// (checked after the run, with all memory resident; `None` for other workloads than
+    /// `dirty`): the post-copy's check of the memory that came, beside pre-copy's digests.
+    #[serde(default)]
+    pub pages_consistent: Option<bool>,
     pub run_ms: f64,
 }
 
@@ -658,8 +663,13 @@ fn receive_main(args: ReceiveArgs) -> crate::Result<()> {
     let report = transfer.finish()?;
     run?;
     let after = vm.pages_done();
+    let consistent = vm.dirty_pages_disagreeing();
+    if let Some(Err(why)) = &consistent {
+        eprintln!("guestmem: guest memory disagrees with the guest's counters: {why}");
+    }
     let out = Received {
         guest_continued: after.iter().zip(&before).all(|(a, b)| a > b),
+        pages_consistent: consistent.map(|c| c.is_ok()),
         report,
         pages_at_switchover_per_vcpu: before,
         pages_after_run_per_vcpu: after,
@@ -673,14 +683,26 @@ fn receive_main(args: ReceiveArgs) -> crate::Result<()> {
     if !out.guest_continued {
         return Err("the migrated guest did not go on counting".into());
     }
+    if out.pages_consistent == Some(false) {
+        return Err("the migrated guest's memory disagrees with its counters".into());
+    }
     Ok(())
 }
 
 pub fn print_received(r: &Received) {
+    if let Some(n) = &r.report.negotiated {
+        println!("destination: {}", negotiated_line(n));
+    }
     println!(
         "destination: the guest went on from {:?} to {:?} pages written per vCPU in {:.0} ms",
         r.pages_at_switchover_per_vcpu, r.pages_after_run_per_vcpu, r.run_ms
     );
+    if let Some(ok) = r.pages_consistent {
+        println!(
+            "destination: every page agrees with the guest's counters: {}",
+            if ok { "yes" } else { "NO" }
+        );
+    }
     if let Some(d) = r.report.digest {
         println!(
             "destination: memory digest at switch-over {d:#018x}, equal to the source's ({:.1} ms \
@@ -701,10 +723,22 @@ pub fn print_report(report: &Report, json: bool, plot: Option<&Path>) -> crate::
         return Ok(());
     }
     print_header(report);
+    println!("{}", negotiated_line(&report.negotiated));
     print_traffic(report);
     print_rounds(report);
     print_postcopy(report);
     Ok(())
+}
+
+/// What the Hellos agreed on, as one line.
+fn negotiated_line(n: &migrate::Negotiated) -> String {
+    format!(
+        "negotiated with {}: migration protocol {} (State format {}), features {}",
+        n.peer,
+        n.protocol,
+        n.state_format(),
+        n.features.join(", ")
+    )
 }
 
 /// Mebibytes in `b` bytes.

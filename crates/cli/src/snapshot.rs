@@ -13,6 +13,7 @@ use serde::Serialize;
 
 use crate::vm_args::VmArgs;
 
+mod info;
 mod live;
 mod store;
 pub(crate) use store::open_store_snapshot;
@@ -28,7 +29,8 @@ pub struct SnapshotArgs {
     /// snapshots share their chunks.
     #[arg(long, required = true)]
     out: Option<PathBuf>,
-    /// Store operations: merge a diff chain, collect unreferenced chunks, delete a snapshot.
+    /// Store operations: merge a diff chain, collect unreferenced chunks, delete a snapshot;
+    /// and any snapshot's `info`.
     #[command(subcommand)]
     op: Option<store::StoreOp>,
     #[command(flatten)]

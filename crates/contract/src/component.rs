@@ -75,7 +75,9 @@ pub trait Component {
     }
 }
 
-/// One component's saved state, named.
+/// One component's saved state, named. Format: it travels in a snapshot's `state.json` and in
+/// the migration's State; a change bumps the flat snapshot's and the store manifest's
+/// `VERSION` and the migration's `PROTOCOL`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ComponentState {
     /// The component's [`Component::name`].

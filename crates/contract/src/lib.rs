@@ -5,11 +5,15 @@
 //! ([`PayloadVm`], [`VmBuilder`]).
 
 pub mod component;
+pub mod envelope;
 mod payload_vm;
 mod target;
 
 pub use guestmem_sys::error_chain;
-pub use payload_vm::{save as payload_state, state_of as payload_state_of, PayloadVm, VmBuilder};
+pub use payload_vm::{
+    save as payload_state, state_of as payload_state_of, PayloadVm, VmBuilder,
+    STATE as PAYLOAD_STATE,
+};
 pub use target::{MachineBuilder, SharedFiles, TargetMachine};
 
 /// What the contract's operations return.
@@ -72,4 +76,32 @@ pub enum Error {
     /// A pause or resume of the machine failed half-way and its vCPUs are gone.
     #[error("the VM's vCPUs were lost by a failed pause or resume")]
     MachineLost,
+    /// A saved state of a version the reader does not read ([`envelope`]).
+    #[error(
+        "the VM's saved state: a '{kind}' state of version {found}, written by {writer}; \
+         {reader} reads versions {min} to {max}: restore or migrate it with a guestmem release \
+         that reads it (README, \"Compatibility\")"
+    )]
+    StateVersion {
+        /// The state's kind.
+        kind: String,
+        /// Its version.
+        found: u64,
+        /// Who wrote it.
+        writer: String,
+        /// Who refuses it.
+        reader: String,
+        /// The oldest version the reader reads.
+        min: u32,
+        /// The newest.
+        max: u32,
+    },
+    /// A saved state of another kind than the machine's ([`envelope`]).
+    #[error("the VM's saved state is a '{found}' state, not a '{expected}' one")]
+    StateKind {
+        /// The state's kind.
+        found: String,
+        /// The kind the machine reads.
+        expected: &'static str,
+    },
 }

@@ -3,8 +3,9 @@
 //! [`TargetMachine`] that [`VmBuilder`] builds.
 //!
 //! Its saved state (the blob [`Machine::save`] gives and [`TargetMachine::restore`] takes) is
-//! the JSON of [`VmState`]: the vCPUs' and the VM's KVM state and the workloads the payload's
-//! vCPUs were given. The payload's workloads are this VM's business: the snapshot and
+//! the JSON of [`VmState`] (the vCPUs' and the VM's KVM state and the workloads the payload's
+//! vCPUs were given) in its versioned envelope ([`STATE`], [`crate::envelope`]); guestmem 0.1.0
+//! saved it bare, which reads as version 1. The payload's workloads are this VM's business: the snapshot and
 //! migration core carry the blob without reading it.
 
 use std::sync::Arc;
@@ -15,6 +16,7 @@ use guestmem_tracking::Tracker;
 use guestmem_vm::{AbortHandle, RunningVm, Vm, VmConfig, VmState};
 
 use crate::component::Machine;
+use crate::envelope::StateKind;
 use crate::target::{MachineBuilder, SharedFiles, TargetMachine};
 use crate::{Error, Result};
 
@@ -159,17 +161,28 @@ impl Machine for PayloadVm<'_> {
     }
 }
 
-/// The state blob of guestmem's `vm`, which is not running: the JSON of its [`VmState`].
+/// The kind and versions of guestmem's own VM state ([`VmState`], with its [`VcpuState`]s and
+/// workloads). Version 1: guestmem 0.1.0's (saved bare, without the envelope). A change to
+/// [`VmState`], [`VcpuState`] or [`guestmem_vm::VcpuWork`] (a field added, removed or changed)
+/// bumps `version`; `min_version` stays at the oldest one still read (README, "Compatibility":
+/// the two minor releases before).
+///
+/// [`VcpuState`]: guestmem_vm::VcpuState
+pub const STATE: StateKind = StateKind {
+    name: "guestmem-payload-vm",
+    version: 1,
+    min_version: 1,
+};
+
+/// The state blob of guestmem's `vm`, which is not running: its [`VmState`] in its envelope.
 pub fn save(vm: &Vm) -> Result<Vec<u8>> {
-    Ok(serde_json::to_vec(&vm.save_state()?).expect("a VM state serializes"))
+    Ok(STATE.seal(&vm.save_state()?))
 }
 
-/// Reads the state blob of guestmem's VM ([`save`]).
+/// Reads the state blob of guestmem's VM ([`save`]; a bare one of guestmem 0.1.0 too). A state
+/// of a version this build does not read is refused naming both versions.
 pub fn state_of(blob: &[u8]) -> Result<VmState> {
-    serde_json::from_slice(blob).map_err(|source| Error::Machine {
-        op: "read the saved state",
-        source: Box::new(source),
-    })
+    Ok(STATE.open(blob)?.0)
 }
 
 impl TargetMachine for Vm {

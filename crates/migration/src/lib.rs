@@ -10,6 +10,7 @@ mod destination;
 pub mod driver;
 mod landing;
 mod migration_error;
+mod negotiate;
 mod protocol;
 mod source;
 pub mod stream;
@@ -22,6 +23,10 @@ pub mod migrate {
     pub use crate::destination::{
         receive, receive_components, receive_into, DestinationReport, Incoming, ReceiveOptions,
         Transfer, RESUME_TIMEOUT,
+    };
+    pub use crate::negotiate::{
+        state_format, Negotiated, ProtocolRange, FEATURES, MIN_PROTOCOL, PROTOCOL,
+        PROTOCOL_1_FEATURES,
     };
     pub use crate::protocol::*;
     pub use crate::source::{

@@ -42,6 +42,15 @@ pub enum MigrationError {
         /// The reason it gave.
         reason: String,
     },
+    /// The destination's answer to the Hello chose what this source does not speak (a protocol
+    /// outside its window, a feature it never offered): refused before any page moves.
+    #[error("the destination at {endpoint} cannot be migrated to: {reason}")]
+    Incompatible {
+        /// Where the destination listens.
+        endpoint: String,
+        /// Why, naming both guestmems.
+        reason: String,
+    },
     /// The peer gave up (its Abort) and said why; a source that gives up keeps the guest.
     #[error("the {peer} gave up: {reason}")]
     PeerGaveUp {
@@ -71,10 +80,10 @@ pub enum MigrationError {
         #[source]
         source: serde_json::Error,
     },
-    /// The two sides speak different switch-over formats: they are not the same guestmem.
+    /// The source's switch-over state is not of the format the negotiated protocol gives.
     #[error(
-        "the source's switch-over state is of format {found}, this destination reads \
-         {supported}: run the same guestmem on both sides"
+        "the source's switch-over state is of format {found}; the protocol negotiated in the \
+         Hellos gives format {supported}"
     )]
     Format {
         /// The source's format.

@@ -7,8 +7,10 @@
 //! destination's background fetches and the `urgent` connections its fault fetches, each
 //! connection lock-step (one request in flight), so faults never queue behind bulk transfers.
 //!
-//! **Sequence**: Hello each way (the source's carries the VM configuration, the destination
-//! answers Hello or Abort) → rounds of Pages / Zero frames, each closed by EndOfRound on every
+//! **Sequence**: Hello each way on every connection (the source's offers the protocol versions
+//! and features it speaks, the destination's answer chooses among them or is an Abort naming
+//! both versions: [`crate::negotiate`]) → on the first, the source's Setup (a Hello frame with
+//! the VM configuration) and the destination's Hello once its VM is built → rounds of Pages / Zero frames, each closed by EndOfRound on every
 //! pages connection (which the destination sends back once it applied the round, except after
 //! the last) → the source pauses the VM, sends the last pages and the State (vCPU state,
 //! memory digest, and in post-copy which chunks are still to fetch) → the destination answers
@@ -47,6 +49,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::chunk_digests::RegionDigest;
 use crate::component::ComponentState;
+use crate::negotiate::{Negotiated, ProtocolRange};
 use crate::stream::{Frame, StreamError};
 use crate::transport::{self, Connection, Credentials, Endpoint};
 use crate::{Error, MigrationError, Peer, Result};
@@ -134,10 +137,22 @@ pub const DEAD_PEER_TIMEOUT: Duration = Duration::from_secs(15);
 /// Urgent connections opened for post-copy (one fault fetch in flight on each).
 pub(crate) const URGENT_CONNECTIONS: usize = 2;
 
-/// What each connection's first frame says (JSON in a Hello).
+/// What each connection's first frame says (JSON in a Hello). Format: a change bumps
+/// [`crate::negotiate::PROTOCOL`] (fields may only be added, with a default: guestmem 0.1.0
+/// reads this and ignores what it does not know).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct Hello {
     pub guestmem_version: String,
+    /// The source's build (version and commit); absent from guestmem 0.1.0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guestmem: Option<String>,
+    /// The protocol versions the source speaks; absent from guestmem 0.1.0 (protocol 1 only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub protocols: Option<ProtocolRange>,
+    /// The features the source may use ([`crate::negotiate::FEATURES`]); absent from
+    /// guestmem 0.1.0 (all of protocol 1's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub features: Option<Vec<String>>,
     /// Names one migration; every connection of it (and of its resumption) carries it.
     pub migration: u64,
     pub channel: ChannelRole,
@@ -155,12 +170,16 @@ pub(crate) enum ChannelRole {
     Urgent(usize),
 }
 
-/// What to build: the second frame on the first pages connection (a Hello frame).
+/// What to build: the second frame on the first pages connection (a Hello frame). Format: a
+/// change bumps [`crate::negotiate::PROTOCOL`] (guestmem 0.1.0 reads it: fields may only be
+/// added, with a default, and only sent when negotiated).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct Setup {
     pub config: VmConfig,
     pub mode: Mode,
-    /// The State frame's format ([`FORMAT`]); a destination refuses another.
+    /// The State frame's format, the negotiated protocol's
+    /// ([`crate::negotiate::state_format`]; guestmem 0.1.0 requires 2); a destination refuses
+    /// another.
     #[serde(default)]
     pub format: u32,
     /// Regions whose backing files the source hands over (local migration): the destination
@@ -188,12 +207,15 @@ pub(crate) struct Setup {
     pub zstd_window_log: Option<u32>,
 }
 
-/// The format of the switch-over's State: 2 since the machine's state and the components'
-/// travel as opaque blobs (1, unnamed, carried the payload VM's state as JSON). Both sides
-/// must speak the same.
-pub const FORMAT: u32 = 2;
+/// The format of the switch-over's State this build writes at best: 3 since the machine's
+/// state travels in its versioned envelope (protocol 2); 2 (protocol 1, guestmem 0.1.0): the
+/// machine's state and the components' as opaque blobs, the machine's bare; 1, unnamed,
+/// carried the payload VM's state as JSON. The negotiated protocol says which one a migration
+/// uses ([`crate::negotiate::state_format`]).
+pub const FORMAT: u32 = crate::negotiate::state_format(crate::negotiate::PROTOCOL);
 
-/// The State frame's JSON: everything the destination needs at switch-over.
+/// The State frame's JSON: everything the destination needs at switch-over. Format: a change
+/// bumps [`crate::negotiate::PROTOCOL`] (and [`FORMAT`] with it).
 #[derive(Serialize, Deserialize)]
 pub(crate) struct Switchover {
     /// The machine's state ([`crate::component::Machine::save`]), hex in JSON.
@@ -216,6 +238,8 @@ pub(crate) struct Switchover {
     pub postcopy: Option<Vec<StaleChunks>>,
 }
 
+/// Post-copy's stale chunks of one region. Format: a change bumps
+/// [`crate::negotiate::PROTOCOL`].
 #[derive(Serialize, Deserialize)]
 pub(crate) struct StaleChunks {
     pub gpa: u64,
@@ -229,6 +253,8 @@ pub struct Links {
     pub(crate) urgent: Vec<Connection>,
     pub(crate) migration: u64,
     pub(crate) mode: Mode,
+    /// What the two sides agreed on in the Hellos.
+    pub(crate) negotiated: Negotiated,
 }
 
 /// Why and how to re-establish a broken post-copy link (given to [`SendOptions::reconnect`]).
@@ -257,6 +283,11 @@ impl Resume {
 }
 
 impl Links {
+    /// What the two sides agreed on (protocol version, features, the peer's guestmem).
+    pub fn negotiated(&self) -> &Negotiated {
+        &self.negotiated
+    }
+
     /// How many of the connections have their TLS records encrypted and decrypted by the
     /// kernel (kernel TLS, where it has it), not by rustls.
     pub fn kernel_tls_connections(&self) -> usize {
@@ -350,10 +381,21 @@ impl Links {
         } else {
             0
         };
-        let open = |channel| -> Result<Connection> {
+        let open = |channel| -> Result<(Connection, Negotiated)> {
             let mut conn = transport::connect_with(endpoint, creds, timeouts)?;
             let hello = Hello {
                 guestmem_version: env!("CARGO_PKG_VERSION").into(),
+                guestmem: Some(guestmem_sys::release::LONG_VERSION.into()),
+                protocols: Some(ProtocolRange {
+                    min: crate::negotiate::MIN_PROTOCOL,
+                    max: crate::negotiate::PROTOCOL,
+                }),
+                features: Some(
+                    crate::negotiate::FEATURES
+                        .iter()
+                        .map(|f| (*f).to_string())
+                        .collect(),
+                ),
                 migration,
                 channel,
                 pages: connections,
@@ -362,14 +404,27 @@ impl Links {
             };
             let json = serde_json::to_vec(&hello).expect("a Hello serializes");
             write_frame(&mut conn, &Frame::Hello { config_json: json })?;
-            // The destination answers each connection: Hello (taken) or Abort (why not).
+            // The destination answers each connection: Hello (taken, with its choice of
+            // protocol and features) or Abort (why not).
+            let refused = |reason| MigrationError::Refused {
+                endpoint: endpoint.to_string(),
+                reason,
+            };
             match read_frame(&mut conn)? {
-                Frame::Hello { .. } => Ok(conn),
-                Frame::Abort { reason } => Err(MigrationError::Refused {
-                    endpoint: endpoint.to_string(),
-                    reason,
+                Frame::Hello { config_json } => {
+                    tracing::debug!(
+                        answer = %String::from_utf8_lossy(&config_json),
+                        "the destination's answer to a Hello"
+                    );
+                    let negotiated = crate::negotiate::accept(&config_json).map_err(|reason| {
+                        MigrationError::Incompatible {
+                            endpoint: endpoint.to_string(),
+                            reason,
+                        }
+                    })?;
+                    Ok((conn, negotiated))
                 }
-                .into()),
+                Frame::Abort { reason } => Err(refused(reason).into()),
                 other => Err(MigrationError::UnexpectedFrame {
                     peer: Peer::Destination,
                     expected: "Hello",
@@ -378,15 +433,27 @@ impl Links {
                 .into()),
             }
         };
+        let (pages, answers): (Vec<Connection>, Vec<Negotiated>) = (0..connections)
+            .map(|i| open(ChannelRole::Pages(i)))
+            .collect::<Result<Vec<_>>>()?
+            .into_iter()
+            .unzip();
+        let urgent = (0..urgent)
+            .map(|i| open(ChannelRole::Urgent(i)).map(|(c, _)| c))
+            .collect::<Result<_>>()?;
+        let negotiated = answers.into_iter().next().expect("at least one connection");
+        tracing::info!(
+            protocol = negotiated.protocol,
+            peer = %negotiated.peer,
+            features = %negotiated.features.join(","),
+            "migration negotiated"
+        );
         Ok(Links {
-            pages: (0..connections)
-                .map(|i| open(ChannelRole::Pages(i)))
-                .collect::<Result<_>>()?,
-            urgent: (0..urgent)
-                .map(|i| open(ChannelRole::Urgent(i)))
-                .collect::<Result<_>>()?,
+            pages,
+            urgent,
             migration,
             mode,
+            negotiated,
         })
     }
 
@@ -421,8 +488,11 @@ pub(crate) fn read_json<T: serde::de::DeserializeOwned>(
 ) -> Result<T> {
     let peer = Peer::Source;
     match read_frame(conn)? {
-        Frame::Hello { config_json } => serde_json::from_slice(&config_json)
-            .map_err(|source| MigrationError::BadMessage { peer, what, source }.into()),
+        Frame::Hello { config_json } => {
+            tracing::debug!(json = %String::from_utf8_lossy(&config_json), "the source's {what}");
+            serde_json::from_slice(&config_json)
+                .map_err(|source| MigrationError::BadMessage { peer, what, source }.into())
+        }
         Frame::Abort { reason } => Err(MigrationError::PeerGaveUp { peer, reason }.into()),
         other => Err(MigrationError::UnexpectedFrame {
             peer,

@@ -29,14 +29,23 @@ pub enum Error {
         /// The format it names.
         found: String,
     },
-    /// A snapshot of another version.
-    #[error("{path}: snapshot version {found}; this guestmem reads version {supported}")]
+    /// A snapshot of a version this guestmem does not read (README, "Compatibility").
+    #[error(
+        "{path}: snapshot format version {found}, written by {writer}; this guestmem ({}) reads \
+         versions {min} to {supported}: restore it with a guestmem release that reads it (the \
+         two minor releases after its writer do), or take a new snapshot",
+        guestmem_sys::release::LONG_VERSION
+    )]
     Version {
         /// The file.
         path: PathBuf,
         /// Its version.
         found: u64,
-        /// The version this build reads.
+        /// The guestmem that wrote it, as its manifest names it.
+        writer: String,
+        /// The oldest version this build reads.
+        min: u32,
+        /// The newest version this build reads (the one it writes).
         supported: u32,
     },
     /// A file shorter or longer than its manifest says.

@@ -66,7 +66,7 @@ pub use error::{Error, Result};
 pub use guestmem_sys::error_chain;
 pub use manifest::{
     canonical_checksum, check_config_layout, BaseRef, Chunk, Manifest, RegionFile, RegionImage,
-    CHUNK_BYTES, FORMAT, MAX_BASE_DEPTH, VERSION,
+    CHUNK_BYTES, FORMAT, MAX_BASE_DEPTH, MIN_VERSION, VERSION,
 };
 pub use prepared::{layout_mismatch, PreparedVm};
 pub use restore::{
@@ -356,7 +356,9 @@ pub(crate) fn read_regular(path: &Path) -> Result<Vec<u8>> {
 }
 
 /// What `state.json` holds (and a store snapshot's state object): the machine's state (hex in
-/// JSON) and the components' states.
+/// JSON; guestmem's own VM's in its versioned envelope, `guestmem_contract::envelope`) and the
+/// components' states. Format: a change bumps the flat snapshot's [`VERSION`] and the store
+/// manifest's version.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SavedState {

@@ -739,6 +739,7 @@ fn finish<M: Machine + ?Sized>(
         memory_file_bytes: ends[RegionFile::Memory as usize],
         sys_file_bytes: ends[RegionFile::Sys as usize],
         base: base.map(|(r, _)| r),
+        writer: Some(guestmem_sys::release::Writer::this()),
         checksum: String::new(),
     };
     write_manifest(dir, manifest)?;

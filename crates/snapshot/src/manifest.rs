@@ -12,6 +12,7 @@
 use std::path::{Path, PathBuf};
 
 use guestmem_memory::{RegionSpec, PAGE_SIZE};
+use guestmem_sys::release::Writer;
 use guestmem_vm::{layout, VmConfig};
 use serde::{Deserialize, Serialize};
 
@@ -20,18 +21,24 @@ use crate::{Error, Result};
 
 /// The `format` field of every guestmem snapshot manifest.
 pub const FORMAT: &str = "guestmem-snapshot";
-/// The manifest version this code writes and reads (2: checksummed manifest, diff bound to its
-/// base's checksum, the sys region in its own file; 3: `state.json` holds the machine's state
-/// as the opaque blob its [`guestmem_contract::component::Machine`] saved, beside the components', where
-/// version 2 held guestmem's own VM state, its payload's workloads included, field by field).
-/// A snapshot of another version is refused naming its version ([`crate::Error::Version`]).
-pub const VERSION: u32 = 3;
+/// The manifest version this code writes (2: checksummed manifest, diff bound to its base's
+/// checksum, the sys region in its own file; 3: `state.json` holds the machine's state as the
+/// opaque blob its [`guestmem_contract::component::Machine`] saved, beside the components',
+/// where version 2 held guestmem's own VM state, its payload's workloads included, field by
+/// field; 4: the manifest names its [`Writer`], guestmem 0.2.0). Compatibility (README): a
+/// release reads the versions of the two minor releases before it, from [`MIN_VERSION`]; a
+/// snapshot of a version outside is refused naming both versions ([`crate::Error::Version`]).
+/// A change to [`Manifest`], [`BaseRef`], [`RegionImage`] or [`Chunk`] bumps it (an added
+/// field must be skipped when absent, so that older manifests keep their checksum).
+pub const VERSION: u32 = 4;
+/// The oldest manifest version this code reads: 3 (guestmem 0.1.0's, which names no writer).
+pub const MIN_VERSION: u32 = 3;
 /// The unit of checksums and of zero detection in the manifest.
 pub const CHUNK_BYTES: u64 = 2 << 20;
 /// How many diff snapshots may stand on one another (a longer chain is refused as malformed).
 pub const MAX_BASE_DEPTH: usize = 64;
 
-/// What `manifest.json` holds.
+/// What `manifest.json` holds. A change bumps [`VERSION`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Manifest {
@@ -58,12 +65,18 @@ pub struct Manifest {
     /// there).
     #[serde(default)]
     pub base: Option<BaseRef>,
+    /// The guestmem that wrote the snapshot (version 4 on; `None` in version 3, written by
+    /// guestmem 0.1.0). Left out of the JSON when `None`, so that a version-3 manifest's
+    /// canonical form, and its checksum, stay what 0.1.0 computed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub writer: Option<Writer>,
     /// BLAKE3 over the manifest's canonical form with this field empty, hex (see the module
     /// docs). The snapshot's identity.
     pub checksum: String,
 }
 
-/// How a diff names its base: where it is and which snapshot it must be.
+/// How a diff names its base: where it is and which snapshot it must be. A change bumps
+/// [`VERSION`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct BaseRef {
@@ -102,7 +115,7 @@ impl RegionFile {
     }
 }
 
-/// One region in its file.
+/// One region in its file. A change bumps [`VERSION`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RegionImage {
@@ -127,7 +140,7 @@ impl RegionImage {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-/// One chunk of a region, as the manifest lists it.
+/// One chunk of a region, as the manifest lists it. A change bumps [`VERSION`].
 pub struct Chunk {
     /// CRC-32 of the chunk's bytes (zero pages included; for a zero chunk, that of zeros).
     pub crc32: u32,
@@ -202,10 +215,23 @@ impl Manifest {
         struct Head {
             format: Option<serde_json::Value>,
             version: Option<serde_json::Value>,
+            writer: Option<serde_json::Value>,
         }
-        // One pass for a manifest of this format and version (the restore path waits on it);
-        // only when that fails is the head read alone, to tell another format or version from
-        // a damaged manifest.
+        let version_error = |found: u64, writer: Option<&serde_json::Value>| Error::Version {
+            path: path.to_path_buf(),
+            found,
+            writer: writer
+                .and_then(|w| serde_json::from_value::<Writer>(w.clone()).ok())
+                .map_or_else(
+                    || "an unknown guestmem".into(),
+                    |w| Writer::describe(Some(&w)),
+                ),
+            min: MIN_VERSION,
+            supported: VERSION,
+        };
+        // One pass for a manifest of a version this code reads (the restore path waits on
+        // it); only when that fails is the head read alone, to tell another format or version
+        // from a damaged manifest.
         let head_error = |e: serde_json::Error| -> Error {
             let Ok(head) = serde_json::from_slice::<Head>(bytes) else {
                 return Error::Json {
@@ -220,12 +246,8 @@ impl Manifest {
                 };
             }
             let version = head.version.and_then(|v| v.as_u64()).unwrap_or(0);
-            if version != u64::from(VERSION) {
-                return Error::Version {
-                    path: path.to_path_buf(),
-                    found: version,
-                    supported: VERSION,
-                };
+            if !(u64::from(MIN_VERSION)..=u64::from(VERSION)).contains(&version) {
+                return version_error(version, head.writer.as_ref());
             }
             Error::Json {
                 path: path.to_path_buf(),
@@ -239,12 +261,16 @@ impl Manifest {
                 found: serde_json::Value::from(manifest.format).to_string(),
             });
         }
-        if manifest.version != VERSION {
-            return Err(Error::Version {
-                path: path.to_path_buf(),
-                found: manifest.version.into(),
-                supported: VERSION,
-            });
+        if !(MIN_VERSION..=VERSION).contains(&manifest.version) {
+            let writer = manifest.writer.as_ref().map(|w| serde_json::json!(w));
+            return Err(version_error(manifest.version.into(), writer.as_ref()));
+        }
+        if manifest.version < 4 && manifest.writer.is_some() {
+            return Err(Error::Corrupt(format!(
+                "{}: a manifest of version {} names a writer (version 4 does)",
+                path.display(),
+                manifest.version
+            )));
         }
         let computed = manifest.compute_checksum();
         if computed != manifest.checksum {
@@ -435,6 +461,7 @@ mod tests {
             memory_file_bytes: 8 << 20,
             sys_file_bytes: layout::SYS_SIZE,
             base: None,
+            writer: Some(Writer::this()),
             checksum: String::new(),
         };
         m.seal();
@@ -558,12 +585,47 @@ mod tests {
             ),
             "{e:?}"
         );
-        assert_eq!(
-            e.to_string(),
-            "m.json: snapshot version 2; this guestmem reads version 3"
+        let text = e.to_string();
+        assert!(
+            text.starts_with("m.json: snapshot format version 2, written by guestmem ")
+                && text.contains(&format!("reads versions {MIN_VERSION} to {VERSION}")),
+            "{text}"
         );
         let old = br#"{"format":"guestmem-snapshot","version":2,"state":"field by field"}"#;
         let e = Manifest::parse(old, Path::new("manifest.json")).unwrap_err();
         assert!(matches!(e, Error::Version { found: 2, .. }), "{e:?}");
+    }
+
+    /// A manifest of a newer version than this build reads is refused naming its writer and
+    /// both versions, even when its fields are unknown here.
+    #[test]
+    fn a_newer_snapshot_is_refused_naming_its_writer() {
+        let newer = br#"{"format":"guestmem-snapshot","version":9,"novel":1,
+            "writer":{"version":"0.9.0","commit":"abc"}}"#;
+        let e = Manifest::parse(newer, Path::new("manifest.json")).unwrap_err();
+        let text = e.to_string();
+        assert!(
+            text.contains("format version 9, written by guestmem 0.9.0 (commit abc)")
+                && text.contains(guestmem_sys::release::VERSION)
+                && text.contains(&format!("versions {MIN_VERSION} to {VERSION}")),
+            "{text}"
+        );
+    }
+
+    /// A version-3 manifest (guestmem 0.1.0's: no writer) parses with its checksum as 0.1.0
+    /// computed it; one naming a writer is refused.
+    #[test]
+    fn a_version_3_manifest_reads_without_a_writer() {
+        let mut m = manifest();
+        m.version = 3;
+        m.writer = None;
+        m.seal();
+        let json = serde_json::to_string(&m).unwrap();
+        assert!(!json.contains("writer"), "{json}");
+        assert_eq!(parse(&m).unwrap(), m);
+        m.writer = Some(Writer::this());
+        m.seal();
+        let e = parse(&m).unwrap_err().to_string();
+        assert!(e.contains("names a writer"), "{e}");
     }
 }

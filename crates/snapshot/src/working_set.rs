@@ -6,13 +6,18 @@ use guestmem_paging::{Pager, UserfaultPager};
 use guestmem_vm::{layout, Vm};
 use serde::{Deserialize, Serialize};
 
-use super::manifest::{CHUNK_BYTES, VERSION};
+use super::manifest::CHUNK_BYTES;
 use super::write::write_file;
 use super::{read_regular, Snapshot, WORKING_SET};
 use crate::{Error, Result};
 
 /// The `format` field of a working-set file.
 pub const WORKING_SET_FORMAT: &str = "guestmem-working-set";
+/// The version of [`WorkingSet`] this code writes and reads (3: the number the snapshot
+/// manifest had when working sets took their own; a working set is a hint, so another version
+/// is refused and the lazy restore goes on without it). A change to [`WorkingSet`] or
+/// [`WorkingSetRegion`] bumps it.
+pub const WORKING_SET_VERSION: u32 = 3;
 
 /// `working-set.json`: the chunks a lazily restored guest faulted on first, in fault order,
 /// recorded for the next lazy restore of the same snapshot to fetch first. It is bound to the
@@ -122,9 +127,9 @@ impl Snapshot {
             source: e,
         })?;
         let bad = |why: String| Err(Error::Corrupt(format!("{}: {why}", path.display())));
-        if ws.format != WORKING_SET_FORMAT || ws.version != VERSION {
+        if ws.format != WORKING_SET_FORMAT || ws.version != WORKING_SET_VERSION {
             return bad(format!(
-                "format {} version {}, not {WORKING_SET_FORMAT} version {VERSION}",
+                "format {} version {}, not {WORKING_SET_FORMAT} version {WORKING_SET_VERSION}",
                 ws.format, ws.version
             ));
         }
@@ -164,7 +169,7 @@ impl Snapshot {
     pub(crate) fn write_working_set(&self, regions: Vec<WorkingSetRegion>) -> Result<()> {
         let ws = WorkingSet {
             format: WORKING_SET_FORMAT.into(),
-            version: VERSION,
+            version: WORKING_SET_VERSION,
             manifest_checksum: self.manifest.checksum.clone(),
             crc32: WorkingSet::checksum(&regions),
             regions,
@@ -272,7 +277,7 @@ mod tests {
         std::fs::write(dir.join(WORKING_SET), &good).unwrap();
         rewrite(&dir, |v| v["version"] = 1.into());
         assert!(refusal(&snap).contains(&format!(
-            "format {WORKING_SET_FORMAT} version 1, not {WORKING_SET_FORMAT} version {VERSION}"
+            "format {WORKING_SET_FORMAT} version 1, not {WORKING_SET_FORMAT} version {WORKING_SET_VERSION}"
         )));
         std::fs::write(dir.join(WORKING_SET), b"{").unwrap();
         assert!(matches!(snap.working_set(), Err(Error::Json { .. })));

@@ -379,6 +379,7 @@ fn write_files(
         memory_file_bytes: files[RegionFile::Memory as usize].2,
         sys_file_bytes: files[RegionFile::Sys as usize].2,
         base: diff.map(|(base, _)| base),
+        writer: Some(guestmem_sys::release::Writer::this()),
         checksum: String::new(),
     };
     write_manifest(dir, manifest)?;

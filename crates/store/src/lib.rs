@@ -194,9 +194,12 @@ pub enum Error {
         /// The format it names.
         found: String,
     },
-    /// A manifest of another version.
+    /// A manifest of a version this guestmem does not read (README, "Compatibility").
     #[error(
-        "{store}: {key}: store snapshot version {found}; this guestmem reads versions 1 to {supported}"
+        "{store}: {key}: store snapshot version {found}, written by {writer}; this guestmem \
+         ({}) reads versions {min} to {supported}: restore it with a guestmem release that \
+         reads it (the two minor releases after its writer do), or take a new snapshot",
+        guestmem_sys::release::LONG_VERSION
     )]
     Version {
         /// The store.
@@ -205,7 +208,11 @@ pub enum Error {
         key: String,
         /// Its version.
         found: u64,
-        /// The version this build reads.
+        /// The guestmem that wrote it, as its manifest names it.
+        writer: String,
+        /// The oldest version this build reads.
+        min: u32,
+        /// The newest version this build reads (the one it writes).
         supported: u32,
     },
     /// A snapshot whose bytes are not what its manifest says (naming the snapshot, region,

@@ -13,6 +13,7 @@
 use std::collections::HashMap;
 
 use guestmem_memory::{RegionSpec, PAGE_SIZE};
+use guestmem_sys::release::Writer;
 use guestmem_vm::VmConfig;
 use serde::{Deserialize, Serialize};
 
@@ -24,8 +25,13 @@ use crate::{Error, Result};
 
 /// The `format` field of every store snapshot manifest.
 pub const FORMAT: &str = "guestmem-store-snapshot";
-/// The manifest version this code writes: 2 (chunks in packs).
-pub const VERSION: u32 = 2;
+/// The manifest version this code writes: 3 (the manifest names its [`Writer`], guestmem
+/// 0.2.0; 2: chunks in packs, guestmem 0.1.0). Compatibility (README): a release reads the
+/// versions of the two minor releases before it, from [`MIN_VERSION`]; another is refused
+/// naming both versions ([`crate::Error::Version`]). A change to [`StoreManifest`],
+/// [`StoreBase`], [`StoreRegion`] or a [`ChunkRef`]'s text bumps it (an added field must be
+/// skipped when absent, so that older manifests keep their checksum).
+pub const VERSION: u32 = 3;
 /// The oldest version it reads: 1 (every chunk an object of its own).
 pub const MIN_VERSION: u32 = 1;
 /// How many diff snapshots may stand on one another.
@@ -51,7 +57,7 @@ pub fn working_set_key(name: &str) -> String {
     format!("snapshots/{name}/working-set.json")
 }
 
-/// A store snapshot's manifest: what it holds and how to check it.
+/// A store snapshot's manifest: what it holds and how to check it. A change bumps [`VERSION`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StoreManifest {
@@ -77,11 +83,15 @@ pub struct StoreManifest {
     /// A diff snapshot: its base in the same store, by name and manifest checksum.
     #[serde(default)]
     pub base: Option<StoreBase>,
+    /// The guestmem that wrote the manifest (version 3 on; `None` before). Left out of the
+    /// JSON when `None`, so that older manifests keep their canonical form and checksum.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub writer: Option<Writer>,
     /// BLAKE3 over the canonical form with this field empty, hex.
     pub checksum: String,
 }
 
-/// A diff snapshot's base.
+/// A diff snapshot's base. A change bumps [`VERSION`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StoreBase {
@@ -91,7 +101,7 @@ pub struct StoreBase {
     pub checksum: String,
 }
 
-/// One region of guest memory in a store snapshot.
+/// One region of guest memory in a store snapshot. A change bumps [`VERSION`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StoreRegion {
@@ -106,7 +116,7 @@ pub struct StoreRegion {
     pub chunks: Vec<ChunkRef>,
 }
 
-/// One chunk of a region.
+/// One chunk of a region (its text in the manifest: a change bumps [`VERSION`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ChunkRef {
     /// All zero: not stored.
@@ -287,6 +297,7 @@ impl StoreManifest {
         struct Head {
             format: Option<serde_json::Value>,
             version: Option<serde_json::Value>,
+            writer: Option<serde_json::Value>,
         }
         let json = |source| Error::Json {
             store: store.to_string(),
@@ -307,6 +318,14 @@ impl StoreManifest {
                 store: store.to_string(),
                 key: key.to_string(),
                 found: version,
+                writer: head
+                    .writer
+                    .and_then(|w| serde_json::from_value::<Writer>(w).ok())
+                    .map_or_else(
+                        || "an unknown guestmem".into(),
+                        |w| Writer::describe(Some(&w)),
+                    ),
+                min: MIN_VERSION,
                 supported: VERSION,
             });
         }
@@ -343,6 +362,12 @@ impl StoreManifest {
         if self.version < 2 && !self.packs.is_empty() {
             return Err(format!(
                 "a manifest of version {} lists packs (version 2 has them)",
+                self.version
+            ));
+        }
+        if self.version < 3 && self.writer.is_some() {
+            return Err(format!(
+                "a manifest of version {} names a writer (version 3 does)",
                 self.version
             ));
         }
@@ -558,6 +583,7 @@ mod tests {
             state_bytes: 10,
             state_blake3: "00".into(),
             base: None,
+            writer: Some(Writer::this()),
             checksum: String::new(),
         };
         m.seal();
@@ -653,7 +679,13 @@ mod tests {
         m.version = VERSION + 1;
         m.seal();
         let e = parse(&m).unwrap_err().to_string();
-        assert!(e.contains(&format!("{}", VERSION + 1)), "{e}");
+        assert!(
+            e.contains(&format!(
+                "store snapshot version {}, written by guestmem ",
+                VERSION + 1
+            )) && e.contains(&format!("reads versions {MIN_VERSION} to {VERSION}")),
+            "{e}"
+        );
     }
 
     /// A version-1 manifest (every chunk an object of its own) still reads, its chunks
@@ -662,6 +694,7 @@ mod tests {
     fn version_1_chunks_are_objects_and_version_2_chunks_are_in_packs() {
         let mut v1 = manifest("a");
         v1.version = 1;
+        v1.writer = None;
         v1.packs.clear();
         for c in &mut v1.regions[1].chunks {
             if let ChunkRef::Data { at, .. } = c {
@@ -677,7 +710,11 @@ mod tests {
         assert!(chunks.iter().all(|c| c.loc == Loc::Object));
         assert_eq!(chunks[0].object_key(), chunk::key(&[7; 32]));
 
-        let v2 = parse(&manifest("a")).unwrap();
+        let mut v2 = manifest("a");
+        v2.version = 2;
+        v2.writer = None;
+        v2.seal();
+        let v2 = parse(&v2).unwrap();
         let chunks: Vec<Stored> = v2.data_chunks().collect();
         assert_eq!(
             chunks[0].loc,

@@ -20,6 +20,7 @@ pub fn merge(objects: &dyn ObjectStore, name: &str, into: &str) -> Result<StoreM
     merged.name = into.to_string();
     merged.base = None;
     merged.version = crate::manifest::VERSION;
+    merged.writer = Some(guestmem_sys::release::Writer::this());
     let mut table = PackTable::default();
     for (region, chunks) in merged.regions.iter_mut().zip(resolved) {
         region.chunks = chunks

@@ -271,6 +271,7 @@ pub(crate) fn sealed_manifest(
         state_bytes: state_json.len() as u64,
         state_blake3: blake3::hash(state_json).to_hex().to_string(),
         base,
+        writer: Some(guestmem_sys::release::Writer::this()),
         checksum: String::new(),
     };
     manifest.seal();

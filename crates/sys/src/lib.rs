@@ -5,6 +5,7 @@
 compile_error!("guestmem builds only for 64-bit targets: guest addresses, offsets and page counts are `u64` and index memory as `usize`");
 
 pub mod probe;
+pub mod release;
 pub mod uapi;
 
 use std::io;

@@ -19,6 +19,46 @@ pub fn page_value(seed: u64, gpa: u64, generation: u64) -> u64 {
     seed.wrapping_add(gpa).wrapping_mul(GOLDEN) ^ generation
 }
 
+/// Checks that every page of the `dirty` workloads `work` (one per vCPU, `pages_done` pages
+/// done each, read from its control block) holds what the counter says: pages before the
+/// vCPU's cursor this pass's [`page_value`], the one at the cursor this pass's or the last
+/// one's, those after the last pass's (zero during the first pass). Names the first page that
+/// disagrees.
+pub fn check_dirty_pages(
+    memory: &guestmem_memory::GuestMemory,
+    work: &[crate::VcpuWork],
+    pages_done: &[u64],
+) -> Result<(), String> {
+    for (w, &done) in work.iter().zip(pages_done) {
+        let n = w.pages().max(1);
+        let (generation, cursor) = (done / n, done % n);
+        for p in 0..w.pages() {
+            let gpa = w.gpa + p * guestmem_memory::PAGE_SIZE;
+            let value = memory
+                .read_u64(gpa)
+                .map_err(|e| format!("page {gpa:#x}: {}", guestmem_sys::error_chain(&e, ": ")))?;
+            let new = page_value(w.seed, gpa, generation);
+            let old = match generation {
+                0 => 0,
+                g => page_value(w.seed, gpa, g - 1),
+            };
+            let ok = match p.cmp(&cursor) {
+                std::cmp::Ordering::Less => value == new,
+                std::cmp::Ordering::Equal => value == new || value == old,
+                std::cmp::Ordering::Greater => value == old,
+            };
+            if !ok {
+                return Err(format!(
+                    "page {gpa:#x} holds {value:#x}; the guest's counter ({done} pages done) \
+                     says {:#x}",
+                    if p < cursor { new } else { old }
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// What the `rewrite` workload does to page `gpa` of the range `[range_gpa, + pages pages)` in
 /// pass `generation` (see payload.S): it copies `lines` consecutive 64-byte lines from
 /// `first_line` on (wrapping within the page) from the same lines of page `source_gpa`, then

@@ -13,6 +13,9 @@ use crate::{Error, Result, VcpuWork};
 
 /// Everything KVM holds for one vCPU. There is no in-kernel irqchip in guestmem's VMs, so no
 /// LAPIC state; the TSC travels as an MSR, its frequency alongside.
+///
+/// Format: a change here bumps `guestmem_contract::PAYLOAD_STATE.version` (guestmem's own VM
+/// state envelope), and the version of any VMM's machine blob that holds it.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct VcpuState {
     /// The CPUID the vCPU was given.
@@ -63,6 +66,9 @@ impl VcpuState {
 /// The state of guestmem's own payload VM ([`Vm`](crate::Vm)), paused: KVM's (its vCPUs and
 /// its kvmclock) and the workloads its vCPUs were given. It is that VM's machine blob; a VMM
 /// keeps its own, saving its vCPUs with [`VcpuState::save`].
+///
+/// Format: saved inside its versioned envelope (`guestmem_contract::envelope`); a change here
+/// bumps `guestmem_contract::PAYLOAD_STATE.version`.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct VmState {
     /// Every vCPU's state, vCPU `i` at index `i`.

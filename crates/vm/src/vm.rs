@@ -251,6 +251,33 @@ impl Vm {
             .collect()
     }
 
+    /// What each vCPU's payload was given to do (by [`Vm::start`] or a restored state).
+    pub fn work(&self) -> &[VcpuWork] {
+        &self.work
+    }
+
+    /// Whether guest memory agrees with what the `dirty` workloads' counters say they wrote
+    /// (pages before each vCPU's cursor hold this pass's value, those after the last pass's,
+    /// or zero before the first pass ended): `None` when a vCPU runs another workload, else
+    /// the first page that disagrees, if any. Read with the VM stopped: it is how a migrated
+    /// or restored guest's memory is checked by what the guest itself wrote.
+    pub fn dirty_pages_disagreeing(&self) -> Option<std::result::Result<(), String>> {
+        let pages_done = self.pages_done();
+        if self.work.is_empty()
+            || !self
+                .work
+                .iter()
+                .all(|w| matches!(w.workload, crate::Workload::Dirty { .. }))
+        {
+            return None;
+        }
+        Some(crate::payload::check_dirty_pages(
+            &self.memory,
+            &self.work,
+            &pages_done,
+        ))
+    }
+
     /// The vCPUs' TSC rate.
     pub fn tsc_khz(&self) -> u64 {
         self.tsc_khz

@@ -2,7 +2,8 @@
 
 use serde::{Deserialize, Serialize};
 
-/// A guest workload over one vCPU's range.
+/// A guest workload over one vCPU's range. Format: part of the saved VM state ([`VcpuWork`]);
+/// a change bumps `guestmem_contract::PAYLOAD_STATE.version`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Workload {
@@ -67,7 +68,8 @@ impl Workload {
 }
 
 /// One vCPU's assignment: a workload over `[gpa, gpa + size)`, with a seed for the values it
-/// writes.
+/// writes. Format: part of the saved VM state; a change bumps
+/// `guestmem_contract::PAYLOAD_STATE.version`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VcpuWork {
     /// What it runs.

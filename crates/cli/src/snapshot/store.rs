@@ -47,6 +47,14 @@ pub enum StoreOp {
     },
     /// Delete a snapshot from its store (its chunks go at the next gc).
     Delete { snapshot: String },
+    /// Show a snapshot's format and version and the guestmem that wrote it, and whether this
+    /// guestmem restores it.
+    Info {
+        /// The snapshot: a directory, s3://BUCKET/PREFIX/NAME or store:DIR/NAME.
+        snapshot: String,
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 pub fn run_op(op: StoreOp) -> crate::Result<()> {
@@ -96,6 +104,7 @@ pub fn run_op(op: StoreOp) -> crate::Result<()> {
             guestmem_store::gc::delete(&*at.store.open_with(crate::store_options())?, &at.name)?;
             println!("deleted {snapshot} (its chunks go at the next gc)");
         }
+        StoreOp::Info { snapshot, json } => super::info::info(&snapshot, json)?,
     }
     Ok(())
 }

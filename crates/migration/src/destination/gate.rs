@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::negotiate::Negotiated;
 use crate::protocol::{read_hello, write_frame, ChannelRole, Hello, Links, Mode};
 use crate::stream::Frame;
 use crate::transport::{Accepted, Connection, Listener, Role, Timeouts};
@@ -39,6 +40,8 @@ struct GateState {
 struct Arrival {
     conn: Connection,
     hello: Hello,
+    /// What its Hello and the answer agreed on.
+    negotiated: Negotiated,
     at: Instant,
 }
 
@@ -151,6 +154,16 @@ impl Gate {
             }
         };
         let _ = conn.set_idle_timeout(Some(handshake.idle));
+        // A source outside this build's window is refused before it claims anything.
+        let source = hello
+            .guestmem
+            .clone()
+            .unwrap_or_else(|| hello.guestmem_version.clone());
+        let (answer, negotiated) =
+            match crate::negotiate::choose(&source, hello.protocols, hello.features.as_deref()) {
+                Ok(chosen) => chosen,
+                Err(why) => return refuse(&mut conn, why),
+            };
         let verdict = {
             let mut st = self.lock();
             match st.current {
@@ -179,11 +192,11 @@ impl Gate {
         }
         // Before the answer: the source opens its next connection only once it has it.
         let at = Instant::now();
-        let answer = serde_json::json!({ "guestmem_version": env!("CARGO_PKG_VERSION") });
+        let answer = serde_json::to_vec(&answer).expect("an answer serializes");
         if let Err(e) = write_frame(
             &mut conn,
             &Frame::Hello {
-                config_json: answer.to_string().into_bytes(),
+                config_json: answer,
             },
         ) {
             tracing::warn!(
@@ -191,7 +204,12 @@ impl Gate {
                 error_chain(&e, ": ")
             );
         }
-        self.lock().arrived.push(Arrival { conn, hello, at });
+        self.lock().arrived.push(Arrival {
+            conn,
+            hello,
+            negotiated,
+            at,
+        });
         self.changed.notify_all();
     }
 
@@ -216,6 +234,7 @@ impl Gate {
             migration: id,
         });
         let (pages, urgent) = (first.hello.pages, first.hello.urgent);
+        let negotiated = first.negotiated;
         let mut main = first.conn;
         if pages == 0 || pages > 64 || urgent > 64 {
             return Err(abort_collection(
@@ -232,7 +251,13 @@ impl Gate {
         };
         slots.slots[0] = Some(main);
         self.gather(&mut slots, timeouts.handshake)?;
-        Ok(Some((slots.into_links(), claim)))
+        tracing::info!(
+            protocol = negotiated.protocol,
+            peer = %negotiated.peer,
+            features = %negotiated.features.join(","),
+            "migration negotiated"
+        );
+        Ok(Some((slots.into_links(negotiated), claim)))
     }
 
     /// The first pages connection of migration `resume_of` (a resumption's), or of the one
@@ -369,7 +394,7 @@ impl Slots {
     }
 
     /// The links, every slot filled.
-    fn into_links(self) -> Links {
+    fn into_links(self, negotiated: Negotiated) -> Links {
         let mut all = self
             .slots
             .into_iter()
@@ -379,6 +404,7 @@ impl Slots {
             urgent: all.collect(),
             migration: self.id,
             mode: Mode::Precopy,
+            negotiated,
         }
     }
 }
@@ -422,6 +448,9 @@ mod tests {
         };
         let hello = |channel, resume| Hello {
             guestmem_version: String::new(),
+            guestmem: None,
+            protocols: None,
+            features: None,
             migration: 0x2a,
             channel,
             pages: 2,

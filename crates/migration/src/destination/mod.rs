@@ -27,7 +27,7 @@ use crate::component::Components;
 use crate::landing::Landing;
 use crate::protocol::{
     link_error, read_frame, read_json, unexpected_frame, write_frame, Links, Mode, Setup,
-    Switchover, BLOCK, FORMAT, HEARTBEAT_INTERVAL,
+    Switchover, BLOCK, HEARTBEAT_INTERVAL,
 };
 use crate::stream::{Frame, ZstdStreamDecoder};
 use crate::transport::Listener;
@@ -118,6 +118,10 @@ pub struct DestinationReport {
     /// the migration's connections.
     #[serde(default)]
     pub kernel_tls_connections: usize,
+    /// What the Hellos agreed on: protocol, features, the source's guestmem (absent from
+    /// guestmem 0.1.0's report).
+    #[serde(default)]
+    pub negotiated: Option<crate::negotiate::Negotiated>,
 }
 
 /// A VM received up to the switch-over: its memory (or, in post-copy, its pagers) and vCPU
@@ -213,6 +217,7 @@ pub fn receive_into<B: MachineBuilder>(
     let mut report = DestinationReport {
         mode: Some(rx.setup.mode),
         kernel_tls_connections: rx.links.kernel_tls_connections(),
+        negotiated: Some(rx.links.negotiated.clone()),
         ..Default::default()
     };
     let chunks = chunk_digests_of(&rx.setup, &memory);
@@ -290,7 +295,7 @@ impl Receiving {
         let claim = claim.expect("a new migration claims the destination");
         let setup: Setup = read_json(&mut links.pages[0], "VM setup")?;
         let mut rx = Receiving { links, setup };
-        if let Err(e) = check_setup(&rx.setup) {
+        if let Err(e) = check_setup(&rx.setup, rx.links.negotiated.state_format()) {
             return Err(rx.refuse(e));
         }
         Ok((rx, claim))
@@ -453,13 +458,14 @@ fn unsupported(reason: String) -> MigrationError {
     MigrationError::Unsupported { reason }
 }
 
-/// Refuses a setup this destination cannot take: another format, a zstd window it does not
-/// allow, or post-copy of guest_memfd memory without KVM Userfault.
-fn check_setup(setup: &Setup) -> std::result::Result<(), MigrationError> {
-    if setup.format != FORMAT {
+/// Refuses a setup this destination cannot take: a State format other than the negotiated
+/// protocol's (`format`), a zstd window it does not allow, or post-copy of guest_memfd memory
+/// without KVM Userfault.
+fn check_setup(setup: &Setup, format: u32) -> std::result::Result<(), MigrationError> {
+    if setup.format != format {
         return Err(MigrationError::Format {
             found: setup.format,
-            supported: FORMAT,
+            supported: format,
         });
     }
     if let Some(Err(why)) = setup.zstd_window_log.map(crate::stream::check_window_log) {

@@ -82,6 +82,9 @@ pub fn send_machine(
 ) -> std::result::Result<Report, MachineFailure> {
     let started = Instant::now();
     let kept = |error| MachineFailure { error, kept: true };
+    // Nothing the destination did not accept in the Hellos goes out (see crate::negotiate).
+    let fitted = opts.fitted_to(&links.negotiated).map_err(kept)?;
+    let opts = &fitted;
     opts.check(links.pages.len()).map_err(kept)?;
     let fault_cpus = fault_cpus(opts).map_err(kept)?;
     let memory = machine.memory().clone();
@@ -136,6 +139,16 @@ fn fault_cpus(opts: &SendOptions) -> Result<Option<CpuSet>> {
             }
             .into()
         })
+}
+
+/// The paused `machine`'s state as protocol `protocol` carries it: protocol 1 (guestmem 0.1.0)
+/// takes it bare, out of its versioned envelope.
+fn machine_state(machine: &mut dyn Machine, protocol: u32) -> Result<Vec<u8>> {
+    let state = machine.save()?;
+    if protocol <= 1 {
+        return Ok(guestmem_contract::envelope::bare_v1(&state)?);
+    }
+    Ok(state)
 }
 
 /// Stops dirty logging, if it was started (its failure changes nothing then).
@@ -290,6 +303,7 @@ impl<'o> Source<'o> {
                 destination: None,
                 compression: CompressionReport::default(),
                 delta: DeltaReport::default(),
+                negotiated: links.negotiated.clone(),
             },
         }
     }
@@ -359,7 +373,7 @@ impl<'o> Source<'o> {
         let setup = Setup {
             config: config.clone(),
             mode: self.opts.mode,
-            format: crate::protocol::FORMAT,
+            format: links.negotiated.state_format(),
             shared: shared.iter().map(|r| r.name().to_string()).collect(),
             verify: self.verifies(),
             verify_chunk: self.chunks.as_ref().map(|c| c.chunk()),
@@ -785,7 +799,7 @@ impl<'o> Source<'o> {
         stats.throttle_percent = 0;
         self.report.rounds.push(stats);
 
-        let state = machine.save()?;
+        let state = machine_state(machine, links.negotiated.protocol)?;
         let saved_components = components.save()?;
         let region_digests = match &self.chunks {
             Some(chunks) => {

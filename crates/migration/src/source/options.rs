@@ -9,6 +9,7 @@ use serde::Serialize;
 use crate::compress::{Compress, CompressionReport};
 use crate::delta::DeltaReport;
 use crate::destination::DestinationReport;
+use crate::negotiate::{self, Negotiated};
 use crate::protocol::{Links, Mode, Resume};
 use crate::{Error, MigrationError, Result};
 
@@ -203,6 +204,54 @@ impl SendOptions {
     }
 }
 
+impl SendOptions {
+    /// These options fitted to what the destination accepted in the Hellos (see
+    /// `crate::negotiate`): a feature it did not accept and the migration can do without is
+    /// turned off (compression, the zstd stream, deltas); one the migration needs refuses it,
+    /// naming the feature and the destination, before any page moves.
+    pub(crate) fn fitted_to(&self, n: &Negotiated) -> Result<SendOptions> {
+        let needs = |feature: &'static str, option: &'static str| -> Result<()> {
+            if n.has(feature) {
+                return Ok(());
+            }
+            Err(MigrationError::BadOption {
+                option,
+                reason: format!(
+                    "the destination ({}) does not accept '{feature}' (negotiated protocol {}, \
+                     features {})",
+                    n.peer,
+                    n.protocol,
+                    n.features.join(", ")
+                ),
+            }
+            .into())
+        };
+        if self.mode.has_postcopy() {
+            needs(negotiate::POSTCOPY, "mode")?;
+        }
+        if self.share_memory {
+            needs(negotiate::SHARED_MEMORY, "share_memory")?;
+        }
+        if self.verify {
+            needs(negotiate::CHUNK_DIGESTS, "verify")?;
+        }
+        // Every guestmem so far takes Pages frames without CRC under TLS.
+        needs(negotiate::NO_CRC, "the stream's frames")?;
+        let mut fitted = self.clone();
+        if !n.has(negotiate::PAGES_D) {
+            fitted.whole_pages = true;
+        }
+        if !n.has(negotiate::ZSTD_STREAM) {
+            fitted.zstd_window_bytes = 0;
+        }
+        if !n.has(negotiate::PAGES_Z) {
+            fitted.compress = Compress::None;
+            fitted.zstd_window_bytes = 0;
+        }
+        Ok(fitted)
+    }
+}
+
 /// Where a migration is, for a progress display.
 #[derive(Debug, Clone, Serialize)]
 pub struct Progress {
@@ -315,6 +364,8 @@ pub struct Report {
     pub compression: CompressionReport,
     /// The delta cache: its size, hits and misses, and the pages it turned into deltas.
     pub delta: DeltaReport,
+    /// What the Hellos agreed on: protocol, features, the destination's guestmem.
+    pub negotiated: Negotiated,
 }
 
 /// A migration that failed. `vm` is the source VM, still running, when the source kept the
@@ -434,5 +485,35 @@ mod tests {
             ..window.clone()
         };
         assert_eq!(none.zstd_window_log(1, 1 << 30), None);
+    }
+
+    /// Features the destination did not accept are done without, or refuse the migration
+    /// when it needs them, naming the feature and the destination.
+    #[test]
+    fn options_fit_what_the_destination_accepted() {
+        let narrow = Negotiated {
+            protocol: negotiate::PROTOCOL,
+            features: vec![negotiate::NO_CRC.into(), negotiate::CHUNK_DIGESTS.into()],
+            peer: "guestmem test".into(),
+        };
+        let opts = SendOptions {
+            verify: true,
+            ..SendOptions::default()
+        };
+        let fitted = opts.fitted_to(&narrow).unwrap();
+        assert!(fitted.whole_pages);
+        assert_eq!(fitted.zstd_window_bytes, 0);
+        assert!(matches!(fitted.compress, Compress::None));
+        let all = opts.fitted_to(&Negotiated::default()).unwrap();
+        assert!(!all.whole_pages && matches!(all.compress, Compress::Auto));
+        let post = SendOptions {
+            mode: Mode::Postcopy,
+            ..SendOptions::default()
+        };
+        let e = crate::error_chain(&post.fitted_to(&narrow).unwrap_err(), ": ");
+        assert!(
+            e.contains("does not accept 'postcopy'") && e.contains("guestmem test"),
+            "{e}"
+        );
     }
 }
