@@ -250,8 +250,8 @@ fn live_flat_snapshot_and_diff_are_the_memory_at_their_pause() {
     flat_full_and_diff(MemBackend::Anon, Strategy::CopyBeforeWrite, None);
 }
 
-/// Copy-before-write on every backend userfaultfd write-protect takes, the guest unthrottled
-/// and throttled.
+/// Copy-before-write on every backend userfaultfd write-protect takes (flat and, for huge
+/// pages larger than a store's chunk, a store), the guest unthrottled and throttled.
 #[test]
 #[cfg_attr(
     not(all(kvm, uffd)),
@@ -260,6 +260,8 @@ fn live_flat_snapshot_and_diff_are_the_memory_at_their_pause() {
 fn copy_before_write_on_memfd_and_hugetlb_is_the_memory_at_the_pause() {
     flat_full_and_diff(MemBackend::Memfd, Strategy::CopyBeforeWrite, None);
     flat_full_and_diff(MemBackend::MemfdHugetlb, Strategy::CopyBeforeWrite, None);
+    // Chunks of 256 KiB in huge pages of 2 MiB: a write copies every chunk of its huge page.
+    store_full_and_diff(Strategy::CopyBeforeWrite, MemBackend::MemfdHugetlb);
     flat_full_and_diff(MemBackend::Anon, Strategy::CopyBeforeWrite, Some(20_000));
 }
 
@@ -305,7 +307,15 @@ fn a_guest_memfd_region_is_stored_during_the_pause() {
 }
 
 /// Store snapshot `name`: full and lazy restores hold the memory digested at the pause.
-fn check_store(objects: &Arc<dyn ObjectStore>, name: &str, work: &[VcpuWork], tmp: &TempDir) {
+/// (A lazy restore from a store pages 256 KiB chunks, which huge pages cannot take: `lazy`
+/// false checks the full restore only.)
+fn check_store(
+    objects: &Arc<dyn ObjectStore>,
+    name: &str,
+    work: &[VcpuWork],
+    tmp: &TempDir,
+    lazy: bool,
+) {
     let cache = guestmem_store::cache::ChunkCache::open(&tmp.0.join("cache"), 1 << 30).unwrap();
     let snap = StoreSnapshot::open(objects.clone(), name, Some(cache)).unwrap();
     let (want, pages) = parse_saved(&snap.components[0].data, 2);
@@ -316,6 +326,9 @@ fn check_store(objects: &Arc<dyn ObjectStore>, name: &str, work: &[VcpuWork], tm
     assert_pages_consistent(&vm, work, &pages);
     resume_and_check_continuation(&mut vm, work, &pages);
     drop(vm);
+    if !lazy {
+        return;
+    }
     let lazy = common::lazy_restore_resident(&snap, Duration::from_secs(60));
     assert_eq!(digests(&lazy.vm), want, "{name}: lazy restore");
 }
@@ -326,14 +339,15 @@ fn check_store(objects: &Arc<dyn ObjectStore>, name: &str, work: &[VcpuWork], tm
     ignore = "no usable /dev/kvm and /dev/userfaultfd on this host"
 )]
 fn live_store_snapshot_and_diff_are_the_memory_at_their_pause() {
-    store_full_and_diff(Strategy::Rounds);
-    store_full_and_diff(Strategy::CopyBeforeWrite);
+    store_full_and_diff(Strategy::Rounds, MemBackend::Anon);
+    store_full_and_diff(Strategy::CopyBeforeWrite, MemBackend::Anon);
 }
 
-/// A full live snapshot and a live diff into a chunk store by `strategy`: both restore (full
-/// and lazy) to the memory at their pause.
-fn store_full_and_diff(strategy: Strategy) {
-    let tmp = TempDir::new(&format!("live-store-{}", strategy.name()));
+/// A full live snapshot and a live diff into a chunk store by `strategy`, of a guest on
+/// `backend`: both restore (full and lazy) to the memory at their pause.
+fn store_full_and_diff(strategy: Strategy, backend: MemBackend) {
+    let tmp = TempDir::new(&format!("live-store-{}-{backend}", strategy.name()));
+    let _huge = common::HugePages::for_backend(backend, 2 * SIZE);
     // Each put of chunks takes 150 ms more: the guest, unthrottled, writes chunks meanwhile
     // that are not stored yet (copy-before-write copies them first).
     let objects: Arc<dyn ObjectStore> = Arc::new(Refusing {
@@ -341,7 +355,7 @@ fn store_full_and_diff(strategy: Strategy) {
         armed: Mutex::new(false),
         delay: Duration::from_millis(150),
     });
-    let mut vm = Vm::new(&VmConfig::simple(2, SIZE, MemBackend::Anon)).unwrap();
+    let mut vm = Vm::new(&VmConfig::simple(2, SIZE, backend)).unwrap();
     fill_second_half(&vm);
     let work = half_work(2);
     let memory = vm.memory().clone();
@@ -392,8 +406,9 @@ fn store_full_and_diff(strategy: Strategy) {
     let running = machine.into_running().unwrap();
     running.stop();
     running.wait(Duration::from_secs(30)).unwrap();
-    check_store(&objects, "base", &work, &tmp);
-    check_store(&objects, "diff", &work, &tmp);
+    let lazy = backend.page_size() <= guestmem_store::chunk::CHUNK_BYTES;
+    check_store(&objects, "base", &work, &tmp, lazy);
+    check_store(&objects, "diff", &work, &tmp, lazy);
 }
 
 /// A local store that refuses chunk puts once armed, and takes `delay` more for each.

@@ -50,9 +50,21 @@ struct Held {
     stopping: bool,
 }
 
+/// Before the pause: the pages the guest wrote since they were protected (each unprotected
+/// at its write), to protect again.
+#[derive(Default)]
+struct Phase {
+    /// Set at the pause: from then on a fault means copy-before-write.
+    snapshot: bool,
+    /// Host ranges (a page of the region's size each) unprotected since their last
+    /// protection.
+    rearm: Vec<(usize, usize)>,
+}
+
 /// The chunks of one copy-before-write snapshot, shared by the store and the handler.
 pub(crate) struct Chunks {
     memory: Arc<GuestMemory>,
+    phase: Mutex<Phase>,
     chunk: u64,
     slots: Vec<Vec<Mutex<Slot>>>,
     held: Mutex<Held>,
@@ -76,6 +88,17 @@ pub(crate) struct CbwStats {
 pub(crate) struct Armed {
     wp: WriteProtect,
     chunks: Arc<Chunks>,
+    /// The registered ranges (host address, bytes).
+    ranges: Vec<(usize, usize)>,
+}
+
+/// How the protection was set up: before the pause, and within it.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct ArmStats {
+    /// Protecting all memory, while the guest ran, in ms.
+    pub(crate) pre_arm_ms: f64,
+    /// Rounds of protecting again what the guest wrote meanwhile, before the pause.
+    pub(crate) rearm_rounds: u64,
 }
 
 impl Chunks {
@@ -110,37 +133,86 @@ impl Chunks {
     /// The handler's work for a write at `addr`: a protected chunk copied aside and
     /// unprotected (once the held copies leave room), anything else only woken.
     fn on_fault(&self, addr: usize) -> std::result::Result<(), String> {
-        let page = addr & !(to_usize(PAGE_SIZE) - 1);
         let Some((ri, ci)) = self.locate(addr) else {
+            let page = addr & !(to_usize(PAGE_SIZE) - 1);
             return self
                 .handle
                 .wake(page, to_usize(PAGE_SIZE))
                 .map_err(|e| e.to_string());
         };
-        let len = self.len_of(ri, ci);
-        self.wait_for_room(len);
-        let mut slot = self.slots[ri][ci].lock().expect("not poisoned");
-        if !matches!(*slot, Slot::Protected) {
-            drop(slot);
-            return self
-                .handle
-                .wake(page, to_usize(PAGE_SIZE))
-                .map_err(|e| e.to_string());
+        {
+            let mut phase = self.phase.lock().expect("not poisoned");
+            if !phase.snapshot {
+                // Before the pause: the write is part of what the snapshot will hold; the
+                // page is let go now and protected again before (or at) the pause.
+                let granule = to_usize(self.memory.regions()[ri].backend().page_size());
+                let page = addr & !(granule - 1);
+                self.handle
+                    .unprotect(page, granule)
+                    .map_err(|e| e.to_string())?;
+                phase.rearm.push((page, granule));
+                return Ok(());
+            }
         }
-        let mut copy = vec![0u8; to_usize(len)];
-        self.copy_out(ri, ci, &mut copy)
-            .map_err(|e| format!("copying a chunk before its write: {e}"))?;
+        let unit = self.unit(ri, ci);
+        let protected = unit
+            .chunks
+            .clone()
+            .filter(|&c| {
+                matches!(
+                    *self.slots[ri][c].lock().expect("not poisoned"),
+                    Slot::Protected
+                )
+            })
+            .map(|c| self.len_of(ri, c))
+            .sum();
+        self.wait_for_room(protected);
+        // Every chunk of the unit still protected is copied, in order, each under its lock,
+        // all locks held until the unit is unprotected (the store takes one lock at a time).
+        let mut slots: Vec<_> = unit
+            .chunks
+            .clone()
+            .map(|c| (c, self.slots[ri][c].lock().expect("not poisoned")))
+            .collect();
+        let mut copied = Vec::new();
+        for (c, slot) in &mut slots {
+            if matches!(**slot, Slot::Protected) {
+                let mut copy = vec![0u8; to_usize(self.len_of(ri, *c))];
+                self.copy_out(ri, *c, &mut copy)
+                    .map_err(|e| format!("copying a chunk before its write: {e}"))?;
+                **slot = Slot::Held(copy);
+                copied.push((ri, *c));
+            }
+        }
         self.handle
-            .unprotect(self.host_of(ri, ci), to_usize(len))
+            .unprotect(unit.host, unit.len)
             .map_err(|e| e.to_string())?;
-        *slot = Slot::Held(copy);
-        drop(slot);
+        drop(slots);
         let mut held = self.held.lock().expect("not poisoned");
-        held.queue.push_back((ri, ci));
-        held.bytes += len;
+        for &(ri, c) in &copied {
+            let len = self.len_of(ri, c);
+            held.queue.push_back((ri, c));
+            held.bytes += len;
+            held.pages += len / PAGE_SIZE;
+        }
         held.peak = held.peak.max(held.bytes);
-        held.pages += len / PAGE_SIZE;
         Ok(())
+    }
+
+    /// The unit of protection around chunk `(ri, ci)`: the chunk itself, or on a region of
+    /// huge pages larger than a chunk, the huge page holding it (write-protect applies to a
+    /// whole huge page).
+    fn unit(&self, ri: usize, ci: usize) -> Unit {
+        let region = &self.memory.regions()[ri];
+        let per = to_usize((region.backend().page_size() / self.chunk).max(1));
+        let first = ci / per * per;
+        let last = (first + per).min(self.slots[ri].len());
+        let len = (last - 1 - first) as u64 * self.chunk + self.len_of(ri, last - 1);
+        Unit {
+            chunks: first..last,
+            host: self.host_of(ri, first),
+            len: to_usize(len),
+        }
     }
 
     /// Waits (bounded by the store's progress, or the snapshot's end) until `len` more bytes
@@ -165,14 +237,23 @@ impl Chunks {
 
 impl ChunkSource for Chunks {
     /// Takes the chunk: its held copy, or its bytes from guest memory (still protected, so
-    /// those at the pause), then unprotects it.
+    /// those at the pause), then unprotects its unit once no chunk of it is protected.
     fn read(&self, region: usize, index: usize, _gpa: u64, buf: &mut [u8]) -> Result<()> {
         let mut slot = self.slots[region][index].lock().expect("not poisoned");
         match std::mem::replace(&mut *slot, Slot::Taken) {
             Slot::Protected => {
                 self.copy_out(region, index, buf)?;
-                self.handle
-                    .unprotect(self.host_of(region, index), buf.len())?;
+                drop(slot);
+                let unit = self.unit(region, index);
+                let done = unit.chunks.clone().all(|c| {
+                    !matches!(
+                        *self.slots[region][c].lock().expect("not poisoned"),
+                        Slot::Protected
+                    )
+                });
+                if done {
+                    self.handle.unprotect(unit.host, unit.len)?;
+                }
             }
             Slot::Held(copy) => {
                 buf.copy_from_slice(&copy);
@@ -188,6 +269,13 @@ impl ChunkSource for Chunks {
         }
         Ok(())
     }
+}
+
+/// Chunks that write-protect lets go together, and their host range.
+struct Unit {
+    chunks: std::ops::Range<usize>,
+    host: usize,
+    len: usize,
 }
 
 impl Armed {
@@ -210,9 +298,11 @@ impl Armed {
                 file_backed: r.backend().is_shared(),
             })
             .collect();
+        let hosts = ranges.iter().map(|r| (r.addr, r.len)).collect();
         let mut wp = WriteProtect::register(ranges)?;
         let chunks = Arc::new(Chunks {
             memory: memory.clone(),
+            phase: Mutex::new(Phase::default()),
             chunk,
             slots: memory
                 .regions()
@@ -230,30 +320,131 @@ impl Armed {
         });
         let handler = chunks.clone();
         wp.serve(move |_, addr| handler.on_fault(addr))?;
-        Ok(Armed { wp, chunks })
+        Ok(Armed {
+            wp,
+            chunks,
+            ranges: hosts,
+        })
     }
 
-    /// During the pause: write-protects `todo` (sorted), runs of consecutive chunks in one
-    /// call each. Returns how long that took, in ms.
-    pub(crate) fn protect(&self, todo: &[(usize, usize)]) -> Result<f64> {
+    /// Before the pause, while the guest runs: protects all the registered memory (what takes
+    /// time: every page-table entry, and KVM's mappings of it dropped), then protects again,
+    /// in rounds, the pages the guest wrote meanwhile, until they are few (`rearm_bytes`) or
+    /// the rounds run out. What is left is protected within the pause
+    /// ([`Armed::protect`]), in proportion to those few pages, not to memory.
+    pub(crate) fn pre_arm(&self, rearm_bytes: u64, max_rounds: u64) -> Result<ArmStats> {
         let t = Instant::now();
-        let c = &self.chunks;
-        let mut i = 0;
-        while i < todo.len() {
-            let (ri, first) = todo[i];
-            let mut end = i + 1;
-            while end < todo.len() && todo[end] == (ri, first + (end - i)) {
-                end += 1;
-            }
-            for ci in first..first + (end - i) {
-                *c.slots[ri][ci].lock().expect("not poisoned") = Slot::Protected;
-            }
-            let last = first + (end - i) - 1;
-            let len = (last - first) as u64 * c.chunk + c.len_of(ri, last);
-            self.wp.protect(c.host_of(ri, first), to_usize(len))?;
-            i = end;
+        for &(addr, len) in &self.ranges {
+            self.wp.protect(addr, len)?;
         }
-        Ok(t.elapsed().as_secs_f64() * 1e3)
+        let mut stats = ArmStats {
+            pre_arm_ms: t.elapsed().as_secs_f64() * 1e3,
+            ..ArmStats::default()
+        };
+        while stats.rearm_rounds < max_rounds {
+            let pages = std::mem::take(&mut self.chunks.phase.lock().expect("not poisoned").rearm);
+            if pages.iter().map(|p| p.1 as u64).sum::<u64>() <= rearm_bytes {
+                self.chunks
+                    .phase
+                    .lock()
+                    .expect("not poisoned")
+                    .rearm
+                    .extend(pages);
+                break;
+            }
+            self.protect_pages(pages, |_| true)?;
+            stats.rearm_rounds += 1;
+        }
+        Ok(stats)
+    }
+
+    /// Protects the pages `pages` (host address and length, any order) that `keep` selects,
+    /// runs of neighbours in one call each. Returns the bytes protected.
+    fn protect_pages(
+        &self,
+        mut pages: Vec<(usize, usize)>,
+        keep: impl Fn(usize) -> bool,
+    ) -> Result<u64> {
+        pages.sort_unstable();
+        pages.dedup();
+        pages.retain(|&(p, _)| keep(p));
+        let mut i = 0;
+        let mut bytes = 0;
+        while i < pages.len() {
+            let (start, mut end) = (pages[i].0, pages[i].0 + pages[i].1);
+            i += 1;
+            while i < pages.len() && pages[i].0 == end {
+                end += pages[i].1;
+                i += 1;
+            }
+            self.wp.protect(start, end - start)?;
+            bytes += (end - start) as u64;
+        }
+        Ok(bytes)
+    }
+
+    /// During the pause (after [`Armed::pre_arm`]): from now on a write copies its chunk
+    /// first; the chunks of `todo` (sorted) are the snapshot's, and the pages written since
+    /// their last protection are protected again (those of `todo`'s chunks). Returns the
+    /// bytes protected again.
+    pub(crate) fn protect(&self, todo: &[(usize, usize)]) -> Result<u64> {
+        let c = &self.chunks;
+        let mut phase = c.phase.lock().expect("not poisoned");
+        phase.snapshot = true;
+        for &(ri, ci) in todo {
+            *c.slots[ri][ci].lock().expect("not poisoned") = Slot::Protected;
+        }
+        let pages = std::mem::take(&mut phase.rearm);
+        self.protect_pages(pages, |p| {
+            c.locate(p).is_some_and(|(ri, ci)| {
+                matches!(
+                    *c.slots[ri][ci].lock().expect("not poisoned"),
+                    Slot::Protected
+                )
+            })
+        })
+    }
+
+    /// After the pause: lets the chunks go that the snapshot does not need (a diff's clean
+    /// ones), whole units of them, runs of units in one call each.
+    fn release_unneeded(&self) -> Result<()> {
+        let c = &self.chunks;
+        for (ri, slots) in c.slots.iter().enumerate() {
+            let host = c.memory.regions()[ri].host_addr() as usize;
+            if !self.ranges.iter().any(|&(a, _)| a == host) {
+                continue;
+            }
+            let unneeded = |u: &Unit| {
+                u.chunks
+                    .clone()
+                    .all(|i| matches!(*slots[i].lock().expect("not poisoned"), Slot::Unneeded))
+            };
+            let mut run: Option<(usize, usize)> = None;
+            let mut ci = 0;
+            while ci < slots.len() {
+                let unit = c.unit(ri, ci);
+                ci = unit.chunks.end;
+                match (unneeded(&unit), run) {
+                    (true, Some((start, len))) if start + len == unit.host => {
+                        run = Some((start, len + unit.len));
+                    }
+                    (true, _) => {
+                        if let Some((start, len)) = run.replace((unit.host, unit.len)) {
+                            c.handle.unprotect(start, len)?;
+                        }
+                    }
+                    (false, _) => {
+                        if let Some((start, len)) = run.take() {
+                            c.handle.unprotect(start, len)?;
+                        }
+                    }
+                }
+            }
+            if let Some((start, len)) = run {
+                c.handle.unprotect(start, len)?;
+            }
+        }
+        Ok(())
     }
 
     /// After the pause: stores every chunk of `todo` into `sink` (see the module docs), the
@@ -264,7 +455,9 @@ impl Armed {
         todo: &[(usize, usize)],
         batch: usize,
     ) -> Result<CbwStats> {
-        let stored = self.store_all(sink, todo, batch.max(1));
+        let stored = self
+            .release_unneeded()
+            .and_then(|()| self.store_all(sink, todo, batch.max(1)));
         self.chunks.stop();
         let held = {
             let h = self.chunks.held.lock().expect("not poisoned");
