@@ -54,16 +54,22 @@ pub struct SnapshotArgs {
     /// With `--diff`: how long the guest runs between the base and the diff, in seconds.
     #[arg(long, default_value_t = 0.2, requires = "diff")]
     diff_after: f64,
-    /// Write the snapshot (and the diff) while the guest runs: dirty-tracked rounds, then a
-    /// short pause for what the guest changed since and its state; reports the pause, the
-    /// rounds and the guest's rate during the write against before it (measured over the
-    /// second half of `--after`).
+    /// Write the snapshot (and the diff) while the guest runs (see `--live-mode`); reports the
+    /// mode, the pause, the rounds, the pages copied before their write and the guest's rate
+    /// during the write against before it (measured over the second half of `--after`).
     #[arg(long)]
     live: bool,
     /// With `--live`: then also write the same guest paused (deleted again) and compare its
     /// time and stored bytes with the live snapshot's.
     #[arg(long, requires = "live")]
     compare_paused: bool,
+    /// With `--live`: how memory is captured. auto: copy-before-write where the kernel's
+    /// userfaultfd write-protect takes the memory, else rounds; copy-before-write: the pause
+    /// write-protects memory and each page is copied before the guest's first write to it
+    /// (the pause does not grow with the guest's writes); rounds: dirty-tracked rounds, then a
+    /// pause that copies what the last round left (it grows with the dirty rate).
+    #[arg(long, default_value = "auto", requires = "live", value_name = "MODE")]
+    live_mode: guestmem_snapshot::live::Strategy,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -411,6 +417,7 @@ fn live_snapshot(
         args.diff.as_deref(),
         diff_after,
         args.compare_paused,
+        args.live_mode,
     );
     if let Some(running) = machine.into_running() {
         running.stop();

@@ -57,6 +57,15 @@ pub enum Error {
         /// The region.
         region: String,
     },
+    /// Write-protect of guest memory (see `crate::write_protect`) cannot work here, or its
+    /// handler failed, saying why.
+    #[error("regions {regions}: write-protect: {reason}")]
+    WriteProtect {
+        /// The regions.
+        regions: String,
+        /// Why.
+        reason: String,
+    },
     /// The pager stopped (a thread of it failed), saying why.
     #[error("region '{region}': the pager stopped: {reason}")]
     Stopped {

@@ -25,6 +25,7 @@ pub mod priority;
 mod shared;
 mod source;
 mod userfault;
+pub mod write_protect;
 
 pub use error::{Error, Result, UffdError};
 pub use pager::{

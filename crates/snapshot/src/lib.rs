@@ -34,6 +34,7 @@
 //! [`PayloadVm`]: guestmem_contract::PayloadVm
 //! [`MachineBuilder`]: guestmem_contract::MachineBuilder
 
+mod copy_before_write;
 mod error;
 pub mod live;
 mod manifest;

@@ -34,6 +34,7 @@ use std::fs::File;
 use std::os::fd::AsFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use guestmem_memory::{digest_bytes, GuestMemory, PageBuf, DIGEST_SEED, PAGE_SIZE};
@@ -49,6 +50,7 @@ use super::write::{
     check_replaceable, commit, staging_dir, sync_dir, write_manifest, write_state, WriteReport,
 };
 use super::Snapshot;
+use crate::copy_before_write::Armed;
 use crate::{Error, Result};
 use guestmem_contract::component::{ComponentState, Components, Machine};
 
@@ -69,6 +71,12 @@ pub struct LiveOptions {
     /// running, reporting what the guest writes after the pause: the tracker of a diff over
     /// this snapshot.
     pub keep_tracking: bool,
+    /// How the memory is captured (see the module docs).
+    pub strategy: Strategy,
+    /// Copy-before-write: at most this many bytes of chunks copied before their write wait
+    /// to be stored; past it, writes wait for the store (the guest is slowed, host memory
+    /// is not spent).
+    pub held_bytes: u64,
 }
 
 impl Default for LiveOptions {
@@ -78,7 +86,49 @@ impl Default for LiveOptions {
             final_bytes: 2 << 20,
             max_rounds: 16,
             keep_tracking: false,
+            strategy: Strategy::Auto,
+            held_bytes: 256 << 20,
         }
+    }
+}
+
+/// How a live snapshot captures memory (see the module docs for the measurements behind the
+/// default).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Strategy {
+    /// Copy-before-write where the kernel's userfaultfd write-protect can take every
+    /// dirty-loggable region, else dirty rounds (the report says why).
+    #[default]
+    Auto,
+    /// Pre-copy rounds under dirty tracking, then a pause that copies what the last round
+    /// left: the pause grows with the guest's dirty rate.
+    Rounds,
+    /// Write-protect at the pause, every chunk copied before its first write: the pause is
+    /// the protection's setup, whatever the guest writes. Refused, naming why, where the
+    /// kernel cannot.
+    CopyBeforeWrite,
+}
+
+impl Strategy {
+    /// The name in reports and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::Auto => "auto",
+            Strategy::Rounds => "rounds",
+            Strategy::CopyBeforeWrite => "copy-before-write",
+        }
+    }
+}
+
+impl std::str::FromStr for Strategy {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        [Strategy::Auto, Strategy::Rounds, Strategy::CopyBeforeWrite]
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| {
+                format!("unknown live snapshot mode '{s}' (auto, rounds or copy-before-write)")
+            })
     }
 }
 
@@ -108,6 +158,30 @@ pub struct LiveReport {
     pub rounds: Vec<LiveRound>,
     /// Bytes of guest_memfd regions (not dirty-loggable) stored whole while paused.
     pub paused_untracked_bytes: u64,
+    /// The strategy used: `rounds` or `copy-before-write`.
+    pub mode: &'static str,
+    /// Why that one (the automatic choice's reason, or the caller's).
+    pub mode_reason: String,
+    /// Of the pause: how long stopping the vCPUs took, in ms.
+    pub stop_ms: f64,
+    /// Of the pause: how long resuming the machine and its components took, in ms.
+    pub resume_ms: f64,
+    /// Copy-before-write: how long write-protecting all memory took, before the pause (the
+    /// guest running), in ms.
+    pub pre_arm_ms: f64,
+    /// Copy-before-write: rounds of protecting again, before the pause, the pages the guest
+    /// wrote meanwhile.
+    pub rearm_rounds: u64,
+    /// Copy-before-write: bytes of such pages protected again within the pause.
+    pub paused_rearm_bytes: u64,
+    /// Copy-before-write: how long that took, within the pause, in ms.
+    pub arm_ms: f64,
+    /// Copy-before-write: guest (or host) writes that found their page protected.
+    pub write_faults: u64,
+    /// Copy-before-write: pages copied aside before their first write (whole chunks).
+    pub copied_before_write_pages: u64,
+    /// Copy-before-write: the most bytes of such copies held at once.
+    pub held_peak_bytes: u64,
 }
 
 /// Where a live snapshot's chunks go. Chunk `i` of a region covers its bytes
@@ -207,32 +281,207 @@ pub fn capture<M: Machine + ?Sized, S: LiveSink>(
 ) -> Result<Captured> {
     let t = Instant::now();
     let full = diff.is_none();
+    let (armed, reason) = choose(machine.memory(), sink.chunk_bytes(), opts)?;
     let mut tracker = match diff {
-        Some(tracker) => tracker,
-        None => machine.start_tracking(match opts.mode {
-            Some(mode) => mode,
-            None => Mode::best()?,
-        })?,
+        Some(tracker) => Some(tracker),
+        None if armed.is_none() || opts.keep_tracking => {
+            Some(machine.start_tracking(match opts.mode {
+                Some(mode) => mode,
+                None => Mode::best()?,
+            })?)
+        }
+        None => None,
     };
-    let tracking = tracker.mode().name();
-    let captured = rounds(machine, components, sink, &mut tracker, full, opts, t);
-    let kept = match captured.is_ok() && opts.keep_tracking {
-        true => Some(tracker),
-        false => {
+    let tracking = tracker.as_ref().map_or("none", |t| t.mode().name());
+    let captured = match (armed, tracker.as_mut()) {
+        (Some(armed), tracker) => {
+            copy_before_write(machine, components, sink, tracker, full, armed, t)
+        }
+        (None, Some(tracker)) => rounds(machine, components, sink, tracker, full, opts, t),
+        (None, None) => unreachable!("rounds always have a tracker"),
+    };
+    let kept = match (captured.is_ok() && opts.keep_tracking, tracker) {
+        (true, tracker) => tracker,
+        (false, Some(tracker)) => {
             let stopped = tracker.stop();
             if captured.is_ok() {
                 stopped?;
             }
             None
         }
+        (false, None) => None,
     };
     let (machine_state, states, mut report) = captured?;
     report.tracking = tracking;
+    report.mode_reason = reason;
     Ok(Captured {
         machine: machine_state,
         components: states,
         report,
         tracker: kept,
+    })
+}
+
+/// The strategy `opts` asks for, resolved: copy-before-write's registration (made now, before
+/// the pause) or `None` for rounds, and why.
+fn choose(
+    memory: &Arc<GuestMemory>,
+    chunk: u64,
+    opts: &LiveOptions,
+) -> Result<(Option<Armed>, String)> {
+    let register = || Armed::register(memory, chunk, opts.held_bytes, tracked);
+    Ok(match opts.strategy {
+        Strategy::Rounds => (None, "asked for".into()),
+        Strategy::CopyBeforeWrite => (Some(register()?), "asked for".into()),
+        Strategy::Auto => match register() {
+            Ok(armed) => (
+                Some(armed),
+                "automatic: userfaultfd write-protect takes every dirty-loggable region, so \
+                 the pause does not grow with the guest's writes"
+                    .into(),
+            ),
+            Err(e) => (
+                None,
+                format!(
+                    "automatic: copy-before-write is not available ({}); dirty rounds instead, \
+                     whose pause grows with the guest's dirty rate",
+                    guestmem_sys::error_chain(&e, ": ")
+                ),
+            ),
+        },
+    })
+}
+
+/// Copy-before-write: the pages written while memory was being protected are protected again
+/// before the pause, in rounds, until at most this many bytes of them are left for the pause
+/// (protecting costs ~0.1 ms per MiB here, KVM's mappings dropped included).
+const REARM_BYTES: u64 = 8 << 20;
+/// ... or until this many rounds were made (a guest that writes faster than protection goes).
+const REARM_ROUNDS: u64 = 8;
+
+/// What a copy-before-write pause took: the states, the chunks protected, the untracked
+/// regions' chunks and their copies, and how long the protection took.
+struct CbwPaused {
+    machine: Vec<u8>,
+    components: Vec<ComponentState>,
+    todo: Vec<(usize, usize)>,
+    untracked: Vec<(usize, usize)>,
+    frozen: Frozen,
+    rearm_bytes: u64,
+    arm_ms: f64,
+}
+
+/// A live snapshot by copy-before-write (see [`crate::copy_before_write`]): the pause protects
+/// the chunks to store (all, or a diff's dirty ones) and copies the untracked regions; then
+/// the chunks are stored while the guest runs, each before its first write.
+fn copy_before_write<M: Machine + ?Sized, S: LiveSink>(
+    machine: &mut M,
+    components: &mut Components<'_>,
+    sink: &mut S,
+    mut tracker: Option<&mut Tracker>,
+    full: bool,
+    armed: Armed,
+    t: Instant,
+) -> Result<Rounds> {
+    let memory = machine.memory().clone();
+    let chunk = sink.chunk_bytes();
+    let arm = armed.pre_arm(REARM_BYTES, REARM_ROUNDS)?;
+    // The tracker's harvest (a diff's chunks) and clear, the bulk of it before the pause;
+    // the pause harvests what was written since.
+    let dirty = match tracker.as_deref_mut() {
+        Some(tracker) => {
+            components.mark_dirty(&memory)?;
+            harvest_and_clear(tracker)?
+        }
+        None => Vec::new(),
+    };
+    let p = Instant::now();
+    machine.pause()?;
+    let stop_ms = p.elapsed().as_secs_f64() * 1e3;
+    let paused = components
+        .pause()
+        .map_err(Error::from)
+        .and_then(|()| cbw_pause(machine, components, tracker, dirty, full, &armed, chunk));
+    let r = Instant::now();
+    let resumed = components.resume().and_then(|()| machine.resume());
+    let (pause_ms, resume_ms) = (
+        p.elapsed().as_secs_f64() * 1e3,
+        r.elapsed().as_secs_f64() * 1e3,
+    );
+    let paused = paused?;
+    resumed?;
+    let r = Instant::now();
+    let batch = to_usize((16 << 20) / chunk).max(1);
+    let stats = armed.store(sink, &paused.todo, batch)?;
+    let bytes = stats.bytes + sink.store(&memory, &paused.frozen, &paused.untracked, None)?;
+    let report = LiveReport {
+        pause_ms,
+        total_ms: t.elapsed().as_secs_f64() * 1e3,
+        tracking: "",
+        rounds: vec![LiveRound {
+            chunks: stats.chunks + paused.untracked.len() as u64,
+            bytes,
+            ms: r.elapsed().as_secs_f64() * 1e3,
+            paused: true,
+        }],
+        paused_untracked_bytes: paused
+            .untracked
+            .iter()
+            .map(|&(ri, ci)| chunk.min(memory.regions()[ri].size() - ci as u64 * chunk))
+            .sum(),
+        mode: Strategy::CopyBeforeWrite.name(),
+        mode_reason: String::new(),
+        stop_ms,
+        resume_ms,
+        pre_arm_ms: arm.pre_arm_ms,
+        rearm_rounds: arm.rearm_rounds,
+        paused_rearm_bytes: paused.rearm_bytes,
+        arm_ms: paused.arm_ms,
+        write_faults: stats.write_faults,
+        copied_before_write_pages: stats.copied_pages,
+        held_peak_bytes: stats.held_peak_bytes,
+    };
+    Ok((paused.machine, paused.components, report))
+}
+
+/// Copy-before-write's pause: the diff's last dirty pages harvested, the chunks to store
+/// protected, the untracked regions copied, the states saved.
+fn cbw_pause<M: Machine + ?Sized>(
+    machine: &mut M,
+    components: &mut Components<'_>,
+    tracker: Option<&mut Tracker>,
+    dirty: Vec<DirtyBitmap>,
+    full: bool,
+    armed: &Armed,
+    chunk: u64,
+) -> Result<CbwPaused> {
+    let memory = machine.memory().clone();
+    let dirty = match tracker {
+        Some(tracker) => {
+            components.mark_dirty(&memory)?;
+            guestmem_tracking::merge(dirty, harvest_and_clear(tracker)?)
+        }
+        None => dirty,
+    };
+    let todo = match full {
+        true => chunks_of(&memory, chunk, tracked),
+        false => dirty_chunks(&memory, chunk, &dirty),
+    };
+    let a = Instant::now();
+    let rearm_bytes = armed.protect(&todo)?;
+    let arm_ms = a.elapsed().as_secs_f64() * 1e3;
+    let untracked = chunks_of(&memory, chunk, |r| !tracked(r));
+    let frozen = Frozen::copy(&memory, chunk, &untracked)?;
+    let components_state = components.save()?;
+    let machine_state = machine.save()?;
+    Ok(CbwPaused {
+        machine: machine_state,
+        components: components_state,
+        todo,
+        untracked,
+        frozen,
+        rearm_bytes,
+        arm_ms,
     })
 }
 
@@ -255,6 +504,17 @@ fn rounds<M: Machine + ?Sized, S: LiveSink>(
         tracking: "",
         rounds: Vec::new(),
         paused_untracked_bytes: 0,
+        mode: Strategy::Rounds.name(),
+        mode_reason: String::new(),
+        stop_ms: 0.0,
+        resume_ms: 0.0,
+        pre_arm_ms: 0.0,
+        rearm_rounds: 0,
+        paused_rearm_bytes: 0,
+        arm_ms: 0.0,
+        write_faults: 0,
+        copied_before_write_pages: 0,
+        held_peak_bytes: 0,
     };
     components.mark_dirty(&memory)?;
     let mut dirty = harvest_and_clear(tracker)?;
@@ -291,12 +551,17 @@ fn rounds<M: Machine + ?Sized, S: LiveSink>(
     // the copies are stored once the guest runs again.
     let p = Instant::now();
     machine.pause()?;
+    let stop_ms = p.elapsed().as_secs_f64() * 1e3;
     let paused = components
         .pause()
         .map_err(Error::from)
         .and_then(|()| paused_round(machine, components, tracker, dirty, todo, chunk));
+    let r = Instant::now();
     let resumed = components.resume().and_then(|()| machine.resume());
-    let pause_ms = p.elapsed().as_secs_f64() * 1e3;
+    let (pause_ms, resume_ms) = (
+        p.elapsed().as_secs_f64() * 1e3,
+        r.elapsed().as_secs_f64() * 1e3,
+    );
     let Paused {
         machine: machine_state,
         components: states,
@@ -316,6 +581,7 @@ fn rounds<M: Machine + ?Sized, S: LiveSink>(
         paused: true,
     });
     report.pause_ms = pause_ms;
+    (report.stop_ms, report.resume_ms) = (stop_ms, resume_ms);
     report.paused_untracked_bytes = untracked
         .iter()
         .map(|&(ri, ci)| chunk.min(memory.regions()[ri].size() - ci as u64 * chunk))

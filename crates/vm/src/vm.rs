@@ -743,13 +743,18 @@ impl<'a> RunningVm<'a> {
         self.vm.throttle.store(0, Ordering::Release);
         self.kicked.store(true, Ordering::Release);
         let mut outcomes = Vec::with_capacity(self.threads.len());
-        for handle in self.threads.drain(..) {
-            while !handle.is_finished() {
+        // Every vCPU kicked at once, again every 100 us until each has left KVM_RUN: a
+        // pause (a live snapshot's included) lasts as long as the slowest vCPU takes to stop,
+        // not the sum of 1 ms waits per vCPU.
+        while self.threads.iter().any(|h| !h.is_finished()) {
+            for handle in self.threads.iter().filter(|h| !h.is_finished()) {
                 // SAFETY: the thread is still running (not joined), so its pthread_t is valid;
                 // the kick signal's handler is installed and does nothing.
                 unsafe { libc::pthread_kill(handle.as_pthread_t(), vcpu::kick_signal()) };
-                std::thread::sleep(Duration::from_millis(1));
             }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        for handle in self.threads.drain(..) {
             match handle.join() {
                 Ok((fd, outcome)) => {
                     self.vm.vcpus.push(fd);

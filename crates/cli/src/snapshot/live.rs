@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use guestmem_contract::component::{Components, Machine};
 use guestmem_contract::PayloadVm;
-use guestmem_snapshot::live::{write_machine_live, LiveBase, LiveOptions, LiveReport};
+use guestmem_snapshot::live::{write_machine_live, LiveBase, LiveOptions, LiveReport, Strategy};
 use guestmem_snapshot::{self as snapshot, WriteReport};
 use guestmem_store::location::{Location, StoreUrl};
 use guestmem_store::write::StoreWriteReport;
@@ -100,6 +100,7 @@ pub(super) fn snapshot(
     diff: Option<&Path>,
     diff_after: Duration,
     compare_paused: bool,
+    strategy: Strategy,
 ) -> crate::Result<LiveOutput> {
     let target = Target::parse(out)?;
     let diff_target = diff.map(Target::parse).transpose()?;
@@ -122,7 +123,7 @@ pub(super) fn snapshot(
         undisturbed,
         &target,
         None,
-        diff.is_some(),
+        (diff.is_some(), strategy),
         compare_paused,
     )?;
     if let (Some(d), Some(tracker)) = (&diff_target, tracker) {
@@ -132,7 +133,7 @@ pub(super) fn snapshot(
             undisturbed,
             d,
             Some((&target, tracker)),
-            false,
+            (false, strategy),
             false,
         )?;
         out.diff = Some(Box::new(d_out));
@@ -150,14 +151,17 @@ impl LiveOutput {
             .map(|r| format!("{} MiB", r.bytes >> 20))
             .collect();
         println!(
-            "live snapshot {}: paused {:.1} ms, {:.1} ms in all, {} rounds ({}; the last paused), \
-             {} tracking; guest at {:.0} pages/s during the write, {:.2}x of {:.0} undisturbed",
+            "live snapshot {} ({}): paused {:.1} ms, {:.1} ms in all, {} rounds ({}; the last \
+             paused), {} tracking, {} pages copied before their write; guest at {:.0} pages/s \
+             during the write, {:.2}x of {:.0} undisturbed",
             self.snapshot,
+            self.live.mode,
             self.live.pause_ms,
             self.live.total_ms,
             self.live.rounds.len(),
             rounds.join(", "),
             self.live.tracking,
+            self.live.copied_before_write_pages,
             self.guest_pages_per_s_during,
             self.guest_rate_ratio,
             self.guest_pages_per_s_undisturbed
@@ -184,11 +188,12 @@ fn one(
     undisturbed: f64,
     target: &Target,
     base: Option<(&Target, Tracker)>,
-    keep_tracking: bool,
+    (keep_tracking, strategy): (bool, Strategy),
     compare_paused: bool,
 ) -> crate::Result<(LiveOutput, Option<Tracker>)> {
     let opts = LiveOptions {
         keep_tracking,
+        strategy,
         ..LiveOptions::default()
     };
     let mut none = Components::none();
