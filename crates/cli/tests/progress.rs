@@ -308,3 +308,60 @@ fn a_killed_destination_ends_the_stream_failed() {
     assert!(error.contains("the source keeps the guest"), "{error}");
     assert!(last["bytes_transferred"].as_u64().unwrap() > 0, "{last}");
 }
+
+/// A paused snapshot, then a lazy restore of it: the snapshot's stream says setup, stopped,
+/// completed with the bytes it stored; the restore's says setup, then postcopy while the
+/// pagers bring the memory in (resident bytes growing, chunks fetched), then completed with
+/// every byte resident.
+#[test]
+#[cfg_attr(not(all(kvm, uffd)), ignore = "needs /dev/kvm and userfaultfd")]
+fn a_snapshot_and_its_lazy_restore_stream_their_progress() {
+    let dir = TempDir::new("restore");
+    let snap = dir.path("snap");
+    let o = Command::new(GUESTMEM)
+        .args([
+            "snapshot", "--out", &snap, "--memory", "128M", "--vcpus", "2",
+        ])
+        .args(["--after", "0.3", "--json"])
+        .args(["--progress", &format!("json={}", dir.path("snap.jsonl"))])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let report: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let s = records(&dir.path("snap.jsonl"), "snapshot");
+    assert_eq!(statuses(&s), ["setup", "stopped", "completed"], "{s:?}");
+    assert_completed(&s);
+    assert_eq!(
+        s.last().unwrap()["bytes_transferred"],
+        report["data_bytes"],
+        "{report}"
+    );
+
+    let o = Command::new(GUESTMEM)
+        .args([
+            "restore",
+            &snap,
+            "--mode",
+            "lazy",
+            "--run-for",
+            "0.3",
+            "--json",
+        ])
+        .args(["--progress", &format!("json={}", dir.path("restore.jsonl"))])
+        .args(["--progress-interval-ms", "10"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let r = records(&dir.path("restore.jsonl"), "restore");
+    assert_eq!(statuses(&r), ["setup", "postcopy", "completed"], "{r:?}");
+    assert_completed(&r);
+    let last = r.last().unwrap();
+    assert_eq!(last["resident_bytes"], last["bytes_total"], "{last}");
+    assert!(last["chunks_fetched"].as_u64().unwrap() > 0, "{last}");
+    // Residency grew while the guest ran.
+    let resident: Vec<u64> = r
+        .iter()
+        .filter_map(|v| v["resident_bytes"].as_u64())
+        .collect();
+    assert!(resident.windows(2).all(|w| w[0] <= w[1]), "{resident:?}");
+}
