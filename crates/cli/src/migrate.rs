@@ -14,7 +14,7 @@ use guestmem_migration::MigrationError;
 use guestmem_vm::{layout, VcpuWork, Vm, Workload};
 use serde::Serialize;
 
-use crate::progress::{Progress, ProgressArgs};
+use crate::progress::{with_metrics, MetricsArgs, Progress, ProgressArgs};
 use crate::vm_args::VmArgs;
 
 #[derive(clap::Subcommand)]
@@ -151,6 +151,8 @@ pub struct ReceiveArgs {
     pub json: bool,
     #[command(flatten)]
     pub progress: ProgressArgs,
+    #[command(flatten)]
+    pub metrics: MetricsArgs,
 }
 
 #[derive(clap::Args)]
@@ -599,6 +601,7 @@ fn receive_main(args: ReceiveArgs) -> crate::Result<()> {
     let creds = Credentials::load(&args.keys, Role::Destination)?;
     let listener = Arc::new(Listener::bind(&args.listen, &creds)?);
     let progress = Progress::new(&args.progress, !args.json)?;
+    let metrics = args.metrics.start()?;
     match listener.port() {
         // On stderr even with --json: with tcp:HOST:0 it is the only place the port is told.
         Some(port) => eprintln!("guestmem: listening on {} (port {port})", args.listen),
@@ -613,7 +616,7 @@ fn receive_main(args: ReceiveArgs) -> crate::Result<()> {
         listener,
         &ReceiveOptions {
             fault_cpus: args.fault_cpus.clone(),
-            events: progress.sink.clone(),
+            events: with_metrics(progress.sink.clone(), metrics.as_ref()),
             ..Default::default()
         },
     )

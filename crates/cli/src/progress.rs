@@ -4,10 +4,10 @@
 
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use guestmem_events::{Event, Sink, Status};
+use guestmem_events::{Event, Metrics, MetricsAddr, MetricsServer, Sink, Status};
 use indicatif::{ProgressBar, ProgressStyle};
 
 /// Where `--progress` sends the records.
@@ -108,6 +108,58 @@ impl Progress {
         if let Some(bar) = &self.bar {
             bar.finish_and_clear();
         }
+    }
+}
+
+/// `--metrics ADDR`: the process's metrics served for Prometheus.
+#[derive(clap::Args, Debug, Clone)]
+pub struct MetricsArgs {
+    /// Serve metrics (OpenMetrics text, `GET /metrics`; docs/metrics.md) on unix:PATH or a
+    /// loopback HOST:PORT, e.g. 127.0.0.1:9464, while the process runs.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics: Option<MetricsAddr>,
+}
+
+/// The metrics and their server, while the process serves them.
+#[derive(Debug)]
+pub struct Served {
+    pub metrics: Arc<Metrics>,
+    _server: MetricsServer,
+}
+
+impl MetricsArgs {
+    /// The metrics, served where `--metrics` says (told on stderr), or `None`.
+    pub fn start(&self) -> crate::Result<Option<Served>> {
+        let Some(addr) = &self.metrics else {
+            return Ok(None);
+        };
+        let metrics = Metrics::new();
+        let server = MetricsServer::start(metrics.clone(), addr)
+            .map_err(|e| format!("--metrics {addr:?}: cannot listen: {e}"))?;
+        match (server.port(), addr) {
+            (Some(port), _) => {
+                eprintln!("guestmem: metrics on 127.0.0.1 port {port} (GET /metrics)");
+            }
+            (None, MetricsAddr::Unix(path)) => {
+                eprintln!(
+                    "guestmem: metrics on unix:{} (GET /metrics)",
+                    path.display()
+                );
+            }
+            (None, MetricsAddr::Tcp(_)) => {}
+        }
+        Ok(Some(Served {
+            metrics,
+            _server: server,
+        }))
+    }
+}
+
+/// `sink` and the metrics' sink, whichever there are.
+pub fn with_metrics(sink: Option<Sink>, served: Option<&Served>) -> Option<Sink> {
+    match (sink, served.map(|s| s.metrics.sink())) {
+        (Some(a), Some(b)) => Some(a.tee(b)),
+        (a, b) => a.or(b),
     }
 }
 

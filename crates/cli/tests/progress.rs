@@ -365,3 +365,140 @@ fn a_snapshot_and_its_lazy_restore_stream_their_progress() {
         .collect();
     assert!(resident.windows(2).all(|w| w[0] <= w[1]), "{resident:?}");
 }
+
+/// GET /metrics over loopback TCP: the exposition's body.
+fn scrape(port: u16) -> String {
+    use std::io::{Read, Write};
+    let mut c = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(c, "GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n").unwrap();
+    let mut text = String::new();
+    c.read_to_string(&mut text).unwrap();
+    assert!(text.starts_with("HTTP/1.1 200 OK"), "{text}");
+    text.split("\r\n\r\n").nth(1).unwrap().to_string()
+}
+
+/// The value of `series` (name and labels) in an exposition.
+fn value(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {series} in:\n{text}"))
+}
+
+/// A page server with `--metrics` and `--progress` serving three lazy restores: its counters
+/// equal the sums of its sessions' final records, and every session's stream is valid and ends
+/// completed with its memory resident.
+#[test]
+#[cfg_attr(not(all(kvm, uffd)), ignore = "needs /dev/kvm and userfaultfd")]
+fn page_server_metrics_count_what_its_sessions_report() {
+    use std::io::{BufRead, BufReader};
+    let dir = TempDir::new("pageserver");
+    let snap = dir.path("snap");
+    let o = Command::new(GUESTMEM)
+        .args([
+            "snapshot", "--out", &snap, "--memory", "64M", "--vcpus", "2",
+        ])
+        .args(["--after", "0.3", "--json"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let socket = dir.path("ps.sock");
+    let mut server = Killed(Some(
+        Command::new(GUESTMEM)
+            .args(["page-server", "--firecracker", &socket, "--snapshot", &snap])
+            .args(["--metrics", "127.0.0.1:0"])
+            .args(["--progress", &format!("json={}", dir.path("ps.jsonl"))])
+            .args(["--progress-interval-ms", "20"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    ));
+    let stderr = server.child().stderr.take().unwrap();
+    let mut lines = BufReader::new(stderr).lines();
+    let port: u16 = loop {
+        let line = lines
+            .next()
+            .expect("page-server said no metrics port")
+            .unwrap();
+        if let Some(p) = line.split("port ").nth(1) {
+            break p.split(' ').next().unwrap().parse().unwrap();
+        }
+    };
+    // Nothing served yet: no runs counted.
+    assert!(!scrape(port).contains("guestmem_operations_total{"));
+    for _ in 0..3 {
+        let o = Command::new(GUESTMEM)
+            .args(["restore", &snap, "--mode", "lazy", "--uffd-socket", &socket])
+            .args(["--run-for", "0.2", "--json"])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    // Each session ends once its peer has exited (looked at every 100 ms).
+    let path = dir.path("ps.jsonl");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let finals = loop {
+        let text = std::fs::read_to_string(&path).unwrap_or_default();
+        let finals: Vec<Value> = text
+            .lines()
+            .map(|l| serde_json::from_str::<Value>(l).unwrap())
+            .filter(|v| v["status"] == "completed" || v["status"] == "failed")
+            .collect();
+        if finals.len() == 3 {
+            break finals;
+        }
+        assert!(Instant::now() < deadline, "sessions did not end:\n{text}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let text = scrape(port);
+    let op = "{operation=\"page-server\"}";
+    let sum = |field: &str| -> f64 {
+        finals
+            .iter()
+            .map(|v| v[field].as_u64().unwrap() as f64)
+            .sum()
+    };
+    assert_eq!(
+        value(
+            &text,
+            "guestmem_operations_total{operation=\"page-server\",status=\"completed\"}"
+        ),
+        3.0
+    );
+    assert_eq!(
+        value(&text, &format!("guestmem_page_faults_total{op}")),
+        sum("faults")
+    );
+    assert!(sum("faults") > 0.0, "{finals:?}");
+    assert_eq!(
+        value(&text, &format!("guestmem_chunks_fetched_total{op}")),
+        sum("chunks_fetched")
+    );
+    assert_eq!(
+        value(&text, &format!("guestmem_data_processed_bytes_total{op}")),
+        sum("bytes_transferred")
+    );
+    assert_eq!(
+        value(
+            &text,
+            &format!("guestmem_operation_duration_seconds_count{op}")
+        ),
+        3.0
+    );
+    // Every record is valid; each session's own stream (by its setup) ends completed.
+    let validator = schema();
+    let all = std::fs::read_to_string(&path).unwrap();
+    for l in all.lines() {
+        let v: Value = serde_json::from_str(l).unwrap();
+        assert!(validator.is_valid(&v), "{v}");
+    }
+    for f in &finals {
+        assert_eq!(f["status"], "completed", "{f}");
+        assert_eq!(f["resident_bytes"], f["bytes_total"], "{f}");
+    }
+    server.child().kill().unwrap();
+}

@@ -130,6 +130,9 @@ pub struct Event {
     /// Chunks (pages or runs of them) fetched from the page source (lazy restore).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub chunks_fetched: Option<u64>,
+    /// The downtime the guest had (a migration's `completed` record, on the source).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub downtime_ms: Option<f64>,
     /// Why it failed (`failed` only), causes included.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
@@ -159,6 +162,7 @@ impl Event {
             fault_latency_p99_us: None,
             resident_bytes: None,
             chunks_fetched: None,
+            downtime_ms: None,
             error: None,
         }
     }

@@ -12,11 +12,13 @@
 //! and docs/schemas/ holds its JSON Schema.
 
 mod event;
+pub mod metrics;
 mod reporter;
 mod schema;
 mod sink;
 
 pub use event::{Event, Operation, Status};
+pub use metrics::{Metrics, MetricsAddr, MetricsServer};
 pub use reporter::{Reporter, Ticker};
 pub use schema::{check_schema, SchemaError, PROGRESS_SCHEMA};
 pub use sink::{Sink, DEFAULT_INTERVAL};

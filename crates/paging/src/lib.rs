@@ -41,7 +41,7 @@ pub use userfault::{UserfaultPager, HOST_UFFD, HOST_WAIT};
 pub struct StatsProbe(std::sync::Arc<dyn Fn() -> PagerStats + Send + Sync>);
 
 impl StatsProbe {
-    fn new(stats: impl Fn() -> PagerStats + Send + Sync + 'static) -> StatsProbe {
+    pub(crate) fn new(stats: impl Fn() -> PagerStats + Send + Sync + 'static) -> StatsProbe {
         StatsProbe(std::sync::Arc::new(stats))
     }
 

@@ -27,7 +27,8 @@ use crate::recycle;
 use crate::restore::{check_layout, read_sys, start_pagers, Restored, SnapshotImage};
 use crate::working_set::WorkingSetRegion;
 use crate::{Error, PreparedVm, Result};
-use guestmem_events::Sink;
+use guestmem_events::{Metrics, Sink};
+use std::sync::Arc;
 
 /// A snapshot held open for lazy restores (see the module docs), with a pool of VMs armed
 /// for it.
@@ -42,6 +43,9 @@ pub struct RestoreService<I> {
     pool: Mutex<Vec<ArmedVm>>,
     /// Where each restore's progress records go.
     events: Option<Sink>,
+    /// The process's metrics: the pool's size and the recycles (the restores' own figures
+    /// come through `events`).
+    metrics: Option<Arc<Metrics>>,
 }
 
 impl<I: SnapshotImage> std::fmt::Debug for RestoreService<I> {
@@ -118,7 +122,28 @@ impl<I: SnapshotImage> RestoreService<I> {
             config,
             pool: Mutex::new(Vec::new()),
             events: None,
+            metrics: None,
         })
+    }
+
+    /// The same service, its restores, pool and recycles counted in `metrics` (each restore's
+    /// records also go to [`Metrics::sink`], besides any [`RestoreService::with_events`] sink).
+    #[must_use]
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> RestoreService<I> {
+        let sink = metrics.sink();
+        self.events = Some(match self.events.take() {
+            Some(s) => s.tee(sink),
+            None => sink,
+        });
+        self.metrics = Some(metrics);
+        self
+    }
+
+    /// The pool's size (`pool`, its lock held) told to the metrics.
+    fn pool_size_is(&self, pool: usize) {
+        if let Some(m) = &self.metrics {
+            m.pool_size.set(i64::try_from(pool).unwrap_or(i64::MAX));
+        }
     }
 
     /// The same service, each restore's progress records ([`RestoreProgress`], operation
@@ -238,10 +263,15 @@ impl<I: SnapshotImage> RestoreService<I> {
         vm.complete_pending_exits()?;
         recycle::wipe(vm.memory()).map_err(Error::NotRecycled)?;
         let armed = self.arm_vm(vm, t)?;
-        self.pool
+        let mut pool = self
+            .pool
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .push(armed);
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        pool.push(armed);
+        self.pool_size_is(pool.len());
+        if let Some(m) = &self.metrics {
+            m.recycles.inc();
+        }
         Ok(())
     }
 
@@ -249,10 +279,12 @@ impl<I: SnapshotImage> RestoreService<I> {
     pub fn fill(&self, n: usize) -> Result<()> {
         while self.pooled() < n {
             let armed = self.prepare()?;
-            self.pool
+            let mut pool = self
+                .pool
                 .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .push(armed);
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            pool.push(armed);
+            self.pool_size_is(pool.len());
         }
         Ok(())
     }
@@ -287,11 +319,15 @@ impl<I: SnapshotImage> RestoreService<I> {
     /// [`RestoreService::restore`], before its records.
     fn restore_unreported(&self) -> Result<ServiceRestore> {
         let t = Instant::now();
-        let pooled = self
-            .pool
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .pop();
+        let pooled = {
+            let mut pool = self
+                .pool
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let armed = pool.pop();
+            self.pool_size_is(pool.len());
+            armed
+        };
         match pooled {
             Some(armed) => self.restore_armed_unreported(armed),
             None => {
@@ -315,6 +351,7 @@ impl<I: SnapshotImage> RestoreService<I> {
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner),
         );
+        self.pool_size_is(0);
         drop(pool);
     }
 

@@ -156,6 +156,7 @@ pub(super) fn finish(reporter: Option<&Reporter>, result: &Result<Report, Machin
             e.bytes_remaining = Some(0);
             e.round = u32::try_from(report.rounds.len()).ok().filter(|&n| n > 0);
             e.throttle_percent = Some(report.max_throttle_percent);
+            e.downtime_ms = Some(report.downtime_ms);
             if report.mode.has_postcopy() {
                 e.postcopy_requests = Some(report.postcopy_requests);
                 if let Some(d) = &report.destination {
