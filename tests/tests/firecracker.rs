@@ -42,6 +42,7 @@ fn spawn_server(
         let config = PageServerConfig {
             pager,
             kill_peer_on_failure: false,
+            events: None,
         };
         let _ = tx.send(serve_connection(stream, &memory, &config));
     });
@@ -416,6 +417,7 @@ fn serve_one_shape(backend: Backend, fields: &str, page_size: u64) {
             ..PagerConfig::default()
         },
         kill_peer_on_failure: false,
+        events: None,
     };
     let session = serve_connection(server, &memory, &config)
         .unwrap_or_else(|e| panic!("{backend} {fields}: {e}"));
@@ -735,6 +737,7 @@ fn a_corrupt_chunk_is_refused_naming_it() {
             ..PagerConfig::default()
         },
         kill_peer_on_failure: true,
+        events: None,
     };
     let session = serve_connection(stream, &memory, &config).unwrap();
     assert_eq!(session.peer_pid, child.id() as i32);

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::{assert_pages_consistent, dirty_work, wait_for_generation, TempDir};
+use guestmem_events::{Event, Sink, Status};
 use guestmem_memory::{Backend, GuestMemory};
 use guestmem_migration::compress::Compress;
 use guestmem_migration::migrate::{
@@ -295,8 +296,8 @@ fn postcopy_and_hybrid_bring_every_page() {
             gate(&running);
         }
         // Hybrid: the guest writes during the pre-copy round, and parks after it.
-        let park = move |p: &migrate::Progress| {
-            if p.phase == "pre-copy" {
+        let park = move |p: &Event| {
+            if p.status == Status::Precopy && p.expected_downtime_ms.is_some() {
                 park_guest(&memory);
             }
         };
@@ -312,7 +313,7 @@ fn postcopy_and_hybrid_bring_every_page() {
                 } else {
                     0
                 },
-                progress: Some(Arc::new(park)),
+                events: Some(Sink::new(park)),
                 ..Default::default()
             },
         )
@@ -361,8 +362,8 @@ fn a_local_migration_hands_the_memfd_over_instead_of_copying_it() {
             mode,
             verify: mode == Mode::Precopy,
             share_memory: true,
-            progress: Some(Arc::new(move |p: &migrate::Progress| {
-                if p.phase == "pre-copy" {
+            events: Some(Sink::new(move |p: &Event| {
+                if p.status == Status::Precopy && p.expected_downtime_ms.is_some() {
                     park_guest(&memory);
                 }
             })),
@@ -404,8 +405,8 @@ fn a_cut_postcopy_link_is_resumed_without_losing_a_page() {
     let opts = SendOptions {
         mode: Mode::Postcopy,
         // The moment post-copy starts, the link goes down.
-        progress: Some(Arc::new(move |p: &migrate::Progress| {
-            if p.phase == "post-copy" {
+        events: Some(Sink::new(move |p: &Event| {
+            if p.status == Status::Postcopy {
                 for c in cut.lock().unwrap().drain(..) {
                     c.cut();
                 }
@@ -956,8 +957,12 @@ fn a_link_cut_silently_fails_both_sides_within_the_idle_timeout() {
         // Small rounds, and many: the guest keeps dirtying its memory.
         downtime: Duration::from_micros(1),
         auto_converge: false,
-        progress: Some(Arc::new(move |_: &migrate::Progress| {
-            if !f.swap(true, Ordering::SeqCst) {
+        // After the first round: its last record says the downtime it expects.
+        events: Some(Sink::new(move |p: &Event| {
+            if p.status == Status::Precopy
+                && p.expected_downtime_ms.is_some()
+                && !f.swap(true, Ordering::SeqCst)
+            {
                 *at.lock().unwrap() = Some(std::time::Instant::now());
             }
         })),
@@ -1083,8 +1088,8 @@ fn a_silent_postcopy_link_is_noticed_within_the_idle_timeout() {
     let opts = SendOptions {
         mode: Mode::Postcopy,
         // The moment post-copy starts, the link goes silent.
-        progress: Some(Arc::new(move |p: &migrate::Progress| {
-            if p.phase == "post-copy" && !f.swap(true, Ordering::SeqCst) {
+        events: Some(Sink::new(move |p: &Event| {
+            if p.status == Status::Postcopy && !f.swap(true, Ordering::SeqCst) {
                 *at.lock().unwrap() = Some(std::time::Instant::now());
             }
         })),

@@ -94,7 +94,7 @@ fn run(args: &Args, dir: &std::path::Path) -> crate::Result<()> {
         Credentials::load(dir, Role::Source)?,
         &how,
         None,
-        true,
+        &crate::progress::Progress::bar(),
     ) {
         Ok(r) => r,
         Err(e) => {

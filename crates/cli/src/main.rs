@@ -6,6 +6,7 @@ mod numa;
 mod page_server;
 mod populate;
 mod probe;
+mod progress;
 mod run;
 mod snapshot;
 mod vm_args;

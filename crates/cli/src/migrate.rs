@@ -12,9 +12,9 @@ use guestmem_migration::migrate::{self, Links, Mode, ReceiveOptions, Report, Sen
 use guestmem_migration::transport::{generate_credentials, Credentials, Endpoint, Listener, Role};
 use guestmem_migration::MigrationError;
 use guestmem_vm::{layout, VcpuWork, Vm, Workload};
-use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
+use crate::progress::{with_metrics, MetricsArgs, Progress, ProgressArgs};
 use crate::vm_args::VmArgs;
 
 #[derive(clap::Subcommand)]
@@ -59,6 +59,8 @@ pub struct SendArgs {
     /// Print the report as one JSON object.
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub progress: ProgressArgs,
     /// Draw dirty pages and bandwidth per round over time into this SVG file.
     #[arg(long, value_name = "FILE")]
     pub plot: Option<PathBuf>,
@@ -147,6 +149,10 @@ pub struct ReceiveArgs {
     /// Print the outcome as one JSON object.
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub progress: ProgressArgs,
+    #[command(flatten)]
+    pub metrics: MetricsArgs,
 }
 
 #[derive(clap::Args)]
@@ -275,7 +281,7 @@ fn send_main(args: SendArgs) -> crate::Result<()> {
         creds,
         &args.how,
         Some(control),
-        !args.json,
+        &Progress::new(&args.progress, !args.json)?,
     )?;
     print_report(&report, args.json, args.plot.as_deref())
 }
@@ -291,14 +297,14 @@ pub fn run_source(
     creds: Credentials,
     how: &HowArgs,
     control: Option<PathBuf>,
-    show_progress: bool,
+    progress: &Progress,
 ) -> crate::Result<Report> {
     let mut opts = how.options()?;
+    opts.events = progress.sink.clone();
     let mut vm = Vm::new(&vm_args.config()?)?;
     vm_args.load_image(&vm)?;
     let running = vm.start(work)?;
     std::thread::sleep(after);
-    let bar = show_progress.then(|| progress_bar(&mut opts));
     let creds = Arc::new(creds);
     let dead_after = seconds(how.dead_after, "--dead-after")?;
     if let Some(control) = control {
@@ -325,9 +331,7 @@ pub fn run_source(
     // whether the destination was taken for dead.
     let outcome = {
         let result = migrate::send(running, links, &opts);
-        if let Some(bar) = bar {
-            bar.finish_and_clear();
-        }
+        progress.finish();
         result.map_err(|failure| send_failure(*failure))
     };
     match outcome {
@@ -335,36 +339,6 @@ pub fn run_source(
         Err((error, false)) => Err(error.into()),
         Err((error, true)) => Err(keep_after_dead_destination(&vm, &error).into()),
     }
-}
-
-/// A spinner showing the migration's progress, fed by `opts.progress`.
-fn progress_bar(opts: &mut SendOptions) -> ProgressBar {
-    let bar = ProgressBar::new(0);
-    bar.set_style(
-        ProgressStyle::with_template("{spinner} {elapsed_precise} {msg}")
-            .expect("a valid template"),
-    );
-    bar.enable_steady_tick(Duration::from_millis(100));
-    let shown = bar.clone();
-    opts.progress = Some(Arc::new(move |p: &migrate::Progress| {
-        shown.set_message(format!(
-            "{} round {}: {} MiB sent of {} MiB, dirty {:.1} MiB/s, link {:.0} MiB/s, \
-             estimated downtime {:.1} ms{}",
-            p.phase,
-            p.round,
-            p.bytes >> 20,
-            p.guest_bytes >> 20,
-            p.dirty_rate_pages_per_s * 4096.0 / f64::from(1 << 20),
-            p.bandwidth_mib_per_s,
-            p.estimated_downtime_ms,
-            if p.throttle_percent > 0 {
-                format!(", guest throttled {} %", p.throttle_percent)
-            } else {
-                String::new()
-            }
-        ));
-    }));
-    bar
 }
 
 /// A failed send: its error, and whether the destination was taken for dead. A source VM
@@ -631,6 +605,8 @@ fn receive_main(args: ReceiveArgs) -> crate::Result<()> {
     let run_for = seconds(args.run_for, "--run-for")?;
     let creds = Credentials::load(&args.keys, Role::Destination)?;
     let listener = Arc::new(Listener::bind(&args.listen, &creds)?);
+    let progress = Progress::new(&args.progress, !args.json)?;
+    let metrics = args.metrics.start()?;
     match listener.port() {
         // On stderr even with --json: with tcp:HOST:0 it is the only place the port is told.
         Some(port) => eprintln!("guestmem: listening on {} (port {port})", args.listen),
@@ -645,9 +621,11 @@ fn receive_main(args: ReceiveArgs) -> crate::Result<()> {
         listener,
         &ReceiveOptions {
             fault_cpus: args.fault_cpus.clone(),
+            events: with_metrics(progress.sink.clone(), metrics.as_ref()),
             ..Default::default()
         },
-    )?;
+    )
+    .inspect_err(|_| progress.finish())?;
     let before = vm.pages_done();
     let started = Instant::now();
     let running = transfer.resume(&mut vm)?;
@@ -660,7 +638,9 @@ fn receive_main(args: ReceiveArgs) -> crate::Result<()> {
     std::thread::sleep(run_for);
     running.stop();
     let run = running.wait(Duration::from_secs(30));
-    let report = transfer.finish()?;
+    let report = transfer.finish();
+    progress.finish();
+    let report = report?;
     run?;
     let after = vm.pages_done();
     let consistent = vm.dirty_pages_disagreeing();

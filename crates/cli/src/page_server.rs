@@ -9,6 +9,8 @@ use std::path::PathBuf;
 use guestmem_pageserver::{self as firecracker, PageServerConfig, ServedMemory};
 use guestmem_snapshot::Snapshot;
 
+use crate::progress::{with_metrics, MetricsArgs, Progress, ProgressArgs};
+
 #[derive(clap::Args)]
 #[command(group(clap::ArgGroup::new("memory").required(true).args(["snapshot", "mem_file"])))]
 pub struct Args {
@@ -33,6 +35,10 @@ pub struct Args {
     /// Serve this many connections, then exit once they end (default: serve forever).
     #[arg(long)]
     connections: Option<usize>,
+    #[command(flatten)]
+    progress: ProgressArgs,
+    #[command(flatten)]
+    metrics: MetricsArgs,
 }
 
 pub fn main(args: Args) -> crate::Result<()> {
@@ -45,8 +51,11 @@ pub fn main(args: Args) -> crate::Result<()> {
     let _ = std::fs::remove_file(&args.firecracker);
     let listener = UnixListener::bind(&args.firecracker)
         .map_err(|e| format!("{}: bind: {e}", args.firecracker.display()))?;
+    let lines = Progress::new(&args.progress, false)?;
+    let metrics = args.metrics.start()?;
     let config = PageServerConfig {
         kill_peer_on_failure: !args.keep_peer_on_failure,
+        events: with_metrics(lines.sink.clone(), metrics.as_ref()),
         ..PageServerConfig::default()
     };
     eprintln!(

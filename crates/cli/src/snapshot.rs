@@ -11,7 +11,11 @@ use guestmem_tracking::{Mode as TrackingMode, Tracker};
 use guestmem_vm::{layout, VcpuWork, Vm, Workload};
 use serde::Serialize;
 
+use crate::progress::{Progress, ProgressArgs};
 use crate::vm_args::VmArgs;
+use guestmem_events::Status;
+use guestmem_snapshot::progress::{RestoreProgress, SnapshotProgress};
+use guestmem_snapshot::SnapshotImage;
 
 mod info;
 mod live;
@@ -73,6 +77,8 @@ pub struct SnapshotArgs {
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    progress: ProgressArgs,
 }
 
 #[derive(clap::Args)]
@@ -105,6 +111,8 @@ pub struct RestoreArgs {
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    progress: ProgressArgs,
 }
 
 impl RestoreArgs {
@@ -203,6 +211,23 @@ pub(crate) fn run_restored(
     vm: &mut Vm,
     pagers: &[Pager],
     userfault_pagers: &[UserfaultPager],
+    (run_for, progress): (Duration, Option<&mut RestoreProgress>),
+    t: Instant,
+) -> crate::Result<(Vec<u64>, Vec<u64>, Option<f64>)> {
+    let ran = run_and_page_in(vm, pagers, userfault_pagers, run_for, t);
+    match (progress, &ran) {
+        (Some(p), Ok(_)) => p.finish(),
+        (Some(p), Err(e)) => p.failed(&**e),
+        _ => {}
+    }
+    ran
+}
+
+/// [`run_restored`], before its last progress record.
+fn run_and_page_in(
+    vm: &mut Vm,
+    pagers: &[Pager],
+    userfault_pagers: &[UserfaultPager],
     run_for: Duration,
     t: Instant,
 ) -> crate::Result<(Vec<u64>, Vec<u64>, Option<f64>)> {
@@ -284,17 +309,34 @@ pub fn snapshot(mut args: SnapshotArgs) -> crate::Result<()> {
     args.vm.load_image(&vm)?;
     let dirty = vcpu_workload(args.pages_per_s, args.vm.vcpus, args.rewrite);
     let work = VcpuWork::split(dirty, layout::RAM_GPA, args.vm.memory, args.vm.vcpus, 1);
+    let lines = Progress::new(&args.progress, false)?;
+    let total = vm.memory().regions().iter().map(|r| r.size()).sum();
+    let progress = lines
+        .sink
+        .as_ref()
+        .map(|s| SnapshotProgress::start(s, total));
     let running = vm.start(&work)?;
     if args.live {
-        return live_snapshot(running, after, &out, &args, diff_after);
+        let written = live_snapshot(running, after, &out, &args, diff_after, progress.as_ref());
+        return reported(progress.as_ref(), written);
     }
     std::thread::sleep(after);
     running.pause()?;
+    if let Some(p) = &progress {
+        p.emit(Status::Stopped, 0);
+    }
     if store::is_store(&out) {
-        return store::snapshot(&mut vm, &out, args.diff.as_deref(), diff_after, args.json);
+        let written = store::snapshot(&mut vm, &out, args.diff.as_deref(), diff_after, args.json);
+        return reported(progress.as_ref(), written.map(|bytes| ((), bytes)));
     }
     let t = Instant::now();
-    let report = snapshot::write(&vm, &out)?;
+    let report = reported(
+        progress.as_ref(),
+        snapshot::write(&vm, &out).map(|r| {
+            let bytes = r.data_bytes;
+            (r, bytes)
+        }),
+    )?;
     let write_ms = t.elapsed().as_secs_f64() * 1e3;
     let pages_done_per_vcpu = vm.pages_done();
     let diff = match &args.diff {
@@ -397,19 +439,41 @@ fn write_diff_after(
 
 /// `--live`: the guest's undisturbed rate over the second half of `after`, then the live
 /// snapshot (and diff) while it runs; the guest is stopped at the end.
+/// `written` (and the bytes it stored) as the snapshot's last progress record says it:
+/// `completed` with the bytes, or `failed` with the error.
+fn reported<T, E>(
+    progress: Option<&SnapshotProgress>,
+    written: Result<(T, u64), E>,
+) -> crate::Result<T>
+where
+    E: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let written = written.map_err(Into::into);
+    match (progress, &written) {
+        (Some(p), Ok((_, bytes))) => p.emit(Status::Completed, *bytes),
+        (Some(p), Err(e)) => p.failed(&**e),
+        _ => {}
+    }
+    Ok(written?.0)
+}
+
 fn live_snapshot(
     running: guestmem_vm::RunningVm<'_>,
     after: Duration,
     out: &std::path::Path,
     args: &SnapshotArgs,
     diff_after: Duration,
-) -> crate::Result<()> {
+    progress: Option<&SnapshotProgress>,
+) -> crate::Result<((), u64)> {
     let pages = |r: &guestmem_vm::RunningVm<'_>| -> u64 { r.progress().iter().map(|p| p.0).sum() };
     std::thread::sleep(after / 2);
     let (p0, t0) = (pages(&running), Instant::now());
     std::thread::sleep(after - after / 2);
     let undisturbed = (pages(&running) - p0) as f64 / t0.elapsed().as_secs_f64();
     let mut machine = guestmem_contract::PayloadVm::running(running);
+    if let Some(p) = progress {
+        p.emit(Status::Precopy, 0);
+    }
     let written = live::snapshot(
         &mut machine,
         undisturbed,
@@ -429,7 +493,7 @@ fn live_snapshot(
     } else {
         written.print();
     }
-    Ok(())
+    Ok(((), written.stored_bytes()))
 }
 
 pub fn restore(args: RestoreArgs) -> crate::Result<()> {
@@ -439,8 +503,7 @@ pub fn restore(args: RestoreArgs) -> crate::Result<()> {
     let run_for = seconds(args.run_for, "--run-for")?;
     let t = Instant::now();
     let snap = Snapshot::open(&args.dir)?;
-    let mode = args.restore_mode()?;
-    let restored = snapshot::restore(&snap, &mut VmBuilder, mode)?;
+    let (restored, mut progress) = restore_reported(&args, &snap)?;
     for (phase, d) in &restored.phases {
         tracing::info!("restore: {phase}: {:.3} ms", d.as_secs_f64() * 1e3);
     }
@@ -465,8 +528,13 @@ pub fn restore(args: RestoreArgs) -> crate::Result<()> {
     } = restored;
     let restore_ms = t.elapsed().as_secs_f64() * 1e3;
     let memory_digests_match = check_digests(&args, &vm, &snap)?;
-    let (before, after, resident_ms) =
-        run_restored(&mut vm, &pagers, &userfault_pagers, run_for, t)?;
+    let (before, after, resident_ms) = run_restored(
+        &mut vm,
+        &pagers,
+        &userfault_pagers,
+        (run_for, progress.as_mut()),
+        t,
+    )?;
     let working_set =
         working_set_output(&pager_stats(&pagers, &userfault_pagers), prefetched, || {
             Ok(snapshot::record_working_set(
@@ -498,6 +566,29 @@ pub fn restore(args: RestoreArgs) -> crate::Result<()> {
         return Err("the restored guest did not go on running".into());
     }
     Ok(())
+}
+
+/// Restores `image` as `args` say, its progress records (`--progress`) begun: `setup`, then
+/// `completed` or, lazily, `postcopy` until [`run_restored`] has the memory resident.
+pub(crate) fn restore_reported<I: SnapshotImage>(
+    args: &RestoreArgs,
+    image: &I,
+) -> crate::Result<(snapshot::Restored, Option<RestoreProgress>)> {
+    let lines = Progress::new(&args.progress, false)?;
+    let total = image.regions().iter().map(|r| r.size).sum();
+    let mut progress = lines
+        .sink
+        .as_ref()
+        .map(|s| RestoreProgress::start(s, total));
+    let restored = args
+        .restore_mode()
+        .and_then(|mode| Ok(snapshot::restore(image, &mut VmBuilder, mode)?));
+    match (&mut progress, &restored) {
+        (Some(p), Ok(r)) => p.ready(&r.pagers, &r.userfault_pagers),
+        (Some(p), Err(e)) => p.failed(&**e),
+        _ => {}
+    }
+    Ok((restored?, progress))
 }
 
 /// Whether a full or map restore's memory matches the snapshot's digests (`None` for a lazy

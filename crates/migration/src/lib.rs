@@ -30,14 +30,16 @@ pub mod migrate {
     };
     pub use crate::protocol::*;
     pub use crate::source::{
-        send, send_machine, Failure, MachineFailure, Progress, ProgressFn, Reconnect, Report,
-        Round, SendOptions, DEFAULT_ZSTD_WINDOW_BYTES,
+        send, send_machine, Failure, MachineFailure, Reconnect, Report, Round, SendOptions,
+        DEFAULT_ZSTD_WINDOW_BYTES,
     };
 }
 
 use guestmem_contract::component;
 use guestmem_snapshot as snapshot;
 
+/// Progress records and the sinks that receive them (see [`guestmem_events`]).
+pub use guestmem_events as events;
 pub use guestmem_sys::error_chain;
 pub use migration_error::{MigrationError, Peer};
 

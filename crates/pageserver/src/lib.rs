@@ -40,6 +40,7 @@ pub use error::{Error, Result};
 pub use guestmem_sys::error_chain;
 
 mod error;
+mod progress;
 
 /// Largest handshake message accepted (a VMM has a handful of regions).
 const MAX_MESSAGE: usize = 1 << 20;
@@ -475,6 +476,11 @@ pub struct PageServerConfig {
     /// Kill the peer (`SIGKILL`) when serving it fails for good, so that its vCPUs are not left
     /// blocked forever on faults nobody will serve.
     pub kill_peer_on_failure: bool,
+    /// Where each session's progress records go ([`guestmem_events::Event`], operation
+    /// `page-server`): setup once the handshake is read, postcopy while serving (resident
+    /// bytes, faults, chunks fetched, bytes missing), completed once the memory is all
+    /// resident or the peer is gone, failed with the error.
+    pub events: Option<guestmem_events::Sink>,
 }
 
 impl Default for PageServerConfig {
@@ -482,6 +488,7 @@ impl Default for PageServerConfig {
         PageServerConfig {
             pager: PagerConfig::default(),
             kill_peer_on_failure: true,
+            events: None,
         }
     }
 }
@@ -661,6 +668,8 @@ pub struct Session {
     /// The regions it registered.
     pub mappings: Vec<GuestRegionUffdMapping>,
     peer: Arc<PeerProcess>,
+    /// The session's progress records, if asked for (dropped before the pager).
+    progress: Option<progress::SessionProgress>,
     pager: PeerPager,
     _stream: UnixStream,
 }
@@ -690,7 +699,17 @@ impl Session {
     /// Serves until the peer process is gone (`Ok`) or serving fails for good (`Err`). The
     /// peer is watched through its pidfd, so a new process with its pid does not keep it
     /// serving.
-    pub fn wait(self) -> Result<()> {
+    pub fn wait(mut self) -> Result<()> {
+        let progress = self.progress.take();
+        let served = self.serve_until_gone();
+        if let Some(p) = progress {
+            p.end(served.as_ref().err());
+        }
+        served
+    }
+
+    /// [`Session::wait`], before its last progress record.
+    fn serve_until_gone(&self) -> Result<()> {
         loop {
             // Looked at after the exit too: a failure is recorded before the peer is killed
             // for it, so a peer that died of our kill is reported as the failure.
@@ -713,6 +732,29 @@ impl Session {
 /// (the fd is a userfaultfd, the mappings fit `memory`), then serving from `memory`. Failures
 /// after the peer is known kill it when the config says so (the error says so too).
 pub fn serve_connection(
+    stream: UnixStream,
+    memory: &ServedMemory,
+    config: &PageServerConfig,
+) -> Result<Session> {
+    let progress = config.events.as_ref().map(progress::SessionProgress::new);
+    let session = serve_connection_now(stream, memory, config);
+    match (progress, session) {
+        (None, session) => session,
+        (Some(p), Err(e)) => {
+            p.end(Some(&e));
+            Err(e)
+        }
+        (Some(mut p), Ok(mut s)) => {
+            let sizes = s.mappings.iter().map(|m| m.size).collect();
+            p.serving(s.pager.probes(), sizes);
+            s.progress = Some(p);
+            Ok(s)
+        }
+    }
+}
+
+/// [`serve_connection`], before its progress records.
+fn serve_connection_now(
     stream: UnixStream,
     memory: &ServedMemory,
     config: &PageServerConfig,
@@ -771,6 +813,7 @@ pub fn serve_connection(
         peer_pid,
         mappings: handshake.mappings,
         peer,
+        progress: None,
         pager,
         _stream: stream,
     })

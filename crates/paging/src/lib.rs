@@ -35,3 +35,25 @@ pub use pager::{
 pub use shared::{Share, SharedImage};
 pub use source::{FileSource, PageSource, RemoteSource, WindowSource, ZeroSource};
 pub use userfault::{UserfaultPager, HOST_UFFD, HOST_WAIT};
+
+/// A pager's counters, readable from another thread while the pager runs (a progress
+/// sampler's): [`Pager::probe`], [`UserfaultPager::probe`].
+#[derive(Clone)]
+pub struct StatsProbe(std::sync::Arc<dyn Fn() -> PagerStats + Send + Sync>);
+
+impl StatsProbe {
+    pub(crate) fn new(stats: impl Fn() -> PagerStats + Send + Sync + 'static) -> StatsProbe {
+        StatsProbe(std::sync::Arc::new(stats))
+    }
+
+    /// What the pager did so far.
+    pub fn stats(&self) -> PagerStats {
+        (self.0)()
+    }
+}
+
+impl std::fmt::Debug for StatsProbe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("StatsProbe").field(&self.stats()).finish()
+    }
+}

@@ -237,19 +237,13 @@ impl UserfaultPager {
 
     /// What it has done so far (`faults`: userfault exits handed to it).
     pub fn stats(&self) -> PagerStats {
-        let i = &self.inner;
-        let left = i.bitmap.count_set();
-        PagerStats {
-            faults: i.faults.load(Ordering::Relaxed),
-            fault_chunks: i.fault_chunks.load(Ordering::Relaxed),
-            readahead_chunks: 0,
-            background_chunks: i.background_chunks.load(Ordering::Relaxed),
-            prefetch_chunks: i.prefetch_chunks.load(Ordering::Relaxed),
-            prefetch_done: i.prefetch_done.load(Ordering::Relaxed),
-            discarded_chunks: 0,
-            resident_bytes: ((i.bitmap.pages() - left) * PAGE_SIZE).min(i.region.size()),
-            retired: left == 0,
-        }
+        inner_stats(&self.inner)
+    }
+
+    /// A handle on its counters for a progress sampler on another thread.
+    pub fn probe(&self) -> crate::StatsProbe {
+        let inner = self.inner.clone();
+        crate::StatsProbe::new(move || inner_stats(&inner))
     }
 
     /// Waits until every page is installed (true), the timeout passes (false) or the pager
@@ -634,6 +628,22 @@ impl Inner {
                 }
             }
         }
+    }
+}
+
+/// A KVM Userfault pager's counters (see [`UserfaultPager::stats`]).
+fn inner_stats(i: &Inner) -> PagerStats {
+    let left = i.bitmap.count_set();
+    PagerStats {
+        faults: i.faults.load(Ordering::Relaxed),
+        fault_chunks: i.fault_chunks.load(Ordering::Relaxed),
+        readahead_chunks: 0,
+        background_chunks: i.background_chunks.load(Ordering::Relaxed),
+        prefetch_chunks: i.prefetch_chunks.load(Ordering::Relaxed),
+        prefetch_done: i.prefetch_done.load(Ordering::Relaxed),
+        discarded_chunks: 0,
+        resident_bytes: ((i.bitmap.pages() - left) * PAGE_SIZE).min(i.region.size()),
+        retired: left == 0,
     }
 }
 

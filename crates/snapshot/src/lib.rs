@@ -40,6 +40,7 @@ pub mod live;
 mod manifest;
 mod pagers;
 mod prepared;
+pub mod progress;
 mod recycle;
 mod restore;
 pub mod service;

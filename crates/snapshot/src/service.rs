@@ -22,10 +22,13 @@ use guestmem_paging::{priority, PagerConfig};
 use guestmem_vm::{Vm, VmState};
 
 use crate::pagers::RegionPagers;
+use crate::progress::RestoreProgress;
 use crate::recycle;
 use crate::restore::{check_layout, read_sys, start_pagers, Restored, SnapshotImage};
 use crate::working_set::WorkingSetRegion;
 use crate::{Error, PreparedVm, Result};
+use guestmem_events::{Metrics, Sink};
+use std::sync::Arc;
 
 /// A snapshot held open for lazy restores (see the module docs), with a pool of VMs armed
 /// for it.
@@ -38,6 +41,11 @@ pub struct RestoreService<I> {
     state: VmState,
     config: PagerConfig,
     pool: Mutex<Vec<ArmedVm>>,
+    /// Where each restore's progress records go.
+    events: Option<Sink>,
+    /// The process's metrics: the pool's size and the recycles (the restores' own figures
+    /// come through `events`).
+    metrics: Option<Arc<Metrics>>,
 }
 
 impl<I: SnapshotImage> std::fmt::Debug for RestoreService<I> {
@@ -80,6 +88,10 @@ impl ArmedVm {
 /// A clone restored by a [`RestoreService`].
 #[derive(Debug)]
 pub struct ServiceRestore {
+    /// Its progress records, when the service has a sink ([`RestoreService::with_events`]):
+    /// a ticker reads the pagers until the memory is resident (call
+    /// [`RestoreProgress::finish`] when the clone is done with, for the final record).
+    pub progress: Option<RestoreProgress>,
     /// The restored VM and its pagers (the caller resumes the VM).
     pub lazy: Restored,
     /// Where the restore spent its time, step by step (its `ready` is their sum).
@@ -109,7 +121,66 @@ impl<I: SnapshotImage> RestoreService<I> {
             state,
             config,
             pool: Mutex::new(Vec::new()),
+            events: None,
+            metrics: None,
         })
+    }
+
+    /// The same service, its restores, pool and recycles counted in `metrics` (each restore's
+    /// records also go to [`Metrics::sink`], besides any [`RestoreService::with_events`] sink).
+    #[must_use]
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> RestoreService<I> {
+        let sink = metrics.sink();
+        self.events = Some(match self.events.take() {
+            Some(s) => s.tee(sink),
+            None => sink,
+        });
+        self.metrics = Some(metrics);
+        self
+    }
+
+    /// The pool's size (`pool`, its lock held) told to the metrics.
+    fn pool_size_is(&self, pool: usize) {
+        if let Some(m) = &self.metrics {
+            m.pool_size.set(i64::try_from(pool).unwrap_or(i64::MAX));
+        }
+    }
+
+    /// The same service, each restore's progress records ([`RestoreProgress`], operation
+    /// `restore`) going to `sink`.
+    #[must_use]
+    pub fn with_events(mut self, sink: Sink) -> RestoreService<I> {
+        self.events = Some(sink);
+        self
+    }
+
+    /// A restore's records begin, if the service has a sink.
+    fn progress(&self) -> Option<RestoreProgress> {
+        let total = self.image.regions().iter().map(|r| r.size).sum();
+        self.events
+            .as_ref()
+            .map(|s| RestoreProgress::start(s, total))
+    }
+
+    /// `restored` with its records: `failed`, or the ticker over its pagers.
+    fn reported(
+        progress: Option<RestoreProgress>,
+        restored: Result<ServiceRestore>,
+    ) -> Result<ServiceRestore> {
+        let Some(mut p) = progress else {
+            return restored;
+        };
+        match restored {
+            Err(e) => {
+                p.failed(&e);
+                Err(e)
+            }
+            Ok(mut r) => {
+                p.ready(&r.lazy.pagers, &r.lazy.userfault_pagers);
+                r.progress = Some(p);
+                Ok(r)
+            }
+        }
     }
 
     /// The snapshot it restores (its components' states are in
@@ -192,10 +263,15 @@ impl<I: SnapshotImage> RestoreService<I> {
         vm.complete_pending_exits()?;
         recycle::wipe(vm.memory()).map_err(Error::NotRecycled)?;
         let armed = self.arm_vm(vm, t)?;
-        self.pool
+        let mut pool = self
+            .pool
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .push(armed);
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        pool.push(armed);
+        self.pool_size_is(pool.len());
+        if let Some(m) = &self.metrics {
+            m.recycles.inc();
+        }
         Ok(())
     }
 
@@ -203,10 +279,12 @@ impl<I: SnapshotImage> RestoreService<I> {
     pub fn fill(&self, n: usize) -> Result<()> {
         while self.pooled() < n {
             let armed = self.prepare()?;
-            self.pool
+            let mut pool = self
+                .pool
                 .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .push(armed);
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            pool.push(armed);
+            self.pool_size_is(pool.len());
         }
         Ok(())
     }
@@ -234,19 +312,29 @@ impl<I: SnapshotImage> RestoreService<I> {
     /// priority: it takes milliseconds of CPU and waits on the kernel, too long to hold a
     /// real-time priority over the running guests and the pool's refill.
     pub fn restore(&self) -> Result<ServiceRestore> {
+        let progress = self.progress();
+        Self::reported(progress, self.restore_unreported())
+    }
+
+    /// [`RestoreService::restore`], before its records.
+    fn restore_unreported(&self) -> Result<ServiceRestore> {
         let t = Instant::now();
-        let pooled = self
-            .pool
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .pop();
+        let pooled = {
+            let mut pool = self
+                .pool
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let armed = pool.pop();
+            self.pool_size_is(pool.len());
+            armed
+        };
         match pooled {
-            Some(armed) => self.restore_armed(armed),
+            Some(armed) => self.restore_armed_unreported(armed),
             None => {
                 let armed = self.prepare()?;
                 let built = t.elapsed();
                 let steps = armed.build_steps();
-                let mut restored = self.restore_armed(armed)?;
+                let mut restored = self.restore_armed_unreported(armed)?;
                 restored.phases.insert(0, ("prepare (pool empty)", built));
                 restored.built = steps;
                 restored.lazy.ready += built;
@@ -263,12 +351,19 @@ impl<I: SnapshotImage> RestoreService<I> {
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner),
         );
+        self.pool_size_is(0);
         drop(pool);
     }
 
     /// Restores a clone into `armed`: puts the vCPU state in and lets its pagers' prefetch (the
     /// working set) go; the caller resumes it. A VM armed for another snapshot is refused.
     pub fn restore_armed(&self, armed: ArmedVm) -> Result<ServiceRestore> {
+        let progress = self.progress();
+        Self::reported(progress, self.restore_armed_unreported(armed))
+    }
+
+    /// [`RestoreService::restore_armed`], before its records.
+    fn restore_armed_unreported(&self, armed: ArmedVm) -> Result<ServiceRestore> {
         // The client waits for it: ahead of the vCPUs and the host's background work
         // (prefetches, the pool's refill) while it runs (it is short: arming and vCPU state).
         priority::foreground(|| self.restore_armed_now(armed))
@@ -307,6 +402,7 @@ impl<I: SnapshotImage> RestoreService<I> {
         }
         lap("release the prefetch");
         Ok(ServiceRestore {
+            progress: None,
             lazy: Restored {
                 pagers,
                 userfault_pagers,

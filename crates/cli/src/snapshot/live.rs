@@ -39,6 +39,13 @@ enum Written {
     Store(StoreWriteReport),
 }
 
+impl LiveOutput {
+    /// The bytes the live snapshot's own memory takes.
+    pub(super) fn stored_bytes(&self) -> u64 {
+        self.report.stored_bytes()
+    }
+}
+
 impl Written {
     /// The bytes the snapshot's own memory takes: a flat snapshot's data, a store snapshot's
     /// distinct stored chunks.

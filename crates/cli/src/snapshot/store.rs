@@ -5,7 +5,6 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use guestmem_contract::VmBuilder;
 use guestmem_store::cache::ChunkCache;
 use guestmem_store::location::{is_store_url, Location, StoreUrl};
 use guestmem_store::pages::FetchStats;
@@ -128,14 +127,15 @@ struct StoreDiffOutput {
 }
 
 /// Writes the paused `vm` to the store snapshot `out`, and with `diff` lets the guest go on
-/// for `diff_after` under dirty tracking and writes a diff over it.
+/// for `diff_after` under dirty tracking and writes a diff over it. Returns the bytes the
+/// snapshot's chunks take in the store.
 pub(super) fn snapshot(
     vm: &mut Vm,
     out: &Path,
     diff: Option<&Path>,
     diff_after: Duration,
     json: bool,
-) -> crate::Result<()> {
+) -> crate::Result<u64> {
     let at = Location::parse(&out.to_string_lossy())?;
     let diff_at = match diff {
         None => None,
@@ -161,6 +161,7 @@ pub(super) fn snapshot(
     };
     let objects = at.store.open_with(crate::store_options())?;
     let report = guestmem_store::write::write(&*objects, &at.name, vm, None)?;
+    let stored = report.stored_bytes;
     let pages_done_per_vcpu = vm.pages_done();
     let diff = match diff_at {
         None => None,
@@ -188,7 +189,7 @@ pub(super) fn snapshot(
     };
     if json {
         println!("{}", serde_json::to_string_pretty(&out)?);
-        return Ok(());
+        return Ok(stored);
     }
     let r = &out.report;
     println!(
@@ -224,7 +225,7 @@ pub(super) fn snapshot(
             d.pages_done_per_vcpu
         );
     }
-    Ok(())
+    Ok(stored)
 }
 
 #[derive(Serialize)]
@@ -273,7 +274,7 @@ pub(super) fn restore(args: &RestoreArgs) -> crate::Result<()> {
     // With --uffd-socket the RAM comes from the page server (`guestmem page-server
     // --snapshot` of the same store snapshot checks each chunk's hash); the sys region is
     // checked here.
-    let restored = guestmem_snapshot::restore(&snap, &mut VmBuilder, args.restore_mode()?)?;
+    let (restored, mut progress) = super::restore_reported(args, &snap)?;
     // The KVM Userfault pagers (guest_memfd regions) serve the vCPUs' userfault exits, and a
     // page server's connection and our copy of the userfaultfd are held, while the guest runs.
     let guestmem_snapshot::Restored {
@@ -287,8 +288,13 @@ pub(super) fn restore(args: &RestoreArgs) -> crate::Result<()> {
     let restore_ms = t.elapsed().as_secs_f64() * 1e3;
     // A full restore compared every chunk's hash already (it refuses otherwise).
     let memory_digests_match = matches!(args.mode, Mode::Full).then_some(true);
-    let (before, after, resident_ms) =
-        super::run_restored(&mut vm, &pagers, &userfault_pagers, run_for, t)?;
+    let (before, after, resident_ms) = super::run_restored(
+        &mut vm,
+        &pagers,
+        &userfault_pagers,
+        (run_for, progress.as_mut()),
+        t,
+    )?;
     drop(peer);
     let working_set = super::working_set_output(
         &super::pager_stats(&pagers, &userfault_pagers),

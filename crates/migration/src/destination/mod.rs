@@ -8,6 +8,7 @@
 mod gate;
 mod pages;
 mod postcopy;
+mod progress;
 mod resume;
 
 pub(crate) use gate::{Claim, Gate};
@@ -60,6 +61,12 @@ pub struct ReceiveOptions {
     /// digest check must then refuse the migration).
     #[doc(hidden)]
     pub corrupt_landing_at: Option<u64>,
+    /// Where the receive's progress records go ([`guestmem_events::Event`], operation
+    /// `migrate-receive`): setup, precopy (bytes placed, round) and stopped while the rounds
+    /// come; then completed, or postcopy (resident bytes, faults, fault latency; postcopy-paused
+    /// while the link is broken) until [`Transfer::finish`] says completed; or failed with the
+    /// error. `None`: none are made.
+    pub events: Option<guestmem_events::Sink>,
 }
 
 impl Default for ReceiveOptions {
@@ -69,6 +76,7 @@ impl Default for ReceiveOptions {
             handlers: 2,
             fault_cpus: None,
             corrupt_landing_at: None,
+            events: None,
         }
     }
 }
@@ -144,6 +152,9 @@ pub struct Transfer {
     report: DestinationReport,
     /// When the vCPUs ran (post-copy's residency is timed from there).
     running_at: Option<Instant>,
+    /// The progress records, if asked for, and post-copy's ticker.
+    progress: Option<progress::RxProgress>,
+    ticker: Option<guestmem_events::Ticker>,
     /// The pre-copy rounds' zstd stream decoders: freed once the guest runs, on a thread of
     /// their own (freeing a 128 MiB window takes tens of milliseconds, and its unmapping
     /// contends with the switch-over's own work).
@@ -209,10 +220,49 @@ pub fn receive_into<B: MachineBuilder>(
     builder: &mut B,
     components: &mut Components<'_>,
 ) -> Result<Incoming<B::Machine>> {
+    let reporter = guestmem_events::Reporter::maybe(
+        opts.events.as_ref(),
+        guestmem_events::Operation::MigrateReceive,
+    );
+    let mut progress = reporter.map(|reporter| progress::RxProgress {
+        reporter,
+        total: 0,
+        received: 0,
+    });
+    let received = receive_reported(listener, opts, builder, components, &mut progress);
+    let Some(mut p) = progress else {
+        return received;
+    };
+    match received {
+        Err(e) => {
+            p.failed(&e);
+            Err(e)
+        }
+        Ok(mut incoming) => {
+            p.received = incoming.transfer.report.pages_received * PAGE_SIZE;
+            p.emit(guestmem_events::Status::Stopped);
+            incoming.transfer.progress = Some(p);
+            Ok(incoming)
+        }
+    }
+}
+
+/// [`receive_into`], its progress told to `progress` (which learns the guest's size).
+fn receive_reported<B: MachineBuilder>(
+    listener: Arc<Listener>,
+    opts: &ReceiveOptions,
+    builder: &mut B,
+    components: &mut Components<'_>,
+    progress: &mut Option<progress::RxProgress>,
+) -> Result<Incoming<B::Machine>> {
     check_fault_cpus(opts)?;
     let (mut rx, claim) = Receiving::admit(&listener)?;
     let mut vm = rx.build(builder)?;
     let memory = vm.memory().clone();
+    if let Some(p) = progress {
+        p.total = memory.regions().iter().map(|r| r.size()).sum();
+        p.emit(guestmem_events::Status::Setup);
+    }
     rx.say_hello()?;
     let mut report = DestinationReport {
         mode: Some(rx.setup.mode),
@@ -223,7 +273,13 @@ pub fn receive_into<B: MachineBuilder>(
     let chunks = chunk_digests_of(&rx.setup, &memory);
     let chunks = rx.or_refuse(chunks)?;
     let landing = arm_landing(&rx.setup, &memory);
-    let rounds = rx.receive_rounds(&memory, chunks.as_ref(), landing, opts, &mut report)?;
+    let rounds = rx.receive_rounds(
+        &memory,
+        chunks.as_ref(),
+        landing,
+        (opts, progress.as_ref()),
+        &mut report,
+    )?;
     let verified = verify(
         &rx.setup,
         &memory,
@@ -260,6 +316,8 @@ pub fn receive_into<B: MachineBuilder>(
             postcopy,
             report,
             running_at: None,
+            progress: None,
+            ticker: None,
             streams: rounds.streams,
             _claim: claim,
             _memory: memory,

@@ -3,12 +3,13 @@
 //! land.
 
 use guestmem_sys::to_usize;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use guestmem_memory::{GuestMemory, PageBuf, PAGE_SIZE};
 
+use super::progress::{RoundCounters, RxProgress};
 use super::*;
 use crate::chunk_digests::ChunkDigests;
 use crate::landing::{outside_memory, Landing};
@@ -68,6 +69,7 @@ pub(super) fn apply_pages(
     digests: Option<&ReaderDigests>,
     corrupt: Option<u64>,
     zstd_window_log: Option<u32>,
+    counters: (&RoundCounters, usize),
 ) -> (Connection, Result<ReaderStats>) {
     // The connection's zstd stream, as the source announced it: every frame of the stream
     // codec on this connection goes through it, in order.
@@ -77,6 +79,8 @@ pub(super) fn apply_pages(
     };
     let mut applier = Applier {
         memory,
+        counters: counters.0,
+        placed: &counters.0.readers[counters.1].0,
         landing,
         digests,
         corrupt,
@@ -108,6 +112,9 @@ pub(super) fn apply_pages(
 /// One pages connection's reader, between frames (see [`apply_pages`]).
 struct Applier<'m> {
     memory: &'m GuestMemory,
+    /// The progress records' counters: the round, and this reader's page bytes placed.
+    counters: &'m RoundCounters,
+    placed: &'m AtomicU64,
     landing: Option<&'m Landing>,
     digests: Option<&'m ReaderDigests>,
     corrupt: Option<u64>,
@@ -210,6 +217,7 @@ impl Applier<'_> {
     /// asks, their chunks marked.
     fn placed(&mut self, gpa: u64, len: u64) -> Result<()> {
         self.stats.pages += len / PAGE_SIZE;
+        self.placed.fetch_add(len, Ordering::Relaxed);
         if let Some(at) = self.corrupt.filter(|&at| at >= gpa && at - gpa < len) {
             let flipped = self.memory.read_u64(at).map(|w| w ^ 1);
             flipped.and_then(|w| self.memory.write_u64(at, w))?;
@@ -260,6 +268,10 @@ impl Applier<'_> {
     /// the last round.
     fn end_round(&mut self, conn: &mut Connection, round: u32, last: bool) -> Result<bool> {
         self.stats.last_round = round;
+        self.counters.round.fetch_max(round, Ordering::Relaxed);
+        if last {
+            self.counters.stopped.store(true, Ordering::Relaxed);
+        }
         if !last {
             write_frame(conn, &Frame::EndOfRound { round, last })?;
         }
@@ -323,6 +335,7 @@ struct Reader {
     digests: Option<ReaderDigests>,
     corrupt: Option<u64>,
     zstd_window_log: Option<u32>,
+    counters: Arc<RoundCounters>,
 }
 
 impl Reader {
@@ -346,6 +359,7 @@ impl Reader {
                     self.digests.as_ref(),
                     self.corrupt,
                     self.zstd_window_log,
+                    (&self.counters, self.index),
                 );
                 if result.is_err() {
                     let _ = first_failed.compare_exchange(
@@ -371,12 +385,14 @@ impl Receiving {
         memory: &Arc<GuestMemory>,
         chunks: Option<&Arc<ChunkDigests>>,
         landing: Option<Arc<Landing>>,
-        opts: &ReceiveOptions,
+        (opts, progress): (&ReceiveOptions, Option<&RxProgress>),
         report: &mut DestinationReport,
     ) -> Result<Rounds> {
         let cutters = Arc::new(self.links.cutters()?);
         let first_failed = Arc::new(AtomicUsize::new(usize::MAX));
         let connections = self.links.pages.len();
+        let counters = Arc::new(RoundCounters::new(connections));
+        let ticker = progress.map(|p| p.rounds_ticker(&counters));
         let zstd_window_log = self.setup.zstd_window_log;
         let readers: Vec<_> = std::mem::take(&mut self.links.pages)
             .into_iter()
@@ -393,6 +409,7 @@ impl Receiving {
                     }),
                     corrupt: opts.corrupt_landing_at,
                     zstd_window_log,
+                    counters: counters.clone(),
                 };
                 reader.spawn(conn, cutters.clone(), first_failed.clone())
             })
@@ -411,6 +428,7 @@ impl Receiving {
                 Err(e) => failures.push((i, e)),
             }
         }
+        drop(ticker);
         let first = first_failed.load(Ordering::SeqCst);
         let failure = match failures.iter().position(|(i, _)| *i == first) {
             Some(at) => Some(failures.swap_remove(at).1),

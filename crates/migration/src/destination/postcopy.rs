@@ -436,6 +436,14 @@ impl PostcopyLink {
         }
     }
 
+    /// Whether the link is broken now (the faults wait for the source to resume it).
+    pub(super) fn is_broken(&self) -> bool {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .broken
+    }
+
     pub(super) fn fill_report(&self, report: &mut DestinationReport) {
         let mut lat: Vec<Duration> = self
             .latencies

@@ -15,6 +15,18 @@ impl Transfer {
     /// Runs the received VM's vCPUs ([`TargetMachine::resume`]), tells the source (the
     /// downtime ends), and, in post-copy, opens the link to the pagers.
     pub fn resume<'v, M: TargetMachine>(&mut self, vm: &'v mut M) -> Result<M::Running<'v>> {
+        let resumed = self.resume_reported(vm);
+        if let Some(p) = &self.progress {
+            match &resumed {
+                Ok(_) => self.ticker = p.running(self.postcopy.as_ref()),
+                Err(e) => p.failed(e),
+            }
+        }
+        resumed
+    }
+
+    /// [`Transfer::resume`], before its progress record.
+    fn resume_reported<'v, M: TargetMachine>(&mut self, vm: &'v mut M) -> Result<M::Running<'v>> {
         let mut links = self.links.take().ok_or(MigrationError::AlreadyResumed)?;
         let running = vm.resume()?;
         self.running_at = Some(Instant::now());
@@ -74,8 +86,24 @@ impl Transfer {
     /// returns the destination's figures. A post-copy whose source is gone for good ends with
     /// the error (and the VM, stopped by it, names the guest address it missed).
     pub fn finish(mut self) -> Result<DestinationReport> {
+        let progress = self.progress.take();
+        let finished = self.finish_postcopy();
+        drop(self.ticker.take());
+        match (&progress, &finished) {
+            (Some(p), Ok((report, missing))) if self.mode.has_postcopy() => {
+                p.finished(report, *missing);
+            }
+            (Some(p), Err(e)) => p.failed(e),
+            _ => {}
+        }
+        finished.map(|(report, _)| report)
+    }
+
+    /// [`Transfer::finish`]: the report, and (post-copy) the bytes still missing at the end
+    /// (none, unless a pager retired early).
+    fn finish_postcopy(&mut self) -> Result<(DestinationReport, u64)> {
         let Some(p) = self.postcopy.take() else {
-            return Ok(self.report);
+            return Ok((self.report.clone(), 0));
         };
         let started = Instant::now();
         loop {
@@ -94,6 +122,18 @@ impl Transfer {
                 break;
             }
         }
+        // Its probes go before the pagers do.
+        drop(self.ticker.take());
+        let missing = p
+            .pagers
+            .iter()
+            .map(|pg| pg.size().saturating_sub(pg.stats().resident_bytes))
+            .chain(
+                p.userfault_pagers
+                    .iter()
+                    .map(|pg| pg.size().saturating_sub(pg.stats().resident_bytes)),
+            )
+            .sum();
         let mut report = self.report.clone();
         // From Running to the last pager's retirement, however late `finish` is called (not
         // the time `finish` waited: ~0 when the guest ran for longer than post-copy took).
@@ -121,6 +161,6 @@ impl Transfer {
         p.link.fill_report(&mut report);
         let json = serde_json::to_vec(&report).expect("a report serializes");
         p.link.close(&json)?;
-        Ok(report)
+        Ok((report, missing))
     }
 }

@@ -6,6 +6,7 @@
 mod options;
 mod order;
 mod postcopy;
+mod progress;
 mod writers;
 
 use guestmem_sys::to_usize;
@@ -35,6 +36,7 @@ use crate::stream::{Frame, ZstdStream};
 use crate::transport::Connection;
 use crate::{Error, MigrationError, Peer, Result};
 use guestmem_contract::PayloadVm;
+use guestmem_events::{Operation, Reporter, Status};
 
 /// Pre-copy goes on below the downtime target while rounds keep halving the dirty set, until
 /// the estimate is this fraction of the target (50 ms: about 1.6 ms).
@@ -77,18 +79,34 @@ pub struct MachineFailure {
 pub fn send_machine(
     machine: &mut dyn Machine,
     components: &mut Components<'_>,
+    links: Links,
+    opts: &SendOptions,
+) -> std::result::Result<Report, MachineFailure> {
+    let reporter = Reporter::maybe(opts.events.as_ref(), Operation::MigrateSend);
+    let result = send_reported(machine, components, links, opts, reporter.clone());
+    progress::finish(reporter.as_deref(), &result);
+    result
+}
+
+/// [`send_machine`], its progress told to `reporter`.
+fn send_reported(
+    machine: &mut dyn Machine,
+    components: &mut Components<'_>,
     mut links: Links,
     opts: &SendOptions,
+    reporter: Option<Arc<Reporter>>,
 ) -> std::result::Result<Report, MachineFailure> {
     let started = Instant::now();
     let kept = |error| MachineFailure { error, kept: true };
     // Nothing the destination did not accept in the Hellos goes out (see crate::negotiate).
     let fitted = opts.fitted_to(&links.negotiated).map_err(kept)?;
     let opts = &fitted;
-    opts.check(links.pages.len()).map_err(kept)?;
-    let fault_cpus = fault_cpus(opts).map_err(kept)?;
     let memory = machine.memory().clone();
     let mut source = Source::new(&memory, opts, &links, started);
+    source.reporter = reporter;
+    source.emit(Status::Setup);
+    opts.check(links.pages.len()).map_err(kept)?;
+    let fault_cpus = fault_cpus(opts).map_err(kept)?;
     let mut tracker = None;
     let pending = match source.run_precopy(machine, components, &mut tracker, &mut links) {
         Ok(p) => p,
@@ -187,6 +205,10 @@ struct Source<'o> {
     zstd_streams: Vec<Option<ZstdStream>>,
     /// The streams' window (log2 of bytes), announced in the setup.
     zstd_window_log: Option<u32>,
+    /// Where the progress records go, if anywhere ([`SendOptions::events`]).
+    reporter: Option<Arc<Reporter>>,
+    /// What the records carry between rounds.
+    seen: progress::Seen,
 }
 
 /// Pages dirtied and not sent yet when the guest stopped.
@@ -275,6 +297,11 @@ impl<'o> Source<'o> {
             delta,
             zstd_streams: Vec::new(),
             zstd_window_log: opts.zstd_window_log(links.pages.len(), guest_bytes),
+            reporter: None,
+            seen: progress::Seen {
+                remaining: guest_bytes,
+                ..Default::default()
+            },
             report: Report {
                 mode: opts.mode,
                 guest_bytes,
@@ -407,31 +434,6 @@ impl<'o> Source<'o> {
         }
     }
 
-    fn progress(
-        &self,
-        phase: &'static str,
-        round: u32,
-        dirty: u64,
-        last: Option<&Round>,
-        est: f64,
-        throttle: u64,
-    ) {
-        if let Some(p) = &self.opts.progress {
-            p(&Progress {
-                phase,
-                round,
-                elapsed_ms: self.ms(),
-                bytes: self.report.bytes,
-                guest_bytes: self.report.guest_bytes,
-                dirty_pages: dirty,
-                dirty_rate_pages_per_s: last.map_or(0.0, |r| dirty as f64 / (r.ms / 1e3).max(1e-6)),
-                bandwidth_mib_per_s: last.map_or(0.0, |r| r.bandwidth_mib_per_s),
-                estimated_downtime_ms: est,
-                throttle_percent: throttle,
-            });
-        }
-    }
-
     /// Rounds while the guest runs, until the estimated downtime fits (or the round limit, or
     /// one round for hybrid). Returns the pages dirtied since the last round.
     fn precopy(
@@ -474,7 +476,7 @@ impl<'o> Source<'o> {
             stats.throttle_percent = machine.throttle();
             // Time per page of this round, pages to go: the downtime if we stopped now.
             let est = n as f64 * stats.ms / stats.pages.max(1) as f64;
-            self.progress("pre-copy", round, n, Some(&stats), est, machine.throttle());
+            self.round_ends(n, stats.ms, est, machine.throttle());
             tracing::info!(
                 round,
                 pages = stats.pages,
@@ -538,6 +540,7 @@ impl<'o> Source<'o> {
             zero_pages: 0,
             bytes: 0,
         };
+        self.round_starts(round, q.total, last);
         let queued = self.queue_round(tracker, dirty, last, &mut q);
         let RoundQueue {
             writers,
@@ -616,6 +619,7 @@ impl<'o> Source<'o> {
                 t.clear(b, first, count)?;
             }
             self.queue_block(q, b, first, count)?;
+            self.tick_in_round(q);
         }
         let round = q.round;
         for i in 0..q.writers.queues.len() {
@@ -774,7 +778,7 @@ impl<'o> Source<'o> {
         let round = u32::try_from(self.report.rounds.len()).expect("rounds are counted in u32") + 1;
         let postcopy = if self.opts.mode.has_postcopy() {
             // Only the sys region goes now; the RAM regions' dirty chunks are fetched later.
-            let stale = self
+            let stale: Vec<StaleChunks> = self
                 .memory
                 .regions()
                 .iter()
@@ -789,6 +793,7 @@ impl<'o> Source<'o> {
             if self.opts.mode == Mode::Postcopy {
                 dirty = full_bitmaps(&self.memory, |r| r.gpa() == layout::SYS_GPA);
             }
+            self.postcopy_starts(&stale);
             Some(stale)
         } else {
             None
@@ -958,9 +963,10 @@ impl<'o> Source<'o> {
         let counters = servers.counters.clone();
         let (requests, bytes, wire) = (&counters.requests, &counters.bytes, &counters.wire);
         loop {
-            self.progress("post-copy", 0, 0, None, 0.0, 0);
+            let ticker = self.postcopy_ticker(&counters);
             counters.first_failed.store(usize::MAX, Ordering::SeqCst);
             let mut results = servers.serve(&mut links)?;
+            drop(ticker);
             self.report.postcopy_requests = requests.load(Ordering::Relaxed);
             self.report.postcopy_bytes = bytes.load(Ordering::Relaxed);
             // The error of the connection that broke first, if one did.
@@ -984,6 +990,7 @@ impl<'o> Source<'o> {
                             crate::error_chain(&e, ": ")
                         });
                     self.report.link_breaks += 1;
+                    self.postcopy_paused(&counters);
                     tracing::warn!("post-copy link broken: {why}");
                     let Some(reconnect) = &self.opts.reconnect else {
                         return Err(MigrationError::PostcopySplit { why }.into());

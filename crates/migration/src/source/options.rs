@@ -1,4 +1,4 @@
-//! How to migrate ([`SendOptions`]) and what a migration did ([`Report`], [`Progress`]).
+//! How to migrate ([`SendOptions`]) and what a migration did ([`Report`]).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,8 +13,6 @@ use crate::negotiate::{self, Negotiated};
 use crate::protocol::{Links, Mode, Resume};
 use crate::{Error, MigrationError, Result};
 
-/// Called with the migration's progress.
-pub type ProgressFn = Arc<dyn Fn(&Progress) + Send + Sync>;
 /// Re-establishes a broken post-copy link (given why it broke): new connections to the same
 /// destination.
 pub type Reconnect = Arc<dyn Fn(&Resume) -> Result<Links> + Send + Sync>;
@@ -77,8 +75,11 @@ pub struct SendOptions {
     ///
     /// [`ReceiveOptions::fault_cpus`]: crate::protocol::ReceiveOptions::fault_cpus
     pub fault_cpus: Option<Vec<usize>>,
-    /// Called after every round and while post-copy runs.
-    pub progress: Option<ProgressFn>,
+    /// Where the migration's progress records go ([`guestmem_events::Event`], operation
+    /// `migrate-send`): at every change of status (setup, precopy, stopped, postcopy,
+    /// postcopy-paused, then completed or failed with the error), after every round, and at
+    /// the sink's interval within a round and during post-copy. `None`: none are made.
+    pub events: Option<guestmem_events::Sink>,
     /// After a link broken during post-copy: returns new connections to the same destination
     /// (blocking until the operator asks to resume), or an error to give up.
     pub reconnect: Option<Reconnect>,
@@ -100,7 +101,7 @@ impl std::fmt::Debug for SendOptions {
             .field("delta_cache_bytes", &self.delta_cache_bytes)
             .field("zstd_window_bytes", &self.zstd_window_bytes)
             .field("fault_cpus", &self.fault_cpus)
-            .field("progress", &self.progress.is_some())
+            .field("events", &self.events)
             .field("reconnect", &self.reconnect.is_some())
             .finish()
     }
@@ -122,7 +123,7 @@ impl Default for SendOptions {
             delta_cache_bytes: Some(0),
             zstd_window_bytes: DEFAULT_ZSTD_WINDOW_BYTES,
             fault_cpus: None,
-            progress: None,
+            events: None,
             reconnect: None,
         }
     }
@@ -250,31 +251,6 @@ impl SendOptions {
         }
         Ok(fitted)
     }
-}
-
-/// Where a migration is, for a progress display.
-#[derive(Debug, Clone, Serialize)]
-pub struct Progress {
-    /// `pre-copy` or `post-copy`.
-    pub phase: &'static str,
-    /// The pre-copy round (0 in post-copy).
-    pub round: u32,
-    /// Since the migration started.
-    pub elapsed_ms: f64,
-    /// Page bytes sent so far.
-    pub bytes: u64,
-    /// Bytes of guest memory.
-    pub guest_bytes: u64,
-    /// Pages dirtied during the last round, and their rate.
-    pub dirty_pages: u64,
-    /// The dirty rate of the last round.
-    pub dirty_rate_pages_per_s: f64,
-    /// The last round's bandwidth.
-    pub bandwidth_mib_per_s: f64,
-    /// The downtime if the guest stopped now.
-    pub estimated_downtime_ms: f64,
-    /// The vCPUs' throttle.
-    pub throttle_percent: u64,
 }
 
 /// One pre-copy round (the last one runs with the guest stopped).

@@ -378,6 +378,12 @@ impl Pager {
         self.shared.stats()
     }
 
+    /// A handle on its counters for a progress sampler on another thread.
+    pub fn probe(&self) -> crate::StatsProbe {
+        let shared = self.shared.clone();
+        crate::StatsProbe::new(move || shared.stats())
+    }
+
     /// When the whole region became resident and the pager retired (`None` until then).
     pub fn retired_at(&self) -> Option<Instant> {
         *self

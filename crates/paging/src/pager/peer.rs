@@ -234,6 +234,17 @@ impl PeerPager {
         self.ranges.iter().map(|s| s.stats()).collect()
     }
 
+    /// Handles on each range's counters (address order), for a progress sampler.
+    pub fn probes(&self) -> Vec<crate::StatsProbe> {
+        self.ranges
+            .iter()
+            .map(|s| {
+                let s = s.clone();
+                crate::StatsProbe::new(move || s.stats())
+            })
+            .collect()
+    }
+
     /// The first error that stopped a range, if a fetch failed for good.
     pub fn failure(&self) -> Option<String> {
         self.ranges.iter().find_map(|s| s.failure())
