@@ -43,6 +43,7 @@ mod prepared;
 mod recycle;
 mod restore;
 pub mod service;
+mod sink;
 mod sparse;
 mod working_set;
 mod write;
