@@ -22,7 +22,6 @@ use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
 
 use guestmem_sys::uapi;
 use userfaultfd::{Event, EventBuffer, FaultKind, FeatureFlags, RegisterMode, Uffd, UffdBuilder};
@@ -301,9 +300,10 @@ where
             events: libc::POLLIN,
             revents: 0,
         };
-        let timeout = Duration::from_millis(20).as_millis() as libc::c_int;
+        // Bounded, so that `stop` is seen.
+        const TIMEOUT_MS: libc::c_int = 20;
         // SAFETY: one valid pollfd, living across the call.
-        let n = unsafe { libc::poll(&mut fd, 1, timeout) };
+        let n = unsafe { libc::poll(&raw mut fd, 1, TIMEOUT_MS) };
         if n < 0 {
             let e = std::io::Error::last_os_error();
             if e.kind() == std::io::ErrorKind::Interrupted {

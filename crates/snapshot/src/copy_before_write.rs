@@ -22,7 +22,7 @@ use guestmem_memory::{GuestMemory, PAGE_SIZE};
 use guestmem_paging::write_protect::{WpHandle, WpRange, WriteProtect};
 use guestmem_sys::to_usize;
 
-use crate::live::{ChunkSource, LiveSink};
+use crate::sink::{ChunkSource, LiveSink};
 use crate::{Error, Result};
 
 /// One needed chunk's state (see the module docs).

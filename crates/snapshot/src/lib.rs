@@ -44,6 +44,7 @@ pub mod progress;
 mod recycle;
 mod restore;
 pub mod service;
+mod sink;
 mod sparse;
 mod working_set;
 mod write;

@@ -1,31 +1,52 @@
-//! Live snapshots: guest memory is written while the guest runs, and the guest is paused only
-//! to write what it changed since, and to save its vCPU and component state.
+//! Live snapshots: guest memory is written while the guest runs; the guest pauses only for
+//! long enough to fix which bytes the snapshot holds, and to save its vCPU and component state.
+//! The snapshot is the guest's memory at that pause, whatever the guest writes before or after.
+//! Two strategies ([`Strategy`]); [`Strategy::Auto`] takes copy-before-write wherever the
+//! kernel allows it.
 //!
-//! The design is pre-copy's, aimed at a file instead of a peer: dirty tracking starts
+//! **Copy-before-write** ([`crate::copy_before_write`]; QEMU's background snapshot works this
+//! way): userfaultfd write-protect (`guestmem_paging::write_protect`) over the guest's memory,
+//! each chunk stored once from memory while protected, and a chunk the guest writes before it is
+//! stored copied aside first (then stored ahead of the others). The pause fixes the bytes by
+//! protecting memory, so it does not grow with what the guest writes: protecting all of it takes
+//! time in proportion to memory (every page-table entry, and KVM's own mappings dropped by the
+//! MMU notifier), so that is done *before* the pause, while the guest runs; what the guest
+//! writes meanwhile is let go page by page and protected again, in rounds, and the pause
+//! protects only the last few pages written. How a guest write reaches the handler: the
+//! protection drops KVM's mapping, the guest's next write faults into KVM, whose
+//! `get_user_pages(FOLL_WRITE)` raises the userfaultfd fault in the vCPU thread (checked by
+//! the tests: every snapshot's bytes are compared with a digest taken during its pause).
+//! Every chunk is stored exactly once, so a live snapshot stores what a paused one does.
+//! Copies held aside are bounded ([`LiveOptions::held_bytes`]): past it a write waits for the
+//! store, so a store slower than the guest slows the guest rather than spending host memory.
+//! guest_memfd regions cannot be registered with userfaultfd, nor dirty-logged by KVM, and
+//! this kernel has no other write tracking for them (no KVM Userfault): they are copied whole
+//! during the pause, which therefore grows with their size (see docs/benchmarks.md).
+//!
+//! **Rounds** (pre-copy's design, aimed at a file instead of a peer): dirty tracking starts
 //! ([`Mode::best`], or the caller's tracker for a diff), every chunk is stored while the guest
-//! runs, then rounds store again the chunks the guest dirtied meanwhile (their checksums
-//! recomputed from the bytes stored), until what a round leaves is small
-//! ([`LiveOptions::final_bytes`], as [`LiveSink::cost`] counts it), stops shrinking, or the
-//! rounds run out. Then the machine and its components pause, and the pause only copies: the
-//! chunks of the last harvest and every chunk of the guest_memfd regions (which KVM cannot
-//! dirty-log) into host memory, and the states. The guest resumes, and those copies are
-//! stored, the snapshot finished (its digests, its manifest, atomically as a paused write
-//! does) while it runs on. Every page's last store follows its last write before the pause
-//! (the dirty log reports each write after the clear that precedes a store, and the pause's
-//! copies are the memory at the pause), so the snapshot is the guest's memory at the pause.
-//! The pause therefore costs a memory copy of the last dirty chunks, not their compression or
-//! I/O; a guest_memfd region is copied whole during it (a live snapshot of such a VM pauses
-//! about as long as copying that region takes).
+//! runs, then rounds store again the chunks the guest dirtied meanwhile, until what a round
+//! leaves is small ([`LiveOptions::final_bytes`], as [`LiveSink::cost`] counts it), stops
+//! shrinking, or the rounds run out; the pause copies the last harvest's chunks (and the
+//! guest_memfd regions) into host memory, stored after the guest resumes. Every page's last
+//! store follows its last write before the pause, so the snapshot is the memory at the pause.
+//! But when the guest dirties memory faster than the store writes it, the rounds never shrink
+//! and the pause copies nearly all memory: the pause grows with the dirty rate, up to longer
+//! than a paused snapshot's (issue 44).
 //!
-//! Write-protect copy-on-write (userfaultfd `WP_ASYNC`, as QEMU's background snapshot and
-//! forkd do) was the alternative: it pauses only to arm the protection, and each first write
-//! afterwards copies the page out. It was not chosen: on KVM hosts with shadow paging (such as
-//! the project's) every first write to a protected page already costs a shadow-paging fault,
-//! whichever mechanism protects it, so write-protect would not spare the guest that cost; it
-//! would add a userfaultfd round trip on every copied page, hold a copy of every written page
-//! until it is stored, and not cover guest_memfd either (userfaultfd cannot register it). Dirty
-//! rounds reuse the tracker that pre-copy migration has proven, bound the extra memory to one
-//! chunk per writer, and cost the guest only the dirty log's faults while the write runs.
+//! Why copy-before-write by default, measured side by side (docs/benchmarks.md, "Live
+//! snapshots"): at a low dirty rate both pause briefly; at high rates only copy-before-write
+//! keeps the pause short, and it stores each chunk once where rounds store the re-dirtied ones
+//! again. What it costs the guest: the protection drops KVM's mappings (on this shadow-paging
+//! host each page then faults into KVM once, as under dirty logging), each first write to a
+//! chunk not stored yet waits for a userfaultfd round trip and a chunk copy, and while memory
+//! is protected before the pause every write waits for a round trip per page. A throttle
+//! (migration's auto-converge) would bound the rounds' pause only by slowing the guest to the
+//! store's rate for the whole snapshot; copy-before-write slows it only where it writes a
+//! chunk not stored yet, and only as much as [`LiveOptions::held_bytes`] requires. Rounds
+//! remain for kernels without userfaultfd write-protect, and for memory another userfaultfd
+//! holds (a lazy restore's pager that has not retired yet): [`Strategy::Auto`] says so in
+//! [`LiveReport::mode_reason`].
 //!
 //! A [`LiveSink`] is where the chunks go: the flat snapshot directory here
 //! ([`write_machine_live`]), or a chunk store (crate guestmem_store).
@@ -51,6 +72,7 @@ use super::write::{
 };
 use super::Snapshot;
 use crate::copy_before_write::Armed;
+pub use crate::sink::{ChunkSource, LiveSink};
 use crate::{Error, Result};
 use guestmem_contract::component::{ComponentState, Components, Machine};
 
@@ -184,47 +206,6 @@ pub struct LiveReport {
     pub held_peak_bytes: u64,
 }
 
-/// Where a live snapshot's chunks go. Chunk `i` of a region covers its bytes
-/// `[i * chunk_bytes, (i + 1) * chunk_bytes)` (the last one shorter).
-pub trait LiveSink {
-    /// The chunk size: a multiple of 64 pages.
-    fn chunk_bytes(&self) -> u64;
-
-    /// The bytes that storing `chunks` chunks holding `dirty_bytes` of dirty pages costs
-    /// (what decides when to pause): the dirty pages by default, for a sink that writes only
-    /// those.
-    fn cost(&self, chunks: u64, dirty_bytes: u64) -> u64 {
-        let _ = chunks;
-        dirty_bytes
-    }
-
-    /// Stores the chunks `chunks` (region index, chunk index) of `memory`, their bytes read
-    /// from `source` (guest memory, which the guest may be writing meanwhile, or the copies
-    /// taken during the pause). `dirty` is the round's dirty pages (`None`: every page); a
-    /// chunk stored before needs only those updated, a chunk stored for the first time is
-    /// stored whole. Returns the bytes written.
-    fn store(
-        &mut self,
-        memory: &GuestMemory,
-        source: &dyn ChunkSource,
-        chunks: &[(usize, usize)],
-        dirty: Option<&[DirtyBitmap]>,
-    ) -> Result<u64>;
-}
-
-/// Where a round reads its chunks' bytes: guest memory (copied out, never read in place while
-/// the guest may write it), or the copies the pause took.
-pub trait ChunkSource: Sync {
-    /// Puts chunk `index` of region `region`, which starts at `gpa`, into `buf` (its length).
-    fn read(&self, region: usize, index: usize, gpa: u64, buf: &mut [u8]) -> Result<()>;
-}
-
-impl ChunkSource for GuestMemory {
-    fn read(&self, _region: usize, _index: usize, gpa: u64, buf: &mut [u8]) -> Result<()> {
-        Ok(GuestMemory::read(self, gpa, buf)?)
-    }
-}
-
 /// The chunks the pause copied, stored after the guest resumed.
 struct Frozen(std::collections::HashMap<(usize, usize), Vec<u8>>);
 
@@ -354,7 +335,8 @@ fn choose(
 
 /// Copy-before-write: the pages written while memory was being protected are protected again
 /// before the pause, in rounds, until at most this many bytes of them are left for the pause
-/// (protecting costs ~0.1 ms per MiB here, KVM's mappings dropped included).
+/// (protecting takes time in proportion to the bytes: this keeps the pause's share small, see
+/// docs/benchmarks.md).
 const REARM_BYTES: u64 = 8 << 20;
 /// ... or until this many rounds were made (a guest that writes faster than protection goes).
 const REARM_ROUNDS: u64 = 8;
@@ -487,6 +469,11 @@ fn cbw_pause<M: Machine + ?Sized>(
 
 type Rounds = (Vec<u8>, Vec<ComponentState>, LiveReport);
 
+/// Milliseconds since `t`.
+fn ms(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
+}
+
 fn rounds<M: Machine + ?Sized, S: LiveSink>(
     machine: &mut M,
     components: &mut Components<'_>,
@@ -558,10 +545,7 @@ fn rounds<M: Machine + ?Sized, S: LiveSink>(
         .and_then(|()| paused_round(machine, components, tracker, dirty, todo, chunk));
     let r = Instant::now();
     let resumed = components.resume().and_then(|()| machine.resume());
-    let (pause_ms, resume_ms) = (
-        p.elapsed().as_secs_f64() * 1e3,
-        r.elapsed().as_secs_f64() * 1e3,
-    );
+    let (pause_ms, resume_ms) = (ms(p), ms(r));
     let Paused {
         machine: machine_state,
         components: states,
@@ -580,8 +564,7 @@ fn rounds<M: Machine + ?Sized, S: LiveSink>(
         ms: r.elapsed().as_secs_f64() * 1e3,
         paused: true,
     });
-    report.pause_ms = pause_ms;
-    (report.stop_ms, report.resume_ms) = (stop_ms, resume_ms);
+    (report.pause_ms, report.stop_ms, report.resume_ms) = (pause_ms, stop_ms, resume_ms);
     report.paused_untracked_bytes = untracked
         .iter()
         .map(|&(ri, ci)| chunk.min(memory.regions()[ri].size() - ci as u64 * chunk))

@@ -1,0 +1,48 @@
+//! Where a live snapshot's chunks go ([`LiveSink`]) and where a round reads them from
+//! ([`ChunkSource`]): shared by both strategies of [`crate::live`].
+
+use guestmem_memory::GuestMemory;
+use guestmem_tracking::DirtyBitmap;
+
+use crate::Result;
+
+/// Where a live snapshot's chunks go. Chunk `i` of a region covers its bytes
+/// `[i * chunk_bytes, (i + 1) * chunk_bytes)` (the last one shorter).
+pub trait LiveSink {
+    /// The chunk size: a multiple of 64 pages.
+    fn chunk_bytes(&self) -> u64;
+
+    /// The bytes that storing `chunks` chunks holding `dirty_bytes` of dirty pages costs
+    /// (what decides when to pause): the dirty pages by default, for a sink that writes only
+    /// those.
+    fn cost(&self, chunks: u64, dirty_bytes: u64) -> u64 {
+        let _ = chunks;
+        dirty_bytes
+    }
+
+    /// Stores the chunks `chunks` (region index, chunk index) of `memory`, their bytes read
+    /// from `source` (guest memory, which the guest may be writing meanwhile, or the copies
+    /// taken during the pause). `dirty` is the round's dirty pages (`None`: every page); a
+    /// chunk stored before needs only those updated, a chunk stored for the first time is
+    /// stored whole. Returns the bytes written.
+    fn store(
+        &mut self,
+        memory: &GuestMemory,
+        source: &dyn ChunkSource,
+        chunks: &[(usize, usize)],
+        dirty: Option<&[DirtyBitmap]>,
+    ) -> Result<u64>;
+}
+
+/// Where a round reads its chunks' bytes: guest memory (copied out, never read in place while
+/// the guest may write it), or the copies the pause took.
+pub trait ChunkSource: Sync {
+    /// Puts chunk `index` of region `region`, which starts at `gpa`, into `buf` (its length).
+    fn read(&self, region: usize, index: usize, gpa: u64, buf: &mut [u8]) -> Result<()>;
+}
+
+impl ChunkSource for GuestMemory {
+    fn read(&self, _region: usize, _index: usize, gpa: u64, buf: &mut [u8]) -> Result<()> {
+        Ok(GuestMemory::read(self, gpa, buf)?)
+    }
+}
