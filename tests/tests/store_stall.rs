@@ -366,6 +366,7 @@ fn a_long_stall_fails_the_page_server_within_the_bound() {
         let config = guestmem_pageserver::PageServerConfig {
             pager: PagerConfig::default(),
             kill_peer_on_failure: false,
+            events: None,
         };
         let _ = tx.send(guestmem_pageserver::serve_connection(
             stream, &memory, &config,
