@@ -219,6 +219,9 @@ done
 echo "root:x:0:0:root:/root:/bin/sh" > "$I/etc/passwd"
 cp "$ROOT/scripts/kernel-lab-init.sh" "$I/init"
 echo "${TEST_TIMEOUT:-600}" > "$I/lab/test-timeout"
+# A suite's own files (scripts/lab-suites/SUITE.prepare INITRAMFS-DIR KERNEL-IMAGE), e.g. the
+# linux suite's guest kernel and initramfs.
+if [ -x "$SUITE_FILE.prepare" ]; then "$SUITE_FILE.prepare" "$I" "$IMAGE"; fi
 chmod +x "$I/init"
 (cd "$I" && find . | cpio -o -H newc --quiet) > "$WORK/initramfs.cpio"
 echo "kernel-lab: initramfs $(du -m "$WORK/initramfs.cpio" | cut -f1) MiB"

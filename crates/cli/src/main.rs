@@ -1,6 +1,7 @@
 //! `guestmem`: the command-line face of the guestmem engine.
 
 mod demo;
+mod linux;
 mod migrate;
 mod numa;
 mod page_server;

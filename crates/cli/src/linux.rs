@@ -1,0 +1,147 @@
+//! `--kernel/--initrd/--cmdline/--console`: the options that make a command's guest a Linux
+//! guest instead of guestmem's payload, and `guestmem run --kernel`, which boots it and streams
+//! its serial console.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use guestmem_vm::linux::{BootPlan, ConsoleOut, LinuxConfig, LinuxEnd, LinuxVm, DEFAULT_CMDLINE};
+
+use crate::vm_args::VmArgs;
+
+#[derive(clap::Args, Debug, Default)]
+pub struct LinuxArgs {
+    /// Boot this Linux kernel (a bzImage, or an ELF vmlinux) instead of guestmem's payload; its
+    /// serial console (a 16550 on port 0x3f8) is streamed to stdout. Needs ordinary KVM (not PVM).
+    #[arg(long, value_name = "BZIMAGE")]
+    pub kernel: Option<PathBuf>,
+    /// The initramfs (a cpio archive, compressed as the kernel accepts) for --kernel.
+    #[arg(long, value_name = "CPIO", requires = "kernel")]
+    pub initrd: Option<PathBuf>,
+    /// The kernel command line for --kernel.
+    #[arg(long, value_name = "TEXT", requires = "kernel", default_value = DEFAULT_CMDLINE)]
+    pub cmdline: String,
+    /// Write the Linux guest's console to FILE instead of stdout.
+    #[arg(long, value_name = "FILE", requires = "kernel")]
+    pub console: Option<PathBuf>,
+}
+
+/// Console bytes on their way to stdout or a file; remembers when the first line ended.
+struct Console {
+    out: Box<dyn Write + Send>,
+    started: Instant,
+    first_line: Arc<Mutex<Option<Duration>>>,
+}
+
+impl Write for Console {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if buf.contains(&b'\n') {
+            let mut first = self
+                .first_line
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            first.get_or_insert_with(|| self.started.elapsed());
+        }
+        self.out.write_all(buf)?;
+        if buf.contains(&b'\n') {
+            self.out.flush()?;
+        }
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.out.flush()
+    }
+}
+
+impl LinuxArgs {
+    /// The boot these options describe, checked against `vm`'s memory (every refusal of bad
+    /// input happens here, before a VM exists), or `None` without --kernel.
+    pub fn plan(&self, vm: &VmArgs) -> crate::Result<Option<BootPlan>> {
+        let Some(kernel) = &self.kernel else {
+            return Ok(None);
+        };
+        if vm.image.is_some() {
+            return Err("--image fills the payload's memory; it cannot go with --kernel".into());
+        }
+        Ok(Some(BootPlan::check(
+            kernel,
+            self.initrd.as_deref(),
+            &self.cmdline,
+            vm.memory,
+        )?))
+    }
+
+    /// The console writer, and where it will record when the first line ended.
+    pub fn console(&self) -> crate::Result<(ConsoleOut, Arc<Mutex<Option<Duration>>>)> {
+        let out: Box<dyn Write + Send> =
+            match &self.console {
+                Some(path) => Box::new(std::fs::File::create(path).map_err(|e| {
+                    format!("cannot create the console file {}: {e}", path.display())
+                })?),
+                None => Box::new(std::io::stdout()),
+            };
+        let first_line = Arc::new(Mutex::new(None));
+        let console = Console {
+            out,
+            started: Instant::now(),
+            first_line: first_line.clone(),
+        };
+        Ok((Box::new(console), first_line))
+    }
+}
+
+/// `guestmem run --kernel ...`: checks the boot, builds the Linux VM, boots it and runs it
+/// until it resets or shuts down, or for `run_for`; says how it ended on stderr.
+pub fn run(
+    vm: &VmArgs,
+    linux: &LinuxArgs,
+    plan: BootPlan,
+    run_for: Option<Duration>,
+) -> crate::Result<()> {
+    let config = LinuxConfig {
+        memory: vm.memory,
+        backend: vm.backend,
+        vcpus: vm.vcpus,
+    };
+    let (console, first_line) = linux.console()?;
+    let t0 = Instant::now();
+    let mut machine = LinuxVm::new(&config, console)?;
+    machine.boot(&plan)?;
+    eprintln!(
+        "guestmem: booting {} ({:?}) with {} MiB on {}, {} vCPUs, set up in {:.1} ms",
+        linux
+            .kernel
+            .as_deref()
+            .unwrap_or_else(|| std::path::Path::new("?"))
+            .display(),
+        plan.kind(),
+        vm.memory >> 20,
+        vm.backend,
+        vm.vcpus,
+        t0.elapsed().as_secs_f64() * 1e3
+    );
+    // Without --run-for the guest runs until it resets or shuts down (a VMM's ordinary run).
+    let limit = run_for.unwrap_or(Duration::from_secs(u64::from(u32::MAX)));
+    let end = machine.run_for(limit)?;
+    let first = *first_line
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some(first) = first {
+        eprintln!(
+            "guestmem: first console line after {:.2} s",
+            first.as_secs_f64()
+        );
+    }
+    let how = match end {
+        LinuxEnd::TimeLimit => "ran for --run-for and was stopped",
+        LinuxEnd::Reset => "reset itself",
+        LinuxEnd::Shutdown => "shut down",
+    };
+    eprintln!(
+        "guestmem: the guest {how} after {:.2} s",
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
