@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use guestmem_vm::linux::{BootPlan, ConsoleOut, LinuxConfig, LinuxEnd, LinuxVm, DEFAULT_CMDLINE};
+use guestmem_vm::linux::{linux_config, BootPlan, ConsoleOut, LinuxEnd, LinuxVm, DEFAULT_CMDLINE};
 
 use crate::vm_args::VmArgs;
 
@@ -100,11 +100,7 @@ pub fn run(
     plan: BootPlan,
     run_for: Option<Duration>,
 ) -> crate::Result<()> {
-    let config = LinuxConfig {
-        memory: vm.memory,
-        backend: vm.backend,
-        vcpus: vm.vcpus,
-    };
+    let config = linux_config(vm.vcpus, vm.memory, vm.backend);
     let (console, first_line) = linux.console()?;
     let t0 = Instant::now();
     let mut machine = LinuxVm::new(&config, console)?;

@@ -168,7 +168,8 @@ impl BootPlan {
         let initrd_gpa = top.checked_sub(size).map(|a| a & !0xfff);
         let initrd_gpa = match initrd_gpa {
             Some(a) if a >= kernel_end => a,
-            _ => return Err(boot_error(format!(
+            _ => {
+                return Err(boot_error(format!(
                 "the initramfs {} ({}) does not fit in guest memory ({}) above the kernel, which \
                      needs up to {}: give --memory at least {}",
                 initrd.map(|p| p.display().to_string()).unwrap_or_default(),
@@ -176,7 +177,8 @@ impl BootPlan {
                 mib(memory),
                 mib(kernel_end),
                 mib((kernel_end + size).next_multiple_of(1 << 20))
-            ))),
+            )))
+            }
         };
         Ok(BootPlan {
             kernel: image,
