@@ -74,22 +74,38 @@ impl LinuxArgs {
     }
 
     /// The console writer, and where it will record when the first line ended.
-    pub fn console(&self) -> crate::Result<(ConsoleOut, Arc<Mutex<Option<Duration>>>)> {
-        let out: Box<dyn Write + Send> =
-            match &self.console {
-                Some(path) => Box::new(std::fs::File::create(path).map_err(|e| {
-                    format!("cannot create the console file {}: {e}", path.display())
-                })?),
-                None => Box::new(std::io::stdout()),
-            };
-        let first_line = Arc::new(Mutex::new(None));
-        let console = Console {
-            out,
-            started: Instant::now(),
-            first_line: first_line.clone(),
-        };
-        Ok((Box::new(console), first_line))
+    pub fn console(&self) -> crate::Result<(ConsoleOut, FirstLine)> {
+        console_to(self.console.as_deref())
     }
+}
+
+/// When the console's first line ended, counted from when the console was made.
+pub type FirstLine = Arc<Mutex<Option<Duration>>>;
+
+/// A console writer to `path` (created) or stdout, and where it records its first line's time.
+pub fn console_to(path: Option<&std::path::Path>) -> crate::Result<(ConsoleOut, FirstLine)> {
+    let out: Box<dyn Write + Send> = match path {
+        Some(path) => Box::new(
+            std::fs::File::create(path)
+                .map_err(|e| format!("cannot create the console file {}: {e}", path.display()))?,
+        ),
+        None => Box::new(std::io::stdout()),
+    };
+    let first_line = Arc::new(Mutex::new(None));
+    let console = Console {
+        out,
+        started: Instant::now(),
+        first_line: first_line.clone(),
+    };
+    Ok((Box::new(console), first_line))
+}
+
+/// When the first console line ended, in seconds, if it did.
+pub fn first_line_secs(first: &FirstLine) -> Option<f64> {
+    first
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .map(|d| d.as_secs_f64())
 }
 
 /// `guestmem run --kernel ...`: checks the boot, builds the Linux VM, boots it and runs it
@@ -121,14 +137,8 @@ pub fn run(
     // Without --run-for the guest runs until it resets or shuts down (a VMM's ordinary run).
     let limit = run_for.unwrap_or(Duration::from_secs(u64::from(u32::MAX)));
     let end = machine.run_for(limit)?;
-    let first = *first_line
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    if let Some(first) = first {
-        eprintln!(
-            "guestmem: first console line after {:.2} s",
-            first.as_secs_f64()
-        );
+    if let Some(first) = first_line_secs(&first_line) {
+        eprintln!("guestmem: first console line after {first:.2} s");
     }
     let how = match end {
         LinuxEnd::TimeLimit => "ran for --run-for and was stopped",

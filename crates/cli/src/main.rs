@@ -2,6 +2,8 @@
 
 mod demo;
 mod linux;
+mod linux_migrate;
+mod linux_snapshot;
 mod migrate;
 mod numa;
 mod page_server;

@@ -41,6 +41,8 @@ pub struct SendArgs {
     pub how: HowArgs,
     #[command(flatten)]
     pub vm: VmArgs,
+    #[command(flatten)]
+    pub linux: crate::linux::LinuxArgs,
     /// The guest's dirty rate in MiB/s over all vCPUs, after it has filled its memory once
     /// (0: as fast as it goes).
     #[arg(long, default_value_t = 64)]
@@ -147,6 +149,13 @@ pub struct ReceiveArgs {
     /// Print the outcome as one JSON object.
     #[arg(long)]
     pub json: bool,
+    /// Receive a Linux guest (from `migrate send --kernel ...`); its console streams to
+    /// stdout once it runs here.
+    #[arg(long)]
+    pub linux: bool,
+    /// With --linux: write the guest's console to FILE instead of stdout.
+    #[arg(long, value_name = "FILE", requires = "linux")]
+    pub console: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -247,7 +256,23 @@ impl HowArgs {
 
 fn send_main(args: SendArgs) -> crate::Result<()> {
     args.vm.config()?;
+    let plan = args.linux.plan(&args.vm)?;
     let creds = Credentials::load(&args.keys, Role::Source)?;
+    if let Some(plan) = plan {
+        let after = seconds(args.after, "--after")?;
+        let opts = args.how.options()?;
+        let report = crate::linux_migrate::send(
+            &args.vm,
+            &args.linux,
+            plan,
+            after,
+            &args.to,
+            creds,
+            &opts,
+            args.how.connections,
+        )?;
+        return print_report(&report, args.json, args.plot.as_deref());
+    }
     let control = args.control.clone().unwrap_or_else(|| {
         std::env::temp_dir().join(format!("guestmem-migrate-{}.sock", std::process::id()))
     });
@@ -626,6 +651,16 @@ fn receive_main(args: ReceiveArgs) -> crate::Result<()> {
     let run_for = seconds(args.run_for, "--run-for")?;
     let creds = Credentials::load(&args.keys, Role::Destination)?;
     let listener = Arc::new(Listener::bind(&args.listen, &creds)?);
+    if args.linux {
+        if let Some(port) = listener.port() {
+            eprintln!("guestmem: listening on {} (port {port})", args.listen);
+        }
+        let opts = ReceiveOptions {
+            fault_cpus: args.fault_cpus.clone(),
+            ..Default::default()
+        };
+        return crate::linux_migrate::receive(listener, &opts, args.console.as_deref(), run_for);
+    }
     match listener.port() {
         // On stderr even with --json: with tcp:HOST:0 it is the only place the port is told.
         Some(port) => eprintln!("guestmem: listening on {} (port {port})", args.listen),

@@ -120,6 +120,11 @@ fn run_loop(
 }
 
 impl<'a> RunningLinux<'a> {
+    /// The VM these vCPUs belong to.
+    pub fn vm(&self) -> &LinuxVm {
+        self.vm
+    }
+
     /// How long the vCPUs have been running.
     pub fn elapsed(&self) -> Duration {
         self.started.elapsed()

@@ -33,9 +33,29 @@ impl Trigger for IrqFd {
     }
 }
 
+/// The console writer, shared by the UART and the states it is rebuilt from.
+#[derive(Clone)]
+struct SharedOut(std::sync::Arc<std::sync::Mutex<ConsoleOut>>);
+
+impl Write for SharedOut {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .write(buf)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .flush()
+    }
+}
+
 /// The 16550 UART of a Linux guest.
 pub struct SerialDevice {
-    uart: Serial<IrqFd, NoEvents, ConsoleOut>,
+    uart: Serial<IrqFd, NoEvents, SharedOut>,
+    out: SharedOut,
 }
 
 impl std::fmt::Debug for SerialDevice {
@@ -56,8 +76,10 @@ fn irqfd(vm: &VmFd) -> Result<IrqFd> {
 impl SerialDevice {
     /// A UART in its reset state whose interrupt is `vm`'s GSI 4 and whose output goes to `out`.
     pub fn new(vm: &VmFd, out: ConsoleOut) -> Result<SerialDevice> {
+        let out = SharedOut(std::sync::Arc::new(std::sync::Mutex::new(out)));
         Ok(SerialDevice {
-            uart: Serial::new(irqfd(vm)?, out),
+            uart: Serial::new(irqfd(vm)?, out.clone()),
+            out,
         })
     }
 
@@ -67,9 +89,21 @@ impl SerialDevice {
         state: &SerialDeviceState,
         out: ConsoleOut,
     ) -> Result<SerialDevice> {
-        let uart = Serial::from_state(&state.to_superio(), irqfd(vm)?, NoEvents, out)
+        let mut device = SerialDevice::new(vm, out)?;
+        device.set_state(state)?;
+        Ok(device)
+    }
+
+    /// Puts the UART in a saved state (registers, pending input), its interrupt and console
+    /// kept.
+    pub fn set_state(&mut self, state: &SerialDeviceState) -> Result<()> {
+        let irq =
+            self.uart.interrupt_evt().0.try_clone().map_err(|e| {
+                Error::Config(format!("cannot clone the serial port's eventfd: {e}"))
+            })?;
+        self.uart = Serial::from_state(&state.to_superio(), IrqFd(irq), NoEvents, self.out.clone())
             .map_err(|e| Error::Config(format!("the saved serial state is refused: {e:?}")))?;
-        Ok(SerialDevice { uart })
+        Ok(())
     }
 
     /// The guest reads the register at `offset` (0-7).
