@@ -26,6 +26,11 @@ pub struct LinuxArgs {
     /// Write the Linux guest's console to FILE instead of stdout.
     #[arg(long, value_name = "FILE", requires = "kernel")]
     pub console: Option<PathBuf>,
+    /// `snapshot` and `migrate send` with --kernel: `--after` counts from the first console
+    /// line holding TEXT (default: from the first console line), e.g. a line the guest's init
+    /// prints once it runs.
+    #[arg(long, value_name = "TEXT", requires = "kernel")]
+    pub wait_for: Option<String>,
 }
 
 /// Console bytes on their way to stdout or a file; remembers when the first line ended.
@@ -33,16 +38,48 @@ struct Console {
     out: Box<dyn Write + Send>,
     started: Instant,
     first_line: Arc<Mutex<Option<Duration>>>,
+    /// Only a line holding this counts as the first line (none: any line).
+    pattern: Option<Vec<u8>>,
+    /// The line being written, while a pattern is waited for.
+    line: Vec<u8>,
+}
+
+impl Console {
+    fn saw_line(&self) {
+        let mut first = self
+            .first_line
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        first.get_or_insert_with(|| self.started.elapsed());
+    }
+
+    fn matched(&mut self, buf: &[u8]) -> bool {
+        let Some(pattern) = &self.pattern else {
+            return buf.contains(&b'\n');
+        };
+        let mut found = false;
+        for &b in buf {
+            if b == b'\n' {
+                found |= self
+                    .line
+                    .windows(pattern.len())
+                    .any(|w| w == pattern.as_slice());
+                self.line.clear();
+            } else if self.line.len() < 4096 {
+                self.line.push(b);
+            }
+        }
+        if found {
+            self.pattern = None;
+        }
+        found
+    }
 }
 
 impl Write for Console {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        if buf.contains(&b'\n') {
-            let mut first = self
-                .first_line
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            first.get_or_insert_with(|| self.started.elapsed());
+        if self.matched(buf) {
+            self.saw_line();
         }
         self.out.write_all(buf)?;
         if buf.contains(&b'\n') {
@@ -75,15 +112,19 @@ impl LinuxArgs {
 
     /// The console writer, and where it will record when the first line ended.
     pub fn console(&self) -> crate::Result<(ConsoleOut, FirstLine)> {
-        console_to(self.console.as_deref())
+        console_to(self.console.as_deref(), self.wait_for.as_deref())
     }
 }
 
 /// When the console's first line ended, counted from when the console was made.
 pub type FirstLine = Arc<Mutex<Option<Duration>>>;
 
-/// A console writer to `path` (created) or stdout, and where it records its first line's time.
-pub fn console_to(path: Option<&std::path::Path>) -> crate::Result<(ConsoleOut, FirstLine)> {
+/// A console writer to `path` (created) or stdout, and where it records when its first line
+/// (holding `pattern`, if given) ended.
+pub fn console_to(
+    path: Option<&std::path::Path>,
+    pattern: Option<&str>,
+) -> crate::Result<(ConsoleOut, FirstLine)> {
     let out: Box<dyn Write + Send> = match path {
         Some(path) => Box::new(
             std::fs::File::create(path)
@@ -96,6 +137,8 @@ pub fn console_to(path: Option<&std::path::Path>) -> crate::Result<(ConsoleOut, 
         out,
         started: Instant::now(),
         first_line: first_line.clone(),
+        pattern: pattern.map(|p| p.as_bytes().to_vec()),
+        line: Vec::new(),
     };
     Ok((Box::new(console), first_line))
 }

@@ -110,7 +110,7 @@ pub fn receive(
     run_for: Duration,
 ) -> crate::Result<()> {
     let mut first = None;
-    let mut builder = LinuxBuilder(|| match console_to(console) {
+    let mut builder = LinuxBuilder(|| match console_to(console, None) {
         Ok((out, line)) => {
             first = Some(line);
             out

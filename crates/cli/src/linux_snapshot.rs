@@ -81,7 +81,7 @@ pub fn restore(
 ) -> crate::Result<()> {
     let t = Instant::now();
     let mut first = None;
-    let mut builder = LinuxBuilder(|| match console_to(console) {
+    let mut builder = LinuxBuilder(|| match console_to(console, None) {
         Ok((out, line)) => {
             first = Some(line);
             out
