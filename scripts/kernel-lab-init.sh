@@ -17,6 +17,8 @@ stty -F $R raw -echo 2>/dev/null
 say() { echo "$*" > $R; }
 now() { cut -d' ' -f1 /proc/uptime; }
 LIMIT=$(cat /lab/test-timeout 2>/dev/null || echo 600)
+# What a suite's prepare script gives its tests (scripts/lab-suites/SUITE.prepare).
+[ -f /lab/env ] && . /lab/env
 
 say "@@LAB start"
 say "@@LAB kernel $(uname -r)"
@@ -109,6 +111,8 @@ while read -r target test flags; do
     fi
 done < /lab/suite
 
+# A suite that asks for its tests only (/lab/tests-only) ends here.
+if [ -f /lab/tests-only ]; then say "@@LAB done"; sync; poweroff -f; fi
 GMEM=$(need guest_memfd)
 if [ "$GMEM" = yes ]; then
     # Population of gmem by each method the kernel offers, beside mmap+memcpy (times: TCG).

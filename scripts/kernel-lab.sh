@@ -222,6 +222,9 @@ done
 echo "root:x:0:0:root:/root:/bin/sh" > "$I/etc/passwd"
 cp "$ROOT/scripts/kernel-lab-init.sh" "$I/init"
 echo "${TEST_TIMEOUT:-600}" > "$I/lab/test-timeout"
+# A suite's own files (scripts/lab-suites/SUITE.prepare INITRAMFS-DIR KERNEL-IMAGE), e.g. the
+# linux suite's guest kernel and initramfs.
+if [ -x "$SUITE_FILE.prepare" ]; then "$SUITE_FILE.prepare" "$I" "$IMAGE"; fi
 chmod +x "$I/init"
 # What the guest runs must be where the init finds it, and not under a directory the init mounts
 # over (a `mount ... DIR` line of its own): there it would be hidden.

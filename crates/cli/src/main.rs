@@ -1,6 +1,9 @@
 //! `guestmem`: the command-line face of the guestmem engine.
 
 mod demo;
+mod linux;
+mod linux_migrate;
+mod linux_snapshot;
 mod migrate;
 mod numa;
 mod page_server;

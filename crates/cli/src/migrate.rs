@@ -20,7 +20,7 @@ use crate::vm_args::VmArgs;
 #[derive(clap::Subcommand)]
 pub enum Migrate {
     /// Run a VM's `dirty` workload and migrate it live to a `migrate receive`.
-    Send(SendArgs),
+    Send(Box<SendArgs>),
     /// Wait for a migration, then run the VM it brings.
     Receive(ReceiveArgs),
     /// Re-establish a broken post-copy link: asks the waiting `migrate send` to reconnect.
@@ -41,6 +41,8 @@ pub struct SendArgs {
     pub how: HowArgs,
     #[command(flatten)]
     pub vm: VmArgs,
+    #[command(flatten)]
+    pub linux: crate::linux::LinuxArgs,
     /// The guest's dirty rate in MiB/s over all vCPUs, after it has filled its memory once
     /// (0: as fast as it goes).
     #[arg(long, default_value_t = 64)]
@@ -153,6 +155,13 @@ pub struct ReceiveArgs {
     pub progress: ProgressArgs,
     #[command(flatten)]
     pub metrics: MetricsArgs,
+    /// Receive a Linux guest (from `migrate send --kernel ...`); its console streams to
+    /// stdout once it runs here.
+    #[arg(long)]
+    pub linux: bool,
+    /// With --linux: write the guest's console to FILE instead of stdout.
+    #[arg(long, value_name = "FILE", requires = "linux")]
+    pub console: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -174,7 +183,7 @@ pub struct KeysArgs {
 
 pub fn main(cmd: Migrate) -> crate::Result<()> {
     match cmd {
-        Migrate::Send(args) => send_main(args),
+        Migrate::Send(args) => send_main(*args),
         Migrate::Receive(args) => receive_main(args),
         Migrate::Resume(args) => resume_main(args),
         Migrate::Keys(args) => {
@@ -253,7 +262,23 @@ impl HowArgs {
 
 fn send_main(args: SendArgs) -> crate::Result<()> {
     args.vm.config()?;
+    let plan = args.linux.plan(&args.vm)?;
     let creds = Credentials::load(&args.keys, Role::Source)?;
+    if let Some(plan) = plan {
+        let after = seconds(args.after, "--after")?;
+        let opts = args.how.options()?;
+        let report = crate::linux_migrate::send(
+            &args.vm,
+            &args.linux,
+            plan,
+            after,
+            &args.to,
+            creds,
+            &opts,
+            args.how.connections,
+        )?;
+        return print_report(&report, args.json, args.plot.as_deref());
+    }
     let control = args.control.clone().unwrap_or_else(|| {
         std::env::temp_dir().join(format!("guestmem-migrate-{}.sock", std::process::id()))
     });
@@ -607,6 +632,20 @@ fn receive_main(args: ReceiveArgs) -> crate::Result<()> {
     let listener = Arc::new(Listener::bind(&args.listen, &creds)?);
     let progress = Progress::new(&args.progress, !args.json)?;
     let metrics = args.metrics.start()?;
+    if args.linux {
+        if let Some(port) = listener.port() {
+            eprintln!("guestmem: listening on {} (port {port})", args.listen);
+        }
+        let opts = ReceiveOptions {
+            fault_cpus: args.fault_cpus.clone(),
+            events: with_metrics(progress.sink.clone(), metrics.as_ref()),
+            ..Default::default()
+        };
+        let received =
+            crate::linux_migrate::receive(listener, &opts, args.console.as_deref(), run_for);
+        progress.finish();
+        return received;
+    }
     match listener.port() {
         // On stderr even with --json: with tcp:HOST:0 it is the only place the port is told.
         Some(port) => eprintln!("guestmem: listening on {} (port {port})", args.listen),
@@ -958,7 +997,7 @@ mod tests {
         let cli =
             crate::Cli::try_parse_from(args.iter().chain(extra)).map_err(|e| e.to_string())?;
         match cli.command {
-            crate::Command::Migrate(Migrate::Send(a)) => Ok(a),
+            crate::Command::Migrate(Migrate::Send(a)) => Ok(*a),
             _ => unreachable!("migrate send parses as itself"),
         }
     }

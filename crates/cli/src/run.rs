@@ -22,6 +22,11 @@ enum WorkloadArg {
 pub struct Args {
     #[command(flatten)]
     vm: VmArgs,
+    #[command(flatten)]
+    linux: crate::linux::LinuxArgs,
+    /// With --kernel: stop the guest after this many seconds (default: when it resets).
+    #[arg(long, value_name = "SECONDS", requires = "kernel")]
+    run_for: Option<f64>,
     /// Guest workload.
     #[arg(long, value_enum, default_value = "touch")]
     workload: WorkloadArg,
@@ -56,6 +61,13 @@ struct Output {
 
 pub fn main(args: Args) -> crate::Result<()> {
     let config = args.vm.config()?;
+    if let Some(plan) = args.linux.plan(&args.vm)? {
+        let run_for = args
+            .run_for
+            .map(|s| crate::units::seconds(s, "--run-for"))
+            .transpose()?;
+        return crate::linux::run(&args.vm, &args.linux, plan, run_for);
+    }
     if args.rate == Some(0) {
         return Err("--rate must be at least 1 page/s".into());
     }

@@ -39,7 +39,10 @@ pub struct SnapshotArgs {
     op: Option<store::StoreOp>,
     #[command(flatten)]
     vm: VmArgs,
-    /// How long the guest runs its `dirty` workload before the snapshot, in seconds.
+    #[command(flatten)]
+    linux: crate::linux::LinuxArgs,
+    /// How long the guest runs its `dirty` workload before the snapshot, in seconds (a Linux
+    /// guest: from its first console line).
     #[arg(long, default_value_t = 1.0)]
     after: f64,
     /// Run the `rewrite` workload instead of `dirty` (2-33 lines of each page rewritten with
@@ -108,6 +111,9 @@ pub struct RestoreArgs {
     /// How long to let the restored guest run, in seconds.
     #[arg(long, default_value_t = 1.0)]
     run_for: f64,
+    /// A Linux guest's snapshot: write its console to FILE instead of stdout.
+    #[arg(long, value_name = "FILE")]
+    console: Option<PathBuf>,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -304,6 +310,15 @@ pub fn snapshot(mut args: SnapshotArgs) -> crate::Result<()> {
     let diff_after = seconds(args.diff_after, "--diff-after")?;
     if args.diff.as_deref() == Some(out.as_path()) {
         return Err("--diff must name another directory than --out (the diff's base)".into());
+    }
+    if let Some(plan) = args.linux.plan(&args.vm)? {
+        if args.live || args.diff.is_some() || store::is_store(&out) {
+            return Err(
+                "--kernel snapshots are paused and flat (no --live, --diff or store) for now"
+                    .into(),
+            );
+        }
+        return crate::linux_snapshot::snapshot(&args.vm, &args.linux, plan, after, &out);
     }
     let mut vm = Vm::new(&args.vm.config()?)?;
     args.vm.load_image(&vm)?;
@@ -503,6 +518,17 @@ pub fn restore(args: RestoreArgs) -> crate::Result<()> {
     let run_for = seconds(args.run_for, "--run-for")?;
     let t = Instant::now();
     let snap = Snapshot::open(&args.dir)?;
+    if guestmem_vm::linux::LinuxState::is_linux(snap.machine_state()) {
+        if args.uffd_socket.is_some() || args.share.is_some() {
+            return Err("a Linux guest's snapshot is restored full, map or lazy (no --uffd-socket or --share yet)".into());
+        }
+        return crate::linux_snapshot::restore(
+            &snap,
+            args.restore_mode()?,
+            args.console.as_deref(),
+            run_for,
+        );
+    }
     let (restored, mut progress) = restore_reported(&args, &snap)?;
     for (phase, d) in &restored.phases {
         tracing::info!("restore: {phase}: {:.3} ms", d.as_secs_f64() * 1e3);

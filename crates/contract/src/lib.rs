@@ -2,14 +2,18 @@
 //! on the sending side ([`component::Machine`]), its VM on the receiving side
 //! ([`TargetMachine`], built by a [`MachineBuilder`]) and its devices
 //! ([`component::Component`]). guestmem's own VM and payload is one implementation
-//! ([`PayloadVm`], [`VmBuilder`]).
+//! ([`PayloadVm`], [`VmBuilder`]); guestmem's Linux guest another ([`LinuxMachine`],
+//! [`LinuxBuilder`], [`SerialComponent`]).
 
 pub mod component;
 pub mod envelope;
+mod linux_vm;
 mod payload_vm;
 mod target;
 
+pub use component::Component;
 pub use guestmem_sys::error_chain;
+pub use linux_vm::{LinuxBuilder, LinuxMachine, SerialComponent, SERIAL_COMPONENT};
 pub use payload_vm::{
     save as payload_state, state_of as payload_state_of, PayloadVm, VmBuilder,
     STATE as PAYLOAD_STATE,

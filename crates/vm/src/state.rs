@@ -92,7 +92,7 @@ pub(crate) fn restorable_msrs(vcpu: &VcpuFd) -> Result<Vec<u32>> {
     Ok(CACHE.get_or_init(|| indices).clone())
 }
 
-fn probe_restorable_msrs(vcpu: &VcpuFd) -> Result<Vec<u32>> {
+pub(crate) fn probe_restorable_msrs(vcpu: &VcpuFd) -> Result<Vec<u32>> {
     let kvm = Kvm::new().map_err(Error::Kvm)?;
     let list = kvm
         .get_msr_index_list()

@@ -846,7 +846,7 @@ impl Phases {
 }
 
 /// Enables a dirty ring of `bytes` per vCPU (acquire/release flavour when offered).
-fn enable_dirty_ring(fd: &VmFd, bytes: u32) -> Result<()> {
+pub(crate) fn enable_dirty_ring(fd: &VmFd, bytes: u32) -> Result<()> {
     use guestmem_sys::uapi::{KVM_CAP_DIRTY_LOG_RING, KVM_CAP_DIRTY_LOG_RING_ACQ_REL};
     let acq_rel = fd.check_extension_raw(KVM_CAP_DIRTY_LOG_RING_ACQ_REL.into()) > 0;
     let cap = if acq_rel {

@@ -1,0 +1,196 @@
+//! `--kernel/--initrd/--cmdline/--console`: the options that make a command's guest a Linux
+//! guest instead of guestmem's payload, and `guestmem run --kernel`, which boots it and streams
+//! its serial console.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use guestmem_vm::linux::{linux_config, BootPlan, ConsoleOut, LinuxEnd, LinuxVm, DEFAULT_CMDLINE};
+
+use crate::vm_args::VmArgs;
+
+#[derive(clap::Args, Debug, Default)]
+pub struct LinuxArgs {
+    /// Boot this Linux kernel (a bzImage, or an ELF vmlinux) instead of guestmem's payload; its
+    /// serial console (a 16550 on port 0x3f8) is streamed to stdout. Needs ordinary KVM (not PVM).
+    #[arg(long, value_name = "BZIMAGE")]
+    pub kernel: Option<PathBuf>,
+    /// The initramfs (a cpio archive, compressed as the kernel accepts) for --kernel.
+    #[arg(long, value_name = "CPIO", requires = "kernel")]
+    pub initrd: Option<PathBuf>,
+    /// The kernel command line for --kernel.
+    #[arg(long, value_name = "TEXT", requires = "kernel", default_value = DEFAULT_CMDLINE)]
+    pub cmdline: String,
+    /// Write the Linux guest's console to FILE instead of stdout.
+    #[arg(long, value_name = "FILE", requires = "kernel")]
+    pub console: Option<PathBuf>,
+    /// `snapshot` and `migrate send` with --kernel: `--after` counts from the first console
+    /// line holding TEXT (default: from the first console line), e.g. a line the guest's init
+    /// prints once it runs.
+    #[arg(long, value_name = "TEXT", requires = "kernel")]
+    pub wait_for: Option<String>,
+}
+
+/// Console bytes on their way to stdout or a file; remembers when the first line ended.
+struct Console {
+    out: Box<dyn Write + Send>,
+    started: Instant,
+    first_line: Arc<Mutex<Option<Duration>>>,
+    /// Only a line holding this counts as the first line (none: any line).
+    pattern: Option<Vec<u8>>,
+    /// The line being written, while a pattern is waited for.
+    line: Vec<u8>,
+}
+
+impl Console {
+    fn saw_line(&self) {
+        let mut first = self
+            .first_line
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        first.get_or_insert_with(|| self.started.elapsed());
+    }
+
+    fn matched(&mut self, buf: &[u8]) -> bool {
+        let Some(pattern) = &self.pattern else {
+            return buf.contains(&b'\n');
+        };
+        let mut found = false;
+        for &b in buf {
+            if b == b'\n' {
+                found |= self
+                    .line
+                    .windows(pattern.len())
+                    .any(|w| w == pattern.as_slice());
+                self.line.clear();
+            } else if self.line.len() < 4096 {
+                self.line.push(b);
+            }
+        }
+        if found {
+            self.pattern = None;
+        }
+        found
+    }
+}
+
+impl Write for Console {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.matched(buf) {
+            self.saw_line();
+        }
+        self.out.write_all(buf)?;
+        if buf.contains(&b'\n') {
+            self.out.flush()?;
+        }
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.out.flush()
+    }
+}
+
+impl LinuxArgs {
+    /// The boot these options describe, checked against `vm`'s memory (every refusal of bad
+    /// input happens here, before a VM exists), or `None` without --kernel.
+    pub fn plan(&self, vm: &VmArgs) -> crate::Result<Option<BootPlan>> {
+        let Some(kernel) = &self.kernel else {
+            return Ok(None);
+        };
+        if vm.image.is_some() {
+            return Err("--image fills the payload's memory; it cannot go with --kernel".into());
+        }
+        Ok(Some(BootPlan::check(
+            kernel,
+            self.initrd.as_deref(),
+            &self.cmdline,
+            vm.memory,
+        )?))
+    }
+
+    /// The console writer, and where it will record when the first line ended.
+    pub fn console(&self) -> crate::Result<(ConsoleOut, FirstLine)> {
+        console_to(self.console.as_deref(), self.wait_for.as_deref())
+    }
+}
+
+/// When the console's first line ended, counted from when the console was made.
+pub type FirstLine = Arc<Mutex<Option<Duration>>>;
+
+/// A console writer to `path` (created) or stdout, and where it records when its first line
+/// (holding `pattern`, if given) ended.
+pub fn console_to(
+    path: Option<&std::path::Path>,
+    pattern: Option<&str>,
+) -> crate::Result<(ConsoleOut, FirstLine)> {
+    let out: Box<dyn Write + Send> = match path {
+        Some(path) => Box::new(
+            std::fs::File::create(path)
+                .map_err(|e| format!("cannot create the console file {}: {e}", path.display()))?,
+        ),
+        None => Box::new(std::io::stdout()),
+    };
+    let first_line = Arc::new(Mutex::new(None));
+    let console = Console {
+        out,
+        started: Instant::now(),
+        first_line: first_line.clone(),
+        pattern: pattern.map(|p| p.as_bytes().to_vec()),
+        line: Vec::new(),
+    };
+    Ok((Box::new(console), first_line))
+}
+
+/// When the first console line ended, in seconds, if it did.
+pub fn first_line_secs(first: &FirstLine) -> Option<f64> {
+    first
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .map(|d| d.as_secs_f64())
+}
+
+/// `guestmem run --kernel ...`: checks the boot, builds the Linux VM, boots it and runs it
+/// until it resets or shuts down, or for `run_for`; says how it ended on stderr.
+pub fn run(
+    vm: &VmArgs,
+    linux: &LinuxArgs,
+    plan: BootPlan,
+    run_for: Option<Duration>,
+) -> crate::Result<()> {
+    let config = linux_config(vm.vcpus, vm.memory, vm.backend);
+    let (console, first_line) = linux.console()?;
+    let t0 = Instant::now();
+    let mut machine = LinuxVm::new(&config, console)?;
+    machine.boot(&plan)?;
+    eprintln!(
+        "guestmem: booting {} ({:?}) with {} MiB on {}, {} vCPUs, set up in {:.1} ms",
+        linux
+            .kernel
+            .as_deref()
+            .unwrap_or_else(|| std::path::Path::new("?"))
+            .display(),
+        plan.kind(),
+        vm.memory >> 20,
+        vm.backend,
+        vm.vcpus,
+        t0.elapsed().as_secs_f64() * 1e3
+    );
+    // Without --run-for the guest runs until it resets or shuts down (a VMM's ordinary run).
+    let limit = run_for.unwrap_or(Duration::from_secs(u64::from(u32::MAX)));
+    let end = machine.run_for(limit)?;
+    if let Some(first) = first_line_secs(&first_line) {
+        eprintln!("guestmem: first console line after {first:.2} s");
+    }
+    let how = match end {
+        LinuxEnd::TimeLimit => "ran for --run-for and was stopped",
+        LinuxEnd::Reset => "reset itself",
+        LinuxEnd::Shutdown => "shut down",
+    };
+    eprintln!(
+        "guestmem: the guest {how} after {:.2} s",
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(())
+}

@@ -1,0 +1,210 @@
+//! guestmem's Linux guest ([`LinuxVm`]) as a second implementation of the driver's traits,
+//! beside the payload VM: on the sending side a [`LinuxMachine`] (the VM running or paused) is
+//! a [`Machine`], its console a [`SerialComponent`]; on the receiving side [`LinuxVm`] is a
+//! [`TargetMachine`], built by a [`LinuxBuilder`]. The snapshot and migration engines move a
+//! Linux guest's memory exactly as they move the payload's; the machine blob is the JSON of a
+//! [`LinuxState`], the serial console's state travels as the component "serial".
+
+use std::sync::{Arc, Mutex};
+
+use guestmem_memory::GuestMemory;
+use guestmem_tracking::Tracker;
+use guestmem_vm::linux::{
+    ConsoleOut, LinuxState, LinuxVm, RunningLinux, SerialDevice, SerialDeviceState,
+};
+use guestmem_vm::VmConfig;
+
+use crate::component::{ComponentError, Machine};
+use crate::{Component, Error, MachineBuilder, Result, SharedFiles, TargetMachine};
+
+enum LinuxRun<'a> {
+    Running(RunningLinux<'a>),
+    Paused(&'a mut LinuxVm),
+    Lost,
+}
+
+/// A Linux VM on the sending side of a snapshot or a migration, running or paused.
+pub struct LinuxMachine<'a> {
+    state: LinuxRun<'a>,
+    memory: Arc<GuestMemory>,
+    config: VmConfig,
+}
+
+impl std::fmt::Debug for LinuxMachine<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let state = match self.state {
+            LinuxRun::Running(_) => "running",
+            LinuxRun::Paused(_) => "paused",
+            LinuxRun::Lost => "lost",
+        };
+        f.debug_struct("LinuxMachine")
+            .field("state", &state)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'a> LinuxMachine<'a> {
+    /// The machine of a VM whose vCPUs are running.
+    pub fn running(running: RunningLinux<'a>) -> LinuxMachine<'a> {
+        LinuxMachine {
+            memory: running.vm().memory().clone(),
+            config: running.vm().config().clone(),
+            state: LinuxRun::Running(running),
+        }
+    }
+
+    /// The machine of a paused (or never started) VM.
+    pub fn paused(vm: &'a mut LinuxVm) -> LinuxMachine<'a> {
+        LinuxMachine {
+            memory: vm.memory().clone(),
+            config: vm.config().clone(),
+            state: LinuxRun::Paused(vm),
+        }
+    }
+
+    /// The running vCPUs, if they run.
+    pub fn into_running(self) -> Option<RunningLinux<'a>> {
+        match self.state {
+            LinuxRun::Running(r) => Some(r),
+            _ => None,
+        }
+    }
+
+    /// The paused VM, if it is paused.
+    pub fn into_paused(self) -> Option<&'a mut LinuxVm> {
+        match self.state {
+            LinuxRun::Paused(vm) => Some(vm),
+            _ => None,
+        }
+    }
+
+    fn vm(&self) -> Result<&LinuxVm> {
+        match &self.state {
+            LinuxRun::Running(r) => Ok(r.vm()),
+            LinuxRun::Paused(vm) => Ok(vm),
+            LinuxRun::Lost => Err(Error::MachineLost),
+        }
+    }
+}
+
+impl Machine for LinuxMachine<'_> {
+    fn memory(&self) -> &Arc<GuestMemory> {
+        &self.memory
+    }
+
+    fn config(&self) -> &VmConfig {
+        &self.config
+    }
+
+    fn start_tracking(&self, mode: guestmem_tracking::Mode) -> Result<Tracker> {
+        let vm = self.vm()?;
+        Ok(Tracker::start_on(
+            vm.fd(),
+            vm.memory(),
+            vm.dirty_rings(),
+            mode,
+        )?)
+    }
+
+    fn pause(&mut self) -> Result<()> {
+        match std::mem::replace(&mut self.state, LinuxRun::Lost) {
+            LinuxRun::Running(r) => self.state = LinuxRun::Paused(r.pause()?),
+            other => self.state = other,
+        }
+        Ok(())
+    }
+
+    fn resume(&mut self) -> Result<()> {
+        match std::mem::replace(&mut self.state, LinuxRun::Lost) {
+            LinuxRun::Paused(vm) => self.state = LinuxRun::Running(vm.start()?),
+            other => self.state = other,
+        }
+        Ok(())
+    }
+
+    fn save(&mut self) -> Result<Vec<u8>> {
+        match &self.state {
+            LinuxRun::Paused(vm) => Ok(vm.save_state()?.to_bytes()),
+            LinuxRun::Running(_) => Err(Error::MachineRunning),
+            LinuxRun::Lost => Err(Error::MachineLost),
+        }
+    }
+}
+
+impl TargetMachine for LinuxVm {
+    type Running<'a> = RunningLinux<'a>;
+
+    fn memory(&self) -> &Arc<GuestMemory> {
+        LinuxVm::memory(self)
+    }
+
+    fn vcpu_count(&self) -> usize {
+        LinuxVm::vcpu_count(self)
+    }
+
+    fn restore(&mut self, state: &[u8]) -> Result<()> {
+        Ok(self.restore_state(&LinuxState::from_bytes(state)?)?)
+    }
+
+    fn resume(&mut self) -> Result<RunningLinux<'_>> {
+        Ok(self.start()?)
+    }
+}
+
+/// Builds a [`LinuxVm`] for the configuration a snapshot or a migration's source gives, its
+/// console going where `console` says (called once per VM built).
+pub struct LinuxBuilder<F: FnMut() -> ConsoleOut>(pub F);
+
+impl<F: FnMut() -> ConsoleOut> std::fmt::Debug for LinuxBuilder<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LinuxBuilder")
+    }
+}
+
+impl<F: FnMut() -> ConsoleOut> MachineBuilder for LinuxBuilder<F> {
+    type Machine = LinuxVm;
+
+    fn build(&mut self, config: &VmConfig, shared: SharedFiles) -> Result<LinuxVm> {
+        Ok(LinuxVm::new_on(config, shared, (self.0)())?)
+    }
+}
+
+/// The Linux guest's 16550 console as the component "serial": its registers and pending
+/// input move with the guest (JSON of [`SerialDeviceState`]).
+#[derive(Debug, Clone)]
+pub struct SerialComponent(pub Arc<Mutex<SerialDevice>>);
+
+/// The name the serial console's state travels under.
+pub const SERIAL_COMPONENT: &str = "serial";
+
+impl Component for SerialComponent {
+    fn name(&self) -> &str {
+        SERIAL_COMPONENT
+    }
+
+    fn pause(&mut self) -> std::result::Result<(), ComponentError> {
+        Ok(())
+    }
+
+    fn resume(&mut self) -> std::result::Result<(), ComponentError> {
+        Ok(())
+    }
+
+    fn save(&mut self) -> std::result::Result<Vec<u8>, ComponentError> {
+        let state = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .state();
+        Ok(serde_json::to_vec(&state)?)
+    }
+
+    fn restore(&mut self, state: &[u8]) -> std::result::Result<(), ComponentError> {
+        let state: SerialDeviceState = serde_json::from_slice(state)?;
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .set_state(&state)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,209 @@
+//! The Linux guest's vCPU threads: `KVM_RUN` with port I/O dispatched to [`pio`](super::pio),
+//! until the host pauses them (a kick, as for the payload VM) or the guest resets.
+
+use std::os::unix::thread::JoinHandleExt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kvm_ioctls::{VcpuExit, VcpuFd};
+
+use super::pio::{pio_in, pio_out, PioAction};
+use super::{LinuxVm, SerialDevice};
+use crate::{vcpu, Error, Result};
+
+/// How a Linux guest's run ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LinuxEnd {
+    /// The time limit came; the guest was paused, still running.
+    TimeLimit,
+    /// The guest asked for a reset (keyboard controller, `reboot=k`, or a panic with `panic=N`).
+    Reset,
+    /// The guest shut down (a triple fault, or `KVM_EXIT_SYSTEM_EVENT`).
+    Shutdown,
+}
+
+enum Outcome {
+    Kicked,
+    Ended(LinuxEnd),
+    Failed(Error),
+}
+
+/// A Linux VM whose vCPUs are running.
+pub struct RunningLinux<'a> {
+    vm: &'a mut LinuxVm,
+    threads: Vec<JoinHandle<(VcpuFd, Outcome)>>,
+    kicked: Arc<AtomicBool>,
+    ended: mpsc::Receiver<usize>,
+    started: Instant,
+}
+
+impl std::fmt::Debug for RunningLinux<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunningLinux")
+            .field("vcpus", &self.threads.len())
+            .finish_non_exhaustive()
+    }
+}
+
+pub(super) fn spawn(vm: &mut LinuxVm) -> Result<RunningLinux<'_>> {
+    let kicked = Arc::new(AtomicBool::new(false));
+    let (tx, ended) = mpsc::channel();
+    let mut threads = Vec::new();
+    for (id, mut fd) in vm.vcpus.drain(..).enumerate() {
+        let kicked = kicked.clone();
+        let serial = vm.serial.clone();
+        let tx = tx.clone();
+        let handle = std::thread::Builder::new()
+            .name(format!("linux-vcpu{id}"))
+            .spawn(move || {
+                let outcome = run_loop(id, &mut fd, &kicked, &serial);
+                let _ = tx.send(id);
+                (fd, outcome)
+            })
+            .map_err(|e| Error::Thread {
+                vcpu: id,
+                reason: format!("cannot start: {e}"),
+            })?;
+        threads.push(handle);
+    }
+    Ok(RunningLinux {
+        vm,
+        threads,
+        kicked,
+        ended,
+        started: Instant::now(),
+    })
+}
+
+fn run_loop(
+    id: usize,
+    fd: &mut VcpuFd,
+    kicked: &AtomicBool,
+    serial: &Mutex<SerialDevice>,
+) -> Outcome {
+    loop {
+        if kicked.load(Ordering::Acquire) {
+            return Outcome::Kicked;
+        }
+        let exit = match fd.run() {
+            Ok(VcpuExit::IoIn(port, data)) => {
+                pio_in(serial, port, data);
+                continue;
+            }
+            Ok(VcpuExit::IoOut(port, data)) => match pio_out(serial, port, data) {
+                PioAction::None => continue,
+                PioAction::Reset => return Outcome::Ended(LinuxEnd::Reset),
+            },
+            Ok(VcpuExit::MmioRead(_, data)) => {
+                data.fill(0xff);
+                continue;
+            }
+            Ok(VcpuExit::MmioWrite(..)) => continue,
+            Ok(VcpuExit::Shutdown | VcpuExit::SystemEvent(..)) => {
+                return Outcome::Ended(LinuxEnd::Shutdown)
+            }
+            Ok(exit) => format!("{exit:?}"),
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
+                fd.set_kvm_immediate_exit(0);
+                continue;
+            }
+            Err(e) => format!("KVM_RUN error: {e}"),
+        };
+        return Outcome::Failed(Error::UnexpectedExit {
+            vcpu: id,
+            exit,
+            rip: fd.get_regs().map_or(u64::MAX, |r| r.rip),
+        });
+    }
+}
+
+impl<'a> RunningLinux<'a> {
+    /// The VM these vCPUs belong to.
+    pub fn vm(&self) -> &LinuxVm {
+        self.vm
+    }
+
+    /// How long the vCPUs have been running.
+    pub fn elapsed(&self) -> Duration {
+        self.started.elapsed()
+    }
+
+    /// Waits until the guest ends (reset, shutdown, a vCPU failing) or `limit` passes, then
+    /// stops every vCPU; says which (an error if a vCPU failed).
+    pub fn wait(self, limit: Duration) -> Result<LinuxEnd> {
+        let ended = self.ended.recv_timeout(limit).is_ok();
+        let (_, end) = self.stop()?;
+        Ok(if ended { end } else { LinuxEnd::TimeLimit })
+    }
+
+    /// Stops every vCPU where it is (its state intact, to be saved or resumed) and hands the VM
+    /// back. Fails if a vCPU had failed.
+    pub fn pause(self) -> Result<&'a mut LinuxVm> {
+        Ok(self.stop()?.0)
+    }
+
+    fn stop(mut self) -> Result<(&'a mut LinuxVm, LinuxEnd)> {
+        self.kicked.store(true, Ordering::Release);
+        let mut end = LinuxEnd::TimeLimit;
+        let mut failure = None;
+        for handle in std::mem::take(&mut self.threads) {
+            while !handle.is_finished() {
+                // SAFETY: the thread is not joined yet, so its pthread_t is valid; the kick
+                // signal's handler is installed (LinuxVm::new) and does nothing.
+                unsafe { libc::pthread_kill(handle.as_pthread_t(), vcpu::kick_signal()) };
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            match handle.join() {
+                Ok((fd, outcome)) => {
+                    self.vm.vcpus.push(fd);
+                    match outcome {
+                        Outcome::Kicked => {}
+                        Outcome::Ended(e) => end = e,
+                        Outcome::Failed(e) => failure = failure.or(Some(e)),
+                    }
+                }
+                Err(_) => {
+                    failure = failure.or(Some(Error::Thread {
+                        vcpu: self.vm.vcpus.len(),
+                        reason: "the vCPU thread panicked".into(),
+                    }));
+                }
+            }
+        }
+        self.vm
+            .serial
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .flush();
+        let vm: *mut LinuxVm = self.vm;
+        drop(self);
+        // SAFETY: `self` held the only borrow of the VM for 'a and is gone (its drop had no
+        // threads left to stop), so handing that borrow on is sound.
+        let vm = unsafe { &mut *vm };
+        match failure {
+            Some(e) => Err(e),
+            None => Ok((vm, end)),
+        }
+    }
+}
+
+impl Drop for RunningLinux<'_> {
+    fn drop(&mut self) {
+        if self.threads.is_empty() {
+            return;
+        }
+        self.kicked.store(true, Ordering::Release);
+        for handle in self.threads.drain(..) {
+            while !handle.is_finished() {
+                // SAFETY: as in `stop`: not joined yet, handler installed.
+                unsafe { libc::pthread_kill(handle.as_pthread_t(), vcpu::kick_signal()) };
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            if let Ok((fd, _)) = handle.join() {
+                self.vm.vcpus.push(fd);
+            }
+        }
+    }
+}
