@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Builds the initramfs of the Linux guest that guestmem boots in the kernel lab (issue 42):
 # busybox-static and an init that prints `counter N UPTIME` on the console every 100 ms, so
-# that a test sees the guest go on (past its value at a pause) across a restore or a migration.
+# that a test sees the guest go on (past its value at a pause) across a restore or a migration;
+# it keeps a 64 MiB tmpfs file whose MD5 it prints at boot (`data SUM`) and every 5 s (`check
+# SUM date SECONDS uptime SECONDS`), and a process heap it rewrites all the time.
 #
 #   scripts/linux-guest-initramfs.sh OUT.cpio.gz
 #
@@ -14,7 +16,7 @@ if ldd "$BUSYBOX" >/dev/null 2>&1; then
 fi
 DIR=$(mktemp -d)
 trap 'rm -rf "$DIR"' EXIT
-mkdir -p "$DIR/bin" "$DIR/proc" "$DIR/sys" "$DIR/dev" "$DIR/tmp"
+mkdir -p "$DIR/bin" "$DIR/proc" "$DIR/sys" "$DIR/dev" "$DIR/tmp" "$DIR/data"
 cp "$BUSYBOX" "$DIR/bin/busybox"
 cat > "$DIR/init" <<'INIT'
 #!/bin/busybox sh
@@ -22,7 +24,22 @@ cat > "$DIR/init" <<'INIT'
 mount -t proc proc /proc
 mount -t sysfs sys /sys
 mount -t devtmpfs dev /dev 2>/dev/null
+mount -t tmpfs -o size=80m tmpfs /data 2>/dev/null || mkdir -p /data
 echo "guest: init up at $(cut -d' ' -f1 /proc/uptime) s, $(grep -c ^processor /proc/cpuinfo) CPUs"
+# 64 MiB of data that must survive every restore and migration: 64 distinct MiB (a random MiB,
+# each copy shifted by its index), its MD5 printed once now and again every 5 s.
+dd if=/dev/urandom of=/tmp/seed bs=1024 count=1024 2>/dev/null
+i=0
+while [ $i -lt 64 ]; do echo "$i"; cat /tmp/seed; i=$((i + 1)); done > /data/file
+rm /tmp/seed
+echo "data $(md5sum < /data/file | cut -c1-32)"
+(while true; do
+    sleep 5
+    echo "check $(md5sum < /data/file | cut -c1-32) date $(date +%s) uptime $(cut -d' ' -f1 /proc/uptime)"
+done) &
+# A process whose heap (an 8 MiB array) is rewritten over and over, at low priority: memory
+# that changes while snapshots and migrations copy it.
+nice -n 19 awk 'BEGIN { for (n = 0; ; n++) for (i = 0; i < 131072; i++) a[i] = n + i }' &
 i=0
 while true; do
     echo "counter $i $(cut -d' ' -f1 /proc/uptime)"

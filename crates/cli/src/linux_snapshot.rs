@@ -7,25 +7,35 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use guestmem_contract::component::Components;
+use guestmem_contract::component::{ComponentState, Components};
 use guestmem_contract::{LinuxBuilder, LinuxMachine, SerialComponent};
-use guestmem_snapshot::{self as snapshot, RestoreMode, Snapshot};
+use guestmem_snapshot::live::{write_machine_live, LiveOptions, Strategy};
+use guestmem_snapshot::{self as snapshot, RestoreMode, SnapshotImage};
+use guestmem_store::location::Location;
 use guestmem_vm::linux::{linux_config, BootPlan, LinuxVm};
 
 use crate::linux::{console_to, first_line_secs, LinuxArgs};
+use crate::snapshot::{is_store, RestoreArgs};
 use crate::vm_args::VmArgs;
 
 /// How long a Linux guest may take to print its first console line before `snapshot` gives up.
 const FIRST_LINE_LIMIT: Duration = Duration::from_secs(600);
 
-/// Boots the guest, lets it run `after` from its first console line, pauses it and writes the
-/// snapshot into `out`.
+/// How `snapshot --kernel` writes: paused or live (and how), into a flat directory or a
+/// store (`store:DIR/NAME`, `s3://...`).
+pub struct Written<'a> {
+    pub out: &'a Path,
+    pub live: Option<Strategy>,
+}
+
+/// Boots the guest, lets it run `after` from its first console line (or the `--wait-for`
+/// line), and writes the snapshot: paused, or live while the guest runs on.
 pub fn snapshot(
     vm: &VmArgs,
     linux: &LinuxArgs,
     plan: BootPlan,
     after: Duration,
-    out: &Path,
+    how: Written<'_>,
 ) -> crate::Result<()> {
     let (console, first_line) = linux.console()?;
     let mut machine = LinuxVm::new(&linux_config(vm.vcpus, vm.memory, vm.backend), console)?;
@@ -45,40 +55,113 @@ pub fn snapshot(
         std::thread::sleep(Duration::from_millis(20));
     }
     std::thread::sleep(after);
-    let paused = running.pause()?;
-    let serial = SerialComponent(paused.serial().clone());
-    let states = vec![guestmem_contract::component::ComponentState {
-        name: guestmem_contract::SERIAL_COMPONENT.into(),
-        data: serde_json::to_vec(&serial.0.lock().map_err(|_| "serial lock")?.state())?,
-    }];
+    let mut serial = SerialComponent(running.vm().serial().clone());
     let t = Instant::now();
-    let report = snapshot::write_machine(&mut LinuxMachine::paused(paused), out, &states)?;
+    let summary = match how.live {
+        Some(strategy) => {
+            let mut machine = LinuxMachine::running(running);
+            let written = write_live(&mut machine, &mut serial, how.out, strategy);
+            if let Some(running) = machine.into_running() {
+                running.pause()?;
+            }
+            written?
+        }
+        None => {
+            let paused = running.pause()?;
+            let states = Components::new(vec![&mut serial])?.save()?;
+            write_paused(&mut LinuxMachine::paused(paused), &states, how.out)?
+        }
+    };
     if let Some(first) = first_line_secs(&first_line) {
         eprintln!("guestmem: first console line after {first:.2} s");
     }
     eprintln!(
-        "guestmem: snapshot of the Linux guest ({} MiB on {}) after {:.1} s written to {} in \
-         {:.1} ms: {} MiB of data, {} of {} chunks zero",
+        "guestmem: {} snapshot of the Linux guest ({} MiB on {}) after {:.1} s written to {} \
+         in {:.1} ms: {summary}",
+        if how.live.is_some() { "live" } else { "paused" },
         vm.memory >> 20,
         vm.backend,
         after.as_secs_f64(),
-        out.display(),
+        how.out.display(),
         t.elapsed().as_secs_f64() * 1e3,
-        report.data_bytes >> 20,
-        report.zero_chunks,
-        report.chunks
     );
     Ok(())
 }
 
+/// A paused write of `machine` into `out` (flat or a store); what was written, in words.
+fn write_paused(
+    machine: &mut LinuxMachine<'_>,
+    states: &[ComponentState],
+    out: &Path,
+) -> crate::Result<String> {
+    if is_store(out) {
+        let at = Location::parse(&out.to_string_lossy())?;
+        let objects = at.store.open_with(crate::store_options())?;
+        let report =
+            guestmem_store::write::write_machine(&*objects, &at.name, machine, states, None)?;
+        return Ok(format!("{} bytes stored", report.stored_bytes));
+    }
+    let report = snapshot::write_machine(machine, out, states)?;
+    Ok(format!(
+        "{} MiB of data, {} of {} chunks zero",
+        report.data_bytes >> 20,
+        report.zero_chunks,
+        report.chunks
+    ))
+}
+
+/// A live write of the running `machine` into `out` (flat or a store); its pause and mode, in
+/// words.
+fn write_live(
+    machine: &mut LinuxMachine<'_>,
+    serial: &mut SerialComponent,
+    out: &Path,
+    strategy: Strategy,
+) -> crate::Result<String> {
+    let opts = LiveOptions {
+        strategy,
+        ..LiveOptions::default()
+    };
+    let mut components = Components::new(vec![serial])?;
+    let live = if is_store(out) {
+        let at = Location::parse(&out.to_string_lossy())?;
+        let objects = at.store.open_with(crate::store_options())?;
+        guestmem_store::live::write_machine_live(
+            &*objects,
+            &at.name,
+            machine,
+            &mut components,
+            None,
+            &opts,
+        )?
+        .live
+    } else {
+        write_machine_live(machine, &mut components, out, None, &opts)?.live
+    };
+    Ok(format!(
+        "mode {}, {} rounds, pause {:.2} ms",
+        live.mode,
+        live.rounds.len(),
+        live.pause_ms
+    ))
+}
+
 /// Restores a Linux guest's snapshot as `mode` says, its console to stdout (or `console`),
 /// runs it `run_for` and says how long the restore took and when its first console line came.
-pub fn restore(
-    snap: &Snapshot,
-    mode: RestoreMode,
-    console: Option<&Path>,
+pub fn restore<I: SnapshotImage>(
+    snap: &I,
+    args: &RestoreArgs,
     run_for: Duration,
 ) -> crate::Result<()> {
+    if args.uffd_socket.is_some() {
+        return Err(
+            "a Linux guest's snapshot is restored full, map or lazy in this process \
+                    (no --uffd-socket)"
+                .into(),
+        );
+    }
+    let mode = args.restore_mode()?;
+    let console = args.console.as_deref();
     let t = Instant::now();
     let mut first = None;
     let mut builder = LinuxBuilder(|| match console_to(console, None) {

@@ -100,7 +100,7 @@ pub struct RestoreArgs {
     /// with `guestmem page-server --firecracker SOCKET --snapshot DIR`, which checks each chunk
     /// against the snapshot's CRC-32 before the guest can run on it.
     #[arg(long, value_name = "SOCKET")]
-    uffd_socket: Option<PathBuf>,
+    pub(crate) uffd_socket: Option<PathBuf>,
     /// With `--mode lazy`: share the snapshot's clean pages with every other clone of it on
     /// this host, through one image per snapshot in DIR (on tmpfs; default /dev/shm/guestmem),
     /// each clone mapping it copy-on-write and owning only the pages it writes. The image
@@ -113,7 +113,7 @@ pub struct RestoreArgs {
     run_for: f64,
     /// A Linux guest's snapshot: write its console to FILE instead of stdout.
     #[arg(long, value_name = "FILE")]
-    console: Option<PathBuf>,
+    pub(crate) console: Option<PathBuf>,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -139,7 +139,7 @@ impl RestoreArgs {
 
     /// How `--mode` and `--uffd-socket` say to bring the memory back (`--uffd-socket` only
     /// with `--mode lazy`).
-    fn restore_mode(&self) -> crate::Result<RestoreMode> {
+    pub(crate) fn restore_mode(&self) -> crate::Result<RestoreMode> {
         let pager_config = self.pager_config()?;
         Ok(match (self.mode, &self.uffd_socket) {
             (Mode::Lazy, Some(socket)) => RestoreMode::PageServer(socket.clone()),
@@ -312,13 +312,14 @@ pub fn snapshot(mut args: SnapshotArgs) -> crate::Result<()> {
         return Err("--diff must name another directory than --out (the diff's base)".into());
     }
     if let Some(plan) = args.linux.plan(&args.vm)? {
-        if args.live || args.diff.is_some() || store::is_store(&out) {
-            return Err(
-                "--kernel snapshots are paused and flat (no --live, --diff or store) for now"
-                    .into(),
-            );
+        if args.diff.is_some() || args.compare_paused {
+            return Err("--kernel snapshots are whole (no --diff or --compare-paused)".into());
         }
-        return crate::linux_snapshot::snapshot(&args.vm, &args.linux, plan, after, &out);
+        let how = crate::linux_snapshot::Written {
+            out: &out,
+            live: args.live.then_some(args.live_mode),
+        };
+        return crate::linux_snapshot::snapshot(&args.vm, &args.linux, plan, after, how);
     }
     let mut vm = Vm::new(&args.vm.config()?)?;
     args.vm.load_image(&vm)?;
@@ -518,16 +519,8 @@ pub fn restore(args: RestoreArgs) -> crate::Result<()> {
     let run_for = seconds(args.run_for, "--run-for")?;
     let t = Instant::now();
     let snap = Snapshot::open(&args.dir)?;
-    if guestmem_vm::linux::LinuxState::is_linux(snap.machine_state()) {
-        if args.uffd_socket.is_some() || args.share.is_some() {
-            return Err("a Linux guest's snapshot is restored full, map or lazy (no --uffd-socket or --share yet)".into());
-        }
-        return crate::linux_snapshot::restore(
-            &snap,
-            args.restore_mode()?,
-            args.console.as_deref(),
-            run_for,
-        );
+    if guestmem_contract::is_linux_state(snap.machine_state()) {
+        return crate::linux_snapshot::restore(&snap, &args, run_for);
     }
     let (restored, mut progress) = restore_reported(&args, &snap)?;
     for (phase, d) in &restored.phases {

@@ -4,12 +4,13 @@
 //! (`scripts/kernel-lab.sh --suite linux`) has them; elsewhere they are ignored. Times they
 //! print are the lab's (TCG).
 
+mod common;
+
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-const GUESTMEM: &str = env!("CARGO_BIN_EXE_guestmem");
 /// The guest's command line in these tests: the default, quiet, init from the initramfs, and
 /// `noxsave`: in the lab (KVM nested in QEMU 7.2's TCG), KVM's CPUID 0xD.0 EBX stays at the
 /// XSAVE size of x87|SSE after the guest enables AVX in XCR0 (the guest's XSETBV apparently
@@ -35,7 +36,7 @@ struct Guest {
 
 impl Guest {
     fn spawn(args: &[&str]) -> Guest {
-        let mut child = Command::new(GUESTMEM)
+        let mut child = Command::new(common::guestmem_bin())
             .args(args)
             .stdout(Stdio::piped())
             .spawn()
@@ -118,21 +119,40 @@ fn linux_guest_boots_and_its_counter_goes_on() {
     }
 }
 
-/// The counter values `guest` prints until it exits, the first with the time it came.
-fn counters_until_exit(guest: &mut Guest, limit: Duration) -> (Vec<u64>, Option<Instant>) {
+/// What a guest printed on its console until its guestmem exited: each counter with the
+/// guest's uptime in it and the host's time it came, the MD5 of its 64 MiB file printed at boot
+/// (`data`), and those it printed since (`check`).
+#[derive(Default)]
+struct Transcript {
+    counters: Vec<(u64, f64, Instant)>,
+    data: Option<String>,
+    checks: Vec<String>,
+}
+
+impl Transcript {
+    fn values(&self) -> Vec<u64> {
+        self.counters.iter().map(|c| c.0).collect()
+    }
+}
+
+/// Reads `guest`'s console until its guestmem exits (successfully, within `limit`).
+fn transcript_until_exit(guest: &mut Guest, limit: Duration) -> Transcript {
     let deadline = Instant::now() + limit;
-    let (mut seen, mut first) = (Vec::new(), None);
+    let mut seen = Transcript::default();
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         match guest.lines.recv_timeout(left) {
             Ok((at, line)) => {
-                if let Some(n) = line
-                    .strip_prefix("counter ")
-                    .and_then(|r| r.split_whitespace().next())
-                    .and_then(|n| n.parse().ok())
-                {
-                    first.get_or_insert(at);
-                    seen.push(n);
+                let mut words = line.split_whitespace();
+                match (words.next(), words.next(), words.next()) {
+                    (Some("counter"), Some(n), Some(up)) => {
+                        if let (Ok(n), Ok(up)) = (n.parse(), up.parse()) {
+                            seen.counters.push((n, up, at));
+                        }
+                    }
+                    (Some("data"), Some(sum), None) => seen.data = Some(sum.to_string()),
+                    (Some("check"), Some(sum), _) => seen.checks.push(sum.to_string()),
+                    _ => {}
                 }
             }
             Err(mpsc::RecvTimeoutError::Disconnected) => break,
@@ -141,15 +161,20 @@ fn counters_until_exit(guest: &mut Guest, limit: Duration) -> (Vec<u64>, Option<
     }
     let status = guest.child.wait().unwrap();
     assert!(status.success(), "guestmem failed: {status}");
-    (seen, first)
+    seen
 }
 
-/// Takes a paused snapshot of the booted guest 2 s after its first console line; the counter
-/// values it printed before the pause.
-fn snapshot_guest(dir: &std::path::Path, backend: &str) -> Vec<u64> {
+/// Takes a paused snapshot of the booted guest 2 s after its first counter line; what the
+/// guest printed before the pause.
+fn snapshot_guest(dir: &std::path::Path, backend: &str) -> Transcript {
+    snapshot_guest_to(dir.to_str().unwrap(), backend, &[])
+}
+
+/// [`snapshot_guest`] into `out` (a directory or `store:DIR/NAME`), with `extra` arguments
+/// (`--live`).
+fn snapshot_guest_to(out: &str, backend: &str, extra: &[&str]) -> Transcript {
     let (kernel, initrd) = guest_files();
-    let out = dir.to_str().unwrap();
-    let mut guest = Guest::spawn(&[
+    let mut args = vec![
         "snapshot",
         "--kernel",
         &kernel,
@@ -169,42 +194,105 @@ fn snapshot_guest(dir: &std::path::Path, backend: &str) -> Vec<u64> {
         "counter 0",
         "--out",
         out,
-    ]);
-    let (before, first) = counters_until_exit(&mut guest, Duration::from_secs(500));
+    ];
+    args.extend_from_slice(extra);
+    let mut guest = Guest::spawn(&args);
+    let before = transcript_until_exit(&mut guest, Duration::from_secs(500));
     println!(
         "TCG time: boot to the first counter line {:.2} s",
-        (first.expect("a counter before the snapshot") - guest.started).as_secs_f64()
+        (before
+            .counters
+            .first()
+            .expect("a counter before the snapshot")
+            .2
+            - guest.started)
+            .as_secs_f64()
     );
     assert!(
-        before.len() >= 5,
-        "the guest ran before the pause: {before:?}"
+        before.counters.len() >= 5,
+        "the guest ran before the pause: {:?}",
+        before.values()
     );
+    assert!(before.data.is_some(), "the guest printed its data's MD5");
     before
 }
 
-/// Restores the snapshot in `dir` (`mode`) and checks the counter goes on from where it was
-/// paused: the first value after the restore follows the last before it, and it keeps going.
-fn restore_guest(dir: &std::path::Path, mode: &str, before: &[u64]) {
-    let mut guest = Guest::spawn(&[
-        "restore",
-        dir.to_str().unwrap(),
-        "--mode",
-        mode,
-        "--run-for",
-        "20",
-    ]);
-    let (after, first) = counters_until_exit(&mut guest, Duration::from_secs(300));
-    let last = *before.last().unwrap();
-    println!(
-        "TCG time: {mode} restore to the first counter line {:.2} s",
-        (first.expect("a counter after the restore") - guest.started).as_secs_f64()
-    );
-    assert!(after.len() >= 10, "the restored guest goes on: {after:?}");
+/// The checks of a guest that went on after a pause (a restore or a migration): the counter
+/// goes on past its value at the pause by one at a time (no restart, no hang), the 64 MiB
+/// file's MD5 is the one printed at boot, and the guest's clock moved by the pause (the
+/// host's time between the last line before it and the first after) and no more than a
+/// second beyond it.
+fn assert_went_on(what: &str, before: &Transcript, after: &Transcript) {
+    let (last, up_before, at_before) = *before.counters.last().unwrap();
+    let values = after.values();
+    assert!(values.len() >= 10, "{what}: the guest goes on: {values:?}");
     assert!(
-        after[0] > last && after[0] <= last + 2,
-        "the counter goes on past {last}, not from the start: {after:?}"
+        values[0] > last && values[0] <= last + 2,
+        "{what}: the counter goes on past {last}, not from the start: {values:?}"
     );
-    assert!(after.windows(2).all(|w| w[1] == w[0] + 1), "{after:?}");
+    assert!(
+        values.windows(2).all(|w| w[1] == w[0] + 1),
+        "{what}: {values:?}"
+    );
+    let data = before.data.as_ref().unwrap();
+    assert!(
+        !after.checks.is_empty(),
+        "{what}: the guest checked its data after the pause"
+    );
+    assert!(
+        after.checks.iter().all(|c| c == data),
+        "{what}: the guest's 64 MiB file changed: MD5 {data} at boot, {:?} after",
+        after.checks
+    );
+    let (_, up_after, at_after) = after.counters[0];
+    let host = (at_after - at_before).as_secs_f64();
+    let guest = up_after - up_before;
+    println!("{what}: the guest's clock moved {guest:.2} s over a pause of {host:.2} s (TCG)");
+    assert!(
+        (guest - host).abs() <= 1.0,
+        "{what}: the guest's clock moved {guest:.2} s while {host:.2} s passed"
+    );
+}
+
+/// Restores the snapshot in `dir` (`mode`) and checks the guest goes on from where it was
+/// paused ([`assert_went_on`]).
+fn restore_guest(dir: &std::path::Path, mode: &str, before: &Transcript) {
+    restore_from(dir.to_str().unwrap(), &["--mode", mode], before);
+}
+
+/// Restores the snapshot at `snap` (a directory or `store:DIR/NAME`) with `how` (`--mode
+/// lazy`, `--share DIR`, ...) and checks the guest goes on from where it was paused.
+fn restore_from(snap: &str, how: &[&str], before: &Transcript) {
+    let mode = how.join(" ");
+    let mut guest = spawn_restore(snap, how);
+    let after = transcript_until_exit(&mut guest, Duration::from_secs(300));
+    println!(
+        "TCG time: restore {mode} to the first counter line {:.2} s",
+        (after
+            .counters
+            .first()
+            .expect("a counter after the restore")
+            .2
+            - guest.started)
+            .as_secs_f64()
+    );
+    assert_went_on(&format!("restore {mode}"), before, &after);
+}
+
+fn spawn_restore(snap: &str, how: &[&str]) -> Guest {
+    let mut args = vec!["restore", snap, "--run-for", "20"];
+    args.extend_from_slice(how);
+    Guest::spawn(&args)
+}
+
+/// Host memory in use (MemTotal - MemAvailable), in MiB.
+fn host_used_mib() -> f64 {
+    let info = std::fs::read_to_string("/proc/meminfo").unwrap();
+    let kib = |key: &str| -> f64 {
+        let line = info.lines().find(|l| l.starts_with(key)).unwrap();
+        line.split_whitespace().nth(1).unwrap().parse().unwrap()
+    };
+    (kib("MemTotal:") - kib("MemAvailable:")) / 1024.0
 }
 
 fn scratch(name: &str) -> std::path::PathBuf {
@@ -243,7 +331,7 @@ fn migrate_guest(mode: &str) {
     std::fs::create_dir_all(&dir).unwrap();
     let keys = dir.join("keys");
     let keys = keys.to_str().unwrap();
-    let o = Command::new(GUESTMEM)
+    let o = Command::new(common::guestmem_bin())
         .args(["migrate", "keys", "--out", keys])
         .output()
         .unwrap();
@@ -284,15 +372,10 @@ fn migrate_guest(mode: &str) {
         "--mode",
         mode,
     ]);
-    let (before, _) = counters_until_exit(&mut source, Duration::from_secs(500));
-    let (after, _) = counters_until_exit(&mut destination, Duration::from_secs(300));
-    let last = *before.last().expect("the source's guest counted");
-    assert!(after.len() >= 10, "the migrated guest goes on: {after:?}");
-    assert!(
-        after[0] > last && after[0] <= last + 2,
-        "the counter goes on past {last} after the {mode} migration: {after:?}"
-    );
-    assert!(after.windows(2).all(|w| w[1] == w[0] + 1), "{after:?}");
+    let before = transcript_until_exit(&mut source, Duration::from_secs(500));
+    let after = transcript_until_exit(&mut destination, Duration::from_secs(300));
+    assert!(!before.counters.is_empty(), "the source's guest counted");
+    assert_went_on(&format!("{mode} migration"), &before, &after);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -308,4 +391,57 @@ fn linux_precopy_migration_and_the_counter_goes_on() {
 #[ignore = "needs ordinary KVM and a guest kernel: the kernel lab's linux suite runs it"]
 fn linux_postcopy_migration_and_the_counter_goes_on() {
     migrate_guest("postcopy");
+}
+
+/// A live snapshot (the default: copy-before-write) of the Linux guest while it runs, into a
+/// flat directory and into the chunk store; each restored lazily goes on.
+#[test]
+#[ignore = "needs ordinary KVM and a guest kernel: the kernel lab's linux suite runs it"]
+fn linux_live_snapshot_flat_and_store_restores_lazily_and_the_counter_goes_on() {
+    let dir = scratch("live");
+    let flat = dir.join("flat");
+    let before = snapshot_guest_to(flat.to_str().unwrap(), "anon", &["--live"]);
+    restore_from(flat.to_str().unwrap(), &["--mode", "lazy"], &before);
+    let store = format!("store:{}/vm", dir.join("store").display());
+    let before = snapshot_guest_to(&store, "memfd", &["--live"]);
+    restore_from(&store, &["--mode", "lazy"], &before);
+    restore_from(&store, &["--mode", "full"], &before);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Four clones of one Linux snapshot in the store, restored lazily sharing its clean pages
+/// (`--share`): each goes on from the pause with its data intact; the host memory four add
+/// is printed beside one clone's.
+#[test]
+#[ignore = "needs ordinary KVM and a guest kernel: the kernel lab's linux suite runs it"]
+fn linux_clones_share_one_snapshot_and_each_goes_on() {
+    let dir = scratch("clones");
+    let store = format!("store:{}/vm", dir.join("store").display());
+    let before = snapshot_guest_to(&store, "anon", &[]);
+    let share = format!("/dev/shm/guestmem-linux-clones-{}", std::process::id());
+    let how = ["--mode", "lazy", "--share", share.as_str()];
+    let mut used = Vec::new();
+    for count in [1, 4] {
+        let idle = host_used_mib();
+        let mut clones: Vec<Guest> = (0..count).map(|_| spawn_restore(&store, &how)).collect();
+        std::thread::sleep(Duration::from_secs(15));
+        used.push(host_used_mib() - idle);
+        for (i, clone) in clones.iter_mut().enumerate() {
+            let after = transcript_until_exit(clone, Duration::from_secs(300));
+            assert_went_on(&format!("clone {i} of {count}"), &before, &after);
+        }
+    }
+    println!(
+        "host memory added (TCG lab, 256 MiB guests): one clone {:.0} MiB, four clones {:.0} MiB",
+        used[0], used[1]
+    );
+    let _ = std::fs::remove_dir_all(&share);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Hybrid migration of the Linux guest (one pre-copy round, then post-copy): it goes on.
+#[test]
+#[ignore = "needs ordinary KVM and a guest kernel: the kernel lab's linux suite runs it"]
+fn linux_hybrid_migration_and_the_counter_goes_on() {
+    migrate_guest("hybrid");
 }

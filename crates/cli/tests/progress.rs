@@ -4,13 +4,13 @@
 //! reaching zero and the last line `completed`; or `failed`, with the error, when the
 //! destination is killed mid-way.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-
-const GUESTMEM: &str = env!("CARGO_BIN_EXE_guestmem");
 
 /// A directory of this test, removed on drop.
 struct TempDir(PathBuf);
@@ -24,7 +24,7 @@ impl TempDir {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let keys = dir.join("keys");
-        let o = Command::new(GUESTMEM)
+        let o = Command::new(common::guestmem_bin())
             .args(["migrate", "keys", "--out", keys.to_str().unwrap()])
             .output()
             .unwrap();
@@ -138,7 +138,7 @@ fn assert_completed(lines: &[Value]) {
 
 fn receive(dir: &TempDir, extra: &[&str]) -> Killed {
     let socket = dir.path("s.sock");
-    let child = Command::new(GUESTMEM)
+    let child = Command::new(common::guestmem_bin())
         .args(["migrate", "receive", "--listen", &format!("unix:{socket}")])
         .args(["--keys", &dir.path("keys"), "--json", "--run-for", "0.5"])
         .args(["--progress", &format!("json={}", dir.path("rx.jsonl"))])
@@ -158,7 +158,7 @@ fn receive(dir: &TempDir, extra: &[&str]) -> Killed {
 }
 
 fn send_command(dir: &TempDir, mode: &str, extra: &[&str]) -> Command {
-    let mut c = Command::new(GUESTMEM);
+    let mut c = Command::new(common::guestmem_bin());
     c.args([
         "migrate",
         "send",
@@ -318,7 +318,7 @@ fn a_killed_destination_ends_the_stream_failed() {
 fn a_snapshot_and_its_lazy_restore_stream_their_progress() {
     let dir = TempDir::new("restore");
     let snap = dir.path("snap");
-    let o = Command::new(GUESTMEM)
+    let o = Command::new(common::guestmem_bin())
         .args([
             "snapshot", "--out", &snap, "--memory", "128M", "--vcpus", "2",
         ])
@@ -337,7 +337,7 @@ fn a_snapshot_and_its_lazy_restore_stream_their_progress() {
         "{report}"
     );
 
-    let o = Command::new(GUESTMEM)
+    let o = Command::new(common::guestmem_bin())
         .args([
             "restore",
             &snap,
@@ -396,7 +396,7 @@ fn page_server_metrics_count_what_its_sessions_report() {
     use std::io::{BufRead, BufReader};
     let dir = TempDir::new("pageserver");
     let snap = dir.path("snap");
-    let o = Command::new(GUESTMEM)
+    let o = Command::new(common::guestmem_bin())
         .args([
             "snapshot", "--out", &snap, "--memory", "64M", "--vcpus", "2",
         ])
@@ -406,7 +406,7 @@ fn page_server_metrics_count_what_its_sessions_report() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let socket = dir.path("ps.sock");
     let mut server = Killed(Some(
-        Command::new(GUESTMEM)
+        Command::new(common::guestmem_bin())
             .args(["page-server", "--firecracker", &socket, "--snapshot", &snap])
             .args(["--metrics", "127.0.0.1:0"])
             .args(["--progress", &format!("json={}", dir.path("ps.jsonl"))])
@@ -431,7 +431,7 @@ fn page_server_metrics_count_what_its_sessions_report() {
     // Nothing served yet: no runs counted.
     assert!(!scrape(port).contains("guestmem_operations_total{"));
     for _ in 0..3 {
-        let o = Command::new(GUESTMEM)
+        let o = Command::new(common::guestmem_bin())
             .args(["restore", &snap, "--mode", "lazy", "--uffd-socket", &socket])
             .args(["--run-for", "0.2", "--json"])
             .output()

@@ -171,6 +171,11 @@ pub fn describe(blob: &[u8]) -> String {
     }
 }
 
+/// The kind named by `blob`'s envelope (`None`: no envelope).
+pub fn kind_of(blob: &[u8]) -> Option<String> {
+    StateKind::head(blob).map(|(kind, _, _)| kind)
+}
+
 /// Whether `blob` is a state in an envelope (of any kind).
 pub fn is_sealed(blob: &[u8]) -> bool {
     StateKind::head(blob).is_some()

@@ -13,7 +13,10 @@ mod target;
 
 pub use component::Component;
 pub use guestmem_sys::error_chain;
-pub use linux_vm::{LinuxBuilder, LinuxMachine, SerialComponent, SERIAL_COMPONENT};
+pub use linux_vm::{
+    is_linux_state, open_linux_state, LinuxBuilder, LinuxMachine, SerialComponent, LINUX_STATE,
+    SERIAL_COMPONENT,
+};
 pub use payload_vm::{
     save as payload_state, state_of as payload_state_of, PayloadVm, VmBuilder,
     STATE as PAYLOAD_STATE,

@@ -15,7 +15,32 @@ use guestmem_vm::linux::{
 use guestmem_vm::VmConfig;
 
 use crate::component::{ComponentError, Machine};
+use crate::envelope::StateKind;
 use crate::{Component, Error, MachineBuilder, Result, SharedFiles, TargetMachine};
+
+/// The Linux machine's state in its envelope: a [`LinuxState`] (whose own
+/// `LINUX_STATE_VERSION` a change to its fields bumps, together with this kind's `version`).
+/// Version 1 is also read bare (a state saved before it was sealed). A guestmem of before the
+/// Linux guest (0.2.0) refuses the kind by name.
+pub const LINUX_STATE: StateKind = StateKind {
+    name: "guestmem-linux-vm",
+    version: 1,
+    min_version: 1,
+};
+
+/// Whether `blob` is a Linux machine's saved state (sealed or bare, of any version).
+pub fn is_linux_state(blob: &[u8]) -> bool {
+    crate::envelope::kind_of(blob).as_deref() == Some(LINUX_STATE.name)
+        || LinuxState::is_linux(blob)
+}
+
+/// The [`LinuxState`] in `blob`: a version this build reads, or a refusal naming both.
+pub fn open_linux_state(blob: &[u8]) -> Result<LinuxState> {
+    let (state, _) = LINUX_STATE.open::<serde_json::Value>(blob)?;
+    Ok(LinuxState::from_bytes(
+        &serde_json::to_vec(&state).expect("a JSON value serializes"),
+    )?)
+}
 
 enum LinuxRun<'a> {
     Running(RunningLinux<'a>),
@@ -124,7 +149,7 @@ impl Machine for LinuxMachine<'_> {
 
     fn save(&mut self) -> Result<Vec<u8>> {
         match &self.state {
-            LinuxRun::Paused(vm) => Ok(vm.save_state()?.to_bytes()),
+            LinuxRun::Paused(vm) => Ok(LINUX_STATE.seal(&vm.save_state()?)),
             LinuxRun::Running(_) => Err(Error::MachineRunning),
             LinuxRun::Lost => Err(Error::MachineLost),
         }
@@ -143,7 +168,7 @@ impl TargetMachine for LinuxVm {
     }
 
     fn restore(&mut self, state: &[u8]) -> Result<()> {
-        Ok(self.restore_state(&LinuxState::from_bytes(state)?)?)
+        Ok(self.restore_state(&open_linux_state(state)?)?)
     }
 
     fn resume(&mut self) -> Result<RunningLinux<'_>> {
@@ -206,5 +231,29 @@ impl Component for SerialComponent {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .set_state(&state)?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A sealed Linux state is told apart from the payload's; a newer version of it is refused
+    /// naming both versions, never with a parse error.
+    #[test]
+    fn linux_state_kind_is_recognized_and_a_newer_version_refused() {
+        let v2 = br#"{"guestmem_state":"guestmem-linux-vm","version":2,"state":{"x":1}}"#;
+        assert!(is_linux_state(v2));
+        assert!(matches!(
+            open_linux_state(v2).unwrap_err(),
+            Error::StateVersion { found: 2, .. }
+        ));
+        let payload = crate::PAYLOAD_STATE.seal(&serde_json::json!({"vcpus": []}));
+        assert!(!is_linux_state(&payload));
+        assert!(!is_linux_state(br#"{"vcpus":[]}"#));
+        assert!(matches!(
+            open_linux_state(&payload).unwrap_err(),
+            Error::StateKind { .. }
+        ));
     }
 }

@@ -5,6 +5,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use guestmem_snapshot::SnapshotImage;
 use guestmem_store::cache::ChunkCache;
 use guestmem_store::location::{is_store_url, Location, StoreUrl};
 use guestmem_store::pages::FetchStats;
@@ -264,6 +265,9 @@ pub(super) fn restore(args: &RestoreArgs) -> crate::Result<()> {
     let at = Location::parse(&text)?;
     let t = Instant::now();
     let snap = open_store_snapshot(&at)?;
+    if guestmem_contract::is_linux_state(snap.machine_state()) {
+        return crate::linux_snapshot::restore(&snap, args, run_for);
+    }
     if matches!(args.mode, Mode::Map) {
         return Err(format!(
             "--mode map maps a flat snapshot's memory file; {text} is a store snapshot \

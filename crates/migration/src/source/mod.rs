@@ -160,10 +160,22 @@ fn fault_cpus(opts: &SendOptions) -> Result<Option<CpuSet>> {
 }
 
 /// The paused `machine`'s state as protocol `protocol` carries it: protocol 1 (guestmem 0.1.0)
-/// takes it bare, out of its versioned envelope.
+/// takes it bare, out of its versioned envelope, and knows only guestmem's own VM (a Linux
+/// guest's state is refused naming its kind).
 fn machine_state(machine: &mut dyn Machine, protocol: u32) -> Result<Vec<u8>> {
     let state = machine.save()?;
     if protocol <= 1 {
+        let payload = guestmem_contract::PAYLOAD_STATE.name;
+        match guestmem_contract::envelope::kind_of(&state) {
+            Some(kind) if kind != payload => {
+                return Err(guestmem_contract::Error::StateKind {
+                    found: kind,
+                    expected: payload,
+                }
+                .into())
+            }
+            _ => {}
+        }
         return Ok(guestmem_contract::envelope::bare_v1(&state)?);
     }
     Ok(state)
