@@ -2,7 +2,7 @@
 # Builds the initramfs of the Linux guest that guestmem boots in the kernel lab (issue 42):
 # busybox-static and an init that prints `counter N UPTIME` on the console every 100 ms, so
 # that a test sees the guest go on (past its value at a pause) across a restore or a migration;
-# it keeps a 64 MiB tmpfs file whose MD5 it prints at boot (`data SUM`) and every 5 s (`check
+# it keeps a 64 MiB tmpfs file whose MD5 it prints at boot (`data SUM`) and every 10 s (`check
 # SUM date SECONDS uptime SECONDS`), and a process heap it rewrites all the time.
 #
 #   scripts/linux-guest-initramfs.sh OUT.cpio.gz
@@ -27,19 +27,20 @@ mount -t devtmpfs dev /dev 2>/dev/null
 mount -t tmpfs -o size=80m tmpfs /data 2>/dev/null || mkdir -p /data
 echo "guest: init up at $(cut -d' ' -f1 /proc/uptime) s, $(grep -c ^processor /proc/cpuinfo) CPUs"
 # 64 MiB of data that must survive every restore and migration: 64 distinct MiB (a random MiB,
-# each copy shifted by its index), its MD5 printed once now and again every 5 s.
+# each copy shifted by its index), its MD5 printed once now and again every 10 s.
 dd if=/dev/urandom of=/tmp/seed bs=1024 count=1024 2>/dev/null
 i=0
 while [ $i -lt 64 ]; do echo "$i"; cat /tmp/seed; i=$((i + 1)); done > /data/file
 rm /tmp/seed
 echo "data $(md5sum < /data/file | cut -c1-32)"
 (while true; do
-    sleep 5
+    sleep 10
     echo "check $(md5sum < /data/file | cut -c1-32) date $(date +%s) uptime $(cut -d' ' -f1 /proc/uptime)"
 done) &
-# A process whose heap (an 8 MiB array) is rewritten over and over, at low priority: memory
-# that changes while snapshots and migrations copy it.
-nice -n 19 awk 'BEGIN { for (n = 0; ; n++) for (i = 0; i < 131072; i++) a[i] = n + i }' &
+# A process whose heap (an array of 32768 numbers) is rewritten twice a second, at low
+# priority: memory that changes while snapshots and migrations copy it.
+awk 'BEGIN { for (n = 0; ; n++) { for (i = 0; i < 32768; i++) a[i] = n + i; system("usleep 500000") } }' &
+renice -n 19 $! > /dev/null
 i=0
 while true; do
     echo "counter $i $(cut -d' ' -f1 /proc/uptime)"

@@ -143,6 +143,39 @@ pub fn console_to(
     Ok((Box::new(console), first_line))
 }
 
+/// How long a Linux guest may take to print its first console line (or the `--wait-for` one)
+/// before `snapshot` or `migrate send` gives up.
+pub const FIRST_LINE_LIMIT: Duration = Duration::from_secs(600);
+
+/// Waits until the running guest printed its first console line (holding the `--wait-for`
+/// text, if given); an error if it ended first (a reset: a panic, say) or printed none within
+/// [`FIRST_LINE_LIMIT`]. `not_done` says what was then not done.
+pub fn wait_first_line(
+    running: &guestmem_vm::linux::RunningLinux<'_>,
+    first: &FirstLine,
+    not_done: &str,
+) -> crate::Result<()> {
+    let limit = Instant::now() + FIRST_LINE_LIMIT;
+    while first_line_secs(first).is_none() {
+        if running.ended() {
+            return Err(format!(
+                "the Linux guest ended (a reset, a shutdown or a failed vCPU) before the console \
+                 line awaited; {not_done}"
+            )
+            .into());
+        }
+        if Instant::now() >= limit {
+            return Err(format!(
+                "the Linux guest printed no awaited console line in {} s; {not_done}",
+                FIRST_LINE_LIMIT.as_secs()
+            )
+            .into());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(())
+}
+
 /// When the first console line ended, in seconds, if it did.
 pub fn first_line_secs(first: &FirstLine) -> Option<f64> {
     first

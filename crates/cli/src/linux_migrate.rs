@@ -13,11 +13,8 @@ use guestmem_migration::migrate::{self, Links, ReceiveOptions, Report, SendOptio
 use guestmem_migration::transport::{Credentials, Endpoint, Listener};
 use guestmem_vm::linux::{linux_config, BootPlan, LinuxVm};
 
-use crate::linux::{console_to, first_line_secs, LinuxArgs};
+use crate::linux::{console_to, first_line_secs, wait_first_line, LinuxArgs};
 use crate::vm_args::VmArgs;
-
-/// How long the guest may take to print its first console line before the migration starts.
-const FIRST_LINE_LIMIT: Duration = Duration::from_secs(600);
 
 /// Boots the guest, lets it run `after` from its first console line, and migrates it to `to`.
 #[allow(clippy::too_many_arguments)]
@@ -37,15 +34,9 @@ pub fn send(
     let mut machine = LinuxVm::new(&config, console)?;
     machine.boot(&plan)?;
     let running = machine.start()?;
-    let limit = Instant::now() + FIRST_LINE_LIMIT;
-    while first_line_secs(&first_line).is_none() && Instant::now() < limit {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    if first_line_secs(&first_line).is_none() {
-        running.pause()?;
-        return Err(
-            "the Linux guest printed no console line in 600 s; nothing was migrated".into(),
-        );
+    if let Err(e) = wait_first_line(&running, &first_line, "nothing was migrated") {
+        let _ = running.pause();
+        return Err(e);
     }
     std::thread::sleep(after);
     let links = match Links::connect(to, &creds, opts.mode, connections) {

@@ -14,12 +14,9 @@ use guestmem_snapshot::{self as snapshot, RestoreMode, SnapshotImage};
 use guestmem_store::location::Location;
 use guestmem_vm::linux::{linux_config, BootPlan, LinuxVm};
 
-use crate::linux::{console_to, first_line_secs, LinuxArgs};
+use crate::linux::{console_to, first_line_secs, wait_first_line, LinuxArgs};
 use crate::snapshot::{is_store, RestoreArgs};
 use crate::vm_args::VmArgs;
-
-/// How long a Linux guest may take to print its first console line before `snapshot` gives up.
-const FIRST_LINE_LIMIT: Duration = Duration::from_secs(600);
 
 /// How `snapshot --kernel` writes: paused or live (and how), into a flat directory or a
 /// store (`store:DIR/NAME`, `s3://...`).
@@ -42,17 +39,9 @@ pub fn snapshot(
     machine.boot(&plan)?;
     let running = machine.start()?;
     // `after` counts from the guest's first console line: its boot takes what it takes.
-    let boot_limit = Instant::now() + FIRST_LINE_LIMIT;
-    while first_line_secs(&first_line).is_none() {
-        if Instant::now() >= boot_limit {
-            running.pause()?;
-            return Err(format!(
-                "the Linux guest printed no console line in {} s; no snapshot was written",
-                FIRST_LINE_LIMIT.as_secs()
-            )
-            .into());
-        }
-        std::thread::sleep(Duration::from_millis(20));
+    if let Err(e) = wait_first_line(&running, &first_line, "no snapshot was written") {
+        let _ = running.pause();
+        return Err(e);
     }
     std::thread::sleep(after);
     let mut serial = SerialComponent(running.vm().serial().clone());

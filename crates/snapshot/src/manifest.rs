@@ -152,7 +152,8 @@ pub struct Chunk {
 }
 
 /// The layout rules every snapshot format relies on: vCPUs within what the layout holds, and
-/// the configuration's RAM regions plus exactly one sys region (`regions`: the images' specs).
+/// the configuration's RAM regions plus exactly one sys region (`regions`: the images' specs);
+/// a Linux guest's memory ([`guestmem_vm::linux::is_linux_config`]) has no sys region.
 pub fn check_config_layout<'a>(
     config: &VmConfig,
     regions: impl ExactSizeIterator<Item = &'a RegionSpec> + Clone,
@@ -163,6 +164,18 @@ pub fn check_config_layout<'a>(
             config.vcpus,
             layout::MAX_VCPUS
         ));
+    }
+    if guestmem_vm::linux::is_linux_config(config) {
+        let sys = regions.clone().filter(|r| r.gpa == layout::SYS_GPA).count();
+        if regions.len() != config.regions.len() || sys != 0 {
+            return Err(format!(
+                "{} regions for a Linux guest's configuration of {} RAM regions (and no sys \
+                 region)",
+                regions.len(),
+                config.regions.len()
+            ));
+        }
+        return Ok(());
     }
     if regions.len() != config.regions.len() + 1 {
         return Err(format!(
@@ -418,6 +431,22 @@ fn check_extents(
 mod tests {
     use super::*;
     use guestmem_memory::Backend;
+
+    /// A Linux guest's memory has its RAM regions and no sys region; the payload VM's has one.
+    #[test]
+    fn a_linux_layout_has_no_sys_region_and_the_payloads_has_one() {
+        let linux = guestmem_vm::linux::linux_config(1, 256 << 20, Backend::Anon);
+        let ram = linux.regions[0].clone();
+        let sys = RegionSpec::new("sys", layout::SYS_GPA, layout::SYS_SIZE, Backend::Anon);
+        assert!(check_config_layout(&linux, [&ram].into_iter()).is_ok());
+        let e = check_config_layout(&linux, [&ram, &sys].into_iter()).unwrap_err();
+        assert!(e.contains("Linux guest"), "{e}");
+        let payload = VmConfig::simple(1, 8 << 20, Backend::Anon);
+        let specs: Vec<_> = payload.regions.clone();
+        assert!(check_config_layout(&payload, specs.iter()).is_err());
+        let with_sys: Vec<_> = std::iter::once(sys).chain(specs).collect();
+        assert!(check_config_layout(&payload, with_sys.iter()).is_ok());
+    }
 
     fn manifest() -> Manifest {
         let config = VmConfig::simple(2, 8 << 20, Backend::Anon);

@@ -125,6 +125,12 @@ impl<'a> RunningLinux<'a> {
         self.vm
     }
 
+    /// Whether a vCPU has stopped by itself (the guest reset or shut down, or a vCPU failed):
+    /// [`RunningLinux::wait`] then says how.
+    pub fn ended(&self) -> bool {
+        self.threads.iter().any(JoinHandle::is_finished)
+    }
+
     /// How long the vCPUs have been running.
     pub fn elapsed(&self) -> Duration {
         self.started.elapsed()

@@ -194,7 +194,7 @@ pub(crate) fn save_vcpu(vcpu: &VcpuFd, msr_indices: &[u32]) -> Result<LinuxVcpuS
 }
 
 /// Puts a saved vCPU back in the order of the module's doc.
-pub(crate) fn restore_vcpu(vcpu: &VcpuFd, state: &LinuxVcpuState) -> Result<()> {
+pub(crate) fn restore_vcpu(vcpu: &VcpuFd, state: &LinuxVcpuState, away_ns: u64) -> Result<()> {
     let s = &state.base;
     let cpuid = kvm_bindings::CpuId::from_entries(&s.cpuid)
         .map_err(|e| Error::Config(format!("saved CPUID does not fit: {e:?}")))?;
@@ -219,7 +219,14 @@ pub(crate) fn restore_vcpu(vcpu: &VcpuFd, state: &LinuxVcpuState) -> Result<()> 
         .map_err(Error::ioctl("KVM_SET_DEBUGREGS"))?;
     vcpu.set_lapic(&state.lapic)
         .map_err(Error::ioctl("KVM_SET_LAPIC"))?;
-    let msrs = Msrs::from_entries(&s.msrs)
+    // The TSC goes on by the time away, as the kvmclock does (KVM_CLOCK_REALTIME): a guest
+    // whose clocksource is the TSC (Linux prefers it over kvmclock where the TSC is invariant)
+    // sees the pause on its clock, not a clock stopped for as long.
+    let mut entries = s.msrs.clone();
+    for e in entries.iter_mut().filter(|e| e.index == MSR_TSC) {
+        e.data = advanced_tsc(e.data, s.tsc_khz, away_ns);
+    }
+    let msrs = Msrs::from_entries(&entries)
         .map_err(|e| Error::Config(format!("saved MSRs do not fit: {e:?}")))?;
     let n = vcpu.set_msrs(&msrs).map_err(Error::ioctl("KVM_SET_MSRS"))?;
     if n != s.msrs.len() {
@@ -236,6 +243,31 @@ pub(crate) fn restore_vcpu(vcpu: &VcpuFd, state: &LinuxVcpuState) -> Result<()> 
         Err(e) if e.errno() != libc::EINVAL => Err(Error::ioctl("KVM_KVMCLOCK_CTRL")(e)),
         _ => Ok(()),
     }
+}
+
+/// `tsc` advanced by `ns` nanoseconds at `khz` kHz.
+fn advanced_tsc(tsc: u64, khz: u32, ns: u64) -> u64 {
+    let ticks = u128::from(ns) * u128::from(khz) / 1_000_000;
+    tsc.wrapping_add(u64::try_from(ticks).unwrap_or(u64::MAX))
+}
+
+/// How long ago (host wall time) `clock` was saved, in ns: 0 where the kernel gave no wall
+/// time with it (no `KVM_CLOCK_REALTIME`) or the wall clock went back.
+pub(crate) fn time_away_ns(clock: &kvm_clock_data) -> u64 {
+    if clock.flags & KVM_CLOCK_REALTIME == 0 {
+        return 0;
+    }
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec into `now`, which lives across the call.
+    if unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, &raw mut now) } != 0 {
+        return 0;
+    }
+    let now_ns = u64::try_from(now.tv_sec).unwrap_or(0) * 1_000_000_000
+        + u64::try_from(now.tv_nsec).unwrap_or(0);
+    now_ns.saturating_sub(clock.realtime)
 }
 
 /// The VM's part: PIT, clock, irqchip.
@@ -278,6 +310,29 @@ pub(crate) fn restore_vm(vm: &VmFd, state: &LinuxState) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The TSC goes on by the time away at the vCPU's rate; a clock without wall time says
+    /// no time went by.
+    #[test]
+    fn the_tsc_goes_on_by_the_time_away() {
+        assert_eq!(
+            advanced_tsc(1000, 2_000_000, 1_500_000_000),
+            1000 + 3_000_000_000
+        );
+        assert_eq!(advanced_tsc(5, 1_000_000, 0), 5);
+        let no_wall_time = kvm_clock_data::default();
+        assert_eq!(time_away_ns(&no_wall_time), 0);
+        let a_second_ago = kvm_clock_data {
+            flags: KVM_CLOCK_REALTIME,
+            realtime: time_away_ns(&kvm_clock_data {
+                flags: KVM_CLOCK_REALTIME,
+                ..Default::default()
+            }) - 1_000_000_000,
+            ..Default::default()
+        };
+        let away = time_away_ns(&a_second_ago);
+        assert!((1_000_000_000..2_000_000_000).contains(&away), "{away}");
+    }
 
     /// The TSC deadline goes last, right after the TSC, whatever order KVM listed them in.
     #[test]
