@@ -257,7 +257,7 @@ impl LinuxVm {
             )));
         }
         state::restore_vm(&self.fd, saved)?;
-        let away_ns = state::time_away_ns(&saved.clock);
+        let away_ns = state::time_away_ns(saved);
         for (vcpu, s) in self.vcpus.iter().zip(&saved.vcpus) {
             state::restore_vcpu(vcpu, s, away_ns)?;
         }

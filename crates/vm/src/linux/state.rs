@@ -49,6 +49,12 @@ pub struct LinuxState {
     pub pit: kvm_pit_state2,
     /// The kvmclock, with the host's wall time beside it where the kernel gives it.
     pub clock: kvm_clock_data,
+    /// The host's wall time (CLOCK_REALTIME, ns) when the state was saved, read by guestmem
+    /// itself: what moves the guest's clocks on by the time away where the kernel gives no
+    /// wall time with the kvmclock (no `KVM_CLOCK_REALTIME`: a host whose clocksource is not
+    /// the TSC). Additive (0: not recorded), within [`LINUX_STATE_VERSION`] 1.
+    #[serde(default)]
+    pub saved_realtime_ns: u64,
     /// The master PIC.
     pub pic_master: kvm_irqchip,
     /// The slave PIC.
@@ -251,12 +257,21 @@ fn advanced_tsc(tsc: u64, khz: u32, ns: u64) -> u64 {
     tsc.wrapping_add(u64::try_from(ticks).unwrap_or(u64::MAX))
 }
 
-/// How long ago (host wall time) `clock` was saved, in ns: 0 where the kernel gave no wall
-/// time with it (no `KVM_CLOCK_REALTIME`) or the wall clock went back.
-pub(crate) fn time_away_ns(clock: &kvm_clock_data) -> u64 {
-    if clock.flags & KVM_CLOCK_REALTIME == 0 {
+/// How long ago (host wall time) `state` was saved, in ns: from guestmem's own record, else
+/// the kernel's (`KVM_CLOCK_REALTIME`); 0 where neither is known or the wall clock went back.
+pub(crate) fn time_away_ns(state: &LinuxState) -> u64 {
+    let saved = if state.saved_realtime_ns != 0 {
+        state.saved_realtime_ns
+    } else if state.clock.flags & KVM_CLOCK_REALTIME != 0 {
+        state.clock.realtime
+    } else {
         return 0;
-    }
+    };
+    realtime_ns().saturating_sub(saved)
+}
+
+/// The host's CLOCK_REALTIME in ns (0 if it cannot be read).
+fn realtime_ns() -> u64 {
     let mut now = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
@@ -265,15 +280,14 @@ pub(crate) fn time_away_ns(clock: &kvm_clock_data) -> u64 {
     if unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, &raw mut now) } != 0 {
         return 0;
     }
-    let now_ns = u64::try_from(now.tv_sec).unwrap_or(0) * 1_000_000_000
-        + u64::try_from(now.tv_nsec).unwrap_or(0);
-    now_ns.saturating_sub(clock.realtime)
+    u64::try_from(now.tv_sec).unwrap_or(0) * 1_000_000_000 + u64::try_from(now.tv_nsec).unwrap_or(0)
 }
 
 /// The VM's part: PIT, clock, irqchip.
 pub(crate) fn save_vm(vm: &VmFd, vcpus: Vec<LinuxVcpuState>) -> Result<LinuxState> {
     let pit = vm.get_pit2().map_err(Error::ioctl("KVM_GET_PIT2"))?;
     let mut clock = vm.get_clock().map_err(Error::ioctl("KVM_GET_CLOCK"))?;
+    let saved_realtime_ns = realtime_ns();
     // KVM_SET_CLOCK takes only KVM_CLOCK_REALTIME among the flags KVM_GET_CLOCK gives.
     clock.flags &= KVM_CLOCK_REALTIME;
     Ok(LinuxState {
@@ -282,6 +296,7 @@ pub(crate) fn save_vm(vm: &VmFd, vcpus: Vec<LinuxVcpuState>) -> Result<LinuxStat
         vcpus,
         pit,
         clock,
+        saved_realtime_ns,
         pic_master: irqchip(vm, KVM_IRQCHIP_PIC_MASTER)?,
         pic_slave: irqchip(vm, KVM_IRQCHIP_PIC_SLAVE)?,
         ioapic: irqchip(vm, KVM_IRQCHIP_IOAPIC)?,
@@ -292,8 +307,15 @@ pub(crate) fn save_vm(vm: &VmFd, vcpus: Vec<LinuxVcpuState>) -> Result<LinuxStat
 pub(crate) fn restore_vm(vm: &VmFd, state: &LinuxState) -> Result<()> {
     vm.set_pit2(&state.pit)
         .map_err(Error::ioctl("KVM_SET_PIT2"))?;
+    // With KVM_CLOCK_REALTIME the kernel moves the kvmclock on by the time away; without it,
+    // guestmem does, by its own record of when the state was saved.
+    let realtime = state.clock.flags & KVM_CLOCK_REALTIME != 0;
     let clock = kvm_clock_data {
-        clock: state.clock.clock,
+        clock: if realtime {
+            state.clock.clock
+        } else {
+            state.clock.clock + time_away_ns(state)
+        },
         flags: state.clock.flags & KVM_CLOCK_REALTIME,
         realtime: state.clock.realtime,
         ..Default::default()
@@ -320,18 +342,32 @@ mod tests {
             1000 + 3_000_000_000
         );
         assert_eq!(advanced_tsc(5, 1_000_000, 0), 5);
-        let no_wall_time = kvm_clock_data::default();
-        assert_eq!(time_away_ns(&no_wall_time), 0);
-        let a_second_ago = kvm_clock_data {
-            flags: KVM_CLOCK_REALTIME,
-            realtime: time_away_ns(&kvm_clock_data {
-                flags: KVM_CLOCK_REALTIME,
-                ..Default::default()
-            }) - 1_000_000_000,
-            ..Default::default()
+        let state = |saved_realtime_ns, clock| LinuxState {
+            kind: LINUX_STATE_KIND.into(),
+            version: LINUX_STATE_VERSION,
+            vcpus: Vec::new(),
+            pit: kvm_pit_state2::default(),
+            clock,
+            saved_realtime_ns,
+            pic_master: kvm_irqchip::default(),
+            pic_slave: kvm_irqchip::default(),
+            ioapic: kvm_irqchip::default(),
         };
-        let away = time_away_ns(&a_second_ago);
+        let unknown = state(0, kvm_clock_data::default());
+        assert_eq!(time_away_ns(&unknown), 0);
+        let ours = state(realtime_ns() - 1_000_000_000, kvm_clock_data::default());
+        let away = time_away_ns(&ours);
         assert!((1_000_000_000..2_000_000_000).contains(&away), "{away}");
+        let kernels = state(
+            0,
+            kvm_clock_data {
+                flags: KVM_CLOCK_REALTIME,
+                realtime: realtime_ns() - 2_000_000_000,
+                ..Default::default()
+            },
+        );
+        let away = time_away_ns(&kernels);
+        assert!((2_000_000_000..3_000_000_000).contains(&away), "{away}");
     }
 
     /// The TSC deadline goes last, right after the TSC, whatever order KVM listed them in.
