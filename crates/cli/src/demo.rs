@@ -36,7 +36,7 @@ pub struct Args {
     #[arg(long, value_name = "TEXT", requires = "kernel", default_value = DEFAULT_CMDLINE)]
     cmdline: String,
     /// With --kernel: the guest's memory, e.g. 256M.
-    #[arg(long, default_value = "256M", value_parser = crate::units::parse_size)]
+    #[arg(long, default_value = "256M", value_parser = crate::units::parse_size, requires = "kernel")]
     memory: u64,
     /// With --kernel: the console line after which the guest runs `--after` seconds before
     /// its snapshot (the demo's init prints `counter N ...` lines).
@@ -48,7 +48,12 @@ pub struct Args {
     )]
     wait_for: String,
     /// With --kernel: seconds the guest runs before the pause, and after the restore.
-    #[arg(long, value_name = "SECONDS", default_value_t = 3.0)]
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        default_value_t = 3.0,
+        requires = "kernel"
+    )]
     after: f64,
 }
 

@@ -175,8 +175,9 @@ fn an_initramfs_larger_than_memory_and_a_long_command_line_are_refused() {
 }
 
 /// On a PVM host, a kernel that would boot elsewhere is refused by every command that starts
-/// a Linux guest, naming PVM and the kernel lab, before any console file or snapshot
-/// directory exists. (On ordinary KVM this kernel would run: nothing to check there.)
+/// a Linux guest (and `migrate receive --linux`, before it listens), naming PVM and the kernel
+/// lab, before any console file, snapshot directory or socket exists. (On ordinary KVM this
+/// kernel would run: nothing to check there.)
 #[test]
 fn a_linux_guest_on_a_pvm_host_is_refused_naming_the_kernel_lab() {
     if !host_is_pvm() {
@@ -191,7 +192,9 @@ fn a_linux_guest_on_a_pvm_host_is_refused_naming_the_kernel_lab() {
     let out = dir.join("snap");
     let out_arg = out.to_string_lossy().into_owned();
     let lab = "scripts/kernel-lab.sh --suite linux";
-    let commands: [Vec<&str>; 4] = [
+    let sock = dir.join("receive.sock");
+    let listen = format!("unix:{}", sock.display());
+    let commands: [Vec<&str>; 5] = [
         vec![
             "run",
             "--kernel",
@@ -221,16 +224,27 @@ fn a_linux_guest_on_a_pvm_host_is_refused_naming_the_kernel_lab() {
             "/nonexistent",
         ],
         vec!["demo", "--kernel", &kernel, "--initrd", &initrd],
+        vec![
+            "migrate",
+            "receive",
+            "--linux",
+            "--listen",
+            &listen,
+            "--keys",
+            "/nonexistent",
+            "--console",
+            &console_arg,
+        ],
     ];
     for args in commands {
         let e = refused(&args);
         assert!(
-            e.contains("--kernel: this host's KVM is PVM (kvm_pvm)"),
+            e.contains("this host's KVM is PVM (kvm_pvm)"),
             "{args:?}: {e}"
         );
         assert!(e.contains(lab), "{args:?}: {e}");
         assert!(
-            !console.exists() && !out.exists(),
+            !console.exists() && !out.exists() && !sock.exists(),
             "{args:?} left something behind"
         );
     }
