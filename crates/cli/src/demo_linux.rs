@@ -178,6 +178,24 @@ mod tests {
         c
     }
 
+    /// `demo` alone is the payload's demo (the Linux options' defaults need no --kernel);
+    /// the Linux options given without --kernel are refused by name.
+    #[test]
+    fn the_linux_options_of_demo_need_kernel() {
+        use crate::tests::parse_for_test as parse;
+        assert!(parse(&["demo"]).is_ok());
+        assert!(parse(&["demo", "--mode", "postcopy"]).is_ok());
+        assert!(parse(&["demo", "--kernel", "bz", "--initrd", "c", "--memory", "512M"]).is_ok());
+        for flag in [["--memory", "512M"], ["--after", "2"], ["--initrd", "c"]] {
+            let e = parse(&["demo", flag[0], flag[1]]).err().unwrap();
+            assert!(e.contains("--kernel"), "{e}");
+        }
+        let e = parse(&["demo", "--kernel", "bz", "--plot", "p.svg"])
+            .err()
+            .unwrap();
+        assert!(e.contains("cannot be used with"), "{e}");
+    }
+
     /// Counter lines are read from the console (other lines ignored), and the verdict holds
     /// only when the restored guest counts on past the pause.
     #[test]
