@@ -1,5 +1,6 @@
 //! `guestmem demo`: a 1 GiB, 2-vCPU VM dirtying its memory migrates live to a second guestmem
-//! process on this host, and both sides show what happened.
+//! process on this host, and both sides show what happened; with `--kernel`, the demo with a
+//! Linux guest ([`crate::demo_linux`]).
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -8,6 +9,7 @@ use std::time::{Duration, Instant};
 use guestmem_memory::Backend;
 use guestmem_migration::migrate::Mode;
 use guestmem_migration::transport::{generate_credentials, Credentials, Endpoint, Role};
+use guestmem_vm::linux::DEFAULT_CMDLINE;
 
 use crate::migrate::{self, HowArgs, Received};
 use crate::vm_args::VmArgs;
@@ -18,11 +20,55 @@ pub struct Args {
     #[arg(long, default_value = "precopy")]
     mode: Mode,
     /// Draw dirty pages and bandwidth per round over time into this SVG file.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", conflicts_with = "kernel")]
     plot: Option<PathBuf>,
+    /// The demo with a Linux guest instead: boot this kernel (a bzImage or an ELF vmlinux)
+    /// with --initrd, stream its console, snapshot it, restore it lazily in a second guestmem
+    /// process and show its counter going on. Needs a host whose KVM runs ordinary kernels
+    /// (not PVM: there, the kernel lab, scripts/kernel-lab.sh --suite linux).
+    #[arg(long, value_name = "BZIMAGE")]
+    kernel: Option<PathBuf>,
+    /// With --kernel: the initramfs; the demo's is scripts/linux-guest-initramfs.sh's (its
+    /// init prints `counter N UPTIME` every 100 ms).
+    #[arg(long, value_name = "CPIO", requires = "kernel")]
+    initrd: Option<PathBuf>,
+    /// With --kernel: the kernel command line.
+    #[arg(long, value_name = "TEXT", requires = "kernel", default_value = DEFAULT_CMDLINE)]
+    cmdline: String,
+    /// With --kernel: the guest's memory, e.g. 256M.
+    #[arg(long, default_value = "256M", value_parser = crate::units::parse_size, requires = "kernel")]
+    memory: u64,
+    /// With --kernel: the console line after which the guest runs `--after` seconds before
+    /// its snapshot (the demo's init prints `counter N ...` lines).
+    #[arg(
+        long,
+        value_name = "TEXT",
+        requires = "kernel",
+        default_value = "counter "
+    )]
+    wait_for: String,
+    /// With --kernel: seconds the guest runs before the pause, and after the restore.
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        default_value_t = 3.0,
+        requires = "kernel"
+    )]
+    after: f64,
 }
 
 pub fn main(args: Args) -> crate::Result<()> {
+    if let Some(kernel) = &args.kernel {
+        crate::units::seconds(args.after, "--after")?;
+        return crate::demo_linux::main(&crate::demo_linux::Guest {
+            kernel,
+            initrd: args.initrd.as_deref(),
+            cmdline: &args.cmdline,
+            memory: args.memory,
+            wait_for: &args.wait_for,
+            after: args.after,
+        });
+    }
     let dir = std::env::temp_dir().join(format!("guestmem-demo-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     generate_credentials(&dir)?;

@@ -7,7 +7,9 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use guestmem_vm::linux::{linux_config, BootPlan, ConsoleOut, LinuxEnd, LinuxVm, DEFAULT_CMDLINE};
+use guestmem_vm::linux::{
+    linux_config, pvm_refusal, BootPlan, ConsoleOut, LinuxEnd, LinuxVm, DEFAULT_CMDLINE,
+};
 
 use crate::vm_args::VmArgs;
 
@@ -93,8 +95,11 @@ impl Write for Console {
 }
 
 impl LinuxArgs {
-    /// The boot these options describe, checked against `vm`'s memory (every refusal of bad
-    /// input happens here, before a VM exists), or `None` without --kernel.
+    /// The boot these options describe, checked against `vm`'s memory, or `None` without
+    /// --kernel. Every refusal of bad input happens here, before a VM, a console file or a
+    /// snapshot directory exists: the files and the command line first (so that they are
+    /// named wherever the command runs), then a host whose KVM cannot run a stock kernel
+    /// (PVM), naming the kernel lab.
     pub fn plan(&self, vm: &VmArgs) -> crate::Result<Option<BootPlan>> {
         let Some(kernel) = &self.kernel else {
             return Ok(None);
@@ -102,12 +107,11 @@ impl LinuxArgs {
         if vm.image.is_some() {
             return Err("--image fills the payload's memory; it cannot go with --kernel".into());
         }
-        Ok(Some(BootPlan::check(
-            kernel,
-            self.initrd.as_deref(),
-            &self.cmdline,
-            vm.memory,
-        )?))
+        let plan = BootPlan::check(kernel, self.initrd.as_deref(), &self.cmdline, vm.memory)?;
+        if let Some(why) = pvm_refusal() {
+            return Err(format!("--kernel: {why}").into());
+        }
+        Ok(Some(plan))
     }
 
     /// The console writer, and where it will record when the first line ended.

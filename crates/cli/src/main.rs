@@ -1,6 +1,7 @@
 //! `guestmem`: the command-line face of the guestmem engine.
 
 mod demo;
+mod demo_linux;
 mod linux;
 mod linux_migrate;
 mod linux_snapshot;
@@ -57,7 +58,8 @@ fn parse_store_options(seconds: f64) -> Result<guestmem_store::StoreOptions> {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Migrate a running 1 GiB VM live to a second guestmem process, and show it went on.
+    /// Migrate a running 1 GiB VM live to a second guestmem process, and show it went on (with
+    /// --kernel: snapshot a Linux guest, restore it lazily, and show it went on).
     Demo(demo::Args),
     /// Live migration between two guestmem processes or hosts.
     #[command(subcommand)]

@@ -628,6 +628,10 @@ pub struct Received {
 
 fn receive_main(args: ReceiveArgs) -> crate::Result<()> {
     let run_for = seconds(args.run_for, "--run-for")?;
+    // A Linux guest cannot run on a PVM host: refused before anything listens.
+    if let Some(why) = args.linux.then(guestmem_vm::linux::pvm_refusal).flatten() {
+        return Err(format!("--linux: {why}").into());
+    }
     let creds = Credentials::load(&args.keys, Role::Destination)?;
     let listener = Arc::new(Listener::bind(&args.listen, &creds)?);
     let progress = Progress::new(&args.progress, !args.json)?;

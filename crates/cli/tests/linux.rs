@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 /// never reaches KVM), and Linux 7.3's XSAVE self-check then fails into a NULL dereference in
 /// `fpstate_reset` (6.1 falls back to FXSAVE by itself). The guest runs on FXSAVE here.
 const CMDLINE: &str = "console=ttyS0 reboot=k panic=1 pci=off nomodule i8042.noaux i8042.nomux \
-                       i8042.dumbkbd no_timer_check rdinit=/init noxsave nofsgsbase";
+                       i8042.dumbkbd no_timer_check rdinit=/init noxsave";
 
 fn guest_files() -> (String, String) {
     let var = |name: &str| {

@@ -177,7 +177,8 @@ impl TargetMachine for LinuxVm {
 }
 
 /// Builds a [`LinuxVm`] for the configuration a snapshot or a migration's source gives, its
-/// console going where `console` says (called once per VM built).
+/// console going where `console` says (called once per VM built, after the host is known to
+/// run a stock kernel: on a PVM host the build is refused before `console` is called).
 pub struct LinuxBuilder<F: FnMut() -> ConsoleOut>(pub F);
 
 impl<F: FnMut() -> ConsoleOut> std::fmt::Debug for LinuxBuilder<F> {
@@ -190,6 +191,10 @@ impl<F: FnMut() -> ConsoleOut> MachineBuilder for LinuxBuilder<F> {
     type Machine = LinuxVm;
 
     fn build(&mut self, config: &VmConfig, shared: SharedFiles) -> Result<LinuxVm> {
+        // Refused before the console is made (a console file is not left behind).
+        if let Some(why) = guestmem_vm::linux::pvm_refusal() {
+            return Err(guestmem_vm::Error::Config(why).into());
+        }
         Ok(LinuxVm::new_on(config, shared, (self.0)())?)
     }
 }
