@@ -10,6 +10,7 @@ mod page_server;
 mod populate;
 mod probe;
 mod progress;
+mod report;
 mod run;
 mod snapshot;
 mod vm_args;

@@ -158,6 +158,7 @@ enum Mode {
     Lazy,
 }
 
+/// `snapshot --json` (flat, paused). Format: crate::report::SNAPSHOT (a change bumps it).
 #[derive(Serialize)]
 struct SnapshotOutput {
     dir: PathBuf,
@@ -180,6 +181,7 @@ struct DiffOutput {
     pages_done_per_vcpu: Vec<u64>,
 }
 
+/// `restore --json` (flat). Format: crate::report::RESTORE (a change bumps it).
 #[derive(Serialize)]
 struct RestoreOutput {
     mode: &'static str,
@@ -367,7 +369,10 @@ pub fn snapshot(mut args: SnapshotArgs) -> crate::Result<()> {
         diff,
     };
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        println!(
+            "{}",
+            crate::report::json(crate::report::SNAPSHOT, &out, true)?
+        );
     } else {
         println!(
             "snapshot of a {} MiB {} VM written to {} in {:.1} ms: {} MiB of data, {} of {} chunks zero",
@@ -505,7 +510,10 @@ fn live_snapshot(
     }
     let written = written?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&written)?);
+        println!(
+            "{}",
+            crate::report::json(crate::report::SNAPSHOT_LIVE, &written, true)?
+        );
     } else {
         written.print();
     }
@@ -639,7 +647,10 @@ fn check_digests(args: &RestoreArgs, vm: &Vm, snap: &Snapshot) -> crate::Result<
 /// Prints a restore's outcome as text (or JSON).
 fn print_restore(args: &RestoreArgs, out: &RestoreOutput) -> crate::Result<()> {
     if args.json {
-        println!("{}", serde_json::to_string_pretty(out)?);
+        println!(
+            "{}",
+            crate::report::json(crate::report::RESTORE, out, true)?
+        );
     } else {
         println!("restored ({}) in {:.1} ms", out.mode, out.restore_ms);
         match out.memory_digests_match {

@@ -109,6 +109,7 @@ pub fn run_op(op: StoreOp) -> crate::Result<()> {
     Ok(())
 }
 
+/// `snapshot --json` into a store. Format: crate::report::SNAPSHOT_STORE (a change bumps it).
 #[derive(Serialize)]
 struct StoreSnapshotOutput {
     #[serde(flatten)]
@@ -189,7 +190,10 @@ pub(super) fn snapshot(
         diff,
     };
     if json {
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        println!(
+            "{}",
+            crate::report::json(crate::report::SNAPSHOT_STORE, &out, true)?
+        );
         return Ok(stored);
     }
     let r = &out.report;
@@ -229,6 +233,7 @@ pub(super) fn snapshot(
     Ok(stored)
 }
 
+/// `restore --json` from a store. Format: crate::report::RESTORE_STORE (a change bumps it).
 #[derive(Serialize)]
 struct StoreRestoreOutput {
     mode: &'static str,
@@ -336,7 +341,10 @@ pub(super) fn restore(args: &RestoreArgs) -> crate::Result<()> {
         pages_after_run_per_vcpu: after,
     };
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        println!(
+            "{}",
+            crate::report::json(crate::report::RESTORE_STORE, &out, true)?
+        );
     } else {
         print_restore(&out, args.run_for);
     }
