@@ -329,10 +329,7 @@ pub fn snapshot(mut args: SnapshotArgs) -> crate::Result<()> {
     let work = VcpuWork::split(dirty, layout::RAM_GPA, args.vm.memory, args.vm.vcpus, 1);
     let lines = Progress::new(&args.progress, false)?;
     let total = vm.memory().regions().iter().map(|r| r.size()).sum();
-    let progress = lines
-        .sink
-        .as_ref()
-        .map(|s| SnapshotProgress::start(s, total));
+    let progress = lines.sink.as_ref().map(|s| snapshot_progress(s, total));
     let running = vm.start(&work)?;
     if args.live {
         let written = live_snapshot(running, after, &out, &args, diff_after, progress.as_ref());
@@ -458,8 +455,13 @@ fn write_diff_after(
     })
 }
 
-/// `--live`: the guest's undisturbed rate over the second half of `after`, then the live
-/// snapshot (and diff) while it runs; the guest is stopped at the end.
+/// A snapshot's progress records begun (`setup`), its chunk store's stalls told into them.
+fn snapshot_progress(sink: &guestmem_events::Sink, total: u64) -> SnapshotProgress {
+    let p = SnapshotProgress::start(sink, total);
+    crate::progress::report_stalls_to(p.reporter());
+    p
+}
+
 /// `written` (and the bytes it stored) as the snapshot's last progress record says it:
 /// `completed` with the bytes, or `failed` with the error.
 fn reported<T, E>(
@@ -478,6 +480,8 @@ where
     Ok(written?.0)
 }
 
+/// `--live`: the guest's undisturbed rate over the second half of `after`, then the live
+/// snapshot (and diff) while it runs; the guest is stopped at the end.
 fn live_snapshot(
     running: guestmem_vm::RunningVm<'_>,
     after: Duration,
@@ -607,6 +611,9 @@ pub(crate) fn restore_reported<I: SnapshotImage>(
         .sink
         .as_ref()
         .map(|s| RestoreProgress::start(s, total));
+    if let Some(p) = &progress {
+        crate::progress::report_stalls_to(p.reporter());
+    }
     let restored = args
         .restore_mode()
         .and_then(|mode| Ok(snapshot::restore(image, &mut VmBuilder, mode)?));

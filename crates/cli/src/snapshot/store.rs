@@ -15,6 +15,8 @@ use guestmem_tracking::{Mode as TrackingMode, Tracker};
 use guestmem_vm::Vm;
 use serde::Serialize;
 
+use crate::report;
+
 use super::{Mode, RestoreArgs};
 
 /// Whether a `--out`, `--diff` or restore argument names a store snapshot.
@@ -190,10 +192,7 @@ pub(super) fn snapshot(
         diff,
     };
     if json {
-        println!(
-            "{}",
-            crate::report::json(crate::report::SNAPSHOT_STORE, &out, true)?
-        );
+        println!("{}", report::json(report::SNAPSHOT_STORE, &out, true)?);
         return Ok(stored);
     }
     let r = &out.report;
@@ -341,10 +340,7 @@ pub(super) fn restore(args: &RestoreArgs) -> crate::Result<()> {
         pages_after_run_per_vcpu: after,
     };
     if args.json {
-        println!(
-            "{}",
-            crate::report::json(crate::report::RESTORE_STORE, &out, true)?
-        );
+        println!("{}", report::json(report::RESTORE_STORE, &out, true)?);
     } else {
         print_restore(&out, args.run_for);
     }
