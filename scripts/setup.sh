@@ -4,7 +4,8 @@
 # assembled at build time), iproute2 (`ip` and `tc`: `bench migrate --link` runs the two sides in
 # network namespaces joined by a shaped veth pair), QEMU and zstd (the QEMU peer of
 # `bench migrate`, and scripts/capture-guest-memory.sh), busybox-static, cpio and xz-utils (the
-# kernel lab, scripts/kernel-lab.sh) and the Rust components the checks use.
+# kernel lab, scripts/kernel-lab.sh), python3-matplotlib (scripts/bench-charts) and the Rust
+# components the checks use.
 # Safe to run again.
 set -euo pipefail
 need=()
@@ -20,6 +21,8 @@ command -v zstd >/dev/null 2>&1 || need+=(zstd)
 [ -x /bin/busybox ] && ! ldd /bin/busybox >/dev/null 2>&1 || need+=(busybox-static)
 command -v cpio >/dev/null 2>&1 || need+=(cpio)
 command -v xz >/dev/null 2>&1 || need+=(xz-utils)
+# matplotlib for scripts/bench-charts (the SVG charts of docs/benchmarks.md), in the system Python.
+/usr/bin/python3 -c 'import matplotlib' >/dev/null 2>&1 || need+=(python3-matplotlib)
 # depmod, for Debian's kernel modules in the lab (/usr/sbin, not always on a user's PATH).
 command -v depmod >/dev/null 2>&1 || [ -x /usr/sbin/depmod ] || [ -x /sbin/depmod ] || need+=(kmod)
 if [ ${#need[@]} -gt 0 ]; then

@@ -15,8 +15,13 @@ use guestmem_store::location::Location;
 use guestmem_vm::linux::{linux_config, BootPlan, LinuxVm};
 
 use crate::linux::{console_to, first_line_secs, wait_first_line, LinuxArgs};
-use crate::snapshot::{is_store, RestoreArgs};
 use crate::vm_args::VmArgs;
+
+/// Whether `out` names a store snapshot (`store:DIR/NAME`, `s3://...`).
+fn is_store(out: &Path) -> bool {
+    out.to_str()
+        .is_some_and(guestmem_store::location::is_store_url)
+}
 
 /// How `snapshot --kernel` writes: paused or live (and how), into a flat directory or a
 /// store (`store:DIR/NAME`, `s3://...`).
@@ -139,18 +144,10 @@ fn write_live(
 /// runs it `run_for` and says how long the restore took and when its first console line came.
 pub fn restore<I: SnapshotImage>(
     snap: &I,
-    args: &RestoreArgs,
+    mode: RestoreMode,
+    console: Option<&Path>,
     run_for: Duration,
 ) -> crate::Result<()> {
-    if args.uffd_socket.is_some() {
-        return Err(
-            "a Linux guest's snapshot is restored full, map or lazy in this process \
-                    (no --uffd-socket)"
-                .into(),
-        );
-    }
-    let mode = args.restore_mode()?;
-    let console = args.console.as_deref();
     let t = Instant::now();
     let mut first = None;
     let mut builder = LinuxBuilder(|| match console_to(console, None) {

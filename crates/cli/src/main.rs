@@ -11,6 +11,7 @@ mod page_server;
 mod populate;
 mod probe;
 mod progress;
+mod report;
 mod run;
 mod snapshot;
 mod vm_args;
@@ -48,8 +49,9 @@ pub(crate) fn store_options() -> guestmem_store::StoreOptions {
 
 /// `--store-timeout SECONDS` as the store's options.
 fn parse_store_options(seconds: f64) -> Result<guestmem_store::StoreOptions> {
-    let options =
+    let mut options =
         guestmem_store::StoreOptions::with_timeout(units::seconds(seconds, "--store-timeout")?);
+    options.on_stall = Some(std::sync::Arc::new(progress::store_stall));
     options
         .check()
         .map_err(|e| format!("--store-timeout: {e}"))?;

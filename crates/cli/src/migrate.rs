@@ -611,7 +611,7 @@ fn resume_main(args: ResumeArgs) -> crate::Result<()> {
     Ok(())
 }
 
-/// What `migrate receive` prints.
+/// What `migrate receive` prints. Format: crate::report::MIGRATE_RECEIVE (a change bumps it).
 #[derive(Serialize, serde::Deserialize)]
 pub struct Received {
     pub report: migrate::DestinationReport,
@@ -699,7 +699,10 @@ fn receive_main(args: ReceiveArgs) -> crate::Result<()> {
         run_ms: started.elapsed().as_secs_f64() * 1e3,
     };
     if args.json {
-        println!("{}", serde_json::to_string(&out)?);
+        println!(
+            "{}",
+            crate::report::json(crate::report::MIGRATE_RECEIVE, &out, false)?
+        );
     } else {
         print_received(&out);
     }
@@ -742,7 +745,10 @@ pub fn print_report(report: &Report, json: bool, plot: Option<&Path>) -> crate::
             .map_err(|e| format!("{}: cannot write the plot: {e}", path.display()))?;
     }
     if json {
-        println!("{}", serde_json::to_string_pretty(report)?);
+        println!(
+            "{}",
+            crate::report::json(crate::report::MIGRATE_SEND, report, true)?
+        );
         return Ok(());
     }
     print_header(report);

@@ -155,6 +155,35 @@ impl MetricsArgs {
     }
 }
 
+/// The progress reporter of this process's snapshot or restore, which a stall of its chunk
+/// store is told to (one such operation per process).
+static STALL_REPORTER: Mutex<Option<Arc<guestmem_events::Reporter>>> = Mutex::new(None);
+
+/// Store stalls from now on show in `reporter`'s records (`stalled`, then the status before
+/// once the store answers).
+pub fn report_stalls_to(reporter: Arc<guestmem_events::Reporter>) {
+    *STALL_REPORTER
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(reporter);
+}
+
+/// The store options' `on_stall` (`--store-timeout`): a stall, or the store answering again,
+/// into the progress records where a run reports them. A failure needs no record here: the
+/// run's own error ends its stream `failed`.
+pub fn store_stall(e: &guestmem_store::StallEvent) {
+    let reporter = STALL_REPORTER
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone();
+    if let Some(r) = reporter {
+        match e.status {
+            guestmem_store::StallStatus::Stalled => r.stalled(),
+            guestmem_store::StallStatus::Answered => r.answered(),
+            _ => {}
+        }
+    }
+}
+
 /// `sink` and the metrics' sink, whichever there are.
 pub fn with_metrics(sink: Option<Sink>, served: Option<&Served>) -> Option<Sink> {
     match (sink, served.map(|s| s.metrics.sink())) {

@@ -158,6 +158,7 @@ enum Mode {
     Lazy,
 }
 
+/// `snapshot --json` (flat, paused). Format: crate::report::SNAPSHOT (a change bumps it).
 #[derive(Serialize)]
 struct SnapshotOutput {
     dir: PathBuf,
@@ -180,6 +181,7 @@ struct DiffOutput {
     pages_done_per_vcpu: Vec<u64>,
 }
 
+/// `restore --json` (flat). Format: crate::report::RESTORE (a change bumps it).
 #[derive(Serialize)]
 struct RestoreOutput {
     mode: &'static str,
@@ -327,10 +329,7 @@ pub fn snapshot(mut args: SnapshotArgs) -> crate::Result<()> {
     let work = VcpuWork::split(dirty, layout::RAM_GPA, args.vm.memory, args.vm.vcpus, 1);
     let lines = Progress::new(&args.progress, false)?;
     let total = vm.memory().regions().iter().map(|r| r.size()).sum();
-    let progress = lines
-        .sink
-        .as_ref()
-        .map(|s| SnapshotProgress::start(s, total));
+    let progress = lines.sink.as_ref().map(|s| snapshot_progress(s, total));
     let running = vm.start(&work)?;
     if args.live {
         let written = live_snapshot(running, after, &out, &args, diff_after, progress.as_ref());
@@ -367,7 +366,10 @@ pub fn snapshot(mut args: SnapshotArgs) -> crate::Result<()> {
         diff,
     };
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        println!(
+            "{}",
+            crate::report::json(crate::report::SNAPSHOT, &out, true)?
+        );
     } else {
         println!(
             "snapshot of a {} MiB {} VM written to {} in {:.1} ms: {} MiB of data, {} of {} chunks zero",
@@ -453,8 +455,13 @@ fn write_diff_after(
     })
 }
 
-/// `--live`: the guest's undisturbed rate over the second half of `after`, then the live
-/// snapshot (and diff) while it runs; the guest is stopped at the end.
+/// A snapshot's progress records begun (`setup`), its chunk store's stalls told into them.
+fn snapshot_progress(sink: &guestmem_events::Sink, total: u64) -> SnapshotProgress {
+    let p = SnapshotProgress::start(sink, total);
+    crate::progress::report_stalls_to(p.reporter());
+    p
+}
+
 /// `written` (and the bytes it stored) as the snapshot's last progress record says it:
 /// `completed` with the bytes, or `failed` with the error.
 fn reported<T, E>(
@@ -473,6 +480,8 @@ where
     Ok(written?.0)
 }
 
+/// `--live`: the guest's undisturbed rate over the second half of `after`, then the live
+/// snapshot (and diff) while it runs; the guest is stopped at the end.
 fn live_snapshot(
     running: guestmem_vm::RunningVm<'_>,
     after: Duration,
@@ -505,7 +514,10 @@ fn live_snapshot(
     }
     let written = written?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&written)?);
+        println!(
+            "{}",
+            crate::report::json(crate::report::SNAPSHOT_LIVE, &written, true)?
+        );
     } else {
         written.print();
     }
@@ -520,7 +532,7 @@ pub fn restore(args: RestoreArgs) -> crate::Result<()> {
     let t = Instant::now();
     let snap = Snapshot::open(&args.dir)?;
     if guestmem_contract::is_linux_state(snap.machine_state()) {
-        return crate::linux_snapshot::restore(&snap, &args, run_for);
+        return restore_linux(&snap, &args, run_for);
     }
     let (restored, mut progress) = restore_reported(&args, &snap)?;
     for (phase, d) in &restored.phases {
@@ -589,6 +601,22 @@ pub fn restore(args: RestoreArgs) -> crate::Result<()> {
 
 /// Restores `image` as `args` say, its progress records (`--progress`) begun: `setup`, then
 /// `completed` or, lazily, `postcopy` until [`run_restored`] has the memory resident.
+/// A Linux guest's snapshot restored in this process (not through a page server).
+pub(crate) fn restore_linux<I: SnapshotImage>(
+    snap: &I,
+    args: &RestoreArgs,
+    run_for: Duration,
+) -> crate::Result<()> {
+    if args.uffd_socket.is_some() {
+        return Err(
+            "a Linux guest's snapshot is restored full, map or lazy in this process \
+                    (no --uffd-socket)"
+                .into(),
+        );
+    }
+    crate::linux_snapshot::restore(snap, args.restore_mode()?, args.console.as_deref(), run_for)
+}
+
 pub(crate) fn restore_reported<I: SnapshotImage>(
     args: &RestoreArgs,
     image: &I,
@@ -599,6 +627,9 @@ pub(crate) fn restore_reported<I: SnapshotImage>(
         .sink
         .as_ref()
         .map(|s| RestoreProgress::start(s, total));
+    if let Some(p) = &progress {
+        crate::progress::report_stalls_to(p.reporter());
+    }
     let restored = args
         .restore_mode()
         .and_then(|mode| Ok(snapshot::restore(image, &mut VmBuilder, mode)?));
@@ -639,7 +670,10 @@ fn check_digests(args: &RestoreArgs, vm: &Vm, snap: &Snapshot) -> crate::Result<
 /// Prints a restore's outcome as text (or JSON).
 fn print_restore(args: &RestoreArgs, out: &RestoreOutput) -> crate::Result<()> {
     if args.json {
-        println!("{}", serde_json::to_string_pretty(out)?);
+        println!(
+            "{}",
+            crate::report::json(crate::report::RESTORE, out, true)?
+        );
     } else {
         println!("restored ({}) in {:.1} ms", out.mode, out.restore_ms);
         match out.memory_digests_match {

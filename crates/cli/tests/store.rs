@@ -430,3 +430,61 @@ fn a_frozen_store_fails_each_command_within_the_store_timeout() {
     }
     m.thaw();
 }
+
+/// A store that stops answering during a snapshot's write, then answers again: the snapshot's
+/// progress stream (`--progress json=FILE`) says `stalled` while it waits, then the status it
+/// had (`stopped`) once the store answers, and ends `completed`; the snapshot restores.
+#[test]
+#[cfg_attr(
+    not(all(kvm, uffd)),
+    ignore = "no usable /dev/kvm and /dev/userfaultfd on this host"
+)]
+fn a_stalled_store_shows_in_the_progress_stream() {
+    let m = Minio::start("vms");
+    let tmp = Tmp::new("s3-stall-progress");
+    let mut env = m.env();
+    env.push((
+        "GUESTMEM_CHUNK_CACHE",
+        tmp.0.join("cache").display().to_string(),
+    ));
+    let progress = tmp.0.join("snap.jsonl");
+    let mut c = Command::new(common::guestmem_bin());
+    c.args(["snapshot", "--memory", "64M", "--after", "1", "--json"])
+        .args(["--out", "s3://vms/fleet/vm", "--store-timeout", "20"])
+        .arg("--progress")
+        .arg(format!("json={}", progress.display()))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    for (k, v) in &env {
+        c.env(k, v);
+    }
+    let child = c.spawn().unwrap();
+    // Frozen before the write starts (the guest runs 1 s first), thawed well past the 2 s a
+    // stall takes to be told.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    m.freeze();
+    std::thread::sleep(std::time::Duration::from_millis(5500));
+    m.thaw();
+    let o = child.wait_with_output().unwrap();
+    let report = json(&o);
+    assert_eq!(report["schema"], "guestmem.snapshot-store/1");
+    let text = std::fs::read_to_string(&progress).unwrap();
+    let statuses: Vec<String> = text
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v["status"].as_str().unwrap().to_string()
+        })
+        .collect();
+    assert_eq!(
+        statuses,
+        ["setup", "stopped", "stalled", "stopped", "completed"],
+        "{text}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let restored = guestmem(
+        &["restore", "s3://vms/fleet/vm", "--mode", "full", "--json"],
+        &env,
+    );
+    assert_eq!(json(&restored)["memory_digests_match"], true);
+}

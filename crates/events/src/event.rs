@@ -38,8 +38,9 @@ pub enum Status {
     Postcopy,
     /// Post-copy with its link broken: the guest's faults wait for the source to reconnect.
     PostcopyPaused,
-    /// The chunk store stopped answering within its timeout: the work waits on it. (Reserved
-    /// for the store's timeouts; nothing emits it yet.)
+    /// The chunk store has not answered for its warning time (guestmem_store's `on_stall`):
+    /// the work waits on it, until it answers (the status before comes back) or the store
+    /// timeout fails the run.
     Stalled,
     /// Done: the last record of a run that succeeded.
     Completed,

@@ -31,6 +31,8 @@ struct Last {
     bytes: u64,
     total: u64,
     bandwidth: f64,
+    /// The status a store stall overrides, while the store does not answer.
+    stalled_from: Option<Status>,
 }
 
 impl Reporter {
@@ -78,6 +80,9 @@ impl Reporter {
         if last.status.is_some_and(Status::is_final) {
             return;
         }
+        if last.stalled_from.is_some() && !event.status.is_final() {
+            event.status = Status::Stalled;
+        }
         let now = self.started.elapsed();
         event.schema = crate::PROGRESS_SCHEMA.to_string();
         event.operation = self.operation;
@@ -111,6 +116,43 @@ impl Reporter {
         if self.due() {
             self.emit(make());
         }
+    }
+
+    /// The chunk store stopped answering (guestmem_store's `on_stall`): a `stalled` record
+    /// now, and every record after it says `stalled` (its counters as sampled) until
+    /// [`Reporter::answered`]; a final record keeps its own status.
+    pub fn stalled(&self) {
+        let event = {
+            let mut last = self
+                .last
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if last.stalled_from.is_some() || last.status.is_some_and(Status::is_final) {
+                return;
+            }
+            last.stalled_from = Some(last.status.unwrap_or(Status::Setup));
+            let mut e = Event::new(Status::Stalled);
+            e.bytes_transferred = last.bytes;
+            e
+        };
+        self.emit(event);
+    }
+
+    /// The store answers again: a record of the status the stall interrupted, now.
+    pub fn answered(&self) {
+        let event = {
+            let mut last = self
+                .last
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let Some(status) = last.stalled_from.take() else {
+                return;
+            };
+            let mut e = Event::new(status);
+            e.bytes_transferred = last.bytes;
+            e
+        };
+        self.emit(event);
     }
 
     /// The status of the last record sent.
@@ -173,6 +215,39 @@ impl Drop for Ticker {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A store stall turns the records after it `stalled`, once, until the store answers and
+    /// the interrupted status comes back; a final record keeps its status.
+    #[test]
+    fn a_store_stall_shows_as_stalled_until_answered() {
+        let (sink, rx) = Sink::channel();
+        let r = Reporter::new(sink, Operation::Restore);
+        r.emit(at(Status::Postcopy, 10));
+        r.stalled();
+        r.stalled();
+        r.emit(at(Status::Postcopy, 20));
+        r.answered();
+        r.answered();
+        r.emit(at(Status::Postcopy, 30));
+        r.stalled();
+        r.emit(at(Status::Completed, 100));
+        let got: Vec<(Status, u64)> = rx
+            .try_iter()
+            .map(|e| (e.status, e.bytes_transferred))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (Status::Postcopy, 10),
+                (Status::Stalled, 10),
+                (Status::Stalled, 20),
+                (Status::Postcopy, 20),
+                (Status::Postcopy, 30),
+                (Status::Stalled, 30),
+                (Status::Completed, 100),
+            ]
+        );
+    }
 
     fn at(status: Status, bytes: u64) -> Event {
         let mut e = Event::new(status);

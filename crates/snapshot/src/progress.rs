@@ -36,6 +36,11 @@ impl RestoreProgress {
         }
     }
 
+    /// Its reporter, for what else tells of the run (a store stall: [`Reporter::stalled`]).
+    pub fn reporter(&self) -> Arc<Reporter> {
+        self.reporter.clone()
+    }
+
     /// The VM is ready, its memory paged in by `pagers` and `userfault_pagers` (none: all in
     /// place): `completed` now, or `postcopy` and a ticker until everything is resident.
     pub fn ready(&mut self, pagers: &[Pager], userfault_pagers: &[UserfaultPager]) {
@@ -126,7 +131,7 @@ impl LazySampler {
 /// stored, or `failed`.
 #[derive(Debug)]
 pub struct SnapshotProgress {
-    reporter: Reporter,
+    reporter: Arc<Reporter>,
     total: u64,
 }
 
@@ -134,11 +139,16 @@ impl SnapshotProgress {
     /// A snapshot of `total` bytes of guest memory starts.
     pub fn start(sink: &Sink, total: u64) -> SnapshotProgress {
         let p = SnapshotProgress {
-            reporter: Reporter::new(sink.clone(), Operation::Snapshot),
+            reporter: Arc::new(Reporter::new(sink.clone(), Operation::Snapshot)),
             total,
         };
         p.emit(Status::Setup, 0);
         p
+    }
+
+    /// Its reporter, for what else tells of the run (a store stall: [`Reporter::stalled`]).
+    pub fn reporter(&self) -> Arc<Reporter> {
+        self.reporter.clone()
     }
 
     /// A record of `status`, `bytes` stored so far.

@@ -57,6 +57,7 @@ impl Written {
     }
 }
 
+/// `snapshot --live --json`. Format: crate::report::SNAPSHOT_LIVE (a change bumps it).
 #[derive(Serialize)]
 pub(super) struct LiveOutput {
     snapshot: String,

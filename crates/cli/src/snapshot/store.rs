@@ -15,6 +15,8 @@ use guestmem_tracking::{Mode as TrackingMode, Tracker};
 use guestmem_vm::Vm;
 use serde::Serialize;
 
+use crate::report;
+
 use super::{Mode, RestoreArgs};
 
 /// Whether a `--out`, `--diff` or restore argument names a store snapshot.
@@ -109,6 +111,7 @@ pub fn run_op(op: StoreOp) -> crate::Result<()> {
     Ok(())
 }
 
+/// `snapshot --json` into a store. Format: crate::report::SNAPSHOT_STORE (a change bumps it).
 #[derive(Serialize)]
 struct StoreSnapshotOutput {
     #[serde(flatten)]
@@ -189,7 +192,7 @@ pub(super) fn snapshot(
         diff,
     };
     if json {
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        println!("{}", report::json(report::SNAPSHOT_STORE, &out, true)?);
         return Ok(stored);
     }
     let r = &out.report;
@@ -229,6 +232,7 @@ pub(super) fn snapshot(
     Ok(stored)
 }
 
+/// `restore --json` from a store. Format: crate::report::RESTORE_STORE (a change bumps it).
 #[derive(Serialize)]
 struct StoreRestoreOutput {
     mode: &'static str,
@@ -266,7 +270,7 @@ pub(super) fn restore(args: &RestoreArgs) -> crate::Result<()> {
     let t = Instant::now();
     let snap = open_store_snapshot(&at)?;
     if guestmem_contract::is_linux_state(snap.machine_state()) {
-        return crate::linux_snapshot::restore(&snap, args, run_for);
+        return super::restore_linux(&snap, args, run_for);
     }
     if matches!(args.mode, Mode::Map) {
         return Err(format!(
@@ -336,7 +340,7 @@ pub(super) fn restore(args: &RestoreArgs) -> crate::Result<()> {
         pages_after_run_per_vcpu: after,
     };
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&out)?);
+        println!("{}", report::json(report::RESTORE_STORE, &out, true)?);
     } else {
         print_restore(&out, args.run_for);
     }

@@ -278,7 +278,8 @@ pub struct Round {
     pub throttle_percent: u64,
 }
 
-/// What a migration did, seen from the source.
+/// What a migration did, seen from the source. `guestmem migrate send --json` prints it as
+/// format guestmem.migrate-send/1 (the CLI's `report::MIGRATE_SEND`, which a change bumps).
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
     /// Pre-copy, post-copy or hybrid.
