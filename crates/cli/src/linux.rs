@@ -180,6 +180,24 @@ pub fn wait_first_line(
     Ok(())
 }
 
+/// The console of a VM being built for a restore or a migration: `path` (or stdout), its first
+/// line recorded in `first`; stdout, said so, if `path` cannot be created.
+pub fn console_or_stdout(
+    path: Option<&std::path::Path>,
+    first: &mut Option<FirstLine>,
+) -> ConsoleOut {
+    match console_to(path, None) {
+        Ok((out, line)) => {
+            *first = Some(line);
+            out
+        }
+        Err(e) => {
+            eprintln!("guestmem: {e}; the console goes to stdout");
+            Box::new(std::io::stdout())
+        }
+    }
+}
+
 /// When the first console line ended, in seconds, if it did.
 pub fn first_line_secs(first: &FirstLine) -> Option<f64> {
     first

@@ -13,7 +13,7 @@ use guestmem_migration::migrate::{self, Links, ReceiveOptions, Report, SendOptio
 use guestmem_migration::transport::{Credentials, Endpoint, Listener};
 use guestmem_vm::linux::{linux_config, BootPlan, LinuxVm};
 
-use crate::linux::{console_to, first_line_secs, wait_first_line, LinuxArgs};
+use crate::linux::{console_or_stdout, first_line_secs, wait_first_line, LinuxArgs};
 use crate::vm_args::VmArgs;
 
 /// Boots the guest, lets it run `after` from its first console line, and migrates it to `to`.
@@ -101,16 +101,7 @@ pub fn receive(
     run_for: Duration,
 ) -> crate::Result<()> {
     let mut first = None;
-    let mut builder = LinuxBuilder(|| match console_to(console, None) {
-        Ok((out, line)) => {
-            first = Some(line);
-            out
-        }
-        Err(e) => {
-            eprintln!("guestmem: {e}; the console goes to stdout");
-            Box::new(std::io::stdout())
-        }
-    });
+    let mut builder = LinuxBuilder(|| console_or_stdout(console, &mut first));
     let mut arriving = ArrivingSerial::default();
     let stash = arriving.0.clone();
     let migrate::Incoming {

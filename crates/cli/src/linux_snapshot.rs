@@ -14,7 +14,7 @@ use guestmem_snapshot::{self as snapshot, RestoreMode, SnapshotImage};
 use guestmem_store::location::Location;
 use guestmem_vm::linux::{linux_config, BootPlan, LinuxVm};
 
-use crate::linux::{console_to, first_line_secs, wait_first_line, LinuxArgs};
+use crate::linux::{console_or_stdout, first_line_secs, wait_first_line, LinuxArgs};
 use crate::vm_args::VmArgs;
 
 /// Whether `out` names a store snapshot (`store:DIR/NAME`, `s3://...`).
@@ -150,16 +150,7 @@ pub fn restore<I: SnapshotImage>(
 ) -> crate::Result<()> {
     let t = Instant::now();
     let mut first = None;
-    let mut builder = LinuxBuilder(|| match console_to(console, None) {
-        Ok((out, line)) => {
-            first = Some(line);
-            out
-        }
-        Err(e) => {
-            eprintln!("guestmem: {e}; the console goes to stdout");
-            Box::new(std::io::stdout())
-        }
-    });
+    let mut builder = LinuxBuilder(|| console_or_stdout(console, &mut first));
     let lazy = matches!(mode, RestoreMode::Lazy(_));
     let restored = snapshot::restore(snap, &mut builder, mode)?;
     let snapshot::Restored {
