@@ -298,13 +298,34 @@ fn snapshot_guest_to(out: &str, backend: &str, extra: &[&str]) -> Transcript {
 /// host's time between the last line before it and the first after) and no more than a
 /// second beyond it.
 fn assert_went_on(what: &str, before: &Transcript, after: &Transcript) {
+    assert_went_on_from(what, before, after, Resumes::AtTheLastLine);
+}
+
+/// Where a restored guest's counter takes up again.
+#[derive(Clone, Copy, PartialEq)]
+enum Resumes {
+    /// Right after the last value printed before the pause (a paused snapshot, a migration).
+    AtTheLastLine,
+    /// At a value printed before the guestmem that took it exited, at least `from`: a live
+    /// snapshot is the memory at its start, and the guest printed more while it was written.
+    Within { from: u64 },
+}
+
+fn assert_went_on_from(what: &str, before: &Transcript, after: &Transcript, resumes: Resumes) {
     let (last, up_before, at_before) = *before.counters.last().unwrap();
     let values = after.values();
-    assert!(values.len() >= 10, "{what}: the guest goes on: {values:?}");
-    assert!(
-        values[0] > last && values[0] <= last + 2,
-        "{what}: the counter goes on past {last}, not from the start: {values:?}"
-    );
+    // Four clones share the lab's one TCG CPU: 5 lines in 20 s is going on.
+    assert!(values.len() >= 5, "{what}: the guest goes on: {values:?}");
+    match resumes {
+        Resumes::AtTheLastLine => assert!(
+            values[0] > last && values[0] <= last + 2,
+            "{what}: the counter goes on past {last}, not from the start: {values:?}"
+        ),
+        Resumes::Within { from } => assert!(
+            values[0] > from && values[0] <= last + 1,
+            "{what}: the counter takes up between {from} and {last}: {values:?}"
+        ),
+    }
     assert!(
         values.windows(2).all(|w| w[1] == w[0] + 1),
         "{what}: {values:?}"
@@ -319,6 +340,10 @@ fn assert_went_on(what: &str, before: &Transcript, after: &Transcript) {
         "{what}: the guest's 64 MiB file changed: MD5 {data} at boot, {:?} after",
         after.checks
     );
+    if resumes != Resumes::AtTheLastLine {
+        // The guest's clock at the snapshot's instant is not on a line seen here.
+        return;
+    }
     let (_, up_after, at_after) = after.counters[0];
     let host = (at_after - at_before).as_secs_f64();
     let guest = up_after - up_before;
@@ -338,6 +363,23 @@ fn restore_guest(dir: &std::path::Path, mode: &str, before: &Transcript) {
 /// Restores the snapshot at `snap` (a directory or `store:DIR/NAME`) with `how` (`--mode
 /// lazy`, `--share DIR`, ...) and checks the guest goes on from where it was paused.
 fn restore_from(snap: &str, how: &[&str], before: &Transcript) {
+    restore_from_as(snap, how, before, Resumes::AtTheLastLine);
+}
+
+/// A live snapshot's restore: the counter takes up at the snapshot's start, `--after` (3 s)
+/// past the first counter line, give or take the lines printed while it was being taken.
+fn restore_live(snap: &str, how: &[&str], before: &Transcript) {
+    let (_, _, first_at) = before.counters[0];
+    let from = before
+        .counters
+        .iter()
+        .take_while(|c| c.2 < first_at + Duration::from_millis(2500))
+        .last()
+        .map_or(0, |c| c.0);
+    restore_from_as(snap, how, before, Resumes::Within { from });
+}
+
+fn restore_from_as(snap: &str, how: &[&str], before: &Transcript, resumes: Resumes) {
     let mode = how.join(" ");
     let mut guest = spawn_restore(snap, how);
     let after = transcript_until_exit(&mut guest, Duration::from_secs(300));
@@ -351,7 +393,7 @@ fn restore_from(snap: &str, how: &[&str], before: &Transcript) {
             - guest.started)
             .as_secs_f64()
     );
-    assert_went_on(&format!("restore {mode}"), before, &after);
+    assert_went_on_from(&format!("restore {mode}"), before, &after, resumes);
 }
 
 fn spawn_restore(snap: &str, how: &[&str]) -> Guest {
@@ -465,11 +507,32 @@ fn linux_precopy_migration_and_the_counter_goes_on() {
     migrate_guest("precopy");
 }
 
-/// Post-copy migration of the Linux guest: the counter goes on.
+/// Post-copy migration of the Linux guest is refused for now (a lab run's post-copied guest
+/// had a 64 MiB file whose MD5 differed from the source's: docs/linux-guest.md); the refusal
+/// names pre-copy. `migrate_guest("postcopy")` is the test once that is understood.
 #[test]
 #[ignore = "needs ordinary KVM and a guest kernel: the kernel lab's linux suite runs it"]
 fn linux_postcopy_migration_and_the_counter_goes_on() {
-    migrate_guest("postcopy");
+    assert_postcopy_refused("postcopy");
+}
+
+/// `migrate send --kernel --mode MODE` is refused before a VM is built, naming pre-copy.
+fn assert_postcopy_refused(mode: &str) {
+    let (kernel, initrd) = guest_files();
+    let o = Command::new(common::guestmem_bin())
+        .args(["migrate", "send", "--kernel", &kernel, "--initrd", &initrd])
+        .args([
+            "--to",
+            "unix:/nonexistent/m.sock",
+            "--keys",
+            "/nonexistent/keys",
+        ])
+        .args(["--mode", mode])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{mode} of a Linux guest ran");
+    assert!(err.contains("use --mode precopy"), "{err}");
 }
 
 /// A live snapshot (the default: copy-before-write) of the Linux guest while it runs, into a
@@ -480,11 +543,11 @@ fn linux_live_snapshot_flat_and_store_restores_lazily_and_the_counter_goes_on() 
     let dir = scratch("live");
     let flat = dir.join("flat");
     let before = snapshot_guest_to(flat.to_str().unwrap(), "anon", &["--live"]);
-    restore_from(flat.to_str().unwrap(), &["--mode", "lazy"], &before);
+    restore_live(flat.to_str().unwrap(), &["--mode", "lazy"], &before);
     let store = format!("store:{}/vm", dir.join("store").display());
     let before = snapshot_guest_to(&store, "memfd", &["--live"]);
-    restore_from(&store, &["--mode", "lazy"], &before);
-    restore_from(&store, &["--mode", "full"], &before);
+    restore_live(&store, &["--mode", "lazy"], &before);
+    restore_live(&store, &["--mode", "full"], &before);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -518,11 +581,12 @@ fn linux_clones_share_one_snapshot_and_each_goes_on() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// Hybrid migration of the Linux guest (one pre-copy round, then post-copy): it goes on.
+/// Hybrid migration of the Linux guest (one pre-copy round, then post-copy): refused for now,
+/// as post-copy is.
 #[test]
 #[ignore = "needs ordinary KVM and a guest kernel: the kernel lab's linux suite runs it"]
 fn linux_hybrid_migration_and_the_counter_goes_on() {
-    migrate_guest("hybrid");
+    assert_postcopy_refused("hybrid");
 }
 
 /// The Linux guest on guest_memfd memory (kernel and initramfs written through guestmem's own
