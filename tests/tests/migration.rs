@@ -7,6 +7,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::{assert_pages_consistent, dirty_work, wait_for_generation, TempDir};
+use guestmem_contract::component::Components;
+use guestmem_contract::{SharedFiles, TargetMachine};
 use guestmem_events::{Event, Sink, Status};
 use guestmem_memory::{Backend, GuestMemory};
 use guestmem_migration::compress::Compress;
@@ -346,6 +348,101 @@ fn postcopy_and_hybrid_bring_every_page() {
             );
             assert!(report.postcopy_requests > 0);
         }
+    }
+}
+
+/// guestmem's payload VM, whose state load also writes into its RAM through the host mapping,
+/// one byte in every 2 MiB: what KVM does when a Linux guest's kvmclock MSR is loaded (it maps
+/// the page for itself, and with huge pages advised the fault fills 2 MiB).
+struct TouchingRestore(Vm);
+
+impl TargetMachine for TouchingRestore {
+    type Running<'a> = RunningVm<'a>;
+
+    fn memory(&self) -> &Arc<GuestMemory> {
+        self.0.memory()
+    }
+
+    fn vcpu_count(&self) -> usize {
+        self.0.vcpu_count()
+    }
+
+    fn restore(&mut self, state: &[u8]) -> guestmem_contract::Result<()> {
+        TargetMachine::restore(&mut self.0, state)?;
+        let memory = self.0.memory();
+        for region in memory
+            .regions()
+            .iter()
+            .filter(|r| r.gpa() != layout::SYS_GPA)
+        {
+            for offset in (0..region.size()).step_by(2 << 20) {
+                let mut byte = [0u8];
+                memory.read(region.gpa() + offset, &mut byte).unwrap();
+                memory.write(region.gpa() + offset, &byte).unwrap();
+            }
+        }
+        Ok(())
+    }
+
+    fn resume(&mut self) -> guestmem_contract::Result<RunningVm<'_>> {
+        TargetMachine::resume(&mut self.0)
+    }
+
+    fn abort_handle(&self) -> Option<guestmem_vm::AbortHandle> {
+        Some(self.0.abort_handle())
+    }
+}
+
+#[test]
+#[cfg_attr(not(kvm), ignore = "no usable /dev/kvm on this host")]
+fn pages_the_state_load_touched_still_come_from_the_source() {
+    for (backend, mode) in [
+        (Backend::Anon, Mode::Postcopy),
+        (Backend::Memfd, Mode::Postcopy),
+        (Backend::Anon, Mode::Hybrid),
+    ] {
+        let pair = Pair::new(&format!("touch-{mode}-{backend}"));
+        let listener = pair.listener.clone();
+        let dest = std::thread::spawn(move || {
+            let mut builder = |config: &VmConfig, shared: SharedFiles| {
+                Ok(TouchingRestore(Vm::new_on(config, shared)?))
+            };
+            let migrate::Incoming {
+                mut vm,
+                mut transfer,
+            } = migrate::receive_into(
+                listener,
+                &ReceiveOptions::default(),
+                &mut builder,
+                &mut Components::none(),
+            )
+            .unwrap();
+            let memory = vm.memory().clone();
+            let running = transfer.resume(&mut vm).unwrap();
+            // The guest stays at its gate (set on the source): the memory is the source's.
+            let digest = digest(&memory);
+            running.stop();
+            running.wait(Duration::from_secs(30)).unwrap();
+            transfer.finish().unwrap();
+            digest
+        });
+        let mut vm = source_vm(backend);
+        let running = start(&mut vm);
+        gate(&running);
+        migrate::send(
+            running,
+            pair.connect(mode, 1),
+            &SendOptions {
+                mode,
+                ..Default::default()
+            },
+        )
+        .unwrap_or_else(|f| panic!("{mode} {backend}: {f:?}"));
+        assert_eq!(
+            dest.join().unwrap(),
+            digest(vm.memory()),
+            "{mode} {backend}: the destination's memory is the source's"
+        );
     }
 }
 

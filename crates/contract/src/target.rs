@@ -48,9 +48,11 @@ pub trait TargetMachine {
     fn vcpu_count(&self) -> usize;
 
     /// Takes the state [`Machine::save`](crate::component::Machine::save) produced on the
-    /// source (or before the snapshot); called once the memory is in place (in post-copy and
-    /// lazy restore: once the pagers are armed), before anything runs. A state it cannot load
-    /// refuses the migration (the source keeps the guest) or the restore.
+    /// source (or before the snapshot), before anything runs: in a lazy restore once the pagers
+    /// are armed, in a migration once the pre-copy's pages are in and before the post-copy's
+    /// pagers are armed (the pages it faults in, as KVM does for a kvmclock page, are discarded
+    /// then and come from the source). A state it cannot load refuses the migration (the
+    /// source keeps the guest) or the restore.
     fn restore(&mut self, state: &[u8]) -> Result<()>;
 
     /// Runs the vCPUs from the restored state.

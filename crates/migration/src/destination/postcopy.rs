@@ -56,12 +56,14 @@ pub(super) fn arm_postcopy(
             .as_deref();
         let chunk = POSTCOPY_FAULT_BYTES.max(region.backend().page_size());
         let is_stale = |offset: u64| chunk_is_stale(bits, offset, chunk);
-        if bits.is_some() {
-            let slots = vm.memory().memslots().expect("a VM's memory is registered");
-            // One discard per run of stale chunks (each discard is a memslot change).
-            for (start, len) in stale_runs(region.size(), chunk, &is_stale) {
-                slots.discard(region.gpa() + start, len)?;
-            }
+        // Every stale chunk is discarded, in a pure post-copy too (the whole region): loading
+        // the vCPU state may have faulted pages in before the pager was armed (KVM maps a Linux
+        // guest's kvmclock page when its MSR is set, and with huge pages advised that fills 2
+        // MiB with zeros), and a page present when the pager starts is never fetched.
+        let slots = vm.memory().memslots().expect("a VM's memory is registered");
+        // One discard per run of stale chunks (each discard is a memslot change).
+        for (start, len) in stale_runs(region.size(), chunk, &is_stale) {
+            slots.discard(region.gpa() + start, len)?;
         }
         let config = pager_config(vm, opts, chunk, to_usize(region.size().div_ceil(chunk)));
         let source = RegionSource {
