@@ -133,5 +133,8 @@ pub fn receive(
         report.rounds,
         report.digest.is_some()
     );
+    for line in vm.vcpu_report() {
+        eprintln!("guestmem: {line}");
+    }
     Ok(())
 }

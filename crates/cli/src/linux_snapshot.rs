@@ -179,5 +179,8 @@ pub fn restore<I: SnapshotImage>(
         eprintln!("guestmem: first console line after the restore began: {secs:.2} s");
     }
     eprintln!("guestmem: the restored guest ran until {end:?}");
+    for line in vm.vcpu_report() {
+        eprintln!("guestmem: {line}");
+    }
     Ok(())
 }

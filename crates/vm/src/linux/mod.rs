@@ -264,6 +264,16 @@ impl LinuxVm {
         Ok(())
     }
 
+    /// Where each vCPU stopped, one line each ([`state::vcpu_report`]): said after a restored
+    /// or migrated guest's run, so that a guest that went quiet shows where it sits.
+    pub fn vcpu_report(&self) -> Vec<String> {
+        self.vcpus
+            .iter()
+            .enumerate()
+            .map(|(id, v)| state::vcpu_report(v, id))
+            .collect()
+    }
+
     /// Runs the vCPUs (each on its own thread) until [`RunningLinux::pause`] or the guest ends.
     pub fn start(&mut self) -> Result<RunningLinux<'_>> {
         run::spawn(self)

@@ -83,9 +83,17 @@ fn run_loop(
     kicked: &AtomicBool,
     serial: &Mutex<SerialDevice>,
 ) -> Outcome {
+    let mut stopping = false;
     loop {
-        if kicked.load(Ordering::Acquire) {
-            return Outcome::Kicked;
+        if !stopping && kicked.load(Ordering::Acquire) {
+            // The instruction of the last exit (an `in` or `out` on the UART, an MMIO access)
+            // ends only at the next KVM_RUN, which writes its result and moves RIP past it.
+            // Paused before that, a saved state would run it again on its own device state:
+            // an `in` from the IIR the source's UART already cleared reads "no interrupt", and
+            // the guest's console waits forever. KVM_RUN with immediate_exit ends it without
+            // entering the guest, then says EINTR.
+            stopping = true;
+            fd.set_kvm_immediate_exit(1);
         }
         let exit = match fd.run() {
             Ok(VcpuExit::IoIn(port, data)) => {
@@ -107,6 +115,9 @@ fn run_loop(
             Ok(exit) => format!("{exit:?}"),
             Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
                 fd.set_kvm_immediate_exit(0);
+                if stopping {
+                    return Outcome::Kicked;
+                }
                 continue;
             }
             Err(e) => format!("KVM_RUN error: {e}"),

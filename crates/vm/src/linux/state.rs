@@ -283,6 +283,60 @@ fn realtime_ns() -> u64 {
     u64::try_from(now.tv_sec).unwrap_or(0) * 1_000_000_000 + u64::try_from(now.tv_nsec).unwrap_or(0)
 }
 
+/// Where a stopped vCPU is, in one line: RIP, its run state (halted or runnable), whether it
+/// takes interrupts (RFLAGS.IF), the LAPIC's pending and in-service vectors and its TSC
+/// deadline against its TSC: what to read when a guest went quiet.
+pub(crate) fn vcpu_report(vcpu: &VcpuFd, id: usize) -> String {
+    let regs = vcpu.get_regs().ok();
+    let mp = vcpu.get_mp_state().ok().map(|m| match m.mp_state {
+        0 => "runnable".to_string(),
+        3 => "halted".to_string(),
+        other => format!("mp_state {other}"),
+    });
+    let msrs = [MSR_TSC, MSR_TSC_DEADLINE].map(|index| kvm_msr_entry {
+        index,
+        ..Default::default()
+    });
+    let timer = Msrs::from_entries(&msrs).ok().and_then(|mut m| {
+        (vcpu.get_msrs(&mut m).ok()? == 2).then(|| (m.as_slice()[0].data, m.as_slice()[1].data))
+    });
+    let khz = vcpu.get_tsc_khz().unwrap_or(0).max(1);
+    let timer = match timer {
+        Some((_, 0)) => "no TSC deadline armed".to_string(),
+        Some((tsc, deadline)) => format!(
+            "TSC deadline in {:.1} ms",
+            (i128::from(deadline) - i128::from(tsc)) as f64 / f64::from(khz)
+        ),
+        None => "TSC deadline unknown".to_string(),
+    };
+    let lapic = vcpu.get_lapic().ok().map(|l| {
+        let vectors = |base: usize| -> Vec<usize> {
+            (0..8)
+                .flat_map(|i| {
+                    // Each 32-bit register of the LAPIC page sits at a 16-byte stride.
+                    let word = (0..4).fold(0u32, |w, k| {
+                        w | u32::from(l.regs[base + i * 16 + k] as u8) << (8 * k)
+                    });
+                    (0..32).filter(move |b| word >> b & 1 != 0).map(move |b| i * 32 + b)
+                })
+                .collect()
+        };
+        format!("IRR {:?} ISR {:?}", vectors(0x200), vectors(0x100))
+    });
+    format!(
+        "vCPU {id}: rip {:#x}, {}, interrupts {}, {}, {}",
+        regs.map_or(0, |r| r.rip),
+        mp.unwrap_or_else(|| "run state unknown".into()),
+        match regs.map(|r| r.rflags & 0x200 != 0) {
+            Some(true) => "on",
+            Some(false) => "off",
+            None => "unknown",
+        },
+        lapic.unwrap_or_else(|| "LAPIC unknown".into()),
+        timer
+    )
+}
+
 /// The VM's part: PIT, clock, irqchip.
 pub(crate) fn save_vm(vm: &VmFd, vcpus: Vec<LinuxVcpuState>) -> Result<LinuxState> {
     let pit = vm.get_pit2().map_err(Error::ioctl("KVM_GET_PIT2"))?;
