@@ -317,7 +317,9 @@ pub(crate) fn vcpu_report(vcpu: &VcpuFd, id: usize) -> String {
                     let word = (0..4).fold(0u32, |w, k| {
                         w | u32::from(l.regs[base + i * 16 + k] as u8) << (8 * k)
                     });
-                    (0..32).filter(move |b| word >> b & 1 != 0).map(move |b| i * 32 + b)
+                    (0..32)
+                        .filter(move |b| word >> b & 1 != 0)
+                        .map(move |b| i * 32 + b)
                 })
                 .collect()
         };
