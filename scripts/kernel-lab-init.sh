@@ -91,7 +91,8 @@ while read -r target test flags; do
     fi
     echo "=== $target::$test"
     start=$(now)
-    timeout -s KILL "$LIMIT" "/lab/bin/$target" --exact "$test" --test-threads=1 $extra > /tmp/test.out 2>&1
+    # --show-output: what a passing test prints (its TCG times) reaches the console too.
+    timeout -s KILL "$LIMIT" "/lab/bin/$target" --exact "$test" --test-threads=1 --show-output $extra > /tmp/test.out 2>&1
     rc=$?
     end=$(now)
     secs=$(awk -v a="$start" -v b="$end" 'BEGIN { printf "%.2f", b - a }')

@@ -1095,6 +1095,69 @@ fn stale_chunks(dirty: &[DirtyBitmap], gpa: u64, size: u64) -> Vec<u64> {
 mod tests {
     use super::*;
 
+    /// A paused machine whose saved state is `state` (its memory one small anonymous region).
+    struct Saved {
+        state: Vec<u8>,
+        memory: Arc<GuestMemory>,
+        config: guestmem_vm::VmConfig,
+    }
+
+    impl Saved {
+        fn new(state: Vec<u8>) -> Saved {
+            let config = guestmem_vm::VmConfig {
+                vcpus: 1,
+                regions: vec![guestmem_memory::RegionSpec::new(
+                    "ram",
+                    0,
+                    1 << 20,
+                    guestmem_memory::Backend::Anon,
+                )],
+                dirty_ring_bytes: None,
+            };
+            let memory = Arc::new(GuestMemory::new(&config.regions, None).unwrap());
+            Saved {
+                state,
+                memory,
+                config,
+            }
+        }
+    }
+
+    impl Machine for Saved {
+        fn memory(&self) -> &Arc<GuestMemory> {
+            &self.memory
+        }
+        fn config(&self) -> &guestmem_vm::VmConfig {
+            &self.config
+        }
+        fn start_tracking(&self, _: guestmem_tracking::Mode) -> guestmem_contract::Result<Tracker> {
+            unreachable!("the state alone is asked for")
+        }
+        fn pause(&mut self) -> guestmem_contract::Result<()> {
+            Ok(())
+        }
+        fn resume(&mut self) -> guestmem_contract::Result<()> {
+            Ok(())
+        }
+        fn save(&mut self) -> guestmem_contract::Result<Vec<u8>> {
+            Ok(self.state.clone())
+        }
+    }
+
+    /// Protocol 1 (guestmem 0.1.0) knows only guestmem's own VM: a Linux guest's state is
+    /// refused naming its kind before anything is sent; protocol 2 carries it sealed as it is.
+    #[test]
+    fn a_linux_state_is_refused_to_a_protocol_1_peer_by_its_kind() {
+        let linux = guestmem_contract::LINUX_STATE.seal(&serde_json::json!({"kind": "linux"}));
+        let mut machine = Saved::new(linux.clone());
+        let refused = machine_state(&mut machine, 1).unwrap_err().to_string();
+        assert!(
+            refused.contains(guestmem_contract::LINUX_STATE.name),
+            "{refused}"
+        );
+        assert_eq!(machine_state(&mut machine, 2).unwrap(), linux);
+    }
+
     /// Round 1 admits only the pages the cache can still hold at the round's end; later rounds
     /// try every page; without a cache nothing is.
     #[test]
