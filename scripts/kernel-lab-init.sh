@@ -24,7 +24,11 @@ say "@@LAB start"
 say "@@LAB kernel $(uname -r)"
 say "@@LAB nodes $(cat /sys/devices/system/node/has_memory 2>/dev/null)"
 for m in $(cat /lab/modules.order); do
-    if insmod "/lab/modules/$m"; then say "@@LAB module $m loaded"; else say "@@LAB module $m failed"; fi
+    # Parameters for a module (kernel-lab.sh --module-param MODULE.ko:PARAMS), e.g. to try
+    # kvm_amd without one of its nested-virtualization features.
+    params=$(awk -v m="$m" '$1 == m { $1 = ""; print }' /lab/module-params 2>/dev/null)
+    # shellcheck disable=SC2086 # the parameters are words
+    if insmod "/lab/modules/$m" $params; then say "@@LAB module $m loaded$params"; else say "@@LAB module $m failed"; fi
 done
 if [ -e /dev/kvm ]; then say "@@LAB kvm yes"; else say "@@LAB kvm no"; fi
 
@@ -99,6 +103,12 @@ while read -r target test flags; do
     cat /tmp/test.out
     if [ $rc -eq 0 ] && grep -q '^test result: ok. 1 passed' /tmp/test.out; then
         say "@@TEST $target::$test ok $secs"
+        # What a passing test measured (its TCG times) goes into the record too.
+        if grep -qE '^TCG time|\(TCG|^boot [0-9]+ of|held in|downtime|all resident after' /tmp/test.out; then
+            say "@@BEGIN output $target::$test"
+            grep -E '^TCG time|\(TCG|^boot [0-9]+ of|held in|downtime|all resident after' /tmp/test.out > $R
+            say "@@END output $target::$test"
+        fi
     else
         why="exit $rc"
         grep -q '^test result: ok. 0 passed; 0 failed; 1 ignored' /tmp/test.out &&

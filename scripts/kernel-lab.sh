@@ -11,7 +11,8 @@
 #
 #   scripts/kernel-lab.sh [--kernel debian-7.3|debian-6.1|PATH/bzImage] [--modules DIR]
 #                         [--suite gmem] [--timeout SECONDS] [--name NAME] [--out FILE]
-#                         [--tcg-thread single|multi] [--fetch-only] [--package-only]
+#                         [--tcg-thread single|multi] [--module-param MODULE.ko:PARAMS]
+#                         [--fetch-only] [--package-only]
 #
 # --package-only builds and checks the initramfs, then stops without booting (CI runs it from
 # a checkout under /tmp, the directory the guest's init mounts a tmpfs over).
@@ -32,6 +33,7 @@ OUT=""
 FETCH_ONLY=no
 PACKAGE_ONLY=no
 TCG_THREAD=single
+MODULE_PARAMS=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --kernel) KERNEL=$2; shift 2 ;;
@@ -43,6 +45,8 @@ while [ $# -gt 0 ]; do
         --fetch-only) FETCH_ONLY=yes; shift ;;
         --package-only) PACKAGE_ONLY=yes; shift ;;
         --tcg-thread) TCG_THREAD=$2; shift 2 ;;
+        --module-param) MODULE_PARAMS="$MODULE_PARAMS${2%%:*} ${2#*:}
+"; shift 2 ;;
         -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
         *) echo "kernel-lab: unknown argument '$1' (see --help)" >&2; exit 2 ;;
     esac
@@ -137,6 +141,8 @@ if [ -n "$KROOT" ]; then
 fi
 mkdir -p "$WORK/initramfs/lab/modules"
 : > "$WORK/initramfs/lab/modules.order"
+# Parameters for a module, a line each: MODULE.ko PARAMS (--module-param kvm-amd.ko:npt=0).
+printf '%s' "$MODULE_PARAMS" > "$WORK/initramfs/lab/module-params"
 if [ -n "$MODDIR" ] && [ -d "$MODDIR" ]; then
     release=$(basename "$MODDIR")
     if [ ! -f "$MODDIR/modules.dep" ]; then

@@ -247,5 +247,8 @@ pub fn run(
         "guestmem: the guest {how} after {:.2} s",
         t0.elapsed().as_secs_f64()
     );
+    for line in machine.vcpu_report() {
+        eprintln!("guestmem: {line}");
+    }
     Ok(())
 }
