@@ -5,8 +5,8 @@
 //! (ExtINT, the PIC's line) and LINT1 (NMI).
 
 use guestmem_memory::GuestMemory;
-use kvm_bindings::{kvm_fpu, kvm_regs, kvm_segment, Msrs};
-use kvm_ioctls::VcpuFd;
+use kvm_bindings::{kvm_fpu, kvm_regs, kvm_segment, CpuId, Msrs};
+use kvm_ioctls::{Cap, Kvm, VcpuFd};
 
 use super::boot::{BOOT_STACK_GPA, GDT_GPA, IDT_GPA, PML4_GPA, ZERO_PAGE_GPA};
 use crate::{Error, Result};
@@ -177,6 +177,23 @@ pub(crate) fn set_lint(vcpu: &VcpuFd) -> Result<()> {
         .map_err(Error::ioctl("KVM_SET_LAPIC"))
 }
 
+/// CPUID leaf 1 ECX: the TSC deadline timer.
+const CPUID_1_ECX_TSC_DEADLINE: u32 = 1 << 24;
+
+/// The CPUID a Linux guest's vCPUs get: the host-supported one plus the TSC deadline timer
+/// where KVM emulates it (`KVM_CAP_TSC_DEADLINE_TIMER`; KVM leaves that bit out of
+/// `KVM_GET_SUPPORTED_CPUID` for the VMM to set, as QEMU and Firecracker do). With it the guest
+/// arms its LAPIC timer by MSR, which a saved state restores after the TSC.
+pub(crate) fn linux_cpuid(kvm: &Kvm, base: &CpuId) -> CpuId {
+    let mut cpuid = base.clone();
+    if kvm.check_extension(Cap::TscDeadlineTimer) {
+        for e in cpuid.as_mut_slice().iter_mut().filter(|e| e.function == 1) {
+            e.ecx |= CPUID_1_ECX_TSC_DEADLINE;
+        }
+    }
+    cpuid
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -203,5 +220,24 @@ mod tests {
         assert_eq!((tr.selector, tr.type_, tr.s), (0x20, 0xb, 0));
         assert_eq!(GDT[2], 0x00af_9b00_0000_ffff);
         assert_eq!(GDT[3], 0x00cf_9300_0000_ffff);
+    }
+
+    /// Leaf 1 offers the TSC deadline timer exactly where KVM says it emulates it; the other
+    /// leaves stay the host's.
+    #[test]
+    fn the_tsc_deadline_timer_is_offered_where_kvm_has_it() {
+        let kvm = Kvm::new().unwrap();
+        let base = crate::vcpu::supported_cpuid(&kvm).unwrap();
+        let cpuid = linux_cpuid(&kvm, base);
+        let leaf1 = cpuid.as_slice().iter().find(|e| e.function == 1).unwrap();
+        assert_eq!(
+            leaf1.ecx & CPUID_1_ECX_TSC_DEADLINE != 0,
+            kvm.check_extension(Cap::TscDeadlineTimer)
+        );
+        for (a, b) in cpuid.as_slice().iter().zip(base.as_slice()) {
+            if a.function != 1 {
+                assert_eq!((a.eax, a.ebx, a.ecx, a.edx), (b.eax, b.ebx, b.ecx, b.edx));
+            }
+        }
     }
 }

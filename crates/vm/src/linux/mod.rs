@@ -154,13 +154,13 @@ impl LinuxVm {
         memory.register(&fd)?;
         let serial = SerialDevice::new(&fd, console)?;
         vcpu::install_kick_handler()?;
-        let cpuid = vcpu::supported_cpuid(&kvm)?;
+        let cpuid = cpu::linux_cpuid(&kvm, vcpu::supported_cpuid(&kvm)?);
         let mut vcpus = Vec::with_capacity(config.vcpus);
         for id in 0..config.vcpus {
             let v = fd
                 .create_vcpu(id as u64)
                 .map_err(Error::ioctl("KVM_CREATE_VCPU"))?;
-            vcpu::set_cpuid(&v, id, cpuid)?;
+            vcpu::set_cpuid(&v, id, &cpuid)?;
             cpu::set_lint(&v)?;
             vcpus.push(v);
         }
