@@ -27,6 +27,29 @@ fn guest_files() -> (String, String) {
     (var("GUESTMEM_LINUX_KERNEL"), var("GUESTMEM_LINUX_INITRD"))
 }
 
+/// The arguments of `guestmem VERB...` that boots the lab's guest (its kernel, initramfs and
+/// command line, 256 MiB, 1 vCPU), then `extra`.
+fn boot_args(verb: &[&str], extra: &[&str]) -> Vec<String> {
+    let (kernel, initrd) = guest_files();
+    let boot = [
+        "--kernel",
+        &kernel,
+        "--initrd",
+        &initrd,
+        "--cmdline",
+        CMDLINE,
+        "--memory",
+        "256M",
+        "--vcpus",
+        "1",
+    ];
+    verb.iter()
+        .chain(&boot)
+        .chain(extra)
+        .map(|s| (*s).to_string())
+        .collect()
+}
+
 /// Runs the command's process (all its threads) on the host's last CPU. In the lab the host is
 /// itself a QEMU TCG guest whose CPUs' TSCs do not agree (its kernel calls its clock unstable):
 /// a vCPU thread that moves between them makes the Linux guest's kvmclock jump, and its boot
@@ -62,7 +85,7 @@ struct Guest {
 }
 
 impl Guest {
-    fn spawn(args: &[&str]) -> Guest {
+    fn spawn<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> Guest {
         let mut command = Command::new(common::guestmem_bin());
         command.args(args).stdout(Stdio::piped());
         pin_to_last_cpu(&mut command);
@@ -116,22 +139,7 @@ impl Drop for Guest {
 #[test]
 #[ignore = "needs ordinary KVM and a guest kernel: the kernel lab's linux suite runs it"]
 fn linux_guest_boots_and_its_counter_goes_on() {
-    let (kernel, initrd) = guest_files();
-    let guest = Guest::spawn(&[
-        "run",
-        "--kernel",
-        &kernel,
-        "--initrd",
-        &initrd,
-        "--cmdline",
-        CMDLINE,
-        "--memory",
-        "256M",
-        "--vcpus",
-        "1",
-        "--run-for",
-        "100",
-    ]);
+    let guest = Guest::spawn(&boot_args(&["run"], &["--run-for", "100"]));
     // A boot that stalls ends at --run-for, before this limit, and guestmem says where its
     // vCPU sits.
     let (first, at) = guest.next_counter(Duration::from_secs(120));
@@ -155,25 +163,10 @@ fn linux_guest_boots_and_its_counter_goes_on() {
 #[test]
 #[ignore = "needs ordinary KVM and a guest kernel: the kernel lab's linux-stability suite runs it"]
 fn linux_boots_hold_in_the_lab() {
-    let (kernel, initrd) = guest_files();
     let boots: usize = std::env::var("LAB_BOOTS").map_or(6, |b| b.parse().unwrap());
     let mut verdicts = Vec::new();
     for boot in 1..=boots {
-        let mut guest = Guest::spawn(&[
-            "run",
-            "--kernel",
-            &kernel,
-            "--initrd",
-            &initrd,
-            "--cmdline",
-            CMDLINE,
-            "--memory",
-            "256M",
-            "--vcpus",
-            "1",
-            "--run-for",
-            "45",
-        ]);
+        let mut guest = Guest::spawn(&boot_args(&["run"], &["--run-for", "45"]));
         let seen = transcript_until_exit(&mut guest, Duration::from_secs(120));
         let last = seen.counters.last().map_or(0, |c| c.0);
         let verdict = if !seen.faults.is_empty() {
@@ -277,7 +270,10 @@ const HELD: &str = "counter 10";
 /// Spawns guestmem with `args` (a command that boots the guest: `snapshot --kernel`, `migrate
 /// send --kernel`) until its guest counts to [`HELD_COUNTER`] within [`BOOT_LIMIT`] ([`BOOTS`]
 /// times at most), then reads its console until it exits.
-fn booted_transcript(args: &[&str], limit: Duration) -> (Transcript, Instant) {
+fn booted_transcript<S: AsRef<std::ffi::OsStr>>(
+    args: &[S],
+    limit: Duration,
+) -> (Transcript, Instant) {
     for boot in 1..=BOOTS {
         let mut guest = Guest::spawn(args);
         let mut seen = Transcript::default();
@@ -310,29 +306,20 @@ fn snapshot_guest(dir: &std::path::Path, backend: &str) -> Transcript {
 /// [`snapshot_guest`] into `out` (a directory or `store:DIR/NAME`), with `extra` arguments
 /// (`--live`).
 fn snapshot_guest_to(out: &str, backend: &str, extra: &[&str]) -> Transcript {
-    let (kernel, initrd) = guest_files();
-    let mut args = vec![
-        "snapshot",
-        "--kernel",
-        &kernel,
-        "--initrd",
-        &initrd,
-        "--cmdline",
-        CMDLINE,
-        "--memory",
-        "256M",
-        "--vcpus",
-        "1",
-        "--backend",
-        backend,
-        "--after",
-        "3",
-        "--wait-for",
-        HELD,
-        "--out",
-        out,
-    ];
-    args.extend_from_slice(extra);
+    let mut args = boot_args(
+        &["snapshot"],
+        &[
+            "--backend",
+            backend,
+            "--after",
+            "3",
+            "--wait-for",
+            HELD,
+            "--out",
+            out,
+        ],
+    );
+    args.extend(extra.iter().map(|s| (*s).to_string()));
     let (before, started) = booted_transcript(&args, Duration::from_secs(240));
     println!(
         "TCG time: boot to the first counter line {:.2} s",
@@ -509,7 +496,6 @@ fn linux_snapshot_on_memfd_restores_and_the_counter_goes_on() {
 /// Migrates the Linux guest live (`mode`) between two guestmem processes over a Unix socket:
 /// the counter the destination's console shows goes on past the last one the source showed.
 fn migrate_guest(mode: &str) {
-    let (kernel, initrd) = guest_files();
     let dir = scratch(&format!("migrate-{mode}"));
     std::fs::create_dir_all(&dir).unwrap();
     let keys = dir.join("keys");
@@ -533,33 +519,24 @@ fn migrate_guest(mode: &str) {
         "--run-for",
         "40",
     ]);
-    let mut source = vec![
-        "migrate",
-        "send",
-        "--kernel",
-        &kernel,
-        "--initrd",
-        &initrd,
-        "--cmdline",
-        CMDLINE,
-        "--memory",
-        "256M",
-        "--vcpus",
-        "1",
-        "--after",
-        "3",
-        "--wait-for",
-        HELD,
-        "--to",
-        &socket,
-        "--keys",
-        keys,
-        "--mode",
-        mode,
-    ];
+    let mut source = boot_args(
+        &["migrate", "send"],
+        &[
+            "--after",
+            "3",
+            "--wait-for",
+            HELD,
+            "--to",
+            &socket,
+            "--keys",
+            keys,
+            "--mode",
+            mode,
+        ],
+    );
     if mode == "precopy" {
         // Both sides digest guest memory at the switch-over; a difference refuses the move.
-        source.push("--verify");
+        source.push("--verify".into());
     }
     let (before, _) = booted_transcript(&source, Duration::from_secs(500));
     let after = transcript_until_exit(&mut destination, Duration::from_secs(300));
