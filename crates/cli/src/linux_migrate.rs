@@ -11,7 +11,7 @@ use guestmem_contract::component::{ComponentError, Components};
 use guestmem_contract::{Component, LinuxBuilder, LinuxMachine, SerialComponent, SERIAL_COMPONENT};
 use guestmem_migration::migrate::{self, Links, ReceiveOptions, Report, SendOptions};
 use guestmem_migration::transport::{Credentials, Endpoint, Listener};
-use guestmem_vm::linux::{linux_config, BootPlan, LinuxVm};
+use guestmem_vm::linux::{linux_config, BootPlan, LinuxEnd, LinuxVm};
 
 use crate::linux::{console_or_stdout, first_line_secs, wait_first_line, LinuxArgs};
 use crate::vm_args::VmArgs;
@@ -92,14 +92,41 @@ impl Component for ArrivingSerial {
     }
 }
 
+/// What `migrate receive --linux` reports (one JSON line with `--json`, after the guest's
+/// run). Format: crate::report::MIGRATE_RECEIVE_LINUX (a change bumps it).
+#[derive(Debug, serde::Serialize)]
+pub struct LinuxReceived {
+    /// What the destination's engine saw (the payload VM's receive reports the same).
+    pub report: migrate::DestinationReport,
+    /// Seconds from the destination's VM being built to the guest's first console line here
+    /// (`None`: the guest printed nothing).
+    pub first_console_line_s: Option<f64>,
+    /// How long the guest ran here, from its resume to the end of the run.
+    pub run_ms: f64,
+    /// How the run ended: "time-limit" (`--run-for` came, the guest still running), "reset"
+    /// or "shutdown" (the guest's own doing).
+    pub ended: &'static str,
+    /// Where each vCPU stopped (RIP, halted or runnable, IF, LAPIC IRR/ISR, TSC deadline).
+    pub vcpus: Vec<String>,
+}
+
+/// The name a [`LinuxEnd`] has in the report.
+fn end_name(end: LinuxEnd) -> &'static str {
+    match end {
+        LinuxEnd::TimeLimit => "time-limit",
+        LinuxEnd::Reset => "reset",
+        LinuxEnd::Shutdown => "shutdown",
+    }
+}
+
 /// Receives a Linux guest on `listener`, runs it `run_for` with its console on stdout (or
-/// `console`), and says when its first console line came after the switch-over.
+/// `console`), and reports what came and how the guest went on.
 pub fn receive(
     listener: Arc<Listener>,
     opts: &ReceiveOptions,
     console: Option<&std::path::Path>,
     run_for: Duration,
-) -> crate::Result<()> {
+) -> crate::Result<LinuxReceived> {
     let mut first = None;
     let mut builder = LinuxBuilder(|| console_or_stdout(console, &mut first));
     let mut arriving = ArrivingSerial::default();
@@ -123,18 +150,65 @@ pub fn receive(
     let end = running.wait(run_for);
     let report = transfer.finish()?;
     let end = end?;
-    if let Some(secs) = first.as_ref().and_then(first_line_secs) {
+    Ok(LinuxReceived {
+        report,
+        first_console_line_s: first.as_ref().and_then(first_line_secs),
+        run_ms: resumed.elapsed().as_secs_f64() * 1e3,
+        ended: end_name(end),
+        vcpus: vm.vcpu_report(),
+    })
+}
+
+/// `r` as text on stderr (stdout is the guest's console).
+pub fn print_received(r: &LinuxReceived) {
+    if let Some(secs) = r.first_console_line_s {
         eprintln!("guestmem: first console line {secs:.2} s after the destination's VM was built");
     }
     eprintln!(
-        "guestmem: the migrated guest ran {:.1} s until {end:?}; {} pages received in {} rounds, digest verified: {}",
-        resumed.elapsed().as_secs_f64(),
-        report.pages_received,
-        report.rounds,
-        report.digest.is_some()
+        "guestmem: the migrated guest ran {:.1} s until {}; {} pages received in {} rounds, digest verified: {}",
+        r.run_ms / 1e3,
+        r.ended,
+        r.report.pages_received,
+        r.report.rounds,
+        r.report.digest.is_some()
     );
-    for line in vm.vcpu_report() {
+    for line in &r.vcpus {
         eprintln!("guestmem: {line}");
     }
-    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The report is valid against its schema file and names each end as the file lists it.
+    #[test]
+    fn a_linux_receive_report_names_how_the_run_ended() {
+        let r = LinuxReceived {
+            report: Default::default(),
+            first_console_line_s: Some(0.5),
+            run_ms: 1.0,
+            ended: end_name(LinuxEnd::Reset),
+            vcpus: vec!["vcpu 0: halted".into()],
+        };
+        let text = crate::report::json(crate::report::MIGRATE_RECEIVE_LINUX, &r, false).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["schema"], "guestmem.migrate-receive-linux/1");
+        assert_eq!(v["ended"], "reset");
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/schemas");
+        let schema: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.join("migrate-receive-linux-v1.schema.json")).unwrap(),
+        )
+        .unwrap();
+        let validator = jsonschema::validator_for(&schema).unwrap();
+        let errors: Vec<String> = validator.iter_errors(&v).map(|e| e.to_string()).collect();
+        assert!(errors.is_empty(), "{errors:?}");
+        let mut broken = v.clone();
+        broken.as_object_mut().unwrap().remove("ended");
+        assert!(!validator.is_valid(&broken), "the schema requires `ended`");
+        let ends = schema["properties"]["ended"]["enum"].as_array().unwrap();
+        for end in [LinuxEnd::TimeLimit, LinuxEnd::Reset, LinuxEnd::Shutdown] {
+            assert!(ends.contains(&end_name(end).into()), "{end:?}");
+        }
+    }
 }

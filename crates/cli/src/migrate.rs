@@ -148,7 +148,8 @@ pub struct ReceiveArgs {
     /// e.g. 0 (on one host, the source's `--fault-cpus` too).
     #[arg(long, value_delimiter = ',')]
     pub fault_cpus: Option<Vec<usize>>,
-    /// Print the outcome as one JSON object.
+    /// Print the outcome as one JSON object (with --linux: the last line on stdout, after the
+    /// guest's console).
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
@@ -648,7 +649,17 @@ fn receive_main(args: ReceiveArgs) -> crate::Result<()> {
         let received =
             crate::linux_migrate::receive(listener, &opts, args.console.as_deref(), run_for);
         progress.finish();
-        return received;
+        let received = received?;
+        if args.json {
+            // The last line on stdout, after the guest's console (or alone with --console).
+            println!(
+                "{}",
+                crate::report::json(crate::report::MIGRATE_RECEIVE_LINUX, &received, false)?
+            );
+        } else {
+            crate::linux_migrate::print_received(&received);
+        }
+        return Ok(());
     }
     match listener.port() {
         // On stderr even with --json: with tcp:HOST:0 it is the only place the port is told.

@@ -10,6 +10,8 @@ use serde::Serialize;
 pub const MIGRATE_SEND: &str = "guestmem.migrate-send/1";
 /// `migrate receive --json` (crate::migrate::Received).
 pub const MIGRATE_RECEIVE: &str = "guestmem.migrate-receive/1";
+/// `migrate receive --linux --json` (crate::linux_migrate::LinuxReceived).
+pub const MIGRATE_RECEIVE_LINUX: &str = "guestmem.migrate-receive-linux/1";
 /// `snapshot --json` of a paused guest into a flat snapshot directory.
 pub const SNAPSHOT: &str = "guestmem.snapshot/1";
 /// `snapshot --json` of a paused guest into a chunk store.
@@ -23,9 +25,10 @@ pub const RESTORE_STORE: &str = "guestmem.restore-store/1";
 
 /// Every final report's schema, for the check that each has its file.
 #[cfg(test)]
-const ALL: [&str; 7] = [
+const ALL: [&str; 8] = [
     MIGRATE_SEND,
     MIGRATE_RECEIVE,
+    MIGRATE_RECEIVE_LINUX,
     SNAPSHOT,
     SNAPSHOT_STORE,
     SNAPSHOT_LIVE,
