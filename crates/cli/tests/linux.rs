@@ -64,11 +64,20 @@ fn boot_args(verb: &[&str], extra: &[&str]) -> Vec<String> {
         "--vcpus",
         "1",
     ];
-    verb.iter()
+    let mut args: Vec<String> = verb
+        .iter()
         .chain(&boot)
         .chain(extra)
         .map(|s| (*s).to_string())
-        .collect()
+        .collect();
+    // An experiment on the lab may put every guest on one backend (`LAB_BACKEND`).
+    if let Ok(backend) = std::env::var("LAB_BACKEND") {
+        match args.iter().position(|a| a == "--backend") {
+            Some(at) => args[at + 1] = backend,
+            None => args.extend(["--backend".to_string(), backend]),
+        }
+    }
+    args
 }
 
 /// Runs the command's process (all its threads) on the host's last CPU. In the lab the host is
