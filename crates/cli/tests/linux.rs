@@ -70,10 +70,12 @@ fn boot_args(verb: &[&str], extra: &[&str]) -> Vec<String> {
         .chain(extra)
         .map(|s| (*s).to_string())
         .collect();
-    // An experiment on the lab may put every guest on one backend (`LAB_BACKEND`).
+    // An experiment on the lab may put the guests on anonymous memory (the default) on another
+    // backend (`LAB_BACKEND`); a test that asks for another backend keeps it.
     if let Ok(backend) = std::env::var("LAB_BACKEND") {
         match args.iter().position(|a| a == "--backend") {
-            Some(at) => args[at + 1] = backend,
+            Some(at) if args[at + 1] == "anon" => args[at + 1] = backend,
+            Some(_) => {}
             None => args.extend(["--backend".to_string(), backend]),
         }
     }
