@@ -77,7 +77,14 @@ fn guest_reads_source(backend: Backend, vcpus: usize, uffds: usize) {
             r.vcpu
         );
     }
-    let stats = pager.stats();
+    // A pager thread counts a chunk just after the copy that wakes the vCPU: the last
+    // count may come a moment after the vCPUs are done.
+    let deadline = std::time::Instant::now() + Duration::from_secs(2);
+    let mut stats = pager.stats();
+    while stats.resident_bytes < SIZE && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+        stats = pager.stats();
+    }
     assert_eq!(stats.resident_bytes, SIZE, "{stats:?}");
     assert_eq!(
         stats.fault_chunks + stats.readahead_chunks,
