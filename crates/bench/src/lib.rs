@@ -17,6 +17,7 @@ mod floor;
 pub mod link;
 mod memslots;
 mod migrate;
+mod observe;
 mod populate;
 mod qemu_migrate;
 pub mod qemu_peer;

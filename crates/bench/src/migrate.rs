@@ -39,7 +39,7 @@ use guestmem_memory::{Backend, GuestMemory};
 use guestmem_migration::compress::{Compress, CompressionReport};
 use guestmem_migration::delta::DeltaReport;
 use guestmem_migration::migrate::{
-    self, DestinationReport, Links, Mode, ReceiveOptions, Report, SendOptions,
+    self, DestinationReport, Links, Mode, ReceiveOptions, Report, Round, SendOptions,
 };
 use guestmem_migration::transport::{generate_credentials, Credentials, Endpoint, Listener, Role};
 use guestmem_paging::affinity::CpuSet;
@@ -185,6 +185,11 @@ pub struct Args {
     /// (`dest_cpu_to_floor`, `source_cpu_to_floor`); 0: none.
     #[arg(long, default_value_t = 1)]
     floor_runs: usize,
+    /// Make on both ends the progress records and metrics that `migrate send/receive
+    /// --progress json=FILE --metrics ADDR` make (encoded, then dropped): what they cost, for
+    /// `scripts/bench-ab`.
+    #[arg(long)]
+    progress: bool,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
@@ -401,6 +406,12 @@ struct Row {
     /// the hypervisor under this machine preempting its CPUs.
     host_steal_percent: Option<f64>,
     host_steal_percent_runs: Vec<f64>,
+    /// Post-copy (and hybrid): the fault fetches' latencies of the run of median total time,
+    /// `(bound, count)` per power-of-two bucket of µs (the destination's report).
+    fault_latency_buckets_us: Option<Vec<(u64, u64)>>,
+    /// The run of median total time, round by round (the source's report): when each began,
+    /// what it sent, what the guest dirtied meanwhile, the throttle. The timeline chart's data.
+    timeline: Vec<Round>,
 }
 
 #[derive(Serialize)]
@@ -439,6 +450,8 @@ struct QemuRow {
     slowdown_percent: f64,
     /// The host's steal time over each run (boot included), median.
     host_steal_percent: Option<f64>,
+    /// The run of median total time, as QEMU's `query-migrate` told it every 100 ms.
+    timeline: Vec<qemu_peer::Sample>,
 }
 
 /// A guestmem pre-copy row against the best QEMU configuration of the same size and rate,
@@ -526,6 +539,8 @@ struct Output {
     /// without a zstd stream window (which costs what it was asked for).
     source_extra_percent_max: Option<f64>,
     source_extra_target_met: Option<bool>,
+    /// With `--progress`: the progress records the runs made (both ends, all runs).
+    progress_records: Option<u64>,
 }
 
 pub fn main(args: Args) -> crate::Result<()> {
@@ -900,6 +915,7 @@ fn output(
         postcopy_fault_p99_target_met: p99.map(|p| p < 1000.0),
         source_extra_percent_max: extra,
         source_extra_target_met: extra.map(|e| e < 2.0),
+        progress_records: crate::observe::records(args.progress),
     }
 }
 
@@ -1094,10 +1110,11 @@ struct Received {
 fn destination(
     listener: Arc<Listener>,
     vcpus: usize,
-    fault_cpus: Option<Vec<usize>>,
+    (fault_cpus, progress): (Option<Vec<usize>>, bool),
 ) -> crate::Result<Received> {
     let opts = ReceiveOptions {
         fault_cpus,
+        events: crate::observe::sink(progress),
         ..Default::default()
     };
     let migrate::Incoming {
@@ -1143,9 +1160,10 @@ fn run_once(
     let (listener, to) = listen(args, link, &dir.0)?;
     let vcpus = args.vcpus;
     let fault_cpus = args.fault_cpus.0.clone();
+    let progress = args.progress;
     let dest = std::thread::Builder::new()
         .name("bench-destination".into())
-        .spawn(move || destination(listener, vcpus, fault_cpus))?;
+        .spawn(move || destination(listener, vcpus, (fault_cpus, progress)))?;
 
     let mut vm = Vm::new(&VmConfig::simple(vcpus, size, Backend::Anon))?;
     if let Some(image) = &args.image {
@@ -1308,6 +1326,7 @@ fn send_options(
         delta_cache_bytes: delta.bytes(),
         zstd_window_bytes,
         fault_cpus: args.fault_cpus.0.clone(),
+        events: crate::observe::sink(args.progress),
         ..Default::default()
     }
 }
@@ -1432,6 +1451,7 @@ fn median_row(
 ) -> Row {
     let m = |f: &dyn Fn(&Run) -> f64| median(runs.iter().map(f).collect());
     let opt = |f: &dyn Fn(&DestinationReport) -> f64| destination_median(runs, mode, f);
+    let middle = median_run(runs.iter().map(|r| r.report.total_ms)).map(|i| &runs[i]);
     let steady = m(&|r| r.steady_pages_per_s);
     let during = m(&|r| r.during_pages_per_s);
     let extra = m(&|r| r.report.source_extra_bytes as f64);
@@ -1515,7 +1535,22 @@ fn median_row(
             .all(|r| r.steal_percent.is_some())
             .then(|| m(&|r| r.steal_percent.unwrap_or_default())),
         host_steal_percent_runs: runs.iter().filter_map(|r| r.steal_percent).collect(),
+        fault_latency_buckets_us: mode
+            .ne(&Mode::Precopy)
+            .then(|| middle.and_then(|r| r.report.destination.as_ref()))
+            .flatten()
+            .map(|d| d.fault_latency_buckets_us.clone()),
+        timeline: middle.map(|r| r.report.rounds.clone()).unwrap_or_default(),
     }
+}
+
+/// The index of the run whose total time is the median (of an even count, the lower middle).
+fn median_run(totals: impl Iterator<Item = f64>) -> Option<usize> {
+    let mut order: Vec<(usize, f64)> = totals.enumerate().collect();
+    order.sort_by(|a, b| a.1.total_cmp(&b.1));
+    order
+        .get(order.len().saturating_sub(1) / 2)
+        .map(|&(i, _)| i)
 }
 
 fn qemu_row(
@@ -1572,6 +1607,9 @@ fn qemu_row(
             .iter()
             .all(|r| r.1.is_some())
             .then(|| median(runs.iter().map(|r| r.1.unwrap_or_default()).collect())),
+        timeline: median_run(runs.iter().map(|r| r.0.total_ms as f64))
+            .map(|i| runs[i].0.timeline.clone())
+            .unwrap_or_default(),
     }
 }
 
@@ -1842,6 +1880,13 @@ mod tests {
         assert!(variants
             .iter()
             .any(|v| v.0 == super::Compress::Zstd && v.2 == 8 << 20));
+    }
+
+    #[test]
+    fn the_median_run_is_the_middle_total() {
+        assert_eq!(super::median_run([5.0, 1.0, 3.0].into_iter()), Some(2));
+        assert_eq!(super::median_run([4.0, 2.0].into_iter()), Some(1));
+        assert_eq!(super::median_run(std::iter::empty()), None);
     }
 
     #[test]

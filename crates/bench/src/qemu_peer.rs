@@ -217,6 +217,50 @@ pub struct QemuFigures {
     pub guest_pages_per_s_during: f64,
     /// Measured on the destination after migration: pages written per second.
     pub dest_pages_per_s: f64,
+    /// The migration as the source's `query-migrate` told it at each poll (every 100 ms).
+    pub timeline: Vec<Sample>,
+}
+
+/// One poll of the source's `query-migrate` during a migration: its timeline, beside
+/// guestmem's rounds in `bench migrate`'s chart.
+#[derive(Debug, Clone, Serialize)]
+pub struct Sample {
+    /// From `migrate`, ms.
+    pub ms: f64,
+    /// `status`: active, device, completed, ...
+    pub status: String,
+    /// `ram.transferred`.
+    pub transferred_bytes: u64,
+    /// `ram.remaining`: what is dirty and not sent yet.
+    pub remaining_bytes: u64,
+    /// `ram.normal`: pages sent with their contents so far.
+    pub normal_pages: u64,
+    /// `ram.duplicate`: pages sent as zero pages so far.
+    pub zero_pages: u64,
+    /// `ram.dirty-sync-count`: the pass under way.
+    pub dirty_syncs: u64,
+    /// `ram.dirty-pages-rate`, pages per second (as of the last pass).
+    pub dirty_pages_rate: u64,
+    /// `cpu-throttle-percentage` (0 when QEMU throttles nothing).
+    pub throttle_percent: u64,
+}
+
+impl Sample {
+    fn of(info: &Value, ms: f64) -> Sample {
+        let ram = &info["ram"];
+        let u = |v: &Value| v.as_u64().unwrap_or(0);
+        Sample {
+            ms,
+            status: info["status"].as_str().unwrap_or_default().to_string(),
+            transferred_bytes: u(&ram["transferred"]),
+            remaining_bytes: u(&ram["remaining"]),
+            normal_pages: u(&ram["normal"]),
+            zero_pages: u(&ram["duplicate"]),
+            dirty_syncs: u(&ram["dirty-sync-count"]),
+            dirty_pages_rate: u(&ram["dirty-pages-rate"]),
+            throttle_percent: u(&info["cpu-throttle-percentage"]),
+        }
+    }
 }
 
 /// Runs the workload under QEMU as `config` says (vCPU 0 runs it): a full-speed first pass
@@ -268,7 +312,7 @@ pub fn precopy(config: &Config) -> crate::Result<QemuFigures> {
     let started = Instant::now();
     src.qmp
         .execute("migrate", Some(json!({ "uri": incoming })))?;
-    let (info, first_pass_bytes) = wait_completed(&mut src, started, downtime_limit_ms)?;
+    let (info, first_pass_bytes, timeline) = wait_completed(&mut src, started, downtime_limit_ms)?;
     let migrate_s = started.elapsed().as_secs_f64();
     let cpu_s = sampler.stop();
     let figures = MigrateInfo::parse(&info)?;
@@ -294,6 +338,7 @@ pub fn precopy(config: &Config) -> crate::Result<QemuFigures> {
         source_cpu_s: cpu_s[0],
         destination_cpu_s: cpu_s[1],
         first_pass_bytes,
+        timeline,
         range_pages,
         boot_ms,
         fill_ms,
@@ -594,21 +639,23 @@ fn set_parameters(
     Ok(())
 }
 
-/// Polls the source until its migration completes: QEMU's last `query-migrate` and the bytes
-/// sent by the end of the first pass.
+/// Polls the source until its migration completes: QEMU's last `query-migrate`, the bytes
+/// sent by the end of the first pass, and every poll's figures.
 fn wait_completed(
     src: &mut Qemu,
     started: Instant,
     downtime_limit_ms: u64,
-) -> crate::Result<(Value, Option<u64>)> {
+) -> crate::Result<(Value, Option<u64>, Vec<Sample>)> {
     let mut first_pass_bytes = None;
+    let mut timeline = Vec::new();
     loop {
         let info = src.qmp.execute("query-migrate", None)?;
+        timeline.push(Sample::of(&info, started.elapsed().as_secs_f64() * 1e3));
         if first_pass_bytes.is_none() && info["ram"]["dirty-sync-count"].as_u64() >= Some(2) {
             first_pass_bytes = info["ram"]["transferred"].as_u64();
         }
         match info["status"].as_str() {
-            Some("completed") => return Ok((info, first_pass_bytes)),
+            Some("completed") => return Ok((info, first_pass_bytes, timeline)),
             Some("failed" | "cancelled") => {
                 return Err(format!(
                     "QEMU's migration {}: {}",

@@ -28,6 +28,7 @@ use std::time::{Duration, Instant};
 use guestmem_contract::VmBuilder;
 use guestmem_memory::{Backend, PAGE_SIZE};
 use guestmem_paging::{PagerConfig, PagerStats};
+use guestmem_snapshot::progress::RestoreProgress;
 use guestmem_snapshot::{self as snapshot, PreparedVm, RestoreMode, Restored, Snapshot};
 use guestmem_vm::{layout, RunningVm, VcpuWork, Vm, VmConfig, Workload};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -84,6 +85,11 @@ pub struct Args {
     /// Restores per mode; every figure is the median.
     #[arg(long, default_value_t = 1)]
     runs: usize,
+    /// Make each restore's progress records and metrics, as `restore --progress json=FILE`
+    /// and a `--metrics` registry do (encoded, then dropped): what they cost, for
+    /// `scripts/bench-ab`.
+    #[arg(long)]
+    progress: bool,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
@@ -139,6 +145,8 @@ struct Output {
     latency: &'static str,
     rows: Vec<Row>,
     ratios: Vec<Ratio>,
+    /// With `--progress`: the progress records the restores made.
+    progress_records: Option<u64>,
 }
 
 const LATENCY_DEFINITION: &str = "latency_ms: Snapshot::open to the first change of a vCPU's \
@@ -226,6 +234,7 @@ pub fn main(args: Args) -> crate::Result<()> {
         latency: LATENCY_DEFINITION,
         rows,
         ratios,
+        progress_records: crate::observe::records(args.progress),
     };
     if args.json {
         crate::envelope::print(&out)?;
@@ -307,7 +316,7 @@ fn measure(args: &Args, size: u64, vcpus: usize, bar: &ProgressBar) -> crate::Re
                 // page tables) first: each restore starts on a settled host, as a fresh VMM
                 // would.
                 std::thread::sleep(SETTLE);
-                runs.push(restore_once(&dir.0, mode, ws, vm)?);
+                runs.push(restore_once(&dir.0, (mode, ws), vm, args.progress)?);
                 bar.inc(1);
             }
             rows.push(median_row(size, vcpus, mode, prepared, runs));
@@ -334,9 +343,9 @@ fn ms(d: Duration) -> f64 {
 /// running until the figures are in.
 fn restore_once(
     dir: &Path,
-    mode: Mode,
-    ws: u64,
+    (mode, ws): (Mode, u64),
     prepared: Option<PreparedVm>,
+    progress: bool,
 ) -> crate::Result<Run> {
     if mode == Mode::Lazy {
         // Plain lazy restores run without a working set (an earlier run may have left one).
@@ -348,9 +357,14 @@ fn restore_once(
     if mode == Mode::LazyWs && snap.working_set()?.is_none() {
         return Err("lazy+ws: no working set was recorded by the lazy run".into());
     }
+    let total = snap.manifest().regions.iter().map(|r| r.spec.size).sum();
+    let mut records =
+        crate::observe::sink(progress).map(|sink| RestoreProgress::start(&sink, total));
     match mode {
-        Mode::Full | Mode::Map => restore_eager(&snap, mode, prepared, t),
-        Mode::Lazy | Mode::LazyWs => restore_lazy(&snap, mode, ws, prepared, (t, opened)),
+        Mode::Full | Mode::Map => restore_eager(&snap, mode, prepared, (t, records.as_mut())),
+        Mode::Lazy | Mode::LazyWs => {
+            restore_lazy(&snap, (mode, ws), prepared, (t, opened, records.as_mut()))
+        }
     }
 }
 
@@ -359,7 +373,7 @@ fn restore_eager(
     snap: &Snapshot,
     mode: Mode,
     prepared: Option<PreparedVm>,
-    t: Instant,
+    (t, records): (Instant, Option<&mut RestoreProgress>),
 ) -> crate::Result<Run> {
     let restore_mode = if mode == Mode::Full {
         RestoreMode::Full
@@ -370,6 +384,9 @@ fn restore_eager(
         Some(p) => snapshot::restore(snap, p, restore_mode)?.vm,
         None => snapshot::restore(snap, &mut VmBuilder, restore_mode)?.vm,
     };
+    if let Some(r) = records {
+        r.ready(&[], &[]);
+    }
     let ready = t.elapsed();
     let running = vm.resume()?;
     let latency = first_progress(&running, t)?;
@@ -390,10 +407,9 @@ fn restore_eager(
 /// from `t`, the snapshot having been opened in `opened`.
 fn restore_lazy(
     snap: &Snapshot,
-    mode: Mode,
-    ws: u64,
+    (mode, ws): (Mode, u64),
     prepared: Option<PreparedVm>,
-    (t, opened): (Instant, Duration),
+    (t, opened, mut records): (Instant, Duration, Option<&mut RestoreProgress>),
 ) -> crate::Result<Run> {
     let lazy = RestoreMode::Lazy(PagerConfig::default());
     let Restored {
@@ -406,6 +422,9 @@ fn restore_lazy(
         None => snapshot::restore(snap, &mut VmBuilder, lazy)?,
     };
     phases.insert(0, ("Snapshot::open".to_string(), opened));
+    if let Some(r) = records.as_mut() {
+        r.ready(&pagers, &[]);
+    }
     let ready = t.elapsed();
     let running = vm.resume()?;
     let latency = first_progress(&running, t)?;
@@ -418,6 +437,9 @@ fn restore_lazy(
         retired = Some(t.elapsed());
     }
     finish(running)?;
+    if let Some(r) = records {
+        r.finish();
+    }
     let stats = chunk_counts(pagers.iter().map(guestmem_paging::Pager::stats));
     let recorded = if mode == Mode::Lazy {
         Some(snapshot::record_working_set(

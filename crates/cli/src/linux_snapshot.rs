@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 
 use guestmem_contract::component::{ComponentState, Components};
 use guestmem_contract::{LinuxBuilder, LinuxMachine, SerialComponent};
+use guestmem_events::Status;
 use guestmem_snapshot::live::{write_machine_live, LiveOptions, Strategy};
+use guestmem_snapshot::progress::{RestoreProgress, SnapshotProgress};
 use guestmem_snapshot::{self as snapshot, RestoreMode, SnapshotImage};
 use guestmem_store::location::Location;
 use guestmem_vm::linux::{linux_config, BootPlan, LinuxVm};
@@ -28,17 +30,37 @@ fn is_store(out: &Path) -> bool {
 pub struct Written<'a> {
     pub out: &'a Path,
     pub live: Option<Strategy>,
+    /// The `--progress` records, told when the write starts.
+    pub progress: Option<&'a SnapshotProgress>,
 }
 
 /// Boots the guest, lets it run `after` from its first console line (or the `--wait-for`
-/// line), and writes the snapshot: paused, or live while the guest runs on.
+/// line), and writes the snapshot: paused, or live while the guest runs on; its progress
+/// records (`how.progress`, begun) told `stopped` or `precopy` as the write starts, then
+/// `completed` with the bytes written, or `failed`.
 pub fn snapshot(
     vm: &VmArgs,
     linux: &LinuxArgs,
-    plan: BootPlan,
-    after: Duration,
+    (plan, after): (BootPlan, Duration),
     how: Written<'_>,
 ) -> crate::Result<()> {
+    let progress = how.progress;
+    let written = boot_and_write(vm, linux, (plan, after), how);
+    match (progress, &written) {
+        (Some(p), Ok(bytes)) => p.emit(Status::Completed, *bytes),
+        (Some(p), Err(e)) => p.failed(&**e),
+        _ => {}
+    }
+    written.map(|_| ())
+}
+
+/// [`snapshot`]'s work: the bytes it wrote (a flat snapshot's data, a store's new objects).
+fn boot_and_write(
+    vm: &VmArgs,
+    linux: &LinuxArgs,
+    (plan, after): (BootPlan, Duration),
+    how: Written<'_>,
+) -> crate::Result<u64> {
     let (console, first_line) = linux.console()?;
     let mut machine = LinuxVm::new(&linux_config(vm.vcpus, vm.memory, vm.backend), console)?;
     machine.boot(&plan)?;
@@ -51,7 +73,17 @@ pub fn snapshot(
     std::thread::sleep(after);
     let mut serial = SerialComponent(running.vm().serial().clone());
     let t = Instant::now();
-    let summary = match how.live {
+    if let Some(p) = how.progress {
+        p.emit(
+            if how.live.is_some() {
+                Status::Precopy
+            } else {
+                Status::Stopped
+            },
+            0,
+        );
+    }
+    let (summary, bytes) = match how.live {
         Some(strategy) => {
             let mut machine = LinuxMachine::running(running);
             let written = write_live(&mut machine, &mut serial, how.out, strategy);
@@ -79,74 +111,101 @@ pub fn snapshot(
         how.out.display(),
         t.elapsed().as_secs_f64() * 1e3,
     );
-    Ok(())
+    Ok(bytes)
 }
 
-/// A paused write of `machine` into `out` (flat or a store); what was written, in words.
+/// A paused write of `machine` into `out` (flat or a store); what was written, in words, and
+/// its bytes.
 fn write_paused(
     machine: &mut LinuxMachine<'_>,
     states: &[ComponentState],
     out: &Path,
-) -> crate::Result<String> {
+) -> crate::Result<(String, u64)> {
     if is_store(out) {
         let at = Location::parse(&out.to_string_lossy())?;
         let objects = at.store.open_with(crate::store_options())?;
         let report =
             guestmem_store::write::write_machine(&*objects, &at.name, machine, states, None)?;
-        return Ok(format!("{} bytes stored", report.stored_bytes));
+        return Ok((
+            format!("{} bytes stored", report.stored_bytes),
+            report.stored_bytes,
+        ));
     }
     let report = snapshot::write_machine(machine, out, states)?;
-    Ok(format!(
-        "{} MiB of data, {} of {} chunks zero",
-        report.data_bytes >> 20,
-        report.zero_chunks,
-        report.chunks
+    Ok((
+        format!(
+            "{} MiB of data, {} of {} chunks zero",
+            report.data_bytes >> 20,
+            report.zero_chunks,
+            report.chunks
+        ),
+        report.data_bytes,
     ))
 }
 
 /// A live write of the running `machine` into `out` (flat or a store); its pause and mode, in
-/// words.
+/// words, and the bytes it wrote.
 fn write_live(
     machine: &mut LinuxMachine<'_>,
     serial: &mut SerialComponent,
     out: &Path,
     strategy: Strategy,
-) -> crate::Result<String> {
+) -> crate::Result<(String, u64)> {
     let opts = LiveOptions {
         strategy,
         ..LiveOptions::default()
     };
     let mut components = Components::new(vec![serial])?;
-    let live = if is_store(out) {
+    let (live, bytes) = if is_store(out) {
         let at = Location::parse(&out.to_string_lossy())?;
         let objects = at.store.open_with(crate::store_options())?;
-        guestmem_store::live::write_machine_live(
+        let w = guestmem_store::live::write_machine_live(
             &*objects,
             &at.name,
             machine,
             &mut components,
             None,
             &opts,
-        )?
-        .live
+        )?;
+        (w.live, w.report.stored_bytes)
     } else {
-        write_machine_live(machine, &mut components, out, None, &opts)?.live
+        let w = write_machine_live(machine, &mut components, out, None, &opts)?;
+        (w.live, w.report.data_bytes)
     };
-    Ok(format!(
-        "mode {}, {} rounds, pause {:.2} ms",
-        live.mode,
-        live.rounds.len(),
-        live.pause_ms
+    Ok((
+        format!(
+            "mode {}, {} rounds, pause {:.2} ms",
+            live.mode,
+            live.rounds.len(),
+            live.pause_ms
+        ),
+        bytes,
     ))
 }
 
 /// Restores a Linux guest's snapshot as `mode` says, its console to stdout (or `console`),
-/// runs it `run_for` and says how long the restore took and when its first console line came.
+/// runs it `run_for` and says how long the restore took and when its first console line came;
+/// its `--progress` records (`progress`, begun) go on to `completed` (a lazy restore's once all
+/// memory is resident) or `failed`.
 pub fn restore<I: SnapshotImage>(
     snap: &I,
     mode: RestoreMode,
-    console: Option<&Path>,
-    run_for: Duration,
+    (console, run_for): (Option<&Path>, Duration),
+    mut progress: Option<RestoreProgress>,
+) -> crate::Result<()> {
+    let done = restore_and_run(snap, mode, (console, run_for), progress.as_mut());
+    if let (Some(p), Err(e)) = (progress.as_mut(), &done) {
+        p.failed(&**e);
+    }
+    done
+}
+
+/// [`restore`]'s work.
+fn restore_and_run<I: SnapshotImage>(
+    snap: &I,
+    mode: RestoreMode,
+    (console, run_for): (Option<&Path>, Duration),
+    mut progress: Option<&mut RestoreProgress>,
 ) -> crate::Result<()> {
     let t = Instant::now();
     let mut first = None;
@@ -160,6 +219,9 @@ pub fn restore<I: SnapshotImage>(
         peer,
         ..
     } = restored;
+    if let Some(p) = &mut progress {
+        p.ready(&pagers, &userfault_pagers);
+    }
     let mut serial = SerialComponent(vm.serial().clone());
     Components::new(vec![&mut serial])?.restore(snap.components())?;
     let restore_ms = t.elapsed().as_secs_f64() * 1e3;
@@ -170,6 +232,9 @@ pub fn restore<I: SnapshotImage>(
                 return Err("the lazily restored memory did not become resident in 300 s".into());
             }
         }
+    }
+    if let Some(p) = progress {
+        p.finish();
     }
     drop(pagers);
     drop(userfault_pagers);

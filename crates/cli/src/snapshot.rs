@@ -317,11 +317,17 @@ pub fn snapshot(mut args: SnapshotArgs) -> crate::Result<()> {
         if args.diff.is_some() || args.compare_paused {
             return Err("--kernel snapshots are whole (no --diff or --compare-paused)".into());
         }
+        let lines = Progress::new(&args.progress, false)?;
+        let progress = lines
+            .sink
+            .as_ref()
+            .map(|s| snapshot_progress(s, args.vm.memory));
         let how = crate::linux_snapshot::Written {
             out: &out,
             live: args.live.then_some(args.live_mode),
+            progress: progress.as_ref(),
         };
-        return crate::linux_snapshot::snapshot(&args.vm, &args.linux, plan, after, how);
+        return crate::linux_snapshot::snapshot(&args.vm, &args.linux, (plan, after), how);
     }
     let mut vm = Vm::new(&args.vm.config()?)?;
     args.vm.load_image(&vm)?;
@@ -614,7 +620,15 @@ pub(crate) fn restore_linux<I: SnapshotImage>(
                 .into(),
         );
     }
-    crate::linux_snapshot::restore(snap, args.restore_mode()?, args.console.as_deref(), run_for)
+    let mode = args.restore_mode()?;
+    let lines = Progress::new(&args.progress, false)?;
+    let total = snap.regions().iter().map(|r| r.size).sum();
+    let progress = lines.sink.as_ref().map(|s| {
+        let p = RestoreProgress::start(s, total);
+        crate::progress::report_stalls_to(p.reporter());
+        p
+    });
+    crate::linux_snapshot::restore(snap, mode, (args.console.as_deref(), run_for), progress)
 }
 
 pub(crate) fn restore_reported<I: SnapshotImage>(

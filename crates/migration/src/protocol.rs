@@ -579,6 +579,22 @@ pub(crate) fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[i.min(sorted.len() - 1)]
 }
 
+/// `sorted` latencies as a histogram: `(bound, count)` per power-of-two bucket of whole µs
+/// (a latency of `l` µs counts in the bucket of the smallest power of two `>= l`), buckets in
+/// order, empty ones left out.
+pub(crate) fn latency_buckets(sorted: &[Duration]) -> Vec<(u64, u64)> {
+    let mut buckets: Vec<(u64, u64)> = Vec::new();
+    for d in sorted {
+        let us = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+        let bound = us.max(1).checked_next_power_of_two().unwrap_or(u64::MAX);
+        match buckets.last_mut() {
+            Some((b, n)) if *b == bound => *n += 1,
+            _ => buckets.push((bound, 1)),
+        }
+    }
+    buckets
+}
+
 #[cfg(test)]
 mod tests {
     use super::Mode;
@@ -590,5 +606,19 @@ mod tests {
         }
         let e = "lazy".parse::<Mode>().unwrap_err();
         assert!(e.contains("'lazy'") && e.contains("hybrid"), "{e}");
+    }
+
+    #[test]
+    fn latencies_fall_in_power_of_two_buckets() {
+        let us = |v: &[u64]| -> Vec<std::time::Duration> {
+            v.iter()
+                .map(|&u| std::time::Duration::from_micros(u))
+                .collect()
+        };
+        assert_eq!(
+            super::latency_buckets(&us(&[0, 1, 3, 4, 5, 100, 128, 129])),
+            [(1, 2), (4, 2), (8, 1), (128, 2), (256, 1)]
+        );
+        assert!(super::latency_buckets(&[]).is_empty());
     }
 }

@@ -81,7 +81,10 @@ impl Default for ReceiveOptions {
     }
 }
 
-/// What the destination saw (sent back to the source in the Complete).
+/// What the destination saw (sent back to the source in the Complete, as JSON). Format: a
+/// change bumps [`crate::migrate::PROTOCOL`]; fields may only be added, with
+/// `#[serde(default)]`: guestmem 0.1.0 and 0.2.0 read it and pass over fields they do not
+/// know, and their reports lack the newer ones.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct DestinationReport {
     /// The migration's mode.
@@ -110,6 +113,11 @@ pub struct DestinationReport {
     pub fault_latency_p99_us: f64,
     /// Their latency's maximum.
     pub fault_latency_max_us: f64,
+    /// Their latencies as a histogram: `(bound, count)` per power-of-two bucket of µs, the
+    /// fetches that took more than half `bound` and at most `bound`, buckets in order, empty
+    /// ones left out (absent from the reports of guestmem 0.2.0 and before: empty).
+    #[serde(default)]
+    pub fault_latency_buckets_us: Vec<(u64, u64)>,
     /// Fetches of the background transfer.
     pub background_fetches: u64,
     /// Bytes fetched in post-copy.

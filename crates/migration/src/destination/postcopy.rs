@@ -460,6 +460,7 @@ impl PostcopyLink {
         report.fault_latency_p50_us = us(percentile(&lat, 50.0));
         report.fault_latency_p99_us = us(percentile(&lat, 99.0));
         report.fault_latency_max_us = us(lat.last().copied().unwrap_or_default());
+        report.fault_latency_buckets_us = crate::protocol::latency_buckets(&lat);
         report.background_fetches = self.background_fetches.load(Ordering::Relaxed);
         report.postcopy_bytes = self.bytes.load(Ordering::Relaxed);
         report.link_breaks = self
