@@ -78,6 +78,12 @@ fn restore_service_metrics_count_its_restores() {
     let finals: Vec<Event> = records.try_iter().filter(|e| e.status.is_final()).collect();
     assert_eq!(finals.len(), 3, "{finals:?}");
     assert!(finals.iter().all(|e| e.status == Status::Completed));
+    // Each restore's records carry its own session number, in the order they began.
+    let sessions: Vec<u64> = finals.iter().map(|e| e.session.unwrap()).collect();
+    assert!(
+        sessions.windows(2).all(|w| w[1] == w[0] + 1),
+        "{sessions:?}"
+    );
     let text = scrape(&socket);
     let op = "{operation=\"restore\"}";
     assert_eq!(

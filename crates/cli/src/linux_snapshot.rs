@@ -5,11 +5,12 @@
 //! stdout, so that one sees the guest go on.
 
 use std::path::Path;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use guestmem_contract::component::{ComponentState, Components};
 use guestmem_contract::{LinuxBuilder, LinuxMachine, SerialComponent};
-use guestmem_events::Status;
+use guestmem_events::{Reporter, Status};
 use guestmem_snapshot::live::{write_machine_live, LiveOptions, Strategy};
 use guestmem_snapshot::progress::{RestoreProgress, SnapshotProgress};
 use guestmem_snapshot::{self as snapshot, RestoreMode, SnapshotImage};
@@ -86,7 +87,8 @@ fn boot_and_write(
     let (summary, bytes) = match how.live {
         Some(strategy) => {
             let mut machine = LinuxMachine::running(running);
-            let written = write_live(&mut machine, &mut serial, how.out, strategy);
+            let progress = how.progress.map(SnapshotProgress::reporter);
+            let written = write_live(&mut machine, &mut serial, how.out, (strategy, progress));
             if let Some(running) = machine.into_running() {
                 running.pause()?;
             }
@@ -149,10 +151,11 @@ fn write_live(
     machine: &mut LinuxMachine<'_>,
     serial: &mut SerialComponent,
     out: &Path,
-    strategy: Strategy,
+    (strategy, progress): (Strategy, Option<Arc<Reporter>>),
 ) -> crate::Result<(String, u64)> {
     let opts = LiveOptions {
         strategy,
+        progress,
         ..LiveOptions::default()
     };
     let mut components = Components::new(vec![serial])?;

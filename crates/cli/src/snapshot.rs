@@ -512,7 +512,7 @@ fn live_snapshot(
         args.diff.as_deref(),
         diff_after,
         args.compare_paused,
-        args.live_mode,
+        (args.live_mode, progress.map(SnapshotProgress::reporter)),
     );
     if let Some(running) = machine.into_running() {
         running.stop();

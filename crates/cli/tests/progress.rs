@@ -366,6 +366,35 @@ fn a_snapshot_and_its_lazy_restore_stream_their_progress() {
     assert!(resident.windows(2).all(|w| w[0] <= w[1]), "{resident:?}");
 }
 
+/// A live snapshot's records: `precopy` while it writes, with the bytes stored so far at the
+/// interval (more than one such record, their bytes growing), then `completed` with the bytes
+/// the report says it stored.
+#[test]
+fn a_live_snapshot_streams_the_bytes_it_stores() {
+    let dir = TempDir::new("live");
+    let snap = dir.path("snap");
+    let o = Command::new(common::guestmem_bin())
+        .args(["snapshot", "--live", "--out", &snap, "--memory", "512M"])
+        .args(["--vcpus", "2", "--after", "0.3", "--json"])
+        .args(["--progress", &format!("json={}", dir.path("live.jsonl"))])
+        .args(["--progress-interval-ms", "10"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let s = records(&dir.path("live.jsonl"), "snapshot");
+    assert_eq!(statuses(&s), ["setup", "precopy", "completed"], "{s:?}");
+    assert_completed(&s);
+    let stored: Vec<u64> = s
+        .iter()
+        .filter(|v| v["status"] == "precopy")
+        .map(|v| v["bytes_transferred"].as_u64().unwrap())
+        .collect();
+    assert!(
+        stored.len() >= 2 && stored.last() > stored.first(),
+        "records while it writes: {stored:?}"
+    );
+}
+
 /// GET /metrics over loopback TCP: the exposition's body.
 fn scrape(port: u16) -> String {
     use std::io::{Read, Write};
@@ -489,12 +518,26 @@ fn page_server_metrics_count_what_its_sessions_report() {
         ),
         3.0
     );
-    // Every record is valid; each session's own stream (by its setup) ends completed.
+    // Every record is valid and names its session; each session's stream, told apart by
+    // it, is numbered from 0 and ends completed.
     let validator = schema();
     let all = std::fs::read_to_string(&path).unwrap();
+    let mut sessions: std::collections::BTreeMap<u64, Vec<Value>> = Default::default();
     for l in all.lines() {
         let v: Value = serde_json::from_str(l).unwrap();
         assert!(validator.is_valid(&v), "{v}");
+        let session = v["session"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("no session: {v}"));
+        sessions.entry(session).or_default().push(v);
+    }
+    assert_eq!(sessions.keys().copied().collect::<Vec<_>>(), [1, 2, 3]);
+    for records in sessions.values() {
+        let seqs: Vec<u64> = records.iter().map(|v| v["seq"].as_u64().unwrap()).collect();
+        assert_eq!(seqs, (0..records.len() as u64).collect::<Vec<_>>());
+        assert_eq!(records[0]["status"], "setup", "{records:?}");
+        let last = records.last().unwrap();
+        assert_eq!(last["status"], "completed", "{last}");
     }
     for f in &finals {
         assert_eq!(f["status"], "completed", "{f}");

@@ -137,6 +137,10 @@ pub struct Event {
     /// Why it failed (`failed` only), causes included.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// Which of a process's concurrent runs of the operation this is (the page server's
+    /// sessions, the restore service's restores), from 1 ([`crate::Reporter::session`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<u64>,
 }
 
 impl Event {
@@ -165,6 +169,7 @@ impl Event {
             chunks_fetched: None,
             downtime_ms: None,
             error: None,
+            session: None,
         }
     }
 

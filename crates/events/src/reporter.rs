@@ -20,6 +20,8 @@ pub struct Reporter {
     /// When the next periodic record is due, in nanoseconds from `started`.
     next_due_ns: AtomicU64,
     last: Mutex<Last>,
+    /// The run's number among the process's concurrent runs of the operation, if it has one.
+    session: Option<u64>,
 }
 
 /// The last record sent.
@@ -44,7 +46,17 @@ impl Reporter {
             started: Instant::now(),
             next_due_ns: AtomicU64::new(0),
             last: Mutex::new(Last::default()),
+            session: None,
         }
+    }
+
+    /// The same reporter, its records marked as session `session` (from 1): one of the
+    /// concurrent runs of a long-lived process (a page server's connections, a restore
+    /// service's restores), told apart in one stream.
+    #[must_use]
+    pub fn session(mut self, session: u64) -> Reporter {
+        self.session = Some(session);
+        self
     }
 
     /// A reporter when there is a sink.
@@ -86,6 +98,7 @@ impl Reporter {
         let now = self.started.elapsed();
         event.schema = crate::PROGRESS_SCHEMA.to_string();
         event.operation = self.operation;
+        event.session = self.session;
         event.seq = last.seq;
         event.elapsed_ms = now.as_secs_f64() * 1e3;
         event.bytes_transferred = event.bytes_transferred.max(last.bytes);

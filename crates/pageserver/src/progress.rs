@@ -2,10 +2,14 @@
 //! [`crate::PageServerConfig::events`]): the pager's counters read through its probes by a
 //! ticker at the sink's interval.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use guestmem_events::{Event, Operation, Reporter, Sink, Status, Ticker};
 use guestmem_paging::StatsProbe;
+
+/// Sessions served by this process so far.
+static SESSIONS: AtomicU64 = AtomicU64::new(0);
 
 /// One session's records.
 #[derive(Debug)]
@@ -16,10 +20,12 @@ pub(crate) struct SessionProgress {
 }
 
 impl SessionProgress {
-    /// A connection is being served: its records begin (with `setup` once serving starts).
+    /// A connection is being served: its records begin (with `setup` once serving starts),
+    /// marked with the session's number (this process's connections, from 1).
     pub(crate) fn new(sink: &Sink) -> SessionProgress {
+        let session = SESSIONS.fetch_add(1, Ordering::Relaxed) + 1;
         SessionProgress {
-            reporter: Arc::new(Reporter::new(sink.clone(), Operation::PageServer)),
+            reporter: Arc::new(Reporter::new(sink.clone(), Operation::PageServer).session(session)),
             sampler: None,
             ticker: None,
         }

@@ -99,6 +99,10 @@ pub struct LiveOptions {
     /// to be stored; past it, writes wait for the store (the guest is slowed, host memory
     /// is not spent).
     pub held_bytes: u64,
+    /// Where the write tells its progress: at the reporter's interval, a record of its status
+    /// (`precopy` unless it says otherwise) with the bytes stored so far
+    /// ([`crate::progress::SnapshotProgress::reporter`]); `None`: no records.
+    pub progress: Option<Arc<guestmem_events::Reporter>>,
 }
 
 impl Default for LiveOptions {
@@ -110,6 +114,7 @@ impl Default for LiveOptions {
             keep_tracking: false,
             strategy: Strategy::Auto,
             held_bytes: 256 << 20,
+            progress: None,
         }
     }
 }
@@ -262,6 +267,8 @@ pub fn capture<M: Machine + ?Sized, S: LiveSink>(
 ) -> Result<Captured> {
     let t = Instant::now();
     let full = diff.is_none();
+    let mut sink = crate::sink::Reporting::new(sink, opts.progress.as_deref());
+    let sink = &mut sink;
     let (armed, reason) = choose(machine.memory(), sink.chunk_bytes(), opts)?;
     let mut tracker = match diff {
         Some(tracker) => Some(tracker),

@@ -23,7 +23,17 @@ pub struct RestoreProgress {
 impl RestoreProgress {
     /// A restore of `total` bytes of guest memory starts: its `setup` record.
     pub fn start(sink: &Sink, total: u64) -> RestoreProgress {
-        let reporter = Arc::new(Reporter::new(sink.clone(), Operation::Restore));
+        RestoreProgress::start_session(sink, total, None)
+    }
+
+    /// [`RestoreProgress::start`], the records marked as `session` (one of a service's
+    /// concurrent restores, see [`Reporter::session`]).
+    pub fn start_session(sink: &Sink, total: u64, session: Option<u64>) -> RestoreProgress {
+        let reporter = Reporter::new(sink.clone(), Operation::Restore);
+        let reporter = Arc::new(match session {
+            Some(n) => reporter.session(n),
+            None => reporter,
+        });
         let mut e = Event::new(Status::Setup);
         e.bytes_total = total;
         e.bytes_remaining = Some(total);

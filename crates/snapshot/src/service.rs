@@ -30,6 +30,9 @@ use crate::{Error, PreparedVm, Result};
 use guestmem_events::{Metrics, Sink};
 use std::sync::Arc;
 
+/// Restores through a service in this process so far (their records' `session`).
+static SESSIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// A snapshot held open for lazy restores (see the module docs), with a pool of VMs armed
 /// for it.
 pub struct RestoreService<I> {
@@ -154,12 +157,14 @@ impl<I: SnapshotImage> RestoreService<I> {
         self
     }
 
-    /// A restore's records begin, if the service has a sink.
+    /// A restore's records begin, if the service has a sink, marked with the restore's number
+    /// (this process's restores through a service, from 1: they run concurrently).
     fn progress(&self) -> Option<RestoreProgress> {
         let total = self.image.regions().iter().map(|r| r.size).sum();
-        self.events
-            .as_ref()
-            .map(|s| RestoreProgress::start(s, total))
+        self.events.as_ref().map(|s| {
+            let session = SESSIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+            RestoreProgress::start_session(s, total, Some(session))
+        })
     }
 
     /// `restored` with its records: `failed`, or the ticker over its pagers.

@@ -1,6 +1,7 @@
 //! Where a live snapshot's chunks go ([`LiveSink`]) and where a round reads them from
 //! ([`ChunkSource`]): shared by both strategies of [`crate::live`].
 
+use guestmem_events::{Event, Reporter, Status};
 use guestmem_memory::GuestMemory;
 use guestmem_tracking::DirtyBitmap;
 
@@ -32,6 +33,53 @@ pub trait LiveSink {
         chunks: &[(usize, usize)],
         dirty: Option<&[DirtyBitmap]>,
     ) -> Result<u64>;
+}
+
+/// A sink that tells a reporter, when a record is due, the bytes its inner sink stored so far
+/// (one check of an atomic per store call: a round, or a batch of copy-before-write's).
+pub(crate) struct Reporting<'a, S> {
+    inner: &'a mut S,
+    reporter: Option<&'a Reporter>,
+    bytes: u64,
+}
+
+impl<'a, S: LiveSink> Reporting<'a, S> {
+    pub(crate) fn new(inner: &'a mut S, reporter: Option<&'a Reporter>) -> Self {
+        Reporting {
+            inner,
+            reporter,
+            bytes: 0,
+        }
+    }
+}
+
+impl<S: LiveSink> LiveSink for Reporting<'_, S> {
+    fn chunk_bytes(&self) -> u64 {
+        self.inner.chunk_bytes()
+    }
+
+    fn cost(&self, chunks: u64, dirty_bytes: u64) -> u64 {
+        self.inner.cost(chunks, dirty_bytes)
+    }
+
+    fn store(
+        &mut self,
+        memory: &GuestMemory,
+        source: &dyn ChunkSource,
+        chunks: &[(usize, usize)],
+        dirty: Option<&[DirtyBitmap]>,
+    ) -> Result<u64> {
+        let stored = self.inner.store(memory, source, chunks, dirty)?;
+        self.bytes += stored;
+        if let Some(r) = self.reporter {
+            r.tick(|| {
+                let mut e = Event::new(r.status().unwrap_or(Status::Precopy));
+                e.bytes_transferred = self.bytes;
+                e
+            });
+        }
+        Ok(stored)
+    }
 }
 
 /// Where a round reads its chunks' bytes: guest memory (copied out, never read in place while

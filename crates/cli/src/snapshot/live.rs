@@ -3,10 +3,12 @@
 //! `--compare-paused`, a paused write of the same guest into the same destination kind.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use guestmem_contract::component::{Components, Machine};
 use guestmem_contract::PayloadVm;
+use guestmem_events::Reporter;
 use guestmem_snapshot::live::{write_machine_live, LiveBase, LiveOptions, LiveReport, Strategy};
 use guestmem_snapshot::{self as snapshot, WriteReport};
 use guestmem_store::location::{Location, StoreUrl};
@@ -100,7 +102,7 @@ fn pages(machine: &mut PayloadVm<'_>) -> u64 {
 }
 
 /// Runs the live snapshot (and diff) of `machine`, which runs its workload; `undisturbed` is
-/// its rate before.
+/// its rate before; `progress`: where the writes tell the bytes stored so far.
 pub(super) fn snapshot(
     machine: &mut PayloadVm<'_>,
     undisturbed: f64,
@@ -108,7 +110,7 @@ pub(super) fn snapshot(
     diff: Option<&Path>,
     diff_after: Duration,
     compare_paused: bool,
-    strategy: Strategy,
+    (strategy, progress): (Strategy, Option<Arc<Reporter>>),
 ) -> crate::Result<LiveOutput> {
     let target = Target::parse(out)?;
     let diff_target = diff.map(Target::parse).transpose()?;
@@ -131,7 +133,7 @@ pub(super) fn snapshot(
         undisturbed,
         &target,
         None,
-        (diff.is_some(), strategy),
+        (diff.is_some(), strategy, progress.clone()),
         compare_paused,
     )?;
     if let (Some(d), Some(tracker)) = (&diff_target, tracker) {
@@ -141,7 +143,7 @@ pub(super) fn snapshot(
             undisturbed,
             d,
             Some((&target, tracker)),
-            (false, strategy),
+            (false, strategy, progress),
             false,
         )?;
         out.diff = Some(Box::new(d_out));
@@ -196,12 +198,13 @@ fn one(
     undisturbed: f64,
     target: &Target,
     base: Option<(&Target, Tracker)>,
-    (keep_tracking, strategy): (bool, Strategy),
+    (keep_tracking, strategy, progress): (bool, Strategy, Option<Arc<Reporter>>),
     compare_paused: bool,
 ) -> crate::Result<(LiveOutput, Option<Tracker>)> {
     let opts = LiveOptions {
         keep_tracking,
         strategy,
+        progress,
         ..LiveOptions::default()
     };
     let mut none = Components::none();
