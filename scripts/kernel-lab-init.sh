@@ -96,7 +96,8 @@ while read -r target test flags; do
     echo "=== $target::$test"
     start=$(now)
     # --show-output: what a passing test prints (its TCG times) reaches the console too.
-    timeout -s KILL "$LIMIT" "/lab/bin/$target" --exact "$test" --test-threads=1 --show-output $extra > /tmp/test.out 2>&1
+    # No stdin: a test's child (QEMU's -serial stdio) would eat the rest of the suite list.
+    timeout -s KILL "$LIMIT" "/lab/bin/$target" --exact "$test" --test-threads=1 --show-output $extra < /dev/null > /tmp/test.out 2>&1
     rc=$?
     end=$(now)
     secs=$(awk -v a="$start" -v b="$end" 'BEGIN { printf "%.2f", b - a }')

@@ -48,6 +48,13 @@
 //! holds (a lazy restore's pager that has not retired yet): [`Strategy::Auto`] says so in
 //! [`LiveReport::mode_reason`].
 //!
+//! After the pause copy-before-write stores memory in batches of [`LiveSink::batch_chunks`]
+//! (the held copies first in each). A batch as large as what the sink writes in parallel
+//! (the chunk store: a pack per writer thread) keeps the whole write as fast, beside the running
+//! guest, as the sink's paused write allows; a batch of one pack left all but one of the store's
+//! threads idle (docs/benchmarks.md, "Live snapshots", has both). The guest gets less CPU
+//! meanwhile: its rate during the write is reported beside the total.
+//!
 //! A [`LiveSink`] is where the chunks go: the flat snapshot directory here
 //! ([`write_machine_live`]), or a chunk store (crate guestmem_store).
 
@@ -400,7 +407,7 @@ fn copy_before_write<M: Machine + ?Sized, S: LiveSink>(
     let paused = paused?;
     resumed?;
     let r = Instant::now();
-    let batch = to_usize((16 << 20) / chunk).max(1);
+    let batch = sink.batch_chunks();
     let stats = armed.store(sink, &paused.todo, batch)?;
     let bytes = stats.bytes + sink.store(&memory, &paused.frozen, &paused.untracked, None)?;
     let report = LiveReport {

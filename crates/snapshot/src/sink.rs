@@ -21,6 +21,16 @@ pub trait LiveSink {
         dirty_bytes
     }
 
+    /// How many chunks one [`LiveSink::store`] call should get to keep the sink's writers
+    /// busy: copy-before-write stores in batches of this many (the held copies first in each),
+    /// so a batch smaller than what the sink writes in parallel leaves its threads idle. 16 MiB
+    /// of chunks by default.
+    fn batch_chunks(&self) -> usize {
+        usize::try_from((16 << 20) / self.chunk_bytes().max(1))
+            .unwrap_or(1)
+            .max(1)
+    }
+
     /// Stores the chunks `chunks` (region index, chunk index) of `memory`, their bytes read
     /// from `source` (guest memory, which the guest may be writing meanwhile, or the copies
     /// taken during the pause). `dirty` is the round's dirty pages (`None`: every page); a
@@ -60,6 +70,10 @@ impl<S: LiveSink> LiveSink for Reporting<'_, S> {
 
     fn cost(&self, chunks: u64, dirty_bytes: u64) -> u64 {
         self.inner.cost(chunks, dirty_bytes)
+    }
+
+    fn batch_chunks(&self) -> usize {
+        self.inner.batch_chunks()
     }
 
     fn store(

@@ -58,6 +58,12 @@ impl LiveSink for StoreSink<'_> {
         chunks * CHUNK_BYTES
     }
 
+    /// A pack of chunks per writer thread: the store writes one pack per thread at a time,
+    /// and a batch of one pack kept every thread but one idle.
+    fn batch_chunks(&self) -> usize {
+        self.threads.max(1) * crate::write::PACK_CHUNKS
+    }
+
     fn store(
         &mut self,
         memory: &GuestMemory,
