@@ -364,7 +364,27 @@ fn qemu_snapshot_and_restore(round: usize) -> String {
     let last = before.counters.last().unwrap().0;
 
     let incoming = format!("exec:cat {}", state.display());
-    let restored = Guest::spawn_command(lab_qemu(&["-incoming", &incoming]));
+    let qmp = dir.join("qmp-restored.sock");
+    let qmp_arg = format!("unix:{},server=on,wait=off", qmp.display());
+    let restored = Guest::spawn_command(lab_qemu(&["-incoming", &incoming, "-qmp", &qmp_arg]));
+    // The state says the guest was paused (QMP `stop`): QEMU keeps it so once loaded, until
+    // `cont`.
+    let mut monitor = Qmp::connect(&qmp);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let status = monitor.execute("query-status", serde_json::json!({}));
+        match status["status"].as_str() {
+            Some("inmigrate") if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Some("running") => break,
+            Some("paused" | "postmigrate" | "prelaunch") => {
+                monitor.execute("cont", serde_json::json!({}));
+                break;
+            }
+            _ => panic!("the restored QEMU: {status}"),
+        }
+    }
     let mut after = Transcript::default();
     read_until(
         &restored,
