@@ -34,7 +34,7 @@ def as_json(text):
 def main():
     ap = argparse.ArgumentParser()
     for a in ["results", "console", "out", "kernel", "image", "suite", "timeout", "seconds",
-              "qemu-exit", "attempts", "retry-reason", "commit", "tcg-thread"]:
+              "qemu-exit", "attempts", "retry-reason", "commit", "tcg-thread", "cpus"]:
         ap.add_argument("--" + a, default="")
     args = ap.parse_args()
     try:
@@ -96,7 +96,11 @@ def main():
         "kernel_image": args.image,
         "kernel_release": lab.get("kernel"),
         "qemu": qemu.stdout.split("\n")[0] if qemu.returncode == 0 else None,
-        "qemu_machine": "q35, -cpu EPYC,+svm,+npt, 2 vCPUs (one socket each), 2 GiB in two NUMA nodes of 1 GiB",
+        "qemu_machine": (
+            "q35, -cpu EPYC,+svm,+npt, 2 vCPUs (one socket each), 2 GiB in two NUMA nodes of 1 GiB"
+            if (args.cpus or "2") != "1"
+            else "q35, -cpu EPYC,+svm,+npt, 1 vCPU (in node 0), 2 GiB in two NUMA nodes of 1 GiB"
+        ),
         "tcg_thread": args.tcg_thread,
         "guest_nodes_with_memory": lab.get("nodes"),
         "kvm_modules": modules,

@@ -10,11 +10,10 @@ use std::path::Path;
 use guestmem_examples::linux::{self, BootStalled, Guest, LINES};
 
 /// The lab's guest command line (as the CLI's linux tests give it): the default, init from
-/// the initramfs, `noxsave` and `noapic` (KVM nested in the lab's TCG mishandles the guest's
-/// XSAVE size, and IOAPIC-routed interrupts oops or stall a guest under any VMM there; see
-/// crates/cli/tests/linux.rs).
+/// the initramfs, and `noxsave` (KVM nested in the lab's TCG mishandles the guest's XSAVE size;
+/// see crates/cli/tests/linux.rs).
 const CMDLINE: &str = "console=ttyS0 reboot=k panic=1 pci=off nomodule i8042.noaux i8042.nomux \
-                       i8042.dumbkbd no_timer_check rdinit=/init noxsave noapic";
+                       i8042.dumbkbd no_timer_check rdinit=/init noxsave";
 
 /// How many times the lab test boots its guest: under nested TCG a Linux boot now and then
 /// stalls before its init counts; a boot with no counter in [`BOOT_LIMIT`] is tried again,
