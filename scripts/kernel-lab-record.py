@@ -4,6 +4,7 @@ second serial port into docs/results/lab-NAME.json, prints each test's result an
 line `lab: N passed, N failed, N skipped`, and exits non-zero if a test failed or the run did
 not complete (then with the console's last lines)."""
 import argparse
+import os
 import datetime
 import json
 import subprocess
@@ -106,6 +107,9 @@ def main():
         "kvm_modules": modules,
         "dev_kvm": lab.get("kvm") == "yes",
         "suite": args.suite,
+        # The experiment variables a suite's prepare script passes into the lab (LAB_BACKEND,
+        # LAB_CMDLINE_EXTRA, ...): a run with them is not the suite's default run.
+        "lab_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("LAB_")},
         "completed": completed,
         "boot_attempts": int(args.attempts or 1),
         "retried_because": args.retry_reason or None,

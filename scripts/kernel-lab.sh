@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The kernel lab: runs guestmem's tests on a kernel other than the host's, inside a QEMU TCG
 # guest with emulated AMD SVM and nested paging (so KVM's modules load and /dev/kvm works), two
-# vCPUs (one for the Linux guest's suites, see --cpus) and two NUMA nodes. It fetches the kernel (Debian's packages, unpacked here, nothing
+# vCPUs and two NUMA nodes. It fetches the kernel (Debian's packages, unpacked here, nothing
 # installed), builds an initramfs (busybox, the kernel's KVM modules, guestmem, the suite's test
 # binaries and the libraries they need), boots it, runs the suite's tests one by one, and writes
 # every test's result with the kernel's probe into docs/results/lab-NAME.json. Bounded: QEMU is
@@ -19,16 +19,17 @@
 # --kernel PATH boots any kernel image (KVM built in, or its modules in --modules DIR, a
 # lib/modules/RELEASE tree). Times measured in the lab are under TCG: never compare them with
 # host figures. Needs qemu-system-x86, busybox-static, cpio, xz-utils (scripts/setup.sh).
-# TCG runs both vCPUs on one host thread by default: with a thread per vCPU (`multi`), QEMU 7.2
-# let one vCPU run a kernel text site another had just patched (an `Oops: int3` in a kernel
-# thread, then a panic); one thread emulates code patching exactly.
-# --cpus 1|2: the lab's CPUs (by default 1 for the linux suites, 2 for the others). On one thread
-# TCG switches between two CPUs on a timer (every 10 ms) by asking the running one to exit, and
-# QEMU's emulated VMRUN (7.2 as 10.0) leaves the vector of the interrupt it injected as the CPU's
-# pending exception: an exit request before the next VM exit delivers that interrupt a second
-# time, wherever the nested guest is. A Linux guest hit in its entry code before `swapgs` oopses
-# (`BUG: ENTRY_TRAMPOLINE stack guard page was hit`): docs/linux-guest.md. One CPU has no such
-# timer.
+# --tcg-thread: TCG runs both vCPUs on one host thread (`single`, the default but for the linux
+# suites): with a thread per vCPU (`multi`), QEMU 7.2 once let one vCPU run a kernel text site
+# another had just patched (an `Oops: int3` in a kernel thread, then a panic). The linux suites
+# run `multi`: on one thread TCG switches between the CPUs on a timer (every 10 ms) by asking
+# the running one to exit, and QEMU's emulated VMRUN leaves the vector of the interrupt it
+# injected as the CPU's pending exception, so an exit request before the next VM exit delivers
+# that interrupt a second time wherever the nested guest is; a Linux guest hit in its entry code
+# before `swapgs` oopses (`BUG: ENTRY_TRAMPOLINE stack guard page was hit`; docs/linux-guest.md).
+# --cpus 1|2 (2): one CPU has no such timer either, but its lab hung now and then.
+# A lab that hung (QEMU idle for LAB_IDLE_LIMIT seconds, 300) or whose kernel panicked is booted
+# once more, and its record says why.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 KERNEL=debian-7.3
@@ -39,7 +40,7 @@ NAME=""
 OUT=""
 FETCH_ONLY=no
 PACKAGE_ONLY=no
-TCG_THREAD=single
+TCG_THREAD=
 LAB_CPUS=
 MODULE_PARAMS=""
 while [ $# -gt 0 ]; do
@@ -56,15 +57,17 @@ while [ $# -gt 0 ]; do
         --cpus) LAB_CPUS=$2; shift 2 ;;
         --module-param) MODULE_PARAMS="$MODULE_PARAMS${2%%:*} ${2#*:}
 "; shift 2 ;;
-        -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
         *) echo "kernel-lab: unknown argument '$1' (see --help)" >&2; exit 2 ;;
     esac
 done
-# The Linux guest's suites run on one lab CPU (see the header); the others on two, one per node.
-if [ -z "$LAB_CPUS" ]; then
-    case "$SUITE" in linux*) LAB_CPUS=1 ;; *) LAB_CPUS=2 ;; esac
+# The Linux guest's suites run a host thread per lab CPU (see the header), the others one.
+if [ -z "$TCG_THREAD" ]; then
+    case "$SUITE" in linux*) TCG_THREAD=multi ;; *) TCG_THREAD=single ;; esac
 fi
+LAB_CPUS=${LAB_CPUS:-2}
 case "$LAB_CPUS" in 1|2) ;; *) echo "kernel-lab: --cpus takes 1 or 2, not '$LAB_CPUS'" >&2; exit 2 ;; esac
+case "$TCG_THREAD" in single|multi) ;; *) echo "kernel-lab: --tcg-thread takes single or multi, not '$TCG_THREAD'" >&2; exit 2 ;; esac
 SUITE_FILE="$ROOT/scripts/lab-suites/$SUITE"
 [ -f "$SUITE_FILE" ] || { echo "kernel-lab: no suite '$SUITE' ($SUITE_FILE)" >&2; exit 2; }
 for tool in qemu-system-x86_64 busybox cpio xz dpkg-deb apt-get depmod python3; do
@@ -278,17 +281,46 @@ numa_args() {
         echo "-smp 2,sockets=2,cores=1,threads=1 $objects -numa node,nodeid=0,cpus=0,memdev=m0 -numa node,nodeid=1,cpus=1,memdev=m1"
     fi
 }
+# A lab that hung: QEMU idle (under 0.2 s of CPU every 10 s) for IDLE_LIMIT seconds, its CPU
+# halted with nothing to wake it (seen now and then on one lab CPU: the lab's kernel went silent,
+# no timer of its own firing) or every test waiting at once. QEMU is killed and the lab booted
+# once more (the record says why); no test waits that long on an idle lab by itself.
+IDLE_LIMIT=${LAB_IDLE_LIMIT:-300}
+watch_idle() {
+    local parent=$1 start=$2 qpid="" ticks last=0 idle=0
+    while kill -0 "$parent" 2>/dev/null; do
+        sleep 10
+        [ -n "$qpid" ] || qpid=$(pgrep -P "$parent" | head -n 1 || true)
+        [ -n "$qpid" ] || continue
+        ticks=$(awk '{ print $14 + $15 }' "/proc/$qpid/stat" 2>/dev/null) || return 0
+        if [ $((ticks - last)) -lt 20 ]; then idle=$((idle + 10)); else idle=0; fi
+        last=$ticks
+        if [ "$idle" -ge "$IDLE_LIMIT" ]; then
+            echo "the lab hung after $(( $(date +%s) - start )) s (QEMU idle for ${idle} s)" > "$WORK/hung"
+            kill "$qpid" 2>/dev/null || true
+            return 0
+        fi
+    done
+}
 boot() {
     rm -f "$WORK/console.log" "$WORK/results.log"
-    local start rc=0
+    local start rc=0 qemu watcher
     start=$(date +%s)
+    rm -f "$WORK/hung"
     timeout --kill-after=15 "$TIMEOUT" qemu-system-x86_64 \
         -accel "tcg,thread=$TCG_THREAD" -machine q35 -cpu EPYC,+svm,+npt $(numa_args) -m 2048 \
         -kernel "$IMAGE" -initrd "$WORK/initramfs.cpio" \
         -append "console=ttyS0 loglevel=5 panic=-1 rdinit=/init" \
         -display none -monitor none -nic none -no-reboot \
         -serial "file:$WORK/console.log" -serial "file:$WORK/results.log" \
-        2> "$WORK/qemu.stderr" || rc=$?
+        2> "$WORK/qemu.stderr" &
+    qemu=$!
+    watch_idle "$qemu" "$start" &
+    watcher=$!
+    wait "$qemu" || rc=$?
+    kill "$watcher" 2>/dev/null || true
+    wait "$watcher" 2>/dev/null || true
+    HUNG=$(cat "$WORK/hung" 2>/dev/null || true)
     # QEMU's own complaints, without its warnings about CPUID bits TCG does not emulate.
     grep -v "TCG doesn't support requested feature" "$WORK/qemu.stderr" >&2 || true
     BOOT_SECONDS=$(( $(date +%s) - start ))
@@ -297,11 +329,22 @@ boot() {
 ATTEMPTS=1
 RETRY_REASON=""
 boot
-if ! grep -q '^@@LAB done' "$WORK/results.log" 2>/dev/null && [ ! -s "$WORK/console.log" ]; then
+# The lab's own kernel's panic (a nested guest's, in a test's output, is prefixed `console:`).
+LAB_PANIC='^\[ *[0-9]+\.[0-9]+\] Kernel panic - not syncing'
+if [ -n "$HUNG" ]; then
+    RETRY_REASON="$HUNG"
+elif ! grep -q '^@@LAB done' "$WORK/results.log" 2>/dev/null \
+    && grep -qaE "$LAB_PANIC" "$WORK/console.log" 2>/dev/null; then
+    RETRY_REASON="the lab's kernel panicked after ${BOOT_SECONDS} s: $(grep -m1 -aE "$LAB_PANIC" "$WORK/console.log" | cut -c1-160)"
+elif ! grep -q '^@@LAB done' "$WORK/results.log" 2>/dev/null && [ ! -s "$WORK/console.log" ]; then
     RETRY_REASON="the first boot stopped after ${BOOT_SECONDS} s (QEMU exit $QEMU_RC) with nothing on its console"
+fi
+if [ -n "$RETRY_REASON" ]; then
     echo "kernel-lab: $RETRY_REASON; booting once more"
+    cp "$WORK/console.log" "$WORK/console-first-boot.log" 2>/dev/null || true
     ATTEMPTS=2
     boot
+    if [ -n "$HUNG" ]; then echo "kernel-lab: again: $HUNG" >&2; fi
 fi
 mkdir -p "$(dirname "$OUT")"
 status=0

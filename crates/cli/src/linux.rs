@@ -35,9 +35,24 @@ pub struct LinuxArgs {
     pub wait_for: Option<String>,
 }
 
+/// Whether the guest's console, on stdout, ended in the middle of a line (the guest stopped
+/// while it printed one): a report printed after it starts on a line of its own
+/// ([`end_console_line`]).
+static STDOUT_MID_LINE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Ends the console's last line on stdout if the guest stopped in the middle of it, so that
+/// what guestmem prints next (a `--json` report, the last line) is a line of its own.
+pub fn end_console_line() {
+    if STDOUT_MID_LINE.swap(false, std::sync::atomic::Ordering::Relaxed) {
+        println!();
+    }
+}
+
 /// Console bytes on their way to stdout or a file; remembers when the first line ended.
 struct Console {
     out: Box<dyn Write + Send>,
+    /// Whether `out` is stdout (see [`STDOUT_MID_LINE`]).
+    to_stdout: bool,
     started: Instant,
     first_line: Arc<Mutex<Option<Duration>>>,
     /// Only a line holding this counts as the first line (none: any line).
@@ -86,6 +101,9 @@ impl Write for Console {
         self.out.write_all(buf)?;
         if buf.contains(&b'\n') {
             self.out.flush()?;
+        }
+        if let (true, Some(&last)) = (self.to_stdout, buf.last()) {
+            STDOUT_MID_LINE.store(last != b'\n', std::sync::atomic::Ordering::Relaxed);
         }
         Ok(buf.len())
     }
@@ -139,6 +157,7 @@ pub fn console_to(
     let first_line = Arc::new(Mutex::new(None));
     let console = Console {
         out,
+        to_stdout: path.is_none(),
         started: Instant::now(),
         first_line: first_line.clone(),
         pattern: pattern.map(|p| p.as_bytes().to_vec()),
@@ -251,4 +270,32 @@ pub fn run(
         eprintln!("guestmem: {line}");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::Ordering;
+
+    /// A console on stdout that ends in the middle of a line is ended before a report; one that
+    /// ended its line, or writes to a file, is not (its report would start with a blank line).
+    #[test]
+    fn a_report_after_a_cut_console_line_starts_on_its_own_line() {
+        let (mut out, _) = console_to(None, None).unwrap();
+        out.write_all(b"counter 380 61").unwrap();
+        assert!(STDOUT_MID_LINE.load(Ordering::Relaxed));
+        out.write_all(b".2\n").unwrap();
+        assert!(!STDOUT_MID_LINE.load(Ordering::Relaxed));
+        out.write_all(b"counter 381").unwrap();
+        end_console_line();
+        assert!(!STDOUT_MID_LINE.load(Ordering::Relaxed), "ended once");
+        let file = std::env::temp_dir().join(format!("guestmem-console-{}", std::process::id()));
+        let (mut to_file, _) = console_to(Some(&file), None).unwrap();
+        to_file.write_all(b"counter 1").unwrap();
+        assert!(
+            !STDOUT_MID_LINE.load(Ordering::Relaxed),
+            "a file's console says nothing"
+        );
+        std::fs::remove_file(&file).unwrap();
+    }
 }

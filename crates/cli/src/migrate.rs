@@ -652,6 +652,7 @@ fn receive_main(args: ReceiveArgs) -> crate::Result<()> {
         let received = received?;
         if args.json {
             // The last line on stdout, after the guest's console (or alone with --console).
+            crate::linux::end_console_line();
             println!(
                 "{}",
                 crate::report::json(crate::report::MIGRATE_RECEIVE_LINUX, &received, false)?
@@ -756,6 +757,7 @@ pub fn print_report(report: &Report, json: bool, plot: Option<&Path>) -> crate::
             .map_err(|e| format!("{}: cannot write the plot: {e}", path.display()))?;
     }
     if json {
+        crate::linux::end_console_line();
         println!(
             "{}",
             crate::report::json(crate::report::MIGRATE_SEND, report, true)?

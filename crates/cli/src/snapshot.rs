@@ -372,6 +372,7 @@ pub fn snapshot(mut args: SnapshotArgs) -> crate::Result<()> {
         diff,
     };
     if args.json {
+        crate::linux::end_console_line();
         println!(
             "{}",
             crate::report::json(crate::report::SNAPSHOT, &out, true)?
@@ -520,6 +521,7 @@ fn live_snapshot(
     }
     let written = written?;
     if args.json {
+        crate::linux::end_console_line();
         println!(
             "{}",
             crate::report::json(crate::report::SNAPSHOT_LIVE, &written, true)?
@@ -684,6 +686,7 @@ fn check_digests(args: &RestoreArgs, vm: &Vm, snap: &Snapshot) -> crate::Result<
 /// Prints a restore's outcome as text (or JSON).
 fn print_restore(args: &RestoreArgs, out: &RestoreOutput) -> crate::Result<()> {
     if args.json {
+        crate::linux::end_console_line();
         println!(
             "{}",
             crate::report::json(crate::report::RESTORE, out, true)?
