@@ -226,10 +226,8 @@ fn boot_verdict(seen: &Transcript) -> String {
 
 /// The same guest and count as [`linux_boots_hold_in_the_lab`] with QEMU as the lab's VMM
 /// (`scripts/lab-suites/linux-qemu-peer`, which puts the host's QEMU into the lab): what the
-/// lab's platform does to a Linux guest whatever VMM runs it. `LAB_QEMU_MACHINE` is QEMU's
-/// machine (microvm with ACPI by default: its IOAPIC routes the interrupts, as guestmem's MP
-/// table does; `pc,acpi=off` leaves them on the PIC). Prints each boot's verdict; fails
-/// unless every boot held.
+/// lab's platform does to a Linux guest whatever VMM runs it. QEMU's machine is
+/// [`lab_qemu_machine`]'s. Prints each boot's verdict; fails unless every boot held.
 #[test]
 #[ignore = "needs ordinary KVM, a guest kernel and QEMU: the kernel lab's linux-qemu-peer suite runs it"]
 fn qemu_boots_the_same_guest_in_the_lab() {
@@ -655,7 +653,7 @@ enum Resumes {
 fn assert_went_on_from(what: &str, before: &Transcript, after: &Transcript, resumes: Resumes) {
     let (last, up_before, at_before) = *before.counters.last().unwrap();
     let values = after.values();
-    // Four clones share the lab's one TCG CPU: 5 lines in 20 s is going on.
+    // Four clones share one lab CPU (guestmem is pinned to it): 5 lines in 20 s is going on.
     assert!(values.len() >= 5, "{what}: the guest goes on: {values:?}");
     match resumes {
         Resumes::AtTheLastLine | Resumes::AtTheLastLineClockUnchecked => assert!(
