@@ -6,7 +6,7 @@
 # binaries and the libraries they need), boots it, runs the suite's tests one by one, and writes
 # every test's result with the kernel's probe into docs/results/lab-NAME.json. Bounded: QEMU is
 # killed at the time limit; a panic, a hang or a missing end marker is a failed run, with the
-# console's last lines; a guest that stops early with nothing on its console is booted once more
+# console's last lines; a guest that stops early with nothing on its console is booted again
 # (the record says so). Exits non-zero if a test failed or the run did not complete.
 #
 #   scripts/kernel-lab.sh [--kernel debian-7.3|debian-6.1|PATH/bzImage] [--modules DIR]
@@ -29,7 +29,7 @@
 # before `swapgs` oopses (`BUG: ENTRY_TRAMPOLINE stack guard page was hit`; docs/linux-guest.md).
 # --cpus 1|2 (2): one CPU has no such timer either, but its lab hung now and then.
 # A lab that hung (QEMU idle for LAB_IDLE_LIMIT seconds, 300) or whose kernel panicked is booted
-# once more, and its record says why.
+# again (LAB_BOOTS_MAX boots in all, 3), and its record says why.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 KERNEL=debian-7.3
@@ -326,26 +326,35 @@ boot() {
     BOOT_SECONDS=$(( $(date +%s) - start ))
     QEMU_RC=$rc
 }
+# Why the last boot must be tried again (empty: it need not).
+retry_reason() {
+    if [ -n "$HUNG" ]; then
+        echo "$HUNG"
+    elif ! grep -q '^@@LAB done' "$WORK/results.log" 2>/dev/null \
+        && grep -qaE "$LAB_PANIC" "$WORK/console.log" 2>/dev/null; then
+        echo "the lab's kernel panicked after ${BOOT_SECONDS} s: $(grep -m1 -aE "$LAB_PANIC" "$WORK/console.log" | cut -c1-160)"
+    elif ! grep -q '^@@LAB done' "$WORK/results.log" 2>/dev/null && [ ! -s "$WORK/console.log" ]; then
+        echo "the boot stopped after ${BOOT_SECONDS} s (QEMU exit $QEMU_RC) with nothing on its console"
+    fi
+}
+# The lab's own kernel's panic (a nested guest's, in a test's output, is prefixed `console:`).
+LAB_PANIC='^\[ *[0-9]+\.[0-9]+\] Kernel panic - not syncing'
+# At most LAB_BOOTS_MAX boots (3): with a thread per lab CPU, QEMU 7.2 now and then runs a
+# kernel text site another CPU has just patched (`Oops: int3`, then a panic), early or late.
+MAX_ATTEMPTS=${LAB_BOOTS_MAX:-3}
 ATTEMPTS=1
 RETRY_REASON=""
 boot
-# The lab's own kernel's panic (a nested guest's, in a test's output, is prefixed `console:`).
-LAB_PANIC='^\[ *[0-9]+\.[0-9]+\] Kernel panic - not syncing'
-if [ -n "$HUNG" ]; then
-    RETRY_REASON="$HUNG"
-elif ! grep -q '^@@LAB done' "$WORK/results.log" 2>/dev/null \
-    && grep -qaE "$LAB_PANIC" "$WORK/console.log" 2>/dev/null; then
-    RETRY_REASON="the lab's kernel panicked after ${BOOT_SECONDS} s: $(grep -m1 -aE "$LAB_PANIC" "$WORK/console.log" | cut -c1-160)"
-elif ! grep -q '^@@LAB done' "$WORK/results.log" 2>/dev/null && [ ! -s "$WORK/console.log" ]; then
-    RETRY_REASON="the first boot stopped after ${BOOT_SECONDS} s (QEMU exit $QEMU_RC) with nothing on its console"
-fi
-if [ -n "$RETRY_REASON" ]; then
-    echo "kernel-lab: $RETRY_REASON; booting once more"
-    cp "$WORK/console.log" "$WORK/console-first-boot.log" 2>/dev/null || true
-    ATTEMPTS=2
+reason=$(retry_reason)
+while [ -n "$reason" ] && [ "$ATTEMPTS" -lt "$MAX_ATTEMPTS" ]; do
+    RETRY_REASON="${RETRY_REASON:+$RETRY_REASON; }$reason"
+    echo "kernel-lab: $reason; booting once more"
+    cp "$WORK/console.log" "$WORK/console-boot-$ATTEMPTS.log" 2>/dev/null || true
+    ATTEMPTS=$((ATTEMPTS + 1))
     boot
-    if [ -n "$HUNG" ]; then echo "kernel-lab: again: $HUNG" >&2; fi
-fi
+    reason=$(retry_reason)
+done
+if [ -n "$reason" ]; then echo "kernel-lab: again: $reason" >&2; fi
 mkdir -p "$(dirname "$OUT")"
 status=0
 python3 "$ROOT/scripts/kernel-lab-record.py" \

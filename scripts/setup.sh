@@ -4,7 +4,8 @@
 # assembled at build time), iproute2 (`ip` and `tc`: `bench migrate --link` runs the two sides in
 # network namespaces joined by a shaped veth pair), QEMU and zstd (the QEMU peer of
 # `bench migrate`, and scripts/capture-guest-memory.sh), busybox-static, cpio and xz-utils (the
-# kernel lab, scripts/kernel-lab.sh), python3-matplotlib (scripts/bench-charts) and the Rust
+# kernel lab, scripts/kernel-lab.sh), flex, bison, bc, libelf-dev and patch (the seeds kernel's
+# build, scripts/build-seeds-kernel.sh), python3-matplotlib (scripts/bench-charts) and the Rust
 # components the checks use.
 # Safe to run again.
 set -euo pipefail
@@ -21,6 +22,10 @@ command -v zstd >/dev/null 2>&1 || need+=(zstd)
 [ -x /bin/busybox ] && ! ldd /bin/busybox >/dev/null 2>&1 || need+=(busybox-static)
 command -v cpio >/dev/null 2>&1 || need+=(cpio)
 command -v xz >/dev/null 2>&1 || need+=(xz-utils)
+# The seeds kernel's build (scripts/build-seeds-kernel.sh, which CI runs): flex, bison, bc,
+# libelf's headers (objtool), patch.
+for tool in flex bison bc patch; do command -v $tool >/dev/null 2>&1 || need+=($tool); done
+[ -e /usr/include/libelf.h ] || [ -e /usr/include/elfutils/libelf.h ] || need+=(libelf-dev)
 # matplotlib for scripts/bench-charts (the SVG charts of docs/benchmarks.md), in the system Python.
 /usr/bin/python3 -c 'import matplotlib' >/dev/null 2>&1 || need+=(python3-matplotlib)
 # depmod, for Debian's kernel modules in the lab (/usr/sbin, not always on a user's PATH).

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use guestmem_contract::component::{ComponentState, Components};
 use guestmem_contract::{LinuxBuilder, LinuxMachine, SerialComponent};
 use guestmem_events::{Reporter, Status};
+use guestmem_paging::{Pager, UserfaultPager};
 use guestmem_snapshot::live::{write_machine_live, LiveOptions, Strategy};
 use guestmem_snapshot::progress::{RestoreProgress, SnapshotProgress};
 use guestmem_snapshot::{self as snapshot, RestoreMode, SnapshotImage};
@@ -203,6 +204,37 @@ pub fn restore<I: SnapshotImage>(
     done
 }
 
+/// Waits until a lazy restore's memory is all resident, whichever pagers bring it in
+/// (userfaultfd, or KVM Userfault for guest_memfd), and says on stderr how each served it.
+fn wait_resident(pagers: &[Pager], userfault_pagers: &[UserfaultPager]) -> crate::Result<()> {
+    let limit = Duration::from_secs(300);
+    let not_resident = "the lazily restored memory did not become resident in 300 s";
+    for pager in pagers {
+        if !pager.wait_resident(limit)? {
+            return Err(not_resident.into());
+        }
+        let s = pager.stats();
+        eprintln!(
+            "guestmem: userfaultfd served {} faults ({} chunks on demand, {} in the background)",
+            s.faults, s.fault_chunks, s.background_chunks
+        );
+    }
+    for pager in userfault_pagers {
+        if !pager.wait_resident(limit)? {
+            return Err(not_resident.into());
+        }
+        let s = pager.stats();
+        eprintln!(
+            "guestmem: KVM Userfault served {} faults ({} chunks on demand, {} in the background, installed by {})",
+            s.faults,
+            s.fault_chunks,
+            s.background_chunks,
+            pager.install_method()
+        );
+    }
+    Ok(())
+}
+
 /// [`restore`]'s work.
 fn restore_and_run<I: SnapshotImage>(
     snap: &I,
@@ -220,6 +252,7 @@ fn restore_and_run<I: SnapshotImage>(
         userfault_pagers,
         mut vm,
         peer,
+        prefetched,
         ..
     } = restored;
     if let Some(p) = &mut progress {
@@ -230,12 +263,17 @@ fn restore_and_run<I: SnapshotImage>(
     let restore_ms = t.elapsed().as_secs_f64() * 1e3;
     let end = vm.start()?.wait(run_for)?;
     if lazy {
-        for pager in &pagers {
-            if !pager.wait_resident(Duration::from_secs(300))? {
-                return Err("the lazily restored memory did not become resident in 300 s".into());
-            }
-        }
+        wait_resident(&pagers, &userfault_pagers)?;
     }
+    let stats = crate::working_set::pager_stats(&pagers, &userfault_pagers);
+    let working_set = crate::working_set::output(&stats, prefetched, || {
+        Ok(snapshot::record_working_set(
+            snap,
+            vm.memory(),
+            &pagers,
+            &userfault_pagers,
+        )?)
+    })?;
     if let Some(p) = progress {
         p.finish();
     }
@@ -245,6 +283,12 @@ fn restore_and_run<I: SnapshotImage>(
     eprintln!("guestmem: restored the Linux guest in {restore_ms:.1} ms");
     if let Some(secs) = first.as_ref().and_then(first_line_secs) {
         eprintln!("guestmem: first console line after the restore began: {secs:.2} s");
+    }
+    if let Some(ws) = working_set {
+        eprintln!(
+            "guestmem: working set: {} chunks {}; {} page faults served during the run",
+            ws.chunks, ws.action, ws.faults
+        );
     }
     eprintln!("guestmem: the restored guest ran until {end:?}");
     for line in vm.vcpu_report() {

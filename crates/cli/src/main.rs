@@ -15,6 +15,7 @@ mod report;
 mod run;
 mod snapshot;
 mod vm_args;
+mod working_set;
 mod write_payload;
 
 use guestmem_bench::units;

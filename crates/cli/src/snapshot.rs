@@ -4,9 +4,8 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use guestmem_contract::VmBuilder;
-use guestmem_paging::{Pager, PagerConfig, PagerStats, Share, UserfaultPager};
+use guestmem_paging::{Pager, PagerConfig, Share, UserfaultPager};
 use guestmem_snapshot::{self as snapshot, RestoreMode, Snapshot};
-use guestmem_sys::to_usize;
 use guestmem_tracking::{Mode as TrackingMode, Tracker};
 use guestmem_vm::{layout, VcpuWork, Vm, Workload};
 use serde::Serialize;
@@ -192,18 +191,10 @@ struct RestoreOutput {
     /// Full and map: whether every region's digest equals the snapshot's before the guest ran.
     memory_digests_match: Option<bool>,
     /// In-process lazy restores: the working set fetched first, or recorded for next time.
-    working_set: Option<WorkingSetOutput>,
+    working_set: Option<crate::working_set::WorkingSetOutput>,
     pages_at_snapshot_per_vcpu: Vec<u64>,
     pages_after_run_per_vcpu: Vec<u64>,
     guest_continued: bool,
-}
-
-#[derive(Serialize)]
-pub(crate) struct WorkingSetOutput {
-    pub(crate) action: &'static str,
-    pub(crate) chunks: usize,
-    /// Page faults the pagers served during the run.
-    pub(crate) faults: u64,
 }
 
 use crate::units::seconds;
@@ -263,44 +254,6 @@ fn run_and_page_in(
         resident_ms = Some(t.elapsed().as_secs_f64() * 1e3);
     }
     Ok((before, after, resident_ms))
-}
-
-/// A lazy restore's working set: fetched first when the snapshot had one, else recorded
-/// (`record`) from the faults of this run, for the next lazy restore to fetch first.
-pub(crate) fn working_set_output(
-    stats: &[PagerStats],
-    prefetched: bool,
-    record: impl FnOnce() -> crate::Result<usize>,
-) -> crate::Result<Option<WorkingSetOutput>> {
-    if stats.is_empty() {
-        return Ok(None);
-    }
-    let faults = stats.iter().map(|s| s.faults).sum();
-    Ok(Some(if prefetched {
-        WorkingSetOutput {
-            action: "fetched first",
-            chunks: to_usize(stats.iter().map(|s| s.prefetch_chunks).sum::<u64>()),
-            faults,
-        }
-    } else {
-        WorkingSetOutput {
-            action: "recorded",
-            chunks: record()?,
-            faults,
-        }
-    }))
-}
-
-/// The statistics of a lazy restore's pagers, of both kinds.
-pub(crate) fn pager_stats(
-    pagers: &[Pager],
-    userfault_pagers: &[UserfaultPager],
-) -> Vec<PagerStats> {
-    pagers
-        .iter()
-        .map(Pager::stats)
-        .chain(userfault_pagers.iter().map(UserfaultPager::stats))
-        .collect()
 }
 
 pub fn snapshot(mut args: SnapshotArgs) -> crate::Result<()> {
@@ -574,15 +527,18 @@ pub fn restore(args: RestoreArgs) -> crate::Result<()> {
         (run_for, progress.as_mut()),
         t,
     )?;
-    let working_set =
-        working_set_output(&pager_stats(&pagers, &userfault_pagers), prefetched, || {
+    let working_set = crate::working_set::output(
+        &crate::working_set::pager_stats(&pagers, &userfault_pagers),
+        prefetched,
+        || {
             Ok(snapshot::record_working_set(
                 &snap,
                 vm.memory(),
                 &pagers,
                 &userfault_pagers,
             )?)
-        })?;
+        },
+    )?;
     drop(pagers);
     drop(userfault_pagers);
     drop(peer);

@@ -246,7 +246,7 @@ struct StoreRestoreOutput {
     memory_digests_match: Option<bool>,
     fetched: FetchStats,
     /// Lazy: the working set fetched first, or recorded for next time.
-    working_set: Option<super::WorkingSetOutput>,
+    working_set: Option<crate::working_set::WorkingSetOutput>,
     pages_at_snapshot_per_vcpu: Vec<u64>,
     pages_after_run_per_vcpu: Vec<u64>,
     guest_continued: bool,
@@ -304,8 +304,8 @@ pub(super) fn restore(args: &RestoreArgs) -> crate::Result<()> {
         t,
     )?;
     drop(peer);
-    let working_set = super::working_set_output(
-        &super::pager_stats(&pagers, &userfault_pagers),
+    let working_set = crate::working_set::output(
+        &crate::working_set::pager_stats(&pagers, &userfault_pagers),
         prefetched,
         || {
             Ok(guestmem_snapshot::record_working_set(

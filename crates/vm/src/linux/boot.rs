@@ -7,7 +7,9 @@
 //! Guest physical layout (Firecracker's, `arch/x86_64/layout.rs`): GDT at 0x500, IDT at 0x520,
 //! the zero page at 0x7000, the boot stack below 0x8ff0, the boot page tables at 0x9000-0xbfff,
 //! the command line at 0x20000, RAM from 0 to 0x9fc00 (below the EBDA) and from 1 MiB to the end
-//! of memory; the bzImage at its `code32_start` (1 MiB), the initramfs at the top of memory.
+//! of memory; the MP table at the EBDA (0x9fc00), the ACPI tables from 0xe0000 (the RSDP first,
+//! named in the zero page); the bzImage at its `code32_start` (1 MiB), the initramfs at the top
+//! of memory.
 
 use std::io::Cursor;
 use std::path::Path;
@@ -33,6 +35,10 @@ pub const PML4_GPA: u64 = 0x9000;
 pub const CMDLINE_GPA: u64 = 0x2_0000;
 /// Where the EBDA would start: the end of low RAM in the e820 map.
 pub const EBDA_GPA: u64 = 0x9_fc00;
+/// The ACPI RSDP, the first of the ACPI tables ([`super::acpi`]): Firecracker's address, in the
+/// BIOS area (0xe0000-0xfffff) that the e820 map leaves out and where a kernel that scans for
+/// the RSDP looks; the zero page's `acpi_rsdp_addr` names it.
+pub const RSDP_GPA: u64 = 0xe_0000;
 /// Where high memory (and the kernel) starts.
 pub const HIMEM_GPA: u64 = 0x10_0000;
 /// The most guest RAM a Linux guest gets here: all of it sits below the 32-bit MMIO hole
@@ -246,7 +252,8 @@ impl BootPlan {
     }
 
     /// The zero page: the image's setup header (bzImage) or the boot protocol's defaults (ELF),
-    /// with the loader's fields, the initramfs, the command line and the e820 map.
+    /// with the loader's fields, the initramfs, the command line, the e820 map and the ACPI RSDP
+    /// (so that the kernel need not scan for it).
     #[allow(clippy::cast_possible_truncation)] // every address and size here is below 3 GiB
     fn boot_params(&self, header: Option<setup_header>) -> boot_params {
         let mut p = boot_params::default();
@@ -274,6 +281,7 @@ impl BootPlan {
             };
         }
         p.e820_entries = ram.len() as u8;
+        p.acpi_rsdp_addr = RSDP_GPA;
         p
     }
 }
@@ -374,6 +382,7 @@ pub(crate) mod tests {
         let p = plan.boot_params(plan.header);
         assert_eq!((p.hdr.type_of_loader, p.hdr.cmd_line_ptr), (0xff, 0x2_0000));
         assert_eq!((p.hdr.ramdisk_size, p.e820_entries), (5000, 2));
+        assert_eq!({ p.acpi_rsdp_addr }, RSDP_GPA);
         let ram = p.e820_table[1];
         assert_eq!({ ram.size }, (64 << 20) - HIMEM_GPA);
     }

@@ -2,9 +2,11 @@
 //! guestmem region at guest address 0 on any backend; the VM has KVM's in-kernel irqchip (PIC,
 //! IOAPIC, LAPICs) and PIT, created before the vCPUs; a 16550 console on port 0x3f8
 //! ([`serial`]); port stubs for what a kernel probes ([`pio`]); and the boot recipe of
-//! Firecracker's x86_64 VMM ([`boot`], [`cpu`]). A stock kernel needs ordinary KVM: on a PVM
+//! Firecracker's x86_64 VMM ([`boot`], [`cpu`]), with an MP table ([`mptable`]) and ACPI tables
+//! ([`acpi`]) describing the vCPUs and the IOAPIC. A stock kernel needs ordinary KVM: on a PVM
 //! host ([`pvm_refusal`]) it is refused before anything is built.
 
+mod acpi;
 pub mod boot;
 mod cpu;
 mod mptable;
@@ -187,8 +189,8 @@ impl LinuxVm {
         })
     }
 
-    /// Loads `plan` (kernel, initramfs, command line, zero page, boot tables) into guest memory
-    /// and puts the boot vCPU at the kernel's entry, its boot MSRs set.
+    /// Loads `plan` (kernel, initramfs, command line, zero page, boot tables, MP table, ACPI
+    /// tables) into guest memory and puts the boot vCPU at the kernel's entry, its boot MSRs set.
     pub fn boot(&mut self, plan: &BootPlan) -> Result<()> {
         if plan.memory() != self.memory.size() {
             return Err(Error::Config(
@@ -198,6 +200,7 @@ impl LinuxVm {
         let entry = plan.load(&self.memory)?;
         cpu::write_boot_tables(&self.memory)?;
         mptable::write_mptable(&self.memory, self.vcpus.len())?;
+        acpi::write_acpi_tables(&self.memory, self.vcpus.len())?;
         for v in &self.vcpus {
             cpu::set_boot_msrs(v)?;
         }

@@ -10,8 +10,10 @@ use guestmem_memory::GuestMemory;
 use super::boot::EBDA_GPA;
 use crate::Result;
 
-const APIC_ADDR: u32 = 0xfee0_0000;
-const IOAPIC_ADDR: u32 = 0xfec0_0000;
+/// The LAPICs' address (also the ACPI MADT's).
+pub(super) const APIC_ADDR: u32 = 0xfee0_0000;
+/// The IOAPIC's address (also the ACPI MADT's).
+pub(super) const IOAPIC_ADDR: u32 = 0xfec0_0000;
 const IOAPIC_PINS: u8 = 24;
 const APIC_VERSION: u8 = 0x14;
 const IOAPIC_VERSION: u8 = 0x11;

@@ -7,6 +7,8 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use guestmem_memory::GuestMemory;
+use guestmem_sys::uapi::KVM_MEMORY_EXIT_FLAG_USERFAULT_CANDIDATE;
 use kvm_ioctls::{VcpuExit, VcpuFd};
 
 use super::pio::{pio_in, pio_out, PioAction};
@@ -54,11 +56,12 @@ pub(super) fn spawn(vm: &mut LinuxVm) -> Result<RunningLinux<'_>> {
     for (id, mut fd) in vm.vcpus.drain(..).enumerate() {
         let kicked = kicked.clone();
         let serial = vm.serial.clone();
+        let memory = vm.memory.clone();
         let tx = tx.clone();
         let handle = std::thread::Builder::new()
             .name(format!("linux-vcpu{id}"))
             .spawn(move || {
-                let outcome = run_loop(id, &mut fd, &kicked, &serial);
+                let outcome = run_loop(id, &mut fd, &kicked, &serial, &memory);
                 let _ = tx.send(id);
                 (fd, outcome)
             })
@@ -77,11 +80,16 @@ pub(super) fn spawn(vm: &mut LinuxVm) -> Result<RunningLinux<'_>> {
     })
 }
 
+/// Runs vCPU `id` until a kick, the guest's reset or shutdown, or an exit it cannot serve. A
+/// KVM Userfault exit (a lazily restored or post-copied guest_memfd page not yet fetched) is
+/// handed to `memory`'s [`UserfaultRouter`](guestmem_memory::UserfaultRouter), whose pager
+/// installs the page and clears its bit; the vCPU then runs again.
 fn run_loop(
     id: usize,
     fd: &mut VcpuFd,
     kicked: &AtomicBool,
     serial: &Mutex<SerialDevice>,
+    memory: &GuestMemory,
 ) -> Outcome {
     let mut stopping = false;
     loop {
@@ -111,6 +119,14 @@ fn run_loop(
             Ok(VcpuExit::MmioWrite(..)) => continue,
             Ok(VcpuExit::Shutdown | VcpuExit::SystemEvent(..)) => {
                 return Outcome::Ended(LinuxEnd::Shutdown)
+            }
+            Ok(VcpuExit::MemoryFault { flags, gpa, size })
+                if flags & KVM_MEMORY_EXIT_FLAG_USERFAULT_CANDIDATE != 0 =>
+            {
+                match memory.userfault_router().handle(gpa, size) {
+                    Ok(()) => continue,
+                    Err(reason) => format!("KVM Userfault at {gpa:#x}: {reason}"),
+                }
             }
             Ok(exit) => format!("{exit:?}"),
             Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
