@@ -966,6 +966,8 @@ fn migrate_guest_on(mode: &str, backend: &str, extra: &[&str]) -> serde_json::Va
         source.push("--verify".into());
     }
     source.push("--json".into());
+    let at = source.iter().position(|a| a == "--backend").unwrap();
+    let backend = source[at + 1].clone();
     let (before, _) = booted_transcript(&source, Duration::from_secs(500));
     let after = transcript_until_exit(&mut destination, Duration::from_secs(300));
     assert!(!before.counters.is_empty(), "the source's guest counted");
