@@ -80,24 +80,43 @@ fn digests(vm: &Vm) -> Vec<u64> {
 /// The `dirty` workload over the first half of RAM (the second half, filled with a pattern,
 /// is not written after the start: a diff inherits it).
 fn half_work(vcpus: usize) -> Vec<VcpuWork> {
-    half_work_at(vcpus, None)
+    half_work_of(SIZE, vcpus, None)
 }
 
 /// [`half_work`] at `pages_per_s` (all vCPUs; `None`: unthrottled).
 fn half_work_at(vcpus: usize, pages_per_s: Option<u64>) -> Vec<VcpuWork> {
+    half_work_of(SIZE, vcpus, pages_per_s)
+}
+
+/// [`half_work_at`] over the first half of `size` bytes of RAM.
+fn half_work_of(size: u64, vcpus: usize, pages_per_s: Option<u64>) -> Vec<VcpuWork> {
     let dirty = Workload::Dirty {
         pages_per_s: pages_per_s.map(|r| (r / vcpus as u64).max(1)),
         passes: None,
         fill_first: false,
     };
-    VcpuWork::split(dirty, layout::RAM_GPA, SIZE / 2, vcpus, 9)
+    VcpuWork::split(dirty, layout::RAM_GPA, size / 2, vcpus, 9)
 }
 
 fn fill_second_half(vm: &Vm) {
-    let data = common::pattern((SIZE / 2) as usize, 7);
+    fill_second_half_of(vm, SIZE);
+}
+
+/// [`fill_second_half`] of `size` bytes of RAM.
+fn fill_second_half_of(vm: &Vm, size: u64) {
+    let data = common::pattern((size / 2) as usize, 7);
     vm.memory()
-        .write(layout::RAM_GPA + SIZE / 2, &data)
+        .write(layout::RAM_GPA + size / 2, &data)
         .unwrap();
+}
+
+/// RAM of the store tests: four of the store sink's batches (a pack of chunks per writer
+/// thread, a thread per core). The guest's half then outlasts the first batch: while
+/// copy-before-write's copier puts that batch (each put 150 ms slower), the guest writes
+/// chunks of the next, still protected, and they are copied before its write.
+fn store_size() -> u64 {
+    let cores = std::thread::available_parallelism().map_or(2, std::num::NonZero::get) as u64;
+    4 * cores * guestmem_store::write::PACK_CHUNKS as u64 * guestmem_store::chunk::CHUNK_BYTES
 }
 
 /// The guest is still running and going on.
@@ -346,8 +365,9 @@ fn live_store_snapshot_and_diff_are_the_memory_at_their_pause() {
 /// A full live snapshot and a live diff into a chunk store by `strategy`, of a guest on
 /// `backend`: both restore (full and lazy) to the memory at their pause.
 fn store_full_and_diff(strategy: Strategy, backend: MemBackend) {
+    let size = store_size();
     let tmp = TempDir::new(&format!("live-store-{}-{backend}", strategy.name()));
-    let _huge = common::HugePages::for_backend(backend, 2 * SIZE);
+    let _huge = common::HugePages::for_backend(backend, 2 * size);
     // Each put of chunks takes 150 ms more: the guest, unthrottled, writes chunks meanwhile
     // that are not stored yet (copy-before-write copies them first).
     let objects: Arc<dyn ObjectStore> = Arc::new(Refusing {
@@ -355,12 +375,13 @@ fn store_full_and_diff(strategy: Strategy, backend: MemBackend) {
         armed: Mutex::new(false),
         delay: Duration::from_millis(150),
     });
-    let mut vm = Vm::new(&VmConfig::simple(2, SIZE, backend)).unwrap();
-    fill_second_half(&vm);
-    let work = half_work(2);
+    let mut vm = Vm::new(&VmConfig::simple(2, size, backend)).unwrap();
+    fill_second_half_of(&vm, size);
+    let work = half_work_of(size, 2, None);
     let memory = vm.memory().clone();
-    let mut machine = PayloadVm::running(vm.start(&work).unwrap());
-    std::thread::sleep(Duration::from_millis(100));
+    let running = vm.start(&work).unwrap();
+    common::wait_for_generation(&running, 1);
+    let mut machine = PayloadVm::running(running);
     let mut probe = PauseDigest { memory, vcpus: 2 };
     let w = {
         let mut c = Components::new(vec![&mut probe as &mut dyn Component]).unwrap();
@@ -396,7 +417,7 @@ fn store_full_and_diff(strategy: Strategy, backend: MemBackend) {
         .unwrap()
     };
     assert_live(&d.live, strategy);
-    let chunks_per_half = SIZE / 2 / guestmem_store::chunk::CHUNK_BYTES;
+    let chunks_per_half = size / 2 / guestmem_store::chunk::CHUNK_BYTES;
     assert!(
         d.report.inherited_chunks >= chunks_per_half,
         "{:?}",
