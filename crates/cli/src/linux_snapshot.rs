@@ -206,7 +206,10 @@ pub fn restore<I: SnapshotImage>(
 
 /// Waits until a lazy restore's memory is all resident, whichever pagers bring it in
 /// (userfaultfd, or KVM Userfault for guest_memfd), and says on stderr how each served it.
-fn wait_resident(pagers: &[Pager], userfault_pagers: &[UserfaultPager]) -> crate::Result<()> {
+pub(crate) fn wait_resident(
+    pagers: &[Pager],
+    userfault_pagers: &[UserfaultPager],
+) -> crate::Result<()> {
     let limit = Duration::from_secs(300);
     let not_resident = "the lazily restored memory did not become resident in 300 s";
     for pager in pagers {

@@ -3,6 +3,7 @@
 mod demo;
 mod demo_linux;
 mod linux;
+mod linux_clones;
 mod linux_migrate;
 mod linux_snapshot;
 mod migrate;

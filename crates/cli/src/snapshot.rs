@@ -110,9 +110,17 @@ pub struct RestoreArgs {
     /// How long to let the restored guest run, in seconds.
     #[arg(long, default_value_t = 1.0)]
     run_for: f64,
-    /// A Linux guest's snapshot: write its console to FILE instead of stdout.
+    /// A Linux guest's snapshot: write its console to FILE instead of stdout (with `--clones`,
+    /// one file per clone: `{n}` in FILE is replaced by the clone's number).
     #[arg(long, value_name = "FILE")]
     pub(crate) console: Option<PathBuf>,
+    /// A Linux guest's snapshot, with `--mode lazy`: restore N clones one after another
+    /// through a restore service (the snapshot opened and checked once, a VM built and armed
+    /// ahead in its pool), each run `--run-for`, then wiped, armed again and pooled for the
+    /// next. Before each clone's console, stdout gets `guestmem: clone K of N (into ...)`,
+    /// naming the VM it was restored into.
+    #[arg(long, value_name = "N")]
+    clones: Option<usize>,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -134,6 +142,19 @@ impl RestoreArgs {
             share: self.share.as_ref().map(Share::new),
             ..PagerConfig::default()
         })
+    }
+
+    /// `--clones` is refused for a snapshot of guestmem's payload VM.
+    pub(crate) fn refuse_clones(&self) -> crate::Result<()> {
+        match self.clones {
+            Some(_) => Err(format!(
+                "--clones restores a Linux guest's snapshot through a restore service; {} is a \
+                 snapshot of guestmem's payload VM, whose clones `guestmem bench fanout` runs",
+                self.dir.display()
+            )
+            .into()),
+            None => Ok(()),
+        }
     }
 
     /// How `--mode` and `--uffd-socket` say to bring the memory back (`--uffd-socket` only
@@ -493,8 +514,9 @@ pub fn restore(args: RestoreArgs) -> crate::Result<()> {
     let t = Instant::now();
     let snap = Snapshot::open(&args.dir)?;
     if guestmem_contract::is_linux_state(snap.machine_state()) {
-        return restore_linux(&snap, &args, run_for);
+        return restore_linux(snap, &args, run_for);
     }
+    args.refuse_clones()?;
     let (restored, mut progress) = restore_reported(&args, &snap)?;
     for (phase, d) in &restored.phases {
         tracing::info!("restore: {phase}: {:.3} ms", d.as_secs_f64() * 1e3);
@@ -567,7 +589,7 @@ pub fn restore(args: RestoreArgs) -> crate::Result<()> {
 /// `completed` or, lazily, `postcopy` until [`run_restored`] has the memory resident.
 /// A Linux guest's snapshot restored in this process (not through a page server).
 pub(crate) fn restore_linux<I: SnapshotImage>(
-    snap: &I,
+    snap: I,
     args: &RestoreArgs,
     run_for: Duration,
 ) -> crate::Result<()> {
@@ -578,6 +600,22 @@ pub(crate) fn restore_linux<I: SnapshotImage>(
                 .into(),
         );
     }
+    if let Some(clones) = args.clones {
+        if !matches!(args.mode, Mode::Lazy) || clones == 0 {
+            return Err(
+                "--clones N restores N (at least 1) clones lazily: it needs --mode lazy".into(),
+            );
+        }
+        let lines = Progress::new(&args.progress, false)?;
+        let how = crate::linux_clones::Clones {
+            count: clones,
+            run_for,
+            console: args.console.as_deref(),
+            pagers: args.pager_config()?,
+            events: lines.sink.clone(),
+        };
+        return crate::linux_clones::restore(snap, how);
+    }
     let mode = args.restore_mode()?;
     let lines = Progress::new(&args.progress, false)?;
     let total = snap.regions().iter().map(|r| r.size).sum();
@@ -586,7 +624,7 @@ pub(crate) fn restore_linux<I: SnapshotImage>(
         crate::progress::report_stalls_to(p.reporter());
         p
     });
-    crate::linux_snapshot::restore(snap, mode, (args.console.as_deref(), run_for), progress)
+    crate::linux_snapshot::restore(&snap, mode, (args.console.as_deref(), run_for), progress)
 }
 
 pub(crate) fn restore_reported<I: SnapshotImage>(

@@ -227,6 +227,16 @@ fn snapshot_then_restore_continues_the_guest() {
         }
         assert_eq!(v["guest_continued"], true);
     }
+    // `--clones` runs a Linux guest's clones through a restore service: refused for the
+    // payload's snapshot, naming what does run its clones.
+    let o = guestmem(&["restore", d, "--mode", "lazy", "--clones", "2"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stdout(&o));
+    assert!(
+        stderr(&o).contains("snapshot of guestmem's payload VM")
+            && stderr(&o).contains("guestmem bench fanout"),
+        "{}",
+        stderr(&o)
+    );
     // A manifest edited by hand (a data chunk marked zero): refused before the guest runs.
     let manifest = dir.join("manifest.json");
     let text = std::fs::read_to_string(&manifest).unwrap();

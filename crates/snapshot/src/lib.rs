@@ -39,6 +39,7 @@ mod error;
 pub mod live;
 mod manifest;
 mod pagers;
+mod pooled;
 mod prepared;
 pub mod progress;
 mod recycle;
@@ -71,6 +72,7 @@ pub use manifest::{
     canonical_checksum, check_config_layout, BaseRef, Chunk, Manifest, RegionFile, RegionImage,
     CHUNK_BYTES, FORMAT, MAX_BASE_DEPTH, MIN_VERSION, VERSION,
 };
+pub use pooled::PoolMachine;
 pub use prepared::{layout_mismatch, PreparedVm};
 pub use restore::{
     record_working_set, restore, served_memory, RestoreMode, RestoreTarget, Restored,

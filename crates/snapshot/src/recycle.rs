@@ -6,7 +6,10 @@
 //! What the reuse relies on, and where it is set again: the guest RAM and the sys region (here:
 //! every region replaced by fresh memory); the vCPU registers, MSRs, pending events, CPUID,
 //! TSC rate and the kvmclock ([`guestmem_vm::Vm::restore_state`] at the next restore, after
-//! [`guestmem_vm::Vm::complete_pending_exits`] here); the memslots (checked here to be as the
+//! [`guestmem_vm::Vm::complete_pending_exits`] here); for a Linux guest also the PIC, IOAPIC,
+//! PIT, each LAPIC and the TSC deadline ([`guestmem_vm::linux::LinuxVm::restore_state`]), the
+//! UART's registers (the clone's "serial" component) and its console writer (set for each
+//! clone by the restore's caller); the memslots (checked here to be as the
 //! build made them: one per region, no dirty logging, not read-only, no KVM Userfault). What
 //! could not be reset is refused: a failed pager or an aborted run, guest_memfd regions (KVM
 //! Userfault state), dirty rings (entries of the old clone), a page server's handoff, a NUMA
@@ -18,21 +21,23 @@ use guestmem_memory::{Backend, GuestMemory, NumaPolicy, SlotFlags};
 use guestmem_pageserver::PeerHandoff;
 use guestmem_paging::{Pager, UserfaultPager};
 use guestmem_sys::to_usize;
-use guestmem_vm::{Vm, VmConfig};
+use guestmem_vm::VmConfig;
+
+use crate::pooled::PoolMachine;
 
 /// Why the VM of a finished clone (its pagers, VM and page-server handoff as the restore gave
 /// them) cannot be reused for a restore of a snapshot of `config`; `Ok` if it can.
-pub(crate) fn unfit(
+pub(crate) fn unfit<M: PoolMachine>(
     pagers: &[Pager],
     userfault_pagers: &[UserfaultPager],
-    vm: &Vm,
+    vm: &M,
     peer: Option<&PeerHandoff>,
     config: &VmConfig,
 ) -> std::result::Result<(), String> {
     if let Some(reason) = pagers.iter().find_map(Pager::failure) {
         return Err(format!("a pager failed: {reason}"));
     }
-    if let Some(reason) = vm.abort_handle().reason() {
+    if let Some(reason) = vm.abort_handle().and_then(|h| h.reason()) {
         return Err(format!("its run was aborted: {reason}"));
     }
     if !userfault_pagers.is_empty() {
@@ -51,7 +56,7 @@ pub(crate) fn unfit(
             vm.config()
         ));
     }
-    if !vm.dirty_rings().is_empty() {
+    if vm.has_dirty_rings() {
         return Err("it has dirty rings, which hold the old clone's entries".into());
     }
     let memory = vm.memory();

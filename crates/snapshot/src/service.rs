@@ -17,11 +17,11 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use guestmem_contract::payload_state_of;
 use guestmem_paging::{priority, PagerConfig};
-use guestmem_vm::{Vm, VmState};
+use guestmem_vm::Vm;
 
 use crate::pagers::RegionPagers;
+use crate::pooled::PoolMachine;
 use crate::progress::RestoreProgress;
 use crate::recycle;
 use crate::restore::{check_layout, read_sys, start_pagers, Restored, SnapshotImage};
@@ -34,16 +34,17 @@ use std::sync::Arc;
 static SESSIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// A snapshot held open for lazy restores (see the module docs), with a pool of VMs armed
-/// for it.
-pub struct RestoreService<I> {
+/// for it: guestmem's payload VMs by default, or a Linux guest's ([`guestmem_vm::linux::LinuxVm`],
+/// whose console a restore's caller then points at the clone's).
+pub struct RestoreService<I, M: PoolMachine = Vm> {
     image: I,
     /// The sys region's non-zero pieces (guest address, bytes), checked.
     sys: Vec<(u64, Vec<u8>)>,
     working_set: Option<Vec<WorkingSetRegion>>,
     /// The VM's state, parsed.
-    state: VmState,
+    state: M::State,
     config: PagerConfig,
-    pool: Mutex<Vec<ArmedVm>>,
+    pool: Mutex<Vec<ArmedVm<M>>>,
     /// Where each restore's progress records go.
     events: Option<Sink>,
     /// The process's metrics: the pool's size and the recycles (the restores' own figures
@@ -51,7 +52,7 @@ pub struct RestoreService<I> {
     metrics: Option<Arc<Metrics>>,
 }
 
-impl<I: SnapshotImage> std::fmt::Debug for RestoreService<I> {
+impl<I: SnapshotImage, M: PoolMachine> std::fmt::Debug for RestoreService<I, M> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RestoreService")
             .field("image", &self.image.describe())
@@ -64,25 +65,25 @@ impl<I: SnapshotImage> std::fmt::Debug for RestoreService<I> {
 /// its pagers armed (their background fetches held): what is left of a restore into it is
 /// putting its vCPU state in and letting the prefetch go. The pagers go before the VM.
 #[derive(Debug)]
-pub struct ArmedVm {
+pub struct ArmedVm<M = Vm> {
     pagers: RegionPagers,
-    vm: Vm,
+    vm: M,
     /// The identity of the snapshot whose sys region it holds.
     snapshot: String,
     /// How long copying the sys region in and arming the pagers took.
     armed_in: Duration,
 }
 
-impl ArmedVm {
+impl<M: PoolMachine> ArmedVm<M> {
     /// The VM (e.g. to look at its build phases); never run.
-    pub fn vm(&self) -> &Vm {
+    pub fn vm(&self) -> &M {
         &self.vm
     }
 
     /// The steps of its build: the VM's build phases, then copying the sys region in and
     /// arming the pagers.
     pub fn build_steps(&self) -> Vec<(&'static str, Duration)> {
-        let mut steps = self.vm.build_phases().to_vec();
+        let mut steps = self.vm.build_steps();
         steps.push(("copy the sys region and arm the pagers", self.armed_in));
         steps
     }
@@ -90,13 +91,13 @@ impl ArmedVm {
 
 /// A clone restored by a [`RestoreService`].
 #[derive(Debug)]
-pub struct ServiceRestore {
+pub struct ServiceRestore<M = Vm> {
     /// Its progress records, when the service has a sink ([`RestoreService::with_events`]):
     /// a ticker reads the pagers until the memory is resident (call
     /// [`RestoreProgress::finish`] when the clone is done with, for the final record).
     pub progress: Option<RestoreProgress>,
     /// The restored VM and its pagers (the caller resumes the VM).
-    pub lazy: Restored,
+    pub lazy: Restored<M>,
     /// Where the restore spent its time, step by step (its `ready` is their sum).
     pub phases: Vec<(&'static str, Duration)>,
     /// If the pool was empty: the steps of the build on the restore's clock (inside its
@@ -106,17 +107,34 @@ pub struct ServiceRestore {
 }
 
 impl<I: SnapshotImage> RestoreService<I> {
-    /// A service for `image`, restored with pagers configured by `config` (its `share` names
-    /// the directory of the clones' shared image; the snapshot's identity is added): reads and
-    /// checks its sys region and working set and parses its state.
+    /// A service of guestmem's payload VMs for `image` ([`RestoreService::for_machine`]).
     pub fn new(image: I, config: PagerConfig) -> Result<RestoreService<I>> {
+        RestoreService::for_machine(image, config)
+    }
+
+    /// `prepared` armed for this snapshot: refused, naming what differs, unless it was built
+    /// for the snapshot's configuration; then the sys region is copied in and the pagers are
+    /// armed, their background fetches held until a restore.
+    pub fn arm(&self, prepared: PreparedVm) -> Result<ArmedVm> {
+        let t = Instant::now();
+        let vm = prepared.take(self.image.config(), &self.image.describe())?;
+        self.arm_vm(vm, t)
+    }
+}
+
+impl<I: SnapshotImage, M: PoolMachine> RestoreService<I, M> {
+    /// A service for `image` pooling VMs of kind `M`, restored with pagers configured by
+    /// `config` (its `share` names the directory of the clones' shared image; the snapshot's
+    /// identity is added): reads and checks its sys region and working set and parses its
+    /// state (a state of another VM kind is refused, naming both).
+    pub fn for_machine(image: I, config: PagerConfig) -> Result<RestoreService<I, M>> {
         let sys = read_sys(&image)?;
         let working_set = if config.prefetch.is_empty() {
             image.recorded_working_set()?
         } else {
             None
         };
-        let state = payload_state_of(image.machine_state())?;
+        let state = M::parse_state(image.machine_state())?;
         Ok(RestoreService {
             image,
             sys,
@@ -132,7 +150,7 @@ impl<I: SnapshotImage> RestoreService<I> {
     /// The same service, its restores, pool and recycles counted in `metrics` (each restore's
     /// records also go to [`Metrics::sink`], besides any [`RestoreService::with_events`] sink).
     #[must_use]
-    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> RestoreService<I> {
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> RestoreService<I, M> {
         let sink = metrics.sink();
         self.events = Some(match self.events.take() {
             Some(s) => s.tee(sink),
@@ -152,7 +170,7 @@ impl<I: SnapshotImage> RestoreService<I> {
     /// The same service, each restore's progress records ([`RestoreProgress`], operation
     /// `restore`) going to `sink`.
     #[must_use]
-    pub fn with_events(mut self, sink: Sink) -> RestoreService<I> {
+    pub fn with_events(mut self, sink: Sink) -> RestoreService<I, M> {
         self.events = Some(sink);
         self
     }
@@ -170,8 +188,8 @@ impl<I: SnapshotImage> RestoreService<I> {
     /// `restored` with its records: `failed`, or the ticker over its pagers.
     fn reported(
         progress: Option<RestoreProgress>,
-        restored: Result<ServiceRestore>,
-    ) -> Result<ServiceRestore> {
+        restored: Result<ServiceRestore<M>>,
+    ) -> Result<ServiceRestore<M>> {
         let Some(mut p) = progress else {
             return restored;
         };
@@ -195,23 +213,15 @@ impl<I: SnapshotImage> RestoreService<I> {
     }
 
     /// Builds a VM armed for this snapshot (see [`ArmedVm`]), to be restored later.
-    pub fn prepare(&self) -> Result<ArmedVm> {
-        self.arm(PreparedVm::new(self.image.config())?)
-    }
-
-    /// `prepared` armed for this snapshot: refused, naming what differs, unless it was built
-    /// for the snapshot's configuration; then the sys region is copied in and the pagers are
-    /// armed, their background fetches held until a restore.
-    pub fn arm(&self, prepared: PreparedVm) -> Result<ArmedVm> {
-        let t = Instant::now();
-        let vm = prepared.take(self.image.config(), &self.image.describe())?;
-        self.arm_vm(vm, t)
+    pub fn prepare(&self) -> Result<ArmedVm<M>> {
+        let vm = M::build(self.image.config())?;
+        self.arm_vm(vm, Instant::now())
     }
 
     /// `vm` (of the snapshot's configuration, its memory as a fresh build's) armed: the sys
     /// region copied in, the pagers armed with their background fetches held; `t` is when
     /// arming it started.
-    fn arm_vm(&self, vm: Vm, t: Instant) -> Result<ArmedVm> {
+    fn arm_vm(&self, vm: M, t: Instant) -> Result<ArmedVm<M>> {
         check_layout(vm.memory(), &self.image)?;
         for (gpa, bytes) in &self.sys {
             vm.memory().write(*gpa, bytes)?;
@@ -241,7 +251,7 @@ impl<I: SnapshotImage> RestoreService<I> {
     /// guest_memfd region, dirty rings, changed memslots, another configuration) is torn
     /// down and the error names why ([`Error::NotRecycled`]); so is one whose reset fails
     /// part-way: a VM is never pooled half reset.
-    pub fn recycle(&self, clone: Restored) -> Result<()> {
+    pub fn recycle(&self, clone: Restored<M>) -> Result<()> {
         let t = Instant::now();
         let Restored {
             pagers,
@@ -262,7 +272,7 @@ impl<I: SnapshotImage> RestoreService<I> {
         drop((pagers, userfault_pagers, peer));
         unfit.map_err(Error::NotRecycled)?;
         // A pager that failed after the check above still stopped the VM's runs.
-        if let Some(reason) = vm.abort_handle().reason() {
+        if let Some(reason) = vm.abort_handle().and_then(|h| h.reason()) {
             return Err(Error::NotRecycled(format!("its run was aborted: {reason}")));
         }
         vm.complete_pending_exits()?;
@@ -308,7 +318,7 @@ impl<I: SnapshotImage> RestoreService<I> {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .last()
-            .map(ArmedVm::build_steps)
+            .map(ArmedVm::<M>::build_steps)
             .unwrap_or_default()
     }
 
@@ -316,13 +326,13 @@ impl<I: SnapshotImage> RestoreService<I> {
     /// phases then start with "prepare (pool empty)"). The build runs at the caller's
     /// priority: it takes milliseconds of CPU and waits on the kernel, too long to hold a
     /// real-time priority over the running guests and the pool's refill.
-    pub fn restore(&self) -> Result<ServiceRestore> {
+    pub fn restore(&self) -> Result<ServiceRestore<M>> {
         let progress = self.progress();
         Self::reported(progress, self.restore_unreported())
     }
 
     /// [`RestoreService::restore`], before its records.
-    fn restore_unreported(&self) -> Result<ServiceRestore> {
+    fn restore_unreported(&self) -> Result<ServiceRestore<M>> {
         let t = Instant::now();
         let pooled = {
             let mut pool = self
@@ -362,19 +372,19 @@ impl<I: SnapshotImage> RestoreService<I> {
 
     /// Restores a clone into `armed`: puts the vCPU state in and lets its pagers' prefetch (the
     /// working set) go; the caller resumes it. A VM armed for another snapshot is refused.
-    pub fn restore_armed(&self, armed: ArmedVm) -> Result<ServiceRestore> {
+    pub fn restore_armed(&self, armed: ArmedVm<M>) -> Result<ServiceRestore<M>> {
         let progress = self.progress();
         Self::reported(progress, self.restore_armed_unreported(armed))
     }
 
     /// [`RestoreService::restore_armed`], before its records.
-    fn restore_armed_unreported(&self, armed: ArmedVm) -> Result<ServiceRestore> {
+    fn restore_armed_unreported(&self, armed: ArmedVm<M>) -> Result<ServiceRestore<M>> {
         // The client waits for it: ahead of the vCPUs and the host's background work
         // (prefetches, the pool's refill) while it runs (it is short: arming and vCPU state).
         priority::foreground(|| self.restore_armed_now(armed))
     }
 
-    fn restore_armed_now(&self, armed: ArmedVm) -> Result<ServiceRestore> {
+    fn restore_armed_now(&self, armed: ArmedVm<M>) -> Result<ServiceRestore<M>> {
         let start = Instant::now();
         let mut t = start;
         let mut phases = Vec::new();
@@ -400,7 +410,7 @@ impl<I: SnapshotImage> RestoreService<I> {
             mut vm,
             ..
         } = armed;
-        vm.restore_state(&self.state)?;
+        vm.restore_parsed(&self.state)?;
         lap("restore vCPU state");
         for p in &pagers {
             p.release();

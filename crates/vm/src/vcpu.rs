@@ -112,6 +112,25 @@ pub(crate) fn set_entry_state(vcpu: &VcpuFd, id: usize) -> Result<()> {
     vcpu.set_regs(&regs).map_err(Error::ioctl("KVM_SET_REGS"))
 }
 
+/// Completes what vCPU `id`'s last exit left pending in KVM (an `in` or `out`, an MMIO
+/// access: their end comes at the next `KVM_RUN`) without entering the guest: `KVM_RUN` with
+/// immediate_exit, which says EINTR. Only while the vCPU does not run.
+pub(crate) fn complete_pending_exit(id: usize, vcpu: &mut VcpuFd) -> Result<()> {
+    vcpu.set_kvm_immediate_exit(1);
+    let ran = vcpu.run().map(|exit| format!("{exit:?}"));
+    vcpu.set_kvm_immediate_exit(0);
+    let exit = match ran {
+        Err(e) if e.errno() == libc::EINTR => return Ok(()),
+        Err(e) => format!("KVM_RUN error completing a pending exit: {e}"),
+        Ok(exit) => format!("{exit} while completing a pending exit"),
+    };
+    Err(Error::UnexpectedExit {
+        vcpu: id,
+        exit,
+        rip: vcpu.get_regs().map_or(u64::MAX, |r| r.rip),
+    })
+}
+
 /// How a vCPU thread's run ended.
 #[derive(Debug)]
 pub(crate) enum Outcome {

@@ -376,26 +376,7 @@ impl Vm {
     /// land on the new state.
     pub fn complete_pending_exits(&mut self) -> Result<()> {
         for (id, vcpu) in self.vcpus.iter_mut().enumerate() {
-            vcpu.set_kvm_immediate_exit(1);
-            let ran = vcpu.run().map(|exit| format!("{exit:?}"));
-            vcpu.set_kvm_immediate_exit(0);
-            match ran {
-                Err(e) if e.errno() == libc::EINTR => {}
-                Err(e) => {
-                    return Err(Error::UnexpectedExit {
-                        vcpu: id,
-                        exit: format!("KVM_RUN error completing a pending exit: {e}"),
-                        rip: rip_of(vcpu),
-                    })
-                }
-                Ok(exit) => {
-                    return Err(Error::UnexpectedExit {
-                        vcpu: id,
-                        exit: format!("{exit} while completing a pending exit"),
-                        rip: rip_of(vcpu),
-                    })
-                }
-            }
+            vcpu::complete_pending_exit(id, vcpu)?;
         }
         Ok(())
     }
@@ -812,11 +793,6 @@ impl Drop for RunningVm<'_> {
             self.join_all();
         }
     }
-}
-
-/// The vCPU's RIP, for messages (`u64::MAX` if it cannot be read).
-fn rip_of(vcpu: &VcpuFd) -> u64 {
-    vcpu.get_regs().map_or(u64::MAX, |r| r.rip)
 }
 
 /// Times the steps of a multi-step operation.

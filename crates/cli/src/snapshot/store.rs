@@ -270,8 +270,9 @@ pub(super) fn restore(args: &RestoreArgs) -> crate::Result<()> {
     let t = Instant::now();
     let snap = open_store_snapshot(&at)?;
     if guestmem_contract::is_linux_state(snap.machine_state()) {
-        return super::restore_linux(&snap, args, run_for);
+        return super::restore_linux(snap, args, run_for);
     }
+    args.refuse_clones()?;
     if matches!(args.mode, Mode::Map) {
         return Err(format!(
             "--mode map maps a flat snapshot's memory file; {text} is a store snapshot \

@@ -115,6 +115,8 @@ pub struct LinuxVm {
     /// The MSRs saved with each vCPU, probed on vCPU 0 before it first ran, TSC deadline last.
     msr_indices: Vec<u32>,
     dirty_rings: Arc<Vec<DirtyRing>>,
+    /// Where building it spent its time, step by step.
+    build_phases: Vec<(&'static str, Duration)>,
 }
 
 impl LinuxVm {
@@ -136,6 +138,7 @@ impl LinuxVm {
             return Err(Error::Config(why));
         }
         check_config(config)?;
+        let mut phases = crate::vm::Phases::start();
         let kvm = Kvm::new().map_err(Error::Kvm)?;
         let fd = kvm.create_vm().map_err(Error::ioctl("KVM_CREATE_VM"))?;
         crate::state::check_xsave_size(&fd)?;
@@ -152,8 +155,10 @@ impl LinuxVm {
         };
         fd.create_pit2(pit)
             .map_err(Error::ioctl("KVM_CREATE_PIT2"))?;
+        phases.mark("create the VM, its irqchip and PIT");
         let memory = GuestMemory::new_on(&config.regions, Some(&fd), &mut shared)?;
         memory.register(&fd)?;
+        phases.mark("create and register memory");
         let serial = SerialDevice::new(&fd, console)?;
         vcpu::install_kick_handler()?;
         let cpuid = cpu::linux_cpuid(&kvm, vcpu::supported_cpuid(&kvm)?);
@@ -177,6 +182,7 @@ impl LinuxVm {
                 .collect::<Result<Vec<_>>>()?,
             None => Vec::new(),
         };
+        phases.mark("create the UART and the vCPUs");
         Ok(LinuxVm {
             config: config.clone(),
             _kvm: kvm,
@@ -186,7 +192,29 @@ impl LinuxVm {
             serial: Arc::new(Mutex::new(serial)),
             msr_indices,
             dirty_rings: Arc::new(dirty_rings),
+            build_phases: phases.done(),
         })
+    }
+
+    /// Where building it spent its time, step by step.
+    pub fn build_phases(&self) -> &[(&'static str, Duration)] {
+        &self.build_phases
+    }
+
+    /// Completes what the vCPUs' last exits left pending in KVM without entering the guest
+    /// (`KVM_RUN` with immediate_exit): a run that ended on the guest's reset leaves the `out`
+    /// that asked for it unfinished, which the next `KVM_RUN` would finish over a restored
+    /// state. A pause completes them itself. Only while no vCPU runs.
+    pub fn complete_pending_exits(&mut self) -> Result<()> {
+        if self.vcpus.len() != self.config.vcpus {
+            return Err(Error::Config(
+                "the vCPUs are running: pause them first".into(),
+            ));
+        }
+        for (id, vcpu) in self.vcpus.iter_mut().enumerate() {
+            vcpu::complete_pending_exit(id, vcpu)?;
+        }
+        Ok(())
     }
 
     /// Loads `plan` (kernel, initramfs, command line, zero page, boot tables, MP table, ACPI

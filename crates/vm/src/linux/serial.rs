@@ -109,6 +109,16 @@ impl SerialDevice {
         Ok(())
     }
 
+    /// Sends the console's output to `out` from now on (a pooled VM's UART writes nowhere
+    /// until a restore hands the VM to a clone, whose console it then becomes).
+    pub fn set_out(&mut self, out: ConsoleOut) {
+        *self
+            .out
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = out;
+    }
+
     /// The guest reads the register at `offset` (0-7).
     pub fn read(&mut self, offset: u8) -> u8 {
         self.uart.read(offset)
