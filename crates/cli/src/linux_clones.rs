@@ -124,14 +124,14 @@ fn run_clone<I: SnapshotImage>(
             .set_out(out);
     };
     set_out(console);
-    let mut component = SerialComponent(serial.clone());
-    Components::new(vec![&mut component])?.restore(service.image().components())?;
-    let end = lazy.vm.start()?.wait(how.run_for)?;
-    crate::linux_snapshot::wait_resident(&lazy.pagers, &lazy.userfault_pagers)?;
-    if let Some(mut p) = progress {
-        p.finish();
-    }
+    let ran = run_resident(service, &mut lazy, how.run_for);
     set_out(Box::new(std::io::sink()));
+    match (progress, &ran) {
+        (Some(mut p), Ok(_)) => p.finish(),
+        (Some(mut p), Err(e)) => p.failed(&**e),
+        (None, _) => {}
+    }
+    let end = ran?;
     let steps: Vec<String> = phases
         .iter()
         .map(|(name, d)| format!("{name} {:.1} ms", d.as_secs_f64() * 1e3))
@@ -147,6 +147,20 @@ fn run_clone<I: SnapshotImage>(
             .map_or("none".into(), |s| format!("{s:.2} s")),
     );
     Ok(lazy)
+}
+
+/// Restores the clone's "serial" component, runs it for `run_for` and waits until its memory
+/// is resident; how its run ended.
+fn run_resident<I: SnapshotImage>(
+    service: &RestoreService<I, LinuxVm>,
+    lazy: &mut guestmem_snapshot::Restored<LinuxVm>,
+    run_for: Duration,
+) -> crate::Result<guestmem_vm::linux::LinuxEnd> {
+    let mut component = SerialComponent(lazy.vm.serial().clone());
+    Components::new(vec![&mut component])?.restore(service.image().components())?;
+    let end = lazy.vm.start()?.wait(run_for)?;
+    crate::linux_snapshot::wait_resident(&lazy.pagers, &lazy.userfault_pagers)?;
+    Ok(end)
 }
 
 #[cfg(test)]

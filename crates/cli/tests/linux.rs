@@ -1169,6 +1169,64 @@ fn linux_restore_service_clones_go_on_in_recycled_vms() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A lazy restore of a Linux guest's snapshot with one byte of a data chunk flipped, on the run's
+/// backend (anonymous, or memfd in CI's second run): see [`damaged_chunk_stops_the_restore`].
+#[test]
+#[ignore = "needs ordinary KVM and a guest kernel: the kernel lab's linux suite runs it"]
+fn linux_lazy_restore_of_a_damaged_chunk_stops_the_guest_naming_it() {
+    damaged_chunk_stops_the_restore("anon");
+}
+
+/// Snapshots the guest on `backend`, flips one byte of its last data chunk, and restores it
+/// lazily for 200 s: the pager (userfaultfd, or KVM Userfault on guest_memfd) refuses the chunk
+/// against its CRC-32 when the guest or the background fetch reaches it, which stops the guest
+/// at once, long before the 200 s; guestmem fails naming the chunk. The guest never runs on
+/// the chunk's bytes: they are refused before they are installed.
+fn damaged_chunk_stops_the_restore(backend: &str) {
+    use std::os::unix::fs::FileExt;
+    let dir = scratch(&format!("damaged-{backend}"));
+    snapshot_guest(&dir, backend);
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("manifest.json")).unwrap()).unwrap();
+    let ram = &manifest["regions"][0];
+    let chunk_bytes = manifest["chunk_bytes"].as_u64().unwrap();
+    let last = ram["chunks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .rposition(|c| c["zero"] == false)
+        .expect("a data chunk") as u64;
+    let at = ram["file_offset"].as_u64().unwrap() + last * chunk_bytes + 4097;
+    let memory = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(dir.join("memory"))
+        .unwrap();
+    let mut byte = [0u8; 1];
+    memory.read_exact_at(&mut byte, at).unwrap();
+    memory.write_all_at(&[byte[0] ^ 0x20], at).unwrap();
+    let t = Instant::now();
+    let out = Command::new(common::guestmem_bin())
+        .args(["restore", dir.to_str().unwrap(), "--mode", "lazy"])
+        .args(["--run-for", "200"])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let took = t.elapsed();
+    let err = String::from_utf8_lossy(&out.stderr);
+    println!("damaged chunk {last} on {backend}: guestmem ended after {took:.1?}: {err}");
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&format!("chunk {last} (offset")) && err.contains("the manifest says"),
+        "the error names the chunk and its check: {err}"
+    );
+    assert!(
+        took < Duration::from_secs(150),
+        "the guest was stopped when its chunk was refused, not at --run-for: {took:?}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// Hybrid migration of the Linux guest (one pre-copy round, then post-copy): the counter goes
 /// on, the MD5 holds.
 #[test]
@@ -1266,4 +1324,13 @@ fn linux_on_guest_memfd_restores_lazily_and_migrates_postcopy_through_kvm_userfa
         r["fault_fetches"],
         r["postcopy_bytes"].as_u64().unwrap() >> 20
     );
+}
+
+/// A lazy restore of a Linux guest on guest_memfd whose snapshot has a damaged chunk, paged
+/// through KVM Userfault: the chunk is refused and the guest stopped, naming it
+/// ([`damaged_chunk_stops_the_restore`]).
+#[test]
+#[ignore = "needs KVM Userfault (the seeds kernel) and a guest kernel: the linux-seeds suite runs it"]
+fn linux_on_guest_memfd_lazy_restore_of_a_damaged_chunk_stops_the_guest_naming_it() {
+    damaged_chunk_stops_the_restore("gmem");
 }

@@ -174,6 +174,10 @@ impl TargetMachine for LinuxVm {
     fn resume(&mut self) -> Result<RunningLinux<'_>> {
         Ok(self.start()?)
     }
+
+    fn abort_handle(&self) -> Option<guestmem_vm::AbortHandle> {
+        Some(LinuxVm::abort_handle(self))
+    }
 }
 
 /// Builds a [`LinuxVm`] for the configuration a snapshot or a migration's source gives, its

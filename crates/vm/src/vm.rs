@@ -64,7 +64,8 @@ pub struct Vm {
 }
 
 /// Lets another thread (e.g. a pager whose page source failed) end the VM's current or next
-/// [`RunningVm::wait`] with [`Error::Aborted`] and the reason it gives.
+/// [`RunningVm::wait`] (a Linux guest's [`crate::linux::RunningLinux::wait`] or `pause`) with
+/// [`Error::Aborted`] and the reason it gives.
 #[derive(Debug, Clone, Default)]
 pub struct AbortHandle(Arc<Mutex<Option<String>>>);
 
@@ -78,7 +79,7 @@ impl AbortHandle {
         slot.get_or_insert_with(|| reason.into());
     }
 
-    fn take(&self) -> Option<String> {
+    pub(crate) fn take(&self) -> Option<String> {
         self.0
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)

@@ -117,6 +117,8 @@ pub struct LinuxVm {
     dirty_rings: Arc<Vec<DirtyRing>>,
     /// Where building it spent its time, step by step.
     build_phases: Vec<(&'static str, Duration)>,
+    /// Ends a run when a pager cannot bring a page in ([`LinuxVm::abort_handle`]).
+    abort: crate::AbortHandle,
 }
 
 impl LinuxVm {
@@ -193,7 +195,16 @@ impl LinuxVm {
             msr_indices,
             dirty_rings: Arc::new(dirty_rings),
             build_phases: phases.done(),
+            abort: crate::AbortHandle::default(),
         })
+    }
+
+    /// A handle that ends the VM's run ([`RunningLinux::wait`], [`RunningLinux::pause`]) with
+    /// [`Error::Aborted`]: a pager that cannot bring a page in (its chunk failed its check, its
+    /// source failed for good) stops the guest, which would otherwise wait on that page
+    /// forever, and the run says why.
+    pub fn abort_handle(&self) -> crate::AbortHandle {
+        self.abort.clone()
     }
 
     /// Where building it spent its time, step by step.

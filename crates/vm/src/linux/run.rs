@@ -15,6 +15,9 @@ use super::pio::{pio_in, pio_out, PioAction};
 use super::{LinuxVm, SerialDevice};
 use crate::{vcpu, Error, Result};
 
+/// How often [`RunningLinux::wait`] looks whether the run was aborted.
+const ABORT_POLL: Duration = Duration::from_millis(20);
+
 /// How a Linux guest's run ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LinuxEnd {
@@ -163,18 +166,39 @@ impl<'a> RunningLinux<'a> {
         self.started.elapsed()
     }
 
-    /// Waits until the guest ends (reset, shutdown, a vCPU failing) or `limit` passes, then
-    /// stops every vCPU; says which (an error if a vCPU failed).
+    /// Waits until the guest ends (reset, shutdown, a vCPU failing), `limit` passes or the run
+    /// is aborted ([`LinuxVm::abort_handle`]), then stops every vCPU; says which (an error if a
+    /// vCPU failed, [`Error::Aborted`] with its reason if the run was aborted).
     pub fn wait(self, limit: Duration) -> Result<LinuxEnd> {
-        let ended = self.ended.recv_timeout(limit).is_ok();
-        let (_, end) = self.stop()?;
+        let deadline = Instant::now() + limit;
+        let abort = self.vm.abort.clone();
+        let ended = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.ended.recv_timeout(left.min(ABORT_POLL)) {
+                Ok(_) | Err(mpsc::RecvTimeoutError::Disconnected) => break true,
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+            }
+            if abort.reason().is_some() || Instant::now() >= deadline {
+                break false;
+            }
+        };
+        let stopped = self.stop();
+        if let Some(reason) = abort.take() {
+            return Err(Error::Aborted(reason));
+        }
+        let (_, end) = stopped?;
         Ok(if ended { end } else { LinuxEnd::TimeLimit })
     }
 
     /// Stops every vCPU where it is (its state intact, to be saved or resumed) and hands the VM
-    /// back. Fails if a vCPU had failed.
+    /// back. Fails if a vCPU had failed, or with [`Error::Aborted`] if the run was aborted.
     pub fn pause(self) -> Result<&'a mut LinuxVm> {
-        Ok(self.stop()?.0)
+        let abort = self.vm.abort.clone();
+        let stopped = self.stop();
+        if let Some(reason) = abort.take() {
+            return Err(Error::Aborted(reason));
+        }
+        Ok(stopped?.0)
     }
 
     fn stop(mut self) -> Result<(&'a mut LinuxVm, LinuxEnd)> {
