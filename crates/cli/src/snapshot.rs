@@ -144,6 +144,16 @@ impl RestoreArgs {
         })
     }
 
+    /// `--clones N`: N at least 1, with `--mode lazy`; `None` without it.
+    fn clone_count(&self) -> crate::Result<Option<usize>> {
+        match self.clones {
+            Some(n) if n == 0 || !matches!(self.mode, Mode::Lazy) => {
+                Err("--clones N restores N (at least 1) clones lazily: it needs --mode lazy".into())
+            }
+            n => Ok(n),
+        }
+    }
+
     /// `--clones` is refused for a snapshot of guestmem's payload VM.
     pub(crate) fn refuse_clones(&self) -> crate::Result<()> {
         match self.clones {
@@ -600,12 +610,7 @@ pub(crate) fn restore_linux<I: SnapshotImage>(
                 .into(),
         );
     }
-    if let Some(clones) = args.clones {
-        if !matches!(args.mode, Mode::Lazy) || clones == 0 {
-            return Err(
-                "--clones N restores N (at least 1) clones lazily: it needs --mode lazy".into(),
-            );
-        }
+    if let Some(clones) = args.clone_count()? {
         let lines = Progress::new(&args.progress, false)?;
         let how = crate::linux_clones::Clones {
             count: clones,
@@ -759,6 +764,24 @@ mod tests {
             crate::Command::Snapshot(a) => a,
             _ => unreachable!("snapshot parses as itself"),
         }
+    }
+
+    /// `--clones N` needs `--mode lazy` and N of at least 1.
+    #[test]
+    fn clones_need_a_lazy_restore_and_one_clone_at_least() {
+        let clones = |extra: &[&str]| restore_args(extra).clone_count().map_err(|e| e.to_string());
+        assert_eq!(clones(&[]), Ok(None));
+        assert_eq!(clones(&["--mode", "lazy", "--clones", "3"]), Ok(Some(3)));
+        let refused = "--clones N restores N (at least 1) clones lazily: it needs --mode lazy";
+        assert_eq!(clones(&["--clones", "3"]), Err(refused.to_string()));
+        assert_eq!(
+            clones(&["--mode", "map", "--clones", "2"]),
+            Err(refused.to_string())
+        );
+        assert_eq!(
+            clones(&["--mode", "lazy", "--clones", "0"]),
+            Err(refused.to_string())
+        );
     }
 
     /// `--mode` and `--uffd-socket` choose how memory comes back; `--share` goes only with

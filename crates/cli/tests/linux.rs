@@ -1262,7 +1262,9 @@ fn damaged_chunk_stops_the_restore(backend: &str) {
         .unwrap();
     let took = t.elapsed();
     let err = String::from_utf8_lossy(&out.stderr);
-    println!("damaged chunk {last} on {backend}: guestmem ended after {took:.1?}: {err}");
+    // The backend the guest was on (the run's `LAB_BACKEND` may have replaced "anon").
+    let on = ram["spec"]["backend"].as_str().unwrap_or("?");
+    println!("damaged chunk {last} on {on}: guestmem ended after {took:.1?}: {err}");
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(
         err.contains(&format!("chunk {last} (offset")) && err.contains("the manifest says"),
